@@ -1,0 +1,174 @@
+"""The ``trainrun`` command line (click).
+
+``trainrun --config FILE`` is ``trainrun train --config FILE``.
+Exit codes: 0 success, 2 usage/config error, 1 any other failure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import click
+
+from . import config as C
+from .errors import TrainrunError, UsageError
+
+LOG_LEVELS = ["warning", "info", "devinfo", "verbose"]
+
+config_option = click.option("--config", "config_path", type=click.Path(dir_okay=False),
+                             help="YAML config file.")
+set_option = click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
+                          help="Override a config value (repeatable), e.g. --set train.max_steps=50.")
+log_option = click.option("--log-level", type=click.Choice(LOG_LEVELS), default=None,
+                          help="Override run.log_level.")
+
+
+def _with_log_level(overrides, log_level):
+    overrides = list(overrides)
+    if log_level:
+        overrides.append(f"run.log_level={log_level}")
+    return overrides
+
+
+@click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@config_option
+@set_option
+@log_option
+@click.pass_context
+def cli(ctx, config_path, overrides, log_level):
+    """trainrun: data-parallel training of ONNX graphs.
+
+    \b
+    mpirun -np N trainrun --config FILE [--set key.path=value ...]   train
+    mpirun -np N trainrun resume RUN_DIR                             continue a run
+    trainrun export CHECKPOINT --output model.onnx                   inference model
+    """
+    ctx.ensure_object(dict)
+    ctx.obj["log_level"] = log_level
+    if ctx.invoked_subcommand is None:
+        if not config_path:
+            click.echo(ctx.get_help())
+            ctx.exit(2)
+        ctx.invoke(train, config_path=config_path, overrides=overrides, log_level=log_level)
+
+
+@cli.command()
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
+              help="YAML config file.")
+@set_option
+@log_option
+def train(config_path, overrides, log_level):
+    """Train from a config (under mpirun for several ranks)."""
+    from .runner import train as run_train
+    cfg = C.load_config(config_path, _with_log_level(overrides, log_level), need_data=True)
+    run_train(cfg)
+
+
+@cli.command()
+@click.argument("run_dir", type=click.Path(exists=True))
+@set_option
+@log_option
+@click.option("--force", is_flag=True, help="Allow --set of keys that change the model or optimizer.")
+def resume(run_dir, overrides, log_level, force):
+    """Continue a run from its latest complete checkpoint (or the named one)."""
+    try:
+        from .runner import resume as run_resume
+    except ImportError:
+        raise TrainrunError("resume is not yet available") from None
+    run_resume(run_dir, _with_log_level(overrides, log_level), force=force)
+
+
+@cli.command()
+@click.argument("checkpoint", type=click.Path(exists=True))
+@click.option("--output", "-o", required=True, type=click.Path(dir_okay=False), help="Output ONNX file.")
+@click.option("--opset", type=int, default=None, help="Target opset (default: the graph's).")
+@click.option("--with-loss", is_flag=True, help="Keep the loss output (takes labels).")
+def export(checkpoint, output, opset, with_loss):
+    """Write an inference ONNX model from a checkpoint (offline, no MPI)."""
+    try:
+        from .export import export_checkpoint
+    except ImportError:
+        raise TrainrunError("export is not yet available") from None
+    export_checkpoint(checkpoint, output, opset=opset, with_loss=with_loss)
+
+
+@cli.command()
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
+              help="YAML config file.")
+@set_option
+@log_option
+def prepare(config_path, overrides, log_level):
+    """Build the train, eval and optimizer graphs and initial weights into <output_dir>/graphs."""
+    from .graphs import prepare as run_prepare
+    cfg = C.load_config(config_path, _with_log_level(overrides, log_level))
+    out = run_prepare(cfg)
+    click.echo(f"graphs written to {out}")
+
+
+@cli.group("config")
+def config_group():
+    """Show or validate a config."""
+
+
+@config_group.command("show")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False),
+              help="YAML config file (default: built-in defaults).")
+@set_option
+@click.option("--no-comments", is_flag=True, help="Plain YAML without field documentation.")
+def config_show(config_path, overrides, no_comments):
+    """Print the fully resolved config, every field documented."""
+    cfg = C.load_config(config_path, overrides)
+    click.echo(C.to_yaml(cfg, comments=not no_comments), nl=False)
+
+
+@config_group.command("validate")
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
+              help="YAML config file.")
+@set_option
+def config_validate(config_path, overrides):
+    """Check a config; list every problem (exit 2) or say it is valid."""
+    C.load_config(config_path, overrides, need_data=True)
+    click.echo(f"{config_path}: valid")
+
+
+def _wants_traceback() -> bool:
+    argv = sys.argv
+    for i, a in enumerate(argv):
+        if a == "--log-level" and i + 1 < len(argv) and argv[i + 1] == "verbose":
+            return True
+        if a in ("--log-level=verbose", "run.log_level=verbose"):
+            return True
+    return os.environ.get("TRAINRUN_TRACEBACK") == "1"
+
+
+def main(argv=None):
+    try:
+        cli.main(args=argv, standalone_mode=False, prog_name="trainrun")
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(1)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(2)
+    except TrainrunError as exc:
+        if _wants_traceback():
+            traceback.print_exc()
+        click.echo(exc.render(), err=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        click.echo("trainrun: interrupted", err=True)
+        sys.exit(130)
+    except Exception as exc:  # noqa: BLE001 - the one-line cause the contract asks for
+        if _wants_traceback():
+            traceback.print_exc()
+        click.echo(f"trainrun: error: {type(exc).__name__}: {exc}", err=True)
+        sys.exit(1)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

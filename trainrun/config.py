@@ -1,0 +1,546 @@
+"""The run configuration: dataclasses, YAML loading, ``--set`` overrides, validation.
+
+Every field is documented once, by the string literal that follows it (the
+attribute docstring); ``trainrun config show`` prints those docstrings as YAML
+comments. Constraints live in the field's metadata (``min``, ``max``,
+``choices``, ``path``). :func:`load_config` reports every problem at once, each
+with its key path, as one :class:`~trainrun.errors.UsageError` (exit code 2).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import yaml
+
+from .errors import UsageError
+
+
+def opt(default=dataclasses.MISSING, *, factory=None, min=None, max=None, gt=None,
+        choices=None, path=None):
+    """A dataclass field with validation metadata.
+
+    ``path``: ``"file"`` or ``"dir"`` when the value names something that must exist.
+    """
+    meta = {k: v for k, v in dict(min=min, max=max, gt=gt, choices=choices, path=path).items()
+            if v is not None}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# --------------------------------------------------------------------------- schema
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    """Name of the run (shown in logs)."""
+    output_dir: str = "runs/run"
+    """Run directory: config.yaml, graphs/, checkpoints/, tensorboard/, metrics.jsonl, model.onnx."""
+    seed: int = opt(1234, min=0)
+    """Seed of the weight initialisation, the data order and dropout."""
+    log_level: str = opt("info", choices=["warning", "info", "devinfo", "verbose"])
+    """warning: quiet; info: progress; devinfo: + ORT logs and every rank; verbose: + tracebacks."""
+    deterministic: bool = False
+    """Bitwise-reproducible runs: dropout off, no float-reordering graph rewrites, 1 thread."""
+
+
+@dataclass
+class GPT2Config:
+    n_layer: int = opt(2, min=1)
+    """Number of transformer blocks."""
+    n_head: int = opt(4, min=1)
+    """Attention heads per block (must divide n_embd)."""
+    n_embd: int = opt(128, min=1)
+    """Width of the residual stream."""
+    n_positions: int = opt(256, min=1)
+    """Longest sequence the position embedding covers."""
+    vocab_size: int = opt(1024, min=2)
+    """Vocabulary size (tokens must be below it)."""
+    dropout: float = opt(0.0, min=0.0, max=0.999)
+    """Dropout on embeddings, attention output and MLP output while training."""
+    layer_norm_epsilon: float = opt(1e-5, gt=0.0)
+    """Epsilon of every LayerNorm."""
+    initializer_range: float = opt(0.02, gt=0.0)
+    """Std of the normal initialisation (residual projections scaled by 1/sqrt(2 n_layer))."""
+
+
+@dataclass
+class LossConfig:
+    type: str = opt("cross_entropy", choices=["cross_entropy"])
+    """Loss function applied to the forward graph's outputs."""
+    logits: str = "logits"
+    """Name of the forward graph output holding the logits [batch, seq, vocab] or [batch, classes]."""
+    labels: str = "labels"
+    """Name of the labels input (created as a graph input of the loss)."""
+    ignore_index: int = -100
+    """Label value that does not count towards the loss."""
+
+
+@dataclass
+class ModelConfig:
+    builtin: Optional[str] = opt("gpt2", choices=["gpt2", None])
+    """Built-in model to build (null when `onnx` names a forward graph)."""
+    gpt2: GPT2Config = opt(factory=GPT2Config)
+    """Shape of the built-in GPT-2."""
+    onnx: Optional[str] = opt(None, path="file")
+    """A user's forward ONNX model (inputs -> logits); its initializers are the parameters."""
+    inputs: list[str] = opt(factory=lambda: ["input_ids"])
+    """Data inputs of the forward graph, fed from the dataset by name."""
+    loss: LossConfig = opt(factory=LossConfig)
+    """How the loss is computed from the forward graph's outputs."""
+    frozen: list[str] = opt(factory=list)
+    """Parameter name patterns (fnmatch) that are not trained."""
+
+
+@dataclass
+class DataConfig:
+    train: Optional[str] = opt(None, path="dir")
+    """Training dataset directory (trainrun-data output)."""
+    eval: Optional[str] = opt(None, path="dir")
+    """Evaluation dataset directory (optional)."""
+    seq_len: int = opt(128, min=1)
+    """Tokens per sample (inputs; labels are the next tokens)."""
+    shuffle: bool = True
+    """Shuffle samples each epoch (a seeded permutation independent of the rank count)."""
+    prefetch: int = opt(2, min=0)
+    """Batches read ahead by a background thread (0: read synchronously)."""
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = opt(8, min=1)
+    """Samples per rank per forward/backward."""
+    gradient_accumulation_steps: int = opt(1, min=1)
+    """Micro-batches accumulated (in place) before each update."""
+    max_steps: int = opt(100, min=1)
+    """Optimizer steps to train."""
+    eval_every: int = opt(0, min=0)
+    """Evaluate every N steps (0: only at the end, when an eval set is given)."""
+    eval_steps: int = opt(8, min=1)
+    """Eval batches per evaluation (over all ranks)."""
+    log_every: int = opt(10, min=1)
+    """Log train metrics every N steps."""
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = opt("adamw", choices=["adam", "adamw", "lamb", "sgd"])
+    """Update rule: adam (L2 in the gradient), adamw (decoupled decay), lamb (ORT's), sgd (momentum)."""
+    lr: float = opt(1e-3, gt=0.0)
+    """Peak learning rate."""
+    betas: list[float] = opt(factory=lambda: [0.9, 0.999])
+    """Adam/LAMB moment decay rates (beta1, beta2)."""
+    eps: float = opt(1e-8, gt=0.0)
+    """Adam/LAMB epsilon."""
+    eps_mode: str = opt("torch", choices=["torch", "ort"])
+    """AdamW/Adam epsilon placement: torch (sqrt(v_hat)+eps) or ort (sqrt(v)+eps, HF style)."""
+    weight_decay: float = opt(0.0, min=0.0)
+    """Weight decay (L2 for adam/sgd, decoupled for adamw, lambda for lamb)."""
+    momentum: float = opt(0.0, min=0.0, max=1.0)
+    """SGD momentum (0: plain SGD)."""
+    nesterov: bool = False
+    """SGD Nesterov momentum."""
+    bias_correction: bool = True
+    """Adam/AdamW/LAMB bias correction of the moments."""
+    ratio_min: float = opt(0.0, min=0.0)
+    """LAMB lower bound of the trust ratio."""
+    ratio_max: float = opt(float("inf"), gt=0.0)
+    """LAMB upper bound of the trust ratio."""
+    max_grad_norm: float = opt(1.0, min=0.0)
+    """Clip the global gradient L2 norm to this (0: no clipping)."""
+    no_decay: list[str] = opt(factory=lambda: ["*bias", "*ln_*", "*LayerNorm*", "*layernorm*", "*norm*"])
+    """Parameter name patterns (fnmatch) excluded from weight decay."""
+
+
+@dataclass
+class LRScheduleConfig:
+    name: str = opt("cosine", choices=["constant", "linear", "poly", "cosine"])
+    """Decay after warmup, as a pure function of the step."""
+    warmup_steps: int = opt(0, min=0)
+    """Steps of linear warmup from 0 to optimizer.lr."""
+    min_lr: float = opt(0.0, min=0.0)
+    """Floor the decay ends at (at max_steps)."""
+    power: float = opt(1.0, gt=0.0)
+    """Exponent of the poly schedule."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = opt(0, min=0)
+    """Checkpoint every N steps (0: only at the end)."""
+    keep_last: int = opt(3, min=1)
+    """Complete checkpoints kept (older ones deleted after a newer one is committed)."""
+
+
+@dataclass
+class DistributedConfig:
+    backend: str = opt("auto", choices=["auto", "mpi", "nccl", "none"])
+    """Gradient collectives: auto (nccl on cuda, mpi on cpu, none for one rank)."""
+    zero_stage: int = opt(0, choices=[0, 1])
+    """0: replicated optimizer state; 1: optimizer state sharded over ranks."""
+    timeout_s: float = opt(300.0, gt=0.0)
+    """A collective that takes longer fails the run instead of hanging."""
+
+
+@dataclass
+class EngineConfig:
+    threads: int = opt(0, min=0)
+    """Intra-op threads per rank (0: cores / local ranks)."""
+    graph_optimization: str = opt("all", choices=["disabled", "basic", "extended", "all"])
+    """onnxruntime graph optimization level."""
+
+
+@dataclass
+class TensorBoardConfig:
+    enabled: bool = True
+    """Write tensorboardX event files under <output_dir>/tensorboard (rank 0)."""
+
+
+@dataclass
+class Config:
+    run: RunConfig = opt(factory=RunConfig)
+    """Run identity and logging."""
+    model: ModelConfig = opt(factory=ModelConfig)
+    """The model: built-in GPT-2 or a user's forward ONNX."""
+    data: DataConfig = opt(factory=DataConfig)
+    """Datasets."""
+    train: TrainConfig = opt(factory=TrainConfig)
+    """Batch sizes and loop periods."""
+    optimizer: OptimizerConfig = opt(factory=OptimizerConfig)
+    """Update rule and clipping."""
+    lr_schedule: LRScheduleConfig = opt(factory=LRScheduleConfig)
+    """Learning-rate schedule."""
+    checkpoint: CheckpointConfig = opt(factory=CheckpointConfig)
+    """Checkpointing."""
+    distributed: DistributedConfig = opt(factory=DistributedConfig)
+    """Data-parallel communication."""
+    engine: EngineConfig = opt(factory=EngineConfig)
+    """onnxruntime session options."""
+    device: str = opt("cpu", choices=["cpu", "cuda"])
+    """Where the graphs run."""
+    tensorboard: TensorBoardConfig = opt(factory=TensorBoardConfig)
+    """TensorBoard logging."""
+
+    def global_batch(self, world_size: int) -> int:
+        return self.train.micro_batch_size * self.train.gradient_accumulation_steps * world_size
+
+
+# --------------------------------------------------------------------------- docs
+
+def field_docs(cls) -> dict[str, str]:
+    """Attribute docstrings of a dataclass: the string literal after each field."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = nxt.value.value.strip()
+    return docs
+
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+# --------------------------------------------------------------------------- coercion
+
+class _Problems(list):
+    def add(self, path: str, msg: str) -> None:
+        self.append(f"{path}: {msg}")
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return f"{_type_name(args[0])} or null"
+    if origin is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value, tp, path: str, problems: _Problems):
+    """Convert a YAML value to the field type; record a problem and return None if impossible."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        if value is None:
+            return None
+        inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
+        return _coerce(value, inner, path, problems)
+    if origin is list:
+        if not isinstance(value, list):
+            problems.add(path, f"expected a {_type_name(tp)}, got {value!r}")
+            return None
+        (inner,) = typing.get_args(tp)
+        out = [_coerce(v, inner, f"{path}[{i}]", problems) for i, v in enumerate(value)]
+        return out
+    if dataclasses.is_dataclass(tp):
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            problems.add(path, f"expected a mapping (section), got {value!r}")
+            return tp()
+        return _build(tp, value, path, problems)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        problems.add(path, f"expected true or false, got {value!r}")
+        return None
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        problems.add(path, f"expected an integer, got {value!r}")
+        return None
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "6e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        problems.add(path, f"expected a number, got {value!r}")
+        return None
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        problems.add(path, f"expected a string, got {value!r}")
+        return None
+    raise TypeError(f"unsupported config type {tp}")  # a schema bug, not user input
+
+
+def _check_constraints(f: dataclasses.Field, value, path: str, problems: _Problems) -> None:
+    m = f.metadata
+    if value is None:
+        return
+    if "choices" in m and value not in m["choices"]:
+        shown = ", ".join("null" if c is None else str(c) for c in m["choices"])
+        problems.add(path, f"{value!r} is not one of: {shown}")
+    if "min" in m and value < m["min"]:
+        problems.add(path, f"must be >= {m['min']}, got {value}")
+    if "max" in m and value > m["max"]:
+        problems.add(path, f"must be <= {m['max']}, got {value}")
+    if "gt" in m and not value > m["gt"]:
+        problems.add(path, f"must be > {m['gt']}, got {value}")
+
+
+def _build(cls, data: dict, prefix: str, problems: _Problems):
+    hints = _hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            valid = ", ".join(fields)
+            problems.add(path, f"unknown key{hint}; valid keys here: {valid}")
+            continue
+        before = len(problems)
+        v = _coerce(value, hints[key], path, problems)
+        if len(problems) == before:
+            _check_constraints(fields[key], v, path, problems)
+            kwargs[key] = v
+    return cls(**kwargs)
+
+
+# --------------------------------------------------------------------------- cross-field checks
+
+def _semantic_checks(cfg: Config, problems: _Problems, base_dir: str, need_data: bool) -> None:
+    m = cfg.model
+    if m.builtin is None and m.onnx is None:
+        problems.add("model", "set either model.builtin (gpt2) or model.onnx (a forward graph)")
+    if m.builtin is not None and m.onnx is not None:
+        problems.add("model", "model.builtin and model.onnx are exclusive; set model.builtin: null "
+                     "to train model.onnx")
+    if m.builtin == "gpt2":
+        g = m.gpt2
+        if g.n_head and g.n_embd % g.n_head:
+            problems.add("model.gpt2.n_head", f"must divide n_embd ({g.n_embd}), got {g.n_head}")
+        if cfg.data.seq_len > g.n_positions:
+            problems.add("data.seq_len", f"{cfg.data.seq_len} is longer than the model's positions "
+                         f"(model.gpt2.n_positions = {g.n_positions})")
+    if not m.inputs:
+        problems.add("model.inputs", "needs at least one data input")
+    o = cfg.optimizer
+    if len(o.betas) != 2:
+        problems.add("optimizer.betas", f"expected two values [beta1, beta2], got {o.betas}")
+    else:
+        for i, b in enumerate(o.betas):
+            if b is not None and not 0.0 <= b < 1.0:
+                problems.add(f"optimizer.betas[{i}]", f"must be in [0, 1), got {b}")
+    if o.ratio_min > o.ratio_max:
+        problems.add("optimizer.ratio_min", f"{o.ratio_min} exceeds optimizer.ratio_max ({o.ratio_max})")
+    if o.nesterov and o.momentum == 0:
+        problems.add("optimizer.nesterov", "needs optimizer.momentum > 0")
+    s = cfg.lr_schedule
+    if s.min_lr > o.lr:
+        problems.add("lr_schedule.min_lr", f"{s.min_lr} exceeds optimizer.lr ({o.lr})")
+    if s.warmup_steps > cfg.train.max_steps:
+        problems.add("lr_schedule.warmup_steps",
+                     f"{s.warmup_steps} exceeds train.max_steps ({cfg.train.max_steps})")
+    if cfg.device == "cpu" and cfg.distributed.backend == "nccl":
+        problems.add("distributed.backend", "nccl needs device: cuda")
+    if need_data and not cfg.data.train:
+        problems.add("data.train", "is required to train (a directory made by trainrun-data)")
+    # files and directories that must exist
+    for path, value, kind in _path_fields(cfg):
+        if value is None:
+            continue
+        full = resolve_path(value, base_dir)
+        if kind == "file" and not os.path.isfile(full):
+            problems.add(path, f"file not found: {full}")
+        elif kind == "dir" and not os.path.isdir(full):
+            problems.add(path, f"directory not found: {full}")
+
+
+def _path_fields(obj, prefix=""):
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        p = f"{prefix}.{f.name}" if prefix else f.name
+        if dataclasses.is_dataclass(v):
+            yield from _path_fields(v, p)
+        elif "path" in f.metadata:
+            yield p, v, f.metadata["path"]
+
+
+def resolve_path(value: str, base_dir: str) -> str:
+    value = os.path.expanduser(value)
+    return value if os.path.isabs(value) else os.path.normpath(os.path.join(base_dir, value))
+
+
+# --------------------------------------------------------------------------- overrides
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise UsageError(f"--set {text!r}: expected key.path=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise UsageError(f"--set {text!r}: bad key path {key!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = data
+        for k in keys[:-1]:
+            if not isinstance(node.get(k), dict):
+                node[k] = {}
+            node = node[k]
+        node[keys[-1]] = value
+    return data
+
+
+# --------------------------------------------------------------------------- entry points
+
+def read_yaml(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except FileNotFoundError:
+        raise UsageError(f"config file not found: {path}") from None
+    except yaml.YAMLError as exc:
+        raise UsageError(f"{path}: not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def from_dict(data: dict, *, base_dir: str = ".", source: str = "config",
+              need_data: bool = False) -> Config:
+    """Build and validate a Config; raise UsageError listing every problem."""
+    problems = _Problems()
+    cfg = _build(Config, data, "", problems)
+    if not problems:
+        _semantic_checks(cfg, problems, base_dir, need_data)
+    if problems:
+        raise UsageError(f"{source}: {len(problems)} problem(s) in the configuration", problems)
+    return cfg
+
+
+def load_config(path: Optional[str], overrides: list[str] = (), *, need_data: bool = False) -> Config:
+    """Load a YAML config (or only defaults when path is None), apply ``--set`` overrides, validate.
+
+    Relative paths in the config are resolved against the config file's directory
+    and stored absolute, so the resolved config works from any directory.
+    """
+    data = read_yaml(path) if path else {}
+    data = apply_overrides(data, list(overrides))
+    base_dir = os.path.dirname(os.path.abspath(path)) if path else os.getcwd()
+    cfg = from_dict(data, base_dir=base_dir, source=path or "config", need_data=need_data)
+    absolutize(cfg, base_dir)
+    return cfg
+
+
+def absolutize(cfg: Config, base_dir: str) -> None:
+    """Make every path of the config absolute (relative to base_dir)."""
+    for dotted, value, _kind in list(_path_fields(cfg)):
+        if value is not None:
+            _set(cfg, dotted, resolve_path(value, base_dir))
+    cfg.run.output_dir = resolve_path(cfg.run.output_dir, base_dir)
+
+
+def _set(obj, dotted: str, value) -> None:
+    *parents, last = dotted.split(".")
+    for p in parents:
+        obj = getattr(obj, p)
+    setattr(obj, last, value)
+
+
+def get(obj, dotted: str):
+    for p in dotted.split("."):
+        obj = getattr(obj, p)
+    return obj
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg, *, comments: bool = False) -> str:
+    """The resolved config as YAML; with comments, every field's docstring above it."""
+    if not comments:
+        return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    lines: list[str] = []
+    _yaml_commented(cfg, 0, lines)
+    return "\n".join(lines) + "\n"
+
+
+def _yaml_commented(obj, indent: int, lines: list[str]) -> None:
+    docs = field_docs(type(obj))
+    pad = "  " * indent
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        doc = docs.get(f.name)
+        if doc:
+            lines.append(f"{pad}# {doc}")
+        if dataclasses.is_dataclass(v):
+            lines.append(f"{pad}{f.name}:")
+            _yaml_commented(v, indent + 1, lines)
+        else:
+            dumped = yaml.safe_dump({f.name: v}, default_flow_style=True, sort_keys=False).strip()
+            if dumped.startswith("{") and dumped.endswith("}"):
+                dumped = dumped[1:-1]
+            lines.append(f"{pad}{dumped}")

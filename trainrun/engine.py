@@ -1,0 +1,225 @@
+"""Runs the prepared graphs on flat buffers with onnxruntime IOBinding.
+
+Parameters, gradients and optimizer state each live in ONE contiguous float32
+array; every graph input/output that is a parameter, a gradient buffer or a
+state is bound once to a view of those arrays (zero copy). Data inputs,
+``lazy_reset_grad``, ``lr``/``step``/``grad_scale`` and the loss are small
+preallocated arrays bound once too, so a step allocates nothing in Python.
+
+The optimizer graph is bound in place: ``params``/``params_out`` (and each
+``<state>``/``<state>_out``) share one buffer.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from . import graphs as G
+from .errors import TrainrunError, UsageError
+
+_LEVELS = {"disabled": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
+           "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
+
+
+@dataclass
+class FlatLayout:
+    """Where each parameter lives in the flat buffers."""
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    offsets: list[int]
+    total: int
+
+    @classmethod
+    def from_manifest(cls, manifest: dict) -> "FlatLayout":
+        names, shapes, offsets, off = [], [], [], 0
+        for p in manifest["params"]:
+            names.append(p["name"])
+            shapes.append(tuple(p["shape"]))
+            offsets.append(off)
+            off += int(np.prod(p["shape"], dtype=np.int64))
+        return cls(names, shapes, offsets, off)
+
+    def view(self, flat: np.ndarray, i: int) -> np.ndarray:
+        n = int(np.prod(self.shapes[i], dtype=np.int64))
+        return flat[self.offsets[i]:self.offsets[i] + n].reshape(self.shapes[i])
+
+    def unflatten(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        return {n: self.view(flat, i) for i, n in enumerate(self.names)}
+
+
+@dataclass
+class EngineOptions:
+    threads: int = 1
+    graph_optimization: str = "all"
+    log_severity: int = 3          # onnxruntime: 0 verbose .. 3 error
+    deterministic: bool = False
+    profile_prefix: str | None = None
+
+
+def session_options(opts: EngineOptions):
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = max(1, opts.threads)
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    level = "basic" if opts.deterministic and opts.graph_optimization in ("extended", "all") \
+        else opts.graph_optimization
+    so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _LEVELS[level])
+    so.log_severity_level = opts.log_severity
+    if opts.profile_prefix:
+        so.enable_profiling = True
+        so.profile_file_prefix = opts.profile_prefix
+    return so
+
+
+class _Bound:
+    """One session with its IOBinding; inputs/outputs bound to numpy arrays by pointer."""
+
+    def __init__(self, path: str, opts: EngineOptions, name: str):
+        import onnxruntime as ort
+        try:
+            self.session = ort.InferenceSession(path, sess_options=session_options(opts),
+                                                providers=["CPUExecutionProvider"])
+        except Exception as exc:  # noqa: BLE001
+            raise TrainrunError(f"{path}: onnxruntime cannot load the {name} graph: "
+                                f"{str(exc).strip().splitlines()[0]}") from None
+        self.binding = self.session.io_binding()
+        self.name = name
+        self.input_names = {i.name for i in self.session.get_inputs()}
+        self.keep = []   # arrays whose memory is bound: keep them alive
+
+    def bind_in(self, name: str, arr: np.ndarray) -> None:
+        assert arr.flags.c_contiguous
+        self.binding.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+        self.keep.append(arr)
+
+    def bind_out(self, name: str, arr: np.ndarray) -> None:
+        assert arr.flags.c_contiguous
+        self.binding.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+        self.keep.append(arr)
+
+    def run(self) -> None:
+        self.session.run_with_iobinding(self.binding)
+
+
+class Engine:
+    """The train, eval and optimizer sessions over shared flat buffers.
+
+    ``batch_shapes``: name -> (shape, dtype) of every data input (and labels) of
+    one micro-batch; the engine owns those buffers, and :meth:`set_batch` copies
+    a batch into them.
+    """
+
+    def __init__(self, graphs_dir: str, opts: EngineOptions, batch_shapes: dict, eval_batch_shapes: dict,
+                 state_names: list[str]):
+        self.dir = graphs_dir
+        self.manifest = G.load_manifest(graphs_dir)
+        self.layout = FlatLayout.from_manifest(self.manifest)
+        N = self.layout.total
+        self.params = np.zeros(N, np.float32)
+        self.grads = np.zeros(N, np.float32)
+        self.state = {s: np.zeros(N, np.float32) for s in state_names}
+        self.loss = np.zeros((), np.float32)
+        self.eval_loss = np.zeros((), np.float32)
+        self.reset = np.ones(1, bool)
+        self.lr = np.zeros((), np.float32)
+        self.step = np.zeros((), np.int64)
+        self.grad_scale = np.ones((), np.float32)
+        self.batch = {k: np.zeros(s, d) for k, (s, d) in batch_shapes.items()}
+        self.eval_batch = {k: np.zeros(s, d) for k, (s, d) in eval_batch_shapes.items()}
+
+        self.train_s = _Bound(os.path.join(graphs_dir, "train.onnx"), opts, "train")
+        self.eval_s = _Bound(os.path.join(graphs_dir, "eval.onnx"), opts, "eval")
+        self.opt_s = _Bound(os.path.join(graphs_dir, "optimizer.onnx"), opts, "optimizer")
+        self._bind_all()
+
+    # ------------------------------------------------------------------ binding
+    def _bind_all(self) -> None:
+        L = self.layout
+        t, e, o = self.train_s, self.eval_s, self.opt_s
+        for name, arr in self.batch.items():
+            if name not in t.input_names:
+                raise UsageError(f"data feature '{name}' is not an input of the train graph")
+            t.bind_in(name, arr)
+        missing = [n for n in t.input_names if n not in self.batch and n not in set(L.names)
+                   and not n.endswith(G.BUFFER_SUFFIX) and n != G.RESET]
+        if missing:
+            raise UsageError(f"the dataset does not provide graph input(s): {', '.join(missing)}")
+        for name, arr in self.eval_batch.items():
+            e.bind_in(name, arr)
+        self.flags = []
+        for i, name in enumerate(L.names):
+            p, g = L.view(self.params, i), L.view(self.grads, i)
+            t.bind_in(name, p)
+            e.bind_in(name, p)
+            t.bind_in(name + G.BUFFER_SUFFIX, g)
+            flag = np.zeros(1, bool)
+            self.flags.append(flag)
+            t.bind_out(name + G.ACC_OUT_SUFFIX, flag)
+        t.bind_in(G.RESET, self.reset)
+        t.bind_out(G.LOSS, self.loss)
+        e.bind_out(G.LOSS, self.eval_loss)
+        extra_eval = [x.name for x in e.session.get_outputs() if x.name != G.LOSS]
+        if extra_eval:   # logits: let onnxruntime allocate (eval only)
+            for name in extra_eval:
+                e.binding.bind_output(name, "cpu")
+
+        o.bind_in("params", self.params)
+        o.bind_out("params_out", self.params)
+        o.bind_in("grads", self.grads)
+        for s, arr in self.state.items():
+            o.bind_in(s, arr)
+            o.bind_out(s + "_out", arr)
+        o.bind_in("lr", self.lr)
+        o.bind_in("step", self.step)
+        o.bind_in("grad_scale", self.grad_scale)
+
+    # ------------------------------------------------------------------ steps
+    def set_batch(self, batch: dict, target: dict | None = None) -> None:
+        target = self.batch if target is None else target
+        for k, buf in target.items():
+            src = batch[k]
+            if src.shape != buf.shape:
+                raise TrainrunError(f"batch '{k}' has shape {src.shape}, the engine was built for {buf.shape}")
+            np.copyto(buf, src, casting="same_kind")
+
+    def forward_backward(self, batch: dict, accumulate: bool) -> float:
+        """Loss of one micro-batch; its gradients overwrite (accumulate=False) or add to the buffer."""
+        self.set_batch(batch)
+        self.reset[0] = not accumulate
+        self.train_s.run()
+        return float(self.loss)
+
+    def evaluate(self, batch: dict) -> float:
+        self.set_batch(batch, self.eval_batch)
+        self.eval_s.run()
+        return float(self.eval_loss)
+
+    def optimizer_step(self, lr: float, step: int, grad_scale: float) -> None:
+        """Update params and state in place (``step`` is 1-based)."""
+        self.lr[()] = lr
+        self.step[()] = step
+        self.grad_scale[()] = grad_scale
+        self.opt_s.run()
+
+    def load_weights(self, path: str | None = None) -> None:
+        """Fill the parameter buffer from a safetensors file (default: the initial weights)."""
+        from safetensors.numpy import load_file
+        path = path or os.path.join(self.dir, "weights.safetensors")
+        tensors = load_file(path)
+        for i, name in enumerate(self.layout.names):
+            if name not in tensors:
+                raise UsageError(f"{path}: no tensor '{name}'")
+            v = self.layout.view(self.params, i)
+            if tensors[name].shape != v.shape:
+                raise UsageError(f"{path}: tensor '{name}' has shape {tensors[name].shape}, "
+                                 f"the model expects {v.shape}")
+            v[...] = tensors[name]
+
+
+def load_onnx_inputs(path: str) -> list[str]:
+    return [i.name for i in onnx.load(path, load_external_data=False).graph.input]

@@ -1,0 +1,27 @@
+"""The two kinds of failure users see, with the exit codes of the contract.
+
+* ``UsageError`` (exit 2): the user asked for something wrong (bad config, bad
+  file, bad flag). Every problem is listed; no traceback.
+* ``TrainrunError`` (exit 1): anything else that stops a run, with a one-line
+  cause; the traceback only at ``--log-level verbose``.
+"""
+
+from __future__ import annotations
+
+
+class TrainrunError(Exception):
+    exit_code = 1
+
+    def __init__(self, message: str, problems: list[str] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.problems = list(problems or [])
+
+    def render(self) -> str:
+        lines = [f"trainrun: error: {self.message}"]
+        lines += [f"  - {p}" for p in self.problems]
+        return "\n".join(lines)
+
+
+class UsageError(TrainrunError):
+    exit_code = 2

@@ -1,0 +1,297 @@
+"""``trainrun prepare``: the train, eval and optimizer graphs from a forward graph.
+
+Input: the built-in GPT-2 or a user's forward ONNX (data inputs -> logits).
+Output, in ``<output_dir>/graphs/``:
+
+* ``train.onnx``      data + labels + parameters + gradient buffers + ``lazy_reset_grad``
+                      -> ``loss``; each gradient is accumulated IN PLACE into its buffer
+                      (com.microsoft InPlaceAccumulatorV2: reset when ``lazy_reset_grad``).
+* ``eval.onnx``       data + labels + parameters -> ``loss`` (and ``logits`` if asked).
+* ``forward.onnx``    data + parameters -> logits, dropout off (the base of ``export``).
+* ``optimizer.onnx``  the update rule over flat buffers (see :mod:`trainrun.optim`).
+* ``weights.safetensors``  initial parameters.
+* ``manifest.json``   parameter names and shapes (in flat-buffer order), data inputs,
+                      graph hashes, versions.
+
+Parameters are graph inputs in every graph, so one set of flat buffers serves all
+sessions. Gradients come from onnxruntime-training's C++ gradient builder
+(needs no torch).
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .config import Config, to_dict
+from .errors import UsageError
+
+IR_VERSION = 9
+LOSS = "loss"
+RESET = "lazy_reset_grad"
+GRAD_SUFFIX = "_grad"
+BUFFER_SUFFIX = "_grad.accumulation.buffer"
+ACC_OUT_SUFFIX = "_grad.accumulation.out"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class Forward:
+    """A forward graph and its parameters, before any training surgery."""
+    model: onnx.ModelProto          # parameters still as initializers
+    params: list[str]               # trainable initializers, flat-buffer order
+    inputs: list[str]               # data inputs
+    logits: str
+    labels: str
+
+
+# --------------------------------------------------------------------------- forward graphs
+
+def forward_from_config(cfg: Config) -> Forward:
+    m = cfg.model
+    if m.builtin == "gpt2":
+        from .models.gpt2 import build_gpt2, init_weights
+        weights = init_weights(m.gpt2, cfg.run.seed)
+        model = build_gpt2(m.gpt2, weights)
+        inputs = ["input_ids"]
+        trainable = [n for n in weights if not any(fnmatch.fnmatchcase(n, p) for p in m.frozen)]
+        return Forward(model=model, params=trainable, inputs=inputs, logits="logits", labels=m.loss.labels)
+    else:
+        try:
+            model = onnx.load(m.onnx)
+        except Exception as exc:  # noqa: BLE001 - any parse failure is a bad user file
+            raise UsageError(f"model.onnx: cannot load {m.onnx}: {exc}") from None
+        inputs = list(m.inputs)
+    return _check_forward(model, inputs, m.loss.logits, m.loss.labels, m.frozen, source=m.onnx or "gpt2")
+
+
+def _check_forward(model, inputs, logits, labels, frozen, source) -> Forward:
+    inits = {t.name: t for t in model.graph.initializer}
+    graph_inputs = [i.name for i in model.graph.input if i.name not in inits]
+    problems = []
+    for name in inputs:
+        if name not in graph_inputs:
+            problems.append(f"model.inputs: '{name}' is not an input of {source} "
+                            f"(its inputs: {', '.join(graph_inputs) or 'none'})")
+    for name in graph_inputs:
+        if name not in inputs:
+            problems.append(f"model.inputs: {source} has input '{name}' that the config does not feed; "
+                            f"add it to model.inputs")
+    outputs = [o.name for o in model.graph.output]
+    if logits not in outputs:
+        problems.append(f"model.loss.logits: '{logits}' is not an output of {source} "
+                        f"(its outputs: {', '.join(outputs)})")
+    if labels in graph_inputs or labels in inits:
+        problems.append(f"model.loss.labels: '{labels}' is already a tensor of {source}; "
+                        f"choose a new name for the labels input")
+    if problems:
+        raise UsageError(f"{source}: the forward graph does not match the config", problems)
+    params = [t.name for t in model.graph.initializer
+              if t.data_type == TensorProto.FLOAT and len(t.dims) > 0
+              and not any(fnmatch.fnmatchcase(t.name, p) for p in frozen)]
+    if not params:
+        raise UsageError(f"{source}: no trainable float initializers (model.frozen: {frozen})")
+    return Forward(model=model, params=params, inputs=list(inputs), logits=logits, labels=labels)
+
+
+# --------------------------------------------------------------------------- surgery
+
+def _fresh(model: onnx.ModelProto, nodes, inputs, outputs, initializers) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, model.graph.name or "graph", inputs, outputs, initializers,
+                              value_info=[])
+    out = helper.make_model(graph, opset_imports=list(model.opset_import), producer_name="trainrun")
+    out.ir_version = IR_VERSION
+    return out
+
+
+def _params_to_inputs(model: onnx.ModelProto, params: list[str]) -> onnx.ModelProto:
+    """Move the parameter initializers to graph inputs (in ``params`` order)."""
+    inits = {t.name: t for t in model.graph.initializer}
+    keep = [t for t in model.graph.initializer if t.name not in set(params)]
+    data_inputs = [i for i in model.graph.input if i.name not in inits]
+    param_inputs = [helper.make_tensor_value_info(p, inits[p].data_type, list(inits[p].dims)) for p in params]
+    return _fresh(model, list(model.graph.node), data_inputs + param_inputs, list(model.graph.output), keep)
+
+
+def _elem_rank(model, name):
+    for vi in list(model.graph.output) + list(model.graph.value_info):
+        if vi.name == name and vi.type.tensor_type.HasField("shape"):
+            return len(vi.type.tensor_type.shape.dim)
+    return None
+
+
+def with_loss(fwd: Forward, ignore_index: int, keep_logits: bool) -> onnx.ModelProto:
+    """Forward graph + SoftmaxCrossEntropyLoss(logits [.., C], labels [..]) -> scalar ``loss``."""
+    model = copy.deepcopy(fwd.model)
+    rank = _elem_rank(model, fwd.logits)
+    labels_shape = None
+    if rank is not None:
+        dims = [d for d in next(o for o in model.graph.output if o.name == fwd.logits).type.tensor_type.shape.dim]
+        labels_shape = [d.dim_param or (d.dim_value if d.dim_value else None) for d in dims[:-1]]
+    labels_vi = helper.make_tensor_value_info(fwd.labels, TensorProto.INT64, labels_shape)
+    nodes = list(model.graph.node) + [
+        helper.make_node("Constant", [], ["loss_labels_shape"],
+                         value=numpy_helper.from_array(np.array([-1], np.int64)), name="loss_shape_labels"),
+    ]
+    # Reshape [.., C] -> [N, C] needs C from the logits themselves: take the last dim.
+    nodes += [
+        helper.make_node("Shape", [fwd.logits], ["loss_logits_dims"], start=-1, name="loss_last_dim"),
+        helper.make_node("Constant", [], ["loss_minus1"],
+                         value=numpy_helper.from_array(np.array([-1], np.int64)), name="loss_minus1_c"),
+        helper.make_node("Concat", ["loss_minus1", "loss_logits_dims"], ["loss_2d_shape"], axis=0, name="loss_cat"),
+        helper.make_node("Reshape", [fwd.logits, "loss_2d_shape"], ["loss_logits_2d"], name="loss_flat_logits"),
+        helper.make_node("Reshape", [fwd.labels, "loss_labels_shape"], ["loss_labels_1d"], name="loss_flat_labels"),
+        helper.make_node("SoftmaxCrossEntropyLoss", ["loss_logits_2d", "loss_labels_1d"], [LOSS],
+                         reduction="mean", ignore_index=ignore_index, name="loss_sce"),
+    ]
+    outputs = [helper.make_tensor_value_info(LOSS, TensorProto.FLOAT, [])]
+    if keep_logits:
+        outputs += [o for o in model.graph.output if o.name == fwd.logits]
+    inputs = list(model.graph.input) + [labels_vi]
+    return _fresh(model, nodes, inputs, outputs, list(model.graph.initializer))
+
+
+def dropout_off(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Dropout in inference mode: drop its ``training_mode`` input (defaults to false)."""
+    model = copy.deepcopy(model)
+    for node in model.graph.node:
+        if node.op_type == "Dropout" and len(node.input) > 2:
+            del node.input[2:]
+    used = {i for n in model.graph.node for i in n.input}
+    kept = [t for t in model.graph.initializer if t.name in used or t.name in {o.name for o in model.graph.output}]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    return model
+
+
+def build_train_graph(loss_model: onnx.ModelProto, params: list[str], source: str) -> onnx.ModelProto:
+    """Gradients of ``loss`` w.r.t. ``params`` (already graph inputs), accumulated in place."""
+    import onnxruntime as ort
+    from onnxruntime.capi._pybind_state import GradientGraphBuilder, get_optimized_model
+
+    ort.set_default_logger_severity(int(os.environ.get("TRAINRUN_ORT_SEVERITY", "3")))
+    options = ort.SessionOptions()
+    options.log_severity_level = int(os.environ.get("TRAINRUN_ORT_SEVERITY", "3"))
+    wanted = set(params)
+    try:
+        optimized = get_optimized_model(loss_model.SerializeToString(), wanted, options)
+        builder = GradientGraphBuilder(optimized, {LOSS}, wanted, LOSS, options)
+        builder.build()
+        grad_model = onnx.load_from_string(builder.get_model())
+    except Exception as exc:  # noqa: BLE001 - the builder raises RuntimeError/Fail with the op at fault
+        raise UsageError(f"{source}: onnxruntime's gradient builder cannot differentiate this graph: "
+                         f"{str(exc).strip().splitlines()[-1]}") from None
+
+    outputs = {o.name: o for o in grad_model.graph.output}
+    missing = [p for p in params if p + GRAD_SUFFIX not in outputs]
+    if missing:
+        raise UsageError(f"{source}: the loss does not depend on these parameters (freeze them with "
+                         f"model.frozen): {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}")
+
+    nodes = list(grad_model.graph.node)
+    new_inputs = list(grad_model.graph.input)
+    new_outputs = [outputs[LOSS]]
+    for p in params:
+        grad = outputs[p + GRAD_SUFFIX]
+        buf = p + BUFFER_SUFFIX
+        nodes.append(helper.make_node("InPlaceAccumulatorV2", [buf, grad.name, RESET], [p + ACC_OUT_SUFFIX],
+                                      name=f"accumulate/{p}", domain="com.microsoft"))
+        buf_vi = copy.deepcopy(grad)
+        buf_vi.name = buf
+        new_inputs.append(buf_vi)
+        new_outputs.append(helper.make_tensor_value_info(p + ACC_OUT_SUFFIX, TensorProto.BOOL, [1]))
+    new_inputs.append(helper.make_tensor_value_info(RESET, TensorProto.BOOL, [1]))
+    model = _fresh(grad_model, nodes, new_inputs, new_outputs, list(grad_model.graph.initializer))
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return model
+
+
+# --------------------------------------------------------------------------- prepare
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _save(model: onnx.ModelProto, path: str) -> None:
+    tmp = path + ".tmp"
+    onnx.save(model, tmp)
+    os.replace(tmp, path)
+
+
+def prepare(cfg: Config, out_dir: str | None = None) -> str:
+    """Write the three graphs, the forward graph, the initial weights and the manifest."""
+    from safetensors.numpy import save_file
+
+    from .optim import build_optimizer_graph
+
+    out_dir = out_dir or os.path.join(cfg.run.output_dir, "graphs")
+    os.makedirs(out_dir, exist_ok=True)
+    fwd = forward_from_config(cfg)
+    source = cfg.model.onnx or "gpt2"
+    inits = {t.name: t for t in fwd.model.graph.initializer}
+    weights = {p: numpy_helper.to_array(inits[p]) for p in fwd.params}
+    shapes = [(p, tuple(int(d) for d in inits[p].dims)) for p in fwd.params]
+
+    loss_model = _params_to_inputs(with_loss(fwd, cfg.model.loss.ignore_index, keep_logits=False), fwd.params)
+    train = build_train_graph(loss_model, fwd.params, source)
+    evalg = dropout_off(_params_to_inputs(with_loss(fwd, cfg.model.loss.ignore_index, keep_logits=True),
+                                          fwd.params))
+    forward = dropout_off(_params_to_inputs(fwd.model, fwd.params))
+    optimizer = build_optimizer_graph(cfg.optimizer, shapes)
+
+    files = {"train": train, "eval": evalg, "forward": forward, "optimizer": optimizer}
+    for name, model in files.items():
+        _save(model, os.path.join(out_dir, f"{name}.onnx"))
+    tmp = os.path.join(out_dir, "weights.safetensors.tmp")
+    save_file(weights, tmp)
+    os.replace(tmp, os.path.join(out_dir, "weights.safetensors"))
+
+    import onnxruntime
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "params": [{"name": n, "shape": list(s)} for n, s in shapes],
+        "num_params": int(sum(int(np.prod(s)) for _, s in shapes)),
+        "inputs": fwd.inputs,
+        "labels": fwd.labels,
+        "logits": fwd.logits,
+        "loss": LOSS,
+        "model": to_dict(cfg.model),
+        "optimizer": to_dict(cfg.optimizer),
+        "files": {f"{n}.onnx": sha256_file(os.path.join(out_dir, f"{n}.onnx")) for n in files}
+                 | {"weights.safetensors": sha256_file(os.path.join(out_dir, "weights.safetensors"))},
+        "onnxruntime": onnxruntime.__version__,
+        "onnx": onnx.__version__,
+    }
+    tmp = os.path.join(out_dir, "manifest.json.tmp")
+    with open(tmp, "w") as fh:
+        json.dump(manifest, fh, indent=1)
+    os.replace(tmp, os.path.join(out_dir, "manifest.json"))
+    return out_dir
+
+
+def load_manifest(graphs_dir: str) -> dict:
+    path = os.path.join(graphs_dir, "manifest.json")
+    try:
+        with open(path) as fh:
+            manifest = json.load(fh)
+    except FileNotFoundError:
+        raise UsageError(f"{path}: not found (run `trainrun prepare` first)") from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{path}: not valid JSON: {exc}") from None
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise UsageError(f"{path}: format_version {manifest.get('format_version')} "
+                         f"(this trainrun reads {FORMAT_VERSION})")
+    return manifest

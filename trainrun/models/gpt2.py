@@ -1,0 +1,165 @@
+"""The GPT-2 forward graph (input_ids -> logits), built directly as ONNX.
+
+Token + position embeddings, pre-LN blocks (causal self-attention, tanh-GELU
+MLP), final LayerNorm and an LM head tied to the token embedding. Parameter
+names and layouts are those of transformers' ``GPT2LMHeadModel`` state dict
+(Conv1D weights are [in, out]), so weights move between the two unchanged.
+No torch needed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from ..config import GPT2Config
+
+OPSET = 17
+IR_VERSION = 9
+MASK_VALUE = -1e9
+
+
+class _Graph:
+    """A minimal node emitter: unique names, initializers, nodes."""
+
+    def __init__(self):
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self._n = 0
+
+    def const(self, name: str, value) -> str:
+        self.inits.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    def op(self, op_type: str, inputs: list[str], n_out: int = 1, domain: str = "", **attrs):
+        self._n += 1
+        base = f"{op_type}_{self._n}"
+        outs = [f"{base}_out{i}" if n_out > 1 else base for i in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, inputs, outs, name=base, domain=domain, **attrs))
+        return outs if n_out > 1 else outs[0]
+
+
+def init_weights(cfg: GPT2Config, seed: int) -> dict[str, np.ndarray]:
+    """GPT-2 initialisation: N(0, initializer_range), residual projections scaled by
+    1/sqrt(2 n_layer), biases 0, LayerNorm 1/0. Deterministic in ``seed``."""
+    rng = np.random.default_rng(seed)
+    E, std = cfg.n_embd, cfg.initializer_range
+    proj_std = std / math.sqrt(2 * cfg.n_layer)
+
+    def normal(shape, s=std):
+        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(s)).astype(np.float32)
+
+    w: dict[str, np.ndarray] = {
+        "transformer.wte.weight": normal((cfg.vocab_size, E)),
+        "transformer.wpe.weight": normal((cfg.n_positions, E)),
+    }
+    for i in range(cfg.n_layer):
+        p = f"transformer.h.{i}."
+        w[p + "ln_1.weight"] = np.ones(E, np.float32)
+        w[p + "ln_1.bias"] = np.zeros(E, np.float32)
+        w[p + "attn.c_attn.weight"] = normal((E, 3 * E))
+        w[p + "attn.c_attn.bias"] = np.zeros(3 * E, np.float32)
+        w[p + "attn.c_proj.weight"] = normal((E, E), proj_std)
+        w[p + "attn.c_proj.bias"] = np.zeros(E, np.float32)
+        w[p + "ln_2.weight"] = np.ones(E, np.float32)
+        w[p + "ln_2.bias"] = np.zeros(E, np.float32)
+        w[p + "mlp.c_fc.weight"] = normal((E, 4 * E))
+        w[p + "mlp.c_fc.bias"] = np.zeros(4 * E, np.float32)
+        w[p + "mlp.c_proj.weight"] = normal((4 * E, E), proj_std)
+        w[p + "mlp.c_proj.bias"] = np.zeros(E, np.float32)
+    w["transformer.ln_f.weight"] = np.ones(E, np.float32)
+    w["transformer.ln_f.bias"] = np.zeros(E, np.float32)
+    return w
+
+
+def build_gpt2(cfg: GPT2Config, weights: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """The forward graph with ``weights`` as initializers; input ``input_ids``
+    int64 [batch, seq], output ``logits`` float32 [batch, seq, vocab].
+
+    Dropout nodes (when cfg.dropout > 0) carry ``training_mode`` as their third
+    input, the constant ``dropout_training`` (true); the eval/inference graphs
+    drop that input.
+    """
+    E, H = cfg.n_embd, cfg.n_head
+    D = E // H
+    g = _Graph()
+    for name, value in weights.items():
+        g.const(name, value)
+
+    g.const("causal_mask", np.triu(np.full((cfg.n_positions, cfg.n_positions), MASK_VALUE, np.float32), 1))
+    g.const("c_zero1", np.array([0], np.int64))
+    g.const("c_axes01", np.array([0, 1], np.int64))
+    g.const("c_zero2", np.array([0, 0], np.int64))
+    g.const("c_heads_shape", np.array([0, 0, H, D], np.int64))
+    g.const("c_merge_shape", np.array([0, 0, E], np.int64))
+    g.const("c_split3", np.array([E, E, E], np.int64))
+    g.const("c_scale", np.array(1.0 / math.sqrt(D), np.float32))
+    if cfg.dropout > 0:
+        g.const("dropout_ratio", np.array(cfg.dropout, np.float32))
+        g.const("dropout_training", np.array(True))
+
+    def dropout(x):
+        if cfg.dropout <= 0:
+            return x
+        return g.op("Dropout", [x, "dropout_ratio", "dropout_training"])
+
+    def layer_norm(x, prefix):
+        # Mean and InvStdDev outputs are requested: the gradient builder needs them.
+        y, _, _ = g.op("LayerNormalization", [x, prefix + ".weight", prefix + ".bias"], n_out=3,
+                       axis=-1, epsilon=cfg.layer_norm_epsilon)
+        return y
+
+    def linear(x, prefix):
+        return g.op("Add", [g.op("MatMul", [x, prefix + ".weight"]), prefix + ".bias"])
+
+    seq = g.op("Shape", ["input_ids"], start=1, end=2)                       # [1]
+    seq2 = g.op("Concat", [seq, seq], axis=0)                                # [2]
+    tok = g.op("Gather", ["transformer.wte.weight", "input_ids"], axis=0)    # [B,S,E]
+    pos = g.op("Slice", ["transformer.wpe.weight", "c_zero1", seq, "c_zero1"])  # [S,E]
+    mask = g.op("Slice", ["causal_mask", "c_zero2", seq2, "c_axes01"])       # [S,S]
+    h = dropout(g.op("Add", [tok, pos]))
+
+    for i in range(cfg.n_layer):
+        p = f"transformer.h.{i}"
+        a = layer_norm(h, p + ".ln_1")
+        qkv = linear(a, p + ".attn.c_attn")
+        q, k, v = g.op("Split", [qkv, "c_split3"], n_out=3, axis=-1)
+        q = g.op("Transpose", [g.op("Reshape", [q, "c_heads_shape"])], perm=[0, 2, 1, 3])  # [B,H,S,D]
+        kt = g.op("Transpose", [g.op("Reshape", [k, "c_heads_shape"])], perm=[0, 2, 3, 1])  # [B,H,D,S]
+        v = g.op("Transpose", [g.op("Reshape", [v, "c_heads_shape"])], perm=[0, 2, 1, 3])
+        scores = g.op("Add", [g.op("Mul", [g.op("MatMul", [q, kt]), "c_scale"]), mask])
+        probs = dropout(g.op("Softmax", [scores], axis=-1))
+        y = g.op("Transpose", [g.op("MatMul", [probs, v])], perm=[0, 2, 1, 3])   # [B,S,H,D]
+        y = g.op("Reshape", [y, "c_merge_shape"])
+        h = g.op("Add", [h, dropout(linear(y, p + ".attn.c_proj"))])
+
+        m = layer_norm(h, p + ".ln_2")
+        m = g.op("MatMul", [m, p + ".mlp.c_fc.weight"])
+        m = g.op("FastGelu", [m, p + ".mlp.c_fc.bias"], domain="com.microsoft")  # tanh GELU with fused bias
+        h = g.op("Add", [h, dropout(linear(m, p + ".mlp.c_proj"))])
+
+    hf = layer_norm(h, "transformer.ln_f")
+    g.nodes.append(helper.make_node("MatMul", [hf, g.op("Transpose", ["transformer.wte.weight"], perm=[1, 0])],
+                                    ["logits"], name="lm_head"))
+
+    graph = helper.make_graph(
+        g.nodes, "gpt2",
+        inputs=[helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"])],
+        outputs=[helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", cfg.vocab_size])],
+        initializer=g.inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
+                                                    helper.make_opsetid("com.microsoft", 1)],
+                              producer_name="trainrun")
+    model.ir_version = IR_VERSION
+    return model
+
+
+def param_count(cfg: GPT2Config) -> int:
+    """Trainable parameters (the LM head is tied to the token embedding)."""
+    E, L = cfg.n_embd, cfg.n_layer
+    per_layer = 12 * E * E + 13 * E
+    return (cfg.vocab_size + cfg.n_positions) * E + L * per_layer + 2 * E
