@@ -1,0 +1,120 @@
+"""Config loading, overrides, validation and the `trainrun config` commands."""
+
+import glob
+import os
+
+import pytest
+import yaml
+
+from trainrun import config as C
+from trainrun.errors import UsageError
+
+from conftest import ROOT, TRAINRUN, run
+
+
+def write(tmp_path, data, name="c.yaml"):
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)
+    return str(p)
+
+
+def test_defaults_are_valid_and_documented():
+    cfg = C.load_config(None)
+    assert cfg.optimizer.name == "adamw" and cfg.train.micro_batch_size == 8
+    text = C.to_yaml(cfg, comments=True)
+    # every field of every section carries its docstring as a comment
+    for section in ("run", "model", "data", "train", "optimizer", "lr_schedule", "checkpoint"):
+        docs = C.field_docs(type(getattr(cfg, section)))
+        for name, doc in docs.items():
+            assert f"# {doc}" in text, (section, name)
+    assert yaml.safe_load(text)["optimizer"]["name"] == "adamw"
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))))
+def test_shipped_configs_parse(path):
+    cfg = C.load_config(path)  # data dirs are only required to train
+    assert cfg.model.builtin == "gpt2"
+    assert cfg.data.seq_len <= cfg.model.gpt2.n_positions
+
+
+def test_every_problem_reported_at_once(tmp_path):
+    path = write(tmp_path, {
+        "run": {"seedd": 3, "log_level": "loud"},
+        "model": {"gpt2": {"n_layer": "two", "n_head": 5, "n_embd": 128}},
+        "train": {"micro_batch_size": 0},
+        "optimizer": {"betas": [0.9], "name": "adamx"},
+        "data": {"seq_len": 4096, "train": str(tmp_path / "missing")},
+    })
+    with pytest.raises(UsageError) as err:
+        C.load_config(path, need_data=True)
+    problems = "\n".join(err.value.problems)
+    for expected in ["run.seedd: unknown key (did you mean 'seed'?)", "run.log_level: 'loud'",
+                     "model.gpt2.n_layer: expected an integer", "model.gpt2.n_head: must divide n_embd",
+                     "train.micro_batch_size: must be >= 1", "optimizer.name: 'adamx'",
+                     "optimizer.betas: expected two values", "data.seq_len: 4096 is longer",
+                     "data.train: directory not found"]:
+        assert expected in problems, (expected, problems)
+    assert len(err.value.problems) == 9
+
+
+def test_overrides_are_typed(tmp_path):
+    path = write(tmp_path, {"optimizer": {"lr": "6e-4"}})   # YAML 1.1 reads 6e-4 as a string
+    cfg = C.load_config(path, ["train.max_steps=7", "optimizer.betas=[0.8, 0.9]", "tensorboard.enabled=false",
+                               "optimizer.weight_decay=1e-2", "run.name=x y"])
+    assert cfg.optimizer.lr == pytest.approx(6e-4)
+    assert cfg.train.max_steps == 7 and isinstance(cfg.train.max_steps, int)
+    assert cfg.optimizer.betas == [0.8, 0.9]
+    assert cfg.tensorboard.enabled is False
+    assert cfg.optimizer.weight_decay == pytest.approx(0.01)
+    assert cfg.run.name == "x y"
+    with pytest.raises(UsageError) as err:
+        C.load_config(path, ["train.max_step=7", "train.max_steps=seven"])
+    assert any("did you mean 'max_steps'" in p for p in err.value.problems)
+    assert any("train.max_steps: expected an integer" in p for p in err.value.problems)
+    with pytest.raises(UsageError):
+        C.load_config(path, ["novalue"])
+
+
+def test_paths_resolve_against_the_config_file(tmp_path):
+    (tmp_path / "d").mkdir()
+    path = write(tmp_path, {"data": {"train": "d"}, "run": {"output_dir": "out"}})
+    cfg = C.load_config(path, need_data=True)
+    assert cfg.data.train == str(tmp_path / "d")
+    assert cfg.run.output_dir == str(tmp_path / "out")
+
+
+def test_model_source_is_exclusive(tmp_path):
+    onnx_file = tmp_path / "m.onnx"
+    onnx_file.write_bytes(b"x")
+    with pytest.raises(UsageError, match="configuration") as err:
+        C.load_config(write(tmp_path, {"model": {"onnx": str(onnx_file)}}))
+    assert "exclusive" in err.value.problems[0]
+    cfg = C.load_config(write(tmp_path, {"model": {"onnx": str(onnx_file), "builtin": None}}))
+    assert cfg.model.onnx == str(onnx_file)
+    with pytest.raises(UsageError) as err:
+        C.load_config(write(tmp_path, {"model": {"onnx": "nope.onnx", "builtin": None}}))
+    assert "model.onnx: file not found" in err.value.problems[0]
+
+
+def test_cli_validate_and_show(tmp_path):
+    bad = write(tmp_path, {"train": {"max_stepz": 3}, "optimizer": {"lr": -1}})
+    proc = run([TRAINRUN, "config", "validate", "--config", bad], check=2)
+    assert "train.max_stepz: unknown key (did you mean 'max_steps'?)" in proc.stderr
+    assert "optimizer.lr: must be > 0.0" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = run([TRAINRUN, "config", "show", "--config", os.path.join(ROOT, "configs", "gpt2-tiny.yaml"),
+                "--set", "train.max_steps=11"], check=0)
+    shown = yaml.safe_load(proc.stdout)
+    assert shown["train"]["max_steps"] == 11
+    assert "# Optimizer steps to train." in proc.stdout
+    run([TRAINRUN, "config", "show", "--config", str(tmp_path / "nope.yaml")], check=2)
+    bad_yaml = write(tmp_path, "train: [unclosed", name="b.yaml")
+    proc = run([TRAINRUN, "config", "show", "--config", bad_yaml], check=2)
+    assert "not valid YAML" in proc.stderr
+
+
+def test_cli_help_lists_commands():
+    proc = run([TRAINRUN, "--help"], check=0)
+    for cmd in ("train", "resume", "export", "prepare", "config"):
+        assert cmd in proc.stdout
+    run([TRAINRUN, "no-such-command"], check=2)

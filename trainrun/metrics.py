@@ -1,0 +1,93 @@
+"""Where numbers go: the console (with a progress bar), metrics.jsonl and TensorBoard.
+
+Only rank 0 writes. Every ``log`` call appends one JSON object to
+``metrics.jsonl`` and the matching scalars (``train/loss`` ...) to TensorBoard.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+_TB_NAMES = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+             "tokens_per_sec": "train/tokens_per_sec", "eval_loss": "eval/loss",
+             "eval_perplexity": "eval/perplexity", "loss_scale": "train/loss_scale",
+             "skipped_steps": "train/skipped_steps"}
+
+
+def fmt_duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}"
+
+
+class Metrics:
+    def __init__(self, output_dir: str, *, enabled: bool, tensorboard: bool, quiet: bool,
+                 total_steps: int, start_step: int = 0):
+        self.enabled = enabled
+        self.quiet = quiet or not enabled
+        self.total = total_steps
+        self.t0 = time.perf_counter()
+        self.start_step = start_step
+        self._jsonl = None
+        self._tb = None
+        self._bar = None
+        if not enabled:
+            return
+        self._jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a", buffering=1)
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+        if not self.quiet and sys.stderr.isatty():
+            from tqdm import tqdm
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                             file=sys.stderr)
+
+    def echo(self, text: str) -> None:
+        if self.quiet:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def progress(self, step: int) -> None:
+        if self._bar is not None:
+            self._bar.n = step
+            self._bar.refresh()
+
+    def eta(self, step: int) -> float:
+        done = step - self.start_step
+        if done <= 0:
+            return float("nan")
+        return (time.perf_counter() - self.t0) / done * (self.total - step)
+
+    def log(self, step: int, values: dict) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **values, "elapsed_s": round(time.perf_counter() - self.t0, 3)}
+        self._jsonl.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key, value in values.items():
+                if key in _TB_NAMES and value is not None and math.isfinite(value):
+                    self._tb.add_scalar(_TB_NAMES[key], value, step)
+        if "loss" in values:
+            eta = self.eta(step)
+            self.echo(f"step {step:>6}/{self.total} | loss {values['loss']:.4f} | lr {values['lr']:.2e} | "
+                      f"grad_norm {values['grad_norm']:.3f} | {values['tokens_per_sec']:,.0f} tok/s | "
+                      f"eta {fmt_duration(eta) if math.isfinite(eta) else '?'}")
+        if "eval_loss" in values:
+            self.echo(f"eval {step:>6} | loss {values['eval_loss']:.4f} | "
+                      f"perplexity {values['eval_perplexity']:.2f}")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._jsonl is not None:
+            self._jsonl.close()

@@ -1,0 +1,304 @@
+"""The TrainingRunner: the data-parallel training loop.
+
+One step, in the order of ORT's C++ runner:
+
+1. ``gradient_accumulation_steps`` micro-batches, gradients accumulated in place;
+2. ONE allreduce (sum) over the flat gradient buffer;
+3. global gradient norm (of the averaged gradient), finite check agreed by all
+   ranks, clipping to ``max_grad_norm``;
+4. the optimizer graph, in place; a non-finite step is skipped on every rank;
+5. the learning rate is a pure function of the step (:mod:`trainrun.schedule`);
+6. logging every ``log_every`` steps, eval every ``eval_every`` steps.
+
+The averaging factor 1/(accum x world) and the clipping divisor are applied
+inside the optimizer graph (its ``grad_scale`` input) instead of in extra passes
+over the gradient buffer; in float32 that is the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import time
+
+import numpy as np
+
+from . import config as C
+from . import graphs as G
+from .comm import make_communicator
+from .data import TrainLoader, eval_batches, open_dataset
+from .engine import Engine, EngineOptions
+from .errors import TrainrunError, UsageError
+from .metrics import Metrics, fmt_duration
+from .optim import state_names
+from .schedule import learning_rate
+
+MAX_NONFINITE_IN_A_ROW = 8
+_ORT_SEVERITY = {"warning": 3, "info": 3, "devinfo": 1, "verbose": 0}
+
+
+class PhaseTimer:
+    """Wall time per phase of the step (data, forward_backward, allreduce, optimizer, ...)."""
+
+    def __init__(self):
+        self.total: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.total[phase] = self.total.get(phase, 0.0) + now - self._t
+        self._t = now
+
+    def shares(self) -> dict[str, float]:
+        s = sum(self.total.values()) or 1.0
+        return {k: v / s for k, v in self.total.items()}
+
+
+def _config_hash(cfg: C.Config) -> str:
+    return hashlib.sha256(C.to_yaml(cfg).encode()).hexdigest()[:16]
+
+
+def _graphs_match(graphs_dir: str, cfg: C.Config) -> bool:
+    try:
+        manifest = G.load_manifest(graphs_dir)
+    except UsageError:
+        return False
+    return manifest["model"] == C.to_dict(cfg.model) and manifest["optimizer"] == C.to_dict(cfg.optimizer) \
+        and all(os.path.exists(os.path.join(graphs_dir, f)) for f in manifest["files"])
+
+
+class TrainingRunner:
+    def __init__(self, cfg: C.Config):
+        self.cfg = cfg
+        self.comm = make_communicator(cfg.distributed.backend, cfg.device, cfg.distributed.timeout_s)
+        self.rank, self.world = self.comm.rank, self.comm.world_size
+        self.is_main = self.rank == 0
+        self.verbose = cfg.run.log_level in ("devinfo", "verbose")
+        self.out = cfg.run.output_dir
+        self.graphs_dir = os.path.join(self.out, "graphs")
+        t = cfg.train
+        self.accum = t.gradient_accumulation_steps
+        self.global_batch = cfg.global_batch(self.world)
+        self.tokens_per_step = self.global_batch * cfg.data.seq_len
+
+        self._prepare_run_dir()
+        self._check_same_everywhere()
+        self._open_data()
+        self._build_engine()
+        self.metrics = Metrics(self.out, enabled=self.is_main, tensorboard=cfg.tensorboard.enabled,
+                               quiet=cfg.run.log_level == "warning", total_steps=t.max_steps)
+        self.step = 0              # optimizer steps taken (including skipped non-finite ones)
+        self.updates = 0           # successful updates: the optimizer's own step count
+        self.skipped = 0
+        self.timer = PhaseTimer()
+
+    # ------------------------------------------------------------------ set-up
+    def log(self, text: str, all_ranks: bool = False) -> None:
+        if self.is_main and self.cfg.run.log_level != "warning":
+            print(text, flush=True)
+        elif all_ranks and self.verbose:
+            print(f"[rank {self.rank}] {text}", flush=True)
+
+    def _prepare_run_dir(self) -> None:
+        cfg = self.cfg
+        error = None
+        if self.is_main:
+            try:
+                ckpt_dir = os.path.join(self.out, "checkpoints")
+                if os.path.isdir(ckpt_dir) and any(
+                        os.path.exists(os.path.join(ckpt_dir, d, "COMMITTED")) for d in os.listdir(ckpt_dir)):
+                    raise UsageError(f"{self.out} already holds checkpoints; continue it with "
+                                     f"`trainrun resume {self.out}` or choose another run.output_dir")
+                os.makedirs(self.out, exist_ok=True)
+                with open(os.path.join(self.out, "config.yaml"), "w") as fh:
+                    fh.write(C.to_yaml(cfg))
+                if not _graphs_match(self.graphs_dir, cfg):
+                    self.log(f"preparing graphs in {self.graphs_dir}")
+                    G.prepare(cfg, self.graphs_dir)
+            except TrainrunError as exc:
+                error = exc
+        # every rank learns whether rank 0 failed, so none waits in a later collective
+        failed = self.comm.allreduce_scalars([1.0 if error else 0.0], op="max")[0]
+        if error:
+            raise error
+        if failed:
+            raise TrainrunError("rank 0 failed to prepare the run directory (see its message)")
+
+    def _check_same_everywhere(self) -> None:
+        try:
+            manifest = G.load_manifest(self.graphs_dir)
+            mine = {"config": _config_hash(self.cfg), "graphs": manifest["files"], "host": platform.node()}
+        except UsageError as exc:
+            mine = {"config": _config_hash(self.cfg), "graphs": None, "error": exc.message}
+        everyone = self.comm.allgather_object(mine)
+        ref = everyone[0]
+        for r, other in enumerate(everyone):
+            if other.get("graphs") is None:
+                raise UsageError(f"rank {r} cannot read the prepared graphs: {other.get('error')}")
+            if other["config"] != ref["config"]:
+                raise UsageError(f"rank {r} has a different config than rank 0 "
+                                 f"(hash {other['config']} vs {ref['config']}); launch every rank with the "
+                                 f"same --config and --set")
+            if other["graphs"] != ref["graphs"]:
+                raise UsageError(f"rank {r} ({other['host']}) sees different graph files than rank 0 in "
+                                 f"{self.graphs_dir}")
+        self.manifest = manifest
+
+    def _open_data(self) -> None:
+        cfg = self.cfg
+        g = cfg.model.gpt2 if cfg.model.builtin == "gpt2" else None
+        vocab = g.vocab_size if g else None
+        positions = g.n_positions if g else None
+        self.train_ds = open_dataset(cfg.data.train, cfg.data.seq_len, vocab_size=vocab, n_positions=positions)
+        if self.train_ds.num_samples < self.global_batch:
+            raise UsageError(f"data.train: {cfg.data.train} has {self.train_ds.num_samples} samples of "
+                             f"{cfg.data.seq_len + 1} tokens, fewer than one global batch ({self.global_batch})")
+        self.eval_ds = None
+        if cfg.data.eval:
+            self.eval_ds = open_dataset(cfg.data.eval, cfg.data.seq_len, vocab_size=vocab, n_positions=positions)
+        self.loader = TrainLoader(self.train_ds, micro_batch=cfg.train.micro_batch_size, accum=self.accum,
+                                  rank=self.rank, world_size=self.world, seed=cfg.run.seed,
+                                  shuffle=cfg.data.shuffle, prefetch=cfg.data.prefetch)
+
+    def _build_engine(self) -> None:
+        cfg = self.cfg
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = cfg.engine.threads or max(1, cores // max(1, self.comm.local_size))
+        if cfg.run.deterministic:
+            threads = 1
+        self.threads = threads
+        opts = EngineOptions(threads=threads, graph_optimization=cfg.engine.graph_optimization,
+                             log_severity=_ORT_SEVERITY[cfg.run.log_level], deterministic=cfg.run.deterministic)
+        mb, S = cfg.train.micro_batch_size, cfg.data.seq_len
+        shapes = {name: ((mb, S), np.int64) for name in self.train_ds.feature_names}
+        self.engine = Engine(self.graphs_dir, opts, shapes, shapes, state_names(cfg.optimizer))
+        self.engine.load_weights()
+
+    # ------------------------------------------------------------------ the step
+    def train_step(self) -> dict:
+        cfg, eng, timer = self.cfg, self.engine, self.timer
+        micro = self.loader.next_step()
+        timer.mark("data")
+        loss_sum = 0.0
+        for a, batch in enumerate(micro):
+            loss_sum += eng.forward_backward(batch, accumulate=a > 0)
+        timer.mark("forward_backward")
+
+        self.comm.allreduce_(eng.grads)
+        timer.mark("allreduce")
+
+        scale = 1.0 / (self.accum * self.world)          # sum over ranks and micro-batches -> mean
+        grad_norm = math.sqrt(float(np.dot(eng.grads, eng.grads))) * scale
+        loss_total, nonfinite = self.comm.allreduce_scalars(
+            [loss_sum, 0.0 if math.isfinite(grad_norm) else 1.0], op="sum")
+        loss = loss_total / (self.accum * self.world)
+        timer.mark("norm")
+
+        self.step += 1
+        lr = learning_rate(self.step, cfg.optimizer.lr, cfg.train.max_steps, cfg.lr_schedule)
+        if nonfinite:
+            self.skipped += 1
+            self._nonfinite_in_a_row += 1
+            if self._nonfinite_in_a_row >= MAX_NONFINITE_IN_A_ROW:
+                raise TrainrunError(f"{self._nonfinite_in_a_row} steps in a row had non-finite gradients "
+                                    f"(last at step {self.step}); stopping without a checkpoint of these "
+                                    f"weights. Lower optimizer.lr or check the data.")
+            self.log(f"step {self.step}: non-finite gradients on some rank, update skipped "
+                     f"({self.skipped} so far)")
+        else:
+            self._nonfinite_in_a_row = 0
+            clip = cfg.optimizer.max_grad_norm
+            divisor = grad_norm / clip if clip > 0 and grad_norm > clip else 1.0
+            self.updates += 1
+            eng.optimizer_step(lr, self.updates, scale / divisor)
+        timer.mark("optimizer")
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm}
+
+    def evaluate(self) -> float:
+        cfg = self.cfg
+        total, count = 0.0, 0.0
+        for batch in eval_batches(self.eval_ds, micro_batch=cfg.train.micro_batch_size, rank=self.rank,
+                                  world_size=self.world, steps=cfg.train.eval_steps):
+            total += self.engine.evaluate(batch)
+            count += 1
+        total, count = self.comm.allreduce_scalars([total, count], op="sum")
+        self.timer.mark("eval")
+        return total / max(count, 1.0)
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict:
+        cfg, t = self.cfg, self.cfg.train
+        self._nonfinite_in_a_row = 0
+        self._header()
+        self.timer = PhaseTimer()
+        start = time.perf_counter()
+        window_t, window_steps = time.perf_counter(), 0
+        last = {}
+        eval_loss = None
+        try:
+            while self.step < t.max_steps:
+                last = self.train_step()
+                window_steps += 1
+                self.metrics.progress(self.step)
+                if self.step % t.log_every == 0 or self.step == t.max_steps:
+                    now = time.perf_counter()
+                    tps = window_steps * self.tokens_per_step / (now - window_t)
+                    window_t, window_steps = now, 0
+                    self.metrics.log(self.step, {**last, "tokens_per_sec": tps, "skipped_steps": self.skipped})
+                    self.timer.mark("log")
+                if self.eval_ds is not None and (
+                        (t.eval_every and self.step % t.eval_every == 0) or self.step == t.max_steps):
+                    eval_loss = self.evaluate()
+                    self.metrics.log(self.step, {"eval_loss": eval_loss,
+                                                 "eval_perplexity": math.exp(min(eval_loss, 80.0))})
+                    self.timer.mark("log")
+        finally:
+            self.loader.close()
+        elapsed = time.perf_counter() - start
+        summary = {
+            "steps": self.step, "skipped_steps": self.skipped, "tokens": self.step * self.tokens_per_step,
+            "time_s": round(elapsed, 3), "tokens_per_sec": self.step * self.tokens_per_step / elapsed,
+            "final_loss": last.get("loss"), "final_eval_loss": eval_loss, "world_size": self.world,
+            "phase_shares": {k: round(v, 4) for k, v in self.timer.shares().items()},
+        }
+        self._footer(summary)
+        self.metrics.close()
+        return summary
+
+    def _header(self) -> None:
+        cfg = self.cfg
+        n = self.manifest["num_params"]
+        if self.cfg.run.log_level in ("devinfo", "verbose"):
+            self.log("resolved config:\n" + C.to_yaml(cfg))
+        self.log(f"trainrun: {cfg.run.name} | {self.world} rank(s) x {self.threads} thread(s) | "
+                 f"{n:,} parameters | global batch {self.global_batch} "
+                 f"({cfg.train.micro_batch_size} x {self.accum} accum x {self.world} ranks) | "
+                 f"{self.tokens_per_step:,} tokens/step | optimizer {cfg.optimizer.name} | "
+                 f"{self.train_ds.num_samples:,} train samples")
+
+    def _footer(self, s: dict) -> None:
+        if not self.is_main:
+            return
+        with open(os.path.join(self.out, "summary.json"), "w") as fh:
+            json.dump(s, fh, indent=1)
+        shares = ", ".join(f"{k} {v:.0%}" for k, v in sorted(s["phase_shares"].items(), key=lambda kv: -kv[1]))
+        final_eval = f", eval loss {s['final_eval_loss']:.4f}" if s["final_eval_loss"] is not None else ""
+        self.log(f"done: {s['steps']} steps, {s['tokens']:,} tokens in {fmt_duration(s['time_s'])} "
+                 f"({s['tokens_per_sec']:,.0f} tokens/s); final loss {s['final_loss']:.4f}{final_eval}; "
+                 f"time: {shares}")
+
+    def close(self) -> None:
+        self.comm.close()
+
+
+def train(cfg: C.Config) -> dict:
+    runner = TrainingRunner(cfg)
+    try:
+        return runner.fit()
+    except TrainrunError:
+        raise
+    finally:
+        runner.close()
