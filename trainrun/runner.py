@@ -26,6 +26,7 @@ import time
 
 import numpy as np
 
+from . import checkpoint as K
 from . import config as C
 from . import graphs as G
 from .comm import make_communicator
@@ -38,6 +39,8 @@ from .schedule import learning_rate
 
 MAX_NONFINITE_IN_A_ROW = 8
 _ORT_SEVERITY = {"warning": 3, "info": 3, "devinfo": 1, "verbose": 0}
+# optimizer fields that are inputs of the optimizer graph, not baked into it
+_NOT_BAKED = ("lr", "max_grad_norm")
 
 
 class PhaseTimer:
@@ -66,13 +69,17 @@ def _graphs_match(graphs_dir: str, cfg: C.Config) -> bool:
         manifest = G.load_manifest(graphs_dir)
     except UsageError:
         return False
-    return manifest["model"] == C.to_dict(cfg.model) and manifest["optimizer"] == C.to_dict(cfg.optimizer) \
+    def baked(d):
+        return {k: v for k, v in d.items() if k not in _NOT_BAKED}
+    return manifest["model"] == C.to_dict(cfg.model) \
+        and baked(manifest["optimizer"]) == baked(C.to_dict(cfg.optimizer)) \
         and all(os.path.exists(os.path.join(graphs_dir, f)) for f in manifest["files"])
 
 
 class TrainingRunner:
-    def __init__(self, cfg: C.Config):
+    def __init__(self, cfg: C.Config, resume_from: str | None = None):
         self.cfg = cfg
+        self.resume_from = resume_from
         self.comm = make_communicator(cfg.distributed.backend, cfg.device, cfg.distributed.timeout_s)
         self.rank, self.world = self.comm.rank, self.comm.world_size
         self.is_main = self.rank == 0
@@ -88,11 +95,16 @@ class TrainingRunner:
         self._check_same_everywhere()
         self._open_data()
         self._build_engine()
-        self.metrics = Metrics(self.out, enabled=self.is_main, tensorboard=cfg.tensorboard.enabled,
-                               quiet=cfg.run.log_level == "warning", total_steps=t.max_steps)
         self.step = 0              # optimizer steps taken (including skipped non-finite ones)
         self.updates = 0           # successful updates: the optimizer's own step count
         self.skipped = 0
+        self.saved_step = None     # step of the newest committed checkpoint
+        self.writer = K.CheckpointWriter(self.out, self.rank, self.world, cfg.checkpoint.keep_last, log=self.log)
+        if resume_from:
+            self._load(resume_from)
+        self.metrics = Metrics(self.out, enabled=self.is_main, tensorboard=cfg.tensorboard.enabled,
+                               quiet=cfg.run.log_level == "warning", total_steps=t.max_steps,
+                               start_step=self.step)
         self.timer = PhaseTimer()
 
     # ------------------------------------------------------------------ set-up
@@ -108,10 +120,10 @@ class TrainingRunner:
         if self.is_main:
             try:
                 ckpt_dir = os.path.join(self.out, "checkpoints")
-                if os.path.isdir(ckpt_dir) and any(
-                        os.path.exists(os.path.join(ckpt_dir, d, "COMMITTED")) for d in os.listdir(ckpt_dir)):
+                if not self.resume_from and K.complete_checkpoints(ckpt_dir):
                     raise UsageError(f"{self.out} already holds checkpoints; continue it with "
                                      f"`trainrun resume {self.out}` or choose another run.output_dir")
+                K.cleanup(ckpt_dir, log=self.log)
                 os.makedirs(self.out, exist_ok=True)
                 with open(os.path.join(self.out, "config.yaml"), "w") as fh:
                     fh.write(C.to_yaml(cfg))
@@ -192,9 +204,12 @@ class TrainingRunner:
 
         scale = 1.0 / (self.accum * self.world)          # sum over ranks and micro-batches -> mean
         grad_norm = math.sqrt(float(np.dot(eng.grads, eng.grads))) * scale
-        loss_total, nonfinite = self.comm.allreduce_scalars(
-            [loss_sum, 0.0 if math.isfinite(grad_norm) else 1.0], op="sum")
+        # one tiny collective: loss, the finite check and the background checkpoint's status
+        ck_done, ck_failed = self.writer.status()
+        loss_total, nonfinite, ck_done, ck_failed = self.comm.allreduce_scalars(
+            [loss_sum, 0.0 if math.isfinite(grad_norm) else 1.0, ck_done, ck_failed], op="sum")
         loss = loss_total / (self.accum * self.world)
+        self._checkpoint_progress(ck_done, ck_failed)
         timer.mark("norm")
 
         self.step += 1
@@ -255,8 +270,16 @@ class TrainingRunner:
                     self.metrics.log(self.step, {"eval_loss": eval_loss,
                                                  "eval_perplexity": math.exp(min(eval_loss, 80.0))})
                     self.timer.mark("log")
+                every = cfg.checkpoint.every
+                if (every and self.step % every == 0) or self.step == t.max_steps:
+                    self.save()
+            self._finish_checkpoint()
         finally:
             self.loader.close()
+        if self.is_main and self.saved_step == self.step:
+            from .export import export_checkpoint
+            export_checkpoint(os.path.join(self.out, "checkpoints", str(self.step)),
+                              os.path.join(self.out, "model.onnx"), echo=self.log)
         elapsed = time.perf_counter() - start
         summary = {
             "steps": self.step, "skipped_steps": self.skipped, "tokens": self.step * self.tokens_per_step,
@@ -267,6 +290,74 @@ class TrainingRunner:
         self._footer(summary)
         self.metrics.close()
         return summary
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self) -> None:
+        """Snapshot the state and write it in the background (every rank)."""
+        if self.writer.pending_step is not None:      # the previous write is still in flight
+            self.writer.wait()
+            self._checkpoint_progress(*self.comm.allreduce_scalars(list(self.writer.status()), op="sum"))
+        meta = {
+            "format_version": K.FORMAT_VERSION, "step": self.step, "updates": self.updates,
+            "skipped_steps": self.skipped, "loader": self.loader.state_dict(),
+            "lr_schedule": {"step": self.step, "lr": learning_rate(self.step, self.cfg.optimizer.lr,
+                                                                   self.cfg.train.max_steps, self.cfg.lr_schedule)},
+            "world_size": self.world, "global_batch": self.global_batch,
+            "seed": self.cfg.run.seed, "graphs": self.manifest["files"],
+            "optimizer_states": list(self.engine.state),
+        }
+        buffers = {"params": self.engine.params, **self.engine.state}
+        self.writer.start(self.step, self.engine.layout, buffers, meta, C.to_yaml(self.cfg))
+        self.timer.mark("checkpoint")
+
+    def _checkpoint_progress(self, done: float, failed: float) -> None:
+        if self.writer.pending_step is None:
+            return
+        if failed:
+            step = self.writer.pending_step
+            own = self.writer.error_text()
+            self.writer.abandon()
+            raise TrainrunError(f"checkpoint at step {step} failed on rank {self.rank}: {own}" if own else
+                                f"checkpoint at step {step} failed on another rank (see its message); "
+                                f"older checkpoints are intact")
+        if done == self.world:
+            step = self.writer.pending_step
+            if self.is_main:
+                path = self.writer.commit()
+                self.log(f"checkpoint saved: {path}")
+            else:
+                self.writer.pending_step = None
+            self.saved_step = step
+
+    def _finish_checkpoint(self) -> None:
+        if self.writer.pending_step is not None:
+            self.writer.wait()
+            self._checkpoint_progress(*self.comm.allreduce_scalars(list(self.writer.status()), op="sum"))
+
+    def _load(self, ckpt: str) -> None:
+        """Restore parameters, optimizer state, step counters and the data position."""
+        bad = None
+        if self.is_main:
+            try:
+                K.verify(ckpt)
+            except UsageError as exc:
+                bad = exc
+        if self.comm.allreduce_scalars([1.0 if bad else 0.0], op="max")[0]:
+            raise bad or UsageError(f"{ckpt}: failed verification on rank 0")
+        state = K.read_state(ckpt)
+        L = self.engine.layout
+        K.load_tensors_into(os.path.join(ckpt, "model.safetensors"), L.names, L.shapes, self.engine.params)
+        for s_name, buf in self.engine.state.items():
+            if s_name not in state["optimizer_states"]:
+                raise UsageError(f"{ckpt}: holds no optimizer state '{s_name}' (saved: "
+                                 f"{state['optimizer_states']}); the optimizer changed")
+            K.load_tensors_into(os.path.join(ckpt, "optimizer.safetensors"), L.names, L.shapes, buf,
+                                prefix=f"{s_name}/")
+        self.step, self.updates, self.skipped = state["step"], state["updates"], state["skipped_steps"]
+        self.saved_step = self.step
+        self.loader.load_state_dict(state["loader"])
+        self.log(f"resumed from {ckpt} at step {self.step} (saved by {state['world_size']} rank(s), "
+                 f"now {self.world})")
 
     def _header(self) -> None:
         cfg = self.cfg
@@ -294,11 +385,58 @@ class TrainingRunner:
         self.comm.close()
 
 
-def train(cfg: C.Config) -> dict:
-    runner = TrainingRunner(cfg)
+def train(cfg: C.Config, resume_from: str | None = None) -> dict:
+    runner = TrainingRunner(cfg, resume_from=resume_from)
     try:
         return runner.fit()
-    except TrainrunError:
-        raise
     finally:
         runner.close()
+
+
+# keys `resume --set` may change without --force (prefix match)
+SAFE_ON_RESUME = ("train.max_steps", "train.eval_every", "train.eval_steps", "train.log_every",
+                  "train.micro_batch_size", "train.gradient_accumulation_steps", "checkpoint.",
+                  "optimizer.lr", "optimizer.max_grad_norm", "lr_schedule.", "run.log_level", "engine.",
+                  "tensorboard.", "data.prefetch", "data.eval", "distributed.timeout_s", "distributed.backend")
+
+
+def resume(path: str, overrides: list[str], force: bool = False) -> dict:
+    """Continue the run holding ``path`` (a run directory or one of its checkpoints)."""
+    from .comm import detect_world
+    ckpt = K.resolve_checkpoint(path)
+    run_dir = os.path.dirname(os.path.dirname(ckpt))
+    saved_path = os.path.join(ckpt, "config.yaml")
+    saved = C.load_config(saved_path)
+    cfg = C.load_config(saved_path, overrides, need_data=True)
+    saved.run.output_dir = cfg.run.output_dir = run_dir   # the run may have been moved
+    changed = _changed_keys(C.to_dict(saved), C.to_dict(cfg))
+    unsafe = [k for k in changed if not k.startswith(SAFE_ON_RESUME)]
+    if unsafe and not force:
+        raise UsageError("resume: these keys change the model, optimizer or data and would not continue the "
+                         "same run (add --force to do it anyway)", [f"{k}: {_get(saved, k)!r} -> "
+                                                                   f"{_get(cfg, k)!r}" for k in unsafe])
+    state = K.read_state(ckpt)
+    _, world = detect_world()
+    if cfg.global_batch(world) != state["global_batch"] and not force:
+        raise UsageError(
+            f"resume: the global batch would change from {state['global_batch']} "
+            f"(saved by {state['world_size']} rank(s)) to {cfg.global_batch(world)} "
+            f"({cfg.train.micro_batch_size} x {cfg.train.gradient_accumulation_steps} accum x {world} ranks); "
+            f"keep it with --set train.micro_batch_size=... / train.gradient_accumulation_steps=... "
+            f"(or --force)")
+    return train(cfg, resume_from=ckpt)
+
+
+def _changed_keys(a: dict, b: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k in a:
+        path = f"{prefix}{k}"
+        if isinstance(a[k], dict):
+            out += _changed_keys(a[k], b[k], path + ".")
+        elif a[k] != b[k]:
+            out.append(path)
+    return out
+
+
+def _get(cfg, dotted):
+    return C.get(cfg, dotted)

@@ -1,0 +1,315 @@
+"""Checkpoints: atomic, checksummed, written in the background, resumable on any rank count.
+
+Layout of ``<run>/checkpoints/<step>/``::
+
+    model.safetensors      parameters, by name (safetensors: no pickle, readable by
+                           safetensors/transformers/numpy tools)
+    optimizer.safetensors  optimizer state, keys "<state>/<param name>" (e.g. exp_avg/...)
+    state.json             step, updates, skipped steps, data-loader position, LR-schedule
+                           position, world size at save time, graph hashes, trainrun version
+    config.yaml            the resolved config of the run
+    checksums.json         sha256 of every file above
+    COMMITTED              written last, after every rank finished: holds sha256(checksums.json)
+
+Protocol. At a checkpoint step every rank copies the state into preallocated
+host buffers (the only time the step waits) and a background thread writes and
+fsyncs the files into ``checkpoints/.staging-<step>/`` (rank 0 writes the
+tensors, every rank its ``rank-<r>.json``). Completion is agreed through the
+small per-step allreduce that the runner does anyway; once every rank is done,
+rank 0 renames the staging directory to ``<step>``, writes ``COMMITTED`` and
+only then deletes checkpoints beyond ``keep_last``. A directory without
+``COMMITTED`` is incomplete and ignored; stale staging directories are removed
+at start-up.
+
+The safetensors files are written directly from the flat buffers: the flat
+layout is the concatenation of the tensors, so the data section is one
+sequential write.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import threading
+import warnings
+
+import numpy as np
+
+from .errors import TrainrunError, UsageError
+
+COMMITTED = "COMMITTED"
+STAGING = ".staging-"
+FORMAT_VERSION = 1
+_CHUNK = 64 << 20
+
+
+# --------------------------------------------------------------------------- safetensors on flat buffers
+
+def _header(names, shapes, metadata=None) -> bytes:
+    header, off = {}, 0
+    for name, shape in zip(names, shapes):
+        n = int(np.prod(shape, dtype=np.int64)) * 4
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    if metadata:
+        header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)      # keep the data section 8-byte aligned
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write_flat_safetensors(path: str, names, shapes, flat_buffers, metadata=None) -> str:
+    """Write tensors laid out contiguously in ``flat_buffers`` (float32); fsync; return sha256."""
+    h = hashlib.sha256()
+    with open(path, "wb") as fh:
+        head = _header(names, shapes, metadata)
+        fh.write(head)
+        h.update(head)
+        for flat in flat_buffers:
+            mv = memoryview(np.ascontiguousarray(flat, dtype=np.float32)).cast("B")
+            for i in range(0, len(mv), _CHUNK):
+                chunk = mv[i:i + _CHUNK]
+                fh.write(chunk)
+                h.update(chunk)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return h.hexdigest()
+
+
+def write_json(path: str, obj) -> str:
+    data = (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- finding checkpoints
+
+def _steps(ckpt_root: str) -> list[int]:
+    if not os.path.isdir(ckpt_root):
+        return []
+    return sorted(int(d) for d in os.listdir(ckpt_root) if d.isdigit())
+
+
+def complete_checkpoints(ckpt_root: str) -> list[str]:
+    """Committed checkpoint directories, oldest first."""
+    return [os.path.join(ckpt_root, str(s)) for s in _steps(ckpt_root)
+            if os.path.exists(os.path.join(ckpt_root, str(s), COMMITTED))]
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint directory from a run directory (latest complete one) or a checkpoint path."""
+    path = os.path.abspath(path)
+    if os.path.exists(os.path.join(path, COMMITTED)):
+        return path
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        done = complete_checkpoints(os.path.join(path, "checkpoints"))
+        if not done:
+            raise UsageError(f"{path}: no complete checkpoint under checkpoints/")
+        return done[-1]
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, "state.json")):
+        raise UsageError(f"{path}: checkpoint is incomplete (no {COMMITTED} marker); "
+                         f"use an earlier one or the run directory")
+    raise UsageError(f"{path}: neither a run directory with checkpoints nor a checkpoint")
+
+
+def cleanup(ckpt_root: str, log=print) -> None:
+    """Start-up hygiene (rank 0): remove stale staging dirs, warn about incomplete checkpoints."""
+    if not os.path.isdir(ckpt_root):
+        return
+    for d in os.listdir(ckpt_root):
+        full = os.path.join(ckpt_root, d)
+        if d.startswith(STAGING):
+            log(f"removing stale checkpoint staging directory {full}")
+            shutil.rmtree(full, ignore_errors=True)
+        elif d.isdigit() and not os.path.exists(os.path.join(full, COMMITTED)):
+            log(f"warning: ignoring incomplete checkpoint {full} (no {COMMITTED} marker)")
+
+
+# --------------------------------------------------------------------------- loading
+
+def verify(ckpt: str) -> dict:
+    """Check the marker and every file's checksum; return checksums.json's content."""
+    marker = os.path.join(ckpt, COMMITTED)
+    sums_path = os.path.join(ckpt, "checksums.json")
+    for p in (marker, sums_path):
+        if not os.path.exists(p):
+            raise UsageError(f"{p}: missing; the checkpoint is incomplete")
+    with open(marker) as fh:
+        expected = fh.read().strip()
+    if sha256_file(sums_path) != expected:
+        raise UsageError(f"{sums_path}: checksum does not match {marker}; the checkpoint is corrupt")
+    with open(sums_path) as fh:
+        sums = json.load(fh)
+    for name, digest in sums.items():
+        p = os.path.join(ckpt, name)
+        if not os.path.exists(p):
+            raise UsageError(f"{p}: missing from the checkpoint")
+        if sha256_file(p) != digest:
+            raise UsageError(f"{p}: checksum mismatch; the file is corrupt")
+    return sums
+
+
+def read_state(ckpt: str) -> dict:
+    with open(os.path.join(ckpt, "state.json")) as fh:
+        state = json.load(fh)
+    if state.get("format_version") != FORMAT_VERSION:
+        raise UsageError(f"{ckpt}/state.json: format_version {state.get('format_version')}, "
+                         f"this trainrun reads {FORMAT_VERSION}")
+    return state
+
+
+def load_tensors_into(path: str, names, shapes, flat: np.ndarray, prefix: str = "") -> None:
+    """Fill ``flat`` (laid out as names/shapes) from a safetensors file; clear errors on mismatch."""
+    from safetensors import safe_open
+    try:
+        fh = safe_open(path, framework="numpy")
+    except Exception as exc:  # noqa: BLE001 - a damaged header
+        raise UsageError(f"{path}: not a readable safetensors file: {exc}") from None
+    with fh:
+        keys = set(fh.keys())
+        off = 0
+        for name, shape in zip(names, shapes):
+            key = prefix + name
+            n = int(np.prod(shape, dtype=np.int64))
+            if key not in keys:
+                raise UsageError(f"{path}: has no tensor '{key}'; the checkpoint is of another model")
+            t = fh.get_tensor(key)
+            if tuple(t.shape) != tuple(shape):
+                raise UsageError(f"{path}: tensor '{key}' has shape {tuple(t.shape)}, this model's is "
+                                 f"{tuple(shape)}; the checkpoint is of another model")
+            flat[off:off + n] = t.reshape(-1)
+            off += n
+
+
+# --------------------------------------------------------------------------- saving
+
+class CheckpointWriter:
+    """Background checkpoint writing for one rank; the runner drives the commit."""
+
+    def __init__(self, run_dir: str, rank: int, world_size: int, keep_last: int, log=print):
+        self.root = os.path.join(run_dir, "checkpoints")
+        self.rank, self.world = rank, world_size
+        self.keep_last = keep_last
+        self.log = log
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._snap: dict[str, np.ndarray] = {}
+        self.pending_step: int | None = None
+
+    # -- called by every rank at the checkpoint step
+    def start(self, step: int, layout, buffers: dict[str, np.ndarray], meta: dict, config_yaml: str) -> None:
+        """Snapshot ``buffers`` ("params" and one per optimizer state) and write them in the background."""
+        self.wait()   # at most one write in flight
+        for key, buf in buffers.items():
+            snap = self._snap.get(key)
+            if snap is None or snap.shape != buf.shape:
+                snap = self._snap[key] = np.empty_like(buf)
+            np.copyto(snap, buf)
+        self.pending_step = step
+        self._error = None
+        staging = os.path.join(self.root, f"{STAGING}{step}")
+        self._thread = threading.Thread(target=self._write, name="checkpoint-writer", daemon=True,
+                                        args=(staging, layout, meta, config_yaml))
+        self._thread.start()
+
+    def _write(self, staging, layout, meta, config_yaml) -> None:
+        try:
+            os.makedirs(staging, exist_ok=True)
+            sums = {}
+            if self.rank == 0:
+                names, shapes = layout.names, layout.shapes
+                sums["model.safetensors"] = write_flat_safetensors(
+                    os.path.join(staging, "model.safetensors"), names, shapes, [self._snap["params"]],
+                    metadata={"format": "pt", "producer": "trainrun"})
+                states = [k for k in self._snap if k != "params"]
+                if states:
+                    sums["optimizer.safetensors"] = write_flat_safetensors(
+                        os.path.join(staging, "optimizer.safetensors"),
+                        [f"{s}/{n}" for s in states for n in names], [sh for _ in states for sh in shapes],
+                        [self._snap[s] for s in states])
+                sums["state.json"] = write_json(os.path.join(staging, "state.json"), meta)
+                with open(os.path.join(staging, "config.yaml"), "w") as fh:
+                    fh.write(config_yaml)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                sums["config.yaml"] = sha256_file(os.path.join(staging, "config.yaml"))
+            own = {"rank": self.rank, "world_size": self.world, "step": meta["step"],
+                   "loader": meta["loader"]}
+            digest = write_json(os.path.join(staging, f"rank-{self.rank}.json"), own)
+            with open(os.path.join(staging, f"rank-{self.rank}.sha256"), "w") as fh:
+                fh.write(digest)
+            if self.rank == 0:
+                self._rank0_sums = sums
+        except BaseException as exc:  # noqa: BLE001 - reported to every rank by status()
+            self._error = exc
+
+    def status(self) -> tuple[float, float]:
+        """(done, failed) flags of the write in flight, for the runner's per-step allreduce."""
+        if self.pending_step is None:
+            return 0.0, 0.0
+        if self._thread is not None and self._thread.is_alive():
+            return 0.0, 0.0
+        return (0.0, 1.0) if self._error is not None else (1.0, 0.0)
+
+    def error_text(self) -> str:
+        return f"{type(self._error).__name__}: {self._error}" if self._error else ""
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+    def abandon(self) -> None:
+        """A failed write: drop the staging directory (rank 0), keep older checkpoints intact."""
+        step, self.pending_step = self.pending_step, None
+        if self.rank == 0 and step is not None:
+            shutil.rmtree(os.path.join(self.root, f"{STAGING}{step}"), ignore_errors=True)
+
+    # -- rank 0, once every rank reported done
+    def commit(self) -> str:
+        step, self.pending_step = self.pending_step, None
+        staging = os.path.join(self.root, f"{STAGING}{step}")
+        sums = dict(self._rank0_sums)
+        for r in range(self.world):
+            with open(os.path.join(staging, f"rank-{r}.sha256")) as fh:
+                sums[f"rank-{r}.json"] = fh.read().strip()
+            os.remove(os.path.join(staging, f"rank-{r}.sha256"))
+        digest = write_json(os.path.join(staging, "checksums.json"), sums)
+        final = os.path.join(self.root, str(step))
+        if os.path.exists(final):       # an incomplete leftover of the same step
+            shutil.rmtree(final)
+        os.rename(staging, final)
+        _fsync_dir(self.root)
+        with open(os.path.join(final, COMMITTED), "w") as fh:
+            fh.write(digest + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        _fsync_dir(final)
+        self._prune()
+        return final
+
+    def _prune(self) -> None:
+        done = complete_checkpoints(self.root)
+        for old in done[:-self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
