@@ -25,6 +25,7 @@ import fnmatch
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -143,9 +144,14 @@ def with_loss(fwd: Forward, ignore_index: int, keep_logits: bool) -> onnx.ModelP
     ]
     # Reshape [.., C] -> [N, C] needs C from the logits themselves: take the last dim.
     nodes += [
-        helper.make_node("Shape", [fwd.logits], ["loss_logits_dims"], start=-1, name="loss_last_dim"),
+        # Shape + Slice rather than Shape(start=-1): works from opset 12 (SoftmaxCrossEntropyLoss's own)
+        helper.make_node("Shape", [fwd.logits], ["loss_logits_shape"], name="loss_shape"),
         helper.make_node("Constant", [], ["loss_minus1"],
                          value=numpy_helper.from_array(np.array([-1], np.int64)), name="loss_minus1_c"),
+        helper.make_node("Constant", [], ["loss_big"],
+                         value=numpy_helper.from_array(np.array([2**62], np.int64)), name="loss_big_c"),
+        helper.make_node("Slice", ["loss_logits_shape", "loss_minus1", "loss_big"], ["loss_logits_dims"],
+                         name="loss_last_dim"),
         helper.make_node("Concat", ["loss_minus1", "loss_logits_dims"], ["loss_2d_shape"], axis=0, name="loss_cat"),
         helper.make_node("Reshape", [fwd.logits, "loss_2d_shape"], ["loss_logits_2d"], name="loss_flat_logits"),
         helper.make_node("Reshape", [fwd.labels, "loss_labels_shape"], ["loss_labels_1d"], name="loss_flat_labels"),
@@ -188,7 +194,7 @@ def build_train_graph(loss_model: onnx.ModelProto, params: list[str], source: st
         grad_model = onnx.load_from_string(builder.get_model())
     except Exception as exc:  # noqa: BLE001 - the builder raises RuntimeError/Fail with the op at fault
         raise UsageError(f"{source}: onnxruntime's gradient builder cannot differentiate this graph: "
-                         f"{str(exc).strip().splitlines()[-1]}") from None
+                         f"{_builder_reason(str(exc))}") from None
 
     outputs = {o.name: o for o in grad_model.graph.output}
     missing = [p for p in params if p + GRAD_SUFFIX not in outputs]
@@ -213,6 +219,17 @@ def build_train_graph(loss_model: onnx.ModelProto, params: list[str], source: st
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     return model
+
+
+def _builder_reason(text: str) -> str:
+    """The useful part of a gradient-builder exception (drop the C++ location and signature)."""
+    m = re.search(r"has not been registered: (\S+) for node\s*(\S*)", text)
+    if m:
+        node = f" (node '{m.group(2)}')" if m.group(2) else ""
+        return (f"operator {m.group(1)}{node} has no gradient; freeze the parameters that feed it "
+                f"(model.frozen) or express it with differentiable operators")
+    text = text.strip().splitlines()[-1]
+    return text.split(" was false. ")[-1].split("] ")[-1]
 
 
 # --------------------------------------------------------------------------- prepare
