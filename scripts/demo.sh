@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# make demo: build a real dataset (the Python standard library's source), train a
+# tiny GPT-2 on 2 MPI ranks, evaluate, checkpoint, resume, export and sample.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUN=runs/demo
+DATA=data/stdlib
+STDLIB=$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
+
+if [ ! -f "$DATA/train/manifest.json" ]; then
+  echo "== building $DATA from $STDLIB (byte-level BPE, 1024 tokens)"
+  trainrun-data tokens --input "$STDLIB" --output "$DATA" --train-bpe 1024 --eval-fraction 0.01
+fi
+trainrun-data inspect "$DATA/train"
+
+if [ -d "$RUN" ]; then
+  echo "== removing the previous demo run $RUN"
+  rm -rf "$RUN"
+fi
+
+echo "== training 200 steps on 2 ranks (checkpoint every 100)"
+mpirun -np 2 trainrun --config configs/gpt2-tiny.yaml \
+  --set run.output_dir="$PWD/$RUN" --set checkpoint.every=100 \
+  --set train.eval_every=100 --set train.log_every=20 --set run.name=demo \
+  --set data.train="$PWD/$DATA/train" --set data.eval="$PWD/$DATA/eval" \
+  --set train.max_steps=200
+
+echo "== resuming to step 300 (weights, moments, data position restored; the LR schedule stretches to the new end)"
+mpirun -np 2 trainrun resume "$RUN" --set train.max_steps=300
+
+echo "== exporting the last checkpoint offline and sampling from it with plain onnxruntime"
+trainrun export "$RUN/checkpoints/300" --output "$RUN/exported.onnx"
+python scripts/generate.py "$RUN/exported.onnx" --tokenizer "$DATA/tokenizer.json" --prompt "def " --tokens 60
