@@ -45,3 +45,69 @@ def hf_gpt2(shape: dict, weights: dict):
     assert set(result.missing_keys) <= {"lm_head.weight"} and not result.unexpected_keys, result
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()  # tied
     return model
+
+
+def stdlib_text_dir(dest, max_bytes=600_000):
+    """Copy a deterministic slice of the Python standard library's source into ``dest``."""
+    import shutil
+    import sysconfig
+    src = sysconfig.get_paths()["stdlib"]
+    os.makedirs(dest, exist_ok=True)
+    total = 0
+    for name in sorted(os.listdir(src)):
+        if name.endswith(".py"):
+            size = os.path.getsize(os.path.join(src, name))
+            shutil.copy(os.path.join(src, name), os.path.join(dest, name))
+            total += size
+            if total >= max_bytes:
+                break
+    return dest
+
+
+@pytest.fixture(scope="session")
+def byte_dataset(tmp_path_factory):
+    """A real token dataset (raw bytes of stdlib source) made by `trainrun-data`."""
+    root = tmp_path_factory.mktemp("bytes_data")
+    text = stdlib_text_dir(str(root / "text"))
+    out = str(root / "data")
+    run([TRAINRUN_DATA, "tokens", "--input", text, "--output", out, "--bytes", "--eval-fraction", "0.1"], check=0)
+    return out
+
+
+def write_config(path, data_dir, **sections):
+    """A tiny GPT-2 run config over ``data_dir``; ``sections`` override whole keys (dotted names allowed)."""
+    import yaml
+    cfg = {
+        "run": {"name": "t", "output_dir": str(os.path.join(os.path.dirname(str(path)), "run")), "seed": 5},
+        "model": {"builtin": "gpt2", "gpt2": {"n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 32,
+                                              "vocab_size": 512}},
+        "data": {"train": os.path.join(data_dir, "train"), "eval": os.path.join(data_dir, "eval"), "seq_len": 32},
+        "train": {"micro_batch_size": 4, "gradient_accumulation_steps": 1, "max_steps": 20, "eval_every": 0,
+                  "eval_steps": 2, "log_every": 1},
+        "optimizer": {"name": "adamw", "lr": 3e-3, "weight_decay": 0.1, "max_grad_norm": 1.0},
+        "lr_schedule": {"name": "cosine", "warmup_steps": 5, "min_lr": 1e-4},
+        "checkpoint": {"every": 0, "keep_last": 3},
+        "tensorboard": {"enabled": False},
+    }
+    for key, value in sections.items():
+        node = cfg
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    with open(path, "w") as fh:
+        yaml.safe_dump(cfg, fh)
+    return str(path)
+
+
+def read_metrics(run_dir):
+    import json
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        rows = [json.loads(line) for line in fh]
+    train = {r["step"]: r for r in rows if "loss" in r}
+    evals = {r["step"]: r for r in rows if "eval_loss" in r}
+    return train, evals
+
+
+def mpirun(n, *args, timeout=300, check=0, env=None):
+    return run([MPIRUN, "-np", str(n), TRAINRUN, *args], timeout=timeout, check=check, env=env)

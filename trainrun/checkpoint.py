@@ -38,7 +38,8 @@ import warnings
 
 import numpy as np
 
-from .errors import TrainrunError, UsageError
+from .engine import to_host
+from .errors import UsageError
 
 COMMITTED = "COMMITTED"
 STAGING = ".staging-"
@@ -102,6 +103,14 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _fault_stall(step: int) -> None:
+    """Fault injection for the crash tests: TRAINRUN_FAULT_STALL_CHECKPOINT=<step> makes the
+    writer of that step hang (after rank 0 wrote its tensors), so a test can kill it mid-write."""
+    import time
+    if os.environ.get("TRAINRUN_FAULT_STALL_CHECKPOINT") == str(step):
+        time.sleep(3600)
 
 
 # --------------------------------------------------------------------------- finding checkpoints
@@ -225,8 +234,8 @@ class CheckpointWriter:
         for key, buf in buffers.items():
             snap = self._snap.get(key)
             if snap is None or snap.shape != buf.shape:
-                snap = self._snap[key] = np.empty_like(buf)
-            np.copyto(snap, buf)
+                snap = self._snap[key] = np.empty(buf.shape, np.float32)
+            to_host(buf, snap)
         self.pending_step = step
         self._error = None
         staging = os.path.join(self.root, f"{STAGING}{step}")
@@ -255,8 +264,11 @@ class CheckpointWriter:
                     fh.flush()
                     os.fsync(fh.fileno())
                 sums["config.yaml"] = sha256_file(os.path.join(staging, "config.yaml"))
+            _fault_stall(meta["step"])
+            # each rank's own parameter digest: proves every replica holds the same bits
             own = {"rank": self.rank, "world_size": self.world, "step": meta["step"],
-                   "loader": meta["loader"]}
+                   "loader": meta["loader"],
+                   "params_sha256": hashlib.sha256(memoryview(self._snap["params"]).cast("B")).hexdigest()}
             digest = write_json(os.path.join(staging, f"rank-{self.rank}.json"), own)
             with open(os.path.join(staging, f"rank-{self.rank}.sha256"), "w") as fh:
                 fh.write(digest)

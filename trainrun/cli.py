@@ -143,6 +143,14 @@ def _wants_traceback() -> bool:
     return os.environ.get("TRAINRUN_TRACEBACK") == "1"
 
 
+def _launcher_rank() -> int:
+    try:
+        from .comm import detect_world
+        return detect_world()[0]
+    except TrainrunError:
+        return 0
+
+
 def main(argv=None):
     try:
         cli.main(args=argv, standalone_mode=False, prog_name="trainrun")
@@ -157,7 +165,9 @@ def main(argv=None):
     except TrainrunError as exc:
         if _wants_traceback():
             traceback.print_exc()
-        click.echo(exc.render(), err=True)
+        # a config/usage error is the same on every rank: rank 0 alone reports it
+        if not (isinstance(exc, UsageError) and _launcher_rank() > 0):
+            click.echo(exc.render(), err=True)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         click.echo("trainrun: interrupted", err=True)

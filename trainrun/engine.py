@@ -51,8 +51,30 @@ class FlatLayout:
         return {n: self.view(flat, i) for i, n in enumerate(self.names)}
 
 
+def _is_cupy(arr) -> bool:
+    return type(arr).__module__.startswith("cupy")
+
+
+def to_host(buf, out: np.ndarray) -> None:
+    """Copy a numpy or cupy buffer into the host array ``out``."""
+    if _is_cupy(buf):
+        buf.get(out=out)
+    else:
+        np.copyto(out, buf)
+
+
+def from_host(buf, src: np.ndarray) -> None:
+    """Copy the host array ``src`` into a numpy or cupy buffer."""
+    if _is_cupy(buf):
+        buf.set(np.ascontiguousarray(src, dtype=buf.dtype))
+    else:
+        np.copyto(buf, src, casting="same_kind")
+
+
 @dataclass
 class EngineOptions:
+    device: str = "cpu"           # "cpu" or "cuda"
+    device_id: int = 0            # the GPU of this rank (its local rank)
     threads: int = 1
     graph_optimization: str = "all"
     log_severity: int = 3          # onnxruntime: 0 verbose .. 3 error
@@ -77,13 +99,17 @@ def session_options(opts: EngineOptions):
 
 
 class _Bound:
-    """One session with its IOBinding; inputs/outputs bound to numpy arrays by pointer."""
+    """One session with its IOBinding; inputs/outputs bound by pointer to numpy (host)
+    or cupy (GPU) arrays."""
 
     def __init__(self, path: str, opts: EngineOptions, name: str):
         import onnxruntime as ort
+        providers = ["CPUExecutionProvider"]
+        if opts.device == "cuda":
+            providers = [("CUDAExecutionProvider", {"device_id": opts.device_id}), "CPUExecutionProvider"]
+        self.device_id = opts.device_id
         try:
-            self.session = ort.InferenceSession(path, sess_options=session_options(opts),
-                                                providers=["CPUExecutionProvider"])
+            self.session = ort.InferenceSession(path, sess_options=session_options(opts), providers=providers)
         except Exception as exc:  # noqa: BLE001
             raise TrainrunError(f"{path}: onnxruntime cannot load the {name} graph: "
                                 f"{str(exc).strip().splitlines()[0]}") from None
@@ -92,14 +118,20 @@ class _Bound:
         self.input_names = {i.name for i in self.session.get_inputs()}
         self.keep = []   # arrays whose memory is bound: keep them alive
 
-    def bind_in(self, name: str, arr: np.ndarray) -> None:
+    def _where(self, arr):
         assert arr.flags.c_contiguous
-        self.binding.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+        if _is_cupy(arr):
+            return "cuda", self.device_id, arr.data.ptr
+        return "cpu", 0, arr.ctypes.data
+
+    def bind_in(self, name: str, arr) -> None:
+        dev, dev_id, ptr = self._where(arr)
+        self.binding.bind_input(name, dev, dev_id, arr.dtype, list(arr.shape), ptr)
         self.keep.append(arr)
 
-    def bind_out(self, name: str, arr: np.ndarray) -> None:
-        assert arr.flags.c_contiguous
-        self.binding.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+    def bind_out(self, name: str, arr) -> None:
+        dev, dev_id, ptr = self._where(arr)
+        self.binding.bind_output(name, dev, dev_id, arr.dtype, list(arr.shape), ptr)
         self.keep.append(arr)
 
     def run(self) -> None:
@@ -120,17 +152,24 @@ class Engine:
         self.manifest = G.load_manifest(graphs_dir)
         self.layout = FlatLayout.from_manifest(self.manifest)
         N = self.layout.total
-        self.params = np.zeros(N, np.float32)
-        self.grads = np.zeros(N, np.float32)
-        self.state = {s: np.zeros(N, np.float32) for s in state_names}
+        if opts.device == "cuda":       # big buffers and batches on the GPU; scalars stay on the host
+            import cupy
+            cupy.cuda.Device(opts.device_id).use()
+            self.xp = cupy
+        else:
+            self.xp = np
+        xp = self.xp
+        self.params = xp.zeros(N, np.float32)
+        self.grads = xp.zeros(N, np.float32)
+        self.state = {s: xp.zeros(N, np.float32) for s in state_names}
         self.loss = np.zeros((), np.float32)
         self.eval_loss = np.zeros((), np.float32)
         self.reset = np.ones(1, bool)
         self.lr = np.zeros((), np.float32)
         self.step = np.zeros((), np.int64)
         self.grad_scale = np.ones((), np.float32)
-        self.batch = {k: np.zeros(s, d) for k, (s, d) in batch_shapes.items()}
-        self.eval_batch = {k: np.zeros(s, d) for k, (s, d) in eval_batch_shapes.items()}
+        self.batch = {k: xp.zeros(s, d) for k, (s, d) in batch_shapes.items()}
+        self.eval_batch = {k: xp.zeros(s, d) for k, (s, d) in eval_batch_shapes.items()}
 
         self.train_s = _Bound(os.path.join(graphs_dir, "train.onnx"), opts, "train")
         self.eval_s = _Bound(os.path.join(graphs_dir, "eval.onnx"), opts, "eval")
@@ -185,7 +224,7 @@ class Engine:
             src = batch[k]
             if src.shape != buf.shape:
                 raise TrainrunError(f"batch '{k}' has shape {src.shape}, the engine was built for {buf.shape}")
-            np.copyto(buf, src, casting="same_kind")
+            from_host(buf, src)
 
     def forward_backward(self, batch: dict, accumulate: bool) -> float:
         """Loss of one micro-batch; its gradients overwrite (accumulate=False) or add to the buffer."""
@@ -218,7 +257,11 @@ class Engine:
             if tensors[name].shape != v.shape:
                 raise UsageError(f"{path}: tensor '{name}' has shape {tensors[name].shape}, "
                                  f"the model expects {v.shape}")
-            v[...] = tensors[name]
+            v[...] = self.xp.asarray(tensors[name])
+
+    def grad_norm_sq(self) -> float:
+        """Squared L2 norm of the gradient buffer (inf/nan when it holds any)."""
+        return float(self.xp.dot(self.grads, self.grads))
 
 
 def load_onnx_inputs(path: str) -> list[str]:

@@ -31,7 +31,7 @@ from . import config as C
 from . import graphs as G
 from .comm import make_communicator
 from .data import TrainLoader, eval_batches, open_dataset
-from .engine import Engine, EngineOptions
+from .engine import Engine, EngineOptions, from_host
 from .errors import TrainrunError, UsageError
 from .metrics import Metrics, fmt_duration
 from .optim import state_names
@@ -77,10 +77,10 @@ def _graphs_match(graphs_dir: str, cfg: C.Config) -> bool:
 
 
 class TrainingRunner:
-    def __init__(self, cfg: C.Config, resume_from: str | None = None):
+    def __init__(self, cfg: C.Config, comm, resume_from: str | None = None):
         self.cfg = cfg
         self.resume_from = resume_from
-        self.comm = make_communicator(cfg.distributed.backend, cfg.device, cfg.distributed.timeout_s)
+        self.comm = comm
         self.rank, self.world = self.comm.rank, self.comm.world_size
         self.is_main = self.rank == 0
         self.verbose = cfg.run.log_level in ("devinfo", "verbose")
@@ -182,7 +182,7 @@ class TrainingRunner:
         if cfg.run.deterministic:
             threads = 1
         self.threads = threads
-        opts = EngineOptions(threads=threads, graph_optimization=cfg.engine.graph_optimization,
+        opts = EngineOptions(device=cfg.device, device_id=self.comm.local_rank, threads=threads, graph_optimization=cfg.engine.graph_optimization,
                              log_severity=_ORT_SEVERITY[cfg.run.log_level], deterministic=cfg.run.deterministic)
         mb, S = cfg.train.micro_batch_size, cfg.data.seq_len
         shapes = {name: ((mb, S), np.int64) for name in self.train_ds.feature_names}
@@ -203,7 +203,8 @@ class TrainingRunner:
         timer.mark("allreduce")
 
         scale = 1.0 / (self.accum * self.world)          # sum over ranks and micro-batches -> mean
-        grad_norm = math.sqrt(float(np.dot(eng.grads, eng.grads))) * scale
+        norm_sq = eng.grad_norm_sq()
+        grad_norm = math.sqrt(norm_sq) * scale if math.isfinite(norm_sq) else float("inf")
         # one tiny collective: loss, the finite check and the background checkpoint's status
         ck_done, ck_failed = self.writer.status()
         loss_total, nonfinite, ck_done, ck_failed = self.comm.allreduce_scalars(
@@ -346,13 +347,16 @@ class TrainingRunner:
             raise bad or UsageError(f"{ckpt}: failed verification on rank 0")
         state = K.read_state(ckpt)
         L = self.engine.layout
-        K.load_tensors_into(os.path.join(ckpt, "model.safetensors"), L.names, L.shapes, self.engine.params)
+        host = np.empty(L.total, np.float32)
+        K.load_tensors_into(os.path.join(ckpt, "model.safetensors"), L.names, L.shapes, host)
+        from_host(self.engine.params, host)
         for s_name, buf in self.engine.state.items():
             if s_name not in state["optimizer_states"]:
                 raise UsageError(f"{ckpt}: holds no optimizer state '{s_name}' (saved: "
                                  f"{state['optimizer_states']}); the optimizer changed")
-            K.load_tensors_into(os.path.join(ckpt, "optimizer.safetensors"), L.names, L.shapes, buf,
+            K.load_tensors_into(os.path.join(ckpt, "optimizer.safetensors"), L.names, L.shapes, host,
                                 prefix=f"{s_name}/")
+            from_host(buf, host)
         self.step, self.updates, self.skipped = state["step"], state["updates"], state["skipped_steps"]
         self.saved_step = self.step
         self.loader.load_state_dict(state["loader"])
@@ -386,11 +390,37 @@ class TrainingRunner:
 
 
 def train(cfg: C.Config, resume_from: str | None = None) -> dict:
-    runner = TrainingRunner(cfg, resume_from=resume_from)
+    """Train (or continue) on every rank. A failure on one rank ends the whole job
+    at once (MPI abort) after printing its cause, so no peer waits in a collective."""
+    if cfg.device == "cuda":
+        from .comm import cuda_device_count
+        if cuda_device_count() == 0:
+            raise UsageError("device: cuda, but no CUDA GPU is visible (checked with cupy; install the "
+                             "`gpu` extra on a machine with a GPU, or set device: cpu)")
+    comm = make_communicator(cfg.distributed.backend, cfg.device, cfg.distributed.timeout_s)
     try:
-        return runner.fit()
+        return TrainingRunner(cfg, comm, resume_from=resume_from).fit()
+    except BaseException as exc:
+        if comm.world_size > 1:
+            _report_and_abort(comm, exc, verbose=cfg.run.log_level == "verbose")
+        raise
     finally:
-        runner.close()
+        comm.close()
+
+
+def _report_and_abort(comm, exc: BaseException, verbose: bool) -> None:
+    import sys
+    import traceback
+    if verbose:
+        traceback.print_exc()
+    if isinstance(exc, TrainrunError):
+        text, code = exc.render(), exc.exit_code
+    elif isinstance(exc, KeyboardInterrupt):
+        text, code = "trainrun: interrupted", 130
+    else:
+        text, code = f"trainrun: error: {type(exc).__name__}: {exc}", 1
+    print(f"[rank {comm.rank}] {text}", file=sys.stderr, flush=True)
+    comm.abort(code)
 
 
 # keys `resume --set` may change without --force (prefix match)

@@ -1,0 +1,214 @@
+"""Checkpoints, exact resume on any rank count, crash safety and export; real processes."""
+
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import (BIN, MPIRUN, TRAINRUN, hf_gpt2, mpirun, read_metrics, run, write_config)
+
+
+def losses(run_dir):
+    train, _ = read_metrics(run_dir)
+    return {s: train[s]["loss"] for s in sorted(train)}
+
+
+def model_bytes(ckpt):
+    with open(os.path.join(ckpt, "model.safetensors"), "rb") as fh:
+        return fh.read()
+
+
+def test_exact_resume_same_and_other_rank_counts(tmp_path, byte_dataset):
+    common = {"train.max_steps": 40, "train.micro_batch_size": 6, "checkpoint.every": 20}
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    mpirun(2, "--config", write_config(straight / "c.yaml", byte_dataset, **common))
+    ref = losses(str(straight / "run"))
+    assert sorted(ref) == list(range(1, 41))
+
+    split = tmp_path / "split"
+    split.mkdir()
+    mpirun(2, "--config", write_config(split / "c.yaml", byte_dataset, **{**common, "train.max_steps": 20}))
+    mpirun(2, "resume", str(split / "run"), "--set", "train.max_steps=40")
+    got = losses(str(split / "run"))
+    assert got == ref                                         # identical at every step
+    assert model_bytes(str(split / "run/checkpoints/40")) == model_bytes(str(straight / "run/checkpoints/40"))
+
+    # the same run continued by 1 rank (2 micro-batches of 6) and by 3 ranks (micro-batch 4)
+    for world, sets in [(1, ["train.gradient_accumulation_steps=2"]), (3, ["train.micro_batch_size=4"])]:
+        other = tmp_path / f"w{world}"
+        shutil.copytree(split / "run", other / "run")
+        shutil.rmtree(other / "run/checkpoints/40")
+        (other / "run/metrics.jsonl").write_text("")
+        args = ["resume", str(other / "run/checkpoints/20"), "--set", "train.max_steps=40"]
+        for s in sets:
+            args += ["--set", s]
+        mpirun(world, *args)
+        cont = losses(str(other / "run"))
+        assert sorted(cont) == list(range(21, 41))
+        np.testing.assert_allclose([cont[s] for s in cont], [ref[s] for s in cont], rtol=1e-5, atol=1e-5)
+
+
+def test_keep_last_and_resume_refusals(tmp_path, byte_dataset):
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 8, "checkpoint.every": 2,
+                                                             "checkpoint.keep_last": 2})
+    mpirun(2, "--config", cfg)
+    ck = tmp_path / "run" / "checkpoints"
+    assert sorted(os.listdir(ck)) == ["6", "8"]
+    for c in ("6", "8"):
+        files = set(os.listdir(ck / c))
+        assert {"model.safetensors", "optimizer.safetensors", "state.json", "config.yaml", "checksums.json",
+                "COMMITTED", "rank-0.json", "rank-1.json"} == files
+    state = json.loads((ck / "8" / "state.json").read_text())
+    assert state["step"] == 8 and state["world_size"] == 2 and state["loader"]
+    # params loadable by the safetensors library itself, with our names
+    from safetensors.numpy import load_file
+    tensors = load_file(str(ck / "8" / "model.safetensors"))
+    assert "transformer.wte.weight" in tensors and tensors["transformer.wte.weight"].shape == (512, 32)
+    opt = load_file(str(ck / "8" / "optimizer.safetensors"))
+    assert "exp_avg/transformer.wte.weight" in opt and "exp_avg_sq/transformer.wte.weight" in opt
+
+    proc = mpirun(1, "resume", str(tmp_path / "run"), "--set", "model.gpt2.n_embd=64", check=2)
+    assert "model.gpt2.n_embd" in proc.stderr and "--force" in proc.stderr
+    proc = mpirun(1, "resume", str(tmp_path / "run"), "--set", "train.max_steps=9", check=2)
+    assert "global batch would change from 8" in proc.stderr
+
+
+@pytest.mark.parametrize("damage", ["flip", "missing", "other_model"])
+def test_damaged_checkpoint_is_named(tmp_path, byte_dataset, damage):
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 2})
+    mpirun(1, "--config", cfg)
+    ckpt = tmp_path / "run" / "checkpoints" / "2"
+    if damage == "flip":
+        target = ckpt / "optimizer.safetensors"
+        data = bytearray(target.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        target.write_bytes(bytes(data))
+        expected = "optimizer.safetensors: checksum mismatch"
+    elif damage == "missing":
+        os.remove(ckpt / "model.safetensors")
+        expected = "model.safetensors: missing"
+    else:   # a checkpoint of a wider model, complete and valid in itself
+        other = tmp_path / "other"
+        other.mkdir()
+        mpirun(1, "--config", write_config(other / "c.yaml", byte_dataset, **{
+            "train.max_steps": 2, "model.gpt2": {"n_layer": 2, "n_head": 2, "n_embd": 64, "n_positions": 32,
+                                                  "vocab_size": 512}}))
+        shutil.rmtree(ckpt)
+        shutil.copytree(other / "run/checkpoints/2", ckpt)
+        expected = "model.safetensors: tensor 'transformer.wte.weight' has shape (512, 64)"
+    proc = mpirun(1, "resume", str(tmp_path / "run"), "--set", "train.max_steps=4", check=2)
+    assert expected in proc.stderr and "Traceback" not in proc.stderr
+    proc = run([TRAINRUN, "export", str(ckpt), "--output", str(tmp_path / "m.onnx")], check=2)
+    assert expected in proc.stderr
+
+
+def _rank_pids(marker):
+    pids = {}
+    for env_path in glob.glob("/proc/[0-9]*/environ"):
+        pid = int(env_path.split("/")[2])
+        try:
+            env = open(env_path, "rb").read().split(b"\0")
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmd and "trainrun" in cmd:
+            for item in env:
+                if item.startswith(b"PMI_RANK="):
+                    pids[int(item.split(b"=")[1])] = pid
+    return pids
+
+
+def test_kill_during_checkpoint_write_keeps_the_previous_one(tmp_path, byte_dataset):
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 20, "checkpoint.every": 4})
+    env = dict(os.environ, TRAINRUN_FAULT_STALL_CHECKPOINT="8")
+    proc = subprocess.Popen([MPIRUN, "-np", "2", TRAINRUN, "--config", cfg], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    ck = tmp_path / "run" / "checkpoints"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (ck / ".staging-8" / "model.safetensors").exists():
+        time.sleep(0.1)
+    try:
+        assert (ck / ".staging-8" / "model.safetensors").exists(), "the stalled write never started"
+        time.sleep(0.5)
+        os.kill(_rank_pids(str(tmp_path))[1], signal.SIGKILL)
+        proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert (ck / "4" / "COMMITTED").exists() and not (ck / "8").exists()
+    proc = mpirun(2, "resume", str(tmp_path / "run"))
+    assert "removing stale checkpoint staging directory" in proc.stdout
+    assert "resumed from" in proc.stdout and "at step 4" in proc.stdout
+    assert not (ck / ".staging-8").exists() and (ck / "20" / "COMMITTED").exists()
+
+
+def test_disk_full_during_save(tmp_path, byte_dataset):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1200k", "tmpfs", str(mnt)]).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        # the model (~0.1M params) needs ~1.2 MB per checkpoint with its Adam moments: the third does not fit
+        cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{
+            "run.output_dir": str(mnt / "run"), "train.max_steps": 6, "checkpoint.every": 2,
+            "checkpoint.keep_last": 5})
+        proc = mpirun(2, "--config", cfg, check=1)
+        assert "No space left on device" in proc.stderr
+        assert "checkpoint at step" in proc.stderr
+        ck = mnt / "run" / "checkpoints"
+        done = [d for d in os.listdir(ck) if (ck / d / "COMMITTED").exists()]
+        assert done, "no older checkpoint survived"
+        assert not [d for d in os.listdir(ck) if d.startswith(".staging")]
+        for d in done:   # intact: they verify
+            run([TRAINRUN, "export", str(ck / d), "--output", str(tmp_path / f"m{d}.onnx")], check=0)
+    finally:
+        subprocess.run(["umount", str(mnt)])
+
+
+def test_export_matches_transformers_and_runs_in_plain_onnxruntime(tmp_path, byte_dataset):
+    shape = {"n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 32, "vocab_size": 512}
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 5})
+    mpirun(2, "--config", cfg)
+    ckpt = tmp_path / "run" / "checkpoints" / "5"
+    assert (tmp_path / "run" / "model.onnx").exists()           # exported at the end of training
+    proc = run([TRAINRUN, "export", str(ckpt), "--output", str(tmp_path / "m.onnx")], check=0)
+    assert "max |logits - eval graph|" in proc.stdout
+
+    import onnx
+    import onnxruntime as ort
+    import torch
+    from safetensors.numpy import load_file
+    m = onnx.load(str(tmp_path / "m.onnx"))
+    assert not any(n.domain == "com.microsoft" and n.op_type != "FastGelu" for n in m.graph.node)
+    assert [i.name for i in m.graph.input] == ["input_ids"]
+    hf = hf_gpt2(shape, load_file(str(ckpt / "model.safetensors"))).eval()
+    ids = np.random.default_rng(0).integers(0, 512, (3, 32))
+    ours = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"]).run(
+        ["logits"], {"input_ids": ids})[0]
+    with torch.no_grad():
+        ref = hf(torch.from_numpy(ids)).logits.numpy()
+    assert np.abs(ours - ref).max() < 1e-4
+
+    # the newest plain onnxruntime, in a venv of its own, runs it
+    venv = tmp_path / "plain"
+    run([sys.executable, "-m", "venv", str(venv)], check=0, timeout=120)
+    pip = run([str(venv / "bin/pip"), "install", "-q", "onnxruntime", "numpy"], timeout=600)
+    if pip.returncode != 0:
+        pytest.skip(f"cannot install plain onnxruntime from the package index: {pip.stderr[-300:]}")
+    np.save(tmp_path / "ids.npy", ids)
+    np.save(tmp_path / "ref.npy", ref)
+    script = ("import numpy as np, onnxruntime as ort, sys; s = ort.InferenceSession(sys.argv[1]); "
+              "out = s.run(['logits'], {'input_ids': np.load(sys.argv[2])})[0]; "
+              "print(ort.__version__, float(np.abs(out - np.load(sys.argv[3])).max()))")
+    proc = run([str(venv / "bin/python"), "-c", script, str(tmp_path / "m.onnx"), str(tmp_path / "ids.npy"),
+                str(tmp_path / "ref.npy")], check=0)
+    version, diff = proc.stdout.split()
+    assert not version.startswith("1.19") and float(diff) < 1e-4

@@ -1,0 +1,410 @@
+"""The optimizer graph (trainrun.optim) against NumPy references and torch.optim.
+
+Every graph runs in a real onnxruntime InferenceSession with IOBinding, each
+``X`` / ``X_out`` pair bound to ONE OrtValue that shares memory with a flat
+NumPy array, so the update happens in place exactly as the runner does it.
+"""
+
+import fnmatch
+import math
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from trainrun.config import OptimizerConfig
+from trainrun.kernels.sym import inplace_conflicts
+from trainrun.optim import build_optimizer_graph, inplace_aliases, state_names, weight_decays
+
+# Names chosen so that the default no_decay patterns exclude some ("*bias", "*ln_*").
+PARAMS = [
+    ("h.0.attn.weight", (12, 16)),
+    ("h.0.attn.bias", (16,)),
+    ("h.0.ln_1.weight", (16,)),
+    ("wte", (40, 8)),
+    ("head.weight", (8, 5)),
+    ("gain", ()),
+]
+LR_TRAP = 7.0  # cfg.lr: a graph that baked it in would fail every comparison
+
+
+def initial_params(rng, scales=None):
+    """Float32 params; biases start at zero (LAMB's ||w|| = 0 case at step 1)."""
+    out = {}
+    for i, (name, shape) in enumerate(PARAMS):
+        scale = 1.0 if scales is None else scales[i]
+        out[name] = (np.zeros(shape) if name.endswith("bias") else rng.normal(0, scale, shape)).astype(np.float32)
+    return out
+
+
+def to_flat(tensors):
+    return np.concatenate([np.asarray(tensors[name], np.float32).ravel() for name, _ in PARAMS])
+
+
+class InPlace:
+    """Runs an optimizer graph with params/state updated in place in flat numpy arrays."""
+
+    def __init__(self, model, params_flat, cfg):
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = 2
+        self.sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        n = params_flat.size
+        self.buffers = {"params": params_flat, **{s: np.zeros(n, np.float32) for s in state_names(cfg)}}
+        self.grads = np.zeros(n, np.float32)
+        self.binding = self.sess.io_binding()
+        self.values = {}
+        for name, arr in self.buffers.items():
+            value = ort.OrtValue.ortvalue_from_numpy(arr)  # shares arr's memory
+            self.binding.bind_ortvalue_input(name, value)
+            self.binding.bind_ortvalue_output(f"{name}_out", value)
+            self.values[name] = value
+        self.binding.bind_ortvalue_input("grads", ort.OrtValue.ortvalue_from_numpy(self.grads))
+
+    def step(self, grads_flat, lr, t, grad_scale):
+        self.grads[:] = grads_flat
+        self.binding.bind_cpu_input("lr", np.array(lr, np.float32))
+        self.binding.bind_cpu_input("step", np.array(t, np.int64))
+        self.binding.bind_cpu_input("grad_scale", np.array(grad_scale, np.float32))
+        self.sess.run_with_iobinding(self.binding)
+
+
+# ----------------------------------------------------------------------------- NumPy reference
+# Float64, one tensor at a time, straight from the published update rules.
+
+def decay_of(cfg, name):
+    return 0.0 if any(fnmatch.fnmatchcase(name, pat) for pat in cfg.no_decay) else cfg.weight_decay
+
+
+def ref_sgd(cfg, p, g, st, lr, t, wd, log):
+    g = g + wd * p
+    if cfg.momentum:
+        st["momentum"] = cfg.momentum * st["momentum"] + g
+        g = g + cfg.momentum * st["momentum"] if cfg.nesterov else st["momentum"]
+    return p - lr * g
+
+
+def _adam_moments(cfg, g, st):
+    b1, b2 = cfg.betas
+    st["exp_avg"] = b1 * st["exp_avg"] + (1 - b1) * g
+    st["exp_avg_sq"] = b2 * st["exp_avg_sq"] + (1 - b2) * g * g
+    return st["exp_avg"], st["exp_avg_sq"]
+
+
+def _bias_corrections(cfg, t):
+    b1, b2 = cfg.betas
+    return (1 - b1 ** t, 1 - b2 ** t) if cfg.bias_correction else (1.0, 1.0)
+
+
+def _adam_step(cfg, m, v, lr, t):
+    bc1, bc2 = _bias_corrections(cfg, t)
+    if cfg.eps_mode == "torch":  # torch: lr * m_hat / (sqrt(v_hat) + eps)
+        return lr * (m / bc1) / (np.sqrt(v / bc2) + cfg.eps)
+    # ORT / HF: lr * sqrt(bc2) / bc1 * m / (sqrt(v) + eps)
+    return lr * math.sqrt(bc2) / bc1 * m / (np.sqrt(v) + cfg.eps)
+
+
+def ref_adam(cfg, p, g, st, lr, t, wd, log):
+    m, v = _adam_moments(cfg, g + wd * p, st)
+    return p - _adam_step(cfg, m, v, lr, t)
+
+
+def ref_adamw(cfg, p, g, st, lr, t, wd, log):
+    m, v = _adam_moments(cfg, g, st)
+    if cfg.eps_mode == "torch":
+        p = p * (1 - lr * wd)
+        return p - _adam_step(cfg, m, v, lr, t)
+    p = p - _adam_step(cfg, m, v, lr, t)
+    return p - lr * wd * p
+
+
+def ref_lamb(cfg, p, g, st, lr, t, wd, log):
+    m, v = _adam_moments(cfg, g, st)
+    bc1, bc2 = _bias_corrections(cfg, t)
+    d = (m / bc1) / (np.sqrt(v / bc2) + cfg.eps) + wd * p
+    w_norm, d_norm = np.linalg.norm(p), np.linalg.norm(d)
+    if w_norm == 0 or d_norm == 0:
+        log.append(None)
+        r = lr
+    else:
+        log.append(w_norm / d_norm)
+        r = lr * min(max(w_norm / d_norm, cfg.ratio_min), cfg.ratio_max)
+    return p - r * d
+
+
+REFERENCE = {"sgd": ref_sgd, "adam": ref_adam, "adamw": ref_adamw, "lamb": ref_lamb}
+
+
+def reference_run(cfg, params, grads_per_step, schedule, grad_scale):
+    """Float64 reference over several steps; returns (params, state) as flat arrays and a log."""
+    params = {k: v.astype(np.float64) for k, v in params.items()}
+    state = {name: {s: np.zeros(np.shape(params[name])) for s in state_names(cfg)} for name, _ in PARAMS}
+    log = []
+    for t, (grads, lr) in enumerate(zip(grads_per_step, schedule), start=1):
+        for name, _ in PARAMS:
+            g = grads[name].astype(np.float64) * grad_scale
+            params[name] = REFERENCE[cfg.name](cfg, params[name], g, state[name], lr, t,
+                                               decay_of(cfg, name), log)
+    flat_state = {s: to_flat({n: state[n][s] for n, _ in PARAMS}) for s in state_names(cfg)}
+    return to_flat(params), flat_state, log
+
+
+def random_grads(rng, steps, zero=()):
+    return [{name: (np.zeros(shape) if name in zero else rng.normal(0, 1, shape)).astype(np.float32)
+             for name, shape in PARAMS} for _ in range(steps)]
+
+
+def graph_run(cfg, params, grads_per_step, schedule, grad_scale):
+    model = build_optimizer_graph(cfg, PARAMS)
+    run = InPlace(model, to_flat(params), cfg)
+    for t, (grads, lr) in enumerate(zip(grads_per_step, schedule), start=1):
+        run.step(to_flat(grads), lr, t, grad_scale)
+    return run.buffers
+
+
+# ----------------------------------------------------------------------------- vs NumPy
+
+CASES = {
+    "sgd": dict(name="sgd"),
+    "sgd_momentum_l2": dict(name="sgd", momentum=0.9, weight_decay=0.1),
+    "sgd_nesterov_l2": dict(name="sgd", momentum=0.8, nesterov=True, weight_decay=0.1),
+    "adam_l2": dict(name="adam", weight_decay=0.05, eps=1e-2),
+    "adam_ort_eps_no_bias_correction": dict(name="adam", weight_decay=0.05, eps=1e-2, eps_mode="ort",
+                                            bias_correction=False),
+    "adamw_torch_eps": dict(name="adamw", weight_decay=0.1, eps=1e-2),
+    "adamw_ort_eps": dict(name="adamw", weight_decay=0.1, eps=1e-2, eps_mode="ort"),
+    "adamw_no_bias_correction": dict(name="adamw", weight_decay=0.1, bias_correction=False),
+    "adamw_ort_no_bias_correction": dict(name="adamw", weight_decay=0.1, eps_mode="ort", bias_correction=False),
+    "adamw_no_decay_at_all": dict(name="adamw", betas=[0.8, 0.99]),
+    "adamw_custom_no_decay": dict(name="adamw", weight_decay=0.2, no_decay=["wte", "h.*.bias"]),
+    "lamb": dict(name="lamb", weight_decay=0.01, eps=1e-6),
+    "lamb_no_bias_correction": dict(name="lamb", weight_decay=0.01, bias_correction=False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_rule_matches_numpy_reference(case):
+    cfg = OptimizerConfig(lr=LR_TRAP, **CASES[case])
+    rng = np.random.default_rng(0)
+    params = initial_params(rng)
+    grads = random_grads(rng, steps=5)
+    schedule = [0.05, 0.03, 0.02, 0.04, 0.01]
+    expected, expected_state, _ = reference_run(cfg, params, grads, schedule, grad_scale=0.7)
+    got = graph_run(cfg, params, grads, schedule, grad_scale=0.7)
+    assert np.abs(expected - to_flat(params)).max() > 1e-2  # the steps moved the params
+    np.testing.assert_allclose(got["params"], expected, rtol=1e-6, atol=1e-6)
+    for s, value in expected_state.items():
+        np.testing.assert_allclose(got[s], value, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_eps_modes_differ_where_it_matters(name):
+    """The eps-mode cases above are not vacuous: with eps 1e-2 the two placements disagree."""
+    rng = np.random.default_rng(1)
+    params, grads = initial_params(rng), random_grads(rng, 2)
+    runs = [graph_run(OptimizerConfig(name=name, eps=1e-2, eps_mode=mode), params, grads, [0.05, 0.05], 1.0)
+            for mode in ("torch", "ort")]
+    assert np.abs(runs[0]["params"] - runs[1]["params"]).max() > 1e-3
+
+
+def test_lamb_trust_ratio_clamps_and_zero_norm():
+    """Tensors at very different scales push the raw trust ratio below ratio_min and above
+    ratio_max; the zero-initialised bias takes the r = lr branch at step 1."""
+    cfg = OptimizerConfig(name="lamb", lr=LR_TRAP, weight_decay=0.05, ratio_min=0.05, ratio_max=2.0)
+    rng = np.random.default_rng(2)
+    params = initial_params(rng, scales=[30.0, 1.0, 0.001, 1.0, 3.0, 1.0])
+    grads = random_grads(rng, steps=4)
+    schedule = [0.02, 0.02, 0.01, 0.01]
+    expected, expected_state, ratios = reference_run(cfg, params, grads, schedule, grad_scale=0.5)
+    finite = [r for r in ratios if r is not None]
+    assert min(finite) < cfg.ratio_min and max(finite) > cfg.ratio_max and None in ratios
+    got = graph_run(cfg, params, grads, schedule, grad_scale=0.5)
+    np.testing.assert_allclose(got["params"], expected, rtol=1e-6, atol=1e-6)
+    for s, value in expected_state.items():
+        np.testing.assert_allclose(got[s], value, rtol=1e-6, atol=1e-6)
+
+
+def test_lamb_zero_params_and_zero_grads_stay_zero():
+    """Both norms 0 (p = 0, g = 0): r = lr, d = 0, the tensor stays 0 and no NaN leaks out."""
+    cfg = OptimizerConfig(name="lamb", weight_decay=0.01)
+    rng = np.random.default_rng(3)
+    params = initial_params(rng)
+    grads = random_grads(rng, 3, zero={"h.0.attn.bias"})
+    got = graph_run(cfg, params, grads, [0.1] * 3, 1.0)
+    assert np.isfinite(got["params"]).all()
+    bias = slice(12 * 16, 12 * 16 + 16)
+    assert (got["params"][bias] == 0).all() and (got["exp_avg"][bias] == 0).all()
+
+
+def test_no_decay_tensors_get_no_weight_decay():
+    """With zero gradients AdamW only decays: matched tensors stay bit-identical, the others shrink."""
+    cfg = OptimizerConfig(name="adamw", weight_decay=0.1, no_decay=["*bias", "*ln_*", "gain"])
+    assert weight_decays(cfg, [n for n, _ in PARAMS]) == [0.1, 0.0, 0.0, 0.1, 0.1, 0.0]
+    rng = np.random.default_rng(4)
+    params = initial_params(rng)
+    got = graph_run(cfg, params, random_grads(rng, 1, zero={n for n, _ in PARAMS}), [0.5], 1.0)["params"]
+    start = 0
+    for name, shape in PARAMS:
+        n = math.prod(shape)
+        before, after = params[name].ravel(), got[start:start + n]
+        if decay_of(cfg, name):
+            np.testing.assert_allclose(after, before * (1 - 0.5 * 0.1), rtol=1e-6)
+        else:
+            assert np.array_equal(after, before), name
+        start += n
+
+
+# ----------------------------------------------------------------------------- vs torch.optim
+
+def _torch_case(kind):
+    torch = pytest.importorskip("torch")
+    common = dict(lr=LR_TRAP, weight_decay=0.1, no_decay=["*bias", "*ln_*"])
+    if kind == "adamw":
+        return torch.optim.AdamW, dict(betas=(0.9, 0.99), eps=1e-8), OptimizerConfig(
+            name="adamw", betas=[0.9, 0.99], eps=1e-8, **common)
+    if kind == "adam":
+        return torch.optim.Adam, dict(betas=(0.85, 0.995), eps=1e-6), OptimizerConfig(
+            name="adam", betas=[0.85, 0.995], eps=1e-6, **common)
+    if kind == "sgd":
+        return torch.optim.SGD, dict(momentum=0.9), OptimizerConfig(name="sgd", momentum=0.9, **common)
+    return torch.optim.SGD, dict(momentum=0.9, nesterov=True), OptimizerConfig(
+        name="sgd", momentum=0.9, nesterov=True, **common)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adam", "sgd", "sgd_nesterov"])
+def test_matches_torch_optim_over_20_steps(kind):
+    torch = pytest.importorskip("torch")
+    optim_cls, kwargs, cfg = _torch_case(kind)
+    rng = np.random.default_rng(5)
+    params = initial_params(rng)
+    grads = random_grads(rng, 20)
+    schedule = [0.01 * (1 + math.cos(i / 3)) + 1e-3 for i in range(20)]
+    grad_scale = 0.8
+
+    tensors = {name: torch.nn.Parameter(torch.from_numpy(params[name].copy())) for name, _ in PARAMS}
+    groups = [{"params": [tensors[n] for n, _ in PARAMS if decay_of(cfg, n)], "weight_decay": cfg.weight_decay},
+              {"params": [tensors[n] for n, _ in PARAMS if not decay_of(cfg, n)], "weight_decay": 0.0}]
+    assert groups[0]["params"] and groups[1]["params"]
+    opt = optim_cls(groups, lr=schedule[0], **kwargs)
+    for step_grads, lr in zip(grads, schedule):
+        for group in opt.param_groups:
+            group["lr"] = lr
+        for name, _ in PARAMS:
+            tensors[name].grad = torch.from_numpy(np.asarray(step_grads[name] * np.float32(grad_scale)))
+        opt.step()
+    expected = to_flat({n: t.detach().numpy() for n, t in tensors.items()})
+
+    got = graph_run(cfg, params, grads, schedule, grad_scale)
+    assert np.abs(expected - to_flat(params)).max() > 1e-2
+    np.testing.assert_allclose(got["params"], expected, rtol=1e-6, atol=1e-6)
+    if kind.startswith("adam"):
+        torch_m = to_flat({n: opt.state[t]["exp_avg"].numpy() for n, t in tensors.items()})
+        np.testing.assert_allclose(got["exp_avg"], torch_m, rtol=1e-6, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- in place and graph shape
+
+@pytest.mark.parametrize("name", ["adamw", "lamb"])
+def test_inplace_binding_updates_the_numpy_arrays(name):
+    cfg = OptimizerConfig(name=name, weight_decay=0.01)
+    model = build_optimizer_graph(cfg, PARAMS)
+    rng = np.random.default_rng(6)
+    params = to_flat(initial_params(rng))
+    grads = to_flat(random_grads(rng, 1)[0])
+    m = rng.normal(0, 0.1, params.size).astype(np.float32)
+    v = rng.uniform(0, 0.1, params.size).astype(np.float32)
+    scalars = {"lr": np.array(0.01, np.float32), "step": np.array(3, np.int64),
+               "grad_scale": np.array(0.9, np.float32)}
+    # expected: an ordinary run on copies, outputs in fresh arrays
+    plain = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    want = plain.run(["params_out", "exp_avg_out", "exp_avg_sq_out"],
+                     {"params": params.copy(), "grads": grads, "exp_avg": m.copy(), "exp_avg_sq": v.copy(),
+                      **scalars})
+
+    binding = plain.io_binding()
+    arrays = {"params": params, "exp_avg": m, "exp_avg_sq": v}
+    addresses = {k: a.ctypes.data for k, a in arrays.items()}
+    for key, arr in arrays.items():
+        value = ort.OrtValue.ortvalue_from_numpy(arr)
+        assert value.data_ptr() == arr.ctypes.data  # shares memory, no copy
+        binding.bind_ortvalue_input(key, value)
+        binding.bind_ortvalue_output(f"{key}_out", value)
+    binding.bind_cpu_input("grads", grads)
+    for key, arr in scalars.items():
+        binding.bind_cpu_input(key, arr)
+    before = params.copy()
+    plain.run_with_iobinding(binding)
+
+    assert not np.array_equal(params, before)
+    for (key, arr), expected in zip(arrays.items(), want):
+        assert arr.ctypes.data == addresses[key]
+        np.testing.assert_allclose(arr, expected, rtol=1e-6, atol=1e-7)
+        out = binding.get_outputs()[list(arrays).index(key)]
+        assert out.data_ptr() == addresses[key]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_graph_interface_and_inplace_safety(case):
+    cfg = OptimizerConfig(**CASES[case])
+    model = build_optimizer_graph(cfg, PARAMS)
+    onnx.checker.check_model(model, full_check=True)
+    assert model.ir_version == 9
+    assert [(o.domain, o.version) for o in model.opset_import] == [("", 17)]
+    assert all(node.domain == "" for node in model.graph.node)
+    n = sum(math.prod(s) for _, s in PARAMS)
+    f32, i64 = onnx.TensorProto.FLOAT, onnx.TensorProto.INT64
+
+    def sig(values):
+        return [(v.name, v.type.tensor_type.elem_type, [d.dim_value for d in v.type.tensor_type.shape.dim])
+                for v in values]
+
+    states = state_names(cfg)
+    assert sig(model.graph.input) == ([("params", f32, [n]), ("grads", f32, [n])]
+                                      + [(s, f32, [n]) for s in states]
+                                      + [("lr", f32, []), ("step", i64, []), ("grad_scale", f32, [])])
+    assert sig(model.graph.output) == [("params_out", f32, [n])] + [(f"{s}_out", f32, [n]) for s in states]
+    assert inplace_conflicts(model, inplace_aliases(cfg)) == []
+
+
+def test_inplace_check_flags_a_read_after_the_write():
+    """A node reading params that is not an ancestor of params_out's writer may run after the
+    in-place write, and is reported; the same graph without it is clean."""
+    h = onnx.helper
+    f32 = onnx.TensorProto.FLOAT
+    nodes = [h.make_node("Sub", ["params", "grads"], ["params_out"], name="update"),
+             h.make_node("Mul", ["params", "exp_avg"], ["exp_avg_out"], name="late_read")]
+    io = [h.make_tensor_value_info(x, f32, [4]) for x in ("params", "grads", "exp_avg")]
+    outs = [h.make_tensor_value_info(x, f32, [4]) for x in ("params_out", "exp_avg_out")]
+    model = h.make_model(h.make_graph(nodes, "bad", io, outs))
+    aliases = {"params": "params_out", "exp_avg": "exp_avg_out"}
+    problems = inplace_conflicts(model, aliases)
+    assert len(problems) == 1 and "late_read" in problems[0] and "'params'" in problems[0]
+    # reading params_out (the new value) instead is fine
+    model.graph.node[1].input[0] = "params_out"
+    assert inplace_conflicts(model, aliases) == []
+
+
+def test_state_names():
+    assert state_names(OptimizerConfig(name="adamw")) == ["exp_avg", "exp_avg_sq"]
+    assert state_names(OptimizerConfig(name="adam")) == ["exp_avg", "exp_avg_sq"]
+    assert state_names(OptimizerConfig(name="lamb")) == ["exp_avg", "exp_avg_sq"]
+    assert state_names(OptimizerConfig(name="sgd", momentum=0.9)) == ["momentum"]
+    assert state_names(OptimizerConfig(name="sgd")) == []
+
+
+def test_lr_is_an_input_not_a_constant():
+    """Plain SGD: p_out = p - lr * grad_scale * g for whatever lr is fed (cfg.lr unused)."""
+    cfg = OptimizerConfig(name="sgd", lr=LR_TRAP)
+    rng = np.random.default_rng(7)
+    params = initial_params(rng)
+    grads = random_grads(rng, 1)
+    for lr in (0.0, 0.25):
+        got = graph_run(cfg, params, grads, [lr], 2.0)["params"]
+        np.testing.assert_allclose(got, to_flat(params) - lr * 2.0 * to_flat(grads[0]), rtol=1e-6, atol=1e-7)
+
+
+def test_rejects_empty_parameter_lists():
+    with pytest.raises(ValueError):
+        build_optimizer_graph(OptimizerConfig(), [])
+    with pytest.raises(ValueError):
+        build_optimizer_graph(OptimizerConfig(), [("w", (3, 0))])

@@ -1,0 +1,136 @@
+"""The TrainingRunner end to end, with real `mpirun` processes."""
+
+import glob
+import json
+import math
+import os
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from conftest import MPIRUN, TRAINRUN, TRAINRUN_DATA, mpirun, read_metrics, run, stdlib_text_dir, write_config
+
+
+def losses(run_dir):
+    train, _ = read_metrics(run_dir)
+    return np.array([train[s]["loss"] for s in sorted(train)])
+
+
+def test_two_ranks_equal_one_rank_and_accumulation(tmp_path, byte_dataset):
+    runs = {}
+    for name, n, mb, acc in [("w1", 1, 8, 1), ("w2", 2, 4, 1), ("acc", 1, 4, 2)]:
+        d = tmp_path / name
+        d.mkdir()
+        cfg = write_config(d / "c.yaml", byte_dataset, **{"train.micro_batch_size": mb,
+                                                          "train.gradient_accumulation_steps": acc})
+        mpirun(n, "--config", cfg)
+        runs[name] = losses(str(d / "run"))
+    assert len(runs["w1"]) == 20
+    assert runs["w1"][-1] < runs["w1"][0]
+    np.testing.assert_allclose(runs["w2"], runs["w1"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(runs["acc"], runs["w1"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_parameters_bitwise_identical_on_all_ranks_every_step(tmp_path, byte_dataset, world):
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{
+        "train.max_steps": 6, "checkpoint.every": 1, "checkpoint.keep_last": 100})
+    mpirun(world, "--config", cfg)
+    ckpts = sorted(glob.glob(str(tmp_path / "run" / "checkpoints" / "*")), key=lambda p: int(os.path.basename(p)))
+    assert [int(os.path.basename(c)) for c in ckpts] == list(range(1, 7))
+    previous = None
+    for c in ckpts:
+        digests = {json.load(open(os.path.join(c, f"rank-{r}.json")))["params_sha256"] for r in range(world)}
+        assert len(digests) == 1, f"ranks disagree at {c}"
+        assert digests != previous          # and the parameters did change
+        previous = digests
+
+
+def test_summary_metrics_and_tensorboard(tmp_path, byte_dataset):
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{
+        "train.max_steps": 10, "train.log_every": 5, "train.eval_every": 5, "tensorboard.enabled": True})
+    proc = mpirun(2, "--config", cfg)
+    out = tmp_path / "run"
+    train, evals = read_metrics(str(out))
+    assert sorted(train) == [5, 10] and sorted(evals) == [5, 10]
+    for row in train.values():
+        for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "elapsed_s"):
+            assert key in row
+        assert row["tokens_per_sec"] > 0
+    assert evals[10]["eval_perplexity"] == pytest.approx(math.exp(evals[10]["eval_loss"]), rel=1e-6)
+    assert "2 rank(s)" in proc.stdout and "global batch 8" in proc.stdout and "done: 10 steps" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 10 and set(summary["phase_shares"]) >= {"forward_backward", "allreduce", "optimizer"}
+    tags = _tensorboard_tags(glob.glob(str(out / "tensorboard" / "events.*")))
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_sec", "eval/loss",
+            "eval/perplexity"} <= tags
+
+
+def _tensorboard_tags(files):
+    """Scalar tags in TensorBoard event files (TFRecord framing: u64 length, u32 crc, data, u32 crc)."""
+    import struct
+    from tensorboardX.proto import event_pb2
+    tags = set()
+    for f in files:
+        data = open(f, "rb").read()
+        i = 0
+        while i < len(data):
+            (n,) = struct.unpack("<Q", data[i:i + 8])
+            event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+            tags |= {v.tag for v in event.summary.value}
+            i += 12 + n + 4
+    return tags
+
+
+def test_refuses_to_overwrite_a_run_with_checkpoints(tmp_path, byte_dataset):
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 2})
+    mpirun(1, "--config", cfg)
+    proc = mpirun(2, "--config", cfg, check=2)
+    assert "trainrun resume" in proc.stderr and proc.stderr.count("already holds checkpoints") == 1
+
+
+def test_ranks_with_different_configs_fail_fast(tmp_path, byte_dataset):
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset)
+    proc = run([MPIRUN, "-np", "1", TRAINRUN, "--config", cfg, ":",
+                "-np", "1", TRAINRUN, "--config", cfg, "--set", "optimizer.lr=0.1"], timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "rank 1 has a different config than rank 0" in proc.stderr
+
+
+def test_killed_rank_ends_the_job(tmp_path, byte_dataset):
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 100000,
+                                                             "distributed.timeout_s": 20})
+    proc = subprocess.Popen([MPIRUN, "-np", "2", TRAINRUN, "--config", cfg], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    assert metrics.exists(), "training never started"
+    victim = _rank_pid(1, str(tmp_path))
+    os.kill(victim, signal.SIGKILL)
+    t0 = time.time()
+    try:
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert time.time() - t0 < 30
+    assert proc.returncode != 0
+    assert "BAD TERMINATION" in out or "rank" in out
+
+
+def _rank_pid(rank, marker):
+    """PID of the trainrun process of ``rank`` whose command line mentions ``marker``."""
+    for env_path in glob.glob("/proc/[0-9]*/environ"):
+        pid = int(env_path.split("/")[2])
+        try:
+            env = open(env_path, "rb").read().split(b"\0")
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+        except OSError:
+            continue
+        if f"PMI_RANK={rank}".encode() in env and marker in cmd and "trainrun" in cmd:
+            return pid
+    raise AssertionError(f"no process of rank {rank}")

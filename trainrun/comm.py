@@ -1,0 +1,571 @@
+"""Collective communication between data-parallel ranks.
+
+One interface, :class:`Communicator`, with three implementations:
+
+* :class:`SingleProcess`: world size 1; every collective is a copy or a no-op.
+  Works on numpy and cupy arrays alike and never touches MPI.
+* :class:`MPICommunicator`: mpi4py on numpy buffers over ``MPI.COMM_WORLD``.
+* :class:`NCCLCommunicator`: cupy's NCCL binding on cupy arrays, with an
+  :class:`MPICommunicator` as its control plane (unique-id exchange, objects,
+  scalars, barrier).
+
+:func:`make_communicator` picks one. Launch several ranks with ``mpirun -np N``.
+
+Rules every implementation keeps:
+
+* Buffers are contiguous 1-D arrays of float32, float64 or int64 (numpy for
+  MPI, cupy for NCCL). Collectives write in place or into ``out``; nothing is
+  allocated per call.
+* No pickle anywhere: objects travel as JSON (``allgather_object``), so what
+  comes back is the JSON round trip of what went in (tuples become lists,
+  dict keys become strings) on every backend, world size 1 included.
+* No collective waits forever. MPI collectives are started non-blocking and
+  polled until ``timeout_s`` (an attribute: a runner may lower it after the
+  first step, as torchtitan does); NCCL collectives are waited on through a
+  CUDA event polled the same way. On timeout a :class:`TrainrunError` names
+  the collective, the rank and the time waited. The collective is still in
+  flight at that point and cannot be cancelled, so the caller must then call
+  :meth:`Communicator.abort`, which ends every rank of the job.
+
+What MPICH's launcher (hydra, ``mpirun``) does when a rank dies, measured with
+the ``mpich`` 5.0 wheel: if a rank exits *without* ``MPI_Finalize``
+(``os._exit``, a signal, a crash), hydra SIGKILLs all the other ranks within
+a fraction of a second. For a signal it prints a "BAD TERMINATION ... Killed
+(signal 9)" banner on stdout and exits 9; for a plain exit it prints nothing
+and its exit status is racy (that of the dead rank, or 9) -- a rank calling
+``os._exit(0)`` mid-run can end the whole job with status 0. If a rank instead
+leaves through Python's normal exit (an uncaught exception, ``sys.exit``),
+mpi4py calls ``MPI_Finalize`` at exit, which waits for the others, and hydra
+kills nobody: the other ranks hang in their next collective. That is the case
+the timeout exists for.
+
+Importing this module never imports ``mpi4py.MPI`` (importing it initialises
+MPI), nor cupy: both are imported by :func:`make_communicator` when needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from .errors import TrainrunError, UsageError
+
+__all__ = [
+    "Communicator",
+    "SingleProcess",
+    "MPICommunicator",
+    "NCCLCommunicator",
+    "make_communicator",
+    "detect_world",
+    "cuda_device_count",
+]
+
+#: Environment variables that launchers set, as (rank variable, size variable),
+#: in the order they are consulted: MPICH/Intel MPI hydra, Open MPI, MVAPICH.
+WORLD_ENV_VARS = (
+    ("PMI_RANK", "PMI_SIZE"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"),
+)
+
+SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int64))
+SCALAR_OPS = ("sum", "max", "min")
+
+# Polling of an in-flight collective: Test() back to back for the first
+# SPIN_S seconds (MPI makes progress only inside MPI calls, so this runs at the
+# speed of the blocking call, which spins too), then sleep between Test()
+# calls, doubling from MIN_SLEEP_S up to MAX_SLEEP_S, so that a rank waiting
+# for a slow peer gives its core back. scripts/bench_comm.py measures the cost.
+SPIN_S = 0.2
+MIN_SLEEP_S = 1e-5
+MAX_SLEEP_S = 1e-3
+
+
+def detect_world() -> tuple[int, int]:
+    """Return ``(rank, world_size)`` from the launcher's environment variables.
+
+    Does not initialise MPI. ``(0, 1)`` when not started by mpirun (or by a
+    launcher that sets none of :data:`WORLD_ENV_VARS`).
+    """
+    for rank_var, size_var in WORLD_ENV_VARS:
+        rank, size = os.environ.get(rank_var), os.environ.get(size_var)
+        if rank is not None and size is not None:
+            try:
+                rank_i, size_i = int(rank), int(size)
+            except ValueError:
+                raise UsageError(f"bad launcher environment: {rank_var}={rank!r} {size_var}={size!r}") from None
+            if not (size_i >= 1 and 0 <= rank_i < size_i):
+                raise UsageError(f"bad launcher environment: {rank_var}={rank_i} {size_var}={size_i}")
+            return rank_i, size_i
+    return 0, 1
+
+
+def cuda_device_count() -> int:
+    """Number of CUDA devices cupy can see; 0 when cupy or a driver is absent.
+
+    This asks the CUDA runtime, not onnxruntime: the onnxruntime-training wheel
+    lists CUDAExecutionProvider on machines without any GPU.
+    """
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # ImportError, CUDARuntimeError (no driver / no device), ...
+        return 0
+
+
+def _check_buffer(buf: Any, what: str) -> None:
+    """A contiguous 1-D array of a supported dtype (numpy or cupy), else ValueError."""
+    if getattr(buf, "ndim", None) != 1 or not getattr(getattr(buf, "flags", None), "c_contiguous", False):
+        raise ValueError(f"{what} must be a contiguous 1-D array, got {type(buf).__name__} "
+                         f"with shape {getattr(buf, 'shape', None)}")
+    if np.dtype(buf.dtype) not in SUPPORTED_DTYPES:
+        raise ValueError(f"{what} has dtype {buf.dtype}; supported: float32, float64, int64")
+
+
+def _check_shapes(op: str, src: Any, out: Any, world_size: int) -> None:
+    """Checks shared by every backend for reduce_scatter and allgather."""
+    _check_buffer(src, f"{op} input")
+    _check_buffer(out, f"{op} output")
+    if src.dtype != out.dtype:
+        raise ValueError(f"{op}: input dtype {src.dtype} != output dtype {out.dtype}")
+    if op == "reduce_scatter":
+        if src.size % world_size:
+            raise ValueError(f"reduce_scatter: input size {src.size} is not divisible by the world size "
+                             f"{world_size}; pad the buffer to a multiple of it")
+        if out.size != src.size // world_size:
+            raise ValueError(f"reduce_scatter: output size {out.size} != input size / world size "
+                             f"= {src.size // world_size}")
+    elif out.size != src.size * world_size:
+        raise ValueError(f"allgather: output size {out.size} != chunk size x world size = {src.size * world_size}")
+
+
+def _json_bytes(obj: Any) -> bytes:
+    try:
+        return json.dumps(obj, separators=(",", ":")).encode("utf-8")
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"allgather_object needs a JSON-serialisable object: {e}") from None
+
+
+def _flush_stdio() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+
+
+class Communicator:
+    """The collectives a data-parallel runner needs. See the module docstring.
+
+    Attributes: ``rank``, ``world_size``, ``local_rank`` (rank among the
+    processes on this host), ``local_size``, ``hostname``, ``timeout_s``,
+    ``backend`` ("none", "mpi" or "nccl").
+    """
+
+    backend = "?"
+    rank: int
+    world_size: int
+    local_rank: int
+    local_size: int
+    hostname: str
+    timeout_s: float
+
+    def allreduce_(self, buf) -> None:
+        """In place: ``buf`` becomes the element-wise SUM of every rank's ``buf``."""
+        raise NotImplementedError
+
+    def reduce_scatter(self, buf, out) -> None:
+        """SUM over ranks of ``buf``; ``out`` receives this rank's chunk.
+
+        ``buf.size`` must be divisible by ``world_size``; rank r gets elements
+        ``[r*k, (r+1)*k)`` of the sum, ``k = buf.size // world_size = out.size``.
+        """
+        raise NotImplementedError
+
+    def allgather(self, chunk, out) -> None:
+        """``out`` (size ``chunk.size * world_size``) receives every rank's chunk, in rank order."""
+        raise NotImplementedError
+
+    def broadcast_(self, buf, root: int = 0) -> None:
+        """In place: every rank's ``buf`` becomes rank ``root``'s."""
+        raise NotImplementedError
+
+    def barrier(self) -> None:
+        """Return once every rank has called barrier (or raise on timeout)."""
+        raise NotImplementedError
+
+    def allgather_object(self, obj) -> list:
+        """The JSON round trip of every rank's ``obj``, as a list in rank order.
+
+        For small objects (config hashes, graph hashes, metadata). Raises
+        ValueError if ``obj`` is not JSON-serialisable.
+        """
+        raise NotImplementedError
+
+    def allreduce_scalars(self, values: list[float], op: str = "sum") -> list[float]:
+        """Reduce a short list of floats over ranks with ``op`` in sum/max/min.
+
+        Computed in float64. Every rank must pass the same number of values.
+        NaN propagates through "sum" but not reliably through "max"/"min":
+        agree on finiteness by reducing 0/1 flags with "min".
+        """
+        raise NotImplementedError
+
+    def abort(self, code: int = 1) -> None:
+        """End every rank of the job now with exit status ``code``; does not return."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release communicator resources. Idempotent. MPI itself is finalised at exit."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, "
+                f"local_rank={self.local_rank}, local_size={self.local_size}, hostname={self.hostname!r})")
+
+
+class SingleProcess(Communicator):
+    """World size 1: reductions are identities, gathers are copies."""
+
+    backend = "none"
+
+    def __init__(self, timeout_s: float = 300.0):
+        self.rank, self.world_size = 0, 1
+        self.local_rank, self.local_size = 0, 1
+        self.hostname = socket.gethostname()
+        self.timeout_s = float(timeout_s)
+
+    def allreduce_(self, buf) -> None:
+        _check_buffer(buf, "allreduce_ buffer")
+
+    def reduce_scatter(self, buf, out) -> None:
+        _check_shapes("reduce_scatter", buf, out, 1)
+        out[...] = buf
+
+    def allgather(self, chunk, out) -> None:
+        _check_shapes("allgather", chunk, out, 1)
+        out[...] = chunk
+
+    def broadcast_(self, buf, root: int = 0) -> None:
+        _check_buffer(buf, "broadcast_ buffer")
+        if root != 0:
+            raise ValueError(f"broadcast_: root {root} out of range for world size 1")
+
+    def barrier(self) -> None:
+        pass
+
+    def allgather_object(self, obj) -> list:
+        return [json.loads(_json_bytes(obj))]
+
+    def allreduce_scalars(self, values, op="sum") -> list[float]:
+        if op not in SCALAR_OPS:
+            raise ValueError(f"allreduce_scalars: op must be one of {SCALAR_OPS}, got {op!r}")
+        return [float(v) for v in values]
+
+    def abort(self, code: int = 1) -> None:
+        _flush_stdio()
+        os._exit(code)
+
+
+class MPICommunicator(Communicator):
+    """mpi4py over ``MPI.COMM_WORLD`` with numpy buffers; every collective polled to ``timeout_s``."""
+
+    backend = "mpi"
+
+    def __init__(self, timeout_s: float = 300.0):
+        MPI = _import_mpi()
+        self._MPI = MPI
+        self._comm = MPI.COMM_WORLD
+        self.rank, self.world_size = self._comm.Get_rank(), self._comm.Get_size()
+        self.timeout_s = float(timeout_s)
+        self.hostname = socket.gethostname()
+        self._stuck: list = []  # buffers of timed-out collectives: MPI may still write them
+        # Ranks sharing this host's memory, ordered by world rank, give the local
+        # rank. Split_type is a blocking collective: a polled barrier first makes
+        # sure every rank is alive and about to call it.
+        self._node = None
+        self.barrier()
+        self._node = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank, self.local_size = self._node.Get_rank(), self._node.Get_size()
+
+    # -- the one place that waits -------------------------------------------------
+    def _wait(self, request, op: str, keep_alive: tuple = ()) -> None:
+        """Poll ``request`` with Test() until done; TrainrunError after ``timeout_s``."""
+        MPI = self._MPI
+        start = time.monotonic()
+        spin_until, deadline = start + SPIN_S, start + self.timeout_s
+        sleep = MIN_SLEEP_S
+        try:
+            while not request.Test():
+                now = time.monotonic()
+                if now >= deadline:
+                    self._stuck.append((request, keep_alive))
+                    raise TrainrunError(
+                        f"{op} timed out on rank {self.rank} of {self.world_size} ({self.hostname}) after "
+                        f"{now - start:.1f} s (timeout_s={self.timeout_s:g}): a peer rank probably died or hung "
+                        f"before reaching this collective; the job must be aborted")
+                if now >= spin_until:
+                    time.sleep(sleep)
+                    sleep = min(2 * sleep, MAX_SLEEP_S)
+        except MPI.Exception as e:
+            raise TrainrunError(f"{op} failed on rank {self.rank} of {self.world_size} ({self.hostname}) "
+                                f"after {time.monotonic() - start:.1f} s: {e.Get_error_string()}") from None
+
+    def _np(self, buf, what: str) -> np.ndarray:
+        _check_buffer(buf, what)
+        if not isinstance(buf, np.ndarray):
+            raise ValueError(f"{what}: the MPI backend takes numpy arrays, got {type(buf).__module__}."
+                             f"{type(buf).__name__} (use the nccl backend for GPU arrays)")
+        return buf
+
+    def _op(self, name: str):
+        return {"sum": self._MPI.SUM, "max": self._MPI.MAX, "min": self._MPI.MIN}[name]
+
+    # -- collectives --------------------------------------------------------------
+    def allreduce_(self, buf) -> None:
+        buf = self._np(buf, "allreduce_ buffer")
+        self._wait(self._comm.Iallreduce(self._MPI.IN_PLACE, buf, op=self._MPI.SUM), "allreduce_", (buf,))
+
+    def reduce_scatter(self, buf, out) -> None:
+        _check_shapes("reduce_scatter", buf, out, self.world_size)
+        buf, out = self._np(buf, "reduce_scatter input"), self._np(out, "reduce_scatter output")
+        self._wait(self._comm.Ireduce_scatter_block(buf, out, op=self._MPI.SUM), "reduce_scatter", (buf, out))
+
+    def allgather(self, chunk, out) -> None:
+        _check_shapes("allgather", chunk, out, self.world_size)
+        chunk, out = self._np(chunk, "allgather input"), self._np(out, "allgather output")
+        self._wait(self._comm.Iallgather(chunk, out), "allgather", (chunk, out))
+
+    def broadcast_(self, buf, root: int = 0) -> None:
+        buf = self._np(buf, "broadcast_ buffer")
+        if not 0 <= root < self.world_size:
+            raise ValueError(f"broadcast_: root {root} out of range for world size {self.world_size}")
+        self._wait(self._comm.Ibcast(buf, root=root), "broadcast_", (buf,))
+
+    def barrier(self) -> None:
+        self._wait(self._comm.Ibarrier(), "barrier")
+
+    def allgather_object(self, obj) -> list:
+        data = np.frombuffer(_json_bytes(obj), dtype=np.uint8)
+        sizes = np.empty(self.world_size, dtype=np.int64)
+        self._wait(self._comm.Iallgather(np.array([data.size], dtype=np.int64), sizes),
+                   "allgather_object (sizes)", (sizes,))
+        offsets = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        gathered = np.empty(int(sizes.sum()), dtype=np.uint8)
+        recv = [gathered, (sizes, offsets), self._MPI.BYTE]
+        self._wait(self._comm.Iallgatherv([data, self._MPI.BYTE], recv), "allgather_object", (data, gathered))
+        return [json.loads(gathered[o:o + s].tobytes()) for o, s in zip(offsets, sizes)]
+
+    def allreduce_scalars(self, values, op="sum") -> list[float]:
+        if op not in SCALAR_OPS:
+            raise ValueError(f"allreduce_scalars: op must be one of {SCALAR_OPS}, got {op!r}")
+        buf = np.array(values, dtype=np.float64).reshape(-1)
+        self._wait(self._comm.Iallreduce(self._MPI.IN_PLACE, buf, op=self._op(op)),
+                   f"allreduce_scalars({op})", (buf,))
+        return buf.tolist()
+
+    def abort(self, code: int = 1) -> None:
+        _flush_stdio()
+        self._comm.Abort(code)
+        # MPICH's MPI_Abort can return: it asks hydra to kill the job and hydra
+        # does so a moment later. Never run on meanwhile.
+        os._exit(code)
+
+    def close(self) -> None:
+        if self._node is not None and not self._MPI.Is_finalized():
+            self._node.Free()
+        self._node = None
+
+
+class NCCLCommunicator(Communicator):
+    """NCCL (through cupy) for array collectives on cupy arrays; ``host`` for the rest.
+
+    Each rank uses GPU ``local_rank`` (made current here). Collectives are
+    enqueued on cupy's current stream and then waited for (a CUDA event polled
+    until ``timeout_s``), so when a call returns its result is ready, as with
+    the MPI backend. ``allgather_object``, ``allreduce_scalars`` and
+    ``barrier`` go through ``host`` (MPI, or SingleProcess at world size 1).
+    """
+
+    backend = "nccl"
+
+    def __init__(self, host: Communicator, timeout_s: float = 300.0):
+        cupy, nccl = _import_nccl()
+        self._cupy, self._nccl = cupy, nccl
+        self._host = host
+        self.rank, self.world_size = host.rank, host.world_size
+        self.local_rank, self.local_size = host.local_rank, host.local_size
+        self.hostname = host.hostname
+        self.timeout_s = float(timeout_s)
+        ndev = cuda_device_count()
+        if self.local_size > ndev:
+            raise UsageError(f"nccl backend: {self.local_size} ranks on host {self.hostname} but only {ndev} "
+                             f"CUDA device(s); NCCL needs one GPU per rank")
+        cupy.cuda.Device(self.local_rank).use()
+        # Rank 0 makes the unique id (128 signed chars); the host communicator carries it.
+        uid = np.zeros(128, np.int64)  # NCCL_UNIQUE_ID_BYTES
+        if self.rank == 0:
+            uid[:] = nccl.get_unique_id()
+        host.broadcast_(uid, root=0)
+        self._comm = nccl.NcclCommunicator(self.world_size, tuple(int(x) for x in uid), self.rank)
+        self._dtypes = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float64): nccl.NCCL_FLOAT64,
+                        np.dtype(np.int64): nccl.NCCL_INT64}
+
+    def _gpu(self, buf, what: str):
+        _check_buffer(buf, what)
+        if not isinstance(buf, self._cupy.ndarray):
+            raise ValueError(f"{what}: the nccl backend takes cupy arrays, got {type(buf).__module__}."
+                             f"{type(buf).__name__}")
+        return buf
+
+    def _wait(self, op: str) -> None:
+        """Wait for the work just enqueued on the current stream, up to ``timeout_s``."""
+        event = self._cupy.cuda.Event(block=False, disable_timing=True)
+        event.record(self._cupy.cuda.get_current_stream())
+        start = time.monotonic()
+        sleep = MIN_SLEEP_S
+        while not event.done:
+            now = time.monotonic()
+            try:
+                self._comm.check_async_error()
+            except self._nccl.NcclError as e:
+                raise TrainrunError(f"{op} failed on rank {self.rank} of {self.world_size} "
+                                    f"({self.hostname}): {e}") from None
+            if now - start >= self.timeout_s:
+                raise TrainrunError(
+                    f"{op} timed out on rank {self.rank} of {self.world_size} ({self.hostname}) after "
+                    f"{now - start:.1f} s (timeout_s={self.timeout_s:g}): a peer rank probably died or hung "
+                    f"before reaching this collective; the job must be aborted")
+            if now - start >= SPIN_S:
+                time.sleep(sleep)
+                sleep = min(2 * sleep, MAX_SLEEP_S)
+
+    def _stream(self) -> int:
+        return self._cupy.cuda.get_current_stream().ptr
+
+    def allreduce_(self, buf) -> None:
+        buf = self._gpu(buf, "allreduce_ buffer")
+        self._comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, self._dtypes[np.dtype(buf.dtype)],
+                             self._nccl.NCCL_SUM, self._stream())
+        self._wait("allreduce_")
+
+    def reduce_scatter(self, buf, out) -> None:
+        _check_shapes("reduce_scatter", buf, out, self.world_size)
+        buf, out = self._gpu(buf, "reduce_scatter input"), self._gpu(out, "reduce_scatter output")
+        self._comm.reduceScatter(buf.data.ptr, out.data.ptr, out.size, self._dtypes[np.dtype(buf.dtype)],
+                                 self._nccl.NCCL_SUM, self._stream())
+        self._wait("reduce_scatter")
+
+    def allgather(self, chunk, out) -> None:
+        _check_shapes("allgather", chunk, out, self.world_size)
+        chunk, out = self._gpu(chunk, "allgather input"), self._gpu(out, "allgather output")
+        self._comm.allGather(chunk.data.ptr, out.data.ptr, chunk.size, self._dtypes[np.dtype(chunk.dtype)],
+                             self._stream())
+        self._wait("allgather")
+
+    def broadcast_(self, buf, root: int = 0) -> None:
+        buf = self._gpu(buf, "broadcast_ buffer")
+        if not 0 <= root < self.world_size:
+            raise ValueError(f"broadcast_: root {root} out of range for world size {self.world_size}")
+        self._comm.bcast(buf.data.ptr, buf.size, self._dtypes[np.dtype(buf.dtype)], root, self._stream())
+        self._wait("broadcast_")
+
+    def barrier(self) -> None:
+        self._host.timeout_s = self.timeout_s
+        self._host.barrier()
+
+    def allgather_object(self, obj) -> list:
+        self._host.timeout_s = self.timeout_s
+        return self._host.allgather_object(obj)
+
+    def allreduce_scalars(self, values, op="sum") -> list[float]:
+        self._host.timeout_s = self.timeout_s
+        return self._host.allreduce_scalars(values, op)
+
+    def abort(self, code: int = 1) -> None:
+        try:  # unblocks kernels waiting on a dead peer
+            if self._comm is not None:
+                self._comm.abort()
+        finally:
+            self._host.abort(code)
+
+    def close(self) -> None:
+        if self._comm is not None:
+            self._comm.destroy()
+            self._comm = None
+        self._host.close()
+
+
+def _import_mpi():
+    """Import mpi4py.MPI (which initialises MPI) and return the module."""
+    try:
+        from mpi4py import MPI
+    except ImportError as e:
+        raise UsageError(f"several ranks need mpi4py, which cannot be imported: {e}") from None
+    return MPI
+
+
+def _import_nccl():
+    """Import cupy and its NCCL binding, or raise UsageError saying what is missing."""
+    try:
+        import cupy
+    except ImportError as e:
+        raise UsageError(f"backend 'nccl' needs cupy (pip install 'trainrun[gpu]'), which cannot be "
+                         f"imported: {e}") from None
+    if cuda_device_count() == 0:
+        raise UsageError("backend 'nccl' needs a CUDA GPU, and the CUDA runtime reports none on this machine")
+    from cupy.cuda import nccl
+
+    if not getattr(nccl, "available", False):
+        raise UsageError("backend 'nccl': cupy cannot load the NCCL library (pip install nvidia-nccl-cu11)")
+    return cupy, nccl
+
+
+BACKENDS = ("auto", "none", "mpi", "nccl")
+DEVICES = ("cpu", "cuda")
+
+
+def make_communicator(backend: str = "auto", device: str = "cpu", timeout_s: float = 300.0) -> Communicator:
+    """Build the communicator for this process.
+
+    ``backend``: "auto" chooses "nccl" when ``device == "cuda"`` and the world
+    has more than one rank, "mpi" when it has more than one rank, else "none"
+    (:class:`SingleProcess`). MPI is initialised only when an MPI communicator
+    is actually built ("mpi" or "nccl" with world size > 1, or "mpi" asked
+    for explicitly). Asking for "nccl" without cupy or a GPU is a UsageError.
+    """
+    if backend not in BACKENDS:
+        raise UsageError(f"unknown communication backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if device not in DEVICES:
+        raise UsageError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
+    if not timeout_s > 0:
+        raise UsageError(f"collective timeout must be > 0 seconds, got {timeout_s}")
+    _, world_size = detect_world()
+    if backend == "auto":
+        backend = ("nccl" if device == "cuda" else "mpi") if world_size > 1 else "none"
+    if backend == "none":
+        if world_size > 1:
+            raise UsageError(f"backend 'none' runs one process, but the launcher started {world_size} ranks")
+        return SingleProcess(timeout_s)
+    if backend == "mpi":
+        return MPICommunicator(timeout_s)
+    # nccl: check the GPU side first, so a CPU machine fails fast without starting MPI.
+    _import_nccl()
+    host = MPICommunicator(timeout_s) if world_size > 1 else SingleProcess(timeout_s)
+    try:
+        return NCCLCommunicator(host, timeout_s)
+    except BaseException:
+        host.close()
+        raise
