@@ -13,7 +13,8 @@ directly. For each float32 size it times, interleaved so drift hits both alike:
   (the ranks share the machine's memory bandwidth during the allreduce too).
 
 Bandwidths are algorithm bandwidth, bytes of the buffer / time (as in
-nccl-tests' algbw); bus bandwidth = algbw x 2(n-1)/n. Times are medians.
+nccl-tests' algbw); bus bandwidth = algbw x 2(n-1)/n. memcpy GB/s counts the
+bytes once, although a copy reads and writes them. Times are medians.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def main() -> int:
         rows.append((size, blocking, polled, memcpy))
 
     if comm.rank == 0:
-        print(f"allreduce SUM float32, {n} ranks on {comm.local_size} per host, median of {args.iters}; "
+        print(f"allreduce SUM float32, {n} ranks ({comm.local_size} on this host), median of {args.iters}; "
               f"GB/s = algbw (bytes/time), busbw = algbw x {2 * (n - 1) / n:.2f}")
         head = (f"{'floats':>8} {'MB':>6} | {'blocking ms':>11} {'GB/s':>6} | {'polled ms':>9} {'GB/s':>6} "
                 f"{'ratio':>5} | {'memcpy ms':>9} {'GB/s':>6}")

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from trainrun import comm as C
-from trainrun.errors import TrainrunError, UsageError
+from trainrun.errors import UsageError
 
 MPIRUN = Path(sys.executable).with_name("mpirun")
 LAUNCHER_VARS = [v for pair in C.WORLD_ENV_VARS for v in pair]
@@ -241,6 +241,24 @@ def test_peer_gone_quietly_times_out_with_clear_error(tmp_path, mode):
     assert "MPI_Abort" in out, out  # the abort that ended the job
 
 
+def test_abort_ends_every_rank_and_does_not_return(tmp_path):
+    body = '''
+    comm = make_communicator(timeout_s=20)
+    comm.barrier()
+    if comm.rank == 0:
+        comm.abort(7)
+        open("abort_returned", "w").close()   # MPICH's MPI_Abort alone can return
+    else:
+        time.sleep(15)
+        open("rank1_survived", "w").close()
+    '''
+    rc, out, seconds = run_ranks(tmp_path, 2, body)
+    assert rc == 7 and seconds < 10, out
+    assert not (tmp_path / "abort_returned").exists(), "comm.abort() returned"
+    assert not (tmp_path / "rank1_survived").exists()
+    assert "MPI_Abort(MPI_COMM_WORLD, 7)" in out, out
+
+
 # ----------------------------------------------------------------------------- single process
 
 @pytest.fixture
@@ -294,6 +312,13 @@ def test_single_process_semantics(no_launcher):
     with pytest.raises(ValueError, match="output size"):
         comm.allgather(buf, np.zeros(3, dtype=np.float32))
     comm.close()
+
+
+def test_single_process_abort_exits_with_the_code():
+    code = "import trainrun.comm as C; C.make_communicator().abort(5); print('abort returned')"
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 5 and "abort returned" not in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_explicit_mpi_backend_as_a_singleton(no_launcher):
