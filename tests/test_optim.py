@@ -26,20 +26,35 @@ PARAMS = [
     ("head.weight", (8, 5)),
     ("gain", ()),
 ]
+# All sizes multiples of 8: per-tensor factors broadcast over rows of 8 (PARAMS, with its
+# scalar, degenerates to rows of 1).
+PARAMS8 = [
+    ("h.0.attn.weight", (8, 24)),
+    ("h.0.attn.bias", (24,)),
+    ("h.0.ln_1.weight", (8,)),
+    ("wte", (40, 8)),
+    ("head.weight", (8, 16)),
+]
+LAYOUTS = {"mixed_sizes": PARAMS, "rows_of_8": PARAMS8}
 LR_TRAP = 7.0  # cfg.lr: a graph that baked it in would fail every comparison
 
 
-def initial_params(rng, scales=None):
+def layout_of(tensors):
+    return [(name, np.shape(value)) for name, value in tensors.items()]
+
+
+def initial_params(rng, layout=PARAMS, scales=None):
     """Float32 params; biases start at zero (LAMB's ||w|| = 0 case at step 1)."""
     out = {}
-    for i, (name, shape) in enumerate(PARAMS):
+    for i, (name, shape) in enumerate(layout):
         scale = 1.0 if scales is None else scales[i]
         out[name] = (np.zeros(shape) if name.endswith("bias") else rng.normal(0, scale, shape)).astype(np.float32)
     return out
 
 
 def to_flat(tensors):
-    return np.concatenate([np.asarray(tensors[name], np.float32).ravel() for name, _ in PARAMS])
+    """The flat buffer: the tensors in (dict) order, each flattened row-major."""
+    return np.concatenate([np.asarray(value, np.float32).ravel() for value in tensors.values()])
 
 
 class InPlace:
@@ -138,24 +153,24 @@ REFERENCE = {"sgd": ref_sgd, "adam": ref_adam, "adamw": ref_adamw, "lamb": ref_l
 def reference_run(cfg, params, grads_per_step, schedule, grad_scale):
     """Float64 reference over several steps; returns (params, state) as flat arrays and a log."""
     params = {k: v.astype(np.float64) for k, v in params.items()}
-    state = {name: {s: np.zeros(np.shape(params[name])) for s in state_names(cfg)} for name, _ in PARAMS}
+    state = {name: {s: np.zeros(np.shape(value)) for s in state_names(cfg)} for name, value in params.items()}
     log = []
     for t, (grads, lr) in enumerate(zip(grads_per_step, schedule), start=1):
-        for name, _ in PARAMS:
+        for name in params:
             g = grads[name].astype(np.float64) * grad_scale
             params[name] = REFERENCE[cfg.name](cfg, params[name], g, state[name], lr, t,
                                                decay_of(cfg, name), log)
-    flat_state = {s: to_flat({n: state[n][s] for n, _ in PARAMS}) for s in state_names(cfg)}
+    flat_state = {s: to_flat({n: state[n][s] for n in params}) for s in state_names(cfg)}
     return to_flat(params), flat_state, log
 
 
-def random_grads(rng, steps, zero=()):
+def random_grads(rng, steps, layout=PARAMS, zero=()):
     return [{name: (np.zeros(shape) if name in zero else rng.normal(0, 1, shape)).astype(np.float32)
-             for name, shape in PARAMS} for _ in range(steps)]
+             for name, shape in layout} for _ in range(steps)]
 
 
 def graph_run(cfg, params, grads_per_step, schedule, grad_scale):
-    model = build_optimizer_graph(cfg, PARAMS)
+    model = build_optimizer_graph(cfg, layout_of(params))
     run = InPlace(model, to_flat(params), cfg)
     for t, (grads, lr) in enumerate(zip(grads_per_step, schedule), start=1):
         run.step(to_flat(grads), lr, t, grad_scale)
@@ -182,12 +197,13 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_rule_matches_numpy_reference(case):
+def test_rule_matches_numpy_reference(case, layout):
     cfg = OptimizerConfig(lr=LR_TRAP, **CASES[case])
     rng = np.random.default_rng(0)
-    params = initial_params(rng)
-    grads = random_grads(rng, steps=5)
+    params = initial_params(rng, LAYOUTS[layout])
+    grads = random_grads(rng, 5, LAYOUTS[layout])
     schedule = [0.05, 0.03, 0.02, 0.04, 0.01]
     expected, expected_state, _ = reference_run(cfg, params, grads, schedule, grad_scale=0.7)
     got = graph_run(cfg, params, grads, schedule, grad_scale=0.7)
@@ -212,7 +228,7 @@ def test_lamb_trust_ratio_clamps_and_zero_norm():
     ratio_max; the zero-initialised bias takes the r = lr branch at step 1."""
     cfg = OptimizerConfig(name="lamb", lr=LR_TRAP, weight_decay=0.05, ratio_min=0.05, ratio_max=2.0)
     rng = np.random.default_rng(2)
-    params = initial_params(rng, scales=[30.0, 1.0, 0.001, 1.0, 3.0, 1.0])
+    params = initial_params(rng, PARAMS, scales=[30.0, 1.0, 0.001, 1.0, 3.0, 1.0])
     grads = random_grads(rng, steps=4)
     schedule = [0.02, 0.02, 0.01, 0.01]
     expected, expected_state, ratios = reference_run(cfg, params, grads, schedule, grad_scale=0.5)
@@ -229,29 +245,57 @@ def test_lamb_zero_params_and_zero_grads_stay_zero():
     cfg = OptimizerConfig(name="lamb", weight_decay=0.01)
     rng = np.random.default_rng(3)
     params = initial_params(rng)
-    grads = random_grads(rng, 3, zero={"h.0.attn.bias"})
+    grads = random_grads(rng, 3, PARAMS, zero={"h.0.attn.bias"})
     got = graph_run(cfg, params, grads, [0.1] * 3, 1.0)
     assert np.isfinite(got["params"]).all()
     bias = slice(12 * 16, 12 * 16 + 16)
     assert (got["params"][bias] == 0).all() and (got["exp_avg"][bias] == 0).all()
 
 
-def test_no_decay_tensors_get_no_weight_decay():
+def test_weight_decays_follow_no_decay_patterns():
+    cfg = OptimizerConfig(weight_decay=0.1, no_decay=["*bias", "*ln_*", "gain"])
+    assert weight_decays(cfg, [n for n, _ in PARAMS]) == [0.1, 0.0, 0.0, 0.1, 0.1, 0.0]
+    assert weight_decays(OptimizerConfig(weight_decay=0.1, no_decay=[]), ["a.bias"]) == [0.1]
+    # fnmatch is case-sensitive on every platform
+    assert weight_decays(OptimizerConfig(weight_decay=0.1, no_decay=["*Norm*"]), ["ln.norm"]) == [0.1]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_no_decay_tensors_get_no_weight_decay(layout):
     """With zero gradients AdamW only decays: matched tensors stay bit-identical, the others shrink."""
     cfg = OptimizerConfig(name="adamw", weight_decay=0.1, no_decay=["*bias", "*ln_*", "gain"])
-    assert weight_decays(cfg, [n for n, _ in PARAMS]) == [0.1, 0.0, 0.0, 0.1, 0.1, 0.0]
     rng = np.random.default_rng(4)
-    params = initial_params(rng)
-    got = graph_run(cfg, params, random_grads(rng, 1, zero={n for n, _ in PARAMS}), [0.5], 1.0)["params"]
+    params = initial_params(rng, LAYOUTS[layout])
+    zero = random_grads(rng, 1, LAYOUTS[layout], zero=set(params))
+    got = graph_run(cfg, params, zero, [0.5], 1.0)["params"]
     start = 0
-    for name, shape in PARAMS:
-        n = math.prod(shape)
-        before, after = params[name].ravel(), got[start:start + n]
+    for name, value in params.items():
+        before, after = value.ravel(), got[start:start + value.size]
         if decay_of(cfg, name):
             np.testing.assert_allclose(after, before * (1 - 0.5 * 0.1), rtol=1e-6)
         else:
             assert np.array_equal(after, before), name
-        start += n
+        start += value.size
+
+
+def full_size_ops(model, n):
+    """Op types of the nodes writing n elements (views excluded): the passes over memory."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    sizes = {v.name: math.prod(d.dim_value for d in v.type.tensor_type.shape.dim)
+             for v in list(inferred.graph.value_info) + list(inferred.graph.output)}
+    return [node.op_type for node in model.graph.node
+            if node.op_type not in ("Reshape", "Identity") and any(sizes.get(o) == n for o in node.output)]
+
+
+@pytest.mark.parametrize("name, extra", [("adamw", 1), ("adam", 2), ("sgd", 2)])
+def test_per_tensor_decay_costs_no_full_size_vector(name, extra):
+    """Mixed decays (no_decay) are applied by broadcasting a per-row column over a view of the
+    buffer: only the rule's own extra ops are full size, no N-element Expand/Concat."""
+    n = sum(math.prod(s) for _, s in PARAMS8)
+    plain = full_size_ops(build_optimizer_graph(OptimizerConfig(name=name), PARAMS8), n)
+    mixed = full_size_ops(build_optimizer_graph(OptimizerConfig(name=name, weight_decay=0.1), PARAMS8), n)
+    assert len(mixed) == len(plain) + extra and not {"Expand", "Concat"} & set(mixed)
+    assert len(plain) == {"adamw": 12, "adam": 12, "sgd": 2}[name]
 
 
 # ----------------------------------------------------------------------------- vs torch.optim
@@ -382,6 +426,21 @@ def test_inplace_check_flags_a_read_after_the_write():
     # reading params_out (the new value) instead is fine
     model.graph.node[1].input[0] = "params_out"
     assert inplace_conflicts(model, aliases) == []
+
+
+def test_inplace_check_sees_reads_through_views():
+    """A Reshape of params shares its memory: reading the view late is reading params late."""
+    h = onnx.helper
+    f32 = onnx.TensorProto.FLOAT
+    shape = h.make_tensor("shape", onnx.TensorProto.INT64, [2], [2, 2])
+    nodes = [h.make_node("Reshape", ["params", "shape"], ["view"], name="view"),
+             h.make_node("Sub", ["params", "grads"], ["params_out"], name="update"),
+             h.make_node("ReduceSumSquare", ["view"], ["norm"], keepdims=0, name="late_norm")]
+    io = [h.make_tensor_value_info(x, f32, [4]) for x in ("params", "grads")]
+    outs = [h.make_tensor_value_info("params_out", f32, [4]), h.make_tensor_value_info("norm", f32, [])]
+    model = h.make_model(h.make_graph(nodes, "bad", io, outs, [shape]))
+    problems = inplace_conflicts(model, {"params": "params_out"})
+    assert len(problems) == 2 and any("late_norm" in p for p in problems)
 
 
 def test_state_names():

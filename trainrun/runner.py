@@ -132,12 +132,22 @@ class TrainingRunner:
                     G.prepare(cfg, self.graphs_dir)
             except TrainrunError as exc:
                 error = exc
-        # every rank learns whether rank 0 failed, so none waits in a later collective
-        failed = self.comm.allreduce_scalars([1.0 if error else 0.0], op="max")[0]
-        if error:
-            raise error
-        if failed:
-            raise TrainrunError("rank 0 failed to prepare the run directory (see its message)")
+        self._agree(error)
+
+    def _agree(self, error: TrainrunError | None) -> None:
+        """Raise the same error on every rank when any rank has one (the first rank's wins).
+
+        Such an error is *collective*: no rank is left waiting in a collective, so the
+        job ends normally with the error's exit code instead of an MPI abort."""
+        mine = [error.exit_code, error.message, error.problems] if error else None
+        reports = self.comm.allgather_object(mine)
+        for r, report in enumerate(reports):
+            if report:
+                code, message, problems = report
+                exc = (UsageError if code == 2 else TrainrunError)(
+                    message if r == 0 or self.world == 1 else f"rank {r}: {message}", problems)
+                exc.collective = True
+                raise exc
 
     def _check_same_everywhere(self) -> None:
         try:
@@ -147,16 +157,20 @@ class TrainingRunner:
             mine = {"config": _config_hash(self.cfg), "graphs": None, "error": exc.message}
         everyone = self.comm.allgather_object(mine)
         ref = everyone[0]
-        for r, other in enumerate(everyone):
+        for r, other in enumerate(everyone):   # every rank sees the same list: the error is collective
+            error = None
             if other.get("graphs") is None:
-                raise UsageError(f"rank {r} cannot read the prepared graphs: {other.get('error')}")
-            if other["config"] != ref["config"]:
-                raise UsageError(f"rank {r} has a different config than rank 0 "
-                                 f"(hash {other['config']} vs {ref['config']}); launch every rank with the "
-                                 f"same --config and --set")
-            if other["graphs"] != ref["graphs"]:
-                raise UsageError(f"rank {r} ({other['host']}) sees different graph files than rank 0 in "
-                                 f"{self.graphs_dir}")
+                error = UsageError(f"rank {r} cannot read the prepared graphs: {other.get('error')}")
+            elif other["config"] != ref["config"]:
+                error = UsageError(f"rank {r} has a different config than rank 0 "
+                                   f"(hash {other['config']} vs {ref['config']}); launch every rank with the "
+                                   f"same --config and --set")
+            elif other["graphs"] != ref["graphs"]:
+                error = UsageError(f"rank {r} ({other['host']}) sees different graph files than rank 0 in "
+                                   f"{self.graphs_dir}")
+            if error:
+                error.collective = True
+                raise error
         self.manifest = manifest
 
     def _open_data(self) -> None:
@@ -249,6 +263,7 @@ class TrainingRunner:
         cfg, t = self.cfg, self.cfg.train
         self._nonfinite_in_a_row = 0
         self._header()
+        self.comm.barrier()          # start the clocks together: set-up time differs between ranks
         self.timer = PhaseTimer()
         start = time.perf_counter()
         window_t, window_steps = time.perf_counter(), 0
@@ -338,28 +353,30 @@ class TrainingRunner:
     def _load(self, ckpt: str) -> None:
         """Restore parameters, optimizer state, step counters and the data position."""
         bad = None
-        if self.is_main:
-            try:
-                K.verify(ckpt)
-            except UsageError as exc:
-                bad = exc
-        if self.comm.allreduce_scalars([1.0 if bad else 0.0], op="max")[0]:
-            raise bad or UsageError(f"{ckpt}: failed verification on rank 0")
-        state = K.read_state(ckpt)
-        L = self.engine.layout
-        host = np.empty(L.total, np.float32)
-        K.load_tensors_into(os.path.join(ckpt, "model.safetensors"), L.names, L.shapes, host)
-        from_host(self.engine.params, host)
-        for s_name, buf in self.engine.state.items():
-            if s_name not in state["optimizer_states"]:
-                raise UsageError(f"{ckpt}: holds no optimizer state '{s_name}' (saved: "
-                                 f"{state['optimizer_states']}); the optimizer changed")
-            K.load_tensors_into(os.path.join(ckpt, "optimizer.safetensors"), L.names, L.shapes, host,
-                                prefix=f"{s_name}/")
-            from_host(buf, host)
+        try:
+            if self.is_main:
+                K.verify(ckpt)       # checksums once; every rank then reads the verified files
+            self._agree(None)
+            state = K.read_state(ckpt)
+            L = self.engine.layout
+            host = np.empty(L.total, np.float32)
+            K.load_tensors_into(os.path.join(ckpt, "model.safetensors"), L.names, L.shapes, host)
+            from_host(self.engine.params, host)
+            for s_name, buf in self.engine.state.items():
+                if s_name not in state["optimizer_states"]:
+                    raise UsageError(f"{ckpt}: holds no optimizer state '{s_name}' (saved: "
+                                     f"{state['optimizer_states']}); the optimizer changed")
+                K.load_tensors_into(os.path.join(ckpt, "optimizer.safetensors"), L.names, L.shapes, host,
+                                    prefix=f"{s_name}/")
+                from_host(buf, host)
+            self.loader.load_state_dict(state["loader"])
+        except TrainrunError as exc:
+            if getattr(exc, "collective", False):
+                raise
+            bad = exc
+        self._agree(bad)
         self.step, self.updates, self.skipped = state["step"], state["updates"], state["skipped_steps"]
         self.saved_step = self.step
-        self.loader.load_state_dict(state["loader"])
         self.log(f"resumed from {ckpt} at step {self.step} (saved by {state['world_size']} rank(s), "
                  f"now {self.world})")
 
@@ -401,7 +418,7 @@ def train(cfg: C.Config, resume_from: str | None = None) -> dict:
     try:
         return TrainingRunner(cfg, comm, resume_from=resume_from).fit()
     except BaseException as exc:
-        if comm.world_size > 1:
+        if comm.world_size > 1 and not getattr(exc, "collective", False):
             _report_and_abort(comm, exc, verbose=cfg.run.log_level == "verbose")
         raise
     finally:
