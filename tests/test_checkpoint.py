@@ -35,8 +35,9 @@ def test_exact_resume_same_and_other_rank_counts(tmp_path, byte_dataset):
 
     split = tmp_path / "split"
     split.mkdir()
-    mpirun(2, "--config", write_config(split / "c.yaml", byte_dataset, **{**common, "train.max_steps": 20}))
-    mpirun(2, "resume", str(split / "run"), "--set", "train.max_steps=40")
+    mpirun(2, "--config", write_config(split / "c.yaml", byte_dataset, **{**common, "train.stop_at": 20}))
+    assert sorted(losses(str(split / "run"))) == list(range(1, 21))
+    mpirun(2, "resume", str(split / "run"), "--set", "train.stop_at=0")
     got = losses(str(split / "run"))
     assert got == ref                                         # identical at every step
     assert model_bytes(str(split / "run/checkpoints/40")) == model_bytes(str(straight / "run/checkpoints/40"))
@@ -47,7 +48,7 @@ def test_exact_resume_same_and_other_rank_counts(tmp_path, byte_dataset):
         shutil.copytree(split / "run", other / "run")
         shutil.rmtree(other / "run/checkpoints/40")
         (other / "run/metrics.jsonl").write_text("")
-        args = ["resume", str(other / "run/checkpoints/20"), "--set", "train.max_steps=40"]
+        args = ["resume", str(other / "run/checkpoints/20"), "--set", "train.stop_at=0"]
         for s in sets:
             args += ["--set", s]
         mpirun(world, *args)
@@ -101,9 +102,17 @@ def test_damaged_checkpoint_is_named(tmp_path, byte_dataset, damage):
         mpirun(1, "--config", write_config(other / "c.yaml", byte_dataset, **{
             "train.max_steps": 2, "model.gpt2": {"n_layer": 2, "n_head": 2, "n_embd": 64, "n_positions": 32,
                                                   "vocab_size": 512}}))
-        shutil.rmtree(ckpt)
-        shutil.copytree(other / "run/checkpoints/2", ckpt)
-        expected = "model.safetensors: tensor 'transformer.wte.weight' has shape (512, 64)"
+        foreign = tmp_path / "run" / "checkpoints" / "3"
+        shutil.copytree(other / "run/checkpoints/2", foreign)
+        proc = run([TRAINRUN, "export", str(foreign), "--output", str(tmp_path / "m.onnx")], check=2)
+        assert "model.safetensors: tensor 'transformer.wte.weight' has shape (512, 64)" in proc.stderr
+        shutil.rmtree(foreign)
+        # our run forced onto the other shape cannot load our tensors
+        proc = mpirun(1, "resume", str(tmp_path / "run"), "--force", "--set", "model.gpt2.n_embd=64",
+                      "--set", "train.max_steps=4", check=2)
+        assert "model.safetensors: tensor 'transformer.wte.weight' has shape (512, 32)" in proc.stderr
+        assert "Traceback" not in proc.stderr
+        return
     proc = mpirun(1, "resume", str(tmp_path / "run"), "--set", "train.max_steps=4", check=2)
     assert expected in proc.stderr and "Traceback" not in proc.stderr
     proc = run([TRAINRUN, "export", str(ckpt), "--output", str(tmp_path / "m.onnx")], check=2)
@@ -170,7 +179,7 @@ def test_disk_full_during_save(tmp_path, byte_dataset):
         for d in done:   # intact: they verify
             run([TRAINRUN, "export", str(ck / d), "--output", str(tmp_path / f"m{d}.onnx")], check=0)
     finally:
-        subprocess.run(["umount", str(mnt)])
+        subprocess.run(["umount", "-l", str(mnt)])
 
 
 def test_export_matches_transformers_and_runs_in_plain_onnxruntime(tmp_path, byte_dataset):

@@ -121,7 +121,10 @@ class TrainConfig:
     gradient_accumulation_steps: int = opt(1, min=1)
     """Micro-batches accumulated (in place) before each update."""
     max_steps: int = opt(100, min=1)
-    """Optimizer steps to train."""
+    """Optimizer steps to train (the LR schedule spans them)."""
+    stop_at: int = opt(0, min=0)
+    """Stop early at this step, with a checkpoint, without changing the schedule (0: run to max_steps);
+    for time-limited jobs that `resume` later."""
     eval_every: int = opt(0, min=0)
     """Evaluate every N steps (0: only at the end, when an eval set is given)."""
     eval_steps: int = opt(8, min=1)

@@ -270,24 +270,25 @@ class TrainingRunner:
         last = {}
         eval_loss = None
         try:
-            while self.step < t.max_steps:
+            end = min(t.max_steps, t.stop_at) if t.stop_at else t.max_steps
+            while self.step < end:
                 last = self.train_step()
                 window_steps += 1
                 self.metrics.progress(self.step)
-                if self.step % t.log_every == 0 or self.step == t.max_steps:
+                if self.step % t.log_every == 0 or self.step == end:
                     now = time.perf_counter()
                     tps = window_steps * self.tokens_per_step / (now - window_t)
                     window_t, window_steps = now, 0
                     self.metrics.log(self.step, {**last, "tokens_per_sec": tps, "skipped_steps": self.skipped})
                     self.timer.mark("log")
                 if self.eval_ds is not None and (
-                        (t.eval_every and self.step % t.eval_every == 0) or self.step == t.max_steps):
+                        (t.eval_every and self.step % t.eval_every == 0) or self.step == end):
                     eval_loss = self.evaluate()
                     self.metrics.log(self.step, {"eval_loss": eval_loss,
                                                  "eval_perplexity": math.exp(min(eval_loss, 80.0))})
                     self.timer.mark("log")
                 every = cfg.checkpoint.every
-                if (every and self.step % every == 0) or self.step == t.max_steps:
+                if (every and self.step % every == 0) or self.step == end:
                     self.save()
             self._finish_checkpoint()
         finally:
@@ -333,9 +334,12 @@ class TrainingRunner:
             step = self.writer.pending_step
             own = self.writer.error_text()
             self.writer.abandon()
-            raise TrainrunError(f"checkpoint at step {step} failed on rank {self.rank}: {own}" if own else
+            exc = TrainrunError(f"checkpoint at step {step} failed on rank {self.rank}: {own}; older "
+                                f"checkpoints are intact" if own else
                                 f"checkpoint at step {step} failed on another rank (see its message); "
                                 f"older checkpoints are intact")
+            exc.collective = True      # every rank learned it from the same allreduce
+            raise exc
         if done == self.world:
             step = self.writer.pending_step
             if self.is_main:
@@ -441,7 +445,7 @@ def _report_and_abort(comm, exc: BaseException, verbose: bool) -> None:
 
 
 # keys `resume --set` may change without --force (prefix match)
-SAFE_ON_RESUME = ("train.max_steps", "train.eval_every", "train.eval_steps", "train.log_every",
+SAFE_ON_RESUME = ("train.max_steps", "train.stop_at", "train.eval_every", "train.eval_steps", "train.log_every",
                   "train.micro_batch_size", "train.gradient_accumulation_steps", "checkpoint.",
                   "optimizer.lr", "optimizer.max_grad_norm", "lr_schedule.", "run.log_level", "engine.",
                   "tensorboard.", "data.prefetch", "data.eval", "distributed.timeout_s", "distributed.backend")
