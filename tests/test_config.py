@@ -106,7 +106,7 @@ def test_cli_validate_and_show(tmp_path):
                 "--set", "train.max_steps=11"], check=0)
     shown = yaml.safe_load(proc.stdout)
     assert shown["train"]["max_steps"] == 11
-    assert "# Optimizer steps to train." in proc.stdout
+    assert "# Optimizer steps to train (the LR schedule spans them)." in proc.stdout
     run([TRAINRUN, "config", "show", "--config", str(tmp_path / "nope.yaml")], check=2)
     bad_yaml = write(tmp_path, "train: [unclosed", name="b.yaml")
     proc = run([TRAINRUN, "config", "show", "--config", bad_yaml], check=2)

@@ -247,7 +247,7 @@ def field_docs(cls) -> dict[str, str]:
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
                 and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
                 and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = nxt.value.value.strip()
+            docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
 
 
