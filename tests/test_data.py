@@ -1,6 +1,7 @@
 """Dataset formats and the per-rank loader (trainrun.data) on real files."""
 
 import json
+import os
 import struct
 import tracemalloc
 
@@ -175,6 +176,25 @@ def test_no_memory_growth_per_batch(tmp_path):
         finally:
             tracemalloc.stop()
     assert growth < 64 * 1024, growth
+
+
+def rss_file_kb():
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("RssFile:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux /proc")
+@pytest.mark.parametrize("release", [True, False])
+def test_resident_shard_pages_stay_bounded(tmp_path, release):
+    """Reading 8 MB of shards: with page release on, the mapped pages in RSS stay far below that."""
+    ds = open_dataset(make_tokens(tmp_path / "d", np.arange(1 << 22) % 1000, shard_tokens=1 << 20), 512)
+    ds.release_every_pages = 256 if release else 1 << 30          # 1 MiB, or never
+    with TrainLoader(ds, 16, shuffle=False, prefetch=0) as loader:
+        before = rss_file_kb()
+        for _ in range(ds.num_samples // 16):
+            loader.next_step()
+        growth = rss_file_kb() - before
+    assert (growth < 3000) if release else (growth > 6000), growth
 
 
 def test_eval_batches_deterministic_disjoint_slices(counting):

@@ -142,6 +142,7 @@ class TokenDataset:
     """Token shards of one directory; see the module docstring for the layout."""
 
     kind = "tokens"
+    release_every_pages = 16384     # resident shard pages (estimate) before release_pages(): 64 MiB
 
     def __init__(self, path: Path, manifest: dict, seq_len: int | None, vocab_limit: int | None,
                  verify: bool, input_map: dict | None):
@@ -158,6 +159,8 @@ class TokenDataset:
         shards = _need(manifest, "shards", list, where)
         self.files: list[Path] = []
         self._arrays: list[np.ndarray] = []
+        self._maps: list[mmap.mmap] = []
+        self._touched = 0     # pages touched (estimate) since the last release_pages()
         self._starts = [0]
         self.max_token = -1
         for i, shard in enumerate(shards):
@@ -174,7 +177,9 @@ class TokenDataset:
             if n == 0:
                 continue
             self.files.append(file)
-            self._arrays.append(np.asarray(np.memmap(file, dtype=self.dtype, mode="r")))
+            with open(file, "rb") as fh:
+                self._maps.append(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ))
+            self._arrays.append(np.frombuffer(self._maps[-1], dtype=self.dtype))
             self._starts.append(self._starts[-1] + n)
             self.max_token = max(self.max_token, max_token)
         self.num_tokens = self._starts[-1]
@@ -199,6 +204,9 @@ class TokenDataset:
         """Fill ``out`` (from :meth:`new_batch`) with the samples ``indices``."""
         ids, labels = (out[n] for n in self.feature_names)
         L = self.seq_len
+        self._touched += len(indices) * ((L + 1) * self.dtype.itemsize // mmap.PAGESIZE + 2)
+        if self._touched > self.release_every_pages:
+            self.release_pages()
         for row, i in enumerate(indices.tolist()):
             self._copy(ids[row], i * L)
             self._copy(labels[row], i * L + 1)
@@ -207,6 +215,14 @@ class TokenDataset:
                 if arr.max() >= self._limit:
                     self._bad_token(indices, arr, shift)
         return out
+
+    def release_pages(self) -> None:
+        """Unmap the shard pages read so far (they stay in the page cache), so that the
+        process's resident memory stays flat over long runs instead of growing to the dataset's size."""
+        self._touched = 0
+        for m in self._maps:
+            if hasattr(m, "madvise"):
+                m.madvise(mmap.MADV_DONTNEED)
 
     def _copy(self, dst: np.ndarray, start: int) -> None:
         """``dst[:] = stream[start : start + len(dst)]`` across shard boundaries."""
@@ -251,8 +267,8 @@ class TensorDataset:
         if not index:
             raise UsageError(f"{path}: the .pb files hold no samples")
         width = {len(r) for r in index}
-        if len(width) > 1:
-            raise UsageError(f"{path}: samples hold different numbers of tensors ({sorted(width)})")
+        if len(width) > 1 or 0 in width:
+            raise UsageError(f"{path}: samples hold different numbers of tensors, or none ({sorted(width)})")
         self._index = np.asarray(index, dtype=np.int64)          # [num_samples, tensors, (offset, length)]
         first = self._decode(0)
         self._raw_names = list(first)

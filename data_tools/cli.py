@@ -1,0 +1,320 @@
+"""``trainrun-data``: build and check the binary datasets that ``trainrun`` reads.
+
+Exit codes: 0 success, 2 usage error or bad data (the cause named), 1 any other
+failure (one line; the traceback with TRAINRUN_TRACEBACK=1).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+
+from trainrun.data import MANIFEST, open_dataset
+from trainrun.errors import TrainrunError, UsageError
+
+from .corpus import DEFAULT_EXCLUDE, DEFAULT_INCLUDE, find_files, read_text, split_eval
+from .encode import EOS_TOKEN
+from .writers import TensorShardWriter, TokenShardWriter
+
+CHUNK_BYTES = 8 << 20        # text tokenized per batch call
+WORKER_BYTES = 4 << 20       # at least this much text per tokenizer process (by default)
+
+
+class _Group(click.Group):
+    """Turns our errors into their exit code and a message, without a traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except TrainrunError as exc:
+            click.echo(exc.render().replace("trainrun:", "trainrun-data:", 1), err=True)
+            ctx.exit(exc.exit_code)
+        except Exception as exc:  # noqa: BLE001 - the contract's one-line cause
+            if os.environ.get("TRAINRUN_TRACEBACK") == "1":
+                raise
+            click.echo(f"trainrun-data: error: {type(exc).__name__}: {exc}", err=True)
+            ctx.exit(1)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+def main():
+    """Build and check trainrun's binary datasets (token shards, .pb tensor samples)."""
+
+
+def _size(text: str) -> int:
+    """'100M' -> 100_000_000 (suffixes k, M, G)."""
+    scale = {"k": 10**3, "m": 10**6, "g": 10**9}.get(text[-1:].lower(), 1)
+    try:
+        return int(float(text[:-1] if scale > 1 else text) * scale)
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a count like 1000000 or 100M") from None
+
+
+def _prepare_output(out: Path, names: list[str], overwrite: bool) -> None:
+    existing = [n for n in names if (out / n).exists()]
+    if existing and not overwrite:
+        raise UsageError(f"{out}: already holds {', '.join(existing)}; pass --overwrite to replace")
+    for n in existing:
+        shutil.rmtree(out / n) if (out / n).is_dir() else (out / n).unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
+# ---------------------------------------------------------------------- tokens
+@main.command()
+@click.option("--input", "inputs", multiple=True, metavar="PATH",
+              help="Text file, directory (walked) or glob ('**' recursive); repeatable.")
+@click.argument("more_inputs", nargs=-1, metavar="[PATH]...")
+@click.option("--output", required=True, type=click.Path(file_okay=False), help="Dataset directory to create.")
+@click.option("--tokenizer", "tokenizer_path", type=click.Path(exists=True, dir_okay=False),
+              help="Use this tokenizer.json (e.g. GPT-2's).")
+@click.option("--train-bpe", type=int, metavar="VOCAB_SIZE", help="Train a byte-level BPE of this size.")
+@click.option("--bytes", "use_bytes", is_flag=True, help="Raw UTF-8 bytes (vocab 257, EOS 256).")
+@click.option("--eos", default=EOS_TOKEN, show_default=True, help="End-of-document token (--tokenizer).")
+@click.option("--eval-fraction", type=float, default=0.01, show_default=True,
+              help="Fraction of documents (by content hash) for DIR/eval; 0 for none.")
+@click.option("--shard-size", default="100M", show_default=True, help="Tokens per shard file (k/M/G suffixes).")
+@click.option("--include", multiple=True, default=DEFAULT_INCLUDE, show_default=True,
+              help="File name patterns taken from directories.")
+@click.option("--exclude", multiple=True, default=DEFAULT_EXCLUDE, show_default=True,
+              help="File and directory names skipped in directories.")
+@click.option("--workers", type=click.IntRange(min=1),
+              help="Tokenizer processes (default: one per core, one per 4 MB of text at most).")
+@click.option("--overwrite", is_flag=True, help="Replace a dataset already in --output.")
+@click.option("--progress/--no-progress", default=True, show_default=True)
+def tokens(inputs, more_inputs, output, tokenizer_path, train_bpe, use_bytes, eos, eval_fraction, shard_size,
+           include, exclude, workers, overwrite, progress):
+    """Tokenize text files into token shards: DIR/train, DIR/eval, DIR/tokenizer.json.
+
+    Each file is a document followed by the end-of-document token. The same
+    input and options give the same bytes, whatever the number of workers.
+    """
+    from tqdm import tqdm
+    if sum([tokenizer_path is not None, train_bpe is not None, use_bytes]) != 1:
+        raise UsageError("choose exactly one of --tokenizer FILE, --train-bpe VOCAB_SIZE, --bytes")
+    inputs = list(inputs) + list(more_inputs)
+    if not inputs:
+        raise UsageError("--input: give at least one file, directory or glob")
+    shard_tokens = _size(shard_size)
+    t0 = time.perf_counter()
+    files = find_files(inputs, include, exclude)
+    train_files, eval_files, empty = split_eval(files, eval_fraction)
+    if not train_files:
+        raise UsageError(f"--input: the {len(files)} file(s) found are all empty")
+    out = Path(output)
+    _prepare_output(out, ["train", "eval", "tokenizer.json"], overwrite)
+    encoder = _make_encoder(tokenizer_path, train_bpe, eos, train_files, progress)
+    if encoder.tokenizer_json is not None:
+        (out / "tokenizer.json").write_text(encoder.tokenizer_json, encoding="utf-8")
+    worker_args = ["--bytes"] if use_bytes else ["--tokenizer", str(out / "tokenizer.json"), "--eos", eos]
+    t1 = time.perf_counter()
+    total = sum(p.stat().st_size for p in train_files + eval_files)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not progress)
+    summary = []
+    for split, split_files in (("train", train_files), ("eval", eval_files)):
+        if not split_files:
+            continue
+        writer = TokenShardWriter(out / split, encoder.vocab_size, shard_tokens)
+        for ids in _encode_files(split_files, encoder, worker_args, workers, out, bar):
+            writer.add(ids)
+        m = writer.close(eos_id=encoder.eos_id, tokenizer_id=encoder.tokenizer_id, num_documents=len(split_files),
+                         tokenizer_file="../tokenizer.json" if encoder.tokenizer_json is not None else None)
+        summary.append(f"{split}: {len(split_files)} documents, {m['num_tokens']:,} tokens, "
+                       f"{len(m['shards'])} shard(s)")
+    bar.close()
+    t2 = time.perf_counter()
+    click.echo(f"{out}: {len(files)} files ({empty} empty skipped), {total / 1e6:.1f} MB of text")
+    for line in summary:
+        click.echo("  " + line)
+    click.echo(f"  tokenizer: {encoder.tokenizer_id} (vocab_size {encoder.vocab_size}, eos_id {encoder.eos_id})")
+    click.echo(f"  time: {t2 - t0:.1f} s (tokenizer {t1 - t0:.1f} s, tokenizing {total / 1e6 / (t2 - t1):.1f} MB/s)")
+
+
+def _make_encoder(tokenizer_path, train_bpe, eos, train_files, progress):
+    from .encode import BytesEncoder, TokenizerEncoder, load_tokenizer, train_bpe as train
+    if tokenizer_path:
+        return TokenizerEncoder(load_tokenizer(tokenizer_path), eos)
+    if train_bpe is not None:
+        docs = (read_text(p) for p in train_files)
+        return TokenizerEncoder(train(docs, train_bpe, progress, length=len(train_files)))
+    return BytesEncoder()
+
+
+def _batches(files, limit=CHUNK_BYTES):
+    """Consecutive groups of ``files`` of about ``limit`` bytes: (paths, bytes)."""
+    group, size = [], 0
+    for path in files:
+        group.append(path)
+        size += path.stat().st_size
+        if size >= limit:
+            yield group, size
+            group, size = [], 0
+    if group:
+        yield group, size
+
+
+def _encode_in_process(files, encoder, report):
+    """Token ids of ``files`` with the end-of-document id after each, as a stream of arrays."""
+    eos = np.array([encoder.eos_id])
+    for group, size in _batches(files):
+        for ids in encoder.encode([read_text(p) for p in group]):
+            yield ids
+            yield eos
+        report(size)
+
+
+def _encode_files(files, encoder, worker_args, workers, out: Path, bar):
+    """As :func:`_encode_in_process`, on ``workers`` processes, each a contiguous share of the files."""
+    if workers is None:
+        text_bytes = sum(p.stat().st_size for p in files)
+        workers = min(len(os.sched_getaffinity(0)), max(1, text_bytes // WORKER_BYTES))
+    if workers == 1 or len(files) == 1:
+        yield from _encode_in_process(files, encoder, bar.update)
+        return
+    with tempfile.TemporaryDirectory(dir=out, prefix=".tokens-") as tmp:
+        procs, results = [], []
+        try:
+            for k, share in enumerate(_shares(files, workers)):
+                listing, err = Path(tmp) / f"{k}.files", open(Path(tmp) / f"{k}.err", "w+")
+                listing.write_text("\0".join(map(str, share)), encoding="utf-8")
+                results.append(Path(tmp) / f"{k}.tokens")
+                cmd = [sys.executable, "-m", "trainrun.data_tools.cli", "encode-part", "--files", str(listing),
+                       "--output", str(results[-1]), *worker_args]
+                procs.append((subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
+                                               env=dict(os.environ, RAYON_NUM_THREADS="1")), err))
+            _follow_progress([p for p, _ in procs], bar)
+            for proc, err in procs:
+                if proc.wait() != 0:
+                    err.seek(0)
+                    raise TrainrunError(f"a tokenizer worker failed: {err.read().strip()[-800:]}")
+        finally:
+            for proc, err in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                err.close()
+        for result in results:
+            tokens = np.memmap(result, np.dtype("<i4"), mode="r") if result.stat().st_size else []
+            for start in range(0, len(tokens), 1 << 24):
+                yield np.asarray(tokens[start:start + (1 << 24)])
+            del tokens
+
+
+def _follow_progress(procs, bar) -> None:
+    """Advance ``bar`` by the byte counts the workers print, until all have closed their output."""
+    lock = threading.Lock()
+
+    def follow(proc):
+        for line in proc.stdout:
+            with lock:
+                bar.update(int(line))
+    readers = [threading.Thread(target=follow, args=(p,), daemon=True) for p in procs]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join()
+
+
+def _shares(files, n):
+    """``files`` cut into ``n`` contiguous shares of about equal bytes."""
+    sizes = np.cumsum([p.stat().st_size for p in files])
+    cuts = np.searchsorted(sizes, sizes[-1] * np.arange(1, n) / n)
+    bounds = [0, *cuts.tolist(), len(files)]
+    return [files[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+@main.command("encode-part", hidden=True)
+@click.option("--files", "listing", required=True, help="NUL-separated paths.")
+@click.option("--output", required=True, help="Token ids (int32, little-endian), EOS after each file.")
+@click.option("--tokenizer", "tokenizer_path")
+@click.option("--eos", default=EOS_TOKEN)
+@click.option("--bytes", "use_bytes", is_flag=True)
+def encode_part(listing, output, tokenizer_path, eos, use_bytes):
+    """Worker of `tokens`: encode the listed files; print the bytes done after each batch."""
+    from .encode import BytesEncoder, TokenizerEncoder, load_tokenizer
+    encoder = BytesEncoder() if use_bytes else TokenizerEncoder(load_tokenizer(tokenizer_path), eos)
+    files = [Path(p) for p in Path(listing).read_text(encoding="utf-8").split("\0")]
+    with open(output, "wb") as fh:
+        for ids in _encode_in_process(files, encoder, lambda n: print(n, flush=True)):
+            fh.write(ids.astype("<i4").tobytes())
+
+
+# ---------------------------------------------------------------------- tensors
+@main.command()
+@click.option("--input", "inputs", multiple=True, required=True, type=click.Path(exists=True, dir_okay=False),
+              help=".npz file: arrays of equal length along axis 0, one array per feature; repeatable.")
+@click.option("--output", required=True, type=click.Path(file_okay=False), help="Directory for the .pb files.")
+@click.option("--samples-per-file", type=int, default=10000, show_default=True)
+@click.option("--rename", multiple=True, metavar="OLD=NEW", help="Store array OLD under the tensor name NEW.")
+@click.option("--overwrite", is_flag=True, help="Replace .pb files and manifest already in --output.")
+def tensors(inputs, output, samples_per_file, rename, overwrite):
+    """Write .npz arrays as tensor samples in ONNX Runtime's .pb layout (+ manifest.json).
+
+    Sample i holds row i of every array, named after the array.
+    """
+    names = dict(r.split("=", 1) for r in rename if "=" in r)
+    if len(names) != len(rename):
+        raise UsageError(f"--rename: expected OLD=NEW, got {list(rename)}")
+    out = Path(output)
+    old = [p.name for p in out.glob("*.pb")] + ([MANIFEST] if (out / MANIFEST).exists() else [])
+    _prepare_output(out, old, overwrite)
+    writer = TensorShardWriter(out, samples_per_file)
+    for path in inputs:
+        try:
+            npz = np.load(path, allow_pickle=False)
+            if not isinstance(npz, np.lib.npyio.NpzFile):
+                raise ValueError("not an .npz archive")
+            with npz:
+                arrays = {names.get(k, k): npz[k] for k in npz.files}
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--input {path}: not a readable .npz of plain arrays ({exc})") from None
+        lengths = {k: (len(a) if a.ndim else None) for k, a in arrays.items()}
+        if not arrays or None in lengths.values() or len(set(lengths.values())) != 1:
+            raise UsageError(f"--input {path}: needs arrays with one common first dimension, got {lengths}")
+        for i in range(next(iter(lengths.values()))):
+            writer.add({k: a[i] for k, a in arrays.items()})
+    m = writer.close()
+    feats = ", ".join(f"{k} {v['dtype']} {v['shape']}" for k, v in m["features"].items())
+    click.echo(f"{out}: {m['num_samples']} samples in {len(m['files'])} file(s); {feats}")
+
+
+# ---------------------------------------------------------------------- inspect
+@main.command()
+@click.argument("directory", type=click.Path())
+@click.option("--seq-len", type=int, help="Also count the samples of token shards at this seq_len.")
+@click.option("--verify/--no-verify", default=True, show_default=True, help="Check sha256 checksums.")
+def inspect(directory, seq_len, verify):
+    """Summarize a dataset directory and verify it (exit 2 naming the bad file)."""
+    ds = open_dataset(directory, seq_len, verify=verify)
+    m = ds.manifest or {}
+    if ds.kind == "tokens":
+        click.echo(f"{ds.path}: token shards (format {m['format']} v{m['format_version']}, {m['dtype']})")
+        click.echo(f"  tokenizer: {ds.tokenizer_id} file {m.get('tokenizer_file')}, vocab_size {ds.vocab_size}, "
+                   f"eos_id {ds.eos_id}, largest id {ds.max_token}")
+        click.echo(f"  tokens: {ds.num_tokens:,} in {len(m['shards'])} shard(s), "
+                   f"{m.get('num_documents', '?')} documents")
+        if seq_len:
+            click.echo(f"  samples: {ds.num_samples:,} at seq_len {seq_len}")
+        what = f"sha256 of {len(m['shards'])} shard(s) verified" if verify else "sizes checked (--no-verify)"
+    else:
+        layout = "with manifest" if ds.manifest else "ONNX Runtime layout, no manifest"
+        click.echo(f"{ds.path}: tensor samples (.pb, {layout}): {ds.num_samples:,} samples in {len(ds.files)} file(s)")
+        for name, (shape, dtype) in ds.specs.items():
+            click.echo(f"  {name}: {dtype} {list(shape)}")
+        what = ("sha256 verified, " if ds.manifest and verify else "") + \
+               ("every sample decoded" if verify else "structure checked (--no-verify)")
+    click.echo(f"  checks: {what}: OK")
+
+
+if __name__ == "__main__":       # the tokenizer workers run as  python -m trainrun.data_tools.cli
+    main()
