@@ -18,16 +18,16 @@ if [ -d "$RUN" ]; then
   rm -rf "$RUN"
 fi
 
-echo "== training 200 steps on 2 ranks (checkpoint every 100)"
+echo "== training on 2 ranks, stopping at step 300 of 500 (checkpoint every 100)"
 mpirun -np 2 trainrun --config configs/gpt2-tiny.yaml \
   --set run.output_dir="$PWD/$RUN" --set checkpoint.every=100 \
   --set train.eval_every=100 --set train.log_every=20 --set run.name=demo \
   --set data.train="$PWD/$DATA/train" --set data.eval="$PWD/$DATA/eval" \
-  --set train.max_steps=200
+  --set train.stop_at=300
 
-echo "== resuming to step 300 (weights, moments, data position restored; the LR schedule stretches to the new end)"
-mpirun -np 2 trainrun resume "$RUN" --set train.max_steps=300
+echo "== resuming on 1 rank with 2 micro-batches per step (same global batch): continues exactly"
+mpirun -np 1 trainrun resume "$RUN" --set train.stop_at=0 --set train.gradient_accumulation_steps=2
 
 echo "== exporting the last checkpoint offline and sampling from it with plain onnxruntime"
-trainrun export "$RUN/checkpoints/300" --output "$RUN/exported.onnx"
-python scripts/generate.py "$RUN/exported.onnx" --tokenizer "$DATA/tokenizer.json" --prompt "def " --tokens 60
+trainrun export "$RUN/checkpoints/500" --output "$RUN/exported.onnx"
+python scripts/generate.py "$RUN/exported.onnx" --tokenizer "$DATA/tokenizer.json" --prompt "def " --tokens 80 --top-k 8

@@ -68,12 +68,10 @@ class InPlace:
         self.buffers = {"params": params_flat, **{s: np.zeros(n, np.float32) for s in state_names(cfg)}}
         self.grads = np.zeros(n, np.float32)
         self.binding = self.sess.io_binding()
-        self.values = {}
         for name, arr in self.buffers.items():
             value = ort.OrtValue.ortvalue_from_numpy(arr)  # shares arr's memory
             self.binding.bind_ortvalue_input(name, value)
             self.binding.bind_ortvalue_output(f"{name}_out", value)
-            self.values[name] = value
         self.binding.bind_ortvalue_input("grads", ort.OrtValue.ortvalue_from_numpy(self.grads))
 
     def step(self, grads_flat, lr, t, grad_scale):
@@ -181,6 +179,7 @@ def graph_run(cfg, params, grads_per_step, schedule, grad_scale):
 
 CASES = {
     "sgd": dict(name="sgd"),
+    "sgd_momentum": dict(name="sgd", momentum=0.9),
     "sgd_momentum_l2": dict(name="sgd", momentum=0.9, weight_decay=0.1),
     "sgd_nesterov_l2": dict(name="sgd", momentum=0.8, nesterov=True, weight_decay=0.1),
     "adam_l2": dict(name="adam", weight_decay=0.05, eps=1e-2),
@@ -194,6 +193,8 @@ CASES = {
     "adamw_custom_no_decay": dict(name="adamw", weight_decay=0.2, no_decay=["wte", "h.*.bias"]),
     "lamb": dict(name="lamb", weight_decay=0.01, eps=1e-6),
     "lamb_no_bias_correction": dict(name="lamb", weight_decay=0.01, bias_correction=False),
+    "lamb_no_decay": dict(name="lamb", betas=[0.8, 0.99]),
+    "lamb_no_decay_no_bias_correction": dict(name="lamb", bias_correction=False),
 }
 
 

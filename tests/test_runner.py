@@ -134,3 +134,18 @@ def _rank_pid(rank, marker):
         if f"PMI_RANK={rank}".encode() in env and marker in cmd and "trainrun" in cmd:
             return pid
     raise AssertionError(f"no process of rank {rank}")
+
+
+def test_gpt2_tiny_learns_the_standard_library(tmp_path):
+    """The demo's claim: gpt2-tiny on the stdlib source, 2 ranks, eval loss below half of ln(vocab)."""
+    import sysconfig
+    data = tmp_path / "stdlib"
+    run([TRAINRUN_DATA, "tokens", "--input", sysconfig.get_paths()["stdlib"], "--output", str(data),
+         "--train-bpe", "1024", "--include", "*.py", "--no-progress"], check=0, timeout=300)
+    config = os.path.join(os.path.dirname(__file__), "..", "configs", "gpt2-tiny.yaml")
+    mpirun(2, "--config", config, "--set", f"run.output_dir={tmp_path / 'run'}",
+           "--set", f"data.train={data / 'train'}", "--set", f"data.eval={data / 'eval'}", timeout=600)
+    _, evals = read_metrics(str(tmp_path / "run"))
+    first, last = evals[min(evals)]["eval_loss"], evals[max(evals)]["eval_loss"]
+    assert max(evals) == 500
+    assert last < 0.5 * math.log(1024) < first, (first, last)

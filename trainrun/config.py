@@ -128,7 +128,7 @@ class TrainConfig:
     eval_every: int = opt(0, min=0)
     """Evaluate every N steps (0: only at the end, when an eval set is given)."""
     eval_steps: int = opt(8, min=1)
-    """Eval batches per evaluation (over all ranks)."""
+    """Batches per evaluation, each of global-batch size (so the same samples on any rank count)."""
     log_every: int = opt(10, min=1)
     """Log train metrics every N steps."""
 

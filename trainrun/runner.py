@@ -198,8 +198,8 @@ class TrainingRunner:
         self.threads = threads
         opts = EngineOptions(device=cfg.device, device_id=self.comm.local_rank, threads=threads, graph_optimization=cfg.engine.graph_optimization,
                              log_severity=_ORT_SEVERITY[cfg.run.log_level], deterministic=cfg.run.deterministic)
-        mb, S = cfg.train.micro_batch_size, cfg.data.seq_len
-        shapes = {name: ((mb, S), np.int64) for name in self.train_ds.feature_names}
+        mb = cfg.train.micro_batch_size
+        shapes = {name: ((mb, *shape), dtype) for name, (shape, dtype) in self.train_ds.specs.items()}
         self.engine = Engine(self.graphs_dir, opts, shapes, shapes, state_names(cfg.optimizer))
         self.engine.load_weights()
 
@@ -251,7 +251,7 @@ class TrainingRunner:
         cfg = self.cfg
         total, count = 0.0, 0.0
         for batch in eval_batches(self.eval_ds, micro_batch=cfg.train.micro_batch_size, rank=self.rank,
-                                  world_size=self.world, steps=cfg.train.eval_steps):
+                                  world_size=self.world, steps=cfg.train.eval_steps * self.accum):
             total += self.engine.evaluate(batch)
             count += 1
         total, count = self.comm.allreduce_scalars([total, count], op="sum")
