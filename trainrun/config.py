@@ -395,6 +395,8 @@ def _semantic_checks(cfg: Config, problems: _Problems, base_dir: str, need_data:
     s = cfg.lr_schedule
     if s.min_lr > o.lr:
         problems.add("lr_schedule.min_lr", f"{s.min_lr} exceeds optimizer.lr ({o.lr})")
+    if cfg.distributed.zero_stage == 1:
+        problems.add("distributed.zero_stage", "1 (sharded optimizer state) is not available yet; use 0")
     if cfg.device == "cpu" and cfg.distributed.backend == "nccl":
         problems.add("distributed.backend", "nccl needs device: cuda")
     if need_data and not cfg.data.train:
