@@ -10,7 +10,9 @@ Graph interface (N = total number of parameter elements)::
 The flat layout is the given parameters back to back, each flattened
 row-major. Hyper-parameters other than lr are constants of the graph; weight
 decay is 0 for parameters matching a ``cfg.no_decay`` pattern (fnmatch,
-case-sensitive). Only standard ONNX operators (opset 17) are used, so the graph
+case-sensitive). ``eps_mode`` applies to adam and adamw; LAMB always uses ORT's
+m_hat / (sqrt(v_hat) + eps). Every input is declared even where a rule does not
+read it (``step`` for SGD or without bias correction). Only standard ONNX operators (opset 17) are used, so the graph
 runs on any execution provider, and it is safe to bind each ``X_out`` to the
 same buffer as ``X`` (see :func:`inplace_aliases`). Clipping and the is-finite
 check are the caller's: pass the clip divisor's inverse as ``grad_scale`` and
