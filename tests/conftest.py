@@ -1,5 +1,6 @@
 """Shared test helpers: paths to the venv's tools and a subprocess runner with a timeout."""
 
+import glob
 import os
 import subprocess
 import sys
@@ -111,3 +112,20 @@ def read_metrics(run_dir):
 
 def mpirun(n, *args, timeout=300, check=0, env=None):
     return run([MPIRUN, "-np", str(n), TRAINRUN, *args], timeout=timeout, check=check, env=env)
+
+
+def rank_pids(marker):
+    """PIDs of the trainrun processes whose command line mentions ``marker``, by MPI rank."""
+    pids = {}
+    for env_path in glob.glob("/proc/[0-9]*/environ"):
+        pid = int(env_path.split("/")[2])
+        try:
+            env = open(env_path, "rb").read().split(b"\0")
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmd and "trainrun" in cmd:
+            for item in env:
+                if item.startswith(b"PMI_RANK="):
+                    pids[int(item.split(b"=")[1])] = pid
+    return pids

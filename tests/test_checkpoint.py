@@ -1,6 +1,5 @@
 """Checkpoints, exact resume on any rank count, crash safety and export; real processes."""
 
-import glob
 import json
 import os
 import shutil
@@ -12,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import (BIN, MPIRUN, TRAINRUN, hf_gpt2, mpirun, read_metrics, run, write_config)
+from conftest import MPIRUN, TRAINRUN, hf_gpt2, mpirun, rank_pids, read_metrics, run, write_config
 
 
 def losses(run_dir):
@@ -119,22 +118,6 @@ def test_damaged_checkpoint_is_named(tmp_path, byte_dataset, damage):
     assert expected in proc.stderr
 
 
-def _rank_pids(marker):
-    pids = {}
-    for env_path in glob.glob("/proc/[0-9]*/environ"):
-        pid = int(env_path.split("/")[2])
-        try:
-            env = open(env_path, "rb").read().split(b"\0")
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
-        except OSError:
-            continue
-        if marker in cmd and "trainrun" in cmd:
-            for item in env:
-                if item.startswith(b"PMI_RANK="):
-                    pids[int(item.split(b"=")[1])] = pid
-    return pids
-
-
 def test_kill_during_checkpoint_write_keeps_the_previous_one(tmp_path, byte_dataset):
     cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 20, "checkpoint.every": 4})
     env = dict(os.environ, TRAINRUN_FAULT_STALL_CHECKPOINT="8")
@@ -147,7 +130,7 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(tmp_path, byte_data
     try:
         assert (ck / ".staging-8" / "model.safetensors").exists(), "the stalled write never started"
         time.sleep(0.5)
-        os.kill(_rank_pids(str(tmp_path))[1], signal.SIGKILL)
+        os.kill(rank_pids(str(tmp_path))[1], signal.SIGKILL)
         proc.communicate(timeout=60)
     finally:
         proc.kill()

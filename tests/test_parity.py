@@ -6,7 +6,6 @@ import math
 import os
 
 import numpy as np
-import pytest
 import torch
 
 from trainrun import config as C

@@ -15,7 +15,7 @@ from trainrun import graphs as G
 from trainrun.engine import Engine, EngineOptions
 from trainrun.optim import state_names
 
-from conftest import ROOT, TRAINRUN, hf_gpt2, run
+from conftest import ROOT, TRAINRUN, run
 
 
 def test_prepare_cli_writes_graphs(tmp_path):

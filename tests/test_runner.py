@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import MPIRUN, TRAINRUN, TRAINRUN_DATA, mpirun, read_metrics, run, stdlib_text_dir, write_config
+from conftest import MPIRUN, TRAINRUN, TRAINRUN_DATA, mpirun, rank_pids, read_metrics, run, write_config
 
 
 def losses(run_dir):
@@ -110,7 +110,7 @@ def test_killed_rank_ends_the_job(tmp_path, byte_dataset):
     while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
         time.sleep(0.2)
     assert metrics.exists(), "training never started"
-    victim = _rank_pid(1, str(tmp_path))
+    victim = rank_pids(str(tmp_path))[1]
     os.kill(victim, signal.SIGKILL)
     t0 = time.time()
     try:
@@ -120,20 +120,6 @@ def test_killed_rank_ends_the_job(tmp_path, byte_dataset):
     assert time.time() - t0 < 30
     assert proc.returncode != 0
     assert "BAD TERMINATION" in out or "rank" in out
-
-
-def _rank_pid(rank, marker):
-    """PID of the trainrun process of ``rank`` whose command line mentions ``marker``."""
-    for env_path in glob.glob("/proc/[0-9]*/environ"):
-        pid = int(env_path.split("/")[2])
-        try:
-            env = open(env_path, "rb").read().split(b"\0")
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
-        except OSError:
-            continue
-        if f"PMI_RANK={rank}".encode() in env and marker in cmd and "trainrun" in cmd:
-            return pid
-    raise AssertionError(f"no process of rank {rank}")
 
 
 def test_gpt2_tiny_learns_the_standard_library(tmp_path):

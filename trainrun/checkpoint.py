@@ -34,7 +34,6 @@ import os
 import shutil
 import struct
 import threading
-import warnings
 
 import numpy as np
 
