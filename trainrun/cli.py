@@ -133,6 +133,68 @@ def config_validate(config_path, overrides):
     click.echo(f"{config_path}: valid")
 
 
+@cli.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False),
+              help="Also check the data and graph files this config names.")
+@set_option
+@click.option("--size-mb", type=click.FloatRange(min=0.001), default=64.0, show_default=True,
+              help="Buffer size of the allreduce bandwidth measurement.")
+@click.option("--iters", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Timed allreduce rounds (after two warm-up rounds).")
+def doctor(config_path, overrides, size_mb, iters):
+    """Check the distributed set-up (run under mpirun): ranks, hosts, devices, versions,
+    an allreduce of known values, allreduce bandwidth, same config/data/graphs everywhere."""
+    from .doctor import run_doctor
+    cfg, raw = None, b""
+    if config_path:
+        cfg = C.load_config(config_path, overrides)
+        with open(config_path, "rb") as fh:
+            raw = fh.read()
+    code = run_doctor(cfg, raw, list(overrides), size_mb=size_mb, iters=iters, echo=click.echo)
+    if code:
+        sys.exit(code)
+
+
+@cli.command()
+@click.argument("run_a", type=click.Path(exists=True, file_okay=False))
+@click.argument("run_b", type=click.Path(exists=True, file_okay=False))
+@click.option("--rtol", type=click.FloatRange(min=0.0), default=1e-4, show_default=True,
+              help="Relative tolerance (0: bitwise equal statistics).")
+@click.option("--atol", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+              help="Absolute tolerance.")
+@click.option("--rank", "ranks", type=int, multiple=True, help="Compare only these ranks (repeatable).")
+@click.option("--tensors", "patterns", multiple=True, metavar="PATTERN",
+              help="Compare only names matching (fnmatch, repeatable), e.g. 'param/*' or 'scalar/loss'.")
+@click.option("--max-rows", type=click.IntRange(min=5), default=40, show_default=True,
+              help="Most rows in the per-step summary.")
+def compare(run_a, run_b, rtol, atol, ranks, patterns, max_rows):
+    """Compare two runs' statistics (debug.stats_every): the first step and tensor where
+    they diverge beyond tolerance, then a per-step summary. Exit 0 same, 1 diverged."""
+    from .compare import compare as run_compare
+    text, diverged = run_compare(run_a, run_b, rtol=rtol, atol=atol, ranks=list(ranks) or None,
+                                 patterns=list(patterns) or None, max_rows=max_rows)
+    click.echo(text)
+    if diverged:
+        sys.exit(1)
+
+
+@cli.group("profile")
+def profile_group():
+    """Read the traces of profile.start_step/steps."""
+
+
+@profile_group.command("summarize")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False))
+@click.option("--top", type=click.IntRange(min=1), default=15, show_default=True, help="Operators shown.")
+@click.option("--by", type=click.Choice(["op", "node"]), default="op", show_default=True,
+              help="Group kernel time by operator type or by node.")
+def profile_summarize(directory, top, by):
+    """Top operators by total time and the phase breakdown per rank (DIRECTORY: the profile
+    directory or the run directory)."""
+    from .profile import summarize
+    click.echo(summarize(directory, top=top, by=by))
+
+
 def _wants_traceback() -> bool:
     argv = sys.argv
     for i, a in enumerate(argv):
@@ -153,7 +215,9 @@ def _launcher_rank() -> int:
 
 def main(argv=None):
     try:
-        cli.main(args=argv, standalone_mode=False, prog_name="trainrun")
+        rc = cli.main(args=argv, standalone_mode=False, prog_name="trainrun")
+        if isinstance(rc, int) and rc:     # ctx.exit(code) returns the code in this mode
+            sys.exit(rc)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except click.exceptions.Abort:

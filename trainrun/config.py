@@ -208,6 +208,29 @@ class TensorBoardConfig:
 
 
 @dataclass
+class ProfileConfig:
+    start_step: int = opt(0, min=0)
+    """First step run under onnxruntime's per-operator profiler, on every rank (0: profiling off)."""
+    steps: int = opt(3, min=1)
+    """Consecutive steps profiled from start_step (each with its eval and checkpoint, if any)."""
+    dir: Optional[str] = None
+    """Where the traces go, one rank-<r>.json per rank (default <output_dir>/profile; relative: inside
+    output_dir); `trainrun profile summarize DIR` reads them."""
+
+
+@dataclass
+class DebugConfig:
+    stats_every: int = opt(0, min=0)
+    """Write statistics (min/max/mean/std/norm, NaN/Inf counts) of the chosen activations, the gradients
+    and the parameters every N steps to <output_dir>/stats/rank-<r>/ (0: off; nothing is added)."""
+    tensors: list[str] = opt(factory=list)
+    """Train-graph tensor name patterns (fnmatch), e.g. logits or LayerNormalization_*_out0: made graph
+    outputs at prepare time and summarised (only when stats_every > 0)."""
+    save_graphs: bool = False
+    """Write the graphs as onnxruntime runs them (after its optimizations) to <output_dir>/debug/graphs."""
+
+
+@dataclass
 class Config:
     run: RunConfig = opt(factory=RunConfig)
     """Run identity and logging."""
@@ -231,6 +254,10 @@ class Config:
     """Where the graphs run."""
     tensorboard: TensorBoardConfig = opt(factory=TensorBoardConfig)
     """TensorBoard logging."""
+    profile: ProfileConfig = opt(factory=ProfileConfig)
+    """Per-operator profiling of chosen steps (trainrun profile summarize)."""
+    debug: DebugConfig = opt(factory=DebugConfig)
+    """Convergence statistics (trainrun compare) and graph dumps."""
 
     def global_batch(self, world_size: int) -> int:
         return self.train.micro_batch_size * self.train.gradient_accumulation_steps * world_size
@@ -397,6 +424,9 @@ def _semantic_checks(cfg: Config, problems: _Problems, base_dir: str, need_data:
         problems.add("lr_schedule.min_lr", f"{s.min_lr} exceeds optimizer.lr ({o.lr})")
     if cfg.distributed.zero_stage == 1:
         problems.add("distributed.zero_stage", "1 (sharded optimizer state) is not available yet; use 0")
+    if cfg.profile.start_step > cfg.train.max_steps:
+        problems.add("profile.start_step", f"{cfg.profile.start_step} is after the last step "
+                     f"(train.max_steps = {cfg.train.max_steps})")
     if cfg.device == "cpu" and cfg.distributed.backend == "nccl":
         problems.add("distributed.backend", "nccl needs device: cuda")
     if need_data and not cfg.data.train:
@@ -533,6 +563,14 @@ def to_yaml(cfg, *, comments: bool = False) -> str:
     lines: list[str] = []
     _yaml_commented(cfg, 0, lines)
     return "\n".join(lines) + "\n"
+
+
+def to_yaml_compact(cfg) -> str:
+    """One line per top-level section, e.g. ``  train: {micro_batch_size: 8, ...}``."""
+    def flow(v):
+        text = yaml.safe_dump(v, default_flow_style=True, width=10_000, sort_keys=False)
+        return text.removesuffix("...\n").strip()
+    return "".join(f"  {k}: {flow(v)}\n" for k, v in to_dict(cfg).items())
 
 
 def _yaml_commented(obj, indent: int, lines: list[str]) -> None:

@@ -80,9 +80,11 @@ class EngineOptions:
     log_severity: int = 3          # onnxruntime: 0 verbose .. 3 error
     deterministic: bool = False
     profile_prefix: str | None = None
+    optimized_dir: str | None = None   # debug.save_graphs: write each graph as onnxruntime optimized it
+    log_id: str | None = None          # names this rank in onnxruntime's own log lines
 
 
-def session_options(opts: EngineOptions):
+def session_options(opts: EngineOptions, name: str = ""):
     import onnxruntime as ort
     so = ort.SessionOptions()
     so.intra_op_num_threads = max(1, opts.threads)
@@ -92,9 +94,15 @@ def session_options(opts: EngineOptions):
         else opts.graph_optimization
     so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _LEVELS[level])
     so.log_severity_level = opts.log_severity
+    if opts.deterministic:
+        so.use_deterministic_compute = True
     if opts.profile_prefix:
         so.enable_profiling = True
-        so.profile_file_prefix = opts.profile_prefix
+        so.profile_file_prefix = opts.profile_prefix + (f"_{name}" if name else "")
+    if opts.optimized_dir and name:
+        so.optimized_model_filepath = os.path.join(opts.optimized_dir, f"{name}.onnx")
+    if opts.log_id:
+        so.logid = f"{opts.log_id} {name}".strip()
     return so
 
 
@@ -109,7 +117,8 @@ class _Bound:
             providers = [("CUDAExecutionProvider", {"device_id": opts.device_id}), "CPUExecutionProvider"]
         self.device_id = opts.device_id
         try:
-            self.session = ort.InferenceSession(path, sess_options=session_options(opts), providers=providers)
+            self.session = ort.InferenceSession(path, sess_options=session_options(opts, name),
+                                                providers=providers)
         except Exception as exc:  # noqa: BLE001
             raise TrainrunError(f"{path}: onnxruntime cannot load the {name} graph: "
                                 f"{str(exc).strip().splitlines()[0]}") from None
@@ -149,6 +158,7 @@ class Engine:
     def __init__(self, graphs_dir: str, opts: EngineOptions, batch_shapes: dict, eval_batch_shapes: dict,
                  state_names: list[str]):
         self.dir = graphs_dir
+        self.opts = opts
         self.manifest = G.load_manifest(graphs_dir)
         self.layout = FlatLayout.from_manifest(self.manifest)
         N = self.layout.total
@@ -171,10 +181,23 @@ class Engine:
         self.batch = {k: xp.zeros(s, d) for k, (s, d) in batch_shapes.items()}
         self.eval_batch = {k: xp.zeros(s, d) for k, (s, d) in eval_batch_shapes.items()}
 
-        self.train_s = _Bound(os.path.join(graphs_dir, "train.onnx"), opts, "train")
-        self.eval_s = _Bound(os.path.join(graphs_dir, "eval.onnx"), opts, "eval")
-        self.opt_s = _Bound(os.path.join(graphs_dir, "optimizer.onnx"), opts, "optimizer")
+        self.stats_outputs = list(self.manifest.get("stats_outputs", []))   # debug.tensors, see stats.py
+        self.reopen(opts)
+
+    def reopen(self, opts: EngineOptions) -> tuple:
+        """(Re-)create the three sessions with ``opts`` (e.g. profiling on), bound to the same buffers.
+        Returns the previous sessions and options for :meth:`restore`."""
+        old = (getattr(self, "train_s", None), getattr(self, "eval_s", None), getattr(self, "opt_s", None),
+               self.opts)
+        self.opts = opts
+        self.train_s = _Bound(os.path.join(self.dir, "train.onnx"), opts, "train")
+        self.eval_s = _Bound(os.path.join(self.dir, "eval.onnx"), opts, "eval")
+        self.opt_s = _Bound(os.path.join(self.dir, "optimizer.onnx"), opts, "optimizer")
         self._bind_all()
+        return old
+
+    def restore(self, old: tuple) -> None:
+        self.train_s, self.eval_s, self.opt_s, self.opts = old
 
     # ------------------------------------------------------------------ binding
     def _bind_all(self) -> None:
@@ -201,6 +224,8 @@ class Engine:
             t.bind_out(name + G.ACC_OUT_SUFFIX, flag)
         t.bind_in(G.RESET, self.reset)
         t.bind_out(G.LOSS, self.loss)
+        for name in self.stats_outputs:     # onnxruntime allocates them, on the device, each run
+            t.binding.bind_output(name, *(("cpu", 0) if self.xp is np else ("cuda", t.device_id)))
         e.bind_out(G.LOSS, self.eval_loss)
         extra_eval = [x.name for x in e.session.get_outputs() if x.name != G.LOSS]
         if extra_eval:   # logits: let onnxruntime allocate (eval only)
@@ -258,6 +283,13 @@ class Engine:
                 raise UsageError(f"{path}: tensor '{name}' has shape {tensors[name].shape}, "
                                  f"the model expects {v.shape}")
             v[...] = self.xp.asarray(tensors[name])
+
+    def extra_train_outputs(self) -> dict:
+        """The train graph's statistics outputs (debug.tensors) of its last run, on the host."""
+        if not self.stats_outputs:
+            return {}
+        values = self.train_s.binding.get_outputs()[-len(self.stats_outputs):]
+        return {n: v.numpy() for n, v in zip(self.stats_outputs, values)}
 
     def grad_norm_sq(self) -> float:
         """Squared L2 norm of the gradient buffer (inf/nan when it holds any)."""

@@ -178,6 +178,32 @@ def dropout_off(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
+def dropout_zero(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Every Dropout with ratio 0 (run.deterministic): the graph keeps its training form, but drops nothing."""
+    model = copy.deepcopy(model)
+    zero = "trainrun_dropout_ratio_zero"
+    found = False
+    for node in model.graph.node:
+        if node.op_type == "Dropout":
+            found = True
+            if len(node.input) > 1:
+                node.input[1] = zero
+            else:
+                node.input.append(zero)
+    if found:
+        model.graph.initializer.append(numpy_helper.from_array(np.array(0.0, np.float32), zero))
+    return model
+
+
+def build_options(cfg: Config) -> dict:
+    """What besides the model and optimizer shapes the graphs: recorded in the manifest."""
+    stats = list(cfg.debug.tensors) if cfg.debug.stats_every > 0 else []
+    return {"deterministic": cfg.run.deterministic, "stats_tensors": stats}
+
+
+DEFAULT_BUILD = {"deterministic": False, "stats_tensors": []}   # manifests written before build options
+
+
 def build_train_graph(loss_model: onnx.ModelProto, params: list[str], source: str) -> onnx.ModelProto:
     """Gradients of ``loss`` w.r.t. ``params`` (already graph inputs), accumulated in place."""
     import onnxruntime as ort
@@ -257,6 +283,8 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
     out_dir = out_dir or os.path.join(cfg.run.output_dir, "graphs")
     os.makedirs(out_dir, exist_ok=True)
     fwd = forward_from_config(cfg)
+    if cfg.run.deterministic:
+        fwd.model = dropout_zero(fwd.model)
     source = cfg.model.onnx or "gpt2"
     inits = {t.name: t for t in fwd.model.graph.initializer}
     weights = {p: numpy_helper.to_array(inits[p]) for p in fwd.params}
@@ -264,6 +292,11 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
 
     loss_model = _params_to_inputs(with_loss(fwd, cfg.model.loss.ignore_index, keep_logits=False), fwd.params)
     train = build_train_graph(loss_model, fwd.params, source)
+    stats_outputs = []
+    if build_options(cfg)["stats_tensors"]:      # debug.stats_every > 0: chosen tensors become outputs
+        from .stats import add_outputs, select_outputs
+        stats_outputs = select_outputs(train, cfg.debug.tensors)
+        add_outputs(train, stats_outputs)
     evalg = dropout_off(_params_to_inputs(with_loss(fwd, cfg.model.loss.ignore_index, keep_logits=True),
                                           fwd.params))
     forward = dropout_off(_params_to_inputs(fwd.model, fwd.params))
@@ -287,6 +320,8 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
         "loss": LOSS,
         "model": to_dict(cfg.model),
         "optimizer": to_dict(cfg.optimizer),
+        "build": build_options(cfg),
+        "stats_outputs": stats_outputs,
         "files": {f"{n}.onnx": sha256_file(os.path.join(out_dir, f"{n}.onnx")) for n in files}
                  | {"weights.safetensors": sha256_file(os.path.join(out_dir, "weights.safetensors"))},
         "onnxruntime": onnxruntime.__version__,

@@ -34,6 +34,7 @@ from .data import TrainLoader, eval_batches, open_dataset
 from .engine import Engine, EngineOptions, from_host
 from .errors import TrainrunError, UsageError
 from .metrics import Metrics, fmt_duration
+from .observe import Observer, apply_log_level, engine_options
 from .optim import state_names
 from .schedule import learning_rate
 
@@ -49,10 +50,13 @@ class PhaseTimer:
     def __init__(self):
         self.total: dict[str, float] = {}
         self._t = time.perf_counter()
+        self.spans: list | None = None     # (phase, start, end) of each mark while profiling records them
 
     def mark(self, phase: str) -> None:
         now = time.perf_counter()
         self.total[phase] = self.total.get(phase, 0.0) + now - self._t
+        if self.spans is not None:
+            self.spans.append((phase, self._t, now))
         self._t = now
 
     def shares(self) -> dict[str, float]:
@@ -73,6 +77,7 @@ def _graphs_match(graphs_dir: str, cfg: C.Config) -> bool:
         return {k: v for k, v in d.items() if k not in _NOT_BAKED}
     return manifest["model"] == C.to_dict(cfg.model) \
         and baked(manifest["optimizer"]) == baked(C.to_dict(cfg.optimizer)) \
+        and manifest.get("build", G.DEFAULT_BUILD) == G.build_options(cfg) \
         and all(os.path.exists(os.path.join(graphs_dir, f)) for f in manifest["files"])
 
 
@@ -106,13 +111,14 @@ class TrainingRunner:
                                quiet=cfg.run.log_level == "warning", total_steps=t.max_steps,
                                start_step=self.step)
         self.timer = PhaseTimer()
+        self.observe = Observer(self)   # profiling, statistics, per-rank logs: off unless configured
 
     # ------------------------------------------------------------------ set-up
     def log(self, text: str, all_ranks: bool = False) -> None:
-        if self.is_main and self.cfg.run.log_level != "warning":
+        if self.verbose and (self.is_main or all_ranks):     # devinfo/verbose: every line names its rank
+            print("".join(f"[rank {self.rank}] {line}\n" for line in text.splitlines()), end="", flush=True)
+        elif self.is_main and self.cfg.run.log_level != "warning":
             print(text, flush=True)
-        elif all_ranks and self.verbose:
-            print(f"[rank {self.rank}] {text}", flush=True)
 
     def _prepare_run_dir(self) -> None:
         cfg = self.cfg
@@ -197,7 +203,8 @@ class TrainingRunner:
             threads = 1
         self.threads = threads
         opts = EngineOptions(device=cfg.device, device_id=self.comm.local_rank, threads=threads, graph_optimization=cfg.engine.graph_optimization,
-                             log_severity=_ORT_SEVERITY[cfg.run.log_level], deterministic=cfg.run.deterministic)
+                             log_severity=_ORT_SEVERITY[cfg.run.log_level], deterministic=cfg.run.deterministic,
+                             **engine_options(cfg, self.rank))
         mb = cfg.train.micro_batch_size
         shapes = {name: ((mb, *shape), dtype) for name, (shape, dtype) in self.train_ds.specs.items()}
         self.engine = Engine(self.graphs_dir, opts, shapes, shapes, state_names(cfg.optimizer))
@@ -208,9 +215,13 @@ class TrainingRunner:
         cfg, eng, timer = self.cfg, self.engine, self.timer
         micro = self.loader.next_step()
         timer.mark("data")
+        stats = self.observe.stats_step(self.step + 1)     # None unless debug.stats_every says so
         loss_sum = 0.0
         for a, batch in enumerate(micro):
             loss_sum += eng.forward_backward(batch, accumulate=a > 0)
+            if stats:
+                stats.micro_batch()
+        self.local_loss = loss_sum / self.accum
         timer.mark("forward_backward")
 
         self.comm.allreduce_(eng.grads)
@@ -245,6 +256,10 @@ class TrainingRunner:
             self.updates += 1
             eng.optimizer_step(lr, self.updates, scale / divisor)
         timer.mark("optimizer")
+        if stats:
+            stats.finish(self.step, scale, {"loss": loss, "local_loss": self.local_loss, "grad_norm": grad_norm,
+                                            "lr": lr})
+            timer.mark("stats")
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm}
 
     def evaluate(self) -> float:
@@ -265,13 +280,14 @@ class TrainingRunner:
         self._header()
         self.comm.barrier()          # start the clocks together: set-up time differs between ranks
         self.timer = PhaseTimer()
-        start = time.perf_counter()
+        start, first_step = time.perf_counter(), self.step
         window_t, window_steps = time.perf_counter(), 0
         last = {}
         eval_loss = None
         try:
             end = min(t.max_steps, t.stop_at) if t.stop_at else t.max_steps
             while self.step < end:
+                self.observe.step_begin(self.step + 1)
                 last = self.train_step()
                 window_steps += 1
                 self.metrics.progress(self.step)
@@ -290,17 +306,21 @@ class TrainingRunner:
                 every = cfg.checkpoint.every
                 if (every and self.step % every == 0) or self.step == end:
                     self.save()
+                self.observe.step_end(self.step, last)
+            self.observe.close()
             self._finish_checkpoint()
         finally:
             self.loader.close()
+        elapsed = time.perf_counter() - start
         if self.is_main and self.saved_step == self.step:
             from .export import export_checkpoint
             export_checkpoint(os.path.join(self.out, "checkpoints", str(self.step)),
                               os.path.join(self.out, "model.onnx"), echo=self.log)
-        elapsed = time.perf_counter() - start
+        ran = self.step - first_step        # steps of this session (a resumed run started later)
         summary = {
-            "steps": self.step, "skipped_steps": self.skipped, "tokens": self.step * self.tokens_per_step,
-            "time_s": round(elapsed, 3), "tokens_per_sec": self.step * self.tokens_per_step / elapsed,
+            "steps": ran, "final_step": self.step, "skipped_steps": self.skipped,
+            "tokens": ran * self.tokens_per_step, "time_s": round(elapsed, 3),
+            "tokens_per_sec": ran * self.tokens_per_step / max(elapsed, 1e-9),
             "final_loss": last.get("loss"), "final_eval_loss": eval_loss, "world_size": self.world,
             "phase_shares": {k: round(v, 4) for k, v in self.timer.shares().items()},
         }
@@ -389,6 +409,8 @@ class TrainingRunner:
         n = self.manifest["num_params"]
         if self.cfg.run.log_level in ("devinfo", "verbose"):
             self.log("resolved config:\n" + C.to_yaml(cfg))
+        else:   # one line per section; the whole file is <output_dir>/config.yaml
+            self.log("config (" + os.path.join(self.out, "config.yaml") + "):\n" + C.to_yaml_compact(cfg))
         self.log(f"trainrun: {cfg.run.name} | {self.world} rank(s) x {self.threads} thread(s) | "
                  f"{n:,} parameters | global batch {self.global_batch} "
                  f"({cfg.train.micro_batch_size} x {self.accum} accum x {self.world} ranks) | "
@@ -402,8 +424,9 @@ class TrainingRunner:
             json.dump(s, fh, indent=1)
         shares = ", ".join(f"{k} {v:.0%}" for k, v in sorted(s["phase_shares"].items(), key=lambda kv: -kv[1]))
         final_eval = f", eval loss {s['final_eval_loss']:.4f}" if s["final_eval_loss"] is not None else ""
+        final = f"; final loss {s['final_loss']:.4f}" if s["final_loss"] is not None else ""
         self.log(f"done: {s['steps']} steps, {s['tokens']:,} tokens in {fmt_duration(s['time_s'])} "
-                 f"({s['tokens_per_sec']:,.0f} tokens/s); final loss {s['final_loss']:.4f}{final_eval}; "
+                 f"({s['tokens_per_sec']:,.0f} tokens/s){final}{final_eval}; "
                  f"time: {shares}")
 
     def close(self) -> None:
@@ -418,6 +441,7 @@ def train(cfg: C.Config, resume_from: str | None = None) -> dict:
         if cuda_device_count() == 0:
             raise UsageError("device: cuda, but no CUDA GPU is visible (checked with cupy; install the "
                              "`gpu` extra on a machine with a GPU, or set device: cpu)")
+    apply_log_level(cfg.run.log_level)
     comm = make_communicator(cfg.distributed.backend, cfg.device, cfg.distributed.timeout_s)
     try:
         return TrainingRunner(cfg, comm, resume_from=resume_from).fit()
@@ -448,7 +472,8 @@ def _report_and_abort(comm, exc: BaseException, verbose: bool) -> None:
 SAFE_ON_RESUME = ("train.max_steps", "train.stop_at", "train.eval_every", "train.eval_steps", "train.log_every",
                   "train.micro_batch_size", "train.gradient_accumulation_steps", "checkpoint.",
                   "optimizer.lr", "optimizer.max_grad_norm", "lr_schedule.", "run.log_level", "engine.",
-                  "tensorboard.", "data.prefetch", "data.eval", "distributed.timeout_s", "distributed.backend")
+                  "tensorboard.", "data.prefetch", "data.eval", "distributed.timeout_s", "distributed.backend",
+                  "profile.", "debug.")
 
 
 def resume(path: str, overrides: list[str], force: bool = False) -> dict:
@@ -460,13 +485,16 @@ def resume(path: str, overrides: list[str], force: bool = False) -> dict:
     saved = C.load_config(saved_path)
     cfg = C.load_config(saved_path, overrides, need_data=True)
     saved.run.output_dir = cfg.run.output_dir = run_dir   # the run may have been moved
+    state = K.read_state(ckpt)
+    if not any(o.split("=", 1)[0].strip() == "train.stop_at" for o in overrides) \
+            and cfg.train.stop_at and cfg.train.stop_at <= state["step"]:
+        saved.train.stop_at = cfg.train.stop_at = 0     # that stop was the saving session's; run on
     changed = _changed_keys(C.to_dict(saved), C.to_dict(cfg))
     unsafe = [k for k in changed if not k.startswith(SAFE_ON_RESUME)]
     if unsafe and not force:
         raise UsageError("resume: these keys change the model, optimizer or data and would not continue the "
                          "same run (add --force to do it anyway)", [f"{k}: {_get(saved, k)!r} -> "
                                                                    f"{_get(cfg, k)!r}" for k in unsafe])
-    state = K.read_state(ckpt)
     _, world = detect_world()
     if cfg.global_batch(world) != state["global_batch"] and not force:
         raise UsageError(

@@ -1,0 +1,305 @@
+"""Observability, for real: statistics + compare, deterministic runs, log levels, profiling,
+graph dumps, doctor and the PyTorch reference; real `mpirun -np 2`, onnxruntime and files."""
+
+import glob
+import json
+import os
+import shutil
+import sys
+
+import numpy as np
+import onnx
+import pytest
+
+from conftest import MPIRUN, ROOT, TRAINRUN, mpirun, read_metrics, run, write_config
+
+from trainrun import config as C
+from trainrun import graphs as G
+from trainrun.errors import UsageError
+
+STEPS = 10
+STATS = {"debug.stats_every": 1, "debug.tensors": ["logits", "LayerNormalization_*_out0"],
+         "run.deterministic": True, "model.gpt2.dropout": 0.1, "train.max_steps": STEPS, "train.log_every": 5}
+
+
+def stats_lines(run_dir, rank):
+    with open(os.path.join(run_dir, "stats", f"rank-{rank}", "stats.jsonl")) as fh:
+        return [json.loads(line) for line in fh]
+
+
+def final_digest(run_dir, rank):
+    ckpt = os.path.join(run_dir, "checkpoints", str(STEPS))
+    return json.load(open(os.path.join(ckpt, f"rank-{rank}.json")))["params_sha256"]
+
+
+@pytest.fixture(scope="module")
+def twin_runs(tmp_path_factory, byte_dataset):
+    """The same deterministic run (dropout 0.1 configured) twice on 2 ranks, with statistics of every
+    step: once at --log-level warning, once at devinfo."""
+    out = {}
+    for name, level in (("a", "warning"), ("b", "devinfo")):
+        d = tmp_path_factory.mktemp(name)
+        cfg = write_config(d / "c.yaml", byte_dataset, **STATS)
+        out[name] = (str(d / "run"), mpirun(2, "--config", cfg, "--log-level", level), cfg)
+    return out
+
+
+def test_deterministic_runs_are_bitwise_identical(twin_runs):
+    (a, _, _), (b, _, _) = twin_runs["a"], twin_runs["b"]
+    la, lb = read_metrics(a)[0], read_metrics(b)[0]
+    assert sorted(la) == sorted(lb) == [5, 10]
+    assert [la[s]["loss"] for s in la] == [lb[s]["loss"] for s in lb]                 # exact, not approx
+    assert la[10]["loss"] < la[5]["loss"]
+    for r in (0, 1):
+        assert final_digest(a, r) == final_digest(b, r) == final_digest(a, 0)
+        assert open(os.path.join(a, "stats", f"rank-{r}", "stats.jsonl")).read() == \
+            open(os.path.join(b, "stats", f"rank-{r}", "stats.jsonl")).read()
+    # dropout really is off in deterministic mode: no Dropout left in the train graph
+    assert not [n for n in onnx.load(os.path.join(a, "graphs", "train.onnx")).graph.node if n.op_type == "Dropout"]
+    proc = run([TRAINRUN, "compare", a, b, "--rtol", "0"], check=0)
+    assert "no divergence" in proc.stdout
+
+
+def test_statistics_per_step_and_rank(twin_runs):
+    run_dir = twin_runs["a"][0]
+    r0, r1 = stats_lines(run_dir, 0), stats_lines(run_dir, 1)
+    assert [x["step"] for x in r0] == [x["step"] for x in r1] == list(range(1, STEPS + 1))
+    names = list(r0[0]["tensors"])
+    acts = [n for n in names if n.startswith("act/")]
+    assert acts[-1] == "act/logits" and len(acts) == 1 + 5          # 2 blocks x ln_1/ln_2 + ln_f, in graph order
+    manifest = G.load_manifest(os.path.join(run_dir, "graphs"))
+    params = [p["name"] for p in manifest["params"]]
+    assert [n for n in names if n.startswith("grad/")] == [f"grad/{p}" for p in params]
+    assert [n for n in names if n.startswith("param/")] == [f"param/{p}" for p in params]
+    logits = r0[0]["tensors"]["act/logits"]
+    assert logits["numel"] == 4 * 32 * 512 and logits["nan"] == logits["inf"] == 0
+    assert logits["min"] <= logits["mean"] <= logits["max"] and logits["std"] > 0
+    for x0, x1 in zip(r0, r1):
+        # after the allreduce every rank holds the same gradient and parameters, but its own activations
+        assert {k: v for k, v in x0["tensors"].items() if not k.startswith("act/")} == \
+            {k: v for k, v in x1["tensors"].items() if not k.startswith("act/")}
+        assert x0["tensors"]["act/logits"] != x1["tensors"]["act/logits"]
+        assert x0["scalars"]["loss"] == x1["scalars"]["loss"] != x0["scalars"]["local_loss"]
+    # the numbers are right: the parameters of the last step against the checkpoint itself
+    from safetensors.numpy import load_file
+    weights = load_file(os.path.join(run_dir, "checkpoints", str(STEPS), "model.safetensors"))
+    for name in ("transformer.wte.weight", "transformer.h.1.mlp.c_fc.bias"):
+        w, s = weights[name].astype(np.float64), r0[-1]["tensors"][f"param/{name}"]
+        np.testing.assert_allclose([s["min"], s["max"], s["mean"], s["std"], s["norm"]],
+                                   [w.min(), w.max(), w.mean(), w.std(), np.linalg.norm(w)], rtol=1e-6)
+    # grad_norm in the statistics is the logged one: the norm over all gradient tensors
+    grad_norm = np.sqrt(sum(r0[-1]["tensors"][f"grad/{p}"]["norm"] ** 2 for p in params))
+    assert grad_norm == pytest.approx(read_metrics(run_dir)[0][STEPS]["grad_norm"], rel=1e-5)
+
+
+def test_log_levels(twin_runs):
+    _, quiet, _ = twin_runs["a"]
+    _, loud, _ = twin_runs["b"]
+    assert quiet.stdout == ""                                           # warning: nothing on stdout
+    out = loud.stdout
+    for r in (0, 1):                                                   # devinfo: every rank, each line named
+        assert f"[rank {r}] host " in out
+        assert f"[rank {r}] step 5 | local loss " in out and f"[rank {r}] step 10 | local loss " in out
+    assert "[rank 0] trainrun: t | 2 rank(s)" in out
+    assert "[I:onnxruntime:rank 1 train," in loud.stderr             # onnxruntime's own info logs, per rank
+
+
+def test_compare_finds_a_planted_divergence(twin_runs, tmp_path):
+    """The same run with another floor of the cosine decay: the learning rates part after the 5 warmup
+    steps, so compare must name step 6."""
+    a, _, cfg = twin_runs["a"]
+    b = str(tmp_path / "run")
+    mpirun(2, "--config", cfg, "--set", f"run.output_dir={b}", "--set", "lr_schedule.min_lr=0.001")
+    proc = run([TRAINRUN, "compare", a, b], check=1)
+    out = proc.stdout
+    assert "first divergence: step 6 rank 0, scalar/lr" in out, out
+    rows = {int(line.split()[0]): line.split() for line in out.split("per step")[1].splitlines()
+            if line.strip() and line.split()[0].isdigit()}
+    assert sorted(rows) == list(range(1, STEPS + 1))
+    assert all(rows[s][1] == "0" for s in range(1, 6)) and all(rows[s][1] != "0" for s in range(6, STEPS + 1))
+    # the parameters only: the update of step 6 is the first to differ
+    proc = run([TRAINRUN, "compare", a, b, "--tensors", "param/*", "--rank", "1"], check=1)
+    assert "first divergence: step 6, param/" in proc.stdout
+    # the loss of step 6 was computed before that update: identical
+    proc = run([TRAINRUN, "compare", a, b, "--tensors", "scalar/loss", "--rtol", "0"], check=1)
+    assert "first divergence: step 7" in proc.stdout
+
+
+def test_compare_usage_errors(twin_runs, tmp_path):
+    a = twin_runs["a"][0]
+    proc = run([TRAINRUN, "compare", a, str(tmp_path)], check=2)
+    assert "holds no statistics" in proc.stderr and "debug.stats_every" in proc.stderr
+    proc = run([TRAINRUN, "compare", a, a, "--tensors", "nothing/*"], check=2)
+    assert "no tensor in common matching nothing/*" in proc.stderr
+
+
+def test_statistics_off_adds_nothing_and_bad_patterns_are_named(tmp_path, byte_dataset):
+    cfg = C.load_config(write_config(tmp_path / "c.yaml", byte_dataset, **{
+        "debug.tensors": ["logits"], "run.output_dir": str(tmp_path / "off")}))
+    G.prepare(cfg)
+    outputs = [o.name for o in onnx.load(str(tmp_path / "off" / "graphs" / "train.onnx")).graph.output]
+    assert outputs == [G.LOSS] + [p["name"] + G.ACC_OUT_SUFFIX
+                                  for p in G.load_manifest(str(tmp_path / "off" / "graphs"))["params"]]
+    cfg.debug.stats_every, cfg.run.output_dir = 3, str(tmp_path / "on")
+    G.prepare(cfg)
+    on = [o.name for o in onnx.load(str(tmp_path / "on" / "graphs" / "train.onnx")).graph.output]
+    assert on == outputs + ["logits"]
+    cfg.debug.tensors = ["logits", "no_such_tensor*"]
+    with pytest.raises(UsageError) as err:
+        G.prepare(cfg)
+    assert "debug.tensors" in err.value.message and "'no_such_tensor*'" in err.value.message
+    with pytest.raises(UsageError) as err:
+        C.load_config(str(tmp_path / "c.yaml"), ["profile.start_step=21"])
+    assert any(p.startswith("profile.start_step: 21 is after the last step") for p in err.value.problems)
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory, byte_dataset):
+    d = tmp_path_factory.mktemp("prof")
+    cfg = write_config(d / "c.yaml", byte_dataset, **{
+        "train.max_steps": 6, "train.gradient_accumulation_steps": 2, "train.eval_every": 4,
+        "checkpoint.every": 4, "profile.start_step": 3, "profile.steps": 2, "debug.save_graphs": True})
+    mpirun(2, "--config", cfg)
+    return str(d / "run")
+
+
+def test_profile_covers_exactly_the_window_on_every_rank(profiled):
+    files = sorted(os.listdir(os.path.join(profiled, "profile")))
+    assert files == ["rank-0.json", "rank-1.json"]              # one per rank; onnxruntime's own files merged
+    for r in (0, 1):
+        trace = json.load(open(os.path.join(profiled, "profile", f"rank-{r}.json")))
+        events = trace["traceEvents"]
+        runs = {}
+        for e in events:
+            if e.get("cat") == "Session" and e["name"] == "model_run":
+                runs[e["args"]["session"]] = runs.get(e["args"]["session"], 0) + 1
+        # steps 3 and 4: 2 micro-batches each; the eval of step 4 (eval_steps 2 x 2 micro-batches)
+        assert runs == {"train": 4, "optimizer": 2, "eval": 4}
+        assert trace["trainrun"]["rank"] == r and trace["trainrun"]["steps"] == [3, 4]
+        steps = [e["name"] for e in events if e.get("cat") == "trainrun" and e["name"].startswith("step ")]
+        assert steps == ["step 3", "step 4"]
+        phases = {e["name"] for e in events if e.get("cat") == "trainrun" and not e["name"].startswith("step ")}
+        assert {"data", "forward_backward", "allreduce", "optimizer", "eval", "checkpoint"} <= phases
+        kernels = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+        assert kernels and all(e["ts"] >= 0 and e["dur"] >= 0 for e in kernels)
+        # onnxruntime's events and trainrun's phases share one clock: the kernels lie inside the steps
+        step_spans = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["name"].startswith("step ")]
+        assert all(any(t0 <= k["ts"] <= t1 for t0, t1 in step_spans) for k in kernels)
+    train, evals = read_metrics(profiled)
+    assert sorted(train) == list(range(1, 7)) and sorted(evals) == [4, 6]   # training went on after the window
+    assert "profile" in json.load(open(os.path.join(profiled, "summary.json")))["phase_shares"]
+
+
+def test_profile_summarize(profiled):
+    proc = run([TRAINRUN, "profile", "summarize", profiled, "--top", "5"], check=0)
+    out = proc.stdout
+    assert "profile of steps 3-4 (2 step(s)) on 2 rank(s)" in out
+    table = out.split("top 5 operator types")[1].split("phases per rank")[0]
+    rows = [line.split() for line in table.splitlines()[2:] if line.strip()]
+    assert len(rows) == 5 and rows[0][0] == "train"
+    totals = [float(r[3]) for r in rows]
+    assert totals == sorted(totals, reverse=True) and totals[0] > 0
+    phase_rows = out.split("phases per rank")[1].splitlines()
+    header = phase_rows[1].split()
+    assert header[:5] == ["rank", "data", "forward_backward", "allreduce", "norm"]
+    assert [line.split()[0] for line in phase_rows[2:]] == ["0", "1"]
+    assert run([TRAINRUN, "profile", "summarize", os.path.dirname(profiled)], check=2).stderr.count("no rank-") == 1
+
+
+def test_save_graphs_writes_what_onnxruntime_runs(profiled):
+    nodes = {}
+    for name in ("train", "eval", "optimizer"):
+        optimized = onnx.load(os.path.join(profiled, "debug", "graphs", f"{name}.onnx"))
+        original = onnx.load(os.path.join(profiled, "graphs", f"{name}.onnx"))
+        nodes[name] = (len(optimized.graph.node), len(original.graph.node))
+    # onnxruntime folded constants and shapes away (e.g. the optimizer's Expand of scalars)
+    assert nodes["train"][0] < nodes["train"][1] and nodes["optimizer"][0] < nodes["optimizer"][1]
+    assert not os.path.exists(os.path.join(profiled, "debug", "graphs", "forward.onnx"))
+
+
+def test_doctor_passes_on_two_ranks(tmp_path, byte_dataset):
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset)
+    proc = run([MPIRUN, "-np", "2", TRAINRUN, "doctor", "--config", cfg, "--size-mb", "4"], check=0, timeout=120)
+    out = proc.stdout
+    assert "trainrun doctor: 2 rank(s) on 1 host(s)" in out and "MPI library: MPICH" in out
+    assert "onnxruntime 1.19.2" in out and "CPUExecutionProvider" in out
+    for check in ("versions", "allreduce", "bandwidth", "config", "data.train", "data.eval"):
+        assert any(line.split()[:2] == ["PASS", check] for line in out.splitlines()), (check, out)
+    assert any(line.split()[:2] == ["SKIP", "graphs"] for line in out.splitlines())     # not prepared yet
+    assert "GB/s" in out
+    assert [line.split()[0] for line in out.splitlines() if "cpu," in line] == ["0", "1"]
+
+
+def test_doctor_names_the_failing_check(tmp_path, byte_dataset):
+    """Two 'hosts' (HOME differs per rank) whose copies of the training data differ by one byte."""
+    for home in ("h0", "h1"):
+        shutil.copytree(byte_dataset, tmp_path / home / "data")
+    shard = sorted(glob.glob(str(tmp_path / "h1" / "data" / "train" / "*.bin")))[0]
+    with open(shard, "r+b") as fh:
+        fh.seek(100)
+        byte = fh.read(1)
+        fh.seek(100)
+        fh.write(bytes([byte[0] ^ 1]))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("run: {output_dir: ~/run}\ndata: {train: ~/data/train, eval: ~/data/eval, seq_len: 32}\n")
+    args = [TRAINRUN, "doctor", "--config", str(cfg), "--size-mb", "1"]
+    proc = run([MPIRUN, "-np", "1", "-env", "HOME", str(tmp_path / "h0"), *args, ":",
+                "-np", "1", "-env", "HOME", str(tmp_path / "h1"), *args], check=1, timeout=120)
+    assert "doctor: check(s) failed: data.train" in proc.stderr
+    assert "rank 1 differs from rank 0: different content: shard-" in proc.stderr
+    assert any(line.split()[:2] == ["PASS", "data.eval"] for line in proc.stdout.splitlines())
+
+
+def test_verbose_prints_tracebacks(tmp_path, byte_dataset):
+    """run.log_level: verbose in the config file (not only --log-level) shows the traceback of an error."""
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{
+        "run.log_level": "verbose", "optimizer.lr": 1e30, "lr_schedule": {"name": "constant"},
+        "train.max_steps": 12, "debug.stats_every": 1})
+    proc = run([TRAINRUN, "--config", cfg], check=1)
+    assert "Traceback (most recent call last)" in proc.stderr
+    assert "8 steps in a row had non-finite gradients" in proc.stderr.splitlines()[-1]
+    # the statistics of those steps say where the non-finite values are
+    lines = stats_lines(str(tmp_path / "run"), 0)
+    assert [x["step"] for x in lines] == list(range(1, 9))       # step 9 raised before its statistics
+    first, last = lines[0], lines[-1]
+    assert first["scalars"]["loss"] < 10 and all(t["nan"] == t["inf"] == 0 for t in first["tensors"].values())
+    assert last["scalars"]["loss"] == "nan" and last["scalars"]["grad_norm"] == "inf"
+    grads = [t for n, t in last["tensors"].items() if n.startswith("grad/")]
+    assert all(t["nan"] == t["numel"] and t["mean"] is None for t in grads)
+
+
+def test_pytorch_reference_statistics_match(tmp_path, byte_dataset):
+    """scripts/torch_stats.py (transformers GPT-2) writes the same format; compare finds no divergence."""
+    pytest.importorskip("transformers")
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{**STATS, "train.max_steps": 6, "debug.tensors": [
+        "logits", "LayerNormalization_*_out0", "FastGelu_[0-9]*[0-9]"]})
+    mpirun(1, "--config", cfg)
+    ref = str(tmp_path / "ref")
+    proc = run([sys.executable, os.path.join(ROOT, "scripts", "torch_stats.py"), str(tmp_path / "run"),
+                "--output", ref], check=0)
+    assert "(8 activations)" in proc.stdout                 # logits, 5 LayerNorms, 2 FastGelu
+    proc = run([TRAINRUN, "compare", str(tmp_path / "run"), ref, "--rtol", "1e-4"], check=0)
+    assert "no divergence" in proc.stdout and "6 common step(s)" in proc.stdout
+    # and it is not vacuous: the two differ at float32 rounding level
+    proc = run([TRAINRUN, "compare", str(tmp_path / "run"), ref, "--rtol", "0"], check=1)
+    assert "first divergence: step 1" in proc.stdout
+
+
+def test_moments_merge_exactly_and_count_non_finite_values():
+    """The statistics of a step's micro-batches merged = those of the whole batch; NaN/Inf counted apart."""
+    from trainrun.stats import Moments, summarize
+    x = np.random.default_rng(0).standard_normal(3_000_003).astype(np.float32) * 3 + 1
+    x[[5, 70, 2_000_000]] = [np.nan, np.inf, -np.inf]
+    finite = x[np.isfinite(x)].astype(np.float64)
+    whole = summarize(x)
+    assert (whole["numel"], whole["nan"], whole["inf"]) == (x.size, 1, 2)
+    np.testing.assert_allclose([whole[k] for k in ("min", "max", "mean", "std", "norm")],
+                               [finite.min(), finite.max(), finite.mean(), finite.std(), np.linalg.norm(finite)],
+                               rtol=1e-12)
+    parts = Moments.of(x[:1000]).merge(Moments.of(x[1000:2_500_000])).merge(Moments.of(x[2_500_000:]))
+    merged = parts.summary()
+    assert merged.keys() == whole.keys()
+    np.testing.assert_allclose([merged[k] for k in whole], [whole[k] for k in whole], rtol=1e-12)
+    big = summarize(np.array([3e38, -3e38], np.float32))         # float32 extremes: no overflow
+    assert big["std"] == pytest.approx(3e38, rel=1e-6) and big["mean"] == 0.0
+    assert summarize(np.full(4, np.nan, np.float32))["mean"] is None

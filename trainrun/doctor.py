@@ -1,0 +1,281 @@
+"""``mpirun -np N trainrun doctor [--config FILE]``: test the distributed set-up before a long job.
+
+Every rank gathers facts about itself (host, pid, local rank, device, MPI
+library, onnxruntime version and providers) and rank 0 prints them as one
+table. Then the checks, each PASS, FAIL or SKIP:
+
+* ``versions``   every rank runs the same onnxruntime, trainrun and Python;
+* ``allreduce``  a sum of known values (rank r contributes (r+1)*(i%7+1) at
+                 index i of a float32 buffer, exact in float32) and of scalars
+                 comes back exact on every rank, with the run's backend;
+* ``bandwidth``  allreduce time of a ``--size-mb`` buffer (the slowest rank's
+                 median of ``--iters``), as algorithm bandwidth (bytes/time)
+                 and bus bandwidth (x 2(n-1)/n, as nccl-tests report it);
+* ``config``     every rank read the same config file bytes and ``--set``;
+* ``data``       with --config: every rank sees the same files in data.train
+                 and data.eval (names, sizes and a digest of each file:
+                 sha256 of the whole file up to 64 MiB, above that of 16
+                 evenly spaced 1 MiB pieces and the size);
+* ``graphs``     with --config: the user's model.onnx (if any) and the
+                 prepared graphs under <output_dir>/graphs are the same on
+                 every rank and match the sha256 their manifest records
+                 (SKIP when not prepared yet).
+
+Exit 0 when nothing failed; otherwise rank 0 names the failing checks and
+every rank exits 1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from .errors import TrainrunError
+
+FULL_HASH_LIMIT = 64 << 20
+PIECE = 1 << 20
+PIECES = 16
+
+
+def file_digest(path: str) -> str:
+    size = os.path.getsize(path)
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        if size <= FULL_HASH_LIMIT:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+        else:
+            h.update(str(size).encode())
+            for i in range(PIECES):
+                fh.seek((size - PIECE) * i // (PIECES - 1))
+                h.update(fh.read(PIECE))
+    return h.hexdigest()[:16]
+
+
+def dir_digest(path: str) -> dict:
+    """{relative name: "size:digest"} of every file under ``path`` (or an error text)."""
+    if not os.path.isdir(path):
+        return {"error": f"not a directory: {path}"}
+    out = {}
+    try:
+        for root, dirs, files in os.walk(path):
+            dirs.sort()
+            for f in sorted(files):
+                full = os.path.join(root, f)
+                out[os.path.relpath(full, path)] = f"{os.path.getsize(full)}:{file_digest(full)}"
+    except OSError as exc:
+        return {"error": str(exc)}
+    return out
+
+
+def _cores() -> str:
+    if hasattr(os, "sched_getaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+        spans, start = [], cores[0]
+        for a, b in zip(cores, cores[1:] + [None]):
+            if b != a + 1:
+                spans.append(f"{start}-{a}" if a != start else str(a))
+                start = b
+        return f"{len(cores)} core(s) {','.join(spans)}"
+    return f"{os.cpu_count()} core(s)"
+
+
+def _device(device: str, local_rank: int) -> str:
+    if device == "cuda":
+        try:
+            import cupy
+            n = cupy.cuda.runtime.getDeviceCount()
+            i = local_rank % max(n, 1)
+            props = cupy.cuda.runtime.getDeviceProperties(i)
+            name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+            return f"cuda:{i} {name} ({props['totalGlobalMem'] / 2**30:.0f} GiB)"
+        except Exception as exc:  # noqa: BLE001 - reported, not fatal
+            return f"cuda: unavailable ({type(exc).__name__}: {exc})"
+    return f"cpu, {_cores()}"
+
+
+def _mpi_library() -> str:
+    try:
+        from mpi4py import MPI
+        return " ".join(MPI.Get_library_version().split("\n")[0].split())
+    except Exception as exc:  # noqa: BLE001
+        return f"unavailable ({exc})"
+
+
+def _facts(comm, device: str) -> dict:
+    import onnxruntime as ort
+    from importlib.metadata import version
+    return {"rank": comm.rank, "host": platform.node(), "pid": os.getpid(), "local_rank": comm.local_rank,
+            "device": _device(device, comm.local_rank),
+            "mpi": _mpi_library() if comm.world_size > 1 or comm.backend != "none" else "not used (1 rank)",
+            "ort": ort.__version__, "providers": ort.get_available_providers(),
+            "trainrun": version("trainrun"), "python": platform.python_version()}
+
+
+def _xp(comm, device):
+    if comm.backend == "nccl":
+        import cupy
+        return cupy
+    return np
+
+
+def check_allreduce(comm, device: str, n: int = 1 << 20) -> tuple[str, str]:
+    xp = _xp(comm, device)
+    w = comm.world_size
+    pattern = (np.arange(n) % 7 + 1).astype(np.float32)
+    buf = xp.asarray(pattern * (comm.rank + 1))
+    comm.allreduce_(buf)
+    got = np.asarray(buf.get() if xp is not np else buf)
+    expected = pattern * np.float32(w * (w + 1) // 2)
+    bad = int(np.count_nonzero(got != expected))
+    scal = comm.allreduce_scalars([comm.rank + 1.0, 1.0], op="sum")
+    oks = comm.allgather_object([bad, scal == [w * (w + 1) / 2, float(w)]])
+    failing = [f"rank {r}: {b} of {n} wrong elements" if b else f"rank {r}: wrong scalar sum"
+               for r, (b, s) in enumerate(oks) if b or not s]
+    if failing:
+        return "FAIL", "; ".join(failing)
+    return "PASS", f"sum of known values over {w} rank(s) ({n:,} float32 and 2 float64 scalars, {comm.backend})"
+
+
+def measure_bandwidth(comm, device: str, size_mb: float, iters: int) -> tuple[str, str]:
+    if comm.world_size == 1:
+        return "SKIP", "one rank: nothing to measure"
+    xp = _xp(comm, device)
+    n = max(1, int(size_mb * (1 << 20)) // 4)
+    buf = xp.ones(n, np.float32)
+    times = []
+    for i in range(iters + 2):          # two warm-up rounds
+        comm.barrier()
+        t0 = time.perf_counter()
+        comm.allreduce_(buf)
+        dt = time.perf_counter() - t0
+        if i >= 2:
+            times.append(dt)
+    t = comm.allreduce_scalars([statistics.median(times)], op="max")[0]
+    w = comm.world_size
+    algbw = n * 4 / t / 1e9
+    busbw = algbw * 2 * (w - 1) / w
+    return "PASS", (f"allreduce of {n * 4 / 2**20:.0f} MiB: {t * 1e3:.2f} ms, algbw {algbw:.2f} GB/s, "
+                    f"busbw {busbw:.2f} GB/s (median of {iters})")
+
+
+def _same(name: str, values: list, describe) -> tuple[str, str]:
+    ref = values[0]
+    for r, v in enumerate(values):
+        if isinstance(v, dict) and "error" in v:
+            return "FAIL", f"rank {r}: {v['error']}"
+    for r, v in enumerate(values[1:], 1):
+        if v != ref:
+            return "FAIL", f"rank {r} differs from rank 0: {describe(ref, v)}"
+    return "PASS", f"same on all {len(values)} rank(s)"
+
+
+def _diff_files(a: dict, b: dict) -> str:
+    only_a, only_b = sorted(set(a) - set(b)), sorted(set(b) - set(a))
+    changed = sorted(k for k in set(a) & set(b) if a[k] != b[k])
+    parts = []
+    if changed:
+        parts.append(f"different content: {', '.join(changed[:3])}")
+    if only_a:
+        parts.append(f"missing: {', '.join(only_a[:3])}")
+    if only_b:
+        parts.append(f"extra: {', '.join(only_b[:3])}")
+    return "; ".join(parts)
+
+
+def _graph_files(cfg) -> dict:
+    out = {}
+    if cfg.model.onnx:
+        try:
+            out["model.onnx"] = file_digest(cfg.model.onnx)
+        except OSError as exc:
+            return {"error": f"model.onnx: {exc}"}
+    gdir = os.path.join(cfg.run.output_dir, "graphs")
+    manifest_path = os.path.join(gdir, "manifest.json")
+    if not os.path.isfile(manifest_path):
+        out["graphs"] = "not prepared"
+        return out
+    from . import graphs as G
+    try:
+        manifest = G.load_manifest(gdir)
+        for name, sha in manifest["files"].items():
+            actual = G.sha256_file(os.path.join(gdir, name))
+            if actual != sha:
+                return {"error": f"{os.path.join(gdir, name)} does not match its manifest (sha256 {actual[:12]} "
+                                 f"vs {sha[:12]}); run `trainrun prepare` again"}
+            out[name] = sha[:16]
+    except (OSError, TrainrunError) as exc:
+        return {"error": str(getattr(exc, "message", exc))}
+    return out
+
+
+def run_doctor(cfg=None, config_bytes: bytes = b"", overrides=(), size_mb: float = 64.0, iters: int = 5,
+               echo=print) -> int:
+    """Run every check on every rank; rank 0 prints the report. Returns the exit status."""
+    from .comm import make_communicator
+    device = cfg.device if cfg else "cpu"
+    backend = cfg.distributed.backend if cfg else "auto"
+    comm = make_communicator(backend, device, cfg.distributed.timeout_s if cfg else 120.0)
+    try:
+        facts = comm.allgather_object(_facts(comm, device))
+        checks = []
+        keys = ("ort", "trainrun", "python")
+        checks.append(("versions", *_same("versions", [{k: f[k] for k in keys} for f in facts],
+                                          lambda a, b: ", ".join(f"{k} {a[k]} vs {b[k]}" for k in keys
+                                                                 if a[k] != b[k]))))
+        checks.append(("allreduce", *check_allreduce(comm, device)))
+        checks.append(("bandwidth", *measure_bandwidth(comm, device, size_mb, iters)))
+        if cfg is not None:
+            mine = hashlib.sha256(config_bytes + "\0".join(overrides).encode()).hexdigest()[:16]
+            checks.append(("config", *_same("config", comm.allgather_object(mine),
+                                             lambda a, b: f"config file or --set differ (sha256 {b} vs {a})")))
+            for key in ("train", "eval"):
+                path = getattr(cfg.data, key)
+                if not path:
+                    checks.append((f"data.{key}", "SKIP", "not configured"))
+                    continue
+                status, text = _same(f"data.{key}", comm.allgather_object(dir_digest(path)), _diff_files)
+                text = f"{path}: " + text
+                checks.append((f"data.{key}", status, text))
+            graphs = comm.allgather_object(_graph_files(cfg))
+            status, text = _same("graphs", graphs, _diff_files)
+            if status == "PASS" and graphs[0].get("graphs") == "not prepared":
+                status, text = ("SKIP", "not prepared yet (trainrun prepare); "
+                                + ("model.onnx same on every rank" if "model.onnx" in graphs[0] else "nothing to check"))
+            checks.append(("graphs", status, text))
+        comm.barrier()
+    finally:
+        comm.close()
+
+    failed = [name for name, status, _ in checks if status == "FAIL"]
+    if comm.rank == 0:
+        echo(_report(facts, checks, comm.world_size))
+        if failed:
+            details = [f"{name}: {text}" for name, status, text in checks if status == "FAIL"]
+            raise TrainrunError(f"doctor: check(s) failed: {', '.join(failed)}", details)
+    return 1 if failed else 0
+
+
+def _report(facts: list[dict], checks: list[tuple], world: int) -> str:
+    hosts = sorted({f["host"] for f in facts})
+    f0 = facts[0]
+    lines = [f"trainrun doctor: {world} rank(s) on {len(hosts)} host(s): {', '.join(hosts)}",
+             f"MPI library: {f0['mpi']}",
+             f"onnxruntime {f0['ort']} (providers: {', '.join(f0['providers'])}); trainrun {f0['trainrun']}; "
+             f"Python {f0['python']} ({sys.executable})", ""]
+    hw = max(len("host"), *(len(f["host"]) for f in facts))
+    lines.append(f"  {'rank':>4}  {'host':<{hw}}  {'pid':>7}  {'local':>5}  device")
+    for f in facts:
+        lines.append(f"  {f['rank']:>4}  {f['host']:<{hw}}  {f['pid']:>7}  {f['local_rank']:>5}  {f['device']}")
+    lines.append("")
+    lines.append("checks:")
+    nw = max(len(c[0]) for c in checks)
+    for name, status, text in checks:
+        lines.append(f"  {status:<4}  {name:<{nw}}  {text}")
+    return "\n".join(lines)
