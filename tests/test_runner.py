@@ -135,3 +135,19 @@ def test_gpt2_tiny_learns_the_standard_library(tmp_path):
     first, last = evals[min(evals)]["eval_loss"], evals[max(evals)]["eval_loss"]
     assert max(evals) == 500
     assert last < 0.5 * math.log(1024) < first, (first, last)
+
+
+def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, byte_dataset):
+    # an absurd learning rate blows the weights up after the first update: every later gradient is NaN
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{
+        "optimizer.lr": 1e12, "optimizer.max_grad_norm": 0.0, "lr_schedule": {"name": "constant"},
+        "train.max_steps": 50, "checkpoint.every": 1})
+    proc = mpirun(2, "--config", cfg, check=1)
+    assert proc.stderr.count("8 steps in a row had non-finite gradients") == 1   # rank 0 alone reports
+    assert "update skipped" in proc.stdout
+    train, _ = read_metrics(str(tmp_path / "run"))
+    last = max(train)
+    assert train[last]["skipped_steps"] >= 7 and last <= 9
+    # no checkpoint past the last finite update
+    ckpts = sorted(int(d) for d in os.listdir(tmp_path / "run" / "checkpoints") if d.isdigit())
+    assert ckpts and max(ckpts) <= last - 7

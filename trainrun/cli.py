@@ -229,8 +229,9 @@ def main(argv=None):
     except TrainrunError as exc:
         if _wants_traceback():
             traceback.print_exc()
-        # a config/usage error is the same on every rank: rank 0 alone reports it
-        if not (isinstance(exc, UsageError) and _launcher_rank() > 0):
+        # a config/usage error, or one all ranks agreed on, is the same everywhere: rank 0 reports it
+        same_everywhere = isinstance(exc, UsageError) or getattr(exc, "collective", False)
+        if not (same_everywhere and _launcher_rank() > 0):
             click.echo(exc.render(), err=True)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:

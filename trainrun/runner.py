@@ -202,7 +202,8 @@ class TrainingRunner:
         if cfg.run.deterministic:
             threads = 1
         self.threads = threads
-        opts = EngineOptions(device=cfg.device, device_id=self.comm.local_rank, threads=threads, graph_optimization=cfg.engine.graph_optimization,
+        opts = EngineOptions(device=cfg.device, device_id=self.comm.local_rank, threads=threads,
+                             graph_optimization=cfg.engine.graph_optimization,
                              log_severity=_ORT_SEVERITY[cfg.run.log_level], deterministic=cfg.run.deterministic,
                              **engine_options(cfg, self.rank))
         mb = cfg.train.micro_batch_size
@@ -244,9 +245,11 @@ class TrainingRunner:
             self.skipped += 1
             self._nonfinite_in_a_row += 1
             if self._nonfinite_in_a_row >= MAX_NONFINITE_IN_A_ROW:
-                raise TrainrunError(f"{self._nonfinite_in_a_row} steps in a row had non-finite gradients "
+                exc = TrainrunError(f"{self._nonfinite_in_a_row} steps in a row had non-finite gradients "
                                     f"(last at step {self.step}); stopping without a checkpoint of these "
                                     f"weights. Lower optimizer.lr or check the data.")
+                exc.collective = True      # every rank saw the same agreed flag
+                raise exc
             self.log(f"step {self.step}: non-finite gradients on some rank, update skipped "
                      f"({self.skipped} so far)")
         else:
@@ -304,8 +307,8 @@ class TrainingRunner:
                                                  "eval_perplexity": math.exp(min(eval_loss, 80.0))})
                     self.timer.mark("log")
                 every = cfg.checkpoint.every
-                if (every and self.step % every == 0) or self.step == end:
-                    self.save()
+                if ((every and self.step % every == 0) or self.step == end) and not self._nonfinite_in_a_row:
+                    self.save()       # never while updates are being skipped: keep_last keeps good ones
                 self.observe.step_end(self.step, last)
             self.observe.close()
             self._finish_checkpoint()
@@ -350,15 +353,14 @@ class TrainingRunner:
     def _checkpoint_progress(self, done: float, failed: float) -> None:
         if self.writer.pending_step is None:
             return
-        if failed:
+        if failed:   # every rank learned it from the same allreduce: agree on one message
             step = self.writer.pending_step
-            own = self.writer.error_text()
+            causes = self.comm.allgather_object(self.writer.error_text())
             self.writer.abandon()
-            exc = TrainrunError(f"checkpoint at step {step} failed on rank {self.rank}: {own}; older "
-                                f"checkpoints are intact" if own else
-                                f"checkpoint at step {step} failed on another rank (see its message); "
-                                f"older checkpoints are intact")
-            exc.collective = True      # every rank learned it from the same allreduce
+            exc = TrainrunError(f"checkpoint at step {step} failed ("
+                                + "; ".join(f"rank {r}: {c}" for r, c in enumerate(causes) if c)
+                                + "); older checkpoints are intact")
+            exc.collective = True
             raise exc
         if done == self.world:
             step = self.writer.pending_step
@@ -465,6 +467,7 @@ def _report_and_abort(comm, exc: BaseException, verbose: bool) -> None:
     else:
         text, code = f"trainrun: error: {type(exc).__name__}: {exc}", 1
     print(f"[rank {comm.rank}] {text}", file=sys.stderr, flush=True)
+    time.sleep(0.5)     # let the launcher forward the message before the job is torn down
     comm.abort(code)
 
 
