@@ -118,3 +118,11 @@ def test_cli_help_lists_commands():
     for cmd in ("train", "resume", "export", "prepare", "config"):
         assert cmd in proc.stdout
     run([TRAINRUN, "no-such-command"], check=2)
+
+
+def test_command_line_paths_are_relative_to_the_current_directory(tmp_path, monkeypatch):
+    (tmp_path / "conf").mkdir()
+    path = write(tmp_path / "conf", {"run": {"output_dir": "from_file"}})
+    monkeypatch.chdir(tmp_path)
+    assert C.load_config(path).run.output_dir == str(tmp_path / "conf" / "from_file")
+    assert C.load_config(path, ["run.output_dir=runs/x"]).run.output_dir == str(tmp_path / "runs" / "x")

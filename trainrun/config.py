@@ -474,8 +474,13 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply ``key.path=value`` overrides; a relative path given on the command line is
+    relative to the current directory (paths in the file are relative to the file)."""
+    path_keys = {dotted for dotted, _, _ in _path_fields(Config())} | {"run.output_dir"}
     for text in overrides:
         keys, value = parse_override(text)
+        if ".".join(keys) in path_keys and isinstance(value, str) and value:
+            value = os.path.abspath(os.path.expanduser(value))
         node = data
         for k in keys[:-1]:
             if not isinstance(node.get(k), dict):
