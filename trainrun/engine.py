@@ -295,6 +295,3 @@ class Engine:
         """Squared L2 norm of the gradient buffer (inf/nan when it holds any)."""
         return float(self.xp.dot(self.grads, self.grads))
 
-
-def load_onnx_inputs(path: str) -> list[str]:
-    return [i.name for i in onnx.load(path, load_external_data=False).graph.input]
