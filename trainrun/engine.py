@@ -16,7 +16,6 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
-import onnx
 
 from . import graphs as G
 from .errors import TrainrunError, UsageError
