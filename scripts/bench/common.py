@@ -1,0 +1,171 @@
+"""Shared pieces of the benchmark suite: model shapes, FLOP counts, statistics,
+machine description, peak-RSS and JSON helpers.
+
+Every script of the suite imports this module from its own directory, so the
+scripts run as plain files: ``.venv/bin/python scripts/bench/<script>.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+BIN = Path(sys.executable).parent
+if str(ROOT) not in sys.path:          # trainrun importable without an install too
+    sys.path.insert(0, str(ROOT))
+
+
+@dataclass
+class BenchModel:
+    """One benchmarked GPT-2 shape and its batch (global batch = ``global_batch`` sequences)."""
+    name: str
+    n_layer: int
+    n_head: int
+    n_embd: int
+    seq_len: int
+    vocab_size: int
+    global_batch: int
+    warmup: int          # untimed steps at the start of every run
+    steps: int           # timed steps of every run (full mode)
+    quick_steps: int     # timed steps in --quick mode
+
+    @property
+    def n_positions(self) -> int:
+        return self.seq_len
+
+    def gpt2(self) -> dict:
+        return dict(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
+                    n_positions=self.n_positions, vocab_size=self.vocab_size)
+
+    def params(self) -> int:
+        E, L = self.n_embd, self.n_layer
+        return (self.vocab_size + self.n_positions) * E + L * (12 * E * E + 13 * E) + 2 * E
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token (forward + backward), the nanoGPT/PaLM count:
+        6 x (matmul weights: blocks + tied LM head) + 12 x layers x seq x d (attention)."""
+        E, L = self.n_embd, self.n_layer
+        matmul_params = L * 12 * E * E + self.vocab_size * E
+        return 6.0 * matmul_params + 12.0 * L * self.seq_len * E
+
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+
+MODELS = {
+    # configs/gpt2-tiny.yaml as it is (0.55M parameters, 8 x 128 tokens per rank at 2 ranks)
+    "tiny": BenchModel("tiny", n_layer=2, n_head=4, n_embd=128, seq_len=128, vocab_size=1024,
+                       global_batch=16, warmup=8, steps=48, quick_steps=24),
+    # the mid size of the issue: 6 layers, d 384, seq 256 (11.2M parameters), 4 x 256 per rank at 2 ranks
+    "mid": BenchModel("mid", n_layer=6, n_head=6, n_embd=384, seq_len=256, vocab_size=1024,
+                      global_batch=8, warmup=2, steps=5, quick_steps=3),
+}
+
+
+def summarize(values: list[float]) -> dict:
+    """median / min / max / n of a list of numbers (empty -> None values)."""
+    if not values:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size in MB (Linux ru_maxrss is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def vm_peak_mb() -> float | None:
+    """Peak virtual address space (VmPeak) of this process in MB: what ``ulimit -v`` caps."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmPeak:"):
+                return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def launcher_rank() -> tuple[int, int]:
+    """(rank, world size) from mpirun (PMI_*) or torchrun (RANK/WORLD_SIZE); (0, 1) otherwise."""
+    for r, s in (("PMI_RANK", "PMI_SIZE"), ("RANK", "WORLD_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")):
+        if r in os.environ and s in os.environ:
+            return int(os.environ[r]), int(os.environ[s])
+    return 0, 1
+
+
+def write_json(path, obj) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def read_json(path):
+    return json.loads(Path(path).read_text())
+
+
+def loadavg() -> tuple[float, float, float]:
+    return os.getloadavg()
+
+
+def machine() -> dict:
+    """A short description of the machine and the software versions."""
+    info = {"python": platform.python_version(), "platform": platform.platform(),
+            "cores": len(os.sched_getaffinity(0)), "cpu": platform.processor() or "?"}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        flags = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags"))
+        info["simd"] = " ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni") if f" {f}" in flags)
+    except (OSError, StopIteration):
+        pass
+    try:
+        mem = Path("/proc/meminfo").read_text().splitlines()[0].split()[1]
+        info["memory_gb"] = round(int(mem) / 1024 / 1024, 1)
+    except (OSError, IndexError, ValueError):
+        pass
+    try:
+        info["hypervisor"] = subprocess.run(["lscpu"], capture_output=True, text=True).stdout \
+            .split("Hypervisor vendor:")[1].splitlines()[0].strip()
+    except (OSError, IndexError):
+        pass
+    versions = {}
+    for mod in ("onnxruntime", "onnx", "numpy", "torch", "transformers", "mpi4py"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - a missing optional module
+            versions[mod] = None
+    try:
+        versions["mpich"] = subprocess.run([str(BIN / "mpichversion")], capture_output=True, text=True) \
+            .stdout.split("\n")[0].split(":")[-1].strip()
+    except OSError:
+        versions["mpich"] = None
+    info["versions"] = versions
+    return info
+
+
+def asdict_model(m: BenchModel) -> dict:
+    d = asdict(m)
+    d.update(params=m.params(), flops_per_token=m.flops_per_token(), tokens_per_step=m.tokens_per_step())
+    return d
+
+
+def best_window(step_seconds: list[float], window: int, tokens_per_step: float) -> float | None:
+    """Highest tokens/s over ``window`` consecutive steps (a load-robust figure on a shared machine)."""
+    if not step_seconds:
+        return None
+    w = max(1, min(window, len(step_seconds)))
+    best = min(sum(step_seconds[i:i + w]) for i in range(len(step_seconds) - w + 1))
+    return w * tokens_per_step / best

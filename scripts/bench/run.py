@@ -1,0 +1,545 @@
+"""trainrun's benchmark suite: trainrun vs PyTorch (DDP and single process) vs the
+train-graph ceiling, side by side in one run, plus levers and components;
+regenerates BENCHMARKS.md.
+
+    .venv/bin/python scripts/bench/run.py            # full (~20 min on 2 cores), = make bench
+    .venv/bin/python scripts/bench/run.py --quick    # ~4 min: fewer steps and repeats
+    .venv/bin/python scripts/bench/run.py --render   # re-write BENCHMARKS.md from the last results.json
+
+Everything runs with the same thread budget (all cores, 2 on the reference
+machine): "2x1" = 2 ranks x 1 thread, "1x2" = 1 process x 2 threads, the same
+global batch, the same data (trainrun's loader and order), the same initial
+weights. The setups of one model run in rounds; each round runs every setup
+once, in a rotated order, so that a shared machine's load changes hit all
+setups alike. For every run the CPU time that processes outside the run used
+meanwhile is recorded ("foreign load", in cores).
+
+Setups per model:
+  trainrun           mpirun -np 2 trainrun --config ... (2x1) / trainrun --config ... (1x2)
+  trainrun+proposed  the same CLI, with the proposed core changes prototyped
+                     (the graph variant dropped into the run's graphs folder,
+                     runner patches through scripts/bench/trainrun_rank.py)
+  PyTorch            torchrun --nproc_per_node 2 (DDP, gloo) / one process, 2 threads
+  ceiling            the train graph alone in a loop on trainrun's flat buffers
+                     (scripts/bench/ceiling.py), for both graphs (2x1: both graphs in
+                     the same processes, alternating blocks; 1x2: one process each)
+
+Raw results: runs/bench/results.json (+ logs/ and per-run folders).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from common import BIN, MODELS, ROOT  # noqa: E402
+
+PY = sys.executable
+HERE = Path(__file__).resolve().parent
+CONFIG = ROOT / "configs" / "gpt2-tiny.yaml"
+DEFAULT_PROPOSED_GRAPH = "sigmoid"
+DEFAULT_PROPOSED_PATCH: dict = {"chunked_adamw": True}
+DEFAULT_PROPOSED_SETS: list[str] = []
+
+
+def rel(p) -> str:
+    try:
+        return str(Path(p).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(p)
+
+
+class CpuMeter:
+    """Machine CPU time vs this process's children's CPU time over an interval."""
+
+    def __init__(self):
+        self.t = time.perf_counter()
+        self.busy = self._machine_busy()
+        self.ours = self._children()
+
+    @staticmethod
+    def _machine_busy() -> float:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+        v = [int(x) for x in fields]
+        user, nice, system, idle, iowait, irq, softirq, steal = (v + [0] * 8)[:8]
+        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _children() -> float:
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime
+
+    def stop(self) -> dict:
+        wall = time.perf_counter() - self.t
+        busy = self._machine_busy() - self.busy
+        ours = self._children() - self.ours
+        return {"wall_s": round(wall, 2), "our_cpu_cores": round(ours / wall, 2),
+                "foreign_cpu_cores": round(max(0.0, busy - ours) / wall, 2)}
+
+
+class Suite:
+    def __init__(self, args):
+        self.args = args
+        self.quick = args.quick
+        self.work = Path(args.work).resolve()
+        self.logs = self.work / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.t0 = time.perf_counter()
+        self.results: dict = {"mode": "quick" if self.quick else "full", "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                              "argv": sys.argv[1:], "models": {}, "load": []}
+        self.proposed_graph = args.proposed_graph
+        self.proposed_patch = json.loads(args.proposed_patch)
+        self.proposed_sets = list(DEFAULT_PROPOSED_SETS if args.proposed_set is None else args.proposed_set)
+
+    # ------------------------------------------------------------------ helpers
+    def say(self, text: str) -> None:
+        print(f"[{time.perf_counter() - self.t0:6.0f}s] {text}", flush=True)
+
+    def sh(self, name: str, cmd: list[str], env: dict | None = None, timeout: int = 420) -> dict:
+        full_env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+                        PYTHONPATH=str(ROOT), **(env or {}))
+        log = self.logs / f"{name}.log"
+        meter = CpuMeter()
+        load = os.getloadavg()[0]
+        with open(log, "w") as fh:
+            fh.write("$ " + " ".join(cmd) + "\n")
+            fh.flush()
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT,
+                                    start_new_session=True)
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:     # the whole launched tree (mpirun/torchrun and ranks)
+                import signal
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                rc = 124
+        info = {"rc": rc, "log": rel(log), "loadavg_1m": load, **meter.stop()}
+        self.results["load"].append([round(time.perf_counter() - self.t0), load])
+        if rc != 0:
+            self.say(f"  {name}: exit {rc} (see {rel(log)})")
+        return info
+
+    def save(self) -> None:
+        common.write_json(self.work / "results.json", self.results)
+
+    # ------------------------------------------------------------------ data and graphs
+    def dataset(self) -> str:
+        if self.args.data:
+            return str(Path(self.args.data).resolve())
+        shared = ROOT / "data" / "stdlib" / "train"
+        if (shared / "manifest.json").exists() and json.loads((shared / "manifest.json").read_text()).get("vocab_size") == 1024:
+            return str(shared)
+        out = self.work / "data"
+        if not (out / "train" / "manifest.json").exists():
+            import sysconfig
+            self.say(f"building the dataset in {rel(out)}")
+            self.sh("dataset", [str(BIN / "trainrun-data"), "tokens", "--input", sysconfig.get_paths()["stdlib"],
+                                "--output", str(out), "--train-bpe", "1024", "--include", "*.py", "--no-progress",
+                                "--overwrite"])
+        return str(out / "train")
+
+    def sets(self, m: common.BenchModel, out_dir: Path, ranks: int, threads: int, warmup: int, steps: int,
+             micro_batch: int | None = None) -> list[str]:
+        mb = micro_batch or m.global_batch // ranks
+        s = [f"run.output_dir={out_dir}", f"run.name=bench-{m.name}", f"data.train={self.data}", "data.eval=null",
+             f"data.seq_len={m.seq_len}", f"train.micro_batch_size={mb}", "train.gradient_accumulation_steps=1",
+             f"train.max_steps={warmup + steps}", f"train.log_every={max(1, warmup)}", "train.eval_every=0",
+             "checkpoint.every=0", "tensorboard.enabled=false", f"engine.threads={threads}",
+             "lr_schedule.warmup_steps=4"]
+        return s + [f"model.gpt2.{k}={v}" for k, v in m.gpt2().items()]
+
+    def graphs(self, m: common.BenchModel, variant: str) -> Path:
+        """Prepared graphs: ``trainrun prepare`` itself for trainrun's graph, variants.py for a variant."""
+        out = self.work / "graphs" / f"{m.name}-{variant}"
+        if (out / "graphs" / "manifest.json").exists():
+            return out / "graphs"
+        shutil.rmtree(out, ignore_errors=True)
+        sets = self.sets(m, out, 2, 1, 1, 1)
+        if variant == "trainrun":
+            cmd = [str(BIN / "trainrun"), "prepare", "--config", str(CONFIG)] + [x for s in sets for x in ("--set", s)]
+            r = self.sh(f"prepare-{m.name}-{variant}", cmd)
+            if r["rc"]:
+                raise SystemExit(f"trainrun prepare failed: see {r['log']}")
+        else:
+            import variants
+            variants.prepare_variant(str(CONFIG), sets, str(out / "graphs"), variant)
+        return out / "graphs"
+
+    # ------------------------------------------------------------------ one run of each kind
+    def run_trainrun(self, m, tag, ranks, threads, graphs: Path, warmup, steps, patch=None, extra_sets=(),
+                     micro_batch=None) -> dict:
+        d = self.work / "runs" / m.name / tag
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        shutil.copytree(graphs, d / "graphs")
+        sets = self.sets(m, d, ranks, threads, warmup, steps, micro_batch) + list(extra_sets)
+        argv = ["--config", str(CONFIG)] + [x for s in sets for x in ("--set", s)]
+        wrapper = [PY, str(HERE / "trainrun_rank.py"), "--rss-dir", str(d)]
+        if patch:
+            wrapper += ["--patch", json.dumps(patch)]
+        cmd = ([str(BIN / "mpirun"), "-np", str(ranks)] if ranks > 1 else []) + wrapper + ["--"] + argv
+        info = self.sh(f"{m.name}-{tag}", cmd)
+        shown = (f"mpirun -np {ranks} " if ranks > 1 else "") + "trainrun " + " ".join(
+            a if not a.startswith(("/", str(ROOT))) else rel(a) for a in argv)
+        if patch:
+            shown += f"   # run through scripts/bench/trainrun_rank.py --patch '{json.dumps(patch)}'"
+        out = {"cmd": shown, **info}
+        try:
+            records = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines() if line.strip()]
+            records = [r for r in records if "elapsed_s" in r and "step" in r]
+            first = next(r for r in records if r["step"] == max(1, warmup))
+            last = records[-1]
+            tps = (last["step"] - first["step"]) * m.tokens_per_step() / (last["elapsed_s"] - first["elapsed_s"])
+            windows = [(b["step"] - a["step"]) * m.tokens_per_step() / (b["elapsed_s"] - a["elapsed_s"])
+                       for a, b in zip(records, records[1:]) if a["step"] >= first["step"]]
+            summary = json.loads((d / "summary.json").read_text())
+            rss = [common.read_json(p) for p in sorted(d.glob("rss-*.json"))]
+            out.update(tokens_per_sec=tps, best_window_tokens_per_sec=max(windows) if windows else tps,
+                       phase_shares=summary.get("phase_shares", {}), final_loss=summary.get("final_loss"),
+                       peak_rss_mb=[r.get("train_peak_rss_mb", r["peak_rss_mb"]) for r in rss],
+                       run_peak_rss_mb=[r["peak_rss_mb"] for r in rss], vm_peak_mb=[r.get("vm_peak_mb") for r in rss])
+            import variants
+            ops = variants.op_counts(str(d / "graphs" / "train.onnx"))
+            out["gelu_ops"] = sorted(k for k in ops if k in ("FastGelu", "Sigmoid", "Tanh", "BiasGelu", "Gelu"))
+        except (OSError, StopIteration, ValueError, KeyError, ZeroDivisionError) as exc:
+            out["error"] = f"{type(exc).__name__}: {exc}"
+        for junk in ("checkpoints", "model.onnx", "graphs"):
+            p = d / junk
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        return out
+
+    def run_torch(self, m, tag, ranks, threads, weights: Path, warmup, steps, micro_batch=None) -> dict:
+        out_json = self.work / "runs" / m.name / f"{tag}.json"
+        out_json.unlink(missing_ok=True)
+        mb = micro_batch or m.global_batch // ranks
+        args = [str(HERE / "torch_train.py"), "--model", m.name, "--micro-batch", str(mb), "--threads", str(threads),
+                "--warmup", str(warmup), "--steps", str(steps), "--data", self.data, "--weights", str(weights),
+                "--out", str(out_json)]
+        if ranks > 1:
+            cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(ranks), "--master_port", str(29500 + os.getpid() % 500)] + args
+            shown = f"OMP_NUM_THREADS=1 torchrun --nproc_per_node {ranks} " + " ".join(rel(a) for a in args)
+        else:
+            cmd = [PY] + args
+            shown = "python " + " ".join(rel(a) for a in args)
+        info = self.sh(f"{m.name}-{tag}", cmd, env={"OMP_NUM_THREADS": str(threads)})
+        out = {"cmd": shown, **info}
+        try:
+            r = common.read_json(out_json)
+            out.update(tokens_per_sec=r["tokens_per_sec"], phase_shares=r["phase_shares"],
+                       peak_rss_mb=r["peak_rss_mb"], vm_peak_mb=r.get("vm_peak_mb"), final_loss=r["final_loss"],
+                       best_window_tokens_per_sec=r.get("best_window_tokens_per_sec", r["tokens_per_sec"]),
+                       attn_implementation=r.get("attn_implementation"))
+        except (OSError, ValueError, KeyError) as exc:
+            out["error"] = f"{type(exc).__name__}: {exc}"
+        return out
+
+    def run_ceiling(self, m, tag, ranks, threads, graphs: list[Path], warmup, steps) -> list[dict]:
+        """One process (per rank) times every graph folder of ``graphs`` in alternating blocks."""
+        out_json = self.work / "runs" / m.name / f"{tag}.json"
+        out_json.unlink(missing_ok=True)
+        mb = m.global_batch // ranks
+        args = [str(HERE / "ceiling.py"), "--graphs", ",".join(str(g) for g in graphs), "--data", self.data,
+                "--micro-batch", str(mb), "--seq-len", str(m.seq_len), "--threads", str(threads), "--warmup",
+                str(warmup), "--steps", str(steps), "--window", str(max(1, m.warmup)), "--out", str(out_json)]
+        cmd = ([str(BIN / "mpirun"), "-np", str(ranks)] if ranks > 1 else []) + [PY] + args
+        shown = (f"mpirun -np {ranks} " if ranks > 1 else "") + "python " + " ".join(rel(a) for a in args)
+        info = self.sh(f"{m.name}-{tag}", cmd)
+        outs = []
+        try:
+            r = common.read_json(out_json)
+            for row in r["rows"]:
+                outs.append({"cmd": shown, **info, "tokens_per_sec": row["tokens_per_sec"],
+                             "best_window_tokens_per_sec": row["best_window_tokens_per_sec"],
+                             "peak_rss_mb": r["peak_rss_mb"]})
+        except (OSError, ValueError, KeyError) as exc:
+            outs = [{"cmd": shown, **info, "error": f"{type(exc).__name__}: {exc}"} for _ in graphs]
+        return outs
+
+    # ------------------------------------------------------------------ sections
+    def peak(self) -> None:
+        self.say("peak FLOP/s (large matmul)")
+        out = self.work / "peak.json"
+        self.sh("peak", [PY, str(HERE / "peak.py"), "--repeats", "4" if self.quick else "8", "--out", str(out)])
+        self.results["peak"] = common.read_json(out) if out.exists() else None
+
+    def numerics(self) -> None:
+        self.say("GELU forms: logits vs transformers gelu_new, gradients vs torch")
+        out = self.work / "numerics.json"
+        self.sh("numerics", [PY, str(HERE / "levers.py"), "numerics", "--work", str(self.work), "--data", self.data,
+                             "--variants", "fastgelu,tanh,sigmoid,erf,biasgelu,onnx20", "--out", str(out)])
+        self.results["numerics"] = common.read_json(out) if out.exists() else None
+
+    def levers(self, name: str) -> None:
+        m = MODELS[name]
+        res = self.results["models"][name].setdefault("levers", {})
+        if name == "tiny":
+            graph_forms = "fastgelu,tanh,sigmoid,erf,fastgelu+static,sigmoid+static,sigmoid@dims"
+            opts = "fastgelu@nospin,fastgelu@basic,fastgelu@extended,fastgelu@disabled,fastgelu@nomempattern," \
+                   "fastgelu@noarena,fastgelu@daz"
+            rounds = 8 if self.quick else 14
+        else:
+            graph_forms = "fastgelu,tanh,sigmoid,erf,sigmoid+static"
+            opts = "fastgelu@nospin"
+            rounds = 2 if self.quick else 3
+        for threads in (1, 2):
+            variants = graph_forms + "," + opts
+            if self.quick:
+                variants = "fastgelu,tanh,sigmoid,erf,sigmoid+static,fastgelu@nospin" if threads == 1 \
+                    else "fastgelu,sigmoid,fastgelu@nospin"
+                rounds = 6
+            self.say(f"{name}: levers on the train graph, {threads} thread(s)")
+            out = self.work / f"levers-{name}-t{threads}.json"
+            mb = m.global_batch // 2 * threads
+            self.sh(f"levers-{name}-t{threads}", [PY, str(HERE / "levers.py"), "timing", "--model", name, "--threads",
+                                                  str(threads), "--micro-batch", str(mb), "--variants", variants,
+                                                  "--rounds", str(rounds), "--work", str(self.work), "--data", self.data,
+                                                  "--out", str(out)])
+            res[f"t{threads}"] = common.read_json(out) if out.exists() else None
+        self.say(f"{name}: onnxruntime profile of the train graph (1 thread)")
+        out = self.work / f"profile-{name}.json"
+        self.sh(f"profile-{name}", [PY, str(HERE / "levers.py"), "profile", "--model", name, "--threads", "1",
+                                    "--micro-batch", str(m.global_batch // 2), "--steps", "3" if name == "mid" else "10",
+                                    "--variants", f"fastgelu,{self.proposed_graph}", "--work", str(self.work),
+                                    "--data", self.data, "--out", str(out)])
+        res["profile"] = common.read_json(out) if out.exists() else None
+
+    def scaling(self) -> None:
+        """Which ops of the train graph do not speed up from 1 to 2 threads (mid model, profiles)."""
+        m = MODELS["mid"]
+        self.say("mid: per-op scaling from 1 to 2 threads (onnxruntime profiles)")
+        out = self.work / "scaling-mid.json"
+        self.sh("scaling-mid", [PY, str(HERE / "levers.py"), "scaling", "--model", "mid", "--micro-batch",
+                                str(m.global_batch), "--steps", "4", "--variants",
+                                f"fastgelu,{self.proposed_graph},{self.proposed_graph}+static", "--work", str(self.work),
+                                "--data", self.data, "--out", str(out)])
+        self.results["scaling"] = common.read_json(out) if out.exists() else None
+
+    def matrix(self, name: str) -> None:
+        m = MODELS[name]
+        steps = m.quick_steps if self.quick else m.steps
+        warmup = m.warmup
+        repeats = self.args.repeats or (1 if self.quick else 3)
+        base = self.graphs(m, "trainrun")
+        prop = self.graphs(m, self.proposed_graph)
+        weights = base / "weights.safetensors"
+        P = dict(patch=self.proposed_patch, extra_sets=self.proposed_sets)
+        setups = {
+            "trainrun 2x1": lambda tag: self.run_trainrun(m, tag, 2, 1, base, warmup, steps),
+            "PyTorch DDP 2x1": lambda tag: self.run_torch(m, tag, 2, 1, weights, warmup, steps),
+            "trainrun+proposed 2x1": lambda tag: self.run_trainrun(m, tag, 2, 1, prop, warmup, steps, **P),
+            "ceiling 2x1": lambda tag: self.run_ceiling(m, tag, 2, 1, [base, prop], warmup, steps),
+            "trainrun 1x2": lambda tag: self.run_trainrun(m, tag, 1, 2, base, warmup, steps),
+            "PyTorch 1x2": lambda tag: self.run_torch(m, tag, 1, 2, weights, warmup, steps),
+            "trainrun+proposed 1x2": lambda tag: self.run_trainrun(m, tag, 1, 2, prop, warmup, steps, **P),
+            # 1x2: one graph per process: two 2-thread sessions in one process would disturb each other
+            # (a session's pool spins after its run; see the findings)
+            "ceiling 1x2": lambda tag: self.run_ceiling(m, tag, 1, 2, [base], warmup, steps)[0],
+            "ceiling+proposed 1x2": lambda tag: self.run_ceiling(m, tag, 1, 2, [prop], warmup, steps)[0],
+        }
+        res = self.results["models"][name]
+        names = list(setups)
+        res["runs"] = {}
+        for k in names:
+            res["runs"][k] = []
+            if k == "ceiling 2x1":       # times both graphs in the same processes
+                res["runs"]["ceiling+proposed 2x1"] = []
+        for rep in range(repeats):
+            k = (rep * 3) % len(names)
+            order = names[k:] + names[:k]
+            if rep % 2:
+                order = order[::-1]
+            self.say(f"{name}: round {rep + 1}/{repeats}")
+            for setup in order:
+                tag = setup.replace(" ", "_").replace("+", "-") + f"-r{rep}"
+                got = setups[setup](tag)
+                pairs = [(setup, got)] if isinstance(got, dict) else \
+                    [(setup, got[0]), (setup.replace("ceiling", "ceiling+proposed"), got[1])]
+                for key, r in pairs:
+                    r["round"] = rep
+                    res["runs"][key].append(r)
+                    tps = r.get("tokens_per_sec")
+                    self.say(f"  {key:24s} " + (f"{tps:9.0f} tokens/s" if tps else f"failed: {r.get('error')}") +
+                             f"  (foreign load {r['foreign_cpu_cores']:.2f} cores)")
+                self.save()
+
+    def runner_levers(self, name: str) -> None:
+        """Runner-level levers end to end on the proposed graph: data prefetch and collective spinning."""
+        m = MODELS[name]
+        prop = self.graphs(m, self.proposed_graph)
+        steps, warmup = (m.quick_steps if self.quick else m.steps), m.warmup
+        nospin = {"session.intra_op.allow_spinning": "0"}
+        short_sessions_nospin = {"sessions": {"optimizer": {"config": nospin}, "eval": {"config": nospin}}}
+        setups = {
+            "2x1: proposed graph": dict(ranks=2, threads=1),
+            "2x1: + chunked AdamW": dict(ranks=2, threads=1, patch={"chunked_adamw": True}),
+            "2x1: + collective spin 0 s": dict(ranks=2, threads=1, patch={"spin_s": 0.0}),
+            "1x2: proposed graph": dict(ranks=1, threads=2),
+            "1x2: + chunked AdamW": dict(ranks=1, threads=2, patch={"chunked_adamw": True}),
+            "1x2: + optimizer/eval sessions no spinning": dict(ranks=1, threads=2, patch=short_sessions_nospin),
+            "1x2: + all sessions no spinning": dict(ranks=1, threads=2, patch={"session_config": nospin}),
+            "1x2: + data.prefetch=0": dict(ranks=1, threads=2, extra_sets=["data.prefetch=0"]),
+        }
+        rounds = 2
+        runs = {k: [] for k in setups}
+        names = list(setups)
+        for rep in range(rounds):
+            order = names if rep % 2 == 0 else names[::-1]
+            self.say(f"{name}: runner levers, round {rep + 1}/{rounds}")
+            for k in order:
+                kw = setups[k]
+                tag = "lever-" + "".join(c if c.isalnum() else "_" for c in k) + f"-r{rep}"
+                r = self.run_trainrun(m, tag, kw["ranks"], kw["threads"], prop, warmup, steps, patch=kw.get("patch"),
+                                      extra_sets=kw.get("extra_sets", ()))
+                r["round"] = rep
+                runs[k].append(r)
+                self.say(f"  {k:48s} {r.get('tokens_per_sec') or 0:9.0f} tokens/s (foreign load {r['foreign_cpu_cores']:.2f})")
+                self.save()
+        self.results.setdefault("runner_levers", {})[name] = {"graph": self.proposed_graph, "rounds": rounds, "runs": runs}
+
+    def memcap(self) -> None:
+        """Peak RSS per rank against the micro-batch, trainrun vs DDP (2x1), a few steps each."""
+        res = self.results.setdefault("memcap", {})
+        plan = {"tiny": [8, 64]} if self.quick else {"tiny": [8, 64], "mid": [2, 8]}
+        for name, mbs in plan.items():
+            m = MODELS[name]
+            base = self.graphs(m, "trainrun")
+            prop = self.graphs(m, self.proposed_graph)
+            rows = []
+            for mb in mbs:
+                self.say(f"memcap {name}: micro-batch {mb}")
+                a = self.run_trainrun(m, f"mem-trainrun-mb{mb}", 2, 1, base, 1, 2, micro_batch=mb)
+                b = self.run_torch(m, f"mem-ddp-mb{mb}", 2, 1, base / "weights.safetensors", 1, 2, micro_batch=mb)
+                c = self.run_trainrun(m, f"mem-proposed-mb{mb}", 2, 1, prop, 1, 2, micro_batch=mb,
+                                      patch=self.proposed_patch, extra_sets=self.proposed_sets)
+                rows.append({"micro_batch": mb, "trainrun": a.get("peak_rss_mb"), "ddp": b.get("peak_rss_mb"),
+                             "proposed": c.get("peak_rss_mb"), "trainrun_vm": a.get("vm_peak_mb"),
+                             "ddp_vm": b.get("vm_peak_mb")})
+                self.save()
+            res[name] = rows
+
+    def extras(self) -> None:
+        q = self.quick
+        tiny, mid = MODELS["tiny"].params(), MODELS["mid"].params()
+        self.say("allreduce vs raw MPI vs memcpy (scripts/bench_comm.py)")
+        out = self.work / "comm.json"
+        self.sh("comm", [PY, str(HERE / "extras.py"), "comm", "--sizes", f"{tiny / 1e6:.4f}M,{mid / 1e6:.4f}M",
+                         "--iters", "6" if q else "12", "--out", str(out)])
+        self.results["comm"] = common.read_json(out) if out.exists() else None
+        self.say("optimizer update: ONNX graph vs NumPy (scripts/bench_optim.py)")
+        out = self.work / "optim.json"
+        self.sh("optim", [PY, str(HERE / "extras.py"), "optim", "--params", str(mid), "--threads", "1,2",
+                          "--repeats", "5" if q else "12", "--out", str(out)])
+        self.results["optim"] = common.read_json(out) if out.exists() else None
+        self.say("optimizer update: chunked NumPy AdamW lever (scripts/bench/fastopt.py)")
+        out = self.work / "fastopt.json"
+        self.sh("fastopt", [PY, str(HERE / "fastopt.py"), "--params", str(mid), "--threads", "1",
+                            "--repeats", "5" if q else "12", "--out", str(out)])
+        self.results["fastopt"] = common.read_json(out) if out.exists() else None
+        self.say("data loader batches/s (scripts/bench_data.py)")
+        out = self.work / "data.json"
+        self.sh("data", [PY, str(HERE / "extras.py"), "data", "--data", self.data, "--steps", "1000" if q else "4000",
+                         "--out", str(out)])
+        self.results["data"] = common.read_json(out) if out.exists() else None
+
+    # ------------------------------------------------------------------ all
+    def run(self) -> None:
+        only = set(self.args.only.split(",")) if self.args.only else None
+        if only:       # update some sections of the last results
+            prev = self.work / "results.json"
+            if prev.exists():
+                keep = self.results
+                self.results = common.read_json(prev)
+                self.results["argv_last"] = keep["argv"]
+        want = lambda section: only is None or section in only  # noqa: E731
+        self.results["machine"] = common.machine()
+        self.results["loadavg_start"] = os.getloadavg()
+        self.data = self.dataset()
+        self.results["dataset"] = rel(self.data)
+        self.results["proposed"] = {"graph": self.proposed_graph, "patch": self.proposed_patch,
+                                    "sets": self.proposed_sets}
+        self.results["models_def"] = {k: common.asdict_model(v) for k, v in MODELS.items()}
+        models = self.args.models.split(",")
+        for name in models:
+            self.results["models"].setdefault(name, {})
+        if want("peak"):
+            self.peak()
+        if want("numerics"):
+            self.numerics()
+        self.save()
+        if want("matrix"):
+            for name in models:
+                self.matrix(name)
+        if want("levers") and not self.args.skip_levers:
+            for name in models:
+                if self.quick and name != "tiny":
+                    continue          # quick: the tiny model's levers only
+                self.levers(name)
+                self.save()
+        if want("scaling") and not self.args.skip_levers and not self.quick and "mid" in models:
+            self.scaling()
+            self.save()
+        if want("runner_levers") and not self.args.skip_levers and (not self.quick or only) and "tiny" in models:
+            self.runner_levers("tiny")
+        if want("extras") and not self.args.skip_extras:
+            self.extras()
+            self.save()
+        if want("memcap") and not self.args.skip_extras and (not self.quick or only):
+            self.memcap()
+        if want("peak"):
+            self.peak_again()
+        self.results["loadavg_end"] = os.getloadavg()
+        if only is None:
+            self.results["duration_s"] = round(time.perf_counter() - self.t0)
+        self.save()
+
+    def peak_again(self) -> None:
+        """The peak is measured at the start and at the end; the best of both is used."""
+        out = self.work / "peak2.json"
+        self.sh("peak2", [PY, str(HERE / "peak.py"), "--repeats", "4" if self.quick else "8", "--out", str(out)])
+        if out.exists():
+            self.results["peak_end"] = common.read_json(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--quick", action="store_true", help="fewer steps/rounds (~4 min)")
+    ap.add_argument("--models", default="tiny,mid")
+    ap.add_argument("--repeats", type=int, help="rounds of the main matrix (default 3, quick 1)")
+    ap.add_argument("--data", help="token dataset folder (default: data/stdlib/train, else built in the work folder)")
+    ap.add_argument("--work", default=str(ROOT / "runs" / "bench"))
+    ap.add_argument("--output", default=str(ROOT / "BENCHMARKS.md"))
+    ap.add_argument("--proposed-graph", default=DEFAULT_PROPOSED_GRAPH)
+    ap.add_argument("--proposed-patch", default=json.dumps(DEFAULT_PROPOSED_PATCH))
+    ap.add_argument("--proposed-set", action="append", help=f"--set of the proposed runs (default {DEFAULT_PROPOSED_SETS})")
+    ap.add_argument("--skip-levers", action="store_true")
+    ap.add_argument("--skip-extras", action="store_true")
+    ap.add_argument("--only", help="comma-separated sections to (re-)run into the existing results.json: "
+                                   "peak,numerics,matrix,levers,scaling,runner_levers,extras,memcap")
+    ap.add_argument("--render", action="store_true", help="only re-write the report from results.json")
+    args = ap.parse_args()
+    import report
+    work = Path(args.work).resolve()
+    if not args.render:
+        suite = Suite(args)
+        try:
+            suite.run()
+        finally:
+            suite.save()
+    results = common.read_json(work / "results.json")
+    Path(args.output).write_text(report.render(results))
+    print(f"wrote {rel(args.output)} (raw results: {rel(work / 'results.json')})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

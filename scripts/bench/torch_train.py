@@ -1,0 +1,158 @@
+"""What a user would pick instead: transformers' GPT2LMHeadModel + torch.optim.AdamW,
+single process or DistributedDataParallel (gloo), on trainrun's data and batches.
+
+    # DDP, 2 ranks x 1 thread
+    OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc_per_node 2 scripts/bench/torch_train.py \
+        --model tiny --micro-batch 8 --threads 1 --out ddp.json
+    # single process, 2 threads
+    .venv/bin/python scripts/bench/torch_train.py --model tiny --micro-batch 16 --threads 2 --out sp.json
+
+Same model (transformers GPT-2, gelu_new, no dropout, tied LM head, default
+attention implementation) starting from trainrun's initial weights
+(``--weights`` = a prepared graphs folder's weights.safetensors), same data
+order (trainrun's TrainLoader: same seed, rank slices and prefetch), same
+step: forward, mean cross-entropy, backward (DDP allreduces gradient buckets
+during it), clip_grad_norm_(1.0), AdamW (betas 0.9/0.95, eps 1e-8, weight
+decay 0.1 except biases and LayerNorms), the learning rate set every step.
+Timed per phase with perf_counter; the first ``--warmup`` steps are not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, choices=list(common.MODELS))
+    ap.add_argument("--micro-batch", type=int, required=True, help="sequences per rank per step")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--steps", type=int, help="timed steps (default: the model's)")
+    ap.add_argument("--warmup", type=int, help="untimed steps first (default: the model's)")
+    ap.add_argument("--window", type=int, help="steps per window of the best-window figure (default: warmup)")
+    ap.add_argument("--data", default=str(common.ROOT / "data" / "stdlib" / "train"))
+    ap.add_argument("--weights", help="trainrun's weights.safetensors (else transformers' own init)")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr-warmup", type=int, default=4, help="trainrun's cosine schedule: warmup steps")
+    ap.add_argument("--min-lr", type=float, default=3e-4)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    m = common.MODELS[args.model]
+    steps = args.steps or m.steps
+    warmup = m.warmup if args.warmup is None else args.warmup
+
+    import torch
+    torch.set_num_threads(args.threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass
+    import torch.distributed as dist
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+    from trainrun.config import LRScheduleConfig
+    from trainrun.data import TrainLoader, open_dataset
+    from trainrun.schedule import learning_rate
+    hf_logging.set_verbosity_error()
+
+    rank, world = common.launcher_rank()
+    if world > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(args.seed)
+    cfg = GPT2Config(n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, n_positions=m.n_positions,
+                     vocab_size=m.vocab_size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     activation_function="gelu_new", bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(cfg)
+    if args.weights:
+        from safetensors.numpy import load_file
+        w = load_file(args.weights)
+        model.load_state_dict({k: torch.from_numpy(v) for k, v in w.items()}, strict=False)
+    model.train()
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+
+    ds = open_dataset(args.data, m.seq_len)
+    loader = TrainLoader(ds, micro_batch=args.micro_batch, accum=1, rank=rank, world_size=world, seed=args.seed)
+    schedule = LRScheduleConfig(name="cosine", warmup_steps=args.lr_warmup, min_lr=args.min_lr)
+    n_step = [0]
+    phases = {"data": 0.0, "forward": 0.0, "backward": 0.0, "clip": 0.0, "optimizer": 0.0}
+    step_ms, losses = [], []
+
+    def step(timed: bool):
+        t0 = time.perf_counter()
+        batch = loader.next_step()[0]
+        x, y = torch.from_numpy(batch["input_ids"]), torch.from_numpy(batch["labels"])
+        t1 = time.perf_counter()
+        logits = net(x).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, m.vocab_size), y.reshape(-1))
+        t2 = time.perf_counter()
+        loss.backward()
+        t3 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        t4 = time.perf_counter()
+        n_step[0] += 1
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(n_step[0], args.lr, warmup + steps, schedule)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t5 = time.perf_counter()
+        if timed:
+            for k, a, b in (("data", t0, t1), ("forward", t1, t2), ("backward", t2, t3), ("clip", t3, t4),
+                            ("optimizer", t4, t5)):
+                phases[k] += b - a
+            step_ms.append((t5 - t0) * 1e3)
+        losses.append(loss.item())
+
+    for _ in range(warmup):
+        step(False)
+    if world > 1:
+        dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step(True)
+    if world > 1:
+        dist.barrier()
+    elapsed = time.perf_counter() - start
+    loader.close()
+    rss = torch.tensor([common.peak_rss_mb(), common.vm_peak_mb() or 0.0], dtype=torch.float64)
+    all_rss = [torch.zeros_like(rss) for _ in range(world)]
+    if world > 1:
+        dist.all_gather(all_rss, rss)
+    else:
+        all_rss = [rss]
+    total = sum(phases.values()) or 1.0
+    if rank == 0:
+        common.write_json(args.out, {
+            "kind": "ddp" if world > 1 else "torch", "ranks": world, "threads": args.threads,
+            "micro_batch": args.micro_batch, "steps": steps, "elapsed_s": elapsed,
+            "tokens_per_sec": steps * world * args.micro_batch * m.seq_len / elapsed,
+            "step_ms_median": float(np.median(step_ms)),
+            "best_window_tokens_per_sec": common.best_window([t / 1e3 for t in step_ms], args.window or max(1, warmup),
+                                                             world * args.micro_batch * m.seq_len),
+            "phase_shares": {k: round(v / total, 4) for k, v in phases.items()},
+            "peak_rss_mb": [round(float(r[0].item()), 1) for r in all_rss],
+            "vm_peak_mb": [round(float(r[1].item()), 1) for r in all_rss],
+            "final_loss": losses[-1], "attn_implementation": getattr(model.config, "_attn_implementation", None),
+            "torch": torch.__version__,
+        })
+    # destroy_process_group() can wait forever for a peer that already left (seen with gloo):
+    # everything is written, so leave without tearing down
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""One trainrun rank as the benchmark launches it: ``trainrun`` itself (its CLI,
+in this process), plus the peak RSS of the rank written at exit.
+
+    .venv/bin/mpirun -np 2 .venv/bin/python scripts/bench/trainrun_rank.py \
+        --rss-dir DIR [--patch JSON] -- --config FILE --set ...
+
+is ``mpirun -np 2 trainrun --config FILE --set ...`` with DIR/rss-<rank>.json
+written at exit. ``--patch`` prototypes a proposed change of trainrun's core in
+this process only (trainrun's files are not modified), a JSON object with:
+
+* ``spin_s``: trainrun.comm.SPIN_S (seconds a rank spins on Test() before it
+  starts sleeping while waiting in a collective);
+* ``session_config``: extra onnxruntime session config entries for every session
+  of the engine (e.g. {"session.intra_op.allow_spinning": "0"});
+* ``sessions``: per-session changes, {"optimizer": {"threads": 1, "config": {...}},
+  "train": {"profile_prefix": "DIR/name"}}
+  (session names as trainrun's engine passes them: train, eval, optimizer);
+* ``chunked_adamw``: true (or a chunk size): AdamW runs as cache-sized NumPy
+  chunks (scripts/bench/fastopt.py) instead of the ONNX optimizer graph.
+
+Besides the peak RSS of the whole run, the peak RSS reached before the first
+checkpoint is written (``train_peak_rss_mb``: the training steps alone; the
+end-of-run checkpoint snapshot and, on rank 0, the export come after it) is
+recorded when trainrun's runner has a ``TrainingRunner.save`` method to hook.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    sep = argv.index("--") if "--" in argv else len(argv)
+    own, rest = argv[:sep], argv[sep + 1:]
+    rss_dir, patch = None, {}
+    i = 0
+    while i < len(own):
+        if own[i] == "--rss-dir":
+            rss_dir = own[i + 1]
+            i += 2
+        elif own[i] == "--patch":
+            patch = json.loads(own[i + 1])
+            i += 2
+        else:
+            raise SystemExit(f"trainrun_rank: unknown option {own[i]}")
+    rank, _ = common.launcher_rank()
+    marks: dict = {}
+    if rss_dir:
+        atexit.register(lambda: common.write_json(Path(rss_dir) / f"rss-{rank}.json",
+                                                  {"rank": rank, "peak_rss_mb": round(common.peak_rss_mb(), 1),
+                                                   "vm_peak_mb": common.vm_peak_mb(), **marks}))
+        try:
+            from trainrun import runner
+            original_save = runner.TrainingRunner.save
+
+            def save(self, *a, **kw):
+                marks.setdefault("train_peak_rss_mb", round(common.peak_rss_mb(), 1))
+                return original_save(self, *a, **kw)
+            runner.TrainingRunner.save = save
+        except (ImportError, AttributeError):
+            pass
+    if patch.get("chunked_adamw"):
+        import fastopt
+        c = patch["chunked_adamw"]
+        fastopt.install(1 << 18 if c is True else int(c))
+    if "spin_s" in patch:
+        from trainrun import comm
+        comm.SPIN_S = float(patch["spin_s"])
+    if patch.get("session_config") or patch.get("sessions"):
+        from trainrun import engine
+        original = engine.session_options
+
+        def options(opts, name="", *args, **kwargs):
+            so = original(opts, name, *args, **kwargs)
+            for k, v in (patch.get("session_config") or {}).items():
+                so.add_session_config_entry(k, str(v))
+            mine = (patch.get("sessions") or {}).get(name, {})
+            for k, v in (mine.get("config") or {}).items():
+                so.add_session_config_entry(k, str(v))
+            if mine.get("threads"):
+                so.intra_op_num_threads = int(mine["threads"])
+            if mine.get("profile_prefix"):
+                so.enable_profiling = True
+                so.profile_file_prefix = f"{mine['profile_prefix']}_r{rank}"
+            return so
+        engine.session_options = options
+    sys.argv = ["trainrun", *rest]
+    from trainrun.cli import main as trainrun_main
+    trainrun_main()
+
+
+if __name__ == "__main__":
+    main()
