@@ -17,7 +17,7 @@ REF_DIR/stats/rank-0/stats.jsonl with trainrun's names:
 * act/<onnx name>: the train graph's tensors that correspond to a module of
   the PyTorch model, found through the parameter names in train.onnx: the
   output and the input of every LayerNormalization (ln_1, ln_2, ln_f), the
-  output of every FastGelu (mlp.act), and logits. By default those the run
+  output of every MLP GELU (mlp.act), and logits. By default those the run
   recorded (its stats/rank-0/meta.json), else all of them.
 
 Activations cover the whole global batch, so compare them with a 1-rank run
@@ -45,9 +45,8 @@ def onnx_module_map(train_onnx: str) -> dict[str, tuple[str, str]]:
             module = node.input[1][:-len(".weight")]                 # transformer.h.0.ln_1
             out.setdefault(node.output[0], (module, "out"))
             out.setdefault(node.input[0], (module, "in"))
-        elif node.op_type == "FastGelu" and len(node.input) > 1 and node.input[1].endswith(".mlp.c_fc.bias"):
-            module = node.input[1][:-len(".c_fc.bias")] + ".act"     # transformer.h.0.mlp.act
-            out.setdefault(node.output[0], (module, "out"))
+        elif node.output and node.output[0].endswith(".mlp.act"):       # the GELU's output, by name
+            out.setdefault(node.output[0], (node.output[0], "out"))
     return out
 
 

@@ -179,7 +179,7 @@ def test_export_matches_transformers_and_runs_in_plain_onnxruntime(tmp_path, byt
     import torch
     from safetensors.numpy import load_file
     m = onnx.load(str(tmp_path / "m.onnx"))
-    assert not any(n.domain == "com.microsoft" and n.op_type != "FastGelu" for n in m.graph.node)
+    assert not any(n.domain == "com.microsoft" for n in m.graph.node)     # standard ONNX only
     assert [i.name for i in m.graph.input] == ["input_ids"]
     hf = hf_gpt2(shape, load_file(str(ckpt / "model.safetensors"))).eval()
     ids = np.random.default_rng(0).integers(0, 512, (3, 32))
