@@ -37,6 +37,7 @@ import threading
 
 import numpy as np
 
+from .data import sha256_file
 from .engine import to_host
 from .errors import UsageError
 
@@ -88,14 +89,6 @@ def write_json(path: str, obj) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -140,6 +133,11 @@ def resolve_checkpoint(path: str) -> str:
         raise UsageError(f"{path}: checkpoint is incomplete (no {COMMITTED} marker); "
                          f"use an earlier one or the run directory")
     raise UsageError(f"{path}: neither a run directory with checkpoints nor a checkpoint")
+
+
+def run_dir_of(ckpt: str) -> str:
+    """The run directory holding a checkpoint (<run>/checkpoints/<step>)."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(ckpt)))
 
 
 def cleanup(ckpt_root: str, log=print) -> None:

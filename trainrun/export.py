@@ -22,10 +22,6 @@ from .errors import TrainrunError, UsageError
 _EXTERNAL_DATA_BYTES = 1_800_000_000   # protobuf's 2 GB limit: larger models keep weights beside the .onnx
 
 
-def _run_dir_of(ckpt: str) -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(ckpt)))
-
-
 def with_weights(model: onnx.ModelProto, weights: dict[str, np.ndarray]) -> onnx.ModelProto:
     """Turn the parameter inputs of ``model`` into initializers holding ``weights``."""
     inputs = [i for i in model.graph.input if i.name not in weights]
@@ -68,7 +64,7 @@ def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None,
     import onnxruntime as ort
 
     ckpt = K.resolve_checkpoint(checkpoint)
-    run_dir = _run_dir_of(ckpt)
+    run_dir = K.run_dir_of(ckpt)
     graphs_dir = os.path.join(run_dir, "graphs")
     manifest = G.load_manifest(graphs_dir)
     K.verify(ckpt)

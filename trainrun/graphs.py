@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import fnmatch
-import hashlib
 import json
 import os
 import re
@@ -33,6 +32,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .config import Config, to_dict
+from .data import sha256_file  # noqa: F401 - re-exported: graphs.sha256_file names the manifest's hash
 from .errors import UsageError
 
 IR_VERSION = 9
@@ -209,9 +209,10 @@ def build_train_graph(loss_model: onnx.ModelProto, params: list[str], source: st
     import onnxruntime as ort
     from onnxruntime.capi._pybind_state import GradientGraphBuilder, get_optimized_model
 
-    ort.set_default_logger_severity(int(os.environ.get("TRAINRUN_ORT_SEVERITY", "3")))
+    severity = int(os.environ.get("TRAINRUN_ORT_SEVERITY", "3"))
+    ort.set_default_logger_severity(severity)
     options = ort.SessionOptions()
-    options.log_severity_level = int(os.environ.get("TRAINRUN_ORT_SEVERITY", "3"))
+    options.log_severity_level = severity
     wanted = set(params)
     try:
         optimized = get_optimized_model(loss_model.SerializeToString(), wanted, options)
@@ -259,14 +260,6 @@ def _builder_reason(text: str) -> str:
 
 
 # --------------------------------------------------------------------------- prepare
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
 
 def _save(model: onnx.ModelProto, path: str) -> None:
     tmp = path + ".tmp"

@@ -483,7 +483,7 @@ def resume(path: str, overrides: list[str], force: bool = False) -> dict:
     """Continue the run holding ``path`` (a run directory or one of its checkpoints)."""
     from .comm import detect_world
     ckpt = K.resolve_checkpoint(path)
-    run_dir = os.path.dirname(os.path.dirname(ckpt))
+    run_dir = K.run_dir_of(ckpt)
     saved_path = os.path.join(ckpt, "config.yaml")
     saved = C.load_config(saved_path)
     cfg = C.load_config(saved_path, overrides, need_data=True)
@@ -496,8 +496,8 @@ def resume(path: str, overrides: list[str], force: bool = False) -> dict:
     unsafe = [k for k in changed if not k.startswith(SAFE_ON_RESUME)]
     if unsafe and not force:
         raise UsageError("resume: these keys change the model, optimizer or data and would not continue the "
-                         "same run (add --force to do it anyway)", [f"{k}: {_get(saved, k)!r} -> "
-                                                                   f"{_get(cfg, k)!r}" for k in unsafe])
+                         "same run (add --force to do it anyway)", [f"{k}: {C.get(saved, k)!r} -> "
+                                                                   f"{C.get(cfg, k)!r}" for k in unsafe])
     _, world = detect_world()
     if cfg.global_batch(world) != state["global_batch"] and not force:
         raise UsageError(
@@ -519,6 +519,3 @@ def _changed_keys(a: dict, b: dict, prefix: str = "") -> list[str]:
             out.append(path)
     return out
 
-
-def _get(cfg, dotted):
-    return C.get(cfg, dotted)
