@@ -203,7 +203,11 @@ def main(comm):
     try:
         comm.allreduce_(buf)
     except TrainrunError as e:
-        print(f"rank {{comm.rank}}: TrainrunError: {{e}}", file=sys.stderr, flush=True)
+        # a file as well as stderr: output still in hydra's pipes when it kills the job can be lost
+        msg = f"rank {{comm.rank}}: TrainrunError: {{e}}"
+        print(msg, file=sys.stderr, flush=True)
+        with open(f"error.{{comm.rank}}.txt", "w") as f:
+            f.write(msg)
         comm.abort(1)
     print(f"rank {{comm.rank}} finished allreduce", flush=True)
 
@@ -234,11 +238,12 @@ def test_peer_gone_quietly_times_out_with_clear_error(tmp_path, mode):
     assert seconds < 20, out
     assert rc != 0, out
     assert "finished allreduce" not in out, out
+    err = tmp_path / "error.0.txt"
+    assert err.exists(), out
     m = re.search(r"rank 0: TrainrunError: allreduce_ timed out on rank 0 of 2 \(.*\) after ([0-9.]+) s "
-                  r"\(timeout_s=2\): a peer rank probably died or hung", out)
-    assert m, out
+                  r"\(timeout_s=2\): a peer rank probably died or hung", err.read_text())
+    assert m, (err.read_text(), out)
     assert timeout_s <= float(m.group(1)) < timeout_s + 3, out   # margin for a loaded 2-core machine
-    assert "MPI_Abort" in out, out  # the abort that ended the job
 
 
 def test_abort_ends_every_rank_and_does_not_return(tmp_path):
@@ -246,6 +251,7 @@ def test_abort_ends_every_rank_and_does_not_return(tmp_path):
     comm = make_communicator(timeout_s=20)
     comm.barrier()
     if comm.rank == 0:
+        open("abort_called", "w").close()
         comm.abort(7)
         open("abort_returned", "w").close()   # MPICH's MPI_Abort alone can return
     else:
@@ -253,12 +259,13 @@ def test_abort_ends_every_rank_and_does_not_return(tmp_path):
         open("rank1_survived", "w").close()
     '''
     rc, out, seconds = run_ranks(tmp_path, 2, body)
-    # hydra's own exit status is racy (the code, or 9 when it SIGKILLs the job first); the
-    # message below proves the code reached MPI_Abort
+    # hydra's own exit status is racy (the code, or 9 when it SIGKILLs the job first), and so is
+    # MPICH's "MPI_Abort(MPI_COMM_WORLD, 7)" line: output still in hydra's pipes when it kills the
+    # job can be lost (seen in CI). What must hold: the job ended early, nonzero, rank 1 killed.
     assert rc != 0 and seconds < 30, out
+    assert (tmp_path / "abort_called").exists(), out
     assert not (tmp_path / "abort_returned").exists(), "comm.abort() returned"
     assert not (tmp_path / "rank1_survived").exists()
-    assert "MPI_Abort(MPI_COMM_WORLD, 7)" in out, out
 
 
 # ----------------------------------------------------------------------------- single process
