@@ -196,7 +196,9 @@ def test_profile_summarize(profiled):
     assert "profile of steps 3-4 (2 step(s)) on 2 rank(s)" in out
     table = out.split("top 5 operator types")[1].split("phases per rank")[0]
     rows = [line.split() for line in table.splitlines()[2:] if line.strip()]
-    assert len(rows) == 5 and rows[0][0] == "train"
+    # which session tops a tiny model's profile is down to timing noise (seen: eval's loss op)
+    assert len(rows) == 5 and {r[0] for r in rows} <= {"train", "eval", "optimizer"}
+    assert "train" in {r[0] for r in rows}
     totals = [float(r[3]) for r in rows]
     assert totals == sorted(totals, reverse=True) and totals[0] > 0
     phase_rows = out.split("phases per rank")[1].splitlines()
