@@ -126,3 +126,12 @@ def test_command_line_paths_are_relative_to_the_current_directory(tmp_path, monk
     monkeypatch.chdir(tmp_path)
     assert C.load_config(path).run.output_dir == str(tmp_path / "conf" / "from_file")
     assert C.load_config(path, ["run.output_dir=runs/x"]).run.output_dir == str(tmp_path / "runs" / "x")
+
+
+def test_host_optimizer_kernel_needs_the_cpu(tmp_path):
+    with pytest.raises(UsageError) as err:
+        C.load_config(write(tmp_path, {"device": "cuda", "engine": {"optimizer_kernel": "host"}}))
+    assert any(p.startswith("engine.optimizer_kernel: host runs on the CPU") for p in err.value.problems), \
+        err.value.problems
+    cfg = C.load_config(write(tmp_path, {"device": "cuda", "engine": {"optimizer_kernel": "auto"}}))
+    assert cfg.engine.optimizer_kernel == "auto"

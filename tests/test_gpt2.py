@@ -48,7 +48,7 @@ def test_initialisation_is_seeded_and_gpt2_like():
 
 
 def make_engine(tmp_path, shape, batch, seq, **cfg_over):
-    cfg = C.from_dict({"model": {"gpt2": shape}, "data": {"seq_len": seq},
+    cfg = C.from_dict({"model": {"gpt2": shape}, "data": {"seq_len": seq}, "train": {"micro_batch_size": batch},
                        "run": {"output_dir": str(tmp_path), "seed": 3}, **cfg_over})
     graphs_dir = G.prepare(cfg)
     shapes = {"input_ids": ((batch, seq), np.int64), "labels": ((batch, seq), np.int64)}

@@ -158,7 +158,8 @@ def profiled(tmp_path_factory, byte_dataset):
     d = tmp_path_factory.mktemp("prof")
     cfg = write_config(d / "c.yaml", byte_dataset, **{
         "train.max_steps": 6, "train.gradient_accumulation_steps": 2, "train.eval_every": 4,
-        "checkpoint.every": 4, "profile.start_step": 3, "profile.steps": 2, "debug.save_graphs": True})
+        "checkpoint.every": 4, "profile.start_step": 3, "profile.steps": 2, "debug.save_graphs": True,
+        "engine.optimizer_kernel": "graph"})   # the optimizer session profiled too
     mpirun(2, "--config", cfg)
     return str(d / "run")
 

@@ -13,6 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 from trainrun import config as C
 from trainrun import graphs as G
 from trainrun.engine import Engine, EngineOptions
+from trainrun.errors import UsageError
 from trainrun.optim import state_names
 
 from conftest import ROOT, TRAINRUN, run
@@ -67,7 +68,8 @@ def test_user_torch_onnx_gpt2_prepares_and_trains(tmp_path, tiny_gpt2):
     hf = export_user_gpt2(tmp_path / "user.onnx", tiny_gpt2, seq)
     cfg = C.from_dict({"model": {"builtin": None, "onnx": str(tmp_path / "user.onnx"), "inputs": ["input_ids"]},
                        "optimizer": {"name": "adamw", "lr": 1e-2},
-                       "run": {"output_dir": str(tmp_path / "run")}, "data": {"seq_len": seq}})
+                       "run": {"output_dir": str(tmp_path / "run")}, "data": {"seq_len": seq},
+                       "train": {"micro_batch_size": batch}})
     graphs_dir = G.prepare(cfg)
     manifest = G.load_manifest(graphs_dir)
     assert manifest["num_params"] == sum(p.numel() for p in hf.parameters())
@@ -126,3 +128,21 @@ def test_bad_user_graphs_are_named(tmp_path, case, expected):
     proc = run([TRAINRUN, "prepare", "--config", str(tmp_path / "c.yaml")], check=2)
     assert expected in proc.stderr and "user.onnx" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_static_shapes_fix_only_the_train_graph(tmp_path, tiny_gpt2):
+    cfg = C.from_dict({"model": {"gpt2": tiny_gpt2}, "data": {"seq_len": 16}, "train": {"micro_batch_size": 3},
+                       "run": {"output_dir": str(tmp_path / "run")}})
+    graphs_dir = G.prepare(cfg)
+    assert G.load_manifest(graphs_dir)["build"]["static_shape"] == [3, 16]
+
+    def dims(name, tensor):
+        graph = onnx.load(os.path.join(graphs_dir, f"{name}.onnx")).graph
+        vi = next(v for v in list(graph.input) + list(graph.output) if v.name == tensor)
+        return [d.dim_value or d.dim_param for d in vi.type.tensor_type.shape.dim]
+    assert dims("train", "input_ids") == [3, 16] and dims("train", "labels") == [3, 16]
+    assert dims("eval", "input_ids") == ["batch", "seq"] and dims("forward", "logits") == ["batch", "seq", 300]
+    wrong = {"input_ids": ((2, 16), np.int64), "labels": ((2, 16), np.int64)}
+    with pytest.raises(UsageError, match=r"train.onnx: input 'input_ids' has shape \[3, 16\], the batch has "
+                                         r"\[2, 16\] .*prepare again"):
+        Engine(graphs_dir, EngineOptions(), wrong, wrong, state_names(cfg.optimizer))

@@ -20,18 +20,23 @@ def losses(run_dir):
 
 
 def test_two_ranks_equal_one_rank_and_accumulation(tmp_path, byte_dataset):
+    """Also: the ONNX optimizer graph with symbolic shapes trains as the default host kernel with
+    static shapes does."""
     runs = {}
-    for name, n, mb, acc in [("w1", 1, 8, 1), ("w2", 2, 4, 1), ("acc", 1, 4, 2)]:
+    graph = {"engine.optimizer_kernel": "graph", "engine.static_shapes": False}
+    for name, n, mb, acc, extra in [("w1", 1, 8, 1, {}), ("w2", 2, 4, 1, {}), ("acc", 1, 4, 2, {}),
+                                    ("graph", 1, 8, 1, graph)]:
         d = tmp_path / name
         d.mkdir()
         cfg = write_config(d / "c.yaml", byte_dataset, **{"train.micro_batch_size": mb,
-                                                          "train.gradient_accumulation_steps": acc})
+                                                          "train.gradient_accumulation_steps": acc, **extra})
         mpirun(n, "--config", cfg)
         runs[name] = losses(str(d / "run"))
     assert len(runs["w1"]) == 20
     assert runs["w1"][-1] < runs["w1"][0]
     np.testing.assert_allclose(runs["w2"], runs["w1"], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(runs["acc"], runs["w1"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(runs["graph"], runs["w1"], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("world", [2, 3])

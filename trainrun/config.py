@@ -199,6 +199,15 @@ class EngineConfig:
     """Intra-op threads per rank (0: cores / local ranks)."""
     graph_optimization: str = opt("all", choices=["disabled", "basic", "extended", "all"])
     """onnxruntime graph optimization level."""
+    optimizer_kernel: str = opt("auto", choices=["auto", "graph", "host"])
+    """Who runs the update: graph = graphs/optimizer.onnx in onnxruntime; host = the same rule as
+    chunked in-place NumPy (about one pass over memory, no full-size temporaries; cpu only);
+    auto = host on cpu, graph on cuda."""
+    static_shapes: bool = True
+    """Build the train graph for the exact micro-batch: the data inputs' batch dim fixed to
+    train.micro_batch_size (and, for the built-in GPT-2, the sequence dim to data.seq_len), so
+    the gradient builder emits reductions over fixed axes and onnxruntime plans memory statically.
+    Changing either size later re-prepares the graphs. Eval and exported graphs keep symbolic dims."""
 
 
 @dataclass
@@ -429,6 +438,8 @@ def _semantic_checks(cfg: Config, problems: _Problems, base_dir: str, need_data:
                      f"(train.max_steps = {cfg.train.max_steps})")
     if cfg.device == "cpu" and cfg.distributed.backend == "nccl":
         problems.add("distributed.backend", "nccl needs device: cuda")
+    if cfg.device == "cuda" and cfg.engine.optimizer_kernel == "host":
+        problems.add("engine.optimizer_kernel", "host runs on the CPU; with device: cuda use graph or auto")
     if need_data and not cfg.data.train:
         problems.add("data.train", "is required to train (a directory made by trainrun-data)")
     # files and directories that must exist

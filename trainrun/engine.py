@@ -7,7 +7,9 @@ state is bound once to a view of those arrays (zero copy). Data inputs,
 preallocated arrays bound once too, so a step allocates nothing in Python.
 
 The optimizer graph is bound in place: ``params``/``params_out`` (and each
-``<state>``/``<state>_out``) share one buffer.
+``<state>``/``<state>_out``) share one buffer. On the CPU the same update
+rule runs by default as chunked NumPy over those buffers instead
+(:mod:`trainrun.kernels.host`), and the optimizer graph is not loaded.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class EngineOptions:
     profile_prefix: str | None = None
     optimized_dir: str | None = None   # debug.save_graphs: write each graph as onnxruntime optimized it
     log_id: str | None = None          # names this rank in onnxruntime's own log lines
+    optimizer_kernel: str = "auto"     # graph (optimizer.onnx), host (kernels/host.py) or auto (host on cpu)
 
 
 def session_options(opts: EngineOptions, name: str = ""):
@@ -126,7 +129,7 @@ class _Bound:
             raise TrainrunError(f"{path}: onnxruntime cannot load the {name} graph: "
                                 f"{str(exc).strip().splitlines()[0]}") from None
         self.binding = self.session.io_binding()
-        self.name = name
+        self.name, self.path = name, path
         self.input_names = {i.name for i in self.session.get_inputs()}
         self.keep = []   # arrays whose memory is bound: keep them alive
 
@@ -135,6 +138,15 @@ class _Bound:
         if _is_cupy(arr):
             return "cuda", self.device_id, arr.data.ptr
         return "cpu", 0, arr.ctypes.data
+
+    def check_shape(self, name: str, shape: tuple) -> None:
+        """UsageError when the graph declares fixed dims for input ``name`` that ``shape`` does not have."""
+        declared = next((i.shape for i in self.session.get_inputs() if i.name == name), None)
+        if declared is None or (len(declared) == len(shape) and all(
+                not isinstance(d, int) or d == s for d, s in zip(declared, shape))):
+            return
+        raise UsageError(f"{self.path}: input '{name}' has shape {declared}, the batch has {list(shape)} "
+                         f"(graphs prepared for another micro-batch or sequence length: prepare again)")
 
     def bind_in(self, name: str, arr) -> None:
         dev, dev_id, ptr = self._where(arr)
@@ -185,6 +197,16 @@ class Engine:
         self.eval_batch = {k: xp.zeros(s, d) for k, (s, d) in eval_batch_shapes.items()}
 
         self.stats_outputs = list(self.manifest.get("stats_outputs", []))   # debug.tensors, see stats.py
+        self.host_optimizer = None
+        if opts.optimizer_kernel == "host" or (opts.optimizer_kernel == "auto" and xp is np):
+            if xp is not np:
+                raise UsageError("engine.optimizer_kernel host runs on the CPU, the buffers are on the GPU")
+            from .config import OptimizerConfig
+            from .kernels.host import HostOptimizer
+            known = OptimizerConfig.__dataclass_fields__
+            cfg = OptimizerConfig(**{k: v for k, v in self.manifest["optimizer"].items() if k in known})
+            sizes = [int(np.prod(s, dtype=np.int64)) for s in self.layout.shapes]
+            self.host_optimizer = HostOptimizer(cfg, sizes, self.layout.names)
         self.reopen(opts)
 
     def reopen(self, opts: EngineOptions) -> tuple:
@@ -195,7 +217,8 @@ class Engine:
         self.opts = opts
         self.train_s = _Bound(os.path.join(self.dir, "train.onnx"), opts, "train")
         self.eval_s = _Bound(os.path.join(self.dir, "eval.onnx"), opts, "eval")
-        self.opt_s = _Bound(os.path.join(self.dir, "optimizer.onnx"), opts, "optimizer")
+        self.opt_s = None if self.host_optimizer else _Bound(os.path.join(self.dir, "optimizer.onnx"), opts,
+                                                             "optimizer")
         self._bind_all()
         return old
 
@@ -209,12 +232,14 @@ class Engine:
         for name, arr in self.batch.items():
             if name not in t.input_names:
                 raise UsageError(f"data feature '{name}' is not an input of the train graph")
+            t.check_shape(name, arr.shape)
             t.bind_in(name, arr)
         missing = [n for n in t.input_names if n not in self.batch and n not in set(L.names)
                    and not n.endswith(G.BUFFER_SUFFIX) and n != G.RESET]
         if missing:
             raise UsageError(f"the dataset does not provide graph input(s): {', '.join(missing)}")
         for name, arr in self.eval_batch.items():
+            e.check_shape(name, arr.shape)
             e.bind_in(name, arr)
         self.flags = []
         for i, name in enumerate(L.names):
@@ -235,6 +260,8 @@ class Engine:
             for name in extra_eval:
                 e.binding.bind_output(name, "cpu")
 
+        if o is None:
+            return
         o.bind_in("params", self.params)
         o.bind_out("params_out", self.params)
         o.bind_in("grads", self.grads)
@@ -268,6 +295,9 @@ class Engine:
 
     def optimizer_step(self, lr: float, step: int, grad_scale: float) -> None:
         """Update params and state in place (``step`` is 1-based)."""
+        if self.host_optimizer:
+            self.host_optimizer.step(self.params, self.grads, self.state, lr, step, grad_scale)
+            return
         self.lr[()] = lr
         self.step[()] = step
         self.grad_scale[()] = grad_scale

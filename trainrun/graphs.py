@@ -198,10 +198,30 @@ def dropout_zero(model: onnx.ModelProto) -> onnx.ModelProto:
 def build_options(cfg: Config) -> dict:
     """What besides the model and optimizer shapes the graphs: recorded in the manifest."""
     stats = list(cfg.debug.tensors) if cfg.debug.stats_every > 0 else []
-    return {"deterministic": cfg.run.deterministic, "stats_tensors": stats}
+    return {"deterministic": cfg.run.deterministic, "stats_tensors": stats,
+            "static_shape": [cfg.train.micro_batch_size, cfg.data.seq_len] if cfg.engine.static_shapes else None}
 
 
-DEFAULT_BUILD = {"deterministic": False, "stats_tensors": []}   # manifests written before build options
+# manifests written before a build option existed
+DEFAULT_BUILD = {"deterministic": False, "stats_tensors": [], "static_shape": None}
+
+
+def fix_dims(model: onnx.ModelProto, inputs: list[str], micro_batch: int, seq_len: int | None) -> onnx.ModelProto:
+    """Fix, in place, the symbolic dims of ``model``'s data ``inputs``: dim 0 (the batch) to
+    ``micro_batch``, dim 1 to ``seq_len`` when given; dims of the same names elsewhere (labels,
+    outputs) too. Returns ``model``."""
+    sizes: dict[str, int] = {}
+    for vi in model.graph.input:
+        if vi.name in inputs:
+            dims = vi.type.tensor_type.shape.dim
+            for i, size in ((0, micro_batch), (1, seq_len)):
+                if size is not None and len(dims) > i and dims[i].dim_param:
+                    sizes.setdefault(dims[i].dim_param, size)
+    for vi in list(model.graph.input) + list(model.graph.output):
+        for d in vi.type.tensor_type.shape.dim:
+            if d.dim_param in sizes:
+                d.dim_value = sizes[d.dim_param]     # (clears dim_param: a oneof)
+    return model
 
 
 def build_train_graph(loss_model: onnx.ModelProto, params: list[str], source: str) -> onnx.ModelProto:
@@ -283,7 +303,11 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
     weights = {p: numpy_helper.to_array(inits[p]) for p in fwd.params}
     shapes = [(p, tuple(int(d) for d in inits[p].dims)) for p in fwd.params]
 
+    static = build_options(cfg)["static_shape"]
+
     loss_model = _params_to_inputs(with_loss(fwd, cfg.model.loss.ignore_index, keep_logits=False), fwd.params)
+    if static:   # the train graph for the micro-batch's shape; eval and forward (export) stay symbolic
+        fix_dims(loss_model, fwd.inputs, static[0], static[1] if cfg.model.builtin == "gpt2" else None)
     train = build_train_graph(loss_model, fwd.params, source)
     stats_outputs = []
     if build_options(cfg)["stats_tensors"]:      # debug.stats_every > 0: chosen tensors become outputs

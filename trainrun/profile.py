@@ -90,6 +90,8 @@ class Profiler:
         events = []
         pid = TRACE_PID_BASE + self.rank
         for name, bound in sessions.items():
+            if bound is None:       # the host optimizer kernel: no session (its time is the optimizer phase)
+                continue
             path = bound.session.end_profiling()
             start_us = bound.session.get_profiling_start_time_ns() / 1e3
             try:

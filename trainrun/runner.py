@@ -204,6 +204,7 @@ class TrainingRunner:
         self.threads = threads
         opts = EngineOptions(device=cfg.device, device_id=self.comm.local_rank, threads=threads,
                              graph_optimization=cfg.engine.graph_optimization,
+                             optimizer_kernel=cfg.engine.optimizer_kernel,
                              log_severity=_ORT_SEVERITY[cfg.run.log_level], deterministic=cfg.run.deterministic,
                              **engine_options(cfg, self.rank))
         mb = cfg.train.micro_batch_size
