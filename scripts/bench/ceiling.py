@@ -13,6 +13,9 @@ time (a barrier only every ``--window`` steps), so the ranks compete for the
 machine's cores and memory as trainrun's ranks do; tokens/s is all ranks'
 tokens over the slowest rank's time. Several graphs folders (comma-separated)
 are timed in alternating blocks of ``--window`` steps in the same processes.
+Each folder must hold graphs for ``--micro-batch`` x ``--seq-len`` (a static-shape
+train graph runs that shape only; scripts/bench/variants.py prepares one per
+micro-batch).
 
 ``--session-config KEY=VALUE`` (repeatable), ``--graph-optimization`` and
 ``--no-mem-pattern`` / ``--no-arena`` change the onnxruntime session options
@@ -34,11 +37,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+from common import add_config_entry  # noqa: E402
 
 
 @contextlib.contextmanager
 def patched_session_options(session_config: dict | None = None, mem_pattern: bool | None = None,
-                            arena: bool | None = None, free_dims: dict | None = None):
+                            arena: bool | None = None):
     """Extra onnxruntime session options for every Engine session made while active."""
     from trainrun import engine as E
     original = E.session_options
@@ -46,13 +50,11 @@ def patched_session_options(session_config: dict | None = None, mem_pattern: boo
     def options(opts, *args, **kwargs):
         so = original(opts, *args, **kwargs)
         for k, v in (session_config or {}).items():
-            so.add_session_config_entry(k, str(v))
+            add_config_entry(so, k, v)
         if mem_pattern is not None:
             so.enable_mem_pattern = mem_pattern
         if arena is not None:
             so.enable_cpu_mem_arena = arena
-        for k, v in (free_dims or {}).items():
-            so.add_free_dimension_override_by_name(k, int(v))
         return so
 
     E.session_options = options
@@ -63,26 +65,35 @@ def patched_session_options(session_config: dict | None = None, mem_pattern: boo
 
 
 class TrainGraphLoop:
-    """trainrun's Engine on a graphs folder, with one fixed real micro-batch bound."""
+    """trainrun's Engine on a graphs folder, with one fixed real micro-batch bound.
+
+    A static-shape train graph (trainrun's default, ``engine.static_shapes``) runs only the
+    [micro_batch, seq_len] it was prepared for: another shape is refused here, before the
+    Engine would raise its UsageError. The engine's default optimizer kernel on the CPU is the
+    host one, so no optimizer session is loaded (the loop never updates the parameters)."""
 
     def __init__(self, graphs: str, data: str, micro_batch: int, seq_len: int, threads: int,
                  graph_optimization: str = "all", profile_prefix: str | None = None,
                  session_config: dict | None = None, mem_pattern: bool | None = None, arena: bool | None = None,
-                 batch_index: int = 0, free_dims: bool = False):
+                 batch_index: int = 0):
         from trainrun.data import open_dataset
         from trainrun.engine import Engine, EngineOptions
         from trainrun.graphs import load_manifest
         from trainrun.optim import state_names
         from trainrun.config import OptimizerConfig
         manifest = load_manifest(graphs)
+        static = (manifest.get("build") or {}).get("static_shape")
+        if static and list(static) != [micro_batch, seq_len]:
+            raise SystemExit(f"{graphs}: its train graph is static for [micro_batch, seq_len] = {static}, "
+                             f"not [{micro_batch}, {seq_len}]: prepare graphs for this micro-batch")
+        self.static_shape = static
         opt_cfg = OptimizerConfig(**{k: v for k, v in manifest["optimizer"].items()
                                      if k in OptimizerConfig.__dataclass_fields__})
         ds = open_dataset(data, seq_len)
         batch = ds.read(np.arange(batch_index * micro_batch, (batch_index + 1) * micro_batch), ds.new_batch(micro_batch))
         shapes = {k: (v.shape, v.dtype) for k, v in batch.items()}
         opts = EngineOptions(threads=threads, graph_optimization=graph_optimization, profile_prefix=profile_prefix)
-        dims = {"batch": micro_batch, "seq": seq_len} if free_dims else None
-        with patched_session_options(session_config, mem_pattern, arena, dims):
+        with patched_session_options(session_config, mem_pattern, arena):
             self.engine = Engine(graphs, opts, shapes, shapes, state_names(opt_cfg))
         self.engine.load_weights()
         self.engine.set_batch(batch)
@@ -184,6 +195,7 @@ def main() -> int:
             rows.append({"graphs": g, "elapsed_s": slowest,
                          "tokens_per_sec": world * args.steps * loops[i].tokens / slowest,
                          "step_ms_median": float(np.median(times[i])) * 1e3, "loss": losses[i],
+                         "static_shape": loops[i].static_shape,
                          "best_window_tokens_per_sec": common.best_window(times[i], args.window, world * loops[i].tokens)})
         common.write_json(args.out, {
             "kind": "ceiling", "ranks": world, "threads": args.threads, "micro_batch": args.micro_batch,

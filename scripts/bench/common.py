@@ -71,6 +71,31 @@ MODELS = {
 }
 
 
+CONFIG = ROOT / "configs" / "gpt2-tiny.yaml"     # every run: this config + run_sets()
+
+
+def run_sets(m: BenchModel, out_dir, data: str, micro_batch: int, threads: int = 1, warmup: int = 1,
+             steps: int = 1) -> list[str]:
+    """The ``--set`` overrides of configs/gpt2-tiny.yaml for one trainrun run (or prepare) of ``m``."""
+    s = [f"run.output_dir={out_dir}", f"run.name=bench-{m.name}", f"data.train={data}", "data.eval=null",
+         f"data.seq_len={m.seq_len}", f"train.micro_batch_size={micro_batch}", "train.gradient_accumulation_steps=1",
+         f"train.max_steps={warmup + steps}", f"train.log_every={max(1, warmup)}", "train.eval_every=0",
+         "checkpoint.every=0", "tensorboard.enabled=false", f"engine.threads={threads}",
+         "lr_schedule.warmup_steps=4"]
+    return s + [f"model.gpt2.{k}={v}" for k, v in m.gpt2().items()]
+
+
+def add_config_entry(so, key: str, value) -> None:
+    """so.add_session_config_entry, quietly skipping an entry trainrun already set to that value
+    (onnxruntime warns about overwriting one)."""
+    try:
+        if so.get_session_config_entry(key) == str(value):
+            return
+    except RuntimeError:        # not set yet
+        pass
+    so.add_session_config_entry(key, str(value))
+
+
 def summarize(values: list[float]) -> dict:
     """median / min / max / n of a list of numbers (empty -> None values)."""
     if not values:

@@ -1,17 +1,16 @@
 """The component benchmarks, by calling the repo's own scripts (scripts/bench_*.py).
 
-    .venv/bin/python scripts/bench/extras.py optim --params 11.2e6 --threads 1,2 --repeats 10 --out o.json
     .venv/bin/python scripts/bench/extras.py data --data DATA/train --steps 3000 --out d.json
     .venv/bin/python scripts/bench/extras.py comm --sizes 550k,11.2M --iters 10 --out c.json
 
-* optim: ``bench_optim.bench`` (the in-place ONNX AdamW graph of trainrun.optim vs
-  the same math in NumPy, interleaved, on GPT-2-like tensors) -> ms per update and
-  per million parameters.
 * data: ``bench_data.loader_rate`` (trainrun's TrainLoader on token shards) at
   each benchmark model's micro-batch, prefetch 0 and 2 -> batches/s.
 * comm: ``scripts/bench_comm.py`` under mpirun -np 2 (raw blocking MPI Allreduce,
   trainrun's polled Communicator.allreduce_ and a memcpy of the same buffer);
   its table is parsed.
+
+The optimizer update (the ONNX optimizer graph vs trainrun's host kernel) is
+measured by scripts/bench/fastopt.py.
 """
 
 from __future__ import annotations
@@ -26,23 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 sys.path.insert(0, str(common.ROOT / "scripts"))
-
-
-def optim(params: float, threads: list[int], repeats: int) -> dict:
-    import bench_optim
-    from trainrun.config import OptimizerConfig
-    shapes = bench_optim.gpt2_like(params)
-    out = {"params": sum(int(__import__("math").prod(s)) for _, s in shapes), "rows": []}
-    for t in threads:
-        r = bench_optim.bench(OptimizerConfig(name="adamw", weight_decay=0.1), shapes, t, repeats)
-        per_m = 1e6 / r["n"]
-        o, n = common.summarize(r["onnx_ms"]), common.summarize(r["numpy_ms"])
-        out["rows"].append({"threads": t, "onnx_ms": o, "numpy_ms": n, "onnx_ms_per_M": o["median"] * per_m,
-                            "numpy_ms_per_M": n["median"] * per_m, "onnx_over_numpy": o["median"] / n["median"],
-                            "max_diff": r.get("max_diff")})
-        print(f"adamw {t} thread(s): ONNX {o['median']:.2f} ms ({o['median'] * per_m:.2f} ms/M), "
-              f"NumPy {n['median']:.2f} ms ({n['median'] * per_m:.2f} ms/M)")
-    return out
 
 
 def data(path: str, steps: int) -> dict:
@@ -80,19 +62,14 @@ def comm(sizes: str, iters: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["optim", "data", "comm"])
-    ap.add_argument("--params", type=float, default=11.2e6)
-    ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("what", choices=["data", "comm"])
     ap.add_argument("--data", default=str(common.ROOT / "data" / "stdlib" / "train"))
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--sizes", default="550k,11.2M")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    if args.what == "optim":
-        result = optim(args.params, [int(t) for t in args.threads.split(",")], args.repeats)
-    elif args.what == "data":
+    if args.what == "data":
         result = data(args.data, args.steps)
     else:
         result = comm(args.sizes, args.iters)

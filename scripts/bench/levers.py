@@ -1,40 +1,37 @@
 """Levers on trainrun's train graph, measured side by side in one process.
 
-    .venv/bin/python scripts/bench/levers.py numerics --out numerics.json
     .venv/bin/python scripts/bench/levers.py timing --model mid --threads 1 \
-        --variants fastgelu,sigmoid,fastgelu@nospin --rounds 6 --out timing.json
-    .venv/bin/python scripts/bench/levers.py profile --model mid --threads 1 --variants fastgelu,sigmoid
+        --variants static,dynamic,static@nospin --rounds 6 --out timing.json
+    .venv/bin/python scripts/bench/levers.py profile --model mid --threads 1 --variants static,dynamic
+    .venv/bin/python scripts/bench/levers.py scaling --model mid --micro-batch 8 --variants static,dynamic
 
-A variant is ``GRAPH[@OPTIONS]``: GRAPH is a graph form from variants.py
-(``fastgelu`` = trainrun today, ``tanh``, ``sigmoid``, ``erf``, ``biasgelu``,
-``onnx20``, optionally ``+static``); OPTIONS are session-option changes joined
-by ``,``-free ``:`` (``basic``/``extended``/``disabled`` graph optimization,
-``nospin`` = no intra-op spinning, ``nomempattern``, ``noarena``, ``daz``).
-
-numerics: for each GELU form, the forward graph's logits against transformers'
-GPT2LMHeadModel (gelu_new) at the initial weights and at weights scaled x3
-(pre-activations of order 1, where GELU forms differ), and the train graph's
-gradients against torch autograd (max |diff| / max |ref| over each tensor).
+A variant is ``GRAPH[@OPTIONS]``: GRAPH is ``static`` (trainrun's train graph,
+built for the micro-batch: engine.static_shapes on, the default) or
+``dynamic`` (``--set engine.static_shapes=false``: symbolic batch/seq dims),
+both prepared by ``trainrun prepare`` (scripts/bench/variants.py); OPTIONS
+are onnxruntime session-option changes joined by ``:`` (``basic`` /
+``extended`` / ``disabled`` graph optimization, ``nospin`` = no intra-op
+spinning, ``nomempattern``, ``noarena``, ``daz``).
 
 timing: every variant gets its own Engine over the same real micro-batch; the
 variants' steps are interleaved (order reversed every round) so that a shared
 machine's load hits them alike; median/min/max ms per step.
+profile: onnxruntime's per-op kernel time of each variant's train graph.
+scaling: the same at 1 and 2 threads, per op: which ops do not parallelise.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
-
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import variants as V  # noqa: E402
 
+GRAPHS = {"static": [], "dynamic": [V.STATIC_OFF]}
 OPTION_SETS = {
     "": {},
     "basic": {"graph_optimization": "basic"},
@@ -44,27 +41,14 @@ OPTION_SETS = {
     "daz": {"session_config": {"session.set_denormal_as_zero": "1"}},
     "nomempattern": {"mem_pattern": False},
     "noarena": {"arena": False},
-    "dims": {"free_dims": True},      # session option: free dimension overrides batch/seq -> fixed values
 }
 
 
-def bench_config(model: common.BenchModel, work: Path, data: str, micro_batch: int | None = None) -> tuple[str, list]:
-    """The config file (configs/gpt2-tiny.yaml) and the --set overrides of this benchmark model."""
-    mb = micro_batch or model.global_batch // 2
-    sets = [f"run.output_dir={work / 'runs' / model.name}", f"data.train={data}", "data.eval=null",
-            f"data.seq_len={model.seq_len}", f"train.micro_batch_size={mb}",
-            *[f"model.gpt2.{k}={v}" for k, v in model.gpt2().items()]]
-    return str(common.ROOT / "configs" / "gpt2-tiny.yaml"), sets
-
-
-def graphs_for(model: common.BenchModel, variant_graph: str, work: Path, data: str, micro_batch: int) -> str:
-    """The prepared graphs folder of a graph variant (made once per work folder)."""
-    out = work / "lever-graphs" / f"{model.name}-{variant_graph}-mb{micro_batch}" if "static" in variant_graph \
-        else work / "lever-graphs" / f"{model.name}-{variant_graph}"
-    if not (out / "manifest.json").exists():
-        cfg, sets = bench_config(model, work, data, micro_batch)
-        V.prepare_variant(cfg, sets, str(out), variant_graph, micro_batch, model.seq_len)
-    return str(out)
+def graphs_for(model: common.BenchModel, graph: str, work: Path, data: str, micro_batch: int) -> str:
+    """The prepared graphs folder of ``graph`` (static/dynamic) for ``micro_batch`` (made once per work folder)."""
+    if graph not in GRAPHS:
+        raise SystemExit(f"unknown graph {graph!r}: choose from {', '.join(GRAPHS)}")
+    return str(V.prepare(work, model, micro_batch, data, GRAPHS[graph]))
 
 
 def split_variant(name: str) -> tuple[str, dict]:
@@ -76,84 +60,7 @@ def split_variant(name: str) -> tuple[str, dict]:
                 merged.setdefault(k, {}).update(v)
             else:
                 merged[k] = v
-    return graph or "fastgelu", merged
-
-
-# --------------------------------------------------------------------------- numerics
-def hf_model(shape: dict, weights: dict):
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-    from transformers.utils import logging as hf_logging
-    hf_logging.set_verbosity_error()
-    cfg = GPT2Config(n_layer=shape["n_layer"], n_head=shape["n_head"], n_embd=shape["n_embd"],
-                     n_positions=shape["n_positions"], vocab_size=shape["vocab_size"], resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, activation_function="gelu_new", bos_token_id=0, eos_token_id=0)
-    model = GPT2LMHeadModel(cfg)
-    model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in weights.items()}, strict=False)
-    return model
-
-
-def numerics(forms: list[str], work: Path, data: str) -> dict:
-    import onnxruntime as ort
-    import torch
-    from trainrun import config as C
-    from trainrun.models.gpt2 import init_weights
-    from ceiling import TrainGraphLoop
-    torch.set_num_threads(2)
-    shape = dict(n_layer=3, n_head=6, n_embd=96, n_positions=128, vocab_size=1024)   # the test's largest shape
-    base = init_weights(C.GPT2Config(**shape), seed=7)
-    scaled = {k: (v * 3 if v.ndim == 2 else v) for k, v in base.items()}
-    rng = np.random.default_rng(0)
-    ids = rng.integers(0, shape["vocab_size"], (3, 128))
-    out = {}
-    refs = {}
-    for tag, w in (("init", base), ("scaled_x3", scaled)):
-        with torch.no_grad():
-            refs[tag] = hf_model(shape, w).eval()(torch.from_numpy(ids)).logits.numpy()
-    # gradients: the tiny benchmark model's train graph on a real micro-batch vs torch autograd
-    tiny = common.MODELS["tiny"]
-    for form in forms:
-        row = {}
-        for tag, w in (("init", base), ("scaled_x3", scaled)):
-            try:
-                sess = ort.InferenceSession(V.forward_model(shape, form, w).SerializeToString(),
-                                            providers=["CPUExecutionProvider"])
-                row[f"logits_maxdiff_{tag}"] = float(np.abs(sess.run(["logits"], {"input_ids": ids})[0] - refs[tag]).max())
-            except Exception as exc:  # noqa: BLE001 - a form onnxruntime cannot run
-                row[f"logits_maxdiff_{tag}"] = None
-                row["error"] = str(exc).splitlines()[0][:200]
-        try:
-            loop = TrainGraphLoop(graphs_for(tiny, form, work, data, tiny.global_batch // 2), data,
-                                  tiny.global_batch // 2, tiny.seq_len, threads=2)
-            eng = loop.engine
-            for k, v in eng.layout.unflatten(eng.params).items():      # x3 weights: GELU in its curved range
-                if v.ndim == 2:
-                    v *= 3
-            loss = loop.step()
-            weights = {k: v.copy() for k, v in eng.layout.unflatten(eng.params).items()}
-            hf = hf_model(tiny.gpt2(), weights)
-            x = torch.from_numpy(eng.batch["input_ids"].copy())
-            y = torch.from_numpy(eng.batch["labels"].copy())
-            logits = hf(x).logits
-            ref = torch.nn.functional.cross_entropy(logits.reshape(-1, tiny.vocab_size), y.reshape(-1))
-            ref.backward()
-            named = dict(hf.named_parameters())
-            rel = max(float(np.abs(g - named[k].grad.numpy()).max() / np.abs(named[k].grad.numpy()).max())
-                      for k, g in eng.layout.unflatten(eng.grads).items())
-            row["grad_rel_err"] = rel
-            row["loss_diff"] = abs(loss - ref.item())
-            row["train_ops"] = {k: c for k, c in V.op_counts(os.path.join(graphs_for(
-                tiny, form, work, data, tiny.global_batch // 2), "train.onnx")).items()
-                if "elu" in k or k.startswith(("Tanh", "Sigmoid"))}
-        except Exception as exc:  # noqa: BLE001
-            row["grad_rel_err"] = None
-            row["error"] = str(exc).splitlines()[0][:200]
-        row["matches_gelu_new_1e-4"] = bool(row.get("logits_maxdiff_init") is not None
-                                            and row["logits_maxdiff_init"] < 1e-4
-                                            and (row.get("logits_maxdiff_scaled_x3") or 1) < 1e-4
-                                            and (row.get("grad_rel_err") or 1) < 1e-4)
-        out[form] = row
-    return out
+    return graph or "static", merged
 
 
 # --------------------------------------------------------------------------- timing
@@ -200,7 +107,11 @@ def profile(model: common.BenchModel, names: list[str], threads: int, micro_batc
             loop.step()
         ms = (time.perf_counter() - t) / steps * 1e3
         path = loop.end_profile()
-        out[name] = {"step_ms": ms, "ops": profile_summary(path, top=10), "file": path}
+        ops = profile_summary(path, top=1000)
+        for o in ops:
+            o["ms_per_step"] = round(o["ms"] / steps, 2)
+        out[name] = {"step_ms": ms, "steps": steps, "ops": ops[:12], "file": path,
+                     "all_ms_per_step": {o["op"]: o["ms_per_step"] for o in ops}}
     return out
 
 
@@ -227,15 +138,17 @@ def scaling(model: common.BenchModel, names: list[str], micro_batch: int, steps:
         out[name] = {"ms_1t": t1, "ms_2t": t2, "speedup": t1 / t2,
                      "ops": [{"op": o, "ms_1t": per[1].get(o, 0.0), "ms_2t": per[2][o],
                               "speedup": per[1].get(o, 0.0) / per[2][o] if per[2][o] else None,
-                              "share_2t": per[2][o] / t2} for o in ops[:14]]}
+                              "share_2t": per[2][o] / t2} for o in ops[:14]],
+                     "all": {o: [round(per[1].get(o, 0.0), 2), round(per[2].get(o, 0.0), 2)]
+                             for o in set(per[1]) | set(per[2])}}
     return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["numerics", "timing", "profile", "scaling"])
+    ap.add_argument("what", choices=["timing", "profile", "scaling"])
     ap.add_argument("--model", default="tiny", choices=list(common.MODELS))
-    ap.add_argument("--variants", default="fastgelu,tanh,sigmoid,erf,biasgelu,onnx20")
+    ap.add_argument("--variants", default="static,dynamic")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--micro-batch", type=int, help="default: the per-rank batch at 2 ranks x threads/1")
     ap.add_argument("--rounds", type=int, default=6)
@@ -248,11 +161,7 @@ def main() -> int:
     names = args.variants.split(",")
     model = common.MODELS[args.model]
     mb = args.micro_batch or model.global_batch // 2 * (1 if args.threads == 1 else 2)
-    if args.what == "numerics":
-        result = numerics(names, work, args.data)
-        for k, v in result.items():
-            print(k, v)
-    elif args.what == "timing":
+    if args.what == "timing":
         result = timing(model, names, args.threads, mb, args.rounds, work, args.data)
         for k, v in result["variants"].items():
             print(f"{k:28s} median {v['median']:8.1f} ms  min {v['min']:8.1f}  max {v['max']:8.1f}  "

@@ -1,8 +1,9 @@
-"""Renders runs/bench/results.json (written by run.py) as BENCHMARKS.md."""
+"""Renders runs/bench/results.json (written by run.py) as BENCHMARKS.md: targets, the trainrun /
+trainrun-off / PyTorch / ceiling tables, findings (prose with this run's numbers; "n/a" where a figure
+was not measured), levers and components."""
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -95,6 +96,22 @@ def foreign(runs):
     return f"{statistics.median(v):.2f}" if v else "–"
 
 
+def na(x, fmt="{:.2f}", suffix=""):
+    """A number for the findings' prose; 'n/a' where it was not measured."""
+    return "n/a" if x is None else fmt.format(x) + suffix
+
+
+def ceiling_of(setup):
+    """The ceiling setup that bounds a trainrun setup: the same train graph, the same layout."""
+    who, layout = setup.rsplit(" ", 1)
+    return ("ceiling-off " if who == "trainrun-off" else "ceiling ") + layout
+
+
+def graph_label(r):
+    s = r.get("static_shape")
+    return "dynamic" if s is None and "static_shape" in r else (f"static {s[0]}x{s[1]}" if s else "?")
+
+
 def model_section(R, name, out):
     M = R["models"][name]
     md = R["models_def"][name]
@@ -106,10 +123,10 @@ def model_section(R, name, out):
     out.append(f"### {name}: GPT-2 {md['n_layer']} layers, d {md['n_embd']}, {md['n_head']} heads, seq {md['seq_len']}, "
                f"vocab {md['vocab_size']} ({md['params'] / 1e6:.2f}M parameters), global batch {md['global_batch']} "
                f"x {md['seq_len']} = {md['tokens_per_step']:,} tokens/step\n")
-    out.append(f"{md['warmup']} untimed warm-up steps, then "
-               f"{(runs.get('trainrun 2x1') or [{}])[0].get('cmd', '').split('train.max_steps=')[-1].split()[0] if runs.get('trainrun 2x1') else '?'}"
-               f" steps in all per run; {fpt / 1e6:.2f} MFLOP per token (6N + 12 L S d); MFU against "
-               f"{f0(peak)} GFLOP/s measured.\n")
+    first = (runs.get("trainrun 2x1") or [{}])[0].get("cmd", "")
+    total = first.split("train.max_steps=")[-1].split()[0] if "train.max_steps=" in first else "?"
+    out.append(f"{md['warmup']} untimed warm-up steps, then {total} steps in all per run; {fpt / 1e6:.2f} MFLOP per "
+               f"token (6N + 12 L S d); MFU against {f0(peak)} GFLOP/s measured.\n")
     out.append("| setup | tokens/s median [min–max] (runs) | best window | vs PyTorch, same layout (paired) | "
                "of ceiling, same graph (paired) | MFU | peak RSS MB per rank | step time shares | foreign load (cores) | final loss |")
     out.append("|---|---|---|---|---|---|---|---|---|---|")
@@ -121,10 +138,8 @@ def model_section(R, name, out):
         if not setup.startswith("PyTorch") and TORCH.get(layout) in runs:
             vs_torch = ratio_cell(paired(rs, runs[TORCH[layout]]))
         of_ceiling = "–"
-        if setup.startswith("trainrun"):
-            ceil = ("ceiling+proposed " if "proposed" in setup else "ceiling ") + layout
-            if ceil in runs:
-                of_ceiling = ratio_cell(paired(rs, runs[ceil]))
+        if setup.startswith("trainrun") and ceiling_of(setup) in runs:
+            of_ceiling = ratio_cell(paired(rs, runs[ceiling_of(setup)]))
         mfu = pct(s["median"] * fpt / (peak * 1e9), 1) if s["median"] and peak else "–"
         losses = [r.get("final_loss") for r in rs if r.get("final_loss") is not None]
         rng = f" [{f0(s['min'])}–{f0(s['max'])}]" if s["n"] > 1 else ""
@@ -135,11 +150,26 @@ def model_section(R, name, out):
     errors = [(k, r.get("error"), r.get("log")) for k, rs in runs.items() for r in rs if r.get("error")]
     for k, e, log in errors:
         out.append(f"* {k}: run failed ({e}; log {log})")
+    if errors:
+        out.append("")
     decomposition(R, name, runs, out)
-    gelu = {k: rs[0].get("gelu_ops") for k, rs in runs.items() if rs and rs[0].get("gelu_ops") is not None}
-    if gelu:
-        out.append("GELU op in the train graph each trainrun run actually used: " +
-                   "; ".join(f"{k}: {', '.join(v) or 'none'}" for k, v in gelu.items()) + "\n")
+    used = []
+    for k, rs in runs.items():
+        if rs and not k.startswith("PyTorch"):
+            r = rs[0]
+            bits = [graph_label(r)]
+            if k.startswith("trainrun"):
+                kern = r.get("optimizer_kernel", "?")
+                bits.append("optimizer " + ("host (auto)" if kern == "auto" else kern))
+                bits.append("GELU " + (", ".join(r.get("gelu_ops") or []) or "?"))
+            used.append(f"{k}: {'; '.join(bits)}")
+    if used:
+        out.append("Train graph (from its graphs folder's manifest: static = built for micro-batch x seq), optimizer "
+                   "kernel and GELU op of each setup: " + " · ".join(used) + ".\n")
+    again = sorted({k for k, rs in runs.items() for r in rs if r.get("reprepared")})
+    if again:
+        out.append(f"**Re-prepared inside the run** (its graphs folder did not fit; before step 1, outside the timed "
+                   f"steps): {', '.join(again)}.\n")
 
 
 def decomposition(R, name, runs, out):
@@ -149,18 +179,17 @@ def decomposition(R, name, runs, out):
     rows = (R.get("comm") or {}).get("rows") or []
     raw = min(rows, key=lambda r: abs(r["floats"] - md["params"]))["blocking_ms"] if rows else None
     lines = []
-    for setup in ("trainrun 2x1", "trainrun+proposed 2x1", "trainrun 1x2", "trainrun+proposed 1x2"):
+    for setup in ("trainrun 2x1", "trainrun-off 2x1", "trainrun 1x2", "trainrun-off 1x2"):
         rs = runs.get(setup)
-        ceil = runs.get(("ceiling+proposed " if "proposed" in setup else "ceiling ") + setup.split()[-1])
+        ceil = runs.get(ceiling_of(setup))
         t, c = med(tps(rs or [])), med(tps(ceil or []))
         if not t or not c:
             continue
         step, cstep = tok / t * 1e3, tok / c * 1e3
-        sh = shares(rs)
-        ms = {k: v * step for k, v in sh.items()}
+        ms = {k: v * step for k, v in shares(rs).items()}
         ar = ms.get("allreduce", 0.0)
         ar_cell = f"{ar:.1f}" + (f" (raw MPI {raw:.1f})" if raw is not None and setup.endswith("2x1") else "")
-        lines.append(f"| {setup} | {step:.1f} | {cstep:.1f} | {step - cstep:+.1f} ({(step - cstep) / step:+.1%}) | "
+        lines.append(f"| {setup} | {step:.1f} | {ceiling_of(setup)}: {cstep:.1f} | {step - cstep:+.1f} ({(step - cstep) / step:+.1%}) | "
                      f"{ms.get('forward_backward', 0):.1f} ({ms.get('forward_backward', 0) - cstep:+.1f}) | "
                      f"{ms.get('data', 0):.1f} | {ar_cell} | {ms.get('norm', 0):.1f} | {ms.get('optimizer', 0):.1f} |")
     if lines:
@@ -174,6 +203,8 @@ def decomposition(R, name, runs, out):
 
 
 def targets(R, out):
+    out.append("Targets count for **trainrun** (its defaults); the *trainrun-off* rows (its two levers off) are "
+               "there for comparison.\n")
     out.append("| target | " + " | ".join(R["models"]) + " |")
     out.append("|---|" + "---|" * len(R["models"]))
 
@@ -186,33 +217,36 @@ def targets(R, out):
                 cells.append("–")
         out.append(f"| {label} | " + " | ".join(cells) + " |")
 
-    def vs(a, b, goal):
+    def verdict(ok, counts):
+        return ("met" if ok else "**not met**") if counts else "(comparison)"
+
+    def vs(a, b, goal, counts=True):
         def fn(runs):
             v = paired(runs[a], runs[b])
-            return f"{statistics.median(v):.2f}x {'met' if statistics.median(v) >= goal else '**not met**'}" if v else "–"
+            return f"{statistics.median(v):.2f}x {verdict(statistics.median(v) >= goal, counts)}" if v else "–"
         return fn
 
-    def overhead(a, b):
+    def overhead(a, b, counts=True):
         def fn(runs):
             v = paired(runs[a], runs[b])
             o = 1 - statistics.median(v)
-            return f"{100 * o:.1f}% {'met' if o <= 0.03 else '**not met**'}" if v else "–"
+            return f"{100 * o:.1f}% {verdict(o <= 0.03, counts)}" if v else "–"
         return fn
 
-    def rss(a, b):
+    def rss(a, b, counts=True):
         def fn(runs):
             x, y = max_rss(runs[a]), max_rss(runs[b])
-            return f"{x:.0f} vs {y:.0f} MB {'met' if x <= y else '**not met**'}"
+            return f"{x:.0f} vs {y:.0f} MB {verdict(x <= y, counts)}"
         return fn
 
-    for who in ("trainrun", "trainrun+proposed"):
-        row(f"{who} 2x1 >= 1.2x PyTorch DDP 2x1", vs(f"{who} 2x1", "PyTorch DDP 2x1", 1.2))
-        row(f"{who} 1x2 >= 1.0x PyTorch 1x2", vs(f"{who} 1x2", "PyTorch 1x2", 1.0))
-    for who, ceil in (("trainrun", "ceiling"), ("trainrun+proposed", "ceiling+proposed")):
+    for who, counts in (("trainrun", True), ("trainrun-off", False)):
+        note = "" if counts else " (levers off)"
+        row(f"{who} 2x1 >= 1.2x PyTorch DDP 2x1{note}", vs(f"{who} 2x1", "PyTorch DDP 2x1", 1.2, counts))
+        row(f"{who} 1x2 >= 1.0x PyTorch 1x2{note}", vs(f"{who} 1x2", "PyTorch 1x2", 1.0, counts))
         for lay in LAYOUTS:
-            row(f"{who} {lay} overhead vs its ceiling <= 3%", overhead(f"{who} {lay}", f"{ceil} {lay}"))
-    for who in ("trainrun", "trainrun+proposed"):
-        row(f"{who} 2x1 peak RSS per rank <= DDP's", rss(f"{who} 2x1", "PyTorch DDP 2x1"))
+            row(f"{who} {lay} overhead vs {ceiling_of(f'{who} {lay}')} <= 3%{note}",
+                overhead(f"{who} {lay}", ceiling_of(f"{who} {lay}"), counts))
+        row(f"{who} 2x1 peak RSS per rank <= DDP's{note}", rss(f"{who} 2x1", "PyTorch DDP 2x1", counts))
     rows = (R.get("comm") or {}).get("rows") or []
     if rows:
         cells = []
@@ -229,8 +263,10 @@ def targets(R, out):
             if not fit:
                 cells.append("–")
                 continue
-            cap, a, b, c = fit["cap_mb"], fit["trainrun"], fit["ddp"], fit["proposed"]
-            cells.append(f"{a} (proposed {c}) vs {b} at {cap:.0f} MB/rank {'met' if a >= b else '**not met**'}")
+            cap, a, b, c = fit["cap_mb"], fit.get("trainrun"), fit.get("ddp"), fit.get("off")
+            ok = a is not None and b is not None and a >= b
+            cells.append(f"{na(a, '{}')} vs {na(b, '{}')} at {cap:.0f} MB/rank {'met' if ok else '**not met**'} "
+                         f"(levers off: {na(c, '{}')})")
         out.append("| largest micro-batch under a per-rank memory cap >= DDP's | " + " | ".join(cells) + " |")
     out.append("")
 
@@ -252,42 +288,47 @@ def linfit(points):
 
 
 MEMORY_CAPS_MB = {"tiny": 1024, "mid": 2048}
+MEM_WHO = {"trainrun": "trainrun", "off": "trainrun-off", "ddp": "PyTorch DDP"}
 
 
 def memfit(rows, cap_mb=None):
+    """Straight-line fits of peak RSS per rank against the micro-batch, and the largest micro-batch under a cap."""
     if not rows:
         return None
     fits = {}
-    for who in ("trainrun", "ddp", "proposed"):
-        pts = [(r["micro_batch"], max(r[who])) for r in rows if r.get(who)]
-        fits[who] = linfit(pts)
-    if not all(fits.values()):
+    for who in MEM_WHO:
+        pts = [(r["micro_batch"], max(x for x in r[who] if x is not None)) for r in rows if r.get(who)]
+        fit = linfit(pts)
+        if fit:
+            fits[who] = fit
+    if "trainrun" not in fits:
         return None
-    if cap_mb is None:
-        cap_mb = 1024
+    cap_mb = cap_mb or 1024
     out = {"cap_mb": cap_mb, "fits": fits}
     for who, (a, b) in fits.items():
         out[who] = int((cap_mb - a) // b) if b > 0 else None
     return out
 
 
+def variant_table(t, out):
+    variants = t["variants"]
+    first_name = next(iter(variants))
+    first = variants[first_name]
+    out.append(f"| variant | ms/step median [min–max] | speed vs {first_name} (median) | vs (min) |")
+    out.append("|---|---|---|---|")
+    for k, v in variants.items():
+        out.append(f"| {k} | {v['median']:.1f} [{v['min']:.1f}–{v['max']:.1f}] | "
+                   f"{first['median'] / v['median']:.3f}x | {first['min'] / v['min']:.3f}x |")
+    out.append("")
+
+
 def levers_section(R, out):
-    num = R.get("numerics")
-    if num:
-        out.append("### GELU forms: numerics\n")
-        out.append("Forward logits vs transformers `GPT2LMHeadModel` (`gelu_new`) on the tests' largest shape "
-                   "(3 layers, d 96), at the initial weights and with weight matrices x3 (pre-activations of order 1, "
-                   "where GELU forms differ); train-graph gradients vs torch autograd on the tiny model (weights x3), "
-                   "max |diff| / max |ref| over every tensor.\n")
-        out.append("| form | GELU ops in train graph | logits max diff (init) | logits max diff (x3) | gradient rel. error | matches gelu_new to 1e-4 |")
-        out.append("|---|---|---|---|---|---|")
-        for k, v in num.items():
-            ops = ", ".join(f"{o} x{c}" for o, c in (v.get("train_ops") or {}).items())
-            e = lambda x: "–" if x is None else f"{x:.1e}"  # noqa: E731
-            out.append(f"| {k} | {ops or v.get('error', '–')} | {e(v.get('logits_maxdiff_init'))} | "
-                       f"{e(v.get('logits_maxdiff_scaled_x3'))} | {e(v.get('grad_rel_err'))} | "
-                       f"{'yes' if v.get('matches_gelu_new_1e-4') else '**no**'} |")
-        out.append("")
+    out.append("The train graph alone (scripts/bench/levers.py: one Engine per variant in one process, steps "
+               "interleaved, order reversed every round). `static` = trainrun's train graph, built for the "
+               "micro-batch; `dynamic` = `--set engine.static_shapes=false` (symbolic batch/seq dims); "
+               "`static@X` = the static graph with an onnxruntime session option changed: `nospin` no intra-op "
+               "spinning, `basic`/`extended`/`disabled` graph optimization level (trainrun: all), `nomempattern`, "
+               "`noarena`, `daz` denormals as zero.\n")
     for name, M in R["models"].items():
         lev = M.get("levers") or {}
         for key in ("t1", "t2"):
@@ -296,17 +337,11 @@ def levers_section(R, out):
                 continue
             out.append(f"### {name}: train graph alone, {t['threads']} thread(s), micro-batch {t['micro_batch']}, "
                        f"{t['rounds']} interleaved rounds (load avg {t['loadavg'][0]:.1f})\n")
-            out.append("| variant | ms/step median [min–max] | speed vs trainrun today (median) | vs (min) |")
-            out.append("|---|---|---|---|")
-            variants = t["variants"]
-            first = next(iter(variants.values()))
-            for k, v in variants.items():
-                out.append(f"| {k} | {v['median']:.1f} [{v['min']:.1f}–{v['max']:.1f}] | "
-                           f"{first['median'] / v['median']:.3f}x | {first['min'] / v['min']:.3f}x |")
-            out.append("")
+            variant_table(t, out)
         prof = lev.get("profile")
         if prof:
-            out.append(f"### {name}: onnxruntime profile of the train graph, 1 thread (share of kernel time)\n")
+            out.append(f"### {name}: onnxruntime profile of the train graph, 1 thread (share of kernel time, "
+                       f"kernel ms per step)\n")
             cols = list(prof)
             out.append("| rank | " + " | ".join(f"{c} ({prof[c]['step_ms']:.0f} ms/step)" for c in cols) + " |")
             out.append("|---|" + "---|" * len(cols))
@@ -314,8 +349,12 @@ def levers_section(R, out):
                 cells = []
                 for c in cols:
                     ops = prof[c]["ops"]
-                    cells.append(f"{ops[i]['op']} {pct(ops[i]['share'], 1)} ({ops[i]['ms'] / max(1, 1):.0f} ms)"
-                                 if i < len(ops) else "")
+                    if i < len(ops):
+                        o = ops[i]
+                        ms = o.get("ms_per_step", o["ms"] / max(1, prof[c].get("steps", 1)))
+                        cells.append(f"{o['op']} {pct(o['share'], 1)} ({ms:.1f} ms)")
+                    else:
+                        cells.append("")
                 out.append(f"| {i + 1} | " + " | ".join(cells) + " |")
             out.append("")
 
@@ -349,22 +388,31 @@ def runner_levers_section(R, out):
         return
     for name, block in rl.items():
         runs = block["runs"]
-        out.append(f"### {name}: runner levers end to end (trainrun CLI, {block['graph']} graph, {block['rounds']} rounds, "
-                   f"each lever alone on top of the graph change)\n")
-        out.append("| setup | tokens/s median [min–max] | vs first row (paired) | step time shares | foreign load |")
+        out.append(f"### {name}: runner levers end to end (trainrun CLI, {block['rounds']} rounds; each lever alone "
+                   f"against trainrun's defaults of the same layout, paired per round; every run starts from graphs "
+                   f"prepared for it)\n")
+        out.append("| setup | tokens/s median [min–max] | vs trainrun, same layout (paired) | step time shares | "
+                   "foreign load |")
         out.append("|---|---|---|---|---|")
         for k, rs in runs.items():
             s = common.summarize(tps(rs))
-            layout_base = next(b for b in runs if b.split(":")[0] == k.split(":")[0])
-            out.append(f"| {k} | {f0(s['median'])} [{f0(s['min'])}–{f0(s['max'])}] | "
-                       f"{ratio_cell(paired(rs, runs[layout_base]))} | {shares_cell(rs)} | {foreign(rs)} |")
+            base = next(b for b in runs if b.split(":")[0] == k.split(":")[0])
+            flag = " (re-prepared!)" if any(r.get("reprepared") for r in rs) else ""
+            out.append(f"| {k}{flag} | {f0(s['median'])} [{f0(s['min'])}–{f0(s['max'])}] | "
+                       f"{ratio_cell(paired(rs, runs[base])) if k != base else '1.00'} | {shares_cell(rs)} | {foreign(rs)} |")
         out.append("")
+        out.append("`optimizer_kernel=graph`, `static_shapes=false`, `data.prefetch=0`: `--set engine.…` / "
+                   "`--set data.prefetch=0`; `collective spin 0 s`: trainrun.comm.SPIN_S = 0 (a rank waiting in a "
+                   "collective sleeps at once instead of spinning 0.2 s); `all sessions no spinning`: the train "
+                   "session's intra-op pool does not spin either (the eval/optimizer sessions never do). The last "
+                   "two through `scripts/bench/trainrun_rank.py --patch`.\n")
 
 
 def components(R, out):
     comm = R.get("comm")
     if comm and comm.get("rows"):
-        out.append("### Allreduce (2 ranks, float32 SUM, in place): `" + comm["cmd"] + "`\n")
+        out.append("### Allreduce (2 ranks, float32 SUM, in place): `" + comm["cmd"].replace(str(common.ROOT) + "/", "")
+                   + "`\n")
         out.append("| floats | raw MPI Allreduce ms (GB/s) | trainrun allreduce_ ms (GB/s) | trainrun / raw bandwidth | memcpy ms (GB/s) |")
         out.append("|---|---|---|---|---|")
         for r in comm["rows"]:
@@ -372,32 +420,25 @@ def components(R, out):
                        f"{r['polled_ms']:.2f} ({r['polled_gbps']:.2f}) | {pct(r['polled_share_of_raw_bw'])} | "
                        f"{r['memcpy_ms']:.2f} ({r['memcpy_gbps']:.2f}) |")
         out.append("")
-    opt = R.get("optim")
-    if opt and opt.get("rows"):
-        out.append(f"### Optimizer update (AdamW, {opt['params'] / 1e6:.1f}M GPT-2-like parameters; "
-                   f"`scripts/bench_optim.py`'s bench())\n")
-        out.append("| threads | ONNX graph ms [min–max] | ms per M params | NumPy ms [min–max] | ms per M params | ONNX / NumPy |")
-        out.append("|---|---|---|---|---|---|")
-        for r in opt["rows"]:
-            o, n = r["onnx_ms"], r["numpy_ms"]
-            out.append(f"| {r['threads']} | {o['median']:.1f} [{o['min']:.1f}–{o['max']:.1f}] | {r['onnx_ms_per_M']:.2f} | "
-                       f"{n['median']:.1f} [{n['min']:.1f}–{n['max']:.1f}] | {r['numpy_ms_per_M']:.2f} | {r['onnx_over_numpy']:.2f} |")
-        out.append("")
     fo = R.get("fastopt")
-    if fo and fo.get("rows"):
-        out.append(f"### Lever: AdamW as cache-sized NumPy chunks vs trainrun's optimizer graph "
-                   f"({fo['params'] / 1e6:.1f}M parameters, {fo['threads']} thread; `scripts/bench/fastopt.py`)\n")
-        out.append("| implementation | ms per update median [min–max] | ms per M params | speed vs the graph |")
-        out.append("|---|---|---|---|")
-        for k, r in fo["rows"].items():
-            out.append(f"| {k} | {r['median']:.1f} [{r['min']:.1f}–{r['max']:.1f}] | {r['ms_per_M']:.2f} | {r['speedup']:.2f}x |")
-        diffs = fo.get("max_diff_vs_onnx") or {}
-        out.append("")
-        out.append(f"Max |difference| of the parameters after one update vs the graph: "
-                   f"{max(diffs.values()) if diffs else float('nan'):.1e}. The optimizer session's first run adds "
-                   f"**{fo.get('onnx_extra_rss_mb', 0):.0f} MB** of resident memory (its arena holds full-size "
-                   f"intermediates; the parameter buffer is {fo['params'] * 4 / 2**20:.0f} MB); the chunked "
-                   f"version needs two chunk-sized temporaries.\n")
+    if fo and fo.get("rules"):
+        out.append(f"### Optimizer update: the ONNX optimizer graph vs trainrun's host kernel "
+                   f"({fo.get('model', '?')} model's {fo['params'] / 1e6:.2f}M parameters, 1 flat buffer, graph session "
+                   f"{fo['threads']} thread; interleaved, {fo.get('repeats', '?')} updates each; "
+                   f"`scripts/bench/fastopt.py`)\n")
+        out.append("| rule | graph ms median [min–max] | host ms median [min–max] | ms per M params graph / host | "
+                   "host speed-up | max abs diff after 1 update | extra RSS MB graph / host |")
+        out.append("|---|---|---|---|---|---|---|")
+        for k, r in fo["rules"].items():
+            g, h = r["graph"], r["host"]
+            out.append(f"| {k} | {g['median']:.1f} [{g['min']:.1f}–{g['max']:.1f}] | {h['median']:.1f} "
+                       f"[{h['min']:.1f}–{h['max']:.1f}] | {r['graph_ms_per_M']:.2f} / {r['host_ms_per_M']:.2f} | "
+                       f"{r['speedup']:.2f}x | {r['max_diff']:.1e} | {r['graph_extra_rss_mb']:.0f} / "
+                       f"{r['host_extra_rss_mb']:.1f} |")
+        out.append(f"\nExtra RSS = resident memory added by the first update (the graph: session and its arena's "
+                   f"full-size intermediates; the host kernel: two chunk-sized temporaries); the parameter buffer is "
+                   f"{fo['params'] * 4 / 2**20:.0f} MB. The max |difference| covers params and optimizer state "
+                   f"(the host kernel mirrors the graph's float32 arithmetic; past a square root an ulp may differ).\n")
     data = R.get("data")
     if data and data.get("rows"):
         out.append(f"### Data loader (`scripts/bench_data.py`'s loader_rate(), {data['steps']} steps)\n")
@@ -412,170 +453,244 @@ def components(R, out):
         out.append("### Memory: peak RSS per rank (MB, max over the 2 ranks) against the micro-batch, 2x1, 3 steps\n")
         out.append("A per-rank cap on resident memory (what a cgroup memory limit enforces) is met while the peak RSS "
                    "stays below it; the largest micro-batch under the cap comes from a straight-line fit of peak RSS "
-                   "against micro-batch (activations grow linearly with it). `ulimit -v` is not used: it caps the "
-                   "virtual address space, which both frameworks reserve far beyond what they touch (VmPeak below).\n")
+                   "against micro-batch (activations grow linearly with it). Each trainrun run starts from graphs "
+                   "prepared for its micro-batch. `ulimit -v` is not used: it caps the virtual address space, which "
+                   "both frameworks reserve far beyond what they touch (VmPeak below).\n")
         for name, rows in mc.items():
             out.append(f"{name}:\n")
-            out.append("| micro-batch | trainrun RSS | trainrun+proposed RSS | PyTorch DDP RSS | trainrun VmPeak | DDP VmPeak |")
+            out.append("| micro-batch | trainrun RSS | trainrun-off RSS | PyTorch DDP RSS | trainrun VmPeak | DDP VmPeak |")
             out.append("|---|---|---|---|---|---|")
             for r in rows:
                 mx = lambda v: "–" if not v else f"{max(x for x in v if x is not None):.0f}"  # noqa: E731
-                out.append(f"| {r['micro_batch']} | {mx(r.get('trainrun'))} | {mx(r.get('proposed'))} | {mx(r.get('ddp'))} | "
+                out.append(f"| {r['micro_batch']}{' (re-prepared!)' if r.get('reprepared') else ''} | "
+                           f"{mx(r.get('trainrun'))} | {mx(r.get('off'))} | {mx(r.get('ddp'))} | "
                            f"{mx(r.get('trainrun_vm'))} | {mx(r.get('ddp_vm'))} |")
             fit = memfit(rows, MEMORY_CAPS_MB.get(name))
             if fit:
                 out.append("")
                 out.append("Fit (MB = a + b x micro-batch): " + "; ".join(
-                    f"{k} a={v[0]:.0f}, b={v[1]:.1f}" for k, v in fit["fits"].items()) +
-                    f". Largest micro-batch under {fit['cap_mb']:.0f} MB per rank: trainrun {fit['trainrun']}, "
-                    f"trainrun+proposed {fit['proposed']}, PyTorch DDP {fit['ddp']}.")
+                    f"{MEM_WHO[k]} a={v[0]:.0f}, b={v[1]:.1f}" for k, v in fit["fits"].items()) +
+                    f". Largest micro-batch under {fit['cap_mb']:.0f} MB per rank: " +
+                    ", ".join(f"{MEM_WHO[k]} {na(fit.get(k), '{}')}" for k in MEM_WHO) + ".")
             out.append("")
 
 
-def _op_share(prof, variant, op):
-    for o in (prof or {}).get(variant, {}).get("ops", []):
-        if o["op"] == op:
-            return o["share"]
-    return None
+def _ratio(runs, a, b):
+    v = paired(runs.get(a) or [], runs.get(b) or [])
+    return statistics.median(v) if v else None
 
 
-def _overhead_sentence(R, name) -> str:
-    """The proposed 2x1 step's fixed costs as shares of its step (from the phase timer)."""
-    runs = R["models"][name].get("runs") or {}
-    rs = runs.get("trainrun+proposed 2x1") or []
-    sh = shares(rs)
-    if not sh:
-        return ""
-    return (f"{name}, trainrun+proposed 2x1: allreduce phase {pct(sh.get('allreduce'), 1)}, optimizer "
-            f"{pct(sh.get('optimizer'), 1)}, norm {pct(sh.get('norm'), 1)}, data {pct(sh.get('data'), 1)} of the step.")
+def _x(v):
+    return na(v, "{:.2f}x")
+
+
+def _phase(R, name, setup, phase):
+    """(ms per step, share) of a trainrun phase: its median share x the median step time; (None, None) if unknown."""
+    rs = (R["models"][name].get("runs") or {}).get(setup) or []
+    t, sh = med(tps(rs)), shares(rs).get(phase)
+    if not t or sh is None:
+        return None, None
+    return sh * R["models_def"][name]["tokens_per_step"] / t * 1e3, sh
+
+
+def _lever(R, key):
+    """A runner lever's tokens/s over trainrun's defaults of the same layout (tiny, paired), or None."""
+    runs = ((R.get("runner_levers") or {}).get("tiny") or {}).get("runs") or {}
+    return _ratio(runs, key, key.split(":")[0] + ": trainrun")
+
+
+def _op_ms(block, op):
+    return block.get(op) if block else None
+
+
+MATMULS = ("MatMul", "FusedMatMul", "Gemm")
+
+
+def _moved_ops(a, b, where, extra=lambda o: "") -> str:
+    """The non-matmul ops whose share of the kernel time differs most between profile ``a`` (dynamic) and ``b``
+    (static), as prose. Shares, not ms: a shared machine's load scales every op of a profile alike; the
+    matmuls do the same work in both graphs and are left out."""
+    ta, tb = sum(a.values()) or 1.0, sum(b.values()) or 1.0
+    ops = sorted((o for o in set(a) | set(b) if o not in MATMULS),
+                 key=lambda o: -abs(a.get(o, 0.0) / ta - b.get(o, 0.0) / tb))[:3]
+    return (f"The non-matmul ops whose share of the kernel time changes most ({where}), dynamic -> static: " +
+            "; ".join(f"`{o}` {pct(a.get(o, 0.0) / ta, 1)} -> {pct(b.get(o, 0.0) / tb, 1)} "
+                      f"({a.get(o, 0.0):.1f} -> {b.get(o, 0.0):.1f} ms per step{extra(o)})" for o in ops) + ".")
 
 
 def findings(R, out):
-    """The measured reasons behind the targets, with the numbers of this run."""
+    """The measured reasons behind the targets, with the numbers of this run ('n/a': not measured in it)."""
     models = list(R["models"])
-    out.append("## Findings: why each target is met or not\n")
-    # 1. GELU
-    parts = []
+    out.append("## Findings\n")
+    # 1. GELU: measured with the earlier version of the suite (the FastGelu form is gone from trainrun)
+    used = sorted({op for n in models for rs in (R["models"][n].get("runs") or {}).values() for r in rs
+                   for op in (r.get("gelu_ops") or [])})
+    out.append(
+        "1. **GELU.** trainrun's GPT-2 (trainrun/models/gpt2.py) writes gelu_new as `y * Sigmoid(y * (2k + "
+        "2k*0.044715*y^2))` (y = x + bias, k = sqrt(2/pi); exactly `0.5 y (1 + tanh(k (y + 0.044715 y^3)))`) "
+        "instead of com.microsoft.FastGelu, whose gradient kernel (`BiasFastGeluGrad_dX`) is a scalar loop on one "
+        "thread: it took 21% (tiny) and 15% (mid) of the train graph's kernel time at 1 thread. The sigmoid form's "
+        "gradient is SigmoidGrad and Mul/Add, vectorised and multi-threaded: the train graph was 1.17x (tiny) / "
+        "1.12x (mid) faster at 1 thread and 1.26x / 1.14x at 2 threads, within 2e-6 of transformers' gelu_new "
+        "(logits and gradients). ONNX opset-20 `Gelu(approximate=\"tanh\")` must not be used: onnxruntime 1.19's "
+        "gradient builder gives it the erf derivative (gradient error 2.5e-4). Measured 2026-11-22 with the earlier "
+        "version of this suite (FastGelu vs sigmoid graphs side by side; see the git history of BENCHMARKS.md); the "
+        "GELU form has no switch, so this suite no longer times it. GELU ops in this run's train graphs: "
+        f"{', '.join(used) or 'n/a'}.\n")
+    # 2. optimizer
+    fo = R.get("fastopt") or {}
+    rules = fo.get("rules") or {}
+    adamw = rules.get("adamw") or {}
+    upd = "; ".join(f"{k} {r['graph']['median']:.1f} -> {r['host']['median']:.1f} ms ({r['speedup']:.2f}x)"
+                    for k, r in rules.items()) or "n/a"
+    diff = max((r["max_diff"] for r in rules.values()), default=None)
+    pbytes = fo["params"] * 4 / 2**20 if fo.get("params") else None
+    extra = adamw.get("graph_extra_rss_mb")
+    phases = []
     for name in models:
-        prof = (R["models"][name].get("levers") or {}).get("profile")
-        share = _op_share(prof, "fastgelu", "BiasFastGeluGrad_dX")
-        if share is not None:
-            parts.append(f"{name} {pct(share)}")
-    speed = []
+        for lay in LAYOUTS:
+            a, sa = _phase(R, name, f"trainrun {lay}", "optimizer")
+            b, sb = _phase(R, name, f"trainrun-off {lay}", "optimizer")
+            if a is not None or b is not None:
+                phases.append(f"{name} {lay} {na(a, '{:.1f} ms')} ({pct(sa, 1) if sa is not None else 'n/a'}) vs "
+                              f"{na(b, '{:.1f} ms')} ({pct(sb, 1) if sb is not None else 'n/a'})")
+    out.append(
+        "2. **Optimizer: host kernel vs graph.** With `engine.optimizer_kernel: auto` (host on the CPU) the update "
+        "runs as trainrun.kernels.host.HostOptimizer: the rule's dozen elementwise ops on cache-sized chunks of the "
+        "flat buffers, in place, instead of graphs/optimizer.onnx, where every op is a pass over main memory with "
+        "full-size intermediates. Per update at 1 thread on the "
+        f"{fo.get('model', 'mid')} model's {na(fo.get('params') and fo['params'] / 1e6, '{:.2f}', 'M')} parameters "
+        f"(Components): {upd}; params and state agree within {na(diff, '{:.0e}')}. The graph's session adds "
+        f"{na(extra, '{:.0f} MB')} of resident memory on its first AdamW update "
+        f"({na(extra / pbytes if extra is not None and pbytes else None, '{:.1f}', 'x')} the parameter bytes), the host "
+        f"kernel {na(adamw.get('host_extra_rss_mb'), '{:.1f} MB')}. Optimizer phase per step, trainrun (host) vs "
+        f"trainrun-off (graph): {'; '.join(phases) or 'n/a'}. End to end, the graph kernel alone switched back "
+        f"(tiny, runner levers): 2x1 {_x(_lever(R, '2x1: optimizer_kernel=graph'))}, 1x2 "
+        f"{_x(_lever(R, '1x2: optimizer_kernel=graph'))} of trainrun's tokens/s.\n")
+    # 3. static shapes
+    lev = []
     for name in models:
         for key in ("t1", "t2"):
             t = (R["models"][name].get("levers") or {}).get(key)
-            prop = R.get("proposed", {}).get("graph")
-            if t and prop in t["variants"]:
-                v = t["variants"]
-                speed.append(f"{name} {t['threads']} thread(s) {v['fastgelu']['median'] / v[prop]['median']:.2f}x")
-    num = (R.get("numerics") or {}).get(R.get("proposed", {}).get("graph"), {})
-    out.append(
-        "1. **GELU gradient.** In the onnxruntime profile of trainrun's train graph (1 thread) "
-        f"`BiasFastGeluGrad_dX` takes {', '.join(parts) or '?'} of kernel time: its CPU kernel "
-        "(orttraining/training_ops/cpu/activation/activations_grad.cc) is a scalar `std::tanh` loop on one thread. "
-        "Writing gelu_new as `y * Sigmoid(y * (2k + 2k*0.044715*y^2))` (y = x + bias, k = sqrt(2/pi); exactly "
-        "`0.5 y (1 + tanh(k (y + 0.044715 y^3)))`) makes the gradient builder emit SigmoidGrad and Mul/Add, which "
-        f"are vectorised and multi-threaded: train graph {', '.join(speed) or '?'} faster; logits within "
-        f"{num.get('logits_maxdiff_scaled_x3', float('nan')):.0e} of transformers, gradients within "
-        f"{num.get('grad_rel_err', float('nan')):.0e} (relative). com.microsoft.Gelu/BiasGelu are erf GELU, not "
-        "gelu_new (logits off by ~7e-4 at order-1 activations). ONNX opset-20 `Gelu(approximate=\"tanh\")` "
-        "computes the right forward but onnxruntime 1.19's gradient builder gives it the erf derivative (GeluGrad): "
-        "gradients off by ~2.5e-4 relative, so it must not be used.\n")
-    # 2. optimizer
-    fo = R.get("fastopt") or {}
-    rows = fo.get("rows") or {}
-    if rows:
-        graph = rows.get("onnx graph (trainrun today)", {})
-        best = max((r for k, r in rows.items() if k.startswith("numpy chunked")), key=lambda r: r["speedup"], default=None)
-        if graph and best:
-            out.append(
-                f"2. **Optimizer.** trainrun's AdamW graph runs each elementwise op over the whole flat buffer: "
-                f"{graph['median']:.0f} ms for {fo['params'] / 1e6:.1f}M parameters at 1 thread ({graph['ms_per_M']:.1f} ms/M), "
-                f"and its session keeps full-size intermediates: +{fo.get('onnx_extra_rss_mb', 0):.0f} MB resident "
-                f"({fo.get('onnx_extra_rss_mb', 0) / (fo['params'] * 4 / 2**20):.1f}x the parameter bytes). The same "
-                f"math on cache-sized chunks in NumPy takes {best['median']:.0f} ms ({best['speedup']:.1f}x faster, "
-                f"about one pass over memory) and no extra memory. With 2 ranks the two updates share the memory "
-                f"bandwidth, which is why the optimizer phase costs more in the 2x1 runs than alone.\n")
-    # 3. threads
-    rl = (R.get("runner_levers") or {}).get("tiny")
-    if rl:
-        runs = rl["runs"]
-        def r_(k):
-            v = paired(runs.get(k, []), runs.get("1x2: proposed graph", []))
-            return f"{statistics.median(v):.2f}x" if v else "?"
-        out.append(
-            "3. **1 process x 2 threads.** Every onnxruntime session (train, eval, optimizer) has its own intra-op "
-            "pool, and a pool's threads spin after each run. After the optimizer session's run its spinning worker "
-            "competes with the train session's threads on the 2 cores, and the train graph itself slows down "
-            "(fwd+bwd above the ceiling in the table of where the step time goes). Measured end to end on tiny: "
-            f"optimizer/eval sessions without spinning {r_('1x2: + optimizer/eval sessions no spinning')}, all sessions "
-            f"without spinning {r_('1x2: + all sessions no spinning')}, chunked NumPy AdamW (the optimizer session "
-            f"never runs) {r_('1x2: + chunked AdamW')}.")
-        sc = R.get("scaling") or {}
-        if sc:
-            def op(variant, name):
-                return next((o for o in sc.get(variant, {}).get("ops", []) if o["op"] == name), None)
-            prop = R.get("proposed", {}).get("graph")
-            rs = op(prop, "ReduceSum")
-            st = sc.get(f"{prop}+static")
-            if rs and st:
-                out[-1] += (
-                    f" The train graph itself scales worse than PyTorch from 1 to 2 threads (mid, profiles in Levers: "
-                    f"x{sc[prop]['speedup']:.2f} for the {prop} graph): the matmuls scale ~2x, but the bias-gradient "
-                    f"`ReduceSum` ({pct(rs['share_2t'])} of the step at 2 threads) gets x{rs['speedup']:.2f}, and "
-                    f"LayerNormalizationGrad, Sum, GatherGrad, SoftmaxCrossEntropyLoss(Grad) and InPlaceAccumulatorV2 "
-                    f"do not parallelise either. With static shapes (the graph built for the micro-batch) the "
-                    f"gradient builder's reductions lose their runtime axes and that ReduceSum all but disappears: "
-                    f"x{st['speedup']:.2f} from 1 to 2 threads.")
-        out[-1] += "\n"
-    # 4. 2x1 overhead and the 1.2x target
-    lines = []
+            v = (t or {}).get("variants") or {}
+            if "static" in v and "dynamic" in v:
+                lev.append(f"{name} {t['threads']} thread(s) {v['dynamic']['median'] / v['static']['median']:.2f}x")
+    ceil = []
     for name in models:
         runs = R["models"][name].get("runs") or {}
-        c = paired(runs.get("ceiling+proposed 2x1", []), runs.get("PyTorch DDP 2x1", []))
-        c0 = paired(runs.get("ceiling 2x1", []), runs.get("PyTorch DDP 2x1", []))
-        if c:
-            lines.append(f"{name}: ceiling / DDP = {statistics.median(c0):.2f}x with trainrun's graph, "
-                         f"{statistics.median(c):.2f}x with the proposed graph")
-    rows = (R.get("comm") or {}).get("rows") or []
-    big = max(rows, key=lambda r: r["floats"]) if rows else None
+        for lay in LAYOUTS:
+            r = _ratio(runs, f"ceiling {lay}", f"ceiling-off {lay}")
+            if r is not None:
+                ceil.append(f"{name} {lay} {r:.2f}x")
+    sc = R.get("scaling") or {}
+    st, dy = sc.get("static"), sc.get("dynamic")
+    scal = ""
+    if st and dy and st.get("all") and dy.get("all"):
+        a = {o: v[1] for o, v in dy["all"].items()}
+        b = {o: v[1] for o, v in st["all"].items()}
+        speed = {k: {o: (v[0] / v[1] if v[1] else None) for o, v in blk["all"].items()} for k, blk in (("d", dy), ("s", st))}
+        scal = (f" From 1 to 2 threads (mid, micro-batch {R['models_def']['mid']['global_batch']}, profiles in Levers) the "
+                f"dynamic graph speeds up x{dy['speedup']:.2f}, the static one x{st['speedup']:.2f}. "
+                + _moved_ops(a, b, "2 threads", lambda o: f", x{na(speed['d'].get(o))} -> x{na(speed['s'].get(o))} "
+                                                            "from 1 to 2 threads"))
+    else:
+        prof = next(((n, p) for n in models for p in [(R["models"][n].get("levers") or {}).get("profile") or {}]
+                     if (p.get("static") or {}).get("all_ms_per_step") and (p.get("dynamic") or {}).get("all_ms_per_step")),
+                    None)
+        if prof:
+            name, p = prof
+            scal = " " + _moved_ops(p["dynamic"]["all_ms_per_step"], p["static"]["all_ms_per_step"],
+                                    f"1 thread, {name}") + " (1 -> 2 thread scaling of the mid model: n/a in this run.)"
+        else:
+            scal = " Per-op profiles: n/a in this run."
     out.append(
-        "4. **2 ranks x 1 thread: overhead and the 1.2x target.** The ceiling bounds what any runner can reach: "
-        + ("; ".join(lines) or "?") + ". trainrun's step adds, in order of size (table above): the allreduce "
-        + (f"(MPI itself moves {big['floats'] / 1e6:.1f}M floats in {big['blocking_ms']:.0f} ms, "
-           f"{big['blocking_gbps']:.1f} GB/s against {big['memcpy_gbps']:.1f} GB/s for a memcpy; trainrun's polled "
-           f"allreduce gets {pct(big['polled_share_of_raw_bw'])} of it) " if big else "")
-        + "plus the wait for the slower rank, the optimizer and the gradient norm. None of it overlaps the "
-        "backward pass: the train graph is one onnxruntime run that hands back all gradients at its end, whereas "
-        "DDP allreduces gradient buckets while the backward pass still runs. "
-        + " ".join(_overhead_sentence(R, name) for name in models)
-        + " The 2x1 overhead ratios of a run swing by several percent between rounds (see the [min–max]): a "
-        "rank that is slowed for a moment stalls both at the allreduce, which the unsynchronised ceiling never pays, "
-        "so a 3% bound is at the edge of what this shared 2-core machine resolves. What would take the fixed costs "
-        "out: sharding the optimizer over the ranks (ZeRO-1: reduce-scatter, update half, allgather; the config's "
-        "zero_stage 1 is refused today) and splitting the train graph so the allreduce of the last layers' "
-        "gradients overlaps the backward pass of the first ones.\n")
+        "3. **Static shapes.** With `engine.static_shapes` (default on) `trainrun prepare` fixes the train graph's "
+        "data inputs to [micro_batch, seq_len] before the gradient builder runs, so it emits reductions over known "
+        "axes instead of runtime shape arithmetic, and onnxruntime plans memory statically. Speed of the static "
+        f"train graph over the dynamic one, alone (levers tables, interleaved): {', '.join(lev) or 'n/a'}; as the "
+        f"ceiling (2x1: the same processes; 1x2: paired rounds): {', '.join(ceil) or 'n/a'}.{scal} End to end, the "
+        f"dynamic graph alone switched back (tiny, runner levers): 2x1 {_x(_lever(R, '2x1: static_shapes=false'))}, "
+        f"1x2 {_x(_lever(R, '1x2: static_shapes=false'))} "
+        "of trainrun's tokens/s. The price: a graphs folder fits one micro-batch and sequence length; trainrun "
+        "re-prepares (before step 1) when a run's differ.\n")
+    # 4. 2x1 overhead vs the ceiling
+    rows = (R.get("comm") or {}).get("rows") or []
+    parts = []
+    for name in models:
+        runs = R["models"][name].get("runs") or {}
+        of = _ratio(runs, "trainrun 2x1", "ceiling 2x1")
+        bits = [f"trainrun at {_x(of)} of its ceiling (paired)",
+                f"ceiling / DDP {_x(_ratio(runs, 'ceiling 2x1', 'PyTorch DDP 2x1'))}",
+                f"trainrun / DDP {_x(_ratio(runs, 'trainrun 2x1', 'PyTorch DDP 2x1'))}"]
+        ph = {k: _phase(R, name, "trainrun 2x1", k) for k in ("allreduce", "optimizer", "norm", "data")}
+        raw = min(rows, key=lambda r: abs(r["floats"] - R["models_def"][name]["params"]))["blocking_ms"] if rows else None
+        bits.append("phases per step: " + ", ".join(
+            f"{k} {na(v[0], '{:.1f} ms')}" + (f" (raw MPI allreduce of the buffer {na(raw, '{:.1f} ms')})"
+                                                if k == "allreduce" else "")
+            for k, v in ph.items()))
+        parts.append(f"{name}: " + "; ".join(bits))
+    out.append(
+        "4. **2 ranks x 1 thread: overhead vs the ceiling.** " + (". ".join(parts) or "n/a") + ". The allreduce "
+        "phase includes waiting for the slower rank; with `SPIN_S = 0` (ranks sleep at once while waiting) tiny runs "
+        f"at {_x(_lever(R, '2x1: collective spin 0 s'))} of trainrun's tokens/s. What is left: none of the allreduce "
+        "overlaps the backward pass (the train graph is one onnxruntime run that hands back all gradients at its "
+        "end, whereas DDP allreduces gradient buckets while the backward pass still runs: splitting the train graph "
+        "would let the last layers' gradients travel during the first layers' backward), and the optimizer and the "
+        "gradient norm run in full on every rank: ZeRO-1 (reduce-scatter, update a shard, allgather) is not built "
+        "(`distributed.zero_stage: 1` is refused by the config check). The overhead ratios swing by several percent "
+        "between rounds (see the [min–max]): a rank slowed for a moment stalls both at the allreduce, which the "
+        "unsynchronised ceiling never pays, so a 3% bound is at the edge of what a shared 2-core machine resolves.\n")
     # 5. memory
     mc = R.get("memcap") or {}
-    if mc:
-        bits = []
-        for name, rows in mc.items():
-            fit = memfit(rows, MEMORY_CAPS_MB.get(name))
-            if fit:
-                f = fit["fits"]
-                bits.append(f"{name}: fixed part trainrun {f['trainrun'][0]:.0f} MB (proposed {f['proposed'][0]:.0f}) vs "
-                            f"DDP {f['ddp'][0]:.0f} MB; per sequence of the micro-batch trainrun {f['trainrun'][1]:.1f} MB "
-                            f"(proposed {f['proposed'][1]:.1f}) vs DDP {f['ddp'][1]:.1f} MB")
-        out.append(
-            "5. **Memory (peak RSS per rank during training).** " + "; ".join(bits) + ". trainrun's fixed part is "
-            "the flat buffers (parameters, gradients, 2 moments: 16 bytes per parameter), the libraries, and the "
-            "optimizer session's full-size intermediates, which the chunked optimizer removes; its per-sequence "
-            "part is what onnxruntime's memory planner keeps alive for the backward pass. The primitive-op GELU "
-            "keeps more of them alive than FastGelu (y, y^2, the polynomial and the sigmoid instead of one "
-            "input per layer), hence the proposed graph's larger per-sequence slope; it stays below PyTorch's. The end-of-run checkpoint "
-            "snapshot and (rank 0) the export come after training and are left out of this comparison "
-            "(PyTorch's script saves nothing); the whole-run peaks are in results.json (run_peak_rss_mb).\n")
+    bits = []
+    for name, mrows in mc.items():
+        fit = memfit(mrows, MEMORY_CAPS_MB.get(name))
+        if not fit:
+            continue
+        f = fit["fits"]
+        a = lambda k, i: na(f[k][i], "{:.0f}" if i == 0 else "{:.1f}") if k in f else "n/a"  # noqa: E731
+        bits.append(f"{name}: fixed part trainrun {a('trainrun', 0)} MB, trainrun-off {a('off', 0)}, DDP {a('ddp', 0)}; "
+                    f"per sequence of the micro-batch trainrun {a('trainrun', 1)} MB, trainrun-off {a('off', 1)}, DDP "
+                    f"{a('ddp', 1)}; largest micro-batch under {fit['cap_mb']} MB per rank trainrun "
+                    f"{na(fit.get('trainrun'), '{}')}, trainrun-off {na(fit.get('off'), '{}')}, DDP {na(fit.get('ddp'), '{}')}")
+    rss = []
+    for name in models:
+        runs = R["models"][name].get("runs") or {}
+        x, y, z = (max_rss(runs.get(k) or []) for k in ("trainrun 2x1", "trainrun-off 2x1", "PyTorch DDP 2x1"))
+        if x or y or z:
+            rss.append(f"{name} {na(x, '{:.0f}')} / {na(y, '{:.0f}')} / {na(z, '{:.0f}')} MB")
+    alone = []
+    for name in models:
+        runs = R["models"][name].get("runs") or {}
+        x, y = max_rss(runs.get("ceiling 1x2") or []), max_rss(runs.get("ceiling-off 1x2") or [])
+        if x or y:
+            alone.append(f"{name} {na(x, '{:.0f}')} vs {na(y, '{:.0f}')} MB")
+    out.append(
+        "5. **Memory (peak RSS per rank during training, 2x1).** Peak RSS trainrun / trainrun-off / DDP in the runs "
+        f"above: {', '.join(rss) or 'n/a'}. Against the micro-batch (Components): {'; '.join(bits) or 'n/a'}. "
+        "trainrun's fixed part is the flat buffers (parameters, gradients, 2 AdamW moments: 16 bytes per parameter), "
+        "the libraries and the sessions. Two things separate it from trainrun-off's: the host kernel has no "
+        f"optimizer session, whose arena holds full-size intermediates ({na(extra, '+{:.0f} MB')} on mid's first "
+        "AdamW update, Components); and the train graph itself: alone in one process (ceiling 1x2, micro-batch = "
+        f"global batch), peak RSS static vs dynamic graph {', '.join(alone) or 'n/a'}. The optimizer has "
+        "no per-sequence part, so the per-sequence slopes of trainrun and trainrun-off compare the static and the "
+        "dynamic train graph (what onnxruntime keeps alive for the backward pass). The end-of-run checkpoint "
+        "snapshot and (rank 0) the export come after training and are left out (PyTorch's script saves nothing); "
+        "the whole-run peaks are in results.json (run_peak_rss_mb).\n")
+    # 6. 1 process x 2 threads
+    p1 = []
+    for name in models:
+        runs = R["models"][name].get("runs") or {}
+        if runs:
+            p1.append(f"{name} {_x(_ratio(runs, 'trainrun 1x2', 'PyTorch 1x2'))} of PyTorch, "
+                      f"{_x(_ratio(runs, 'trainrun 1x2', 'ceiling 1x2'))} of its ceiling "
+                      f"(trainrun-off {_x(_ratio(runs, 'trainrun-off 1x2', 'PyTorch 1x2'))} of PyTorch)")
+    out.append(
+        "6. **1 process x 2 threads.** trainrun 1x2: " + ("; ".join(p1) or "n/a") + ". The eval and optimizer "
+        "sessions run without spinning (their pools no longer compete with the train session's threads after each "
+        "short run; with the host kernel the optimizer session does not exist). Switching spinning off for the train "
+        f"session too: {_x(_lever(R, '1x2: all sessions no spinning'))}; without data prefetch (`data.prefetch=0`): "
+        f"{_x(_lever(R, '1x2: data.prefetch=0'))} of trainrun's tokens/s (tiny, runner levers).\n")
 
 
 def render(R) -> str:
@@ -585,7 +700,7 @@ def render(R) -> str:
     out.append("Generated by `scripts/bench/run.py` (`make bench` runs it through `scripts/bench.py`); "
                "do not edit by hand. Regenerate:\n")
     out.append("```\nmake bench                                   # full suite (~20 min on 2 cores)\n"
-               ".venv/bin/python scripts/bench/run.py --quick   # ~4 min, 1 round, fewer steps\n"
+               ".venv/bin/python scripts/bench/run.py --quick   # ~5 min, 1 round, fewer steps\n"
                ".venv/bin/python scripts/bench/run.py --render  # re-write this file from runs/bench/results.json\n```\n")
     out.append(f"Mode **{R.get('mode')}**, started {R.get('started')}, took {R.get('duration_s', '?')} s. "
                f"Dataset `{R.get('dataset')}` (Python stdlib sources, byte-level BPE 1024).\n")
@@ -605,18 +720,24 @@ def render(R) -> str:
                    + "; ".join(f"{k.replace('_t', ' ').replace('onnxruntime', 'onnxruntime MatMul').replace('torch', 'torch.mm')} thread(s) "
                                f"{pk[k]['best_gflops']:.0f}" + (f" / {pk2[k]['best_gflops']:.0f}" if pk2 and k in pk2 else "")
                                for k in pk if k.startswith(("onnxruntime_t", "torch_t")))
-                   + f" GFLOP/s. **MFU is against {peak_gflops(R):.0f} GFLOP/s** (all cores).\n")
-    prop = R.get("proposed", {})
-    out.append(f"**trainrun+proposed** = trainrun's CLI with the proposed core changes prototyped outside trainrun's "
-               f"code: graph variant `{prop.get('graph')}` (the MLP GELU of trainrun/models/gpt2.py; see levers), "
-               f"extra `--set {' '.join(prop.get('sets') or []) or '(none)'}`, runner patch {prop.get('patch') or '(none)'}.\n")
+                   + f" GFLOP/s. **MFU is against {f0(peak_gflops(R))} GFLOP/s** (all cores).\n")
+    off = (R.get("off") or {}).get("sets") or []
+    out.append("**trainrun** = trainrun's CLI with its defaults (the train graph built for the micro-batch, the host "
+               "optimizer kernel). **trainrun-off** = the same CLI with "
+               f"`{' '.join('--set ' + s for s in off) or '(no --set)'}`: trainrun's speed levers that have a switch, "
+               "off (the ONNX optimizer graph instead of the host kernel, the train graph with symbolic batch/seq "
+               "dims). The sigmoid GELU and the eval/optimizer sessions without spinning came with them and have no "
+               "switch, so trainrun-off is not trainrun's old code. **ceiling** = trainrun's train graph alone in a "
+               "loop (no data, allreduce, norm or optimizer); **ceiling-off** = the same on trainrun-off's graph. "
+               "Every run starts from graphs prepared for its micro-batch.\n")
     out.append("## Targets\n")
     targets(R, out)
     out.append("## trainrun vs PyTorch vs the ceiling\n")
     out.append("Layouts: **2x1** = 2 processes x 1 thread (trainrun: `mpirun -np 2`, PyTorch: DDP gloo via torchrun); "
                "**1x2** = 1 process x 2 threads. tokens/s = timed tokens / timed wall time (all ranks; warm-up excluded); "
                "'best window' = median over runs of the fastest window of warm-up-many steps (less sensitive to other "
-               "jobs). Ratios are medians of per-round ratios [min–max]. Step time shares: trainrun's own phase timer "
+               "jobs). Ratios are medians of per-round ratios [min–max]. 'of ceiling, same graph': trainrun against "
+               "ceiling, trainrun-off against ceiling-off. Step time shares: trainrun's own phase timer "
                "(summary.json, warm-up steps included); PyTorch's from the benchmark script (DDP's allreduce overlaps "
                "the backward pass); medians per phase over the runs, so they need not add up to 100%.\n")
     for name in R["models"]:
@@ -627,16 +748,12 @@ def render(R) -> str:
             if rs and rs[0].get("cmd"):
                 cmds.setdefault(k, rs[0]["cmd"])
     if cmds:
-        out.append("Commands (first model, first round; the data path, output folder and shapes come from `--set`):\n")
+        out.append("Commands (first model, first round; the data path, output folder and shapes come from `--set`; "
+                   "each trainrun run's folder starts with a copy of the graphs prepared for it by `trainrun prepare` "
+                   "with the same config and `--set`s):\n")
         out.append("```")
-        prop = R.get("proposed", {})
         for k, c in cmds.items():
-            c = c.replace(str(common.ROOT) + "/", "")
-            if k.startswith("trainrun+proposed"):
-                c = c.replace("trainrun --config", "python scripts/bench/trainrun_rank.py --patch "
-                              f"'{json.dumps(prop.get('patch') or {})}' -- --config", 1)
-                k += f" (graphs folder: the `{prop.get('graph')}` variant from scripts/bench/variants.py)"
-            out.append(f"# {k}\n{c}")
+            out.append(f"# {k}\n{c.replace(str(common.ROOT) + '/', '')}")
         out.append("```\n")
     findings(R, out)
     out.append("## Levers\n")

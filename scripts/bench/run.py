@@ -1,10 +1,12 @@
 """trainrun's benchmark suite: trainrun vs PyTorch (DDP and single process) vs the
-train-graph ceiling, side by side in one run, plus levers and components;
+train-graph ceiling, side by side in one run, with trainrun's speed levers
+switched off for comparison, plus lever and component measurements;
 regenerates BENCHMARKS.md.
 
     .venv/bin/python scripts/bench/run.py            # full (~20 min on 2 cores), = make bench
-    .venv/bin/python scripts/bench/run.py --quick    # ~4 min: fewer steps and repeats
+    .venv/bin/python scripts/bench/run.py --quick    # ~5 min: fewer steps and repeats
     .venv/bin/python scripts/bench/run.py --render   # re-write BENCHMARKS.md from the last results.json
+    .venv/bin/python scripts/bench/run.py --only runner_levers,memcap   # re-run sections into results.json
 
 Everything runs with the same thread budget (all cores, 2 on the reference
 machine): "2x1" = 2 ranks x 1 thread, "1x2" = 1 process x 2 threads, the same
@@ -15,14 +17,23 @@ setups alike. For every run the CPU time that processes outside the run used
 meanwhile is recorded ("foreign load", in cores).
 
 Setups per model:
-  trainrun           mpirun -np 2 trainrun --config ... (2x1) / trainrun --config ... (1x2)
-  trainrun+proposed  the same CLI, with the proposed core changes prototyped
-                     (the graph variant dropped into the run's graphs folder,
-                     runner patches through scripts/bench/trainrun_rank.py)
-  PyTorch            torchrun --nproc_per_node 2 (DDP, gloo) / one process, 2 threads
-  ceiling            the train graph alone in a loop on trainrun's flat buffers
-                     (scripts/bench/ceiling.py), for both graphs (2x1: both graphs in
-                     the same processes, alternating blocks; 1x2: one process each)
+  trainrun        mpirun -np 2 trainrun --config ... (2x1) / trainrun --config ... (1x2), defaults
+  trainrun-off    the same CLI with --set engine.optimizer_kernel=graph --set engine.static_shapes=false
+                  (--off-set replaces them): trainrun's two speed levers off (the ONNX optimizer
+                  graph instead of the host kernel, the dynamic-shape train graph); the other
+                  changes made with them (the sigmoid GELU, no spinning in the eval/optimizer
+                  sessions) have no switch and stay on
+  PyTorch         torchrun --nproc_per_node 2 (DDP, gloo) / one process, 2 threads
+  ceiling         trainrun's train graph alone in a loop on trainrun's flat buffers
+                  (scripts/bench/ceiling.py); ceiling-off: the same on the dynamic-shape
+                  graph (2x1: both graphs in the same processes, alternating blocks; 1x2:
+                  one process each)
+
+With engine.static_shapes on, a train graph fits one micro-batch: the graphs
+are prepared (``trainrun prepare``, scripts/bench/variants.py) once per model,
+micro-batch (2x1: global batch / 2, 1x2: the global batch, memcap: its own)
+and graph-shaping --sets, and every run starts from the folder of its own
+micro-batch, so no run re-prepares (a run that did is flagged in the report).
 
 Raw results: runs/bench/results.json (+ logs/ and per-run folders).
 """
@@ -43,12 +54,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import BIN, MODELS, ROOT  # noqa: E402
 
+import variants  # noqa: E402
+
 PY = sys.executable
 HERE = Path(__file__).resolve().parent
-CONFIG = ROOT / "configs" / "gpt2-tiny.yaml"
-DEFAULT_PROPOSED_GRAPH = "sigmoid"
-DEFAULT_PROPOSED_PATCH: dict = {"chunked_adamw": True}
-DEFAULT_PROPOSED_SETS: list[str] = []
+CONFIG = common.CONFIG
+# trainrun's speed levers that have a switch, off: the ONNX optimizer graph, the dynamic-shape train graph
+DEFAULT_OFF_SETS = ["engine.optimizer_kernel=graph", variants.STATIC_OFF]
+NOSPIN = {"session.intra_op.allow_spinning": "0"}
 
 
 def rel(p) -> str:
@@ -96,9 +109,7 @@ class Suite:
         self.t0 = time.perf_counter()
         self.results: dict = {"mode": "quick" if self.quick else "full", "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                               "argv": sys.argv[1:], "models": {}, "load": []}
-        self.proposed_graph = args.proposed_graph
-        self.proposed_patch = json.loads(args.proposed_patch)
-        self.proposed_sets = list(DEFAULT_PROPOSED_SETS if args.proposed_set is None else args.proposed_set)
+        self.off_sets = list(DEFAULT_OFF_SETS if args.off_set is None else args.off_set)
 
     # ------------------------------------------------------------------ helpers
     def say(self, text: str) -> None:
@@ -149,30 +160,14 @@ class Suite:
 
     def sets(self, m: common.BenchModel, out_dir: Path, ranks: int, threads: int, warmup: int, steps: int,
              micro_batch: int | None = None) -> list[str]:
-        mb = micro_batch or m.global_batch // ranks
-        s = [f"run.output_dir={out_dir}", f"run.name=bench-{m.name}", f"data.train={self.data}", "data.eval=null",
-             f"data.seq_len={m.seq_len}", f"train.micro_batch_size={mb}", "train.gradient_accumulation_steps=1",
-             f"train.max_steps={warmup + steps}", f"train.log_every={max(1, warmup)}", "train.eval_every=0",
-             "checkpoint.every=0", "tensorboard.enabled=false", f"engine.threads={threads}",
-             "lr_schedule.warmup_steps=4"]
-        return s + [f"model.gpt2.{k}={v}" for k, v in m.gpt2().items()]
+        return common.run_sets(m, out_dir, self.data, micro_batch or m.global_batch // ranks, threads, warmup, steps)
 
-    def graphs(self, m: common.BenchModel, variant: str) -> Path:
-        """Prepared graphs: ``trainrun prepare`` itself for trainrun's graph, variants.py for a variant."""
-        out = self.work / "graphs" / f"{m.name}-{variant}"
-        if (out / "graphs" / "manifest.json").exists():
-            return out / "graphs"
-        shutil.rmtree(out, ignore_errors=True)
-        sets = self.sets(m, out, 2, 1, 1, 1)
-        if variant == "trainrun":
-            cmd = [str(BIN / "trainrun"), "prepare", "--config", str(CONFIG)] + [x for s in sets for x in ("--set", s)]
-            r = self.sh(f"prepare-{m.name}-{variant}", cmd)
-            if r["rc"]:
-                raise SystemExit(f"trainrun prepare failed: see {r['log']}")
-        else:
-            import variants
-            variants.prepare_variant(str(CONFIG), sets, str(out / "graphs"), variant)
-        return out / "graphs"
+    def graphs(self, m: common.BenchModel, micro_batch: int, sets=()) -> Path:
+        """The graphs folder for ``m`` at ``micro_batch`` and the graph-shaping ones of ``sets``
+        (none: trainrun's static train graph; engine.static_shapes=false: the dynamic one),
+        made once by ``trainrun prepare`` (scripts/bench/variants.py)."""
+        return variants.prepare(self.work, m, micro_batch, self.data, sets,
+                                run=lambda name, cmd: self.sh(name, cmd)["rc"])
 
     # ------------------------------------------------------------------ one run of each kind
     def run_trainrun(self, m, tag, ranks, threads, graphs: Path, warmup, steps, patch=None, extra_sets=(),
@@ -188,6 +183,11 @@ class Suite:
             wrapper += ["--patch", json.dumps(patch)]
         cmd = ([str(BIN / "mpirun"), "-np", str(ranks)] if ranks > 1 else []) + wrapper + ["--"] + argv
         info = self.sh(f"{m.name}-{tag}", cmd)
+        # trainrun re-prepares (before step 1, outside the timed steps) when the graphs do not fit the run
+        log = self.logs / f"{m.name}-{tag}.log"
+        info["reprepared"] = "preparing graphs in" in log.read_text(errors="replace") if log.exists() else None
+        if info["reprepared"]:
+            self.say(f"  {m.name}-{tag}: trainrun re-prepared its graphs (graphs folder {rel(graphs)} does not fit)")
         shown = (f"mpirun -np {ranks} " if ranks > 1 else "") + "trainrun " + " ".join(
             a if not a.startswith(("/", str(ROOT))) else rel(a) for a in argv)
         if patch:
@@ -207,9 +207,11 @@ class Suite:
                        phase_shares=summary.get("phase_shares", {}), final_loss=summary.get("final_loss"),
                        peak_rss_mb=[r.get("train_peak_rss_mb", r["peak_rss_mb"]) for r in rss],
                        run_peak_rss_mb=[r["peak_rss_mb"] for r in rss], vm_peak_mb=[r.get("vm_peak_mb") for r in rss])
-            import variants
-            ops = variants.op_counts(str(d / "graphs" / "train.onnx"))
+            ops = variants.op_counts(d / "graphs" / "train.onnx")
             out["gelu_ops"] = sorted(k for k in ops if k in ("FastGelu", "Sigmoid", "Tanh", "BiasGelu", "Gelu"))
+            out["static_shape"] = variants.build_of(d / "graphs").get("static_shape")
+            out["optimizer_kernel"] = next((s.split("=", 1)[1] for s in reversed(sets)
+                                            if s.startswith("engine.optimizer_kernel=")), "auto")
         except (OSError, StopIteration, ValueError, KeyError, ZeroDivisionError) as exc:
             out["error"] = f"{type(exc).__name__}: {exc}"
         for junk in ("checkpoints", "model.onnx", "graphs"):
@@ -259,7 +261,7 @@ class Suite:
             for row in r["rows"]:
                 outs.append({"cmd": shown, **info, "tokens_per_sec": row["tokens_per_sec"],
                              "best_window_tokens_per_sec": row["best_window_tokens_per_sec"],
-                             "peak_rss_mb": r["peak_rss_mb"]})
+                             "peak_rss_mb": r["peak_rss_mb"], "static_shape": row.get("static_shape")})
         except (OSError, ValueError, KeyError) as exc:
             outs = [{"cmd": shown, **info, "error": f"{type(exc).__name__}: {exc}"} for _ in graphs]
         return outs
@@ -271,36 +273,27 @@ class Suite:
         self.sh("peak", [PY, str(HERE / "peak.py"), "--repeats", "4" if self.quick else "8", "--out", str(out)])
         self.results["peak"] = common.read_json(out) if out.exists() else None
 
-    def numerics(self) -> None:
-        self.say("GELU forms: logits vs transformers gelu_new, gradients vs torch")
-        out = self.work / "numerics.json"
-        self.sh("numerics", [PY, str(HERE / "levers.py"), "numerics", "--work", str(self.work), "--data", self.data,
-                             "--variants", "fastgelu,tanh,sigmoid,erf,biasgelu,onnx20", "--out", str(out)])
-        self.results["numerics"] = common.read_json(out) if out.exists() else None
-
     def levers(self, name: str) -> None:
+        """The train graph alone, one process: static vs dynamic graph, and session options (levers.py)."""
         m = MODELS[name]
         res = self.results["models"][name].setdefault("levers", {})
         if name == "tiny":
-            graph_forms = "fastgelu,tanh,sigmoid,erf,fastgelu+static,sigmoid+static,sigmoid@dims"
-            opts = "fastgelu@nospin,fastgelu@basic,fastgelu@extended,fastgelu@disabled,fastgelu@nomempattern," \
-                   "fastgelu@noarena,fastgelu@daz"
+            names = "static,dynamic,static@nospin,static@basic,static@extended,static@disabled," \
+                    "static@nomempattern,static@noarena,static@daz"
             rounds = 8 if self.quick else 14
         else:
-            graph_forms = "fastgelu,tanh,sigmoid,erf,sigmoid+static"
-            opts = "fastgelu@nospin"
+            names = "static,dynamic,static@nospin"
             rounds = 2 if self.quick else 3
+        if self.quick:
+            names, rounds = "static,dynamic,static@nospin", 6
         for threads in (1, 2):
-            variants = graph_forms + "," + opts
-            if self.quick:
-                variants = "fastgelu,tanh,sigmoid,erf,sigmoid+static,fastgelu@nospin" if threads == 1 \
-                    else "fastgelu,sigmoid,fastgelu@nospin"
-                rounds = 6
-            self.say(f"{name}: levers on the train graph, {threads} thread(s)")
+            mb = m.global_batch // 2 * threads          # the per-process batch of 2x1 / 1x2
+            self.graphs(m, mb)
+            self.graphs(m, mb, [variants.STATIC_OFF])
+            self.say(f"{name}: levers on the train graph, {threads} thread(s), micro-batch {mb}")
             out = self.work / f"levers-{name}-t{threads}.json"
-            mb = m.global_batch // 2 * threads
             self.sh(f"levers-{name}-t{threads}", [PY, str(HERE / "levers.py"), "timing", "--model", name, "--threads",
-                                                  str(threads), "--micro-batch", str(mb), "--variants", variants,
+                                                  str(threads), "--micro-batch", str(mb), "--variants", names,
                                                   "--rounds", str(rounds), "--work", str(self.work), "--data", self.data,
                                                   "--out", str(out)])
             res[f"t{threads}"] = common.read_json(out) if out.exists() else None
@@ -308,19 +301,20 @@ class Suite:
         out = self.work / f"profile-{name}.json"
         self.sh(f"profile-{name}", [PY, str(HERE / "levers.py"), "profile", "--model", name, "--threads", "1",
                                     "--micro-batch", str(m.global_batch // 2), "--steps", "3" if name == "mid" else "10",
-                                    "--variants", f"fastgelu,{self.proposed_graph}", "--work", str(self.work),
+                                    "--variants", "static,dynamic", "--work", str(self.work),
                                     "--data", self.data, "--out", str(out)])
         res["profile"] = common.read_json(out) if out.exists() else None
 
     def scaling(self) -> None:
         """Which ops of the train graph do not speed up from 1 to 2 threads (mid model, profiles)."""
         m = MODELS["mid"]
-        self.say("mid: per-op scaling from 1 to 2 threads (onnxruntime profiles)")
+        self.graphs(m, m.global_batch)
+        self.graphs(m, m.global_batch, [variants.STATIC_OFF])
+        self.say("mid: per-op scaling from 1 to 2 threads (onnxruntime profiles), static vs dynamic graph")
         out = self.work / "scaling-mid.json"
         self.sh("scaling-mid", [PY, str(HERE / "levers.py"), "scaling", "--model", "mid", "--micro-batch",
-                                str(m.global_batch), "--steps", "4", "--variants",
-                                f"fastgelu,{self.proposed_graph},{self.proposed_graph}+static", "--work", str(self.work),
-                                "--data", self.data, "--out", str(out)])
+                                str(m.global_batch), "--steps", "4", "--variants", "static,dynamic",
+                                "--work", str(self.work), "--data", self.data, "--out", str(out)])
         self.results["scaling"] = common.read_json(out) if out.exists() else None
 
     def matrix(self, name: str) -> None:
@@ -328,22 +322,23 @@ class Suite:
         steps = m.quick_steps if self.quick else m.steps
         warmup = m.warmup
         repeats = self.args.repeats or (1 if self.quick else 3)
-        base = self.graphs(m, "trainrun")
-        prop = self.graphs(m, self.proposed_graph)
-        weights = base / "weights.safetensors"
-        P = dict(patch=self.proposed_patch, extra_sets=self.proposed_sets)
+        mb2, mb1 = m.global_batch // 2, m.global_batch          # per process: 2x1, 1x2
+        base = {mb: self.graphs(m, mb) for mb in (mb2, mb1)}
+        off = {mb: self.graphs(m, mb, self.off_sets) for mb in (mb2, mb1)}
+        weights = base[mb2] / "weights.safetensors"
+        OFF = dict(extra_sets=self.off_sets)
         setups = {
-            "trainrun 2x1": lambda tag: self.run_trainrun(m, tag, 2, 1, base, warmup, steps),
+            "trainrun 2x1": lambda tag: self.run_trainrun(m, tag, 2, 1, base[mb2], warmup, steps),
             "PyTorch DDP 2x1": lambda tag: self.run_torch(m, tag, 2, 1, weights, warmup, steps),
-            "trainrun+proposed 2x1": lambda tag: self.run_trainrun(m, tag, 2, 1, prop, warmup, steps, **P),
-            "ceiling 2x1": lambda tag: self.run_ceiling(m, tag, 2, 1, [base, prop], warmup, steps),
-            "trainrun 1x2": lambda tag: self.run_trainrun(m, tag, 1, 2, base, warmup, steps),
+            "trainrun-off 2x1": lambda tag: self.run_trainrun(m, tag, 2, 1, off[mb2], warmup, steps, **OFF),
+            "ceiling 2x1": lambda tag: self.run_ceiling(m, tag, 2, 1, [base[mb2], off[mb2]], warmup, steps),
+            "trainrun 1x2": lambda tag: self.run_trainrun(m, tag, 1, 2, base[mb1], warmup, steps),
             "PyTorch 1x2": lambda tag: self.run_torch(m, tag, 1, 2, weights, warmup, steps),
-            "trainrun+proposed 1x2": lambda tag: self.run_trainrun(m, tag, 1, 2, prop, warmup, steps, **P),
+            "trainrun-off 1x2": lambda tag: self.run_trainrun(m, tag, 1, 2, off[mb1], warmup, steps, **OFF),
             # 1x2: one graph per process: two 2-thread sessions in one process would disturb each other
-            # (a session's pool spins after its run; see the findings)
-            "ceiling 1x2": lambda tag: self.run_ceiling(m, tag, 1, 2, [base], warmup, steps)[0],
-            "ceiling+proposed 1x2": lambda tag: self.run_ceiling(m, tag, 1, 2, [prop], warmup, steps)[0],
+            # (a session's pool spins after its run)
+            "ceiling 1x2": lambda tag: self.run_ceiling(m, tag, 1, 2, [base[mb1]], warmup, steps)[0],
+            "ceiling-off 1x2": lambda tag: self.run_ceiling(m, tag, 1, 2, [off[mb1]], warmup, steps)[0],
         }
         res = self.results["models"][name]
         names = list(setups)
@@ -351,7 +346,7 @@ class Suite:
         for k in names:
             res["runs"][k] = []
             if k == "ceiling 2x1":       # times both graphs in the same processes
-                res["runs"]["ceiling+proposed 2x1"] = []
+                res["runs"]["ceiling-off 2x1"] = []
         for rep in range(repeats):
             k = (rep * 3) % len(names)
             order = names[k:] + names[:k]
@@ -359,10 +354,10 @@ class Suite:
                 order = order[::-1]
             self.say(f"{name}: round {rep + 1}/{repeats}")
             for setup in order:
-                tag = setup.replace(" ", "_").replace("+", "-") + f"-r{rep}"
+                tag = setup.replace(" ", "_") + f"-r{rep}"
                 got = setups[setup](tag)
                 pairs = [(setup, got)] if isinstance(got, dict) else \
-                    [(setup, got[0]), (setup.replace("ceiling", "ceiling+proposed"), got[1])]
+                    [(setup, got[0]), (setup.replace("ceiling", "ceiling-off"), got[1])]
                 for key, r in pairs:
                     r["round"] = rep
                     res["runs"][key].append(r)
@@ -372,22 +367,23 @@ class Suite:
                 self.save()
 
     def runner_levers(self, name: str) -> None:
-        """Runner-level levers end to end on the proposed graph: data prefetch and collective spinning."""
+        """Each lever alone against trainrun's defaults, end to end through trainrun's CLI, paired per round."""
         m = MODELS[name]
-        prop = self.graphs(m, self.proposed_graph)
         steps, warmup = (m.quick_steps if self.quick else m.steps), m.warmup
-        nospin = {"session.intra_op.allow_spinning": "0"}
-        short_sessions_nospin = {"sessions": {"optimizer": {"config": nospin}, "eval": {"config": nospin}}}
+        kernel_off, static_off = ["engine.optimizer_kernel=graph"], [variants.STATIC_OFF]
         setups = {
-            "2x1: proposed graph": dict(ranks=2, threads=1),
-            "2x1: + chunked AdamW": dict(ranks=2, threads=1, patch={"chunked_adamw": True}),
-            "2x1: + collective spin 0 s": dict(ranks=2, threads=1, patch={"spin_s": 0.0}),
-            "1x2: proposed graph": dict(ranks=1, threads=2),
-            "1x2: + chunked AdamW": dict(ranks=1, threads=2, patch={"chunked_adamw": True}),
-            "1x2: + optimizer/eval sessions no spinning": dict(ranks=1, threads=2, patch=short_sessions_nospin),
-            "1x2: + all sessions no spinning": dict(ranks=1, threads=2, patch={"session_config": nospin}),
-            "1x2: + data.prefetch=0": dict(ranks=1, threads=2, extra_sets=["data.prefetch=0"]),
+            "2x1: trainrun": dict(ranks=2, threads=1),
+            "2x1: optimizer_kernel=graph": dict(ranks=2, threads=1, extra_sets=kernel_off),
+            "2x1: static_shapes=false": dict(ranks=2, threads=1, extra_sets=static_off),
+            "2x1: collective spin 0 s": dict(ranks=2, threads=1, patch={"spin_s": 0.0}),
+            "1x2: trainrun": dict(ranks=1, threads=2),
+            "1x2: optimizer_kernel=graph": dict(ranks=1, threads=2, extra_sets=kernel_off),
+            "1x2: static_shapes=false": dict(ranks=1, threads=2, extra_sets=static_off),
+            "1x2: all sessions no spinning": dict(ranks=1, threads=2, patch={"session_config": NOSPIN}),
+            "1x2: data.prefetch=0": dict(ranks=1, threads=2, extra_sets=["data.prefetch=0"]),
         }
+        for kw in setups.values():       # each run's own graphs folder, prepared before any timing
+            kw["graphs"] = self.graphs(m, m.global_batch // kw["ranks"], kw.get("extra_sets", ()))
         rounds = 2
         runs = {k: [] for k in setups}
         names = list(setups)
@@ -397,32 +393,31 @@ class Suite:
             for k in order:
                 kw = setups[k]
                 tag = "lever-" + "".join(c if c.isalnum() else "_" for c in k) + f"-r{rep}"
-                r = self.run_trainrun(m, tag, kw["ranks"], kw["threads"], prop, warmup, steps, patch=kw.get("patch"),
-                                      extra_sets=kw.get("extra_sets", ()))
+                r = self.run_trainrun(m, tag, kw["ranks"], kw["threads"], kw["graphs"], warmup, steps,
+                                      patch=kw.get("patch"), extra_sets=kw.get("extra_sets", ()))
                 r["round"] = rep
                 runs[k].append(r)
-                self.say(f"  {k:48s} {r.get('tokens_per_sec') or 0:9.0f} tokens/s (foreign load {r['foreign_cpu_cores']:.2f})")
+                self.say(f"  {k:34s} {r.get('tokens_per_sec') or 0:9.0f} tokens/s (foreign load {r['foreign_cpu_cores']:.2f})")
                 self.save()
-        self.results.setdefault("runner_levers", {})[name] = {"graph": self.proposed_graph, "rounds": rounds, "runs": runs}
+        self.results.setdefault("runner_levers", {})[name] = {"rounds": rounds, "runs": runs}
 
     def memcap(self) -> None:
-        """Peak RSS per rank against the micro-batch, trainrun vs DDP (2x1), a few steps each."""
+        """Peak RSS per rank against the micro-batch, trainrun vs trainrun-off vs DDP (2x1), a few steps each."""
         res = self.results.setdefault("memcap", {})
         plan = {"tiny": [8, 64]} if self.quick else {"tiny": [8, 64], "mid": [2, 8]}
         for name, mbs in plan.items():
             m = MODELS[name]
-            base = self.graphs(m, "trainrun")
-            prop = self.graphs(m, self.proposed_graph)
             rows = []
             for mb in mbs:
+                base, off = self.graphs(m, mb), self.graphs(m, mb, self.off_sets)
                 self.say(f"memcap {name}: micro-batch {mb}")
                 a = self.run_trainrun(m, f"mem-trainrun-mb{mb}", 2, 1, base, 1, 2, micro_batch=mb)
                 b = self.run_torch(m, f"mem-ddp-mb{mb}", 2, 1, base / "weights.safetensors", 1, 2, micro_batch=mb)
-                c = self.run_trainrun(m, f"mem-proposed-mb{mb}", 2, 1, prop, 1, 2, micro_batch=mb,
-                                      patch=self.proposed_patch, extra_sets=self.proposed_sets)
+                c = self.run_trainrun(m, f"mem-off-mb{mb}", 2, 1, off, 1, 2, micro_batch=mb,
+                                      extra_sets=self.off_sets)
                 rows.append({"micro_batch": mb, "trainrun": a.get("peak_rss_mb"), "ddp": b.get("peak_rss_mb"),
-                             "proposed": c.get("peak_rss_mb"), "trainrun_vm": a.get("vm_peak_mb"),
-                             "ddp_vm": b.get("vm_peak_mb")})
+                             "off": c.get("peak_rss_mb"), "trainrun_vm": a.get("vm_peak_mb"),
+                             "ddp_vm": b.get("vm_peak_mb"), "reprepared": bool(a.get("reprepared") or c.get("reprepared"))})
                 self.save()
             res[name] = rows
 
@@ -434,16 +429,12 @@ class Suite:
         self.sh("comm", [PY, str(HERE / "extras.py"), "comm", "--sizes", f"{tiny / 1e6:.4f}M,{mid / 1e6:.4f}M",
                          "--iters", "6" if q else "12", "--out", str(out)])
         self.results["comm"] = common.read_json(out) if out.exists() else None
-        self.say("optimizer update: ONNX graph vs NumPy (scripts/bench_optim.py)")
-        out = self.work / "optim.json"
-        self.sh("optim", [PY, str(HERE / "extras.py"), "optim", "--params", str(mid), "--threads", "1,2",
-                          "--repeats", "5" if q else "12", "--out", str(out)])
-        self.results["optim"] = common.read_json(out) if out.exists() else None
-        self.say("optimizer update: chunked NumPy AdamW lever (scripts/bench/fastopt.py)")
+        self.say("optimizer update: the ONNX optimizer graph vs the host kernel (scripts/bench/fastopt.py)")
         out = self.work / "fastopt.json"
-        self.sh("fastopt", [PY, str(HERE / "fastopt.py"), "--params", str(mid), "--threads", "1",
+        self.sh("fastopt", [PY, str(HERE / "fastopt.py"), "--model", "mid", "--threads", "1",
                             "--repeats", "5" if q else "12", "--out", str(out)])
         self.results["fastopt"] = common.read_json(out) if out.exists() else None
+        self.results.pop("optim", None)        # (bench_optim's whole-buffer NumPy: superseded by the host kernel)
         self.say("data loader batches/s (scripts/bench_data.py)")
         out = self.work / "data.json"
         self.sh("data", [PY, str(HERE / "extras.py"), "data", "--data", self.data, "--steps", "1000" if q else "4000",
@@ -459,21 +450,20 @@ class Suite:
                 keep = self.results
                 self.results = common.read_json(prev)
                 self.results["argv_last"] = keep["argv"]
+                for stale in ("proposed", "numerics", "optim"):      # sections of earlier versions of the suite
+                    self.results.pop(stale, None)
         want = lambda section: only is None or section in only  # noqa: E731
         self.results["machine"] = common.machine()
         self.results["loadavg_start"] = os.getloadavg()
         self.data = self.dataset()
         self.results["dataset"] = rel(self.data)
-        self.results["proposed"] = {"graph": self.proposed_graph, "patch": self.proposed_patch,
-                                    "sets": self.proposed_sets}
+        self.results["off"] = {"sets": self.off_sets}
         self.results["models_def"] = {k: common.asdict_model(v) for k, v in MODELS.items()}
         models = self.args.models.split(",")
         for name in models:
             self.results["models"].setdefault(name, {})
         if want("peak"):
             self.peak()
-        if want("numerics"):
-            self.numerics()
         self.save()
         if want("matrix"):
             for name in models:
@@ -512,19 +502,19 @@ class Suite:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--quick", action="store_true", help="fewer steps/rounds (~4 min)")
+    ap.add_argument("--quick", action="store_true", help="fewer steps/rounds (~5 min; no scaling, runner_levers, "
+                                                          "memcap unless named in --only)")
     ap.add_argument("--models", default="tiny,mid")
     ap.add_argument("--repeats", type=int, help="rounds of the main matrix (default 3, quick 1)")
     ap.add_argument("--data", help="token dataset folder (default: data/stdlib/train, else built in the work folder)")
     ap.add_argument("--work", default=str(ROOT / "runs" / "bench"))
     ap.add_argument("--output", default=str(ROOT / "BENCHMARKS.md"))
-    ap.add_argument("--proposed-graph", default=DEFAULT_PROPOSED_GRAPH)
-    ap.add_argument("--proposed-patch", default=json.dumps(DEFAULT_PROPOSED_PATCH))
-    ap.add_argument("--proposed-set", action="append", help=f"--set of the proposed runs (default {DEFAULT_PROPOSED_SETS})")
+    ap.add_argument("--off-set", action="append", metavar="KEY=VALUE",
+                    help=f"a --set of the trainrun-off runs (repeatable; replaces the default {' '.join(DEFAULT_OFF_SETS)})")
     ap.add_argument("--skip-levers", action="store_true")
     ap.add_argument("--skip-extras", action="store_true")
     ap.add_argument("--only", help="comma-separated sections to (re-)run into the existing results.json: "
-                                   "peak,numerics,matrix,levers,scaling,runner_levers,extras,memcap")
+                                   "peak,matrix,levers,scaling,runner_levers,extras,memcap")
     ap.add_argument("--render", action="store_true", help="only re-write the report from results.json")
     args = ap.parse_args()
     import report

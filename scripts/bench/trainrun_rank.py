@@ -5,18 +5,17 @@ in this process), plus the peak RSS of the rank written at exit.
         --rss-dir DIR [--patch JSON] -- --config FILE --set ...
 
 is ``mpirun -np 2 trainrun --config FILE --set ...`` with DIR/rss-<rank>.json
-written at exit. ``--patch`` prototypes a proposed change of trainrun's core in
-this process only (trainrun's files are not modified), a JSON object with:
+written at exit. ``--patch`` changes a runtime setting that trainrun has no
+config key for, in this process only (trainrun's files are not modified), a
+JSON object with:
 
 * ``spin_s``: trainrun.comm.SPIN_S (seconds a rank spins on Test() before it
   starts sleeping while waiting in a collective);
 * ``session_config``: extra onnxruntime session config entries for every session
-  of the engine (e.g. {"session.intra_op.allow_spinning": "0"});
-* ``sessions``: per-session changes, {"optimizer": {"threads": 1, "config": {...}},
-  "train": {"profile_prefix": "DIR/name"}}
-  (session names as trainrun's engine passes them: train, eval, optimizer);
-* ``chunked_adamw``: true (or a chunk size): AdamW runs as cache-sized NumPy
-  chunks (scripts/bench/fastopt.py) instead of the ONNX optimizer graph.
+  of the engine (e.g. {"session.intra_op.allow_spinning": "0"}).
+
+Everything that has a config key (engine.optimizer_kernel, engine.static_shapes,
+data.prefetch, ...) goes through ``--set`` instead.
 
 Besides the peak RSS of the whole run, the peak RSS reached before the first
 checkpoint is written (``train_peak_rss_mb``: the training steps alone; the
@@ -50,6 +49,9 @@ def main() -> None:
             i += 2
         else:
             raise SystemExit(f"trainrun_rank: unknown option {own[i]}")
+    unknown = set(patch) - {"spin_s", "session_config"}
+    if unknown:
+        raise SystemExit(f"trainrun_rank: unknown patch key(s) {sorted(unknown)}")
     rank, _ = common.launcher_rank()
     marks: dict = {}
     if rss_dir:
@@ -66,29 +68,17 @@ def main() -> None:
             runner.TrainingRunner.save = save
         except (ImportError, AttributeError):
             pass
-    if patch.get("chunked_adamw"):
-        import fastopt
-        c = patch["chunked_adamw"]
-        fastopt.install(1 << 18 if c is True else int(c))
     if "spin_s" in patch:
         from trainrun import comm
         comm.SPIN_S = float(patch["spin_s"])
-    if patch.get("session_config") or patch.get("sessions"):
+    if patch.get("session_config"):
         from trainrun import engine
         original = engine.session_options
 
         def options(opts, name="", *args, **kwargs):
             so = original(opts, name, *args, **kwargs)
-            for k, v in (patch.get("session_config") or {}).items():
-                so.add_session_config_entry(k, str(v))
-            mine = (patch.get("sessions") or {}).get(name, {})
-            for k, v in (mine.get("config") or {}).items():
-                so.add_session_config_entry(k, str(v))
-            if mine.get("threads"):
-                so.intra_op_num_threads = int(mine["threads"])
-            if mine.get("profile_prefix"):
-                so.enable_profiling = True
-                so.profile_file_prefix = f"{mine['profile_prefix']}_r{rank}"
+            for k, v in patch["session_config"].items():
+                common.add_config_entry(so, k, v)
             return so
         engine.session_options = options
     sys.argv = ["trainrun", *rest]

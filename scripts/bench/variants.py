@@ -1,173 +1,102 @@
-"""Variants of trainrun's built-in GPT-2 graph, built by rewriting the ONNX that
-trainrun's own code produces (trainrun/models/gpt2.py is not modified).
+"""The graphs folders the suite runs on, prepared by trainrun itself (``trainrun prepare``).
 
-A variant is a rewrite of the forward ModelProto returned by
-``trainrun.models.gpt2.build_gpt2``; :func:`prepare_variant` runs trainrun's
-``graphs.prepare`` with that rewrite hooked in, so the train / eval / forward /
-optimizer graphs, the weights and the manifest come out exactly as trainrun
-makes them, and the real ``trainrun`` CLI can train from that graphs folder.
+With ``engine.static_shapes`` on (trainrun's default) the train graph is built
+for one [micro_batch, seq_len], so a graphs folder serves one micro-batch only:
+every folder is prepared for one (benchmark model, micro-batch, graph-shaping
+``--set``s) and lives in ``WORK/graphs/<model>-<tag>-mb<micro_batch>/graphs``:
 
-GELU forms (the MLP activation; ``x = c_fc(h)`` before the bias in the graph):
+* tag ``static``: trainrun's defaults (the train graph with fixed dims);
+* tag ``dynamic``: ``--set engine.static_shapes=false`` (symbolic batch/seq dims,
+  trainrun's graph before the static-shape lever);
+* anything else: a slug of the graph-shaping sets.
 
-* ``fastgelu``   trainrun today: ``com.microsoft.FastGelu(x, bias)``; its gradient
-                 is FastGeluGrad, a scalar std::tanh loop, one thread.
-* ``tanh``       gelu_new from primitive ops, ``0.5 y (1 + tanh(k (y + 0.044715 y^3)))``
-                 with ``y = x + bias``: Mul/Add/Tanh and their gradients.
-* ``sigmoid``    the same function written as ``y * sigmoid(2k (y + 0.044715 y^3))``
-                 (``0.5 (1 + tanh z) = sigmoid(2z)`` exactly): fewer nodes.
-* ``erf``        ``com.microsoft.Gelu(x + bias)`` (exact erf GELU, NOT gelu_new).
-* ``biasgelu``   ``com.microsoft.BiasGelu(x, bias)`` (erf, NOT gelu_new).
-* ``onnx20``     ONNX opset-20 ``Gelu(approximate="tanh")``.
+Only the sets that are baked into the graphs (what trainrun's runner compares
+with a prepared manifest: model, optimizer, run.deterministic, debug, the
+static shape) pick the folder; runtime keys such as engine.optimizer_kernel or
+data.prefetch are left out, so a run with them still finds its graphs prepared
+and does not re-prepare inside its own run.
 
-``static``: the data inputs and logits get fixed dimensions [micro_batch, seq]
-instead of symbolic ones (combine with a GELU form as ``sigmoid+static``).
+    .venv/bin/python scripts/bench/variants.py --model mid --micro-batch 4 --dynamic   # prepare and print the folder
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
+import argparse
+import json
 import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import onnx
-from onnx import helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402,F401 - puts the repo on sys.path
+import common  # noqa: E402
 
-ROOT = common.ROOT
-GELU_FORMS = ("fastgelu", "tanh", "sigmoid", "erf", "biasgelu", "onnx20")
-K = math.sqrt(2.0 / math.pi)
-
-
-def _const(model: onnx.ModelProto, name: str, value: float) -> str:
-    if not any(t.name == name for t in model.graph.initializer):
-        model.graph.initializer.append(numpy_helper.from_array(np.array(value, np.float32), name))
-    return name
+STATIC_OFF = "engine.static_shapes=false"
+BAKED = ("model.", "optimizer.", "run.deterministic", "debug.", "engine.static_shapes")
 
 
-def rewrite_gelu(model: onnx.ModelProto, form: str) -> onnx.ModelProto:
-    """Replace every com.microsoft.FastGelu(x, bias) node by ``form``; returns a new model."""
-    if form not in GELU_FORMS:
-        raise ValueError(f"unknown GELU form {form!r}; choose from {GELU_FORMS}")
-    if form == "fastgelu":
-        return model
-    model = onnx.ModelProto.FromString(model.SerializeToString())
-    nodes = []
-    for node in model.graph.node:
-        if not (node.op_type == "FastGelu" and node.domain == "com.microsoft"):
-            nodes.append(node)
-            continue
-        x, bias = node.input[0], node.input[1]
-        out = node.output[0]
-        p = node.name + "/"
-
-        def mk(op, ins, name, domain="", **attrs):
-            nodes.append(helper.make_node(op, ins, [p + name], name=p + name, domain=domain, **attrs))
-            return p + name
-
-        if form == "biasgelu":
-            nodes.append(helper.make_node("BiasGelu", [x, bias], [out], name=p + "biasgelu", domain="com.microsoft"))
-            continue
-        y = mk("Add", [x, bias], "biased")
-        if form == "erf":
-            nodes.append(helper.make_node("Gelu", [y], [out], name=p + "gelu", domain="com.microsoft"))
-        elif form == "onnx20":
-            nodes.append(helper.make_node("Gelu", [y], [out], name=p + "gelu", approximate="tanh"))
-        elif form == "tanh":
-            y2 = mk("Mul", [y, y], "y2")
-            y3 = mk("Mul", [y2, y], "y3")
-            inner = mk("Add", [y, mk("Mul", [y3, _const(model, "gelu_c3", 0.044715)], "c3y3")], "inner")
-            t = mk("Tanh", [mk("Mul", [inner, _const(model, "gelu_k", K)], "scaled")], "tanh")
-            one_plus = mk("Add", [t, _const(model, "gelu_one", 1.0)], "one_plus")
-            half_y = mk("Mul", [y, _const(model, "gelu_half", 0.5)], "half_y")
-            nodes.append(helper.make_node("Mul", [half_y, one_plus], [out], name=p + "out"))
-        elif form == "sigmoid":
-            # y * sigmoid(y * (2k + 2k*0.044715*y^2))
-            y2 = mk("Mul", [y, y], "y2")
-            poly = mk("Add", [mk("Mul", [y2, _const(model, "gelu_b", 2 * K * 0.044715)], "by2"),
-                              _const(model, "gelu_a", 2 * K)], "poly")
-            s = mk("Sigmoid", [mk("Mul", [y, poly], "z")], "sigmoid")
-            nodes.append(helper.make_node("Mul", [y, s], [out], name=p + "out"))
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
-    if form == "onnx20":
-        for imp in model.opset_import:
-            if imp.domain in ("", "ai.onnx"):
-                imp.version = 20
-    return model
+def graph_sets(sets) -> list[str]:
+    """The sets of ``sets`` that shape the prepared graphs."""
+    return [s for s in sets if s.split("=", 1)[0].startswith(BAKED)]
 
 
-def make_static(model: onnx.ModelProto, micro_batch: int, seq_len: int) -> onnx.ModelProto:
-    """Fixed [micro_batch, seq_len] data inputs and logits (the forward graph only)."""
-    model = onnx.ModelProto.FromString(model.SerializeToString())
-    for vi in list(model.graph.input) + list(model.graph.output):
-        dims = vi.type.tensor_type.shape.dim
-        if len(dims) >= 2 and (dims[0].dim_param or dims[1].dim_param):
-            dims[0].dim_value, dims[1].dim_value = micro_batch, seq_len
-    return model
+def tag_of(sets) -> str:
+    g = graph_sets(sets)
+    if not g or g == ["engine.static_shapes=true"]:
+        return "static"
+    if g == [STATIC_OFF]:
+        return "dynamic"
+    return "_".join("".join(c if c.isalnum() else "-" for c in s.split(".", 1)[-1]) for s in g)
 
 
-def rewrite(model: onnx.ModelProto, variant: str, micro_batch: int | None = None,
-            seq_len: int | None = None) -> onnx.ModelProto:
-    """Apply a variant name like ``sigmoid`` or ``sigmoid+static`` to a forward graph."""
-    for part in variant.split("+"):
-        if part == "static":
-            model = make_static(model, micro_batch, seq_len)
-        elif part not in ("", "base"):
-            model = rewrite_gelu(model, part)
-    return model
+def graphs_dir(work, model: common.BenchModel, micro_batch: int, sets=()) -> Path:
+    return Path(work) / "graphs" / f"{model.name}-{tag_of(sets)}-mb{micro_batch}" / "graphs"
 
 
-@contextlib.contextmanager
-def hooked_builder(variant: str, micro_batch: int | None = None, seq_len: int | None = None):
-    """While active, trainrun's build_gpt2 returns the rewritten graph."""
-    from trainrun.models import gpt2
-    original = gpt2.build_gpt2
-
-    def build(cfg, weights):
-        return rewrite(original(cfg, weights), variant, micro_batch, seq_len)
-
-    gpt2.build_gpt2 = build
-    try:
-        yield
-    finally:
-        gpt2.build_gpt2 = original
-
-
-def prepare_variant(config_path: str, overrides: list[str], out_dir: str, variant: str,
-                    micro_batch: int | None = None, seq_len: int | None = None) -> str:
-    """trainrun's ``prepare`` for ``config_path`` + ``overrides`` into ``out_dir`` with ``variant``."""
-    from trainrun import config as C
-    from trainrun import graphs as G
-    cfg = C.load_config(config_path, list(overrides))
-    with hooked_builder(variant, micro_batch, seq_len):
-        return G.prepare(cfg, out_dir)
+def prepare(work, model: common.BenchModel, micro_batch: int, data: str, sets=(), run=None) -> Path:
+    """The graphs folder for ``model`` at ``micro_batch`` with the graph-shaping ``sets``, made once by
+    ``trainrun prepare``. ``run(name, cmd) -> returncode`` runs the command (default: subprocess)."""
+    out = graphs_dir(work, model, micro_batch, sets)
+    if (out / "manifest.json").exists():
+        return out
+    shutil.rmtree(out.parent, ignore_errors=True)
+    argv = common.run_sets(model, out.parent, data, micro_batch) + graph_sets(sets)
+    cmd = [str(common.BIN / "trainrun"), "prepare", "--config", str(common.CONFIG)] + \
+        [x for s in argv for x in ("--set", s)]
+    name = f"prepare-{out.parent.name}"
+    if run is None:
+        env = dict(os.environ, PYTHONPATH=str(common.ROOT))
+        rc = subprocess.run(cmd, cwd=common.ROOT, env=env, stdout=subprocess.DEVNULL).returncode
+    else:
+        rc = run(name, cmd)
+    if rc or not (out / "manifest.json").exists():
+        raise SystemExit(f"trainrun prepare failed ({name}): {' '.join(cmd)}")
+    return out
 
 
-def op_counts(path: str) -> dict[str, int]:
-    model = onnx.load(path, load_external_data=False)
+def build_of(graphs) -> dict:
+    """The build options recorded in a graphs folder's manifest (static_shape: [mb, seq] or None)."""
+    return json.loads((Path(graphs) / "manifest.json").read_text()).get("build", {})
+
+
+def op_counts(path) -> dict[str, int]:
+    model = onnx.load(str(path), load_external_data=False)
     counts: dict[str, int] = {}
     for n in model.graph.node:
         counts[n.op_type] = counts.get(n.op_type, 0) + 1
     return counts
 
 
-def forward_model(gpt2_shape: dict, variant: str, weights: dict, micro_batch=None, seq_len=None) -> onnx.ModelProto:
-    from trainrun import config as C
-    from trainrun.models.gpt2 import build_gpt2
-    return rewrite(build_gpt2(C.GPT2Config(**gpt2_shape), weights), variant, micro_batch, seq_len)
-
-
-if __name__ == "__main__":   # smoke: op types of each variant's forward graph
-    from trainrun import config as C
-    from trainrun.models.gpt2 import init_weights
-    shape = dict(n_layer=1, n_head=2, n_embd=32, n_positions=16, vocab_size=97)
-    w = init_weights(C.GPT2Config(**shape), 0)
-    for v in GELU_FORMS:
-        m = forward_model(shape, v, w)
-        print(v, sorted({n.op_type for n in m.graph.node}))
-    os.environ.get("X")
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="tiny", choices=list(common.MODELS))
+    ap.add_argument("--micro-batch", type=int, required=True)
+    ap.add_argument("--dynamic", action="store_true", help=f"--set {STATIC_OFF}")
+    ap.add_argument("--work", default=str(common.ROOT / "runs" / "bench"))
+    ap.add_argument("--data", default=str(common.ROOT / "data" / "stdlib" / "train"))
+    a = ap.parse_args()
+    g = prepare(a.work, common.MODELS[a.model], a.micro_batch, a.data, [STATIC_OFF] if a.dynamic else [])
+    print(g, build_of(g))
