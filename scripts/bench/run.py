@@ -384,11 +384,13 @@ class Suite:
         }
         for kw in setups.values():       # each run's own graphs folder, prepared before any timing
             kw["graphs"] = self.graphs(m, m.global_batch // kw["ranks"], kw.get("extra_sets", ()))
-        rounds = 2
+        rounds = 2 if self.quick else 4     # 2 rounds left position effects of +-20% (seen)
         runs = {k: [] for k in setups}
         names = list(setups)
         for rep in range(rounds):
-            order = names if rep % 2 == 0 else names[::-1]
+            k0 = (rep * 3) % len(names)       # rotated and alternately reversed, as in the matrix
+            order = names[k0:] + names[:k0]
+            order = order if rep % 2 == 0 else order[::-1]
             self.say(f"{name}: runner levers, round {rep + 1}/{rounds}")
             for k in order:
                 kw = setups[k]
