@@ -33,6 +33,24 @@ from trainrun.optim import state_names, weight_decays
 _F32 = np.float32
 
 
+def _moments(g, m, v, b1, c1, b2, c2, scratch) -> None:
+    """In place: m = b1*m + c1*g; v = b2*v + c2*g*g (the graph's op order). ``scratch`` must not alias g."""
+    np.multiply(m, b1, out=m)
+    np.multiply(g, c1, out=scratch)
+    np.add(m, scratch, out=m)
+    np.multiply(g, g, out=scratch)
+    np.multiply(scratch, c2, out=scratch)
+    np.multiply(v, b2, out=v)
+    np.add(v, scratch, out=v)
+
+
+def _ratio(m, v, e, out) -> None:
+    """out = m / (sqrt(v) + e)."""
+    np.sqrt(v, out=out)
+    np.add(out, e, out=out)
+    np.divide(m, out, out=out)
+
+
 class HostOptimizer:
     """One in-place optimizer update of flat float32 NumPy buffers, chunk by chunk.
 
@@ -196,7 +214,7 @@ class HostOptimizer:
         c1f, c2f, ef, kf = _F32(c1), _F32(c2), _F32(e), _F32(c * lr)
         b1f, b2f = _F32(self.b1), _F32(self.b2)
         torch_mode = eps_mode == "torch"
-        mul, add, sub, div, sqrt = np.multiply, np.add, np.subtract, np.divide, np.sqrt
+        mul, add, sub = np.multiply, np.add, np.subtract
         tmp, tmp2 = self.tmp, self.tmp2
         for chunks, wd in self.runs:
             a_wd = _F32(wd / gs)  # adam: L2 decay in the gradient, grads + (wd/gs)*p
@@ -211,16 +229,8 @@ class HostOptimizer:
                     add(g[a:b], gg, out=gg)
                 else:
                     gg = g[a:b]
-                mul(mm, b1f, out=mm)
-                mul(gg, c1f, out=t2)
-                add(mm, t2, out=mm)
-                mul(gg, gg, out=t2)
-                mul(t2, c2f, out=t2)
-                mul(vv, b2f, out=vv)
-                add(vv, t2, out=vv)
-                sqrt(vv, out=t1)
-                add(t1, ef, out=t1)
-                div(mm, t1, out=t1)
+                _moments(gg, mm, vv, b1f, c1f, b2f, c2f, scratch=t2)
+                _ratio(mm, vv, ef, out=t1)
                 mul(t1, kf, out=t1)
                 if wd and decoupled and torch_mode:
                     mul(pp, keep, out=pp)
@@ -237,7 +247,7 @@ class HostOptimizer:
         c1f, c2f, ef = _F32(c1), _F32(c2), _F32(e)
         b1f, b2f = _F32(self.b1), _F32(self.b2)
         lo, hi = float(cfg.ratio_min), float(cfg.ratio_max)
-        mul, add, sub, div, sqrt, dot = np.multiply, np.add, np.subtract, np.divide, np.sqrt, np.dot
+        mul, add, sub, dot = np.multiply, np.add, np.subtract, np.dot
         tmp, tmp2 = self.tmp, self.tmp2
         for chunks, wd in self.tensors:
             a_wd = _F32(wd / c)  # d = c * (q + (wd/c)*p), q = m / (sqrt(v) + e)
@@ -247,16 +257,8 @@ class HostOptimizer:
                 n = b - a
                 pp, gg, mm, vv = p[a:b], g[a:b], m[a:b], v[a:b]
                 t1, t2 = tmp[:n], tmp2[:n]
-                mul(mm, b1f, out=mm)
-                mul(gg, c1f, out=t2)
-                add(mm, t2, out=mm)
-                mul(gg, gg, out=t2)
-                mul(t2, c2f, out=t2)
-                mul(vv, b2f, out=vv)
-                add(vv, t2, out=vv)
-                sqrt(vv, out=t1)
-                add(t1, ef, out=t1)
-                div(mm, t1, out=t1)
+                _moments(gg, mm, vv, b1f, c1f, b2f, c2f, scratch=t2)
+                _ratio(mm, vv, ef, out=t1)
                 if wd:
                     mul(pp, a_wd, out=t2)
                     add(t1, t2, out=t1)
@@ -273,9 +275,7 @@ class HostOptimizer:
                 n = b - a
                 pp, mm, vv = p[a:b], m[a:b], v[a:b]
                 t1, t2 = tmp[:n], tmp2[:n]
-                sqrt(vv, out=t1)
-                add(t1, ef, out=t1)
-                div(mm, t1, out=t1)
+                _ratio(mm, vv, ef, out=t1)
                 if wd:
                     mul(pp, a_wd, out=t2)
                     add(t1, t2, out=t1)
