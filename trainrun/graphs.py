@@ -303,14 +303,15 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
     weights = {p: numpy_helper.to_array(inits[p]) for p in fwd.params}
     shapes = [(p, tuple(int(d) for d in inits[p].dims)) for p in fwd.params]
 
-    static = build_options(cfg)["static_shape"]
+    build = build_options(cfg)
+    static = build["static_shape"]
 
     loss_model = _params_to_inputs(with_loss(fwd, cfg.model.loss.ignore_index, keep_logits=False), fwd.params)
     if static:   # the train graph for the micro-batch's shape; eval and forward (export) stay symbolic
         fix_dims(loss_model, fwd.inputs, static[0], static[1] if cfg.model.builtin == "gpt2" else None)
     train = build_train_graph(loss_model, fwd.params, source)
     stats_outputs = []
-    if build_options(cfg)["stats_tensors"]:      # debug.stats_every > 0: chosen tensors become outputs
+    if build["stats_tensors"]:      # debug.stats_every > 0: chosen tensors become outputs
         from .stats import add_outputs, select_outputs
         stats_outputs = select_outputs(train, cfg.debug.tensors)
         add_outputs(train, stats_outputs)
@@ -337,7 +338,7 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
         "loss": LOSS,
         "model": to_dict(cfg.model),
         "optimizer": to_dict(cfg.optimizer),
-        "build": build_options(cfg),
+        "build": build,
         "stats_outputs": stats_outputs,
         "files": {f"{n}.onnx": sha256_file(os.path.join(out_dir, f"{n}.onnx")) for n in files}
                  | {"weights.safetensors": sha256_file(os.path.join(out_dir, "weights.safetensors"))},

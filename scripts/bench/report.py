@@ -322,6 +322,15 @@ def variant_table(t, out):
     out.append("")
 
 
+def ranked_ops_table(columns: dict, headers: dict, rows: int, cell, out) -> None:
+    """A table of each column's top ``rows`` ops (``columns[c]["ops"]``, ranked), one cell per op."""
+    out.append("| rank | " + " | ".join(headers[c] for c in columns) + " |")
+    out.append("|---|" + "---|" * len(columns))
+    for i in range(rows):
+        cells = [cell(c, columns[c]["ops"][i]) if i < len(columns[c]["ops"]) else "" for c in columns]
+        out.append(f"| {i + 1} | " + " | ".join(cells) + " |")
+
+
 def levers_section(R, out):
     out.append("The train graph alone (scripts/bench/levers.py: one Engine per variant in one process, steps "
                "interleaved, order reversed every round). `static` = trainrun's train graph, built for the "
@@ -342,20 +351,10 @@ def levers_section(R, out):
         if prof:
             out.append(f"### {name}: onnxruntime profile of the train graph, 1 thread (share of kernel time, "
                        f"kernel ms per step)\n")
-            cols = list(prof)
-            out.append("| rank | " + " | ".join(f"{c} ({prof[c]['step_ms']:.0f} ms/step)" for c in cols) + " |")
-            out.append("|---|" + "---|" * len(cols))
-            for i in range(8):
-                cells = []
-                for c in cols:
-                    ops = prof[c]["ops"]
-                    if i < len(ops):
-                        o = ops[i]
-                        ms = o.get("ms_per_step", o["ms"] / max(1, prof[c].get("steps", 1)))
-                        cells.append(f"{o['op']} {pct(o['share'], 1)} ({ms:.1f} ms)")
-                    else:
-                        cells.append("")
-                out.append(f"| {i + 1} | " + " | ".join(cells) + " |")
+            def cell(c, o):
+                ms = o.get("ms_per_step", o["ms"] / max(1, prof[c].get("steps", 1)))
+                return f"{o['op']} {pct(o['share'], 1)} ({ms:.1f} ms)"
+            ranked_ops_table(prof, {c: f"{c} ({prof[c]['step_ms']:.0f} ms/step)" for c in prof}, 8, cell, out)
             out.append("")
 
 
@@ -365,20 +364,10 @@ def scaling_section(R, out):
         return
     out.append("### mid: which ops of the train graph scale from 1 to 2 threads (onnxruntime profiles, micro-batch "
                f"{R['models_def']['mid']['global_batch']})\n")
-    cols = list(sc)
-    out.append("| rank | " + " | ".join(f"{c}: {sc[c]['ms_1t']:.0f} -> {sc[c]['ms_2t']:.0f} ms, x{sc[c]['speedup']:.2f}"
-                                      for c in cols) + " |")
-    out.append("|---|" + "---|" * len(cols))
-    for i in range(10):
-        cells = []
-        for c in cols:
-            ops = sc[c]["ops"]
-            if i < len(ops):
-                o = ops[i]
-                cells.append(f"{o['op']} {o['ms_2t']:.0f} ms ({pct(o['share_2t'], 1)}), x{o['speedup'] or 0:.2f}")
-            else:
-                cells.append("")
-        out.append(f"| {i + 1} | " + " | ".join(cells) + " |")
+    ranked_ops_table(sc, {c: f"{c}: {sc[c]['ms_1t']:.0f} -> {sc[c]['ms_2t']:.0f} ms, x{sc[c]['speedup']:.2f}"
+                          for c in sc}, 10,
+                     lambda c, o: f"{o['op']} {o['ms_2t']:.0f} ms ({pct(o['share_2t'], 1)}), x{o['speedup'] or 0:.2f}",
+                     out)
     out.append("\nEach cell: kernel time per step at 2 threads (share), and its speed-up from 1 thread.\n")
 
 
