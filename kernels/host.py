@@ -28,7 +28,8 @@ import math
 import numpy as np
 
 from trainrun.config import OptimizerConfig
-from trainrun.optim import state_names, weight_decays
+
+from .optimizers import state_names, weight_decays
 
 _F32 = np.float32
 
@@ -122,7 +123,7 @@ class HostOptimizer:
 
     def step(self, params: np.ndarray, grads: np.ndarray, state: dict[str, np.ndarray], lr: float, step: int,
              grad_scale: float) -> None:
-        """Update params and state (keys = trainrun.optim.state_names(cfg)) in place; step is 1-based;
+        """Update params and state (keys = state_names(cfg)) in place; step is 1-based;
         grads are multiplied by grad_scale first; grads are not modified."""
         self._check("params", params)
         self._check("grads", grads)

@@ -1,4 +1,10 @@
-"""Optimizer update rules over flat buffers, each written once with :mod:`.sym`.
+"""Optimizer update rules over flat buffers, written as symbolic math with :mod:`.sym`.
+
+This is the form that becomes the optimizer graph (ONNX, any execution
+provider). :mod:`.host` holds the same rules as chunked in-place NumPy for the
+CPU: two implementations of one semantics, held together by
+tests/test_host_optim.py (every rule and mode, rtol 1e-6). Which one runs is
+decided once, by :func:`trainrun.optim.build`.
 
 Every rule takes an :class:`Update` (the symbolic inputs of one step) and the
 rule's hyper-parameters, and returns ``(new_params, {state_name: new_state})``.
@@ -12,10 +18,28 @@ corrections are moved onto scalars), each rewrite noted where it happens.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from dataclasses import dataclass
 
+from trainrun.config import OptimizerConfig
+
 from .sym import Sym, clip, concat, fill, sqrt, sum_squares, where
+
+
+def state_names(cfg: OptimizerConfig) -> list[str]:
+    """Per-element state buffers of the optimizer, in graph input order."""
+    if cfg.name in ("adam", "adamw", "lamb"):
+        return ["exp_avg", "exp_avg_sq"]
+    if cfg.name == "sgd":
+        return ["momentum"] if cfg.momentum > 0 else []
+    raise ValueError(f"unknown optimizer {cfg.name!r}")
+
+
+def weight_decays(cfg: OptimizerConfig, names: list[str]) -> list[float]:
+    """Each parameter's weight decay: 0 when its name matches a no_decay pattern."""
+    return [0.0 if any(fnmatch.fnmatchcase(n, pat) for pat in cfg.no_decay) else float(cfg.weight_decay)
+            for n in names]
 
 
 @dataclass

@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     from trainrun import config as C
     from trainrun.data import TrainLoader, open_dataset
     from trainrun.schedule import learning_rate
-    from trainrun.stats import Moments, StatsFile, summarize
+    from trainrun.observe.stats import Moments, StatsFile, summarize
 
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)

@@ -52,7 +52,7 @@ def make_engine(tmp_path, shape, batch, seq, **cfg_over):
                        "run": {"output_dir": str(tmp_path), "seed": 3}, **cfg_over})
     graphs_dir = G.prepare(cfg)
     shapes = {"input_ids": ((batch, seq), np.int64), "labels": ((batch, seq), np.int64)}
-    eng = Engine(graphs_dir, EngineOptions(threads=2), shapes, shapes, state_names=[])
+    eng = Engine(graphs_dir, EngineOptions(threads=2), shapes, shapes)
     eng.load_weights()
     return eng
 

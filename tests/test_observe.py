@@ -290,7 +290,7 @@ def test_pytorch_reference_statistics_match(tmp_path, byte_dataset):
 
 def test_moments_merge_exactly_and_count_non_finite_values():
     """The statistics of a step's micro-batches merged = those of the whole batch; NaN/Inf counted apart."""
-    from trainrun.stats import Moments, summarize
+    from trainrun.observe.stats import Moments, summarize
     x = np.random.default_rng(0).standard_normal(3_000_003).astype(np.float32) * 3 + 1
     x[[5, 70, 2_000_000]] = [np.nan, np.inf, -np.inf]
     finite = x[np.isfinite(x)].astype(np.float64)

@@ -74,7 +74,7 @@ def test_user_torch_onnx_gpt2_prepares_and_trains(tmp_path, tiny_gpt2):
     manifest = G.load_manifest(graphs_dir)
     assert manifest["num_params"] == sum(p.numel() for p in hf.parameters())
     shapes = {"input_ids": ((batch, seq), np.int64), "labels": ((batch, seq), np.int64)}
-    eng = Engine(graphs_dir, EngineOptions(threads=2), shapes, shapes, state_names(cfg.optimizer))
+    eng = Engine(graphs_dir, EngineOptions(threads=2), shapes, shapes, cfg.optimizer)
     eng.load_weights()
     rng = np.random.default_rng(0)
     data = {"input_ids": rng.integers(0, 300, (batch, seq)), "labels": rng.integers(0, 300, (batch, seq))}
@@ -94,7 +94,7 @@ def test_user_torch_onnx_gpt2_prepares_and_trains(tmp_path, tiny_gpt2):
     losses = []
     for step in range(1, 31):
         losses.append(eng.forward_backward(data, accumulate=False))
-        eng.optimizer_step(lr=1e-2, step=step, grad_scale=1.0)
+        eng.optimizer.step(lr=1e-2, t=step, grad_scale=1.0)
     assert losses[-1] < 0.5 * losses[0], losses
 
 
@@ -145,4 +145,4 @@ def test_static_shapes_fix_only_the_train_graph(tmp_path, tiny_gpt2):
     wrong = {"input_ids": ((2, 16), np.int64), "labels": ((2, 16), np.int64)}
     with pytest.raises(UsageError, match=r"train.onnx: input 'input_ids' has shape \[3, 16\], the batch has "
                                          r"\[2, 16\] .*prepare again"):
-        Engine(graphs_dir, EngineOptions(), wrong, wrong, state_names(cfg.optimizer))
+        Engine(graphs_dir, EngineOptions(), wrong, wrong, cfg.optimizer)

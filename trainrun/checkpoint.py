@@ -6,8 +6,10 @@ Layout of ``<run>/checkpoints/<step>/``::
                            safetensors/transformers/numpy tools)
     optimizer.safetensors  optimizer state, keys "<state>/<param name>" (e.g. exp_avg/...)
     state.json             step, updates, skipped steps, data-loader position, LR-schedule
-                           position, world size at save time, graph hashes, trainrun version
+                           position, world size and global batch at save time, seed, graph
+                           hashes, the names of the optimizer states
     config.yaml            the resolved config of the run
+    rank-<r>.json          each rank's step, data position and sha256 of its parameters
     checksums.json         sha256 of every file above
     COMMITTED              written last, after every rank finished: holds sha256(checksums.json)
 
@@ -38,8 +40,8 @@ import threading
 import numpy as np
 
 from .data import sha256_file
-from .engine import to_host
-from .errors import UsageError
+from .engine import from_host, to_host
+from .errors import TrainrunError, UsageError
 
 COMMITTED = "COMMITTED"
 STAGING = ".staging-"
@@ -322,3 +324,103 @@ class CheckpointWriter:
         done = complete_checkpoints(self.root)
         for old in done[:-self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- the runner's one component
+
+def _collective(exc: TrainrunError) -> TrainrunError:
+    exc.collective = True       # every rank raises it from the same agreed value
+    return exc
+
+
+class Checkpointer:
+    """Saving, committing and restoring checkpoints, on every rank of ``comm``.
+
+    :meth:`save` snapshots the buffers and writes them in the background;
+    the write's progress rides in the runner's per-step scalar allreduce
+    (:meth:`status` before it, :meth:`progress` with the reduced values after
+    it), so a commit costs no collective of its own. :meth:`finish` settles
+    the write in flight at the end; :meth:`restore` fills the buffers from a
+    checkpoint and returns its ``state.json``.
+    """
+
+    def __init__(self, run_dir: str, comm, keep_last: int, log=print):
+        self.comm = comm
+        self.rank, self.world = comm.rank, comm.world_size
+        self.log = log
+        self.writer = CheckpointWriter(run_dir, self.rank, self.world, keep_last, log=log)
+        self.saved_step: int | None = None     # step of the newest committed checkpoint
+
+    # -- saving
+    def status(self) -> tuple[float, float]:
+        """(done, failed) of this rank's write in flight, to be summed over ranks."""
+        return self.writer.status()
+
+    def progress(self, done: float, failed: float) -> None:
+        """After the per-step allreduce of :meth:`status`: commit once every rank is done;
+        a failure on any rank raises the same collective error everywhere."""
+        w = self.writer
+        if w.pending_step is None:
+            return
+        if failed:
+            step = w.pending_step
+            causes = self.comm.allgather_object(w.error_text())
+            w.abandon()
+            raise _collective(TrainrunError(
+                f"checkpoint at step {step} failed ("
+                + "; ".join(f"rank {r}: {c}" for r, c in enumerate(causes) if c)
+                + "); older checkpoints are intact"))
+        if done == self.world:
+            step = w.pending_step
+            if self.rank == 0:
+                self.log(f"checkpoint saved: {w.commit()}")
+            else:
+                w.pending_step = None
+            self.saved_step = step
+
+    def _settle(self) -> None:
+        """Wait for the write in flight (if any) and commit or fail it, on every rank."""
+        if self.writer.pending_step is not None:
+            self.writer.wait()
+            self.progress(*self.comm.allreduce_scalars(list(self.writer.status()), op="sum"))
+
+    def save(self, step: int, layout, buffers: dict, meta: dict, config_yaml: str) -> None:
+        """Snapshot ``buffers`` ("params" and one per optimizer state) and write them in the
+        background; ``meta`` becomes state.json (``step`` and ``loader`` are required)."""
+        self._settle()     # at most one write in flight
+        meta = {"format_version": FORMAT_VERSION, **meta, "step": step,
+                "optimizer_states": [k for k in buffers if k != "params"]}
+        self.writer.start(step, layout, buffers, meta, config_yaml)
+
+    def finish(self) -> None:
+        """At the end of training: the last write committed (or its failure raised)."""
+        self._settle()
+
+    # -- restoring
+    def restore(self, ckpt: str, layout, params, state: dict) -> dict:
+        """Fill ``params`` and each ``state`` buffer (numpy or cupy) from ``ckpt`` on every rank;
+        return its state.json. Rank 0 verifies the checksums first."""
+        error, saved = None, None
+        try:
+            if self.rank == 0:
+                verify(ckpt)       # once; every rank then reads the verified files
+        except TrainrunError as exc:
+            error = exc
+        self.comm.agree(error)
+        try:
+            saved = read_state(ckpt)
+            host = np.empty(layout.total, np.float32)
+            load_tensors_into(os.path.join(ckpt, "model.safetensors"), layout.names, layout.shapes, host)
+            from_host(params, host)
+            for name, buf in state.items():
+                if name not in saved["optimizer_states"]:
+                    raise UsageError(f"{ckpt}: holds no optimizer state '{name}' (saved: "
+                                     f"{saved['optimizer_states']}); the optimizer changed")
+                load_tensors_into(os.path.join(ckpt, "optimizer.safetensors"), layout.names, layout.shapes,
+                                  host, prefix=f"{name}/")
+                from_host(buf, host)
+        except TrainrunError as exc:
+            error = exc
+        self.comm.agree(error)
+        self.saved_step = saved["step"]
+        return saved

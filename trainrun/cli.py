@@ -73,11 +73,10 @@ def train(config_path, overrides, log_level):
 @click.option("--force", is_flag=True, help="Allow --set of keys that change the model or optimizer.")
 def resume(run_dir, overrides, log_level, force):
     """Continue a run from its latest complete checkpoint (or the named one)."""
-    try:
-        from .runner import resume as run_resume
-    except ImportError:
-        raise TrainrunError("resume is not yet available") from None
-    run_resume(run_dir, _with_log_level(overrides, log_level), force=force)
+    from .resume import resume_config
+    from .runner import train as run_train
+    cfg, ckpt = resume_config(run_dir, _with_log_level(overrides, log_level), force=force)
+    run_train(cfg, resume_from=ckpt)
 
 
 @cli.command()
@@ -87,10 +86,7 @@ def resume(run_dir, overrides, log_level, force):
 @click.option("--with-loss", is_flag=True, help="Keep the loss output (takes labels).")
 def export(checkpoint, output, opset, with_loss):
     """Write an inference ONNX model from a checkpoint (offline, no MPI)."""
-    try:
-        from .export import export_checkpoint
-    except ImportError:
-        raise TrainrunError("export is not yet available") from None
+    from .export import export_checkpoint
     export_checkpoint(checkpoint, output, opset=opset, with_loss=with_loss)
 
 
@@ -144,7 +140,7 @@ def config_validate(config_path, overrides):
 def doctor(config_path, overrides, size_mb, iters):
     """Check the distributed set-up (run under mpirun): ranks, hosts, devices, versions,
     an allreduce of known values, allreduce bandwidth, same config/data/graphs everywhere."""
-    from .doctor import run_doctor
+    from .observe.doctor import run_doctor
     cfg, raw = None, b""
     if config_path:
         cfg = C.load_config(config_path, overrides)
@@ -170,7 +166,7 @@ def doctor(config_path, overrides, size_mb, iters):
 def compare(run_a, run_b, rtol, atol, ranks, patterns, max_rows):
     """Compare two runs' statistics (debug.stats_every): the first step and tensor where
     they diverge beyond tolerance, then a per-step summary. Exit 0 same, 1 diverged."""
-    from .compare import compare as run_compare
+    from .observe.compare import compare as run_compare
     text, diverged = run_compare(run_a, run_b, rtol=rtol, atol=atol, ranks=list(ranks) or None,
                                  patterns=list(patterns) or None, max_rows=max_rows)
     click.echo(text)
@@ -191,7 +187,7 @@ def profile_group():
 def profile_summarize(directory, top, by):
     """Top operators by total time and the phase breakdown per rank (DIRECTORY: the profile
     directory or the run directory)."""
-    from .profile import summarize
+    from .observe.profile import summarize
     click.echo(summarize(directory, top=top, by=by))
 
 

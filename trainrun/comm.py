@@ -222,6 +222,21 @@ class Communicator:
         """End every rank of the job now with exit status ``code``; does not return."""
         raise NotImplementedError
 
+    def agree(self, error: TrainrunError | None) -> None:
+        """Raise the same error on every rank when any rank has one (the lowest rank's wins).
+
+        Every rank must call it. Such an error is *collective*: no rank is left
+        waiting in a collective, so the job ends normally with the error's exit
+        code instead of an MPI abort."""
+        mine = [error.exit_code, error.message, error.problems] if error else None
+        for r, report in enumerate(self.allgather_object(mine)):
+            if report:
+                code, message, problems = report
+                exc = (UsageError if code == 2 else TrainrunError)(
+                    message if r == 0 or self.world_size == 1 else f"rank {r}: {message}", problems)
+                exc.collective = True
+                raise exc
+
     def close(self) -> None:
         """Release communicator resources. Idempotent. MPI itself is finalised at exit."""
 

@@ -6,10 +6,9 @@ state is bound once to a view of those arrays (zero copy). Data inputs,
 ``lazy_reset_grad``, ``lr``/``step``/``grad_scale`` and the loss are small
 preallocated arrays bound once too, so a step allocates nothing in Python.
 
-The optimizer graph is bound in place: ``params``/``params_out`` (and each
-``<state>``/``<state>_out``) share one buffer. On the CPU the same update
-rule runs by default as chunked NumPy over those buffers instead
-(:mod:`trainrun.kernels.host`), and the optimizer graph is not loaded.
+``engine.optimizer`` (:func:`trainrun.optim.build`) updates the parameters in
+place and owns the optimizer state; when it runs a graph, the engine opens that
+session and hands it over to be bound.
 """
 
 from __future__ import annotations
@@ -20,6 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import graphs as G
+from . import optim
+from .config import OptimizerConfig
 from .errors import TrainrunError, UsageError
 
 _LEVELS = {"disabled": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
@@ -171,7 +172,7 @@ class Engine:
     """
 
     def __init__(self, graphs_dir: str, opts: EngineOptions, batch_shapes: dict, eval_batch_shapes: dict,
-                 state_names: list[str]):
+                 optimizer: OptimizerConfig | None = None):
         self.dir = graphs_dir
         self.opts = opts
         self.manifest = G.load_manifest(graphs_dir)
@@ -186,27 +187,18 @@ class Engine:
         xp = self.xp
         self.params = xp.zeros(N, np.float32)
         self.grads = xp.zeros(N, np.float32)
-        self.state = {s: xp.zeros(N, np.float32) for s in state_names}
         self.loss = np.zeros((), np.float32)
         self.eval_loss = np.zeros((), np.float32)
         self.reset = np.ones(1, bool)
-        self.lr = np.zeros((), np.float32)
-        self.step = np.zeros((), np.int64)
-        self.grad_scale = np.ones((), np.float32)
         self.batch = {k: xp.zeros(s, d) for k, (s, d) in batch_shapes.items()}
         self.eval_batch = {k: xp.zeros(s, d) for k, (s, d) in eval_batch_shapes.items()}
 
         self.stats_outputs = list(self.manifest.get("stats_outputs", []))   # debug.tensors, see stats.py
-        self.host_optimizer = None
-        if opts.optimizer_kernel == "host" or (opts.optimizer_kernel == "auto" and xp is np):
-            if xp is not np:
-                raise UsageError("engine.optimizer_kernel host runs on the CPU, the buffers are on the GPU")
-            from .config import OptimizerConfig
-            from .kernels.host import HostOptimizer
-            known = OptimizerConfig.__dataclass_fields__
-            cfg = OptimizerConfig(**{k: v for k, v in self.manifest["optimizer"].items() if k in known})
+        self.optimizer = None       # forward/eval only (tests, export checks) without one
+        if optimizer is not None:
             sizes = [int(np.prod(s, dtype=np.int64)) for s in self.layout.shapes]
-            self.host_optimizer = HostOptimizer(cfg, sizes, self.layout.names)
+            self.optimizer = optim.build(optimizer, self.layout.names, sizes, self.params, self.grads, xp,
+                                         kernel=opts.optimizer_kernel)
         self.reopen(opts)
 
     def reopen(self, opts: EngineOptions) -> tuple:
@@ -217,18 +209,22 @@ class Engine:
         self.opts = opts
         self.train_s = _Bound(os.path.join(self.dir, "train.onnx"), opts, "train")
         self.eval_s = _Bound(os.path.join(self.dir, "eval.onnx"), opts, "eval")
-        self.opt_s = None if self.host_optimizer else _Bound(os.path.join(self.dir, "optimizer.onnx"), opts,
-                                                             "optimizer")
+        self.opt_s = None
         self._bind_all()
+        if self.optimizer is not None and self.optimizer.graph:
+            self.opt_s = _Bound(os.path.join(self.dir, self.optimizer.graph), opts, "optimizer")
+            self.optimizer.bind(self.opt_s)
         return old
 
     def restore(self, old: tuple) -> None:
         self.train_s, self.eval_s, self.opt_s, self.opts = old
+        if self.opt_s is not None:
+            self.optimizer.bind(self.opt_s)
 
     # ------------------------------------------------------------------ binding
     def _bind_all(self) -> None:
         L = self.layout
-        t, e, o = self.train_s, self.eval_s, self.opt_s
+        t, e = self.train_s, self.eval_s
         for name, arr in self.batch.items():
             if name not in t.input_names:
                 raise UsageError(f"data feature '{name}' is not an input of the train graph")
@@ -260,17 +256,6 @@ class Engine:
             for name in extra_eval:
                 e.binding.bind_output(name, "cpu")
 
-        if o is None:
-            return
-        o.bind_in("params", self.params)
-        o.bind_out("params_out", self.params)
-        o.bind_in("grads", self.grads)
-        for s, arr in self.state.items():
-            o.bind_in(s, arr)
-            o.bind_out(s + "_out", arr)
-        o.bind_in("lr", self.lr)
-        o.bind_in("step", self.step)
-        o.bind_in("grad_scale", self.grad_scale)
 
     # ------------------------------------------------------------------ steps
     def set_batch(self, batch: dict, target: dict | None = None) -> None:
@@ -292,16 +277,6 @@ class Engine:
         self.set_batch(batch, self.eval_batch)
         self.eval_s.run()
         return float(self.eval_loss)
-
-    def optimizer_step(self, lr: float, step: int, grad_scale: float) -> None:
-        """Update params and state in place (``step`` is 1-based)."""
-        if self.host_optimizer:
-            self.host_optimizer.step(self.params, self.grads, self.state, lr, step, grad_scale)
-            return
-        self.lr[()] = lr
-        self.step[()] = step
-        self.grad_scale[()] = grad_scale
-        self.opt_s.run()
 
     def load_weights(self, path: str | None = None) -> None:
         """Fill the parameter buffer from a safetensors file (default: the initial weights)."""

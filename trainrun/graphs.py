@@ -32,7 +32,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .config import Config, to_dict
-from .data import sha256_file  # noqa: F401 - re-exported: graphs.sha256_file names the manifest's hash
+from .data import sha256_file
 from .errors import UsageError
 
 IR_VERSION = 9
@@ -279,6 +279,36 @@ def _builder_reason(text: str) -> str:
     return text.split(" was false. ")[-1].split("] ")[-1]
 
 
+def select_outputs(model: onnx.ModelProto, patterns: list[str], protected=()) -> list[str]:
+    """Names of node outputs of ``model`` matching any fnmatch pattern, in graph order.
+
+    Raises a UsageError naming ``debug.tensors`` for a pattern that matches nothing."""
+    existing = {o.name for o in model.graph.output} | set(protected)
+    candidates = [o for n in model.graph.node for o in n.output if o and o not in existing]
+    chosen, unmatched = [], []
+    for pat in patterns:
+        hits = [c for c in candidates if fnmatch.fnmatchcase(c, pat)]
+        if not hits:
+            unmatched.append(pat)
+        chosen += [h for h in hits if h not in chosen]
+    if unmatched:
+        some = ", ".join(c for c in candidates[:40] if "/" not in c)
+        raise UsageError("debug.tensors: no tensor of the train graph matches "
+                         + ", ".join(repr(p) for p in unmatched),
+                         [f"tensor names of the train graph include: {some} ...",
+                          "list them all: python -c \"import onnx,sys; print(*[o for n in onnx.load(sys.argv[1])"
+                          ".graph.node for o in n.output])\" RUN/graphs/train.onnx"])
+    order = {c: i for i, c in enumerate(candidates)}
+    return sorted(chosen, key=order.__getitem__)
+
+
+def add_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    """Make the intermediate tensors ``names`` graph outputs too (type left to onnxruntime)."""
+    for name in names:
+        model.graph.output.append(helper.make_empty_tensor_value_info(name))
+    return model
+
+
 # --------------------------------------------------------------------------- prepare
 
 def _save(model: onnx.ModelProto, path: str) -> None:
@@ -312,7 +342,6 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
     train = build_train_graph(loss_model, fwd.params, source)
     stats_outputs = []
     if build["stats_tensors"]:      # debug.stats_every > 0: chosen tensors become outputs
-        from .stats import add_outputs, select_outputs
         stats_outputs = select_outputs(train, cfg.debug.tensors)
         add_outputs(train, stats_outputs)
     evalg = dropout_off(_params_to_inputs(with_loss(fwd, cfg.model.loss.ignore_index, keep_logits=True),
@@ -365,3 +394,23 @@ def load_manifest(graphs_dir: str) -> dict:
         raise UsageError(f"{path}: format_version {manifest.get('format_version')} "
                          f"(this trainrun reads {FORMAT_VERSION})")
     return manifest
+
+
+# optimizer fields that are inputs of the optimizer graph (or the runner's), not baked into it
+_NOT_BAKED = ("lr", "max_grad_norm")
+
+
+def up_to_date(graphs_dir: str, cfg: Config) -> bool:
+    """Whether ``graphs_dir`` holds the graphs ``cfg`` would prepare (same model, baked optimizer
+    fields and build options, every file present)."""
+    try:
+        manifest = load_manifest(graphs_dir)
+    except UsageError:
+        return False
+
+    def baked(d):
+        return {k: v for k, v in d.items() if k not in _NOT_BAKED}
+    return manifest["model"] == to_dict(cfg.model) \
+        and baked(manifest["optimizer"]) == baked(to_dict(cfg.optimizer)) \
+        and manifest.get("build", DEFAULT_BUILD) == build_options(cfg) \
+        and all(os.path.exists(os.path.join(graphs_dir, f)) for f in manifest["files"])

@@ -1,6 +1,17 @@
-"""The optimizer graph: one in-place update of flat parameter / gradient / state buffers.
+"""The optimizer: one component that updates the flat parameters in place.
 
-Graph interface (N = total number of parameter elements)::
+:func:`build` is the only way in: it takes the run's ``OptimizerConfig``, the
+parameter layout and the flat ``params`` / ``grads`` buffers, owns the state
+buffers (``exp_avg`` ...) and returns an :class:`Optimizer` whose
+:meth:`Optimizer.step` does one update. Who computes it is decided there, once:
+
+* ``host`` (default on the CPU): :class:`trainrun.kernels.host.HostOptimizer`,
+  the rule as chunked in-place NumPy;
+* ``graph`` (default on CUDA): ``graphs/optimizer.onnx`` in onnxruntime, built
+  by :func:`build_optimizer_graph` at prepare time from the symbolic rules of
+  :mod:`trainrun.kernels.optimizers`; the engine hands it a session to bind.
+
+Optimizer graph interface (N = total number of parameter elements)::
 
     inputs   params f32[N], grads f32[N], <state> f32[N] for each state_names(cfg),
              lr f32[] (the scheduled lr), step i64[] (1-based update number),
@@ -12,45 +23,101 @@ row-major. Hyper-parameters other than lr are constants of the graph; weight
 decay is 0 for parameters matching a ``cfg.no_decay`` pattern (fnmatch,
 case-sensitive). ``eps_mode`` applies to adam and adamw; LAMB always uses ORT's
 m_hat / (sqrt(v_hat) + eps). Every input is declared even where a rule does not
-read it (``step`` for SGD or without bias correction). Only standard ONNX operators (opset 17) are used, so the graph
-runs on any execution provider, and it is safe to bind each ``X_out`` to the
-same buffer as ``X`` (see :func:`inplace_aliases`). Clipping and the is-finite
-check are the caller's: pass the clip divisor's inverse as ``grad_scale`` and
-skip the update when the gradients are not finite.
-
-The update rules live in :mod:`trainrun.kernels.optimizers`.
+read it (``step`` for SGD or without bias correction). Only standard ONNX
+operators (opset 17) are used, so the graph runs on any execution provider, and
+it is safe to bind each ``X_out`` to the same buffer as ``X`` (see
+:func:`inplace_aliases`). Clipping and the is-finite check are the caller's:
+pass the clip divisor's inverse as ``grad_scale`` and skip the update when the
+gradients are not finite.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import math
 
+import numpy as np
 import onnx
 
 from trainrun.config import OptimizerConfig
 from trainrun.kernels import optimizers as rules
+from trainrun.kernels.optimizers import state_names, weight_decays
 from trainrun.kernels.sym import DOUBLE, FLOAT, INT64, GraphBuilder, inplace_conflicts
 
+GRAPH = "optimizer.onnx"
 
-def state_names(cfg: OptimizerConfig) -> list[str]:
-    """Per-element state buffers of the optimizer, in graph input order."""
-    if cfg.name in ("adam", "adamw", "lamb"):
-        return ["exp_avg", "exp_avg_sq"]
-    if cfg.name == "sgd":
-        return ["momentum"] if cfg.momentum > 0 else []
-    raise ValueError(f"unknown optimizer {cfg.name!r}")
+
+class Optimizer:
+    """One update rule over flat buffers. ``state``: name -> flat buffer (same device as params)."""
+
+    graph: str | None = None     # the graph file this optimizer runs, if any (the engine opens it)
+
+    def __init__(self, cfg: OptimizerConfig, params, grads, xp):
+        self.cfg = cfg
+        self.params, self.grads = params, grads
+        self.state = {s: xp.zeros(params.shape, np.float32) for s in state_names(cfg)}
+
+    def step(self, lr: float, t: int, grad_scale: float) -> None:
+        """Update params and state in place: the ``t``-th update (1-based), grads times ``grad_scale``."""
+        raise NotImplementedError
+
+
+class _Host(Optimizer):
+    def __init__(self, cfg, params, grads, xp, sizes, names):
+        super().__init__(cfg, params, grads, xp)
+        from trainrun.kernels.host import HostOptimizer
+        self.kernel = HostOptimizer(cfg, sizes, names)
+
+    def step(self, lr, t, grad_scale):
+        self.kernel.step(self.params, self.grads, self.state, lr, t, grad_scale)
+
+
+class _Graph(Optimizer):
+    graph = GRAPH
+
+    def __init__(self, cfg, params, grads, xp):
+        super().__init__(cfg, params, grads, xp)
+        # scalar inputs live on the host; onnxruntime copies them to the device at each run
+        self.lr = np.zeros((), np.float32)
+        self.t = np.zeros((), np.int64)
+        self.grad_scale = np.ones((), np.float32)
+        self.session = None
+
+    def bind(self, session) -> None:
+        """Bind ``session`` (the engine's, of :data:`GRAPH`) to the buffers, in place."""
+        session.bind_in("params", self.params)
+        session.bind_out("params_out", self.params)
+        session.bind_in("grads", self.grads)
+        for s, arr in self.state.items():
+            session.bind_in(s, arr)
+            session.bind_out(s + "_out", arr)
+        session.bind_in("lr", self.lr)
+        session.bind_in("step", self.t)
+        session.bind_in("grad_scale", self.grad_scale)
+        self.session = session
+
+    def step(self, lr, t, grad_scale):
+        self.lr[()] = lr
+        self.t[()] = t
+        self.grad_scale[()] = grad_scale
+        self.session.run()
+
+
+def build(cfg: OptimizerConfig, names: list[str], sizes: list[int], params, grads, xp=np, *,
+          kernel: str = "auto") -> Optimizer:
+    """The optimizer of ``cfg`` over flat ``params``/``grads`` laid out as ``names``/``sizes``;
+    ``xp`` is their array module (numpy, or cupy on the GPU). ``kernel``: host, graph or auto
+    (host for numpy buffers, graph otherwise)."""
+    on_host = xp is np
+    if kernel == "host" or (kernel == "auto" and on_host):
+        if not on_host:     # config validation refuses it first; this guards other callers
+            raise ValueError("the host optimizer kernel runs on the CPU; the buffers are on the GPU")
+        return _Host(cfg, params, grads, xp, sizes, names)
+    return _Graph(cfg, params, grads, xp)
 
 
 def inplace_aliases(cfg: OptimizerConfig) -> dict[str, str]:
     """Graph input -> output pairs meant to share one buffer."""
     return {name: f"{name}_out" for name in ["params", *state_names(cfg)]}
-
-
-def weight_decays(cfg: OptimizerConfig, names: list[str]) -> list[float]:
-    """Each parameter's weight decay: 0 when its name matches a no_decay pattern."""
-    return [0.0 if any(fnmatch.fnmatchcase(n, pat) for pat in cfg.no_decay) else float(cfg.weight_decay)
-            for n in names]
 
 
 def build_optimizer_graph(cfg: OptimizerConfig, params: list[tuple[str, tuple[int, ...]]]) -> onnx.ModelProto:

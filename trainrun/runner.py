@@ -1,18 +1,23 @@
 """The TrainingRunner: the data-parallel training loop.
 
-One step, in the order of ORT's C++ runner:
+One step (:meth:`TrainingRunner.train_step`), in the order of ORT's C++ runner:
 
-1. ``gradient_accumulation_steps`` micro-batches, gradients accumulated in place;
-2. ONE allreduce (sum) over the flat gradient buffer;
-3. global gradient norm (of the averaged gradient), finite check agreed by all
-   ranks, clipping to ``max_grad_norm``;
-4. the optimizer graph, in place; a non-finite step is skipped on every rank;
-5. the learning rate is a pure function of the step (:mod:`trainrun.schedule`);
-6. logging every ``log_every`` steps, eval every ``eval_every`` steps.
+1. ``forward_backward``: ``gradient_accumulation_steps`` micro-batches, gradients
+   accumulated in place in the flat gradient buffer;
+2. ``reduce``: ONE allreduce (sum) over the flat gradient buffer;
+3. ``agree``: the global gradient norm, then ONE small allreduce of scalars that
+   carries the loss, the finite check and the background checkpoint's progress,
+   so every rank takes the same decision;
+4. ``clip``: the divisor that brings the norm down to ``max_grad_norm``;
+5. ``optimizer step``: in place, at the learning rate of this step (a pure
+   function of the step, :mod:`trainrun.schedule`); a non-finite step is skipped
+   on every rank.
 
-The averaging factor 1/(accum x world) and the clipping divisor are applied
-inside the optimizer graph (its ``grad_scale`` input) instead of in extra passes
-over the gradient buffer; in float32 that is the same arithmetic.
+Around it, :meth:`fit` logs every ``log_every`` steps, evaluates every
+``eval_every`` and checkpoints every ``checkpoint.every`` steps. The averaging
+factor 1/(accum x world) and the clipping divisor are applied inside the
+optimizer (its ``grad_scale``) instead of in extra passes over the gradients;
+in float32 that is the same arithmetic.
 """
 
 from __future__ import annotations
@@ -24,61 +29,29 @@ import os
 import platform
 import time
 
-import numpy as np
-
 from . import checkpoint as K
 from . import config as C
 from . import graphs as G
 from .comm import make_communicator
 from .data import TrainLoader, eval_batches, open_dataset
-from .engine import Engine, EngineOptions, from_host
+from .engine import Engine, EngineOptions
 from .errors import TrainrunError, UsageError
-from .metrics import Metrics, fmt_duration
 from .observe import Observer, apply_log_level, engine_options
-from .optim import state_names
+from .observe.metrics import Metrics, fmt_duration
+from .observe.timer import PhaseTimer
 from .schedule import learning_rate
 
 MAX_NONFINITE_IN_A_ROW = 8
 _ORT_SEVERITY = {"warning": 3, "info": 3, "devinfo": 1, "verbose": 0}
-# optimizer fields that are inputs of the optimizer graph, not baked into it
-_NOT_BAKED = ("lr", "max_grad_norm")
-
-
-class PhaseTimer:
-    """Wall time per phase of the step (data, forward_backward, allreduce, optimizer, ...)."""
-
-    def __init__(self):
-        self.total: dict[str, float] = {}
-        self._t = time.perf_counter()
-        self.spans: list | None = None     # (phase, start, end) of each mark while profiling records them
-
-    def mark(self, phase: str) -> None:
-        now = time.perf_counter()
-        self.total[phase] = self.total.get(phase, 0.0) + now - self._t
-        if self.spans is not None:
-            self.spans.append((phase, self._t, now))
-        self._t = now
-
-    def shares(self) -> dict[str, float]:
-        s = sum(self.total.values()) or 1.0
-        return {k: v / s for k, v in self.total.items()}
 
 
 def _config_hash(cfg: C.Config) -> str:
     return hashlib.sha256(C.to_yaml(cfg).encode()).hexdigest()[:16]
 
 
-def _graphs_match(graphs_dir: str, cfg: C.Config) -> bool:
-    try:
-        manifest = G.load_manifest(graphs_dir)
-    except UsageError:
-        return False
-    def baked(d):
-        return {k: v for k, v in d.items() if k not in _NOT_BAKED}
-    return manifest["model"] == C.to_dict(cfg.model) \
-        and baked(manifest["optimizer"]) == baked(C.to_dict(cfg.optimizer)) \
-        and manifest.get("build", G.DEFAULT_BUILD) == G.build_options(cfg) \
-        and all(os.path.exists(os.path.join(graphs_dir, f)) for f in manifest["files"])
+def _collective(exc: TrainrunError) -> TrainrunError:
+    exc.collective = True       # every rank raises it from the same agreed value: no abort needed
+    return exc
 
 
 class TrainingRunner:
@@ -103,15 +76,16 @@ class TrainingRunner:
         self.step = 0              # optimizer steps taken (including skipped non-finite ones)
         self.updates = 0           # successful updates: the optimizer's own step count
         self.skipped = 0
-        self.saved_step = None     # step of the newest committed checkpoint
-        self.writer = K.CheckpointWriter(self.out, self.rank, self.world, cfg.checkpoint.keep_last, log=self.log)
+        self.nonfinite_in_a_row = 0
+        self.checkpoints = K.Checkpointer(self.out, comm, cfg.checkpoint.keep_last, log=self.log)
         if resume_from:
-            self._load(resume_from)
+            self._restore(resume_from)
         self.metrics = Metrics(self.out, enabled=self.is_main, tensorboard=cfg.tensorboard.enabled,
                                quiet=cfg.run.log_level == "warning", total_steps=t.max_steps,
                                start_step=self.step)
         self.timer = PhaseTimer()
-        self.observe = Observer(self)   # profiling, statistics, per-rank logs: off unless configured
+        # profiling, statistics, per-rank logs: off unless configured
+        self.observe = Observer(cfg, self.rank, self.world, self.engine, self.timer, self.log)
 
     # ------------------------------------------------------------------ set-up
     def log(self, text: str, all_ranks: bool = False) -> None:
@@ -133,27 +107,12 @@ class TrainingRunner:
                 os.makedirs(self.out, exist_ok=True)
                 with open(os.path.join(self.out, "config.yaml"), "w") as fh:
                     fh.write(C.to_yaml(cfg))
-                if not _graphs_match(self.graphs_dir, cfg):
+                if not G.up_to_date(self.graphs_dir, cfg):
                     self.log(f"preparing graphs in {self.graphs_dir}")
                     G.prepare(cfg, self.graphs_dir)
             except TrainrunError as exc:
                 error = exc
-        self._agree(error)
-
-    def _agree(self, error: TrainrunError | None) -> None:
-        """Raise the same error on every rank when any rank has one (the first rank's wins).
-
-        Such an error is *collective*: no rank is left waiting in a collective, so the
-        job ends normally with the error's exit code instead of an MPI abort."""
-        mine = [error.exit_code, error.message, error.problems] if error else None
-        reports = self.comm.allgather_object(mine)
-        for r, report in enumerate(reports):
-            if report:
-                code, message, problems = report
-                exc = (UsageError if code == 2 else TrainrunError)(
-                    message if r == 0 or self.world == 1 else f"rank {r}: {message}", problems)
-                exc.collective = True
-                raise exc
+        self.comm.agree(error)
 
     def _check_same_everywhere(self) -> None:
         try:
@@ -164,19 +123,15 @@ class TrainingRunner:
         everyone = self.comm.allgather_object(mine)
         ref = everyone[0]
         for r, other in enumerate(everyone):   # every rank sees the same list: the error is collective
-            error = None
             if other.get("graphs") is None:
-                error = UsageError(f"rank {r} cannot read the prepared graphs: {other.get('error')}")
-            elif other["config"] != ref["config"]:
-                error = UsageError(f"rank {r} has a different config than rank 0 "
-                                   f"(hash {other['config']} vs {ref['config']}); launch every rank with the "
-                                   f"same --config and --set")
-            elif other["graphs"] != ref["graphs"]:
-                error = UsageError(f"rank {r} ({other['host']}) sees different graph files than rank 0 in "
-                                   f"{self.graphs_dir}")
-            if error:
-                error.collective = True
-                raise error
+                raise _collective(UsageError(f"rank {r} cannot read the prepared graphs: {other.get('error')}"))
+            if other["config"] != ref["config"]:
+                raise _collective(UsageError(
+                    f"rank {r} has a different config than rank 0 (hash {other['config']} vs {ref['config']}); "
+                    f"launch every rank with the same --config and --set"))
+            if other["graphs"] != ref["graphs"]:
+                raise _collective(UsageError(f"rank {r} ({other['host']}) sees different graph files than "
+                                             f"rank 0 in {self.graphs_dir}"))
         self.manifest = manifest
 
     def _open_data(self) -> None:
@@ -209,62 +164,86 @@ class TrainingRunner:
                              **engine_options(cfg, self.rank))
         mb = cfg.train.micro_batch_size
         shapes = {name: ((mb, *shape), dtype) for name, (shape, dtype) in self.train_ds.specs.items()}
-        self.engine = Engine(self.graphs_dir, opts, shapes, shapes, state_names(cfg.optimizer))
+        self.engine = Engine(self.graphs_dir, opts, shapes, shapes, cfg.optimizer)
         self.engine.load_weights()
+
+    def _restore(self, ckpt: str) -> None:
+        """Parameters, optimizer state, step counters and the data position of ``ckpt``."""
+        eng = self.engine
+        state = self.checkpoints.restore(ckpt, eng.layout, eng.params, eng.optimizer.state)
+        self.loader.load_state_dict(state["loader"])
+        self.step, self.updates, self.skipped = state["step"], state["updates"], state["skipped_steps"]
+        self.log(f"resumed from {ckpt} at step {self.step} (saved by {state['world_size']} rank(s), "
+                 f"now {self.world})")
 
     # ------------------------------------------------------------------ the step
     def train_step(self) -> dict:
-        cfg, eng, timer = self.cfg, self.engine, self.timer
+        timer = self.timer
         micro = self.loader.next_step()
         timer.mark("data")
         stats = self.observe.stats_step(self.step + 1)     # None unless debug.stats_every says so
+        loss_sum = self.forward_backward(micro, stats)
+        timer.mark("forward_backward")
+        self.comm.allreduce_(self.engine.grads)
+        timer.mark("allreduce")
+        loss, grad_norm, finite = self.agree(loss_sum)
+        timer.mark("norm")
+        self.step += 1
+        lr = learning_rate(self.step, self.cfg.optimizer.lr, self.cfg.train.max_steps, self.cfg.lr_schedule)
+        scale = self.grad_scale()
+        if finite:
+            self.optimizer_step(lr, scale / self.clip_divisor(grad_norm))
+        else:
+            self.skip_step()
+        timer.mark("optimizer")
+        result = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "local_loss": loss_sum / self.accum}
+        if stats:
+            stats.finish(self.step, scale, result)
+            timer.mark("stats")
+        return result
+
+    def forward_backward(self, micro: list[dict], stats=None) -> float:
+        """This rank's micro-batches, gradients summed in place; the sum of their losses."""
         loss_sum = 0.0
         for a, batch in enumerate(micro):
-            loss_sum += eng.forward_backward(batch, accumulate=a > 0)
+            loss_sum += self.engine.forward_backward(batch, accumulate=a > 0)
             if stats:
                 stats.micro_batch()
-        self.local_loss = loss_sum / self.accum
-        timer.mark("forward_backward")
+        return loss_sum
 
-        self.comm.allreduce_(eng.grads)
-        timer.mark("allreduce")
+    def grad_scale(self) -> float:
+        """The gradient buffer holds a sum over ranks and micro-batches: this makes it the mean."""
+        return 1.0 / (self.accum * self.world)
 
-        scale = 1.0 / (self.accum * self.world)          # sum over ranks and micro-batches -> mean
-        norm_sq = eng.grad_norm_sq()
-        grad_norm = math.sqrt(norm_sq) * scale if math.isfinite(norm_sq) else float("inf")
-        # one tiny collective: loss, the finite check and the background checkpoint's status
-        ck_done, ck_failed = self.writer.status()
+    def agree(self, loss_sum: float) -> tuple[float, float, bool]:
+        """(mean loss, gradient norm, finite on every rank), from one allreduce of a few scalars
+        that also carries the background checkpoint's progress."""
+        norm_sq = self.engine.grad_norm_sq()
+        grad_norm = math.sqrt(norm_sq) * self.grad_scale() if math.isfinite(norm_sq) else float("inf")
+        ck_done, ck_failed = self.checkpoints.status()
         loss_total, nonfinite, ck_done, ck_failed = self.comm.allreduce_scalars(
             [loss_sum, 0.0 if math.isfinite(grad_norm) else 1.0, ck_done, ck_failed], op="sum")
-        loss = loss_total / (self.accum * self.world)
-        self._checkpoint_progress(ck_done, ck_failed)
-        timer.mark("norm")
+        self.checkpoints.progress(ck_done, ck_failed)
+        return loss_total / (self.accum * self.world), grad_norm, not nonfinite
 
-        self.step += 1
-        lr = learning_rate(self.step, cfg.optimizer.lr, cfg.train.max_steps, cfg.lr_schedule)
-        if nonfinite:
-            self.skipped += 1
-            self._nonfinite_in_a_row += 1
-            if self._nonfinite_in_a_row >= MAX_NONFINITE_IN_A_ROW:
-                exc = TrainrunError(f"{self._nonfinite_in_a_row} steps in a row had non-finite gradients "
-                                    f"(last at step {self.step}); stopping without a checkpoint of these "
-                                    f"weights. Lower optimizer.lr or check the data.")
-                exc.collective = True      # every rank saw the same agreed flag
-                raise exc
-            self.log(f"step {self.step}: non-finite gradients on some rank, update skipped "
-                     f"({self.skipped} so far)")
-        else:
-            self._nonfinite_in_a_row = 0
-            clip = cfg.optimizer.max_grad_norm
-            divisor = grad_norm / clip if clip > 0 and grad_norm > clip else 1.0
-            self.updates += 1
-            eng.optimizer_step(lr, self.updates, scale / divisor)
-        timer.mark("optimizer")
-        if stats:
-            stats.finish(self.step, scale, {"loss": loss, "local_loss": self.local_loss, "grad_norm": grad_norm,
-                                            "lr": lr})
-            timer.mark("stats")
-        return {"loss": loss, "lr": lr, "grad_norm": grad_norm}
+    def clip_divisor(self, grad_norm: float) -> float:
+        clip = self.cfg.optimizer.max_grad_norm
+        return grad_norm / clip if clip > 0 and grad_norm > clip else 1.0
+
+    def optimizer_step(self, lr: float, grad_scale: float) -> None:
+        self.nonfinite_in_a_row = 0
+        self.updates += 1
+        self.engine.optimizer.step(lr, self.updates, grad_scale)
+
+    def skip_step(self) -> None:
+        """Every rank saw the same non-finite flag: skip the update; too many in a row stop the run."""
+        self.skipped += 1
+        self.nonfinite_in_a_row += 1
+        if self.nonfinite_in_a_row >= MAX_NONFINITE_IN_A_ROW:
+            raise _collective(TrainrunError(
+                f"{self.nonfinite_in_a_row} steps in a row had non-finite gradients (last at step {self.step}); "
+                f"stopping without a checkpoint of these weights. Lower optimizer.lr or check the data."))
+        self.log(f"step {self.step}: non-finite gradients on some rank, update skipped ({self.skipped} so far)")
 
     def evaluate(self) -> float:
         cfg = self.cfg
@@ -280,16 +259,15 @@ class TrainingRunner:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
-        self._nonfinite_in_a_row = 0
         self._header()
         self.comm.barrier()          # start the clocks together: set-up time differs between ranks
-        self.timer = PhaseTimer()
+        self.timer.restart()
         start, first_step = time.perf_counter(), self.step
-        window_t, window_steps = time.perf_counter(), 0
+        window_t, window_steps = start, 0
         last = {}
         eval_loss = None
+        end = min(t.max_steps, t.stop_at) if t.stop_at else t.max_steps
         try:
-            end = min(t.max_steps, t.stop_at) if t.stop_at else t.max_steps
             while self.step < end:
                 self.observe.step_begin(self.step + 1)
                 last = self.train_step()
@@ -299,7 +277,9 @@ class TrainingRunner:
                     now = time.perf_counter()
                     tps = window_steps * self.tokens_per_step / (now - window_t)
                     window_t, window_steps = now, 0
-                    self.metrics.log(self.step, {**last, "tokens_per_sec": tps, "skipped_steps": self.skipped})
+                    self.metrics.log(self.step, {"loss": last["loss"], "lr": last["lr"],
+                                                 "grad_norm": last["grad_norm"], "tokens_per_sec": tps,
+                                                 "skipped_steps": self.skipped})
                     self.timer.mark("log")
                 if self.eval_ds is not None and (
                         (t.eval_every and self.step % t.eval_every == 0) or self.step == end):
@@ -308,15 +288,15 @@ class TrainingRunner:
                                                  "eval_perplexity": math.exp(min(eval_loss, 80.0))})
                     self.timer.mark("log")
                 every = cfg.checkpoint.every
-                if ((every and self.step % every == 0) or self.step == end) and not self._nonfinite_in_a_row:
+                if ((every and self.step % every == 0) or self.step == end) and not self.nonfinite_in_a_row:
                     self.save()       # never while updates are being skipped: keep_last keeps good ones
                 self.observe.step_end(self.step, last)
             self.observe.close()
-            self._finish_checkpoint()
+            self.checkpoints.finish()
         finally:
             self.loader.close()
         elapsed = time.perf_counter() - start
-        if self.is_main and self.saved_step == self.step:
+        if self.is_main and self.checkpoints.saved_step == self.step:
             from .export import export_checkpoint
             export_checkpoint(os.path.join(self.out, "checkpoints", str(self.step)),
                               os.path.join(self.out, "model.onnx"), echo=self.log)
@@ -332,86 +312,28 @@ class TrainingRunner:
         self.metrics.close()
         return summary
 
-    # ------------------------------------------------------------------ checkpoints
     def save(self) -> None:
-        """Snapshot the state and write it in the background (every rank)."""
-        if self.writer.pending_step is not None:      # the previous write is still in flight
-            self.writer.wait()
-            self._checkpoint_progress(*self.comm.allreduce_scalars(list(self.writer.status()), op="sum"))
-        meta = {
-            "format_version": K.FORMAT_VERSION, "step": self.step, "updates": self.updates,
-            "skipped_steps": self.skipped, "loader": self.loader.state_dict(),
-            "lr_schedule": {"step": self.step, "lr": learning_rate(self.step, self.cfg.optimizer.lr,
-                                                                   self.cfg.train.max_steps, self.cfg.lr_schedule)},
-            "world_size": self.world, "global_batch": self.global_batch,
-            "seed": self.cfg.run.seed, "graphs": self.manifest["files"],
-            "optimizer_states": list(self.engine.state),
-        }
-        buffers = {"params": self.engine.params, **self.engine.state}
-        self.writer.start(self.step, self.engine.layout, buffers, meta, C.to_yaml(self.cfg))
+        """Checkpoint this step: snapshot now, written in the background (every rank)."""
+        cfg = self.cfg
+        meta = {"updates": self.updates, "skipped_steps": self.skipped, "loader": self.loader.state_dict(),
+                "lr_schedule": {"step": self.step, "lr": learning_rate(self.step, cfg.optimizer.lr,
+                                                                       cfg.train.max_steps, cfg.lr_schedule)},
+                "world_size": self.world, "global_batch": self.global_batch, "seed": cfg.run.seed,
+                "graphs": self.manifest["files"]}
+        buffers = {"params": self.engine.params, **self.engine.optimizer.state}
+        self.checkpoints.save(self.step, self.engine.layout, buffers, meta, C.to_yaml(cfg))
         self.timer.mark("checkpoint")
 
-    def _checkpoint_progress(self, done: float, failed: float) -> None:
-        if self.writer.pending_step is None:
-            return
-        if failed:   # every rank learned it from the same allreduce: agree on one message
-            step = self.writer.pending_step
-            causes = self.comm.allgather_object(self.writer.error_text())
-            self.writer.abandon()
-            exc = TrainrunError(f"checkpoint at step {step} failed ("
-                                + "; ".join(f"rank {r}: {c}" for r, c in enumerate(causes) if c)
-                                + "); older checkpoints are intact")
-            exc.collective = True
-            raise exc
-        if done == self.world:
-            step = self.writer.pending_step
-            if self.is_main:
-                path = self.writer.commit()
-                self.log(f"checkpoint saved: {path}")
-            else:
-                self.writer.pending_step = None
-            self.saved_step = step
-
-    def _finish_checkpoint(self) -> None:
-        if self.writer.pending_step is not None:
-            self.writer.wait()
-            self._checkpoint_progress(*self.comm.allreduce_scalars(list(self.writer.status()), op="sum"))
-
-    def _load(self, ckpt: str) -> None:
-        """Restore parameters, optimizer state, step counters and the data position."""
-        bad = None
-        try:
-            if self.is_main:
-                K.verify(ckpt)       # checksums once; every rank then reads the verified files
-            self._agree(None)
-            state = K.read_state(ckpt)
-            L = self.engine.layout
-            host = np.empty(L.total, np.float32)
-            K.load_tensors_into(os.path.join(ckpt, "model.safetensors"), L.names, L.shapes, host)
-            from_host(self.engine.params, host)
-            for s_name, buf in self.engine.state.items():
-                if s_name not in state["optimizer_states"]:
-                    raise UsageError(f"{ckpt}: holds no optimizer state '{s_name}' (saved: "
-                                     f"{state['optimizer_states']}); the optimizer changed")
-                K.load_tensors_into(os.path.join(ckpt, "optimizer.safetensors"), L.names, L.shapes, host,
-                                    prefix=f"{s_name}/")
-                from_host(buf, host)
-            self.loader.load_state_dict(state["loader"])
-        except TrainrunError as exc:
-            if getattr(exc, "collective", False):
-                raise
-            bad = exc
-        self._agree(bad)
-        self.step, self.updates, self.skipped = state["step"], state["updates"], state["skipped_steps"]
-        self.saved_step = self.step
-        self.log(f"resumed from {ckpt} at step {self.step} (saved by {state['world_size']} rank(s), "
-                 f"now {self.world})")
-
+    # ------------------------------------------------------------------ start and end lines
     def _header(self) -> None:
         cfg = self.cfg
         n = self.manifest["num_params"]
-        if self.cfg.run.log_level in ("devinfo", "verbose"):
+        if self.verbose:
             self.log("resolved config:\n" + C.to_yaml(cfg))
+            self.log(f"host {platform.node()} pid {os.getpid()} | local rank {self.comm.local_rank} of "
+                     f"{self.comm.local_size} | device {cfg.device} | {self.threads} thread(s) | "
+                     f"backend {self.comm.backend} | {cfg.train.micro_batch_size} samples x {self.accum} "
+                     f"micro-batches per step", all_ranks=True)
         else:   # one line per section; the whole file is <output_dir>/config.yaml
             self.log("config (" + os.path.join(self.out, "config.yaml") + "):\n" + C.to_yaml_compact(cfg))
         self.log(f"trainrun: {cfg.run.name} | {self.world} rank(s) x {self.threads} thread(s) | "
@@ -431,9 +353,6 @@ class TrainingRunner:
         self.log(f"done: {s['steps']} steps, {s['tokens']:,} tokens in {fmt_duration(s['time_s'])} "
                  f"({s['tokens_per_sec']:,.0f} tokens/s){final}{final_eval}; "
                  f"time: {shares}")
-
-    def close(self) -> None:
-        self.comm.close()
 
 
 def train(cfg: C.Config, resume_from: str | None = None) -> dict:
@@ -470,53 +389,3 @@ def _report_and_abort(comm, exc: BaseException, verbose: bool) -> None:
     print(f"[rank {comm.rank}] {text}", file=sys.stderr, flush=True)
     time.sleep(0.5)     # let the launcher forward the message before the job is torn down
     comm.abort(code)
-
-
-# keys `resume --set` may change without --force (prefix match)
-SAFE_ON_RESUME = ("train.max_steps", "train.stop_at", "train.eval_every", "train.eval_steps", "train.log_every",
-                  "train.micro_batch_size", "train.gradient_accumulation_steps", "checkpoint.",
-                  "optimizer.lr", "optimizer.max_grad_norm", "lr_schedule.", "run.log_level", "engine.",
-                  "tensorboard.", "data.prefetch", "data.eval", "distributed.timeout_s", "distributed.backend",
-                  "profile.", "debug.")
-
-
-def resume(path: str, overrides: list[str], force: bool = False) -> dict:
-    """Continue the run holding ``path`` (a run directory or one of its checkpoints)."""
-    from .comm import detect_world
-    ckpt = K.resolve_checkpoint(path)
-    run_dir = K.run_dir_of(ckpt)
-    saved_path = os.path.join(ckpt, "config.yaml")
-    saved = C.load_config(saved_path)
-    cfg = C.load_config(saved_path, overrides, need_data=True)
-    saved.run.output_dir = cfg.run.output_dir = run_dir   # the run may have been moved
-    state = K.read_state(ckpt)
-    if not any(o.split("=", 1)[0].strip() == "train.stop_at" for o in overrides) \
-            and cfg.train.stop_at and cfg.train.stop_at <= state["step"]:
-        saved.train.stop_at = cfg.train.stop_at = 0     # that stop was the saving session's; run on
-    changed = _changed_keys(C.to_dict(saved), C.to_dict(cfg))
-    unsafe = [k for k in changed if not k.startswith(SAFE_ON_RESUME)]
-    if unsafe and not force:
-        raise UsageError("resume: these keys change the model, optimizer or data and would not continue the "
-                         "same run (add --force to do it anyway)", [f"{k}: {C.get(saved, k)!r} -> "
-                                                                   f"{C.get(cfg, k)!r}" for k in unsafe])
-    _, world = detect_world()
-    if cfg.global_batch(world) != state["global_batch"] and not force:
-        raise UsageError(
-            f"resume: the global batch would change from {state['global_batch']} "
-            f"(saved by {state['world_size']} rank(s)) to {cfg.global_batch(world)} "
-            f"({cfg.train.micro_batch_size} x {cfg.train.gradient_accumulation_steps} accum x {world} ranks); "
-            f"keep it with --set train.micro_batch_size=... / train.gradient_accumulation_steps=... "
-            f"(or --force)")
-    return train(cfg, resume_from=ckpt)
-
-
-def _changed_keys(a: dict, b: dict, prefix: str = "") -> list[str]:
-    out = []
-    for k in a:
-        path = f"{prefix}{k}"
-        if isinstance(a[k], dict):
-            out += _changed_keys(a[k], b[k], path + ".")
-        elif a[k] != b[k]:
-            out.append(path)
-    return out
-

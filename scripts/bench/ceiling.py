@@ -69,8 +69,8 @@ class TrainGraphLoop:
 
     A static-shape train graph (trainrun's default, ``engine.static_shapes``) runs only the
     [micro_batch, seq_len] it was prepared for: another shape is refused here, before the
-    Engine would raise its UsageError. The engine's default optimizer kernel on the CPU is the
-    host one, so no optimizer session is loaded (the loop never updates the parameters)."""
+    Engine would raise its UsageError. The engine is built without an optimizer: the loop never
+    updates the parameters."""
 
     def __init__(self, graphs: str, data: str, micro_batch: int, seq_len: int, threads: int,
                  graph_optimization: str = "all", profile_prefix: str | None = None,
@@ -79,22 +79,18 @@ class TrainGraphLoop:
         from trainrun.data import open_dataset
         from trainrun.engine import Engine, EngineOptions
         from trainrun.graphs import load_manifest
-        from trainrun.optim import state_names
-        from trainrun.config import OptimizerConfig
         manifest = load_manifest(graphs)
         static = (manifest.get("build") or {}).get("static_shape")
         if static and list(static) != [micro_batch, seq_len]:
             raise SystemExit(f"{graphs}: its train graph is static for [micro_batch, seq_len] = {static}, "
                              f"not [{micro_batch}, {seq_len}]: prepare graphs for this micro-batch")
         self.static_shape = static
-        opt_cfg = OptimizerConfig(**{k: v for k, v in manifest["optimizer"].items()
-                                     if k in OptimizerConfig.__dataclass_fields__})
         ds = open_dataset(data, seq_len)
         batch = ds.read(np.arange(batch_index * micro_batch, (batch_index + 1) * micro_batch), ds.new_batch(micro_batch))
         shapes = {k: (v.shape, v.dtype) for k, v in batch.items()}
         opts = EngineOptions(threads=threads, graph_optimization=graph_optimization, profile_prefix=profile_prefix)
         with patched_session_options(session_config, mem_pattern, arena):
-            self.engine = Engine(graphs, opts, shapes, shapes, state_names(opt_cfg))
+            self.engine = Engine(graphs, opts, shapes, shapes)
         self.engine.load_weights()
         self.engine.set_batch(batch)
         self.engine.reset[0] = True

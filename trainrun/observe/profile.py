@@ -31,7 +31,7 @@ import os
 import time
 from collections import defaultdict
 
-from .errors import UsageError
+from ..errors import UsageError
 
 SESSIONS = ("train", "eval", "optimizer")
 TRACE_PID_BASE = 1000   # one "process" per rank in merged views
@@ -45,46 +45,48 @@ def profile_dir(cfg) -> str:
 class Profiler:
     """Opens profiling sessions at the window's first step and writes the trace after its last."""
 
-    def __init__(self, cfg, rank: int, world_size: int, engine):
+    def __init__(self, cfg, rank: int, world_size: int, engine, timer):
         self.first = cfg.profile.start_step
         self.last = cfg.profile.start_step + cfg.profile.steps - 1
         self.rank, self.world = rank, world_size
         self.engine = engine
+        self.timer = timer
         self.dir = profile_dir(cfg)
         self.active = False
         self.done = False
         self._old = None
         self._steps: list[tuple[int, float, float]] = []   # (step, start, end), perf_counter seconds
 
-    def step_begin(self, step: int, timer) -> None:
+    def step_begin(self, step: int) -> None:
         if self.active or self.done or not self.first <= step <= self.last:
             return
         os.makedirs(self.dir, exist_ok=True)
         prefix = os.path.join(self.dir, f".rank-{self.rank}")
         opts = dataclasses.replace(self.engine.opts, profile_prefix=prefix, optimized_dir=None)
         self._old = self.engine.reopen(opts)
+        timer = self.timer
         timer.mark("profile")
         # one clock for ORT's events (epoch ns) and trainrun's (perf_counter)
         self._offset_us = time.time_ns() / 1e3 - time.perf_counter() * 1e6
         self.active = True
         self._first_step = step
-        timer.spans = []
-        self._t0 = timer._t                 # the step starts where the timer's next phase starts
+        timer.record_spans()
+        self._t0 = timer.last_mark          # the step starts where the timer's next phase starts
 
-    def step_end(self, step: int, timer) -> None:
+    def step_end(self, step: int) -> None:
         if not self.active:
             return
         now = time.perf_counter()
         self._steps.append((step, self._t0, now))
         self._t0 = now
         if step >= self.last:
-            self.finish(timer)
+            self.finish()
 
-    def finish(self, timer) -> None:
+    def finish(self) -> None:
         """End the window (also when the run stops inside it): write rank-<r>.json."""
         if not self.active:
             return
-        spans, timer.spans = timer.spans or [], None
+        spans = self.timer.take_spans()
         eng = self.engine
         sessions = {"train": eng.train_s, "eval": eng.eval_s, "optimizer": eng.opt_s}
         events = []
@@ -132,7 +134,7 @@ class Profiler:
         os.replace(tmp, out)
         self.active = False
         self.done = True
-        timer.mark("profile")
+        self.timer.mark("profile")
         self.path = out
 
 

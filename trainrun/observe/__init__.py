@@ -1,10 +1,15 @@
 """The runner's hooks for observability: profiling, statistics, per-rank logs, log levels.
 
-:class:`Observer` is what :class:`trainrun.runner.TrainingRunner` calls around
-each step; every part is off (and costs nothing) unless its config asks for it:
+This subpackage holds everything that watches a run: the phase timer
+(:mod:`.timer`), metrics to console/JSONL/TensorBoard (:mod:`.metrics`), the
+per-operator profiler (:mod:`.profile`), convergence statistics (:mod:`.stats`)
+and their comparison (:mod:`.compare`), and ``trainrun doctor`` (:mod:`.doctor`).
 
-* ``profile.start_step > 0``: :class:`trainrun.profile.Profiler`;
-* ``debug.stats_every > 0``: :class:`trainrun.stats.StatsWriter`;
+:class:`Observer` is what the runner calls around each step; every part is off
+(and costs nothing) unless its config asks for it:
+
+* ``profile.start_step > 0``: :class:`.profile.Profiler`;
+* ``debug.stats_every > 0``: :class:`.stats.StatsWriter`;
 * ``run.log_level`` devinfo/verbose: a line per rank at start-up and at every
   logged step, prefixed ``[rank r]`` (ranks other than 0 say nothing below
   devinfo).
@@ -18,7 +23,6 @@ with every error).
 from __future__ import annotations
 
 import os
-import platform
 
 PER_RANK_LEVELS = ("devinfo", "verbose")
 
@@ -46,32 +50,31 @@ def engine_options(cfg, rank: int) -> dict:
 
 
 class Observer:
-    def __init__(self, runner):
-        cfg = runner.cfg
-        self.runner = runner
+    """Calls around each step of the runner for what is configured: the profiler's window,
+    statistics of due steps, per-rank log lines (devinfo). ``log(text, all_ranks)`` prints."""
+
+    def __init__(self, cfg, rank: int, world_size: int, engine, timer, log):
         self.per_rank = cfg.run.log_level in PER_RANK_LEVELS
         self.log_every = cfg.train.log_every
+        self.timer, self.log = timer, log
         self.profiler = None
         if cfg.profile.start_step:
             from .profile import Profiler
-            self.profiler = Profiler(cfg, runner.rank, runner.world, runner.engine)
+            self.profiler = Profiler(cfg, rank, world_size, engine, timer)
         self.stats = None
         if cfg.debug.stats_every:
             from .stats import StatsWriter
-            self.stats = StatsWriter(os.path.join(cfg.run.output_dir, "stats"), runner.rank, runner.world,
-                                     cfg.debug.stats_every, runner.engine, runner.engine.stats_outputs)
-        self._started = False
+            self.stats = StatsWriter(os.path.join(cfg.run.output_dir, "stats"), rank, world_size,
+                                     cfg.debug.stats_every, engine, engine.stats_outputs)
         self._last_totals: dict[str, float] = {}
-        self._last_step = 0
+        self._last_step: int | None = None
 
     # ------------------------------------------------------------------ around a step
     def step_begin(self, step: int) -> None:
-        if not self._started:
-            self._started = True
+        if self._last_step is None:
             self._last_step = step - 1
-            self._say_hello()
         if self.profiler:
-            self.profiler.step_begin(step, self.runner.timer)
+            self.profiler.step_begin(step)
 
     def stats_step(self, step: int):
         """The StatsWriter when this step's statistics are due, else None."""
@@ -83,33 +86,22 @@ class Observer:
         if self.per_rank and step % self.log_every == 0:
             self._rank_line(step, result)
         if self.profiler:
-            self.profiler.step_end(step, self.runner.timer)
+            self.profiler.step_end(step)
 
     def close(self) -> None:
         if self.profiler:
-            self.profiler.finish(self.runner.timer)
+            self.profiler.finish()
         if self.stats:
             self.stats.close()
 
     # ------------------------------------------------------------------ per-rank lines (devinfo)
-    def _say_hello(self) -> None:
-        r = self.runner
-        if not self.per_rank:
-            return
-        loader = r.loader
-        r.log(f"host {platform.node()} pid {os.getpid()} | local rank {r.comm.local_rank} of "
-              f"{r.comm.local_size} | device {r.cfg.device} | {r.threads} thread(s) | backend {r.comm.backend} | "
-              f"{getattr(loader, 'micro_batch', r.cfg.train.micro_batch_size)} samples x {r.accum} micro-batches "
-              f"per step", all_ranks=True)
-
     def _rank_line(self, step: int, result: dict) -> None:
-        r = self.runner
-        totals = dict(r.timer.total)
+        totals = dict(self.timer.total)
         steps = step - self._last_step
         delta = {k: v - self._last_totals.get(k, 0.0) for k, v in totals.items()}
         self._last_totals, self._last_step = totals, step
         parts = [f"{k} {delta.get(k, 0.0) * 1e3 / max(steps, 1):.1f}"
                  for k in ("data", "forward_backward", "allreduce", "optimizer") if k in delta]
-        local = getattr(r, "local_loss", None)
+        local = result.get("local_loss")
         loss = f"local loss {local:.4f} | " if local is not None else ""
-        r.log(f"step {step} | {loss}ms/step: {', '.join(parts)}", all_ranks=True)
+        self.log(f"step {step} | {loss}ms/step: {', '.join(parts)}", all_ranks=True)

@@ -27,7 +27,7 @@ import fnmatch
 import math
 import os
 
-from .errors import UsageError
+from ..errors import UsageError
 from .stats import COUNTS, STATS, find_ranks, read_rank
 
 

@@ -36,7 +36,7 @@ import time
 
 import numpy as np
 
-from .errors import TrainrunError
+from ..errors import TrainrunError
 
 FULL_HASH_LIMIT = 64 << 20
 PIECE = 1 << 20
@@ -201,11 +201,12 @@ def _graph_files(cfg) -> dict:
     if not os.path.isfile(manifest_path):
         out["graphs"] = "not prepared"
         return out
-    from . import graphs as G
+    from .. import graphs as G
+    from ..data import sha256_file
     try:
         manifest = G.load_manifest(gdir)
         for name, sha in manifest["files"].items():
-            actual = G.sha256_file(os.path.join(gdir, name))
+            actual = sha256_file(os.path.join(gdir, name))
             if actual != sha:
                 return {"error": f"{os.path.join(gdir, name)} does not match its manifest (sha256 {actual[:12]} "
                                  f"vs {sha[:12]}); run `trainrun prepare` again"}
@@ -218,7 +219,7 @@ def _graph_files(cfg) -> dict:
 def run_doctor(cfg=None, config_bytes: bytes = b"", overrides=(), size_mb: float = 64.0, iters: int = 5,
                echo=print) -> int:
     """Run every check on every rank; rank 0 prints the report. Returns the exit status."""
-    from .comm import make_communicator
+    from ..comm import make_communicator
     device = cfg.device if cfg else "cpu"
     backend = cfg.distributed.backend if cfg else "auto"
     comm = make_communicator(backend, device, cfg.distributed.timeout_s if cfg else 120.0)

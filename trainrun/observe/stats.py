@@ -10,7 +10,7 @@ line to ``<output_dir>/stats/rank-<r>/stats.jsonl``::
                  "grad/transformer.wte.weight": {...}, "param/transformer.wte.weight": {...}}}
 
 * ``act/<name>``: a train-graph tensor chosen by ``debug.tensors`` (made a graph
-  output at prepare time, :func:`add_outputs`), over all micro-batches of the
+  output at prepare time, :func:`trainrun.graphs.add_outputs`), over all micro-batches of the
   step on this rank (merged exactly, Chan et al.);
 * ``grad/<param>``: the gradient the optimizer receives, i.e. the mean over
   ranks and micro-batches after the allreduce, before clipping (the same on
@@ -22,7 +22,7 @@ Statistics are taken over the finite values; ``nan``/``inf`` count the others
 ``std`` is the population standard deviation, ``norm`` the L2 norm, all
 accumulated in float64. ``meta.json`` beside the JSONL says who wrote it.
 The format is plain JSON so other frameworks can write it
-(``scripts/torch_stats.py`` does for PyTorch); :mod:`trainrun.compare` reads it.
+(``scripts/torch_stats.py`` does for PyTorch); :mod:`trainrun.observe.compare` reads it.
 """
 
 from __future__ import annotations
@@ -33,10 +33,8 @@ import math
 import os
 
 import numpy as np
-import onnx
-from onnx import helper
 
-from .errors import UsageError
+from ..errors import UsageError
 
 FORMAT = "trainrun-stats"
 FORMAT_VERSION = 1
@@ -47,36 +45,6 @@ CHUNK = 1 << 20
 
 
 # --------------------------------------------------------------------------- graph outputs (prepare time)
-
-def select_outputs(model: onnx.ModelProto, patterns: list[str], protected=()) -> list[str]:
-    """Names of node outputs of ``model`` matching any fnmatch pattern, in graph order.
-
-    Raises a UsageError naming ``debug.tensors`` for a pattern that matches nothing."""
-    existing = {o.name for o in model.graph.output} | set(protected)
-    candidates = [o for n in model.graph.node for o in n.output if o and o not in existing]
-    chosen, unmatched = [], []
-    for pat in patterns:
-        hits = [c for c in candidates if fnmatch.fnmatchcase(c, pat)]
-        if not hits:
-            unmatched.append(pat)
-        chosen += [h for h in hits if h not in chosen]
-    if unmatched:
-        some = ", ".join(c for c in candidates[:40] if "/" not in c)
-        raise UsageError("debug.tensors: no tensor of the train graph matches "
-                         + ", ".join(repr(p) for p in unmatched),
-                         [f"tensor names of the train graph include: {some} ...",
-                          "list them all: python -c \"import onnx,sys; print(*[o for n in onnx.load(sys.argv[1])"
-                          ".graph.node for o in n.output])\" RUN/graphs/train.onnx"])
-    order = {c: i for i, c in enumerate(candidates)}
-    return sorted(chosen, key=order.__getitem__)
-
-
-def add_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
-    """Make the intermediate tensors ``names`` graph outputs too (type left to onnxruntime)."""
-    for name in names:
-        model.graph.output.append(helper.make_empty_tensor_value_info(name))
-    return model
-
 
 # --------------------------------------------------------------------------- the numbers
 
