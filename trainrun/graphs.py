@@ -229,10 +229,9 @@ def build_train_graph(loss_model: onnx.ModelProto, params: list[str], source: st
     import onnxruntime as ort
     from onnxruntime.capi._pybind_state import GradientGraphBuilder, get_optimized_model
 
-    severity = int(os.environ.get("TRAINRUN_ORT_SEVERITY", "3"))
-    ort.set_default_logger_severity(severity)
+    ort.set_default_logger_severity(3)    # errors only: the builder's warnings are not the user's
     options = ort.SessionOptions()
-    options.log_severity_level = severity
+    options.log_severity_level = 3
     wanted = set(params)
     try:
         optimized = get_optimized_model(loss_model.SerializeToString(), wanted, options)

@@ -295,6 +295,7 @@ class TrainingRunner:
             self.checkpoints.finish()
         finally:
             self.loader.close()
+            self.metrics.close()     # what was logged reaches metrics.jsonl, also on an error
         elapsed = time.perf_counter() - start
         if self.is_main and self.checkpoints.saved_step == self.step:
             from .export import export_checkpoint
@@ -309,7 +310,6 @@ class TrainingRunner:
             "phase_shares": {k: round(v, 4) for k, v in self.timer.shares().items()},
         }
         self._footer(summary)
-        self.metrics.close()
         return summary
 
     def save(self) -> None:

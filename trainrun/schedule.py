@@ -1,7 +1,8 @@
-"""Learning-rate schedules: a pure function of the optimizer step.
+"""Learning-rate schedules: a pure function of the step.
 
-``t`` is the 1-based number of the update. Warmup rises linearly from lr/warmup
-to lr over ``warmup_steps`` updates; afterwards the decay runs over the
+``t`` is the 1-based step number (steps skipped for non-finite gradients count
+too, so a skip never shifts the schedule). Warmup rises linearly from lr/warmup
+to lr over ``warmup_steps`` steps; afterwards the decay runs over the
 remaining steps with progress ``x`` from 0 to 1 and ends at ``min_lr``:
 
 * constant: lr
