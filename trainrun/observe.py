@@ -38,7 +38,7 @@ def engine_options(cfg, rank: int) -> dict:
     if cfg.run.deterministic:
         import onnxruntime as ort
         ort.set_seed(cfg.run.seed)
-    extra = {"log_id": f"rank {rank}"}
+    extra = {"log_id": f"rank {rank}", "seed": cfg.run.seed}
     if cfg.debug.save_graphs and rank == 0:
         extra["optimized_dir"] = os.path.join(cfg.run.output_dir, "debug", "graphs")
         os.makedirs(extra["optimized_dir"], exist_ok=True)

@@ -220,7 +220,7 @@ class TrainingRunner:
         stats = self.observe.stats_step(self.step + 1)     # None unless debug.stats_every says so
         loss_sum = 0.0
         for a, batch in enumerate(micro):
-            loss_sum += eng.forward_backward(batch, accumulate=a > 0)
+            loss_sum += eng.forward_backward(batch, accumulate=a > 0, position=self.loader.sample_position(a))
             if stats:
                 stats.micro_batch()
         self.local_loss = loss_sum / self.accum
