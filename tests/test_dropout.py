@@ -10,7 +10,7 @@ import onnx
 import pytest
 import torch
 
-from conftest import hf_gpt2, mpirun, read_metrics, write_config
+from conftest import assert_matches_torch, hf_gpt2, mpirun, read_metrics, write_config
 
 from trainrun import config as C
 from trainrun import graphs as G
@@ -113,20 +113,11 @@ def test_gradients_match_transformers_with_the_same_masks(tmp_path):
     for i, block in enumerate(hf.transformer.h):
         block.attn.reorder_and_upcast_attn = True        # the eager path that calls attn_dropout
         block.attn.attn_dropout, block.attn.resid_dropout, block.mlp.dropout = map(FixedMask, masks[1 + 3 * i:4 + 3 * i])
-    logits = hf(torch.from_numpy(batch["input_ids"])).logits
-    ref_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 300), torch.from_numpy(batch["labels"]).reshape(-1),
-                                                 ignore_index=-100)
-    ref_loss.backward()
     # float32 (eps 1.2e-7) with different summation orders in both libraries: errors relative to a tensor's
     # largest gradient stay a few eps times the reduction depth (sums over 128 tokens and 64..300 features),
     # measured <= 1e-6 here; 1e-5 leaves 10x for other CPUs/thread counts, while a wrong mask or a mask
     # applied to the wrong tensor changes gradients by O(1) of that scale.
-    assert loss == pytest.approx(ref_loss.item(), rel=1e-5)
-    named = dict(hf.named_parameters())
-    for name, grad in eng.layout.unflatten(eng.grads).items():
-        ref = named[name].grad.numpy()
-        rel = np.abs(grad - ref).max() / np.abs(ref).max()
-        assert rel < 1e-5, (name, rel)
+    assert_matches_torch(eng, loss, hf, batch, 300, rel=1e-5)
 
 
 # ---------------------------------------------------------------------- real runs (mpirun -np 2)
