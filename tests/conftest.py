@@ -48,6 +48,23 @@ def hf_gpt2(shape: dict, weights: dict):
     return model
 
 
+def assert_matches_torch(eng, loss, hf, batch, vocab, rel):
+    """The engine's loss and gradient buffer (of ``batch``, just run) against ``hf``'s: the loss to 1e-5,
+    each gradient's largest error to ``rel`` times its largest magnitude."""
+    import numpy as np
+    import torch
+    logits = hf(torch.from_numpy(batch["input_ids"])).logits
+    ref_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), torch.from_numpy(batch["labels"]).reshape(-1),
+                                                 ignore_index=-100)
+    ref_loss.backward()
+    assert loss == pytest.approx(ref_loss.item(), rel=1e-5)
+    named = dict(hf.named_parameters())
+    for name, grad in eng.layout.unflatten(eng.grads).items():
+        ref = named[name].grad.numpy()
+        err = np.abs(grad - ref).max() / np.abs(ref).max()
+        assert err < rel, (name, err)
+
+
 def stdlib_text_dir(dest, max_bytes=600_000):
     """Copy a deterministic slice of the Python standard library's source into ``dest``."""
     import shutil

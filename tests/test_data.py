@@ -316,3 +316,22 @@ def test_bad_pb_files(tmp_path):
     (d / "a.pb").write_bytes(good)
     raises("input_ids of length 6, but seq_len is 8", open_dataset, d, 8)
     raises("input_ids hold 5/0, outside the model's vocab_size 5", open_dataset, d, 6, vocab_size=5)
+
+
+@pytest.mark.parametrize("world,accum", [(1, 1), (2, 1), (1, 2), (3, 2)])
+def test_sample_position_is_the_global_position_of_the_micro_batch(counting, world, accum):
+    """Unshuffled, the sample at global position x is sample x mod n: sample_position(a) names the first
+    sample of micro-batch a on every rank, and a step's micro-batches tile k*G .. k*G+G-1 (keys of dropout)."""
+    mb = 3
+    loaders = [TrainLoader(counting, mb, accum, rank=r, world_size=world, shuffle=False, prefetch=1)
+               for r in range(world)]
+    G = mb * accum * world
+    for k in range(12):                        # 12 steps cross epochs (50 samples)
+        starts = []
+        for ld in loaders:
+            for a, batch in enumerate(ld.next_step()):
+                starts.append(ld.sample_position(a))
+                assert sample_ids(batch, 4)[0] == starts[-1] % counting.num_samples
+        assert sorted(starts) == list(range(k * G, k * G + G, mb))
+    for ld in loaders:
+        ld.close()

@@ -10,7 +10,7 @@ from trainrun import graphs as G
 from trainrun.engine import Engine, EngineOptions
 from trainrun.models.gpt2 import build_gpt2, init_weights, param_count
 
-from conftest import hf_gpt2
+from conftest import assert_matches_torch, hf_gpt2
 
 SHAPES = [
     dict(n_layer=1, n_head=2, n_embd=32, n_positions=16, vocab_size=97),
@@ -66,17 +66,7 @@ def test_train_graph_gradients_match_torch(tmp_path, tiny_gpt2):
     batch["labels"][0, :5] = -100   # ignored positions count for neither loss nor gradient
     eng.grads[:] = 123.0            # stale content: lazy reset must overwrite it
     loss = eng.forward_backward(batch, accumulate=False)
-
-    logits = hf(torch.from_numpy(batch["input_ids"])).logits
-    ref_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 300), torch.from_numpy(batch["labels"]).reshape(-1),
-                                                 ignore_index=-100)
-    ref_loss.backward()
-    assert loss == pytest.approx(ref_loss.item(), rel=1e-5)
-    named = dict(hf.named_parameters())
-    for name, grad in eng.layout.unflatten(eng.grads).items():
-        ref = named[name].grad.numpy()
-        rel = np.abs(grad - ref).max() / np.abs(ref).max()
-        assert rel < 1e-4, (name, rel)
+    assert_matches_torch(eng, loss, hf, batch, 300, rel=1e-4)
 
     # accumulation happens in place: a second identical micro-batch doubles the buffer
     first = eng.grads.copy()

@@ -34,7 +34,7 @@ def final_digest(run_dir, rank):
 
 @pytest.fixture(scope="module")
 def twin_runs(tmp_path_factory, byte_dataset):
-    """The same deterministic run (dropout 0.1 configured) twice on 2 ranks, with statistics of every
+    """The same deterministic run (dropout 0.1, on) twice on 2 ranks, with statistics of every
     step: once at --log-level warning, once at devinfo."""
     out = {}
     for name, level in (("a", "warning"), ("b", "devinfo")):
@@ -54,8 +54,10 @@ def test_deterministic_runs_are_bitwise_identical(twin_runs):
         assert final_digest(a, r) == final_digest(b, r) == final_digest(a, 0)
         assert open(os.path.join(a, "stats", f"rank-{r}", "stats.jsonl")).read() == \
             open(os.path.join(b, "stats", f"rank-{r}", "stats.jsonl")).read()
-    # dropout really is off in deterministic mode: no Dropout left in the train graph
-    assert not [n for n in onnx.load(os.path.join(a, "graphs", "train.onnx")).graph.node if n.op_type == "Dropout"]
+    # dropout is on, from trainrun's masks: no Dropout node, a mask input per Dropout
+    train = onnx.load(os.path.join(a, "graphs", "train.onnx")).graph
+    assert not [n for n in train.node if n.op_type == "Dropout"]
+    assert len([i for i in train.input if i.name.startswith(G.MASK_PREFIX)]) == 7
     proc = run([TRAINRUN, "compare", a, b, "--rtol", "0"], check=0)
     assert "no divergence" in proc.stdout
 
@@ -274,7 +276,8 @@ def test_verbose_prints_tracebacks(tmp_path, byte_dataset):
 def test_pytorch_reference_statistics_match(tmp_path, byte_dataset):
     """scripts/torch_stats.py (transformers GPT-2) writes the same format; compare finds no divergence."""
     pytest.importorskip("transformers")
-    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{**STATS, "train.max_steps": 6, "debug.tensors": [
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{**STATS, "model.gpt2.dropout": 0.0,
+                                                             "train.max_steps": 6, "debug.tensors": [
         "logits", "LayerNormalization_*_out0", "transformer.h.*.mlp.act"]})
     mpirun(1, "--config", cfg)
     ref = str(tmp_path / "ref")

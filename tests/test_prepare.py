@@ -41,11 +41,11 @@ def test_prepare_cli_writes_graphs(tmp_path):
     assert not {n.op_type for n in forward.graph.node} & {"InPlaceAccumulatorV2", "SoftmaxCrossEntropyLoss"}
 
 
-def export_user_gpt2(path, shape, seq):
+def export_user_gpt2(path, shape, seq, pdrop=0.0):
     """A GPT-2 forward exported from transformers with torch.onnx (the legacy exporter)."""
     torch.manual_seed(0)
     from transformers import GPT2Config, GPT2LMHeadModel
-    hf = GPT2LMHeadModel(GPT2Config(**shape, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    hf = GPT2LMHeadModel(GPT2Config(**shape, resid_pdrop=pdrop, embd_pdrop=pdrop, attn_pdrop=pdrop,
                                     bos_token_id=0, eos_token_id=0))
 
     class Forward(torch.nn.Module):

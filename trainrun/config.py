@@ -49,7 +49,7 @@ class RunConfig:
     log_level: str = opt("info", choices=["warning", "info", "devinfo", "verbose"])
     """warning: quiet; info: progress; devinfo: + ORT logs and every rank; verbose: + tracebacks."""
     deterministic: bool = False
-    """Bitwise-reproducible runs: dropout off, no float-reordering graph rewrites, 1 thread."""
+    """Bitwise-reproducible runs: no float-reordering graph rewrites, 1 thread (dropout stays on)."""
 
 
 @dataclass
@@ -65,7 +65,8 @@ class GPT2Config:
     vocab_size: int = opt(1024, min=2)
     """Vocabulary size (tokens must be below it)."""
     dropout: float = opt(0.0, min=0.0, max=0.999)
-    """Dropout on embeddings, attention output and MLP output while training."""
+    """Dropout while training, placed as transformers' GPT-2: embeddings, attention probabilities,
+    after each c_proj (attention and MLP); masks from run.seed and the sample position."""
     layer_norm_epsilon: float = opt(1e-5, gt=0.0)
     """Epsilon of every LayerNorm."""
     initializer_range: float = opt(0.02, gt=0.0)

@@ -487,12 +487,20 @@ class TrainLoader:
             position, count = position + take, count - take
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
+    def _first(self, position: int, a: int) -> int:
+        """Global position of the first sample of this rank's micro-batch ``a`` of the step at ``position``."""
+        return position + (self.rank * self.accum + a) * self.micro_batch
+
     def _fill(self, position: int, slot: int) -> list[dict]:
         batch = self._pool[slot]
-        first = position + self.rank * self.micro_batch * self.accum
         for a, out in enumerate(batch):
-            self.ds.read(self._indices(first + a * self.micro_batch, self.micro_batch), out)
+            self.ds.read(self._indices(self._first(position, a), self.micro_batch), out)
         return batch
+
+    def sample_position(self, a: int) -> int:
+        """Global position of the first sample of micro-batch ``a`` of the step ``next_step()`` returned last
+        (keys per-sample randomness such as dropout masks: the same sample, the same key, on any rank count)."""
+        return self._first(self._position - self.global_batch, a)
 
     # -- steps
     def next_step(self) -> list[dict]:

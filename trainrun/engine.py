@@ -85,6 +85,7 @@ class EngineOptions:
     optimized_dir: str | None = None   # debug.save_graphs: write each graph as onnxruntime optimized it
     log_id: str | None = None          # names this rank in onnxruntime's own log lines
     optimizer_kernel: str = "auto"     # graph (optimizer.onnx), host (kernels/host.py) or auto (host on cpu)
+    seed: int = 0                      # run.seed: the dropout masks' stream (trainrun/dropout.py)
 
 
 def session_options(opts: EngineOptions, name: str = ""):
@@ -192,6 +193,7 @@ class Engine:
         self.reset = np.ones(1, bool)
         self.batch = {k: xp.zeros(s, d) for k, (s, d) in batch_shapes.items()}
         self.eval_batch = {k: xp.zeros(s, d) for k, (s, d) in eval_batch_shapes.items()}
+        self.masks = self._masks(self.manifest.get("dropout"), opts.seed)
 
         self.stats_outputs = list(self.manifest.get("stats_outputs", []))   # debug.tensors, see stats.py
         self.optimizer = None       # forward/eval only (tests, export checks) without one
@@ -222,6 +224,21 @@ class Engine:
             self.optimizer.bind(self.opt_s)
 
     # ------------------------------------------------------------------ binding
+    def _masks(self, spec: dict | None, seed: int):
+        """The dropout mask buffers (host; on the GPU a device twin of each, ``self.mask_dev``)."""
+        if not spec:
+            return None
+        from .dropout import DropoutMasks
+        sizes = {}
+        for sym, (name, axis) in spec["dims"].items():
+            if name not in self.batch:
+                raise UsageError(f"dropout masks: data input '{name}' (of the mask dim '{sym}') is not fed")
+            sizes[sym] = self.batch[name].shape[axis]
+        masks = DropoutMasks(spec, sizes, seed)
+        self.mask_dev = masks.buffers if self.xp is np else \
+            {k: self.xp.zeros(v.shape, v.dtype) for k, v in masks.buffers.items()}
+        return masks
+
     def _bind_all(self) -> None:
         L = self.layout
         t, e = self.train_s, self.eval_s
@@ -230,8 +247,11 @@ class Engine:
                 raise UsageError(f"data feature '{name}' is not an input of the train graph")
             t.check_shape(name, arr.shape)
             t.bind_in(name, arr)
+        for name, arr in (self.mask_dev if self.masks else {}).items():
+            t.check_shape(name, arr.shape)
+            t.bind_in(name, arr)
         missing = [n for n in t.input_names if n not in self.batch and n not in set(L.names)
-                   and not n.endswith(G.BUFFER_SUFFIX) and n != G.RESET]
+                   and not n.startswith(G.MASK_PREFIX) and not n.endswith(G.BUFFER_SUFFIX) and n != G.RESET]
         if missing:
             raise UsageError(f"the dataset does not provide graph input(s): {', '.join(missing)}")
         for name, arr in self.eval_batch.items():
@@ -266,9 +286,18 @@ class Engine:
                 raise TrainrunError(f"batch '{k}' has shape {src.shape}, the engine was built for {buf.shape}")
             from_host(buf, src)
 
-    def forward_backward(self, batch: dict, accumulate: bool) -> float:
-        """Loss of one micro-batch; its gradients overwrite (accumulate=False) or add to the buffer."""
+    def forward_backward(self, batch: dict, accumulate: bool, position: int | None = None) -> float:
+        """Loss of one micro-batch; its gradients overwrite (accumulate=False) or add to the buffer.
+        ``position``: the global position of its first sample (TrainLoader.sample_position), which
+        keys its dropout masks; needed when the train graph has dropout."""
         self.set_batch(batch)
+        if self.masks:
+            if position is None:
+                raise TrainrunError("the train graph has dropout: forward_backward needs the micro-batch's "
+                                    "global sample position")
+            self.masks.fill(position)
+            if self.mask_dev is not self.masks.buffers:
+                self.set_batch(self.masks.buffers, self.mask_dev)
         self.reset[0] = not accumulate
         self.train_s.run()
         return float(self.loss)

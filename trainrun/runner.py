@@ -161,7 +161,7 @@ class TrainingRunner:
                              graph_optimization=cfg.engine.graph_optimization,
                              optimizer_kernel=cfg.engine.optimizer_kernel,
                              log_severity=_ORT_SEVERITY[cfg.run.log_level], deterministic=cfg.run.deterministic,
-                             **engine_options(cfg, self.rank))
+                             seed=cfg.run.seed, **engine_options(cfg, self.rank))
         mb = cfg.train.micro_batch_size
         shapes = {name: ((mb, *shape), dtype) for name, (shape, dtype) in self.train_ds.specs.items()}
         self.engine = Engine(self.graphs_dir, opts, shapes, shapes, cfg.optimizer)
@@ -206,7 +206,8 @@ class TrainingRunner:
         """This rank's micro-batches, gradients summed in place; the sum of their losses."""
         loss_sum = 0.0
         for a, batch in enumerate(micro):
-            loss_sum += self.engine.forward_backward(batch, accumulate=a > 0)
+            loss_sum += self.engine.forward_backward(batch, accumulate=a > 0,
+                                                     position=self.loader.sample_position(a))
             if stats:
                 stats.micro_batch()
         return loss_sum

@@ -79,9 +79,11 @@ def build_gpt2(cfg: GPT2Config, weights: dict[str, np.ndarray]) -> onnx.ModelPro
     """The forward graph with ``weights`` as initializers; input ``input_ids``
     int64 [batch, seq], output ``logits`` float32 [batch, seq, vocab].
 
-    Dropout nodes (when cfg.dropout > 0) carry ``training_mode`` as their third
-    input, the constant ``dropout_training`` (true); the eval/inference graphs
-    drop that input.
+    Dropout nodes (when cfg.dropout > 0; transformers' placement: embeddings,
+    attention probabilities, after each c_proj) carry ``training_mode`` as their
+    third input, the constant ``dropout_training`` (true); the train graph turns
+    them into products with mask inputs (graphs.dropout_masks), the eval and
+    inference graphs into Identity.
     """
     E, H = cfg.n_embd, cfg.n_head
     D = E // H

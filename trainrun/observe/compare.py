@@ -1,6 +1,6 @@
 """``trainrun compare RUN_A RUN_B``: where two runs' statistics part ways.
 
-Both sides are read with :func:`trainrun.stats.find_ranks` (a run directory,
+Both sides are read with :func:`trainrun.observe.stats.find_ranks` (a run directory,
 its ``stats/`` directory, or one ``rank-<r>`` directory) and matched rank by
 rank (rank 0 with rank 0, ...; ``--rank`` picks some; two single rank
 directories are compared with each other whatever their ranks). For every
