@@ -25,6 +25,7 @@ def model_bytes(ckpt):
 
 
 def test_exact_resume_same_and_other_rank_counts(tmp_path, byte_dataset):
+    """Bitwise at one intra-op thread per rank (write_config pins engine.threads: 1; see the next test)."""
     common = {"train.max_steps": 40, "train.micro_batch_size": 6, "checkpoint.every": 20}
     straight = tmp_path / "straight"
     straight.mkdir()
@@ -54,6 +55,27 @@ def test_exact_resume_same_and_other_rank_counts(tmp_path, byte_dataset):
         cont = losses(str(other / "run"))
         assert sorted(cont) == list(range(21, 41))
         np.testing.assert_allclose([cont[s] for s in cont], [ref[s] for s in cont], rtol=1e-5, atol=1e-5)
+
+
+def test_resume_at_two_threads_continues_within_float32_rounding(tmp_path, byte_dataset):
+    """At 2 intra-op threads a run is not bitwise reproducible even without resuming: onnxruntime's CPU
+    GatherGrad (the embedding's gradient) adds rows under a mutex in thread-arrival order, so the
+    summation order of repeated tokens changes run to run. What holds: the resumed run follows the
+    straight one to float32 rounding (measured: 1.3e-7 relative on the loss over 40 steps), far
+    inside 1e-4, while a resume that lost any state (moments, data position, step) is off by >1e-3."""
+    common = {"train.max_steps": 20, "train.micro_batch_size": 12, "checkpoint.every": 10, "engine.threads": 2}
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    for d, extra in [(straight, {}), (split, {"train.stop_at": 10})]:
+        d.mkdir()
+        mpirun(1, "--config", write_config(d / "c.yaml", byte_dataset, **common, **extra))
+    proc = mpirun(1, "resume", str(split / "run"), "--set", "train.stop_at=0")
+    assert "1 rank(s) x 2 thread(s)" in proc.stdout
+    ref, got = losses(str(straight / "run")), losses(str(split / "run"))
+    assert sorted(got) == sorted(ref) == list(range(1, 21))
+    np.testing.assert_allclose([got[s] for s in range(11, 21)], [ref[s] for s in range(11, 21)], rtol=1e-4)
+    _, ev_ref = read_metrics(str(straight / "run"))
+    _, ev_got = read_metrics(str(split / "run"))
+    assert ev_got[20]["eval_loss"] == pytest.approx(ev_ref[20]["eval_loss"], rel=1e-4)
 
 
 def test_keep_last_and_resume_refusals(tmp_path, byte_dataset):
