@@ -14,9 +14,9 @@ import pytest
 from conftest import MPIRUN, TRAINRUN, hf_gpt2, mpirun, rank_pids, read_metrics, run, write_config
 
 
-def losses(run_dir):
+def losses(run_dir, key="loss"):
     train, _ = read_metrics(run_dir)
-    return {s: train[s]["loss"] for s in sorted(train)}
+    return {s: train[s][key] for s in sorted(train)}
 
 
 def model_bytes(ckpt):
@@ -40,9 +40,13 @@ def test_exact_resume_same_and_other_rank_counts(tmp_path, byte_dataset):
     mpirun(2, "resume", str(split / "run"), "--set", "train.stop_at=0")
     got = losses(str(split / "run"))
     assert got == ref                                         # identical at every step
+    ref_norm = losses(str(straight / "run"), "grad_norm")
+    assert losses(str(split / "run"), "grad_norm") == ref_norm
     assert model_bytes(str(split / "run/checkpoints/40")) == model_bytes(str(straight / "run/checkpoints/40"))
 
-    # the same run continued by 1 rank (2 micro-batches of 6) and by 3 ranks (micro-batch 4)
+    # the same run continued by 1 rank (2 micro-batches of 6) and by 3 ranks (micro-batch 4); AdamW
+    # ignores a constant factor on the gradient and clipping is active, so the losses alone would not
+    # see a wrong averaging over ranks or micro-batches: the logged gradient norm (before clipping) does
     for world, sets in [(1, ["train.gradient_accumulation_steps=2"]), (3, ["train.micro_batch_size=4"])]:
         other = tmp_path / f"w{world}"
         shutil.copytree(split / "run", other / "run")
@@ -55,6 +59,9 @@ def test_exact_resume_same_and_other_rank_counts(tmp_path, byte_dataset):
         cont = losses(str(other / "run"))
         assert sorted(cont) == list(range(21, 41))
         np.testing.assert_allclose([cont[s] for s in cont], [ref[s] for s in cont], rtol=1e-5, atol=1e-5)
+        norm = losses(str(other / "run"), "grad_norm")
+        np.testing.assert_allclose([norm[s] for s in norm], [ref_norm[s] for s in norm], rtol=1e-4,
+                                   err_msg=f"{world} rank(s)")
 
 
 def test_resume_at_two_threads_continues_within_float32_rounding(tmp_path, byte_dataset):
