@@ -19,13 +19,14 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import TRAINRUN_DATA, mpirun, read_metrics, run
+from conftest import TRAINRUN, TRAINRUN_DATA, mpirun, read_metrics, run
 from test_optim import REFERENCE, decay_of
 
 IN, HIDDEN, CLASSES = 16, 32, 5
 MICRO, ACCUM, WORLD = 4, 2, 2
 GLOBAL = MICRO * ACCUM * WORLD
 STEPS, SPLIT = 6, 3
+IGNORE = -1          # model.loss.ignore_index
 
 
 def initial_weights():
@@ -63,6 +64,7 @@ def mlp_data(tmp_path_factory):
     for split, n in [("train", 160), ("eval", 48)]:
         x = rng.normal(0, 1, (n, IN)).astype(np.float32)
         y = np.argmax(x @ rule, axis=1).astype(np.int64)
+        y[5::8] = IGNORE                                      # one ignored label in every micro-batch
         np.savez(root / f"{split}.npz", feat=x, y=y)
         run([TRAINRUN_DATA, "tensors", "--input", str(root / f"{split}.npz"), "--output", str(root / split),
              "--samples-per-file", "64", "--rename", "feat=x", "--rename", "y=labels"], check=0)
@@ -98,7 +100,11 @@ def reference(weights, data, opt, schedule, frozen):
         p = {k: torch.tensor(v, requires_grad=k in trained) for k, v in params.items()}
         rows = slice((t - 1) * GLOBAL, t * GLOBAL)
         h = torch.tanh(x[rows].double() @ p["fc1.weight"] + p["fc1.bias"])
-        loss = torch.nn.functional.cross_entropy(h @ p["fc2.weight"] + p["fc2.bias"], y[rows])
+        logits = h @ p["fc2.weight"] + p["fc2.bias"]
+        # the mean over micro-batches of each one's mean over its counted labels
+        loss = sum(torch.nn.functional.cross_entropy(logits[i:i + MICRO], y[rows][i:i + MICRO],
+                                                     ignore_index=IGNORE)
+                   for i in range(0, GLOBAL, MICRO)) / (GLOBAL // MICRO)
         loss.backward()
         grads = {k: p[k].grad.numpy() for k in trained}
         norm = math.sqrt(sum(float((g * g).sum()) for g in grads.values()))
@@ -124,13 +130,13 @@ CASES = {
         optimizer={"name": "adam", "lr": 0.05, "betas": [0.8, 0.95], "eps": 1e-6, "eps_mode": "ort",
                    "weight_decay": 0.02, "no_decay": ["fc2.*"], "max_grad_norm": 0.0},
         lr_schedule={"name": "linear", "warmup_steps": 1, "min_lr": 0.005},
-        frozen=[], eval=False),
+        engine={"graph_optimization": "basic"}, frozen=[], eval=False),
     # LAMB with the trust ratio clamped at both ends, no bias correction, constant schedule, the ONNX
     # optimizer graph instead of the host kernel, a frozen bias
     "lamb_ratio_clamped_graph": dict(
         optimizer={"name": "lamb", "lr": 0.1, "weight_decay": 0.01, "ratio_min": 0.1, "ratio_max": 0.15,
                    "bias_correction": False, "max_grad_norm": 2.0},
-        lr_schedule={"name": "constant"}, engine={"optimizer_kernel": "graph"},
+        lr_schedule={"name": "constant"}, engine={"optimizer_kernel": "graph"}, backend="mpi",
         frozen=["fc1.bias"], eval=True),
 }
 
@@ -146,7 +152,7 @@ def test_user_onnx_model_trains_like_the_reference_and_resumes_exactly(tmp_path,
     cfg = {
         "run": {"name": case, "output_dir": str(tmp_path / "run")},
         "model": {"builtin": None, "onnx": "mlp.onnx", "inputs": ["x"], "frozen": c["frozen"],
-                  "loss": {"logits": "logits", "labels": "labels"}},
+                  "loss": {"logits": "logits", "labels": "labels", "ignore_index": IGNORE}},
         "data": {"train": str(root / "train"), "eval": str(root / "eval") if c["eval"] else None,
                  "shuffle": False, "prefetch": 0},
         "train": {"micro_batch_size": MICRO, "gradient_accumulation_steps": ACCUM, "max_steps": STEPS,
@@ -155,9 +161,10 @@ def test_user_onnx_model_trains_like_the_reference_and_resumes_exactly(tmp_path,
         "checkpoint": {"every": 1, "keep_last": STEPS},
         "engine": {"threads": 1, **c.get("engine", {})},
         "tensorboard": {"enabled": False},
+        "distributed": {"backend": c.get("backend", "auto")},
     }
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
-    mpirun(WORLD, "--config", str(tmp_path / "c.yaml"))
+    mpirun(WORLD, "train", "--config", str(tmp_path / "c.yaml"))
     out = tmp_path / "run"
     train, evals = read_metrics(str(out))
     ref, ratios = reference(weights, data["train"], c["optimizer"], c["lr_schedule"], c["frozen"])
@@ -187,10 +194,24 @@ def test_user_onnx_model_trains_like_the_reference_and_resumes_exactly(tmp_path,
         p = ref[-1]["params"]
         logits = np.tanh(x @ p["fc1.weight"] + p["fc1.bias"]) @ p["fc2.weight"] + p["fc2.bias"]
         shifted = logits - logits.max(axis=1, keepdims=True)
-        ce = np.mean(np.log(np.exp(shifted).sum(axis=1)) - shifted[np.arange(len(y)), y])
+        nll = np.log(np.exp(shifted).sum(axis=1)) - shifted[np.arange(len(y)), np.maximum(y, 0)]
+        ce = np.mean([nll[i:i + MICRO][y[i:i + MICRO] != IGNORE].mean() for i in range(0, len(y), MICRO)])
         assert evals[STEPS]["eval_loss"] == pytest.approx(ce, rel=1e-5)
     else:
         assert not evals and json.loads((out / "summary.json").read_text())["final_eval_loss"] is None
+
+    # an inference model of step 3 at another opset: the reference's logits
+    run([TRAINRUN, "export", str(out / "checkpoints" / str(SPLIT)), "--output", str(tmp_path / "m.onnx"),
+         "--opset", "18"], check=0)
+    import onnxruntime as ort
+    m = onnx.load(str(tmp_path / "m.onnx"))
+    assert [o.version for o in m.opset_import if o.domain in ("", "ai.onnx")] == [18]
+    x = data["train"][0][:8]
+    p = ref[SPLIT - 1]["params"]
+    logits = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"]).run(
+        ["logits"], {"x": x})[0]
+    np.testing.assert_allclose(logits, np.tanh(x @ p["fc1.weight"] + p["fc1.bias"]) @ p["fc2.weight"]
+                               + p["fc2.bias"], rtol=1e-4, atol=1e-5)
 
     # resume from step 3 in a copy: steps 4..6 and the final state equal the uninterrupted run's bytes
     again = tmp_path / "again"
