@@ -195,9 +195,15 @@ def test_disk_full_during_save(tmp_path, byte_dataset):
 
 
 def test_export_matches_transformers_and_runs_in_plain_onnxruntime(tmp_path, byte_dataset):
-    shape = {"n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 32, "vocab_size": 512}
-    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 5})
+    # non-default LayerNorm epsilon (transformers must agree) and initialisation scale
+    shape = {"n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 32, "vocab_size": 512,
+             "layer_norm_epsilon": 1e-3}
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 5, "model.gpt2": {
+        **shape, "initializer_range": 0.05}})
     mpirun(2, "--config", cfg)
+    from safetensors.numpy import load_file
+    initial = load_file(str(tmp_path / "run" / "graphs" / "weights.safetensors"))
+    assert 0.045 < initial["transformer.wte.weight"].std() < 0.055        # 16,384 draws of N(0, 0.05)
     ckpt = tmp_path / "run" / "checkpoints" / "5"
     assert (tmp_path / "run" / "model.onnx").exists()           # exported at the end of training
     proc = run([TRAINRUN, "export", str(ckpt), "--output", str(tmp_path / "m.onnx")], check=0)
@@ -206,7 +212,6 @@ def test_export_matches_transformers_and_runs_in_plain_onnxruntime(tmp_path, byt
     import onnx
     import onnxruntime as ort
     import torch
-    from safetensors.numpy import load_file
     m = onnx.load(str(tmp_path / "m.onnx"))
     assert not any(n.domain == "com.microsoft" for n in m.graph.node)     # standard ONNX only
     assert [i.name for i in m.graph.input] == ["input_ids"]
