@@ -1,7 +1,8 @@
 """End to end on a user's forward ONNX model with ``.pb`` tensor data: train on 2 ranks, checkpoint every
 step, resume; each optimizer and schedule checked against an independent float64 reference.
 
-The model is a small MLP written with ``onnx.helper`` (x [B, 16] -> tanh -> logits [B, 5]); its data is
+The model is a small MLP written with ``onnx.helper`` (x [B, 16] -> tanh -> scores [B, 5]; labels input
+``target``, label -1 ignored); its data is
 written by ``trainrun-data tensors`` in ONNX Runtime's ``.pb`` layout. With ``data.shuffle: false`` step
 ``t`` trains on samples ``16 (t-1) .. 16 t - 1`` (global batch 16), so the reference needs nothing of
 trainrun: PyTorch computes the gradient of the mean cross-entropy, the optimizer rules come from
@@ -44,9 +45,9 @@ def write_mlp(path, weights):
              helper.make_node("Add", ["h0", "fc1.bias"], ["h1"]),
              helper.make_node("Tanh", ["h1"], ["h2"]),
              helper.make_node("MatMul", ["h2", "fc2.weight"], ["h3"]),
-             helper.make_node("Add", ["h3", "fc2.bias"], ["logits"])]
+             helper.make_node("Add", ["h3", "fc2.bias"], ["scores"])]
     graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", IN])],
-                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", CLASSES])],
+                              [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["b", CLASSES])],
                               [numpy_helper.from_array(v, k) for k, v in weights.items()])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
@@ -67,7 +68,7 @@ def mlp_data(tmp_path_factory):
         y[5::8] = IGNORE                                      # one ignored label in every micro-batch
         np.savez(root / f"{split}.npz", feat=x, y=y)
         run([TRAINRUN_DATA, "tensors", "--input", str(root / f"{split}.npz"), "--output", str(root / split),
-             "--samples-per-file", "64", "--rename", "feat=x", "--rename", "y=labels"], check=0)
+             "--samples-per-file", "64", "--rename", "feat=x", "--rename", "y=target"], check=0)
         assert len(list((root / split).glob("*.pb"))) == math.ceil(n / 64)
         out[split] = (x, y)
     os.remove(root / "eval" / "manifest.json")
@@ -152,7 +153,7 @@ def test_user_onnx_model_trains_like_the_reference_and_resumes_exactly(tmp_path,
     cfg = {
         "run": {"name": case, "output_dir": str(tmp_path / "run")},
         "model": {"builtin": None, "onnx": "mlp.onnx", "inputs": ["x"], "frozen": c["frozen"],
-                  "loss": {"logits": "logits", "labels": "labels", "ignore_index": IGNORE}},
+                  "loss": {"logits": "scores", "labels": "target", "ignore_index": IGNORE}},
         "data": {"train": str(root / "train"), "eval": str(root / "eval") if c["eval"] else None,
                  "shuffle": False, "prefetch": 0},
         "train": {"micro_batch_size": MICRO, "gradient_accumulation_steps": ACCUM, "max_steps": STEPS,
@@ -209,7 +210,7 @@ def test_user_onnx_model_trains_like_the_reference_and_resumes_exactly(tmp_path,
     x = data["train"][0][:8]
     p = ref[SPLIT - 1]["params"]
     logits = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"]).run(
-        ["logits"], {"x": x})[0]
+        ["scores"], {"x": x})[0]
     np.testing.assert_allclose(logits, np.tanh(x @ p["fc1.weight"] + p["fc1.bias"]) @ p["fc2.weight"]
                                + p["fc2.bias"], rtol=1e-4, atol=1e-5)
 
