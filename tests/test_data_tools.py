@@ -182,6 +182,10 @@ def test_tensors_from_npz_and_inspect(tmp_path):
     assert "part-00001.pb: sha256 checksum mismatch" in proc.stderr and "Traceback" not in proc.stderr
     proc = run([TRAINRUN_DATA, "inspect", str(out), "--no-verify"], check=0)    # sizes only: they hold
     assert "7 samples in 3 file(s)" in proc.stdout
+    proc = run([TRAINRUN_DATA, "tensors", "--input", str(tmp_path / "a.npz"), "--output", str(out), "--overwrite"],
+               check=0)                                  # replaces every old .pb file and the manifest
+    assert sorted(p.name for p in out.glob("*.pb")) == ["part-00000.pb"]
+    assert "4 samples in 1 file(s)" in run([TRAINRUN_DATA, "inspect", str(out)], check=0).stdout
     np.savez(tmp_path / "bad.npz", x=np.zeros((3, 2)), y=np.zeros(4))
     proc = run([TRAINRUN_DATA, "tensors", "--input", str(tmp_path / "bad.npz"), "--output", str(tmp_path / "o")],
                check=2)
@@ -207,3 +211,6 @@ def test_inspect_and_tokens_usage_errors(corpus, tmp_path):
     ]:
         proc = run([TRAINRUN_DATA, *cmd], check=2)
         assert message in proc.stderr and "Traceback" not in proc.stderr, (cmd, proc.stderr)
+    run([TRAINRUN_DATA, "tokens", "--input", str(corpus / "notes"), "--output", str(out), "--bytes", "--overwrite",
+         "--no-progress"], check=0)
+    run([TRAINRUN_DATA, "inspect", str(out / "train")], check=0)      # the truncated shard was replaced
