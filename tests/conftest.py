@@ -106,6 +106,10 @@ def write_config(path, data_dir, **sections):
         "lr_schedule": {"name": "cosine", "warmup_steps": 5, "min_lr": 1e-4},
         "checkpoint": {"every": 0, "keep_last": 3},
         "tensorboard": {"enabled": False},
+        # one intra-op thread per rank whatever the machine's core count (engine.threads 0 would pick
+        # cores // local ranks): at more threads onnxruntime's CPU GatherGrad adds the embedding
+        # gradient's rows in thread-arrival order, so runs are not bitwise reproducible
+        "engine": {"threads": 1},
     }
     for key, value in sections.items():
         node = cfg

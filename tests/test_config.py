@@ -107,6 +107,9 @@ def test_cli_validate_and_show(tmp_path):
     shown = yaml.safe_load(proc.stdout)
     assert shown["train"]["max_steps"] == 11
     assert "# Optimizer steps to train (the LR schedule spans them)." in proc.stdout
+    plain = run([TRAINRUN, "config", "show", "--config", os.path.join(ROOT, "configs", "gpt2-tiny.yaml"),
+                 "--set", "train.max_steps=11", "--no-comments"], check=0).stdout
+    assert "#" not in plain and yaml.safe_load(plain) == shown
     run([TRAINRUN, "config", "show", "--config", str(tmp_path / "nope.yaml")], check=2)
     bad_yaml = write(tmp_path, "train: [unclosed", name="b.yaml")
     proc = run([TRAINRUN, "config", "show", "--config", bad_yaml], check=2)

@@ -101,6 +101,27 @@ def test_tokens_bpe_deterministic_and_decodes(corpus, tmp_path):
     run([TRAINRUN_DATA, "tokens", "--input", *globs, "--output", str(c), "--tokenizer",
          str(a / "tokenizer.json"), "--no-progress"], check=0)
     assert tree_bytes(c) == tree_bytes(a)
+    # another end-of-document token of the same tokenizer (--eos); one it lacks is named
+    d = tmp_path / "d"
+    run([TRAINRUN_DATA, "tokens", "--input", str(corpus), "--output", str(d), "--tokenizer",
+         str(a / "tokenizer.json"), "--eos", "e", "--no-progress"], check=0)
+    m_d, tokens_d = shard_tokens(d / "train")
+    assert m_d["eos_id"] == tok.token_to_id("e") != m["eos_id"]
+    assert np.count_nonzero(tokens_d == m_d["eos_id"]) > np.count_nonzero(tokens == m_d["eos_id"])
+    proc = run([TRAINRUN_DATA, "tokens", "--input", str(corpus), "--output", str(tmp_path / "e"), "--tokenizer",
+                str(a / "tokenizer.json"), "--eos", "<nope>", "--no-progress"], check=2)
+    assert "the tokenizer has no end-of-document token '<nope>'" in proc.stderr
+
+
+def test_tokens_positional_inputs_and_exclude(corpus, tmp_path):
+    """Inputs as arguments; --exclude replaces the default exclusions: excluding notes leaves lib."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    run([TRAINRUN_DATA, "tokens", str(corpus), "--exclude", "notes", "--exclude", "__pycache__", "--output",
+         str(a), "--bytes", "--no-progress"], check=0)
+    run([TRAINRUN_DATA, "tokens", "--input", str(corpus / "lib"), "--output", str(b), "--bytes", "--no-progress"],
+        check=0)
+    assert tree_bytes(a) == tree_bytes(b)
+    assert shard_tokens(a / "train")[0]["num_documents"] == len(corpus_docs(corpus / "lib")) - 1   # eval: 1
 
 
 def test_fast_path_matches_the_library(corpus):
@@ -159,6 +180,12 @@ def test_tensors_from_npz_and_inspect(tmp_path):
     part.write_bytes(part.read_bytes()[:-1] + b"\x00")
     proc = run([TRAINRUN_DATA, "inspect", str(out)], check=2)
     assert "part-00001.pb: sha256 checksum mismatch" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run([TRAINRUN_DATA, "inspect", str(out), "--no-verify"], check=0)    # sizes only: they hold
+    assert "7 samples in 3 file(s)" in proc.stdout
+    proc = run([TRAINRUN_DATA, "tensors", "--input", str(tmp_path / "a.npz"), "--output", str(out), "--overwrite"],
+               check=0)                                  # replaces every old .pb file and the manifest
+    assert sorted(p.name for p in out.glob("*.pb")) == ["part-00000.pb"]
+    assert "4 samples in 1 file(s)" in run([TRAINRUN_DATA, "inspect", str(out)], check=0).stdout
     np.savez(tmp_path / "bad.npz", x=np.zeros((3, 2)), y=np.zeros(4))
     proc = run([TRAINRUN_DATA, "tensors", "--input", str(tmp_path / "bad.npz"), "--output", str(tmp_path / "o")],
                check=2)
@@ -184,3 +211,6 @@ def test_inspect_and_tokens_usage_errors(corpus, tmp_path):
     ]:
         proc = run([TRAINRUN_DATA, *cmd], check=2)
         assert message in proc.stderr and "Traceback" not in proc.stderr, (cmd, proc.stderr)
+    run([TRAINRUN_DATA, "tokens", "--input", str(corpus / "notes"), "--output", str(out), "--bytes", "--overwrite",
+         "--no-progress"], check=0)
+    run([TRAINRUN_DATA, "inspect", str(out / "train")], check=0)      # the truncated shard was replaced
