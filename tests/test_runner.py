@@ -117,14 +117,13 @@ def test_killed_rank_ends_the_job(tmp_path, byte_dataset):
     assert metrics.exists(), "training never started"
     victim = rank_pids(str(tmp_path))[1]
     os.kill(victim, signal.SIGKILL)
-    t0 = time.time()
     try:
-        out, _ = proc.communicate(timeout=60)
+        out, _ = proc.communicate(timeout=120)      # a hang raises TimeoutExpired
     finally:
         proc.kill()
-    assert time.time() - t0 < 30
     assert proc.returncode != 0
-    assert "BAD TERMINATION" in out or "rank" in out
+    # the launcher saw the killed rank itself (not rank 0 timing out in a collective) and ended the job
+    assert f"PID {victim} " in out and "EXIT CODE: 9" in out, out[-2000:]
 
 
 def test_gpt2_tiny_learns_the_standard_library(tmp_path):
