@@ -19,7 +19,8 @@ from trainrun import checkpoint as K
 def trained(tmp_path_factory, byte_dataset):
     """A finished 1-rank run of 3 steps with a checkpoint at every step (do not modify: copy it)."""
     d = tmp_path_factory.mktemp("trained")
-    cfg = write_config(d / "c.yaml", byte_dataset, **{"train.max_steps": 3, "checkpoint.every": 1})
+    cfg = write_config(d / "c.yaml", byte_dataset, **{"train.max_steps": 3, "checkpoint.every": 1,
+                                                      "train.eval_every": 3, "engine.threads": 1})
     run([TRAINRUN, "--config", cfg], check=0)
     return d / "run"
 
@@ -41,12 +42,15 @@ def test_export_with_loss_keeps_the_loss_and_takes_labels(tmp_path, trained):
 
 def test_renamed_labels_input_trains_on_the_dataset_labels(tmp_path, byte_dataset, trained):
     """model.loss.labels only names the graph input: the dataset's labels feed it, so the losses are
-    those of the run with the default name (same seed, data and graph)."""
+    those of the run with the default name (same seed, data and graph; 1 thread each, so the same
+    computation whatever the core count)."""
     cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 3, "checkpoint.every": 1,
+                                                             "train.eval_every": 3, "engine.threads": 1,
                                                              "model.loss": {"labels": "targets"}})
     run([TRAINRUN, "--config", cfg], check=0)
-    ours, ref = read_metrics(str(tmp_path / "run"))[0], read_metrics(str(trained))[0]
-    np.testing.assert_allclose([ours[s]["loss"] for s in (1, 2, 3)], [ref[s]["loss"] for s in (1, 2, 3)], rtol=1e-6)
+    (ours, our_eval), (ref, ref_eval) = read_metrics(str(tmp_path / "run")), read_metrics(str(trained))
+    np.testing.assert_allclose([ours[s]["loss"] for s in (1, 2, 3)] + [our_eval[3]["eval_loss"]],
+                               [ref[s]["loss"] for s in (1, 2, 3)] + [ref_eval[3]["eval_loss"]], rtol=1e-6)
     proc = run([TRAINRUN, "export", str(tmp_path / "run"), "--output", str(tmp_path / "m.onnx"), "--with-loss"],
                check=0)
     assert "max |logits - eval graph|" in proc.stdout
