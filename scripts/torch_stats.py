@@ -6,11 +6,12 @@
 RUN_DIR is a trainrun run of the built-in GPT-2 (its config.yaml, initial
 weights graphs/weights.safetensors and graphs/train.onnx are read). This
 script trains transformers' GPT2LMHeadModel (gelu_new, dropout 0) from the same
-initial weights on the same global batches (trainrun's loader at world size 1,
-micro-batches of micro_batch_size x world_size samples: the same samples in
-each step as trainrun on any rank count), with torch.optim.AdamW/Adam/SGD, the
-same gradient clipping and trainrun's learning-rate schedule, and writes
-REF_DIR/stats/rank-0/stats.jsonl with trainrun's names:
+initial weights on the same global batches, with torch.optim.AdamW/Adam/SGD, the
+same gradient clipping and learning-rate schedule, and writes
+REF_DIR/stats/rank-0/stats.jsonl with trainrun's names. The sample order, the
+schedule and the statistics come from scripts/reference.py, written from the
+documented rules and not imported from trainrun, so that a defect in trainrun's
+loader, schedule or statistics shows up as a difference:
 
 * scalar/loss, local_loss, grad_norm (before clipping), lr;
 * grad/<param> (the mean gradient), param/<param> (after the update);
@@ -65,10 +66,10 @@ def main(argv=None) -> int:
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
 
+    import numpy as np
+
+    import reference as R           # scripts/reference.py, beside this script
     from trainrun import config as C
-    from trainrun.data import TrainLoader, open_dataset
-    from trainrun.schedule import learning_rate
-    from trainrun.observe.stats import Moments, StatsFile, summarize
 
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
@@ -100,14 +101,13 @@ def main(argv=None) -> int:
         meta = os.path.join(args.run_dir, "stats", "rank-0", "meta.json")
         patterns = json.load(open(meta)).get("activations", []) if os.path.isfile(meta) else ["*"]
     wanted = [n for n in mapping if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
-    acts: dict[str, Moments] = {}
+    acts: dict[str, list] = {}           # the activations of every micro-batch of the step
     modules = dict(model.named_modules())
 
     def hook(onnx_name, where):
         def fn(module, inputs, output=None):
             t = inputs[0] if where == "in" else (output[0] if isinstance(output, tuple) else output)
-            m = Moments.of(t.detach().numpy())
-            acts[onnx_name] = acts[onnx_name].merge(m) if onnx_name in acts else m
+            acts.setdefault(onnx_name, []).append(t.detach().numpy().ravel().copy())
         return fn
 
     collecting = [False]
@@ -135,46 +135,50 @@ def main(argv=None) -> int:
 
     meta = os.path.join(args.run_dir, "stats", "rank-0", "meta.json")
     world = json.load(open(meta)).get("world_size", 1) if os.path.isfile(meta) else 1
-    mb, accum = cfg.train.micro_batch_size * world, cfg.train.gradient_accumulation_steps
-    ds = open_dataset(cfg.data.train, cfg.data.seq_len, vocab_size=g.vocab_size, n_positions=g.n_positions)
-    loader = TrainLoader(ds, micro_batch=mb, accum=accum, rank=0, world_size=1, seed=cfg.run.seed,
-                         shuffle=cfg.data.shuffle, prefetch=0)
-    out = StatsFile(os.path.join(args.output, "stats"), 0, 1, source="torch", activations=wanted,
-                    params=list(params), reference_for=os.path.abspath(args.run_dir))
+    accum = cfg.train.gradient_accumulation_steps
+    mb = cfg.train.micro_batch_size * world          # a step's samples, in accum micro-batches
+    batches = R.global_batches(cfg.data.train, cfg.data.seq_len, mb * accum, cfg.run.seed, cfg.data.shuffle)
+    s = cfg.lr_schedule
+    out_dir = os.path.join(args.output, "stats", "rank-0")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "meta.json"), "w") as fh:
+        json.dump({"format": "trainrun-stats", "format_version": 1, "source": "torch", "rank": 0, "world_size": 1,
+                   "activations": wanted, "params": list(params),
+                   "reference_for": os.path.abspath(args.run_dir)}, fh, indent=1)
     ignore = cfg.model.loss.ignore_index
-    try:
+    with open(os.path.join(out_dir, "stats.jsonl"), "w") as out:
         for step in range(1, steps + 1):
             due = step % every == 0
             collecting[0] = due
             acts.clear()
-            lr = learning_rate(step, o.lr, cfg.train.max_steps, cfg.lr_schedule)
+            lr = R.learning_rate(step, o.lr, cfg.train.max_steps, s.name, s.warmup_steps, s.min_lr, s.power)
             for group in opt.param_groups:
                 group["lr"] = lr
             opt.zero_grad()
             loss_sum = 0.0
-            for batch in loader.next_step():
-                logits = model(torch.from_numpy(batch["input_ids"])).logits
+            ids, labels = next(batches)
+            for a in range(accum):
+                logits = model(torch.from_numpy(ids[a * mb:(a + 1) * mb])).logits
                 loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                         torch.from_numpy(batch["labels"]).reshape(-1),
+                                                         torch.from_numpy(labels[a * mb:(a + 1) * mb]).reshape(-1),
                                                          ignore_index=ignore)
                 (loss / accum).backward()
                 loss_sum += loss.item()
             tensors = {}
             if due:      # the mean gradient, before clipping (as trainrun records it)
-                tensors = {f"act/{n}": acts[n].summary() for n in wanted if n in acts}
+                tensors = {f"act/{n}": R.summary(np.concatenate(acts[n])) for n in wanted if n in acts}
                 for n, p in params.items():
-                    tensors[f"grad/{n}"] = summarize(p.grad.detach().numpy())
+                    tensors[f"grad/{n}"] = R.summary(p.grad.detach().numpy())
             max_norm = o.max_grad_norm if o.max_grad_norm > 0 else float("inf")
             grad_norm = float(torch.nn.utils.clip_grad_norm_(list(params.values()), max_norm))
             opt.step()
             if due:
                 for n, p in params.items():
-                    tensors[f"param/{n}"] = summarize(p.detach().numpy())
+                    tensors[f"param/{n}"] = R.summary(p.detach().numpy())
                 loss = loss_sum / accum
-                out.write(step, {"loss": loss, "local_loss": loss, "grad_norm": grad_norm, "lr": lr}, tensors)
-    finally:
-        loader.close()
-        out.close()
+                scalars = {"loss": loss, "local_loss": loss, "grad_norm": grad_norm, "lr": lr}
+                out.write(json.dumps({"step": step, "rank": 0, "world_size": 1, "scalars": scalars,
+                                      "tensors": tensors}) + "\n")
     print(f"torch_stats.py: {steps} steps, statistics every {every} in {os.path.join(args.output, 'stats')} "
           f"({len(wanted)} activations)")
     return 0

@@ -65,28 +65,93 @@ def assert_matches_torch(eng, loss, hf, batch, vocab, rel):
         assert err < rel, (name, err)
 
 
-def stdlib_text_dir(dest, max_bytes=600_000):
-    """Copy a deterministic slice of the Python standard library's source into ``dest``."""
-    import shutil
-    import sysconfig
-    src = sysconfig.get_paths()["stdlib"]
+class SplitMix64:
+    """A tiny seeded generator written out here (splitmix64), so that test data is the same bytes
+    on every machine, CPython and NumPy version (``random`` and NumPy promise no such thing)."""
+
+    MASK = (1 << 64) - 1
+
+    def __init__(self, seed: int):
+        self.state = seed & self.MASK
+
+    def next(self) -> int:
+        self.state = (self.state + 0x9E3779B97F4A7C15) & self.MASK
+        z = self.state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & self.MASK
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & self.MASK
+        return z ^ (z >> 31)
+
+    def below(self, n: int) -> int:
+        return self.next() % n
+
+    def pick(self, seq):
+        return seq[self.below(len(seq))]
+
+
+_WORDS = ("data item value count index name path file line text token batch step rank size shape "
+          "buffer state result config option key node graph model layer weight grad loss mean total "
+          "start end offset length chunk block record entry field header reader writer cache queue "
+          "parser stream source target module handler request response message error status limit").split()
+_VERBS = "get set read write load save make build parse check update reset open close find apply".split()
+_PROSE = ("Return the {a} of the {b}.", "Read one {a} from {b} and keep it.", "The {a} holds every {b}.",
+          "Build the {a} for this {b}; raise when it is missing.", "A {a} per {b}, in order.",
+          "Naïve {a} of the {b} (café, «{a}», ½ of it).", "Compute {a} → {b} once, then cache it.")
+
+
+def _source_file(rng: SplitMix64, n_defs: int) -> str:
+    """One Python-like module: imports, constants, functions and classes of a fixed little grammar."""
+    w, v = (lambda: rng.pick(_WORDS)), (lambda: rng.pick(_VERBS))
+    lines = [f'"""{rng.pick(_PROSE).format(a=w(), b=w())}"""', "", f"import {w()}", f"from {w()} import {w()}, {w()}",
+             "", f"{w().upper()}_{w().upper()} = {rng.below(1000)}", ""]
+    for _ in range(n_defs):
+        indent = ""
+        if rng.below(3) == 0:
+            lines += ["", f"class {w().title()}{w().title()}:", f'    """{rng.pick(_PROSE).format(a=w(), b=w())}"""', ""]
+            indent = "    "
+        args = ", ".join(["self"] * (indent != "") + [w() for _ in range(rng.below(3) + 1)])
+        lines += [f"{indent}def {v()}_{w()}({args}):",
+                  f'{indent}    """{rng.pick(_PROSE).format(a=w(), b=w())}"""']
+        for _ in range(rng.below(6) + 2):
+            kind = rng.below(6)
+            a, b, c = w(), w(), w()
+            if kind == 0:
+                lines += [f"{indent}    if {a} is None or {b} > {rng.below(100)}:", f"{indent}        {a} = {b}.{v()}_{c}()"]
+            elif kind == 1:
+                lines += [f"{indent}    for {a} in range(len({b})):", f"{indent}        {c}.append({b}[{a}] + {rng.below(10)})"]
+            elif kind == 2:
+                lines += [f"{indent}    # {rng.pick(_PROSE).format(a=a, b=b).lower()}"]
+            elif kind == 3:
+                lines += [f'{indent}    {a} = {{"{b}": {c}, "{w()}": {rng.below(256)}}}']
+            elif kind == 4:
+                lines += [f"{indent}    try:", f"{indent}        {a} = {v()}_{b}({c}, {w()}={rng.below(2) == 1})",
+                          f"{indent}    except {rng.pick(['KeyError', 'ValueError', 'OSError'])}:",
+                          f"{indent}        raise {w().title()}Error(f\"bad {b}: {{{c}!r}}\") from None"]
+            else:
+                lines += [f"{indent}    {a} = {b} * {rng.below(64)} + {c} // {rng.below(7) + 1}"]
+        lines += [f"{indent}    return {w()}", ""]
+    return "\n".join(lines) + "\n"
+
+
+def synthetic_text_dir(dest, max_bytes=600_000, seed=0):
+    """Write deterministic Python-like source files (``mod_NNN.py``, about 2-12 kB each, ``max_bytes``
+    in all) into ``dest``: made by :class:`SplitMix64` from the word lists above, so the same bytes on
+    any machine and any Python, unlike the running Python's standard library."""
+    rng = SplitMix64(seed)
     os.makedirs(dest, exist_ok=True)
-    total = 0
-    for name in sorted(os.listdir(src)):
-        if name.endswith(".py"):
-            size = os.path.getsize(os.path.join(src, name))
-            shutil.copy(os.path.join(src, name), os.path.join(dest, name))
-            total += size
-            if total >= max_bytes:
-                break
+    total, i = 0, 0
+    while total < max_bytes:
+        text = _source_file(rng, rng.below(12) + 4).encode("utf-8")
+        with open(os.path.join(dest, f"mod_{i:03d}.py"), "wb") as fh:
+            fh.write(text)
+        total, i = total + len(text), i + 1
     return dest
 
 
 @pytest.fixture(scope="session")
 def byte_dataset(tmp_path_factory):
-    """A real token dataset (raw bytes of stdlib source) made by `trainrun-data`."""
+    """A real token dataset (raw bytes of :func:`synthetic_text_dir`'s source) made by `trainrun-data`."""
     root = tmp_path_factory.mktemp("bytes_data")
-    text = stdlib_text_dir(str(root / "text"))
+    text = synthetic_text_dir(str(root / "text"))
     out = str(root / "data")
     run([TRAINRUN_DATA, "tokens", "--input", text, "--output", out, "--bytes", "--eval-fraction", "0.1"], check=0)
     return out

@@ -125,14 +125,13 @@ def main(comm):
     assert comm.allreduce_scalars(vals, "max") == [float(n), 0.0, 0.25 * (n - 1)]
     assert comm.allreduce_scalars(vals, "min") == [1.0, -(n - 1.0), 0.0]
 
-    # barrier: the last rank arrives 0.5 s late; nobody may leave before it arrives.
+    # barrier: the last rank arrives late and leaves a file just before; nobody may leave before it
+    # arrives, so every rank finds the file after the barrier (order, not timing: a loaded machine is fine)
     if r == n - 1:
         time.sleep(0.5)
-    t = time.monotonic()
+        open("last_rank_arrived", "w").close()
     comm.barrier()
-    waited = time.monotonic() - t
-    if r != n - 1:
-        assert waited > 0.4, f"rank {r} left the barrier after {waited:.3f} s"
+    assert os.path.exists("last_rank_arrived"), f"rank {r} left the barrier before rank {n - 1} arrived"
 
     report(r, {"rank": r, "world": n, "local_rank": comm.local_rank,
                "local_size": comm.local_size, "backend": comm.backend})
@@ -221,11 +220,12 @@ else:
 
 @pytest.mark.parametrize("mode", ["sigkill", "os_exit"])
 def test_peer_killed_hydra_ends_the_job(tmp_path, mode):
-    """A rank that dies without MPI_Finalize: hydra SIGKILLs the others at once."""
-    rc, out, seconds = run_ranks(tmp_path, 2, ALLREDUCE_AFTER_PEER_FAILS.format(mode=mode, timeout_s=5))
-    assert seconds < 20, out
+    """A rank that dies without MPI_Finalize: hydra SIGKILLs the others at once, long before rank 0's
+    own timeout (60 s, beyond run_ranks' 30 s limit) could end the job."""
+    rc, out, _ = run_ranks(tmp_path, 2, ALLREDUCE_AFTER_PEER_FAILS.format(mode=mode, timeout_s=60))
     assert rc != 0, out
     assert "finished allreduce" not in out, out
+    assert not (tmp_path / "error.0.txt").exists(), out       # rank 0 did not time out: hydra killed it
     if mode == "sigkill":  # hydra names the cause only when a rank died by a signal
         assert "BAD TERMINATION" in out and "signal 9" in out, out
 
@@ -234,8 +234,7 @@ def test_peer_killed_hydra_ends_the_job(tmp_path, mode):
 def test_peer_gone_quietly_times_out_with_clear_error(tmp_path, mode):
     """A rank that exits through MPI_Finalize, or hangs: hydra kills nobody, the timeout fires."""
     timeout_s = 2
-    rc, out, seconds = run_ranks(tmp_path, 2, ALLREDUCE_AFTER_PEER_FAILS.format(mode=mode, timeout_s=timeout_s))
-    assert seconds < 20, out
+    rc, out, _ = run_ranks(tmp_path, 2, ALLREDUCE_AFTER_PEER_FAILS.format(mode=mode, timeout_s=timeout_s))
     assert rc != 0, out
     assert "finished allreduce" not in out, out
     err = tmp_path / "error.0.txt"
@@ -243,7 +242,7 @@ def test_peer_gone_quietly_times_out_with_clear_error(tmp_path, mode):
     m = re.search(r"rank 0: TrainrunError: allreduce_ timed out on rank 0 of 2 \(.*\) after ([0-9.]+) s "
                   r"\(timeout_s=2\): a peer rank probably died or hung", err.read_text())
     assert m, (err.read_text(), out)
-    assert timeout_s <= float(m.group(1)) < timeout_s + 3, out   # margin for a loaded 2-core machine
+    assert float(m.group(1)) >= timeout_s, out      # never early; how late depends on the machine's load
 
 
 def test_abort_ends_every_rank_and_does_not_return(tmp_path):
@@ -258,11 +257,12 @@ def test_abort_ends_every_rank_and_does_not_return(tmp_path):
         time.sleep(15)
         open("rank1_survived", "w").close()
     '''
-    rc, out, seconds = run_ranks(tmp_path, 2, body)
+    rc, out, _ = run_ranks(tmp_path, 2, body)
     # hydra's own exit status is racy (the code, or 9 when it SIGKILLs the job first), and so is
     # MPICH's "MPI_Abort(MPI_COMM_WORLD, 7)" line: output still in hydra's pipes when it kills the
-    # job can be lost (seen in CI). What must hold: the job ended early, nonzero, rank 1 killed.
-    assert rc != 0 and seconds < 30, out
+    # job can be lost (seen in CI). What must hold: the job ended nonzero and rank 1 was killed
+    # before it woke up (rank1_survived below), however loaded the machine.
+    assert rc != 0, out
     assert (tmp_path / "abort_called").exists(), out
     assert not (tmp_path / "abort_returned").exists(), "comm.abort() returned"
     assert not (tmp_path / "rank1_survived").exists()

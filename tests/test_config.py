@@ -117,9 +117,15 @@ def test_cli_validate_and_show(tmp_path):
 
 
 def test_cli_help_lists_commands():
+    """The contract's commands are registered: listed under "Commands:" and each with its own --help."""
     proc = run([TRAINRUN, "--help"], check=0)
-    for cmd in ("train", "resume", "export", "prepare", "config"):
-        assert cmd in proc.stdout
+    listed = proc.stdout.split("\nCommands:\n", 1)[1]
+    names = {line.split()[0] for line in listed.splitlines() if line.startswith("  ") and line.split()}
+    expected = {"train", "resume", "export", "prepare", "config"}
+    assert expected <= names, names
+    for cmd in sorted(expected):
+        sub = run([TRAINRUN, cmd, "--help"], check=0)
+        assert sub.stdout.startswith(f"Usage: trainrun {cmd} "), sub.stdout
     run([TRAINRUN, "no-such-command"], check=2)
 
 

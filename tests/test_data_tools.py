@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, pre_tokenizers
 
-from conftest import TRAINRUN_DATA, run, stdlib_text_dir
+from conftest import TRAINRUN_DATA, run, synthetic_text_dir
 from trainrun.data import TrainLoader, open_dataset
 from trainrun.data_tools.encode import TokenizerEncoder, train_bpe
 
@@ -29,9 +29,9 @@ TRICKY = [
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    """A small corpus: a few stdlib modules plus tricky files; .pyc, __pycache__ and .bin are skipped."""
+    """A small corpus: synthetic Python-like modules plus tricky files; .pyc, __pycache__ and .bin are skipped."""
     root = tmp_path_factory.mktemp("corpus")
-    stdlib_text_dir(str(root / "lib"), max_bytes=150_000)
+    synthetic_text_dir(str(root / "lib"), max_bytes=150_000)
     (root / "notes").mkdir()
     for i, text in enumerate(TRICKY):
         (root / "notes" / f"t{i}.txt").write_text(text, encoding="utf-8")
@@ -142,9 +142,9 @@ def test_fast_path_matches_the_library(corpus):
     assert [g.tolist() for g in slow.encode(TRICKY)] == [r.ids for r in ref]
 
 
-# ---------------------------------------------------------------------- stdlib subset through the loader
-def test_stdlib_subset_dataset_trains_through_the_loader(tmp_path):
-    src = stdlib_text_dir(str(tmp_path / "lib"), max_bytes=400_000)
+# ---------------------------------------------------------------------- a source corpus through the loader
+def test_source_corpus_dataset_trains_through_the_loader(tmp_path):
+    src = synthetic_text_dir(str(tmp_path / "lib"), max_bytes=400_000)
     out = tmp_path / "ds"
     run([TRAINRUN_DATA, "tokens", "--input", src, "--output", str(out), "--train-bpe", "512", "--no-progress"],
         check=0)

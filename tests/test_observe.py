@@ -89,9 +89,11 @@ def test_statistics_per_step_and_rank(twin_runs):
         w, s = weights[name].astype(np.float64), r0[-1]["tensors"][f"param/{name}"]
         np.testing.assert_allclose([s["min"], s["max"], s["mean"], s["std"], s["norm"]],
                                    [w.min(), w.max(), w.mean(), w.std(), np.linalg.norm(w)], rtol=1e-6)
-    # grad_norm in the statistics is the logged one: the norm over all gradient tensors
+    # grad_norm in the statistics is the logged one: the norm over all gradient tensors. The statistics
+    # sum in float64, the logged norm is a float32 dot product over the whole buffer (~44k values here,
+    # rounding ~ sqrt(N) * eps = 1.3e-5 relative, more or less by the BLAS's blocking): 1e-4.
     grad_norm = np.sqrt(sum(r0[-1]["tensors"][f"grad/{p}"]["norm"] ** 2 for p in params))
-    assert grad_norm == pytest.approx(read_metrics(run_dir)[0][STEPS]["grad_norm"], rel=1e-5)
+    assert grad_norm == pytest.approx(read_metrics(run_dir)[0][STEPS]["grad_norm"], rel=1e-4)
 
 
 def test_log_levels(twin_runs):

@@ -216,7 +216,10 @@ def main(argv=None):
             sys.exit(rc)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
-    except click.exceptions.Abort:
+    except click.exceptions.Abort as exc:    # click turns Ctrl-C (KeyboardInterrupt) into Abort
+        if isinstance(exc.__context__, KeyboardInterrupt):
+            click.echo("trainrun: interrupted", err=True)
+            sys.exit(130)
         click.echo("aborted", err=True)
         sys.exit(1)
     except click.ClickException as exc:

@@ -167,9 +167,10 @@ class _Bound:
 class Engine:
     """The train, eval and optimizer sessions over shared flat buffers.
 
-    ``batch_shapes``: name -> (shape, dtype) of every data input (and labels) of
+    ``batch_shapes``: feature name -> (shape, dtype) of every data input (and labels) of
     one micro-batch; the engine owns those buffers, and :meth:`set_batch` copies
-    a batch into them.
+    a batch into them. The dataset's ``labels`` feature feeds the loss's labels
+    input whatever ``model.loss.labels`` names it (:attr:`feeds`: graph input -> feature).
     """
 
     def __init__(self, graphs_dir: str, opts: EngineOptions, batch_shapes: dict, eval_batch_shapes: dict,
@@ -191,8 +192,11 @@ class Engine:
         self.loss = np.zeros((), np.float32)
         self.eval_loss = np.zeros((), np.float32)
         self.reset = np.ones(1, bool)
-        self.batch = {k: xp.zeros(s, d) for k, (s, d) in batch_shapes.items()}
-        self.eval_batch = {k: xp.zeros(s, d) for k, (s, d) in eval_batch_shapes.items()}
+        labels = self.manifest.get("labels", "labels")
+        self.feeds = {labels: "labels"} if labels not in batch_shapes and "labels" in batch_shapes else {}
+        graph_name = {f: g for g, f in self.feeds.items()}
+        self.batch = {graph_name.get(k, k): xp.zeros(s, d) for k, (s, d) in batch_shapes.items()}
+        self.eval_batch = {graph_name.get(k, k): xp.zeros(s, d) for k, (s, d) in eval_batch_shapes.items()}
         self.masks = self._masks(self.manifest.get("dropout"), opts.seed)
 
         self.stats_outputs = list(self.manifest.get("stats_outputs", []))   # debug.tensors, see stats.py
@@ -281,7 +285,7 @@ class Engine:
     def set_batch(self, batch: dict, target: dict | None = None) -> None:
         target = self.batch if target is None else target
         for k, buf in target.items():
-            src = batch[k]
+            src = batch[self.feeds.get(k, k)]
             if src.shape != buf.shape:
                 raise TrainrunError(f"batch '{k}' has shape {src.shape}, the engine was built for {buf.shape}")
             from_host(buf, src)

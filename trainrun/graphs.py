@@ -63,8 +63,8 @@ def forward_from_config(cfg: Config) -> Forward:
         weights = init_weights(m.gpt2, cfg.run.seed)
         model = build_gpt2(m.gpt2, weights)
         inputs = ["input_ids"]
-        trainable = [n for n in weights if not any(fnmatch.fnmatchcase(n, p) for p in m.frozen)]
-        return Forward(model=model, params=trainable, inputs=inputs, logits="logits", labels=m.loss.labels)
+        return Forward(model=model, params=_trainable(list(weights), m.frozen, "gpt2"), inputs=inputs,
+                       logits="logits", labels=m.loss.labels)
     else:
         try:
             model = onnx.load(m.onnx)
@@ -95,12 +95,17 @@ def _check_forward(model, inputs, logits, labels, frozen, source) -> Forward:
                         f"choose a new name for the labels input")
     if problems:
         raise UsageError(f"{source}: the forward graph does not match the config", problems)
-    params = [t.name for t in model.graph.initializer
-              if t.data_type == TensorProto.FLOAT and len(t.dims) > 0
-              and not any(fnmatch.fnmatchcase(t.name, p) for p in frozen)]
+    floats = [t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT and len(t.dims) > 0]
+    return Forward(model=model, params=_trainable(floats, frozen, source), inputs=list(inputs), logits=logits,
+                   labels=labels)
+
+
+def _trainable(names: list[str], frozen: list[str], source: str) -> list[str]:
+    """``names`` that no ``model.frozen`` pattern matches; a UsageError when none is left."""
+    params = [n for n in names if not any(fnmatch.fnmatchcase(n, p) for p in frozen)]
     if not params:
-        raise UsageError(f"{source}: no trainable float initializers (model.frozen: {frozen})")
-    return Forward(model=model, params=params, inputs=list(inputs), logits=logits, labels=labels)
+        raise UsageError(f"model.frozen: {frozen} freezes every parameter of {source}; nothing would train")
+    return params
 
 
 # --------------------------------------------------------------------------- surgery

@@ -1,0 +1,89 @@
+"""Independent twins of trainrun's data order, learning-rate schedule and tensor statistics, for the
+references (tests/test_parity.py, scripts/torch_stats.py) that check trainrun against PyTorch.
+
+Written from the documented rules, never by importing trainrun: a reference that reused trainrun's
+loader, schedule or statistics would share their defects and could not see them.
+
+* Data (trainrun/data.py, "Token shards" and "Sample order"): the shards listed in manifest.json are
+  one stream of little-endian token ids; sample ``i`` is ``stream[i*L : i*L + L + 1]`` with
+  ``input_ids = window[:-1]``, ``labels = window[1:]``; there are ``(tokens - 1) // L`` samples.
+  Global position ``p`` is sample ``perm(p // N)[p % N]``, ``perm(e)`` being ``arange(N)`` shuffled
+  in place by ``np.random.default_rng([seed, e])`` (not shuffled with data.shuffle false); step ``s``
+  (0-based) takes positions ``s*G .. s*G + G - 1`` of the global batch ``G``.
+* Schedule (trainrun/schedule.py, README): ``t`` = 1-based update; linear warmup ``lr * t / warmup``;
+  then progress ``x = (t - warmup) / (max_steps - warmup)`` clipped to [0, 1] and constant ``lr``,
+  linear ``min_lr + (lr - min_lr)(1 - x)``, poly ``... (1 - x) ** power``, cosine
+  ``... 0.5 (1 + cos(pi x))``.
+* Statistics (trainrun/stats.py): over the finite values, float64: min, max, mean, population std,
+  L2 norm; ``numel``, ``nan``, ``inf`` counts.
+
+Only NumPy here (torch stays with the callers).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+
+_DTYPES = {"uint16": "<u2", "uint32": "<u4"}
+
+
+def token_stream(dataset_dir: str) -> np.ndarray:
+    """The whole token stream of a trainrun token-shard directory, read with NumPy."""
+    with open(os.path.join(dataset_dir, "manifest.json")) as fh:
+        manifest = json.load(fh)
+    assert manifest["format"] == "trainrun-tokens", manifest.get("format")
+    dtype = np.dtype(_DTYPES[manifest["dtype"]])
+    parts = [np.fromfile(os.path.join(dataset_dir, s["file"]), dtype=dtype) for s in manifest["shards"]]
+    return np.concatenate(parts).astype(np.int64)
+
+
+def global_batches(dataset_dir: str, seq_len: int, global_batch: int, seed: int, shuffle: bool = True):
+    """Yield (input_ids, labels), int64 [global_batch, seq_len], of steps 1, 2, ... in trainrun's order."""
+    stream = token_stream(dataset_dir)
+    n = (len(stream) - 1) // seq_len
+    perms = {}
+
+    def sample(p):
+        epoch = p // n
+        if epoch not in perms:
+            perm = np.arange(n, dtype=np.int64)
+            if shuffle:
+                np.random.default_rng([seed, epoch]).shuffle(perm)
+            perms.clear()
+            perms[epoch] = perm
+        i = int(perms[epoch][p % n])
+        return stream[i * seq_len:i * seq_len + seq_len + 1]
+
+    position = 0
+    while True:
+        windows = np.stack([sample(p) for p in range(position, position + global_batch)])
+        position += global_batch
+        yield windows[:, :-1], windows[:, 1:]
+
+
+def learning_rate(t: int, lr: float, max_steps: int, name: str = "constant", warmup_steps: int = 0,
+                  min_lr: float = 0.0, power: float = 1.0) -> float:
+    if warmup_steps and t <= warmup_steps:
+        return lr * t / warmup_steps
+    if name == "constant":
+        return lr
+    x = min(1.0, max(0.0, (t - warmup_steps) / max(1, max_steps - warmup_steps)))
+    shape = {"linear": lambda: 1.0 - x, "poly": lambda: (1.0 - x) ** power,
+             "cosine": lambda: 0.5 * (1.0 + math.cos(math.pi * x))}[name]()
+    return min_lr + (lr - min_lr) * shape
+
+
+def summary(x) -> dict:
+    """trainrun's statistics record of one tensor (all values of ``x``)."""
+    x = np.asarray(x).reshape(-1)
+    finite = x[np.isfinite(x)].astype(np.float64)
+    nan = int(np.isnan(x).sum())
+    out = {"numel": int(x.size), "nan": nan, "inf": int(x.size - finite.size - nan)}
+    if not finite.size:
+        return {**out, "min": None, "max": None, "mean": None, "std": None, "norm": None}
+    return {**out, "min": float(finite.min()), "max": float(finite.max()), "mean": float(finite.mean()),
+            "std": float(finite.std()), "norm": float(np.sqrt(np.dot(finite, finite)))}

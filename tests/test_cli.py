@@ -1,0 +1,138 @@
+"""The command line as users meet it, each a real subprocess: export with the loss, renamed labels,
+model.frozen, every usage error's exit 2 naming the key or file, and Ctrl-C."""
+
+import glob
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from conftest import TRAINRUN, TRAINRUN_DATA, read_metrics, run, write_config
+from trainrun import checkpoint as K
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, byte_dataset):
+    """A finished 1-rank run of 3 steps with a checkpoint at every step (do not modify: copy it)."""
+    d = tmp_path_factory.mktemp("trained")
+    cfg = write_config(d / "c.yaml", byte_dataset, **{"train.max_steps": 3, "checkpoint.every": 1,
+                                                      "train.eval_every": 3, "engine.threads": 1})
+    run([TRAINRUN, "--config", cfg], check=0)
+    return d / "run"
+
+
+def test_export_with_loss_keeps_the_loss_and_takes_labels(tmp_path, trained):
+    out = tmp_path / "with_loss.onnx"
+    proc = run([TRAINRUN, "export", str(trained / "checkpoints" / "3"), "--output", str(out), "--with-loss"], check=0)
+    assert "max |logits - eval graph|" in proc.stdout
+    import onnxruntime as ort
+    sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    assert {i.name for i in sess.get_inputs()} == {"input_ids", "labels"}
+    rng = np.random.default_rng(1)
+    ids, labels = rng.integers(0, 512, (2, 32)), rng.integers(0, 512, (2, 32))
+    loss, logits = sess.run(["loss", "logits"], {"input_ids": ids, "labels": labels})
+    z = logits.reshape(-1, 512).astype(np.float64)
+    logp = z - z.max(1, keepdims=True) - np.log(np.exp(z - z.max(1, keepdims=True)).sum(1, keepdims=True))
+    assert float(loss) == pytest.approx(-logp[np.arange(64), labels.ravel()].mean(), rel=1e-5)
+
+
+def test_renamed_labels_input_trains_on_the_dataset_labels(tmp_path, byte_dataset, trained):
+    """model.loss.labels only names the graph input: the dataset's labels feed it, so the losses are
+    those of the run with the default name (same seed, data and graph; 1 thread each, so the same
+    computation whatever the core count)."""
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 3, "checkpoint.every": 1,
+                                                             "train.eval_every": 3, "engine.threads": 1,
+                                                             "model.loss": {"labels": "targets"}})
+    run([TRAINRUN, "--config", cfg], check=0)
+    (ours, our_eval), (ref, ref_eval) = read_metrics(str(tmp_path / "run")), read_metrics(str(trained))
+    np.testing.assert_allclose([ours[s]["loss"] for s in (1, 2, 3)] + [our_eval[3]["eval_loss"]],
+                               [ref[s]["loss"] for s in (1, 2, 3)] + [ref_eval[3]["eval_loss"]], rtol=1e-6)
+    proc = run([TRAINRUN, "export", str(tmp_path / "run"), "--output", str(tmp_path / "m.onnx"), "--with-loss"],
+               check=0)
+    assert "max |logits - eval graph|" in proc.stdout
+
+
+def _config(tmp_path, byte_dataset, **sections):
+    return write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 2, **sections})
+
+
+def _checkpoint_cases(tmp_path, trained):
+    """(command, message) of the resume errors, on copies of the trained run."""
+    none = tmp_path / "none"
+    shutil.copytree(trained, none)
+    for c in glob.glob(str(none / "checkpoints" / "*" / K.COMMITTED)):
+        os.remove(c)
+    half = tmp_path / "half"
+    shutil.copytree(trained, half)
+    os.remove(half / "checkpoints" / "3" / K.COMMITTED)
+    return {"no complete checkpoint": ([TRAINRUN, "resume", str(none)],
+                                       f"{none}: no complete checkpoint under checkpoints/"),
+            "checkpoint without COMMITTED": ([TRAINRUN, "resume", str(half / "checkpoints" / "3")],
+                                             f"{half / 'checkpoints' / '3'}: checkpoint is incomplete (no COMMITTED")}
+
+
+USAGE_ERRORS = {   # name: (config sections, message): `trainrun train` must exit 2 naming the key
+    "missing data.train": ({"data.train": None}, "data.train: is required to train"),
+    "zero_stage 1": ({"distributed.zero_stage": 1}, "distributed.zero_stage: 1 (sharded optimizer state)"),
+    "nccl on cpu": ({"distributed.backend": "nccl", "device": "cpu"}, "distributed.backend: nccl needs device: cuda"),
+    "betas out of range": ({"optimizer.betas": [0.9, 1.0]}, "optimizer.betas[1]: must be in [0, 1), got 1.0"),
+    "min_lr > lr": ({"lr_schedule.min_lr": 0.01}, "lr_schedule.min_lr: 0.01 exceeds optimizer.lr (0.003)"),
+    "model.frozen everything": ({"model.frozen": ["*"]}, "model.frozen: ['*'] freezes every parameter of gpt2"),
+}
+
+
+@pytest.mark.parametrize("case", [*USAGE_ERRORS, "no complete checkpoint", "checkpoint without COMMITTED",
+                                  "bad tokenizer.json", "empty input"])
+def test_usage_errors_exit_2_naming_the_key_or_file(tmp_path, byte_dataset, trained, case):
+    written = tmp_path / "run"          # what must not be left behind
+    if case in USAGE_ERRORS:
+        sections, message = USAGE_ERRORS[case]
+        cmd = [TRAINRUN, "train", "--config", _config(tmp_path, byte_dataset, **sections)]
+    elif case in ("no complete checkpoint", "checkpoint without COMMITTED"):
+        cmd, message = _checkpoint_cases(tmp_path, trained)[case]
+    else:
+        text = tmp_path / "text"
+        text.mkdir()
+        for i in range(3):
+            (text / f"{i}.txt").write_text("" if case == "empty input" else f"some text {i}\n")
+        bad = tmp_path / "tokenizer.json"
+        bad.write_text('{"version": "1.0", "model": {"type": "BPE", "vocab": ')     # cut short
+        written = tmp_path / "out"
+        how = ["--tokenizer", str(bad)] if case == "bad tokenizer.json" else ["--bytes"]
+        cmd = [TRAINRUN_DATA, "tokens", "--input", str(text), "--output", str(written), *how]
+        message = (f"--tokenizer {bad}: not a readable tokenizer.json" if case == "bad tokenizer.json"
+                   else "--input: the 3 file(s) found are all empty")
+    proc = run(cmd, check=2)
+    assert message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    if case not in ("no complete checkpoint", "checkpoint without COMMITTED"):   # nothing half-written
+        left = [p for p in glob.glob(str(written / "**"), recursive=True) if os.path.isfile(p)]
+        assert left in ([], [str(written / "config.yaml")]), f"{case}: left {left}"
+
+
+def test_ctrl_c_exits_130_leaving_only_complete_checkpoints(tmp_path, byte_dataset):
+    cfg = _config(tmp_path, byte_dataset, **{"train.max_steps": 100000, "checkpoint.every": 2})
+    proc = subprocess.Popen([TRAINRUN, "--config", cfg], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None and \
+                (not metrics.exists() or len(metrics.read_text().splitlines()) < 5):
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert "trainrun: interrupted" in err and "Traceback" not in err
+    ckpts = tmp_path / "run" / "checkpoints"
+    steps = [d for d in os.listdir(ckpts) if not d.startswith(K.STAGING)]
+    assert steps, "no checkpoint was committed before the interrupt"
+    for d in steps:                     # every checkpoint that looks complete is: committed and intact
+        K.verify(str(ckpts / d))
+    assert K.resolve_checkpoint(str(tmp_path / "run")) == str(ckpts / str(max(map(int, steps))))
