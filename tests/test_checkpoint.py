@@ -58,9 +58,15 @@ def test_exact_resume_same_and_other_rank_counts(tmp_path, byte_dataset):
         mpirun(world, *args)
         cont = losses(str(other / "run"))
         assert sorted(cont) == list(range(21, 41))
-        np.testing.assert_allclose([cont[s] for s in cont], [ref[s] for s in cont], rtol=1e-5, atol=1e-5)
+        # step 21 runs on the restored weights: only the order of the sums over ranks differs (float32
+        # rounding, ~1e-7). Later steps: AdamW's m / sqrt(v) amplifies that rounding step by step (trainrun
+        # vs PyTorch drifted to 2.5e-4 by step 25 on one machine), so the curve gets 1e-3; a wrong data
+        # position or a lost optimizer state moves the losses by more than 1e-2.
+        assert cont[21] == pytest.approx(ref[21], rel=1e-5)
+        np.testing.assert_allclose([cont[s] for s in cont], [ref[s] for s in cont], rtol=1e-3)
         norm = losses(str(other / "run"), "grad_norm")
-        np.testing.assert_allclose([norm[s] for s in norm], [ref_norm[s] for s in norm], rtol=1e-4,
+        assert norm[21] == pytest.approx(ref_norm[21], rel=1e-4), f"{world} rank(s)"   # a wrong scale: >= 1.5x
+        np.testing.assert_allclose([norm[s] for s in norm], [ref_norm[s] for s in norm], rtol=1e-3,
                                    err_msg=f"{world} rank(s)")
 
 

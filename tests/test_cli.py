@@ -1,5 +1,6 @@
-"""The command line as users meet it, each a real subprocess: export with the loss, renamed labels,
-model.frozen, every usage error's exit 2 naming the key or file, and Ctrl-C."""
+"""The command line as users meet it, each a real subprocess: the subcommands' --set and --log-level,
+export with the loss, renamed labels, model.frozen, every usage error's exit 2 naming the key or file,
+and Ctrl-C."""
 
 import glob
 import os
@@ -16,13 +17,63 @@ from trainrun import checkpoint as K
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, byte_dataset):
-    """A finished 1-rank run of 3 steps with a checkpoint at every step (do not modify: copy it)."""
+def trained_proc(tmp_path_factory, byte_dataset):
+    """A finished 1-rank run of 3 steps with a checkpoint at every step (do not modify: copy it), and
+    its process: `trainrun train` of a config of 20 steps at log level info, with --set train.max_steps=3
+    and --log-level devinfo."""
     d = tmp_path_factory.mktemp("trained")
-    cfg = write_config(d / "c.yaml", byte_dataset, **{"train.max_steps": 3, "checkpoint.every": 1,
-                                                      "train.eval_every": 3, "engine.threads": 1})
-    run([TRAINRUN, "--config", cfg], check=0)
-    return d / "run"
+    cfg = write_config(d / "c.yaml", byte_dataset, **{"checkpoint.every": 1, "train.eval_every": 3,
+                                                      "engine.threads": 1})
+    proc = run([TRAINRUN, "train", "--config", cfg, "--set", "train.max_steps=3", "--log-level", "devinfo"],
+               check=0)
+    return d / "run", proc
+
+
+@pytest.fixture(scope="module")
+def trained(trained_proc):
+    return trained_proc[0]
+
+
+def test_train_subcommand_set_and_log_level(trained_proc):
+    run_dir, proc = trained_proc
+    train, evals = read_metrics(str(run_dir))
+    assert sorted(train) == [1, 2, 3] and sorted(evals) == [3]                  # --set train.max_steps=3
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["1", "2", "3"]
+    assert "[rank 0] step 3 | local loss " in proc.stdout                       # --log-level devinfo
+    assert "[I:onnxruntime:rank 0 train," in proc.stderr
+
+
+def test_resume_log_level(tmp_path, trained):
+    """The run was saved at devinfo; `resume --log-level warning` continues it quietly."""
+    copy = tmp_path / "run"
+    shutil.copytree(trained, copy)
+    shutil.rmtree(copy / "checkpoints" / "3")
+    assert "log_level: devinfo" in (copy / "checkpoints" / "2" / "config.yaml").read_text()
+    proc = run([TRAINRUN, "resume", str(copy), "--log-level", "warning"], check=0)
+    assert proc.stdout == "" and "[I:onnxruntime" not in proc.stderr
+    assert K.resolve_checkpoint(str(copy)) == str(copy / "checkpoints" / "3")    # it did train step 3
+
+
+def test_prepare_log_level_verbose_shows_the_traceback(tmp_path, byte_dataset):
+    """prepare logs nothing of its own: --log-level verbose adds the traceback to an error (without it
+    there is none: test_usage_errors_exit_2_naming_the_key_or_file)."""
+    cfg = _config(tmp_path, byte_dataset, **{"debug.stats_every": 1, "debug.tensors": ["no_such_tensor*"]})
+    proc = run([TRAINRUN, "prepare", "--config", cfg, "--log-level", "verbose"], check=2)
+    assert "debug.tensors" in proc.stderr and "'no_such_tensor*'" in proc.stderr
+    assert "Traceback (most recent call last)" in proc.stderr and "select_outputs" in proc.stderr
+
+
+def test_config_validate_set(tmp_path, byte_dataset):
+    """--set can break a valid config (exit 2 naming the key) and mend a broken one."""
+    good = _config(tmp_path, byte_dataset)
+    assert f"{good}: valid" in run([TRAINRUN, "config", "validate", "--config", good], check=0).stdout
+    proc = run([TRAINRUN, "config", "validate", "--config", good, "--set", "optimizer.betas=[0.9, 1.0]"], check=2)
+    assert "optimizer.betas[1]: must be in [0, 1), got 1.0" in proc.stderr
+    bad = write_config(tmp_path / "bad.yaml", byte_dataset, **{"lr_schedule.min_lr": 0.01})
+    proc = run([TRAINRUN, "config", "validate", "--config", bad], check=2)
+    assert "lr_schedule.min_lr: 0.01 exceeds optimizer.lr (0.003)" in proc.stderr
+    proc = run([TRAINRUN, "config", "validate", "--config", bad, "--set", "lr_schedule.min_lr=0.0001"], check=0)
+    assert f"{bad}: valid" in proc.stdout
 
 
 def test_export_with_loss_keeps_the_loss_and_takes_labels(tmp_path, trained):

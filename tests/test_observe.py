@@ -60,6 +60,12 @@ def test_deterministic_runs_are_bitwise_identical(twin_runs):
     assert len([i for i in train.input if i.name.startswith(G.MASK_PREFIX)]) == 7
     proc = run([TRAINRUN, "compare", a, b, "--rtol", "0"], check=0)
     assert "no divergence" in proc.stdout
+    # --max-rows: 10 steps, at most 8 rows (steps and "..."): the first ones, the last, a gap
+    out = run([TRAINRUN, "compare", a, b, "--rtol", "0", "--max-rows", "8"], check=0).stdout
+    rows = [line.split()[0] for line in out.split("per step")[1].splitlines()[2:] if line.strip()]
+    assert len(rows) <= 8 and "..." in rows, rows
+    steps = [int(r) for r in rows if r != "..."]
+    assert steps[:5] == [1, 2, 3, 4, 5] and steps[-1] == STEPS and len(steps) < STEPS
 
 
 def test_statistics_per_step_and_rank(twin_runs):
@@ -127,6 +133,12 @@ def test_compare_finds_a_planted_divergence(twin_runs, tmp_path):
     # the loss of step 6 was computed before that update: identical
     proc = run([TRAINRUN, "compare", a, b, "--tensors", "scalar/loss", "--rtol", "0"], check=1)
     assert "first divergence: step 7" in proc.stdout
+    # --atol: the learning rates differ by less than 0.001 - 0.0001 (the two floors): within atol 1e-3,
+    # not within the default 0
+    lr = [TRAINRUN, "compare", a, b, "--tensors", "scalar/lr", "--rtol", "0"]
+    assert "first divergence: step 6 rank 0, scalar/lr" in run(lr, check=1).stdout
+    proc = run([*lr, "--atol", "1e-3"], check=0)
+    assert "no divergence" in proc.stdout and "atol 0.001" in proc.stdout
 
 
 def test_compare_usage_errors(twin_runs, tmp_path):
@@ -163,16 +175,18 @@ def profiled(tmp_path_factory, byte_dataset):
     cfg = write_config(d / "c.yaml", byte_dataset, **{
         "train.max_steps": 6, "train.gradient_accumulation_steps": 2, "train.eval_every": 4,
         "checkpoint.every": 4, "profile.start_step": 3, "profile.steps": 2, "debug.save_graphs": True,
+        "profile.dir": "traces",                # relative: inside run.output_dir
         "engine.optimizer_kernel": "graph"})   # the optimizer session profiled too
     mpirun(2, "--config", cfg)
     return str(d / "run")
 
 
 def test_profile_covers_exactly_the_window_on_every_rank(profiled):
-    files = sorted(os.listdir(os.path.join(profiled, "profile")))
+    files = sorted(os.listdir(os.path.join(profiled, "traces")))
     assert files == ["rank-0.json", "rank-1.json"]              # one per rank; onnxruntime's own files merged
+    assert not os.path.exists(os.path.join(profiled, "profile"))    # profile.dir, not the default
     for r in (0, 1):
-        trace = json.load(open(os.path.join(profiled, "profile", f"rank-{r}.json")))
+        trace = json.load(open(os.path.join(profiled, "traces", f"rank-{r}.json")))
         events = trace["traceEvents"]
         runs = {}
         for e in events:
@@ -196,7 +210,8 @@ def test_profile_covers_exactly_the_window_on_every_rank(profiled):
 
 
 def test_profile_summarize(profiled):
-    proc = run([TRAINRUN, "profile", "summarize", profiled, "--top", "5"], check=0)
+    traces = os.path.join(profiled, "traces")
+    proc = run([TRAINRUN, "profile", "summarize", traces, "--top", "5"], check=0)
     out = proc.stdout
     assert "profile of steps 3-4 (2 step(s)) on 2 rank(s)" in out
     table = out.split("top 5 operator types")[1].split("phases per rank")[0]
@@ -210,6 +225,16 @@ def test_profile_summarize(profiled):
     header = phase_rows[1].split()
     assert header[:5] == ["rank", "data", "forward_backward", "allreduce", "norm"]
     assert [line.split()[0] for line in phase_rows[2:]] == ["0", "1"]
+    # --by node: the rows name nodes of the graphs onnxruntime ran (debug.save_graphs), not operator types;
+    # given the run directory, summarize finds the traces in the run's profile.dir ("traces")
+    out = run([TRAINRUN, "profile", "summarize", profiled, "--top", "5", "--by", "node"], check=0).stdout
+    table = out.split("top 5 nodes by total kernel time")[1].split("phases per rank")[0]
+    rows = [line.split() for line in table.splitlines()[2:] if line.strip()]
+    assert len(rows) == 5
+    for session, node, *_ in rows:
+        graph = onnx.load(os.path.join(profiled, "debug", "graphs", f"{session}.onnx")).graph
+        assert node in {n.name for n in graph.node}, (session, node)
+        assert node not in {n.op_type for n in graph.node}
     assert run([TRAINRUN, "profile", "summarize", os.path.dirname(profiled)], check=2).stderr.count("no rank-") == 1
 
 
@@ -226,8 +251,12 @@ def test_save_graphs_writes_what_onnxruntime_runs(profiled):
 
 def test_doctor_passes_on_two_ranks(tmp_path, byte_dataset):
     cfg = write_config(tmp_path / "c.yaml", byte_dataset)
-    proc = run([MPIRUN, "-np", "2", TRAINRUN, "doctor", "--config", cfg, "--size-mb", "4"], check=0, timeout=120)
+    train = os.path.join(byte_dataset, "train")
+    proc = run([MPIRUN, "-np", "2", TRAINRUN, "doctor", "--config", cfg, "--size-mb", "4", "--iters", "3",
+                "--set", f"data.eval={train}"], check=0, timeout=120)
     out = proc.stdout
+    assert "(median of 3)" in out                                                # --iters
+    assert any(line.split()[:3] == ["PASS", "data.eval", f"{train}:"] for line in out.splitlines()), out  # --set
     assert "trainrun doctor: 2 rank(s) on 1 host(s)" in out and "MPI library: MPICH" in out
     assert "onnxruntime 1.19.2" in out and "CPUExecutionProvider" in out
     for check in ("versions", "allreduce", "bandwidth", "config", "data.train", "data.eval"):

@@ -241,6 +241,7 @@ class TrainingRunner:
         self.skipped += 1
         self.nonfinite_in_a_row += 1
         if self.nonfinite_in_a_row >= MAX_NONFINITE_IN_A_ROW:
+            self.checkpoints.finish()     # a write still in flight holds good weights: commit it first
             raise _collective(TrainrunError(
                 f"{self.nonfinite_in_a_row} steps in a row had non-finite gradients (last at step {self.step}); "
                 f"stopping without a checkpoint of these weights. Lower optimizer.lr or check the data."))

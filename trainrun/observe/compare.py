@@ -185,24 +185,33 @@ def compare(path_a: str, path_b: str, rtol: float = 1e-4, atol: float = 0.0, ran
 
 
 def _rows(steps: list[int], focus: int | None, max_rows: int) -> list[int | None]:
-    """All steps, or (when there are more than max_rows) the first few, those around ``focus``,
-    evenly spaced others and the last, with None where rows were left out."""
+    """All steps, or (when there are more than ``max_rows``) at most ``max_rows`` rows, counting
+    the None that marks each run of left-out steps: the steps around ``focus``, the last one,
+    the first ones, then evenly spaced others, as many as fit."""
     if len(steps) <= max_rows:
         return steps
-    keep = set(steps[:5]) | {steps[-1]}
+    n = len(steps)
+    wanted = [n - 1]
     if focus is not None:
         i = steps.index(focus)
-        keep |= set(steps[max(0, i - 3):i + 4])
-    stride = max(1, len(steps) // max(1, max_rows - len(keep)))
-    keep |= set(steps[::stride])
-    out, prev = [], None
-    for i, s in enumerate(steps):
-        if s in keep:
-            if prev is not None and i != prev + 1:
+        wanted += range(max(0, i - 2), min(n, i + 3))
+    wanted += range(min(3, n))
+    wanted += range(0, n, max(1, n // max_rows))
+
+    def rows(keep):
+        out = []
+        for i in sorted(keep):
+            if out and i != prev + 1:
                 out.append(None)
-            out.append(s)
+            out.append(steps[i])
             prev = i
-    return out
+        return out
+
+    keep: set[int] = set()
+    for i in wanted:
+        if i not in keep and len(rows(keep | {i})) <= max_rows:
+            keep.add(i)
+    return rows(keep)
 
 
 def _fmt(v) -> str:

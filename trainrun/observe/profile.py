@@ -147,9 +147,19 @@ def _step_of(t: float, steps) -> int | None:
 
 # --------------------------------------------------------------------------- summarize
 
+def _configured_dir(run_dir: str) -> str:
+    """profile.dir of the run in ``run_dir`` (its config.yaml), else the default."""
+    import yaml
+    try:
+        with open(os.path.join(run_dir, "config.yaml")) as fh:
+            return (yaml.safe_load(fh).get("profile") or {}).get("dir") or "profile"
+    except (OSError, AttributeError, yaml.YAMLError):
+        return "profile"
+
+
 def load_traces(path: str) -> dict[int, dict]:
-    """rank -> trace of a profile directory (or a run directory holding profile/)."""
-    for base in (path, os.path.join(path, "profile")):
+    """rank -> trace of a profile directory, or of a run directory (its profile.dir)."""
+    for base in (path, os.path.join(path, _configured_dir(path)), os.path.join(path, "profile")):
         files = glob.glob(os.path.join(base, "rank-*.json"))
         if files:
             break
