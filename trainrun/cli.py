@@ -100,7 +100,8 @@ def prepare(config_path, overrides, log_level):
     from .graphs import prepare as run_prepare
     cfg = C.load_config(config_path, _with_log_level(overrides, log_level))
     out = run_prepare(cfg)
-    click.echo(f"graphs written to {out}")
+    if cfg.run.log_level != "warning":
+        click.echo(f"graphs written to {out}")
 
 
 @cli.group("config")
