@@ -116,6 +116,36 @@ def test_keep_last_and_resume_refusals(tmp_path, byte_dataset):
     assert "global batch would change from 8" in proc.stderr
 
 
+def test_interrupted_prune_leaves_nothing_that_looks_committed(tmp_path, byte_dataset, monkeypatch):
+    """keep_last deletes old checkpoints; a Ctrl-C in the middle of that delete (seen in the SIGINT test:
+    a checkpoint with COMMITTED but without optimizer.safetensors) must not leave a damaged directory
+    that still counts as committed. The delete is cut after its first file, as a signal would."""
+    from trainrun import checkpoint as K
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 4, "checkpoint.every": 1,
+                                                             "checkpoint.keep_last": 10})
+    mpirun(1, "--config", cfg)
+    root = tmp_path / "run" / "checkpoints"
+    assert sorted(os.listdir(root)) == ["1", "2", "3", "4"]
+
+    class Cut(Exception):
+        """Stands for the signal that ends the process in the middle of the delete."""
+
+    def rmtree_cut_short(path, ignore_errors=False):
+        victim = sorted(f for f in os.listdir(path) if f != K.COMMITTED)[0]
+        os.remove(os.path.join(path, victim))       # one file gone, COMMITTED (if still there) stays
+        raise Cut
+    monkeypatch.setattr(K.shutil, "rmtree", rmtree_cut_short)
+    writer = K.CheckpointWriter(str(tmp_path / "run"), rank=0, world_size=1, keep_last=1)
+    with pytest.raises(Cut):
+        writer._prune()
+    monkeypatch.undo()
+    for ckpt in K.complete_checkpoints(str(root)):   # whatever still counts as committed is intact
+        K.verify(ckpt)
+    K.cleanup(str(root), log=lambda _: None)         # the next start removes what the cut delete left
+    assert all(d.isdigit() for d in os.listdir(root)), os.listdir(root)
+    assert K.resolve_checkpoint(str(tmp_path / "run")) == str(root / "4")
+
+
 @pytest.mark.parametrize("damage", ["flip", "missing", "other_model"])
 def test_damaged_checkpoint_is_named(tmp_path, byte_dataset, damage):
     cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 2})

@@ -19,9 +19,10 @@ fsyncs the files into ``checkpoints/.staging-<step>/`` (rank 0 writes the
 tensors, every rank its ``rank-<r>.json``). Completion is agreed through the
 small per-step allreduce that the runner does anyway; once every rank is done,
 rank 0 renames the staging directory to ``<step>``, writes ``COMMITTED`` and
-only then deletes checkpoints beyond ``keep_last``. A directory without
-``COMMITTED`` is incomplete and ignored; stale staging directories are removed
-at start-up.
+only then deletes checkpoints beyond ``keep_last`` (each renamed to
+``.pruning-<step>`` first, so a delete cut short leaves nothing that looks
+committed). A directory without ``COMMITTED`` is incomplete and ignored; stale
+staging and pruning directories are removed at start-up.
 
 The safetensors files are written directly from the flat buffers: the flat
 layout is the concatenation of the tensors, so the data section is one
@@ -45,6 +46,7 @@ from .errors import TrainrunError, UsageError
 
 COMMITTED = "COMMITTED"
 STAGING = ".staging-"
+PRUNING = ".pruning-"
 FORMAT_VERSION = 1
 _CHUNK = 64 << 20
 
@@ -150,6 +152,8 @@ def cleanup(ckpt_root: str, log=print) -> None:
         full = os.path.join(ckpt_root, d)
         if d.startswith(STAGING):
             log(f"removing stale checkpoint staging directory {full}")
+            shutil.rmtree(full, ignore_errors=True)
+        elif d.startswith(PRUNING):       # a delete of an old checkpoint that was interrupted
             shutil.rmtree(full, ignore_errors=True)
         elif d.isdigit() and not os.path.exists(os.path.join(full, COMMITTED)):
             log(f"warning: ignoring incomplete checkpoint {full} (no {COMMITTED} marker)")
@@ -321,9 +325,14 @@ class CheckpointWriter:
         return final
 
     def _prune(self) -> None:
+        """Delete checkpoints beyond keep_last. Each is first renamed out of the checkpoint namespace
+        (one atomic rename), so an interrupted delete never leaves a directory that still holds
+        COMMITTED but lacks files; start-up removes what is left of it."""
         done = complete_checkpoints(self.root)
         for old in done[:-self.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+            doomed = os.path.join(self.root, PRUNING + os.path.basename(old))
+            os.rename(old, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- the runner's one component
