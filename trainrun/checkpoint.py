@@ -316,10 +316,12 @@ class CheckpointWriter:
             shutil.rmtree(final)
         os.rename(staging, final)
         _fsync_dir(self.root)
-        with open(os.path.join(final, COMMITTED), "w") as fh:
+        marker = os.path.join(final, COMMITTED)
+        with open(marker + ".tmp", "w") as fh:      # whole or absent: a signal cannot leave it half-written
             fh.write(digest + "\n")
             fh.flush()
             os.fsync(fh.fileno())
+        os.replace(marker + ".tmp", marker)
         _fsync_dir(final)
         self._prune()
         return final
