@@ -42,7 +42,7 @@ import numpy as np
 
 from .data import sha256_file
 from .engine import from_host, to_host
-from .errors import TrainrunError, UsageError
+from .errors import TrainrunError, UsageError, collective
 
 COMMITTED = "COMMITTED"
 STAGING = ".staging-"
@@ -339,11 +339,6 @@ class CheckpointWriter:
 
 # --------------------------------------------------------------------------- the runner's one component
 
-def _collective(exc: TrainrunError) -> TrainrunError:
-    exc.collective = True       # every rank raises it from the same agreed value
-    return exc
-
-
 class Checkpointer:
     """Saving, committing and restoring checkpoints, on every rank of ``comm``.
 
@@ -377,7 +372,7 @@ class Checkpointer:
             step = w.pending_step
             causes = self.comm.allgather_object(w.error_text())
             w.abandon()
-            raise _collective(TrainrunError(
+            raise collective(TrainrunError(
                 f"checkpoint at step {step} failed ("
                 + "; ".join(f"rank {r}: {c}" for r, c in enumerate(causes) if c)
                 + "); older checkpoints are intact"))

@@ -54,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import TrainrunError, UsageError
+from .errors import TrainrunError, UsageError, collective
 
 __all__ = [
     "Communicator",
@@ -232,10 +232,8 @@ class Communicator:
         for r, report in enumerate(self.allgather_object(mine)):
             if report:
                 code, message, problems = report
-                exc = (UsageError if code == 2 else TrainrunError)(
-                    message if r == 0 or self.world_size == 1 else f"rank {r}: {message}", problems)
-                exc.collective = True
-                raise exc
+                raise collective((UsageError if code == 2 else TrainrunError)(
+                    message if r == 0 or self.world_size == 1 else f"rank {r}: {message}", problems))
 
     def close(self) -> None:
         """Release communicator resources. Idempotent. MPI itself is finalised at exit."""

@@ -4,6 +4,10 @@
   file, bad flag). Every problem is listed; no traceback.
 * ``TrainrunError`` (exit 1): anything else that stops a run, with a one-line
   cause; the traceback only at ``--log-level verbose``.
+
+An error every rank raises from the same agreed value is *collective*
+(:func:`collective`): the job then ends normally with its exit code, with no MPI
+abort, and rank 0 alone reports it.
 """
 
 from __future__ import annotations
@@ -25,3 +29,9 @@ class TrainrunError(Exception):
 
 class UsageError(TrainrunError):
     exit_code = 2
+
+
+def collective(exc: TrainrunError) -> TrainrunError:
+    """Mark ``exc`` as raised by every rank from the same agreed value; returns it."""
+    exc.collective = True
+    return exc

@@ -35,7 +35,7 @@ from . import graphs as G
 from .comm import make_communicator
 from .data import TrainLoader, eval_batches, open_dataset
 from .engine import Engine, EngineOptions
-from .errors import TrainrunError, UsageError
+from .errors import TrainrunError, UsageError, collective
 from .observe import Observer, apply_log_level, engine_options
 from .observe.metrics import Metrics, fmt_duration
 from .observe.timer import PhaseTimer
@@ -47,11 +47,6 @@ _ORT_SEVERITY = {"warning": 3, "info": 3, "devinfo": 1, "verbose": 0}
 
 def _config_hash(cfg: C.Config) -> str:
     return hashlib.sha256(C.to_yaml(cfg).encode()).hexdigest()[:16]
-
-
-def _collective(exc: TrainrunError) -> TrainrunError:
-    exc.collective = True       # every rank raises it from the same agreed value: no abort needed
-    return exc
 
 
 class TrainingRunner:
@@ -124,13 +119,13 @@ class TrainingRunner:
         ref = everyone[0]
         for r, other in enumerate(everyone):   # every rank sees the same list: the error is collective
             if other.get("graphs") is None:
-                raise _collective(UsageError(f"rank {r} cannot read the prepared graphs: {other.get('error')}"))
+                raise collective(UsageError(f"rank {r} cannot read the prepared graphs: {other.get('error')}"))
             if other["config"] != ref["config"]:
-                raise _collective(UsageError(
+                raise collective(UsageError(
                     f"rank {r} has a different config than rank 0 (hash {other['config']} vs {ref['config']}); "
                     f"launch every rank with the same --config and --set"))
             if other["graphs"] != ref["graphs"]:
-                raise _collective(UsageError(f"rank {r} ({other['host']}) sees different graph files than "
+                raise collective(UsageError(f"rank {r} ({other['host']}) sees different graph files than "
                                              f"rank 0 in {self.graphs_dir}"))
         self.manifest = manifest
 
@@ -242,7 +237,7 @@ class TrainingRunner:
         self.nonfinite_in_a_row += 1
         if self.nonfinite_in_a_row >= MAX_NONFINITE_IN_A_ROW:
             self.checkpoints.finish()     # a write still in flight holds good weights: commit it first
-            raise _collective(TrainrunError(
+            raise collective(TrainrunError(
                 f"{self.nonfinite_in_a_row} steps in a row had non-finite gradients (last at step {self.step}); "
                 f"stopping without a checkpoint of these weights. Lower optimizer.lr or check the data."))
         self.log(f"step {self.step}: non-finite gradients on some rank, update skipped ({self.skipped} so far)")
