@@ -18,8 +18,9 @@ host buffers (the only time the step waits) and a background thread writes and
 fsyncs the files into ``checkpoints/.staging-<step>/`` (rank 0 writes the
 tensors, every rank its ``rank-<r>.json``). Completion is agreed through the
 small per-step allreduce that the runner does anyway; once every rank is done,
-rank 0 renames the staging directory to ``<step>``, writes ``COMMITTED`` and
-only then deletes checkpoints beyond ``keep_last`` (each renamed to
+rank 0 writes ``COMMITTED`` into the staging directory, renames it to
+``<step>`` (one atomic rename: a ``<step>`` directory never lacks its marker)
+and only then deletes checkpoints beyond ``keep_last`` (each renamed to
 ``.pruning-<step>`` first, so a delete cut short leaves nothing that looks
 committed). A directory without ``COMMITTED`` is incomplete and ignored; stale
 staging and pruning directories are removed at start-up.
@@ -311,18 +312,18 @@ class CheckpointWriter:
                 sums[f"rank-{r}.json"] = fh.read().strip()
             os.remove(os.path.join(staging, f"rank-{r}.sha256"))
         digest = write_json(os.path.join(staging, "checksums.json"), sums)
-        final = os.path.join(self.root, str(step))
-        if os.path.exists(final):       # an incomplete leftover of the same step
-            shutil.rmtree(final)
-        os.rename(staging, final)
-        _fsync_dir(self.root)
-        marker = os.path.join(final, COMMITTED)
+        marker = os.path.join(staging, COMMITTED)
         with open(marker + ".tmp", "w") as fh:      # whole or absent: a signal cannot leave it half-written
             fh.write(digest + "\n")
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(marker + ".tmp", marker)
-        _fsync_dir(final)
+        _fsync_dir(staging)
+        final = os.path.join(self.root, str(step))
+        if os.path.exists(final):       # an incomplete leftover of the same step
+            shutil.rmtree(final)
+        os.rename(staging, final)       # the commit: <step>/ appears whole, marker included
+        _fsync_dir(self.root)
         self._prune()
         return final
 
