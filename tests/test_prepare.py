@@ -39,6 +39,13 @@ def test_prepare_cli_writes_graphs(tmp_path):
     assert "InPlaceAccumulatorV2" in ops
     forward = onnx.load(str(g / "forward.onnx"))
     assert not {n.op_type for n in forward.graph.node} & {"InPlaceAccumulatorV2", "SoftmaxCrossEntropyLoss"}
+    # graphs are reused while the config matches; a manifest from before dropout masks (no "dropout"
+    # entry: its graphs ran onnxruntime's Dropout, at ratio 0 under run.deterministic) is prepared again
+    cfg = C.load_config(os.path.join(ROOT, "configs", "gpt2-tiny.yaml"), [f"run.output_dir={out}"])
+    assert G.up_to_date(str(g), cfg)
+    del manifest["dropout"]
+    (g / "manifest.json").write_text(json.dumps(manifest))
+    assert not G.up_to_date(str(g), cfg)
 
 
 def export_user_gpt2(path, shape, seq, pdrop=0.0):
