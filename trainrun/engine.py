@@ -276,10 +276,16 @@ class Engine:
         for name in self.stats_outputs:     # onnxruntime allocates them, on the device, each run
             t.binding.bind_output(name, *(("cpu", 0) if self.xp is np else ("cuda", t.device_id)))
         e.bind_out(G.LOSS, self.eval_loss)
-        extra_eval = [x.name for x in e.session.get_outputs() if x.name != G.LOSS]
-        if extra_eval:   # logits: let onnxruntime allocate (eval only)
-            for name in extra_eval:
-                e.binding.bind_output(name, "cpu")
+        # eval metrics (metric/<name>/sum|count, float32 scalars) to host scalars; the logits stay unbound:
+        # onnxruntime then never copies them out (they are only an output for `export --with-loss`)
+        self.eval_metrics = {}
+        for out in e.session.get_outputs():
+            if out.name.startswith(G.METRIC_PREFIX):
+                if out.type != "tensor(float)" or any(d not in (1,) for d in (out.shape or [])):
+                    raise UsageError(f"{e.path}: eval-metric output '{out.name}' must be a float32 scalar "
+                                     f"(it is {out.type} of shape {out.shape})")
+                self.eval_metrics[out.name] = np.zeros(out.shape or (), np.float32)
+                e.bind_out(out.name, self.eval_metrics[out.name])
 
 
     # ------------------------------------------------------------------ steps
@@ -308,6 +314,7 @@ class Engine:
         return float(self.loss)
 
     def evaluate(self, batch: dict) -> float:
+        """Loss of one eval micro-batch; its metric sums and counts are then in :attr:`eval_metrics`."""
         self.set_batch(batch, self.eval_batch)
         self.eval_s.run()
         return float(self.eval_loss)

@@ -40,6 +40,10 @@ LOSS = "loss"
 RESET = "lazy_reset_grad"
 GRAD_SUFFIX = "_grad"
 BUFFER_SUFFIX = "_grad.accumulation.buffer"
+# Eval metrics: a forward graph may output float32 scalars ``metric/<name>/sum`` and
+# ``metric/<name>/count``; the eval graph keeps them, the runner sums each over eval batches and
+# ranks and reports ``eval_<name> = sum / count`` (e.g. correct predictions / labelled positions).
+METRIC_PREFIX = "metric/"
 ACC_OUT_SUFFIX = "_grad.accumulation.out"
 FORMAT_VERSION = 1
 
@@ -50,8 +54,9 @@ class Forward:
     model: onnx.ModelProto          # parameters still as initializers
     params: list[str]               # trainable initializers, flat-buffer order
     inputs: list[str]               # data inputs
-    logits: str
-    labels: str
+    logits: str | None
+    labels: str | None
+    loss: str | None = None         # an output of the graph that already is the scalar loss
 
 
 # --------------------------------------------------------------------------- forward graphs
@@ -134,21 +139,46 @@ def _elem_rank(model, name):
     return None
 
 
-def with_loss(fwd: Forward, ignore_index: int, keep_logits: bool) -> onnx.ModelProto:
-    """Forward graph + SoftmaxCrossEntropyLoss(logits [.., C], labels [..]) -> scalar ``loss``."""
+def metric_outputs(model: onnx.ModelProto) -> list[str]:
+    """The eval-metric outputs (``metric/<name>/sum|count``) of ``model``, in graph order."""
+    return [o.name for o in model.graph.output if o.name.startswith(METRIC_PREFIX)]
+
+
+def metric_names(outputs: list[str]) -> list[str]:
+    """``<name>`` of every complete ``metric/<name>/sum`` + ``metric/<name>/count`` pair."""
+    names = [o[len(METRIC_PREFIX):-len("/sum")] for o in outputs if o.endswith("/sum")]
+    return [n for n in names if f"{METRIC_PREFIX}{n}/count" in outputs]
+
+
+def with_loss(fwd: Forward, ignore_index: int, keep_logits: bool, metrics: bool = False) -> onnx.ModelProto:
+    """Forward graph + scalar ``loss``: the graph's own loss output (``fwd.loss``) or
+    SoftmaxCrossEntropyLoss(logits [.., C], labels [..]). ``metrics``: keep the eval-metric outputs."""
     model = copy.deepcopy(fwd.model)
-    rank = _elem_rank(model, fwd.logits)
-    labels_shape = None
-    if rank is not None:
-        dims = [d for d in next(o for o in model.graph.output if o.name == fwd.logits).type.tensor_type.shape.dim]
-        labels_shape = [d.dim_param or (d.dim_value if d.dim_value else None) for d in dims[:-1]]
-    labels_vi = helper.make_tensor_value_info(fwd.labels, TensorProto.INT64, labels_shape)
-    nodes = list(model.graph.node) + [
+    inputs = list(model.graph.input)
+    if fwd.loss:
+        nodes = list(model.graph.node) + [helper.make_node("Identity", [fwd.loss], [LOSS], name="loss_output")]
+    else:
+        nodes = list(model.graph.node) + _cross_entropy(model, fwd, ignore_index)
+        rank = _elem_rank(model, fwd.logits)
+        labels_shape = None
+        if rank is not None:
+            dims = [d for d in next(o for o in model.graph.output if o.name == fwd.logits).type.tensor_type.shape.dim]
+            labels_shape = [d.dim_param or (d.dim_value if d.dim_value else None) for d in dims[:-1]]
+        inputs.append(helper.make_tensor_value_info(fwd.labels, TensorProto.INT64, labels_shape))
+    outputs = [helper.make_tensor_value_info(LOSS, TensorProto.FLOAT, [])]
+    if keep_logits and fwd.logits:
+        outputs += [o for o in model.graph.output if o.name == fwd.logits]
+    if metrics:
+        outputs += [o for o in model.graph.output if o.name.startswith(METRIC_PREFIX)]
+    return _fresh(model, nodes, inputs, outputs, list(model.graph.initializer))
+
+
+def _cross_entropy(model, fwd: Forward, ignore_index: int) -> list:
+    """Nodes: SoftmaxCrossEntropyLoss(logits reshaped [N, C], labels reshaped [N]) -> ``loss``."""
+    return [
         helper.make_node("Constant", [], ["loss_labels_shape"],
                          value=numpy_helper.from_array(np.array([-1], np.int64)), name="loss_shape_labels"),
-    ]
-    # Reshape [.., C] -> [N, C] needs C from the logits themselves: take the last dim.
-    nodes += [
+        # Reshape [.., C] -> [N, C] needs C from the logits themselves: take the last dim.
         # Shape + Slice rather than Shape(start=-1): works from opset 12 (SoftmaxCrossEntropyLoss's own)
         helper.make_node("Shape", [fwd.logits], ["loss_logits_shape"], name="loss_shape"),
         helper.make_node("Constant", [], ["loss_minus1"],
@@ -163,11 +193,6 @@ def with_loss(fwd: Forward, ignore_index: int, keep_logits: bool) -> onnx.ModelP
         helper.make_node("SoftmaxCrossEntropyLoss", ["loss_logits_2d", "loss_labels_1d"], [LOSS],
                          reduction="mean", ignore_index=ignore_index, name="loss_sce"),
     ]
-    outputs = [helper.make_tensor_value_info(LOSS, TensorProto.FLOAT, [])]
-    if keep_logits:
-        outputs += [o for o in model.graph.output if o.name == fwd.logits]
-    inputs = list(model.graph.input) + [labels_vi]
-    return _fresh(model, nodes, inputs, outputs, list(model.graph.initializer))
 
 
 def _dropouts(model: onnx.ModelProto, source: str) -> list[tuple[int, onnx.NodeProto, float, bool]]:
@@ -463,8 +488,8 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
     if build["stats_tensors"]:      # debug.stats_every > 0: chosen tensors become outputs
         stats_outputs = select_outputs(train, cfg.debug.tensors)
         add_outputs(train, stats_outputs)
-    evalg = dropout_off(_params_to_inputs(with_loss(fwd, cfg.model.loss.ignore_index, keep_logits=True),
-                                          fwd.params), source)
+    evalg = dropout_off(_params_to_inputs(with_loss(fwd, cfg.model.loss.ignore_index, keep_logits=True,
+                                                    metrics=True), fwd.params), source)
     forward = dropout_off(_params_to_inputs(fwd.model, fwd.params), source)
     optimizer = build_optimizer_graph(cfg.optimizer, shapes)
 
@@ -484,6 +509,7 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
         "labels": fwd.labels,
         "logits": fwd.logits,
         "loss": LOSS,
+        "metrics": metric_names(metric_outputs(evalg)),
         "model": to_dict(cfg.model),
         "optimizer": to_dict(cfg.optimizer),
         "build": build,

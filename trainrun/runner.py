@@ -242,16 +242,27 @@ class TrainingRunner:
                 f"stopping without a checkpoint of these weights. Lower optimizer.lr or check the data."))
         self.log(f"step {self.step}: non-finite gradients on some rank, update skipped ({self.skipped} so far)")
 
-    def evaluate(self) -> float:
-        cfg = self.cfg
-        total, count = 0.0, 0.0
+    def evaluate(self) -> dict:
+        """``eval_loss``, ``eval_perplexity`` and ``eval_<name>`` of each metric of the eval graph,
+        over ``eval_steps`` global batches; sums from every rank in one allreduce."""
+        cfg, eng = self.cfg, self.engine
+        names = list(eng.eval_metrics)
+        total, count, sums = 0.0, 0.0, [0.0] * len(names)
         for batch in eval_batches(self.eval_ds, micro_batch=cfg.train.micro_batch_size, rank=self.rank,
                                   world_size=self.world, steps=cfg.train.eval_steps * self.accum):
-            total += self.engine.evaluate(batch)
+            total += eng.evaluate(batch)
             count += 1
-        total, count = self.comm.allreduce_scalars([total, count], op="sum")
+            for i, n in enumerate(names):
+                sums[i] += float(eng.eval_metrics[n])
+        total, count, *sums = self.comm.allreduce_scalars([total, count, *sums], op="sum")
         self.timer.mark("eval")
-        return total / max(count, 1.0)
+        loss = total / max(count, 1.0)
+        result = {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0))}
+        got = dict(zip(names, sums))
+        for name in G.metric_names(names):
+            c = got[f"{G.METRIC_PREFIX}{name}/count"]
+            result[f"eval_{name}"] = got[f"{G.METRIC_PREFIX}{name}/sum"] / c if c else float("nan")
+        return result
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
@@ -280,9 +291,9 @@ class TrainingRunner:
                     self.timer.mark("log")
                 if self.eval_ds is not None and (
                         (t.eval_every and self.step % t.eval_every == 0) or self.step == end):
-                    eval_loss = self.evaluate()
-                    self.metrics.log(self.step, {"eval_loss": eval_loss,
-                                                 "eval_perplexity": math.exp(min(eval_loss, 80.0))})
+                    evaluated = self.evaluate()
+                    eval_loss = evaluated["eval_loss"]
+                    self.metrics.log(self.step, evaluated)
                     self.timer.mark("log")
                 every = cfg.checkpoint.every
                 if ((every and self.step % every == 0) or self.step == end) and not self.nonfinite_in_a_row:

@@ -24,6 +24,13 @@ _TB_NAMES = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_no
              "eval_perplexity": "eval/perplexity", "skipped_steps": "train/skipped_steps"}
 
 
+def _tb_name(key: str) -> str | None:
+    """TensorBoard tag of a metrics key: the fixed names above; ``eval_<metric>`` -> ``eval/<metric>``."""
+    if key in _TB_NAMES:
+        return _TB_NAMES[key]
+    return "eval/" + key[5:] if key.startswith("eval_") else None
+
+
 def fmt_duration(seconds: float) -> str:
     seconds = int(max(0, seconds))
     h, rem = divmod(seconds, 3600)
@@ -86,14 +93,16 @@ class Metrics:
                       f"grad_norm {values['grad_norm']:.3f} | {values['tokens_per_sec']:,.0f} tok/s | "
                       f"eta {fmt_duration(eta) if math.isfinite(eta) else '?'}")
         if "eval_loss" in values:
+            more = "".join(f" | {k[5:]} {v:.4f}" for k, v in values.items()
+                           if k.startswith("eval_") and k not in ("eval_loss", "eval_perplexity"))
             self.echo(f"eval {step:>6} | loss {values['eval_loss']:.4f} | "
-                      f"perplexity {values['eval_perplexity']:.2f}")
+                      f"perplexity {values['eval_perplexity']:.2f}{more}")
 
     def _tensorboard(self, step: int, values: dict) -> None:
         from tensorboardX.proto.event_pb2 import Event
         from tensorboardX.proto.summary_pb2 import Summary
-        scalars = [Summary.Value(tag=_TB_NAMES[k], simple_value=v) for k, v in values.items()
-                   if k in _TB_NAMES and v is not None and math.isfinite(v)]
+        scalars = [Summary.Value(tag=_tb_name(k), simple_value=v) for k, v in values.items()
+                   if _tb_name(k) and v is not None and math.isfinite(v)]
         if scalars:
             self._tb.write_event(Event(wall_time=time.time(), step=step, summary=Summary(value=scalars)))
 
