@@ -140,6 +140,21 @@ def resolve_checkpoint(path: str) -> str:
     raise UsageError(f"{path}: neither a run directory with checkpoints nor a checkpoint")
 
 
+def best_checkpoints(ckpt_root: str) -> list[str]:
+    """Committed checkpoints that recorded an eval loss (state.json ``eval_loss``), lowest loss first
+    (the later step first among equals)."""
+    ranked = []
+    for ckpt in complete_checkpoints(ckpt_root):
+        try:
+            with open(os.path.join(ckpt, "state.json")) as fh:
+                loss = json.load(fh).get("eval_loss")
+        except (OSError, ValueError):
+            continue
+        if loss is not None:
+            ranked.append((loss, -int(os.path.basename(ckpt)), ckpt))
+    return [c for _, _, c in sorted(ranked)]
+
+
 def run_dir_of(ckpt: str) -> str:
     """The run directory holding a checkpoint (<run>/checkpoints/<step>)."""
     return os.path.dirname(os.path.dirname(os.path.abspath(ckpt)))
@@ -221,10 +236,10 @@ def load_tensors_into(path: str, names, shapes, flat: np.ndarray, prefix: str = 
 class CheckpointWriter:
     """Background checkpoint writing for one rank; the runner drives the commit."""
 
-    def __init__(self, run_dir: str, rank: int, world_size: int, keep_last: int, log=print):
+    def __init__(self, run_dir: str, rank: int, world_size: int, keep_last: int, log=print, keep_best: int = 0):
         self.root = os.path.join(run_dir, "checkpoints")
         self.rank, self.world = rank, world_size
-        self.keep_last = keep_last
+        self.keep_last, self.keep_best = keep_last, keep_best
         self.log = log
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -234,7 +249,7 @@ class CheckpointWriter:
     # -- called by every rank at the checkpoint step
     def start(self, step: int, layout, buffers: dict[str, np.ndarray], meta: dict, config_yaml: str) -> None:
         """Snapshot ``buffers`` ("params" and one per optimizer state) and write them in the background."""
-        self.wait()   # at most one write in flight
+        self.wait()   # at most one write in flight (Checkpointer.save settled it already)
         for key, buf in buffers.items():
             snap = self._snap.get(key)
             if snap is None or snap.shape != buf.shape:
@@ -292,9 +307,15 @@ class CheckpointWriter:
     def error_text(self) -> str:
         return f"{type(self._error).__name__}: {self._error}" if self._error else ""
 
-    def wait(self) -> None:
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Until the write in flight ends; a TrainrunError naming the step and the directory when it
+        takes longer than ``timeout_s`` (a stuck filesystem must not hang the job)."""
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise TrainrunError(f"rank {self.rank}: the checkpoint write of step {self.pending_step} into "
+                                    f"{self.root} did not finish within {timeout_s:g} s "
+                                    f"(distributed.timeout_s); is the filesystem stuck?")
 
     def abandon(self) -> None:
         """A failed write: drop the staging directory (rank 0), keep older checkpoints intact."""
@@ -308,8 +329,14 @@ class CheckpointWriter:
         staging = os.path.join(self.root, f"{STAGING}{step}")
         sums = dict(self._rank0_sums)
         for r in range(self.world):
-            with open(os.path.join(staging, f"rank-{r}.sha256")) as fh:
-                sums[f"rank-{r}.json"] = fh.read().strip()
+            try:
+                with open(os.path.join(staging, f"rank-{r}.sha256")) as fh:
+                    sums[f"rank-{r}.json"] = fh.read().strip()
+            except FileNotFoundError:
+                raise TrainrunError(f"checkpoint at step {step}: rank {r} reported its part written, but rank 0 "
+                                    f"does not see {staging}/rank-{r}.json: the run directory must be on a "
+                                    f"filesystem every rank shares (e.g. NFS), the same path on every host"
+                                    ) from None
             os.remove(os.path.join(staging, f"rank-{r}.sha256"))
         digest = write_json(os.path.join(staging, "checksums.json"), sums)
         marker = os.path.join(staging, COMMITTED)
@@ -328,11 +355,14 @@ class CheckpointWriter:
         return final
 
     def _prune(self) -> None:
-        """Delete checkpoints beyond keep_last. Each is first renamed out of the checkpoint namespace
-        (one atomic rename), so an interrupted delete never leaves a directory that still holds
-        COMMITTED but lacks files; start-up removes what is left of it."""
+        """Delete checkpoints beyond the newest keep_last and the keep_best of lowest eval loss. Each is
+        first renamed out of the checkpoint namespace (one atomic rename), so an interrupted delete never
+        leaves a directory that still holds COMMITTED but lacks files; start-up removes what is left of it."""
         done = complete_checkpoints(self.root)
-        for old in done[:-self.keep_last]:
+        keep = set(done[-self.keep_last:]) | set(best_checkpoints(self.root)[:self.keep_best])
+        for old in done:
+            if old in keep:
+                continue
             doomed = os.path.join(self.root, PRUNING + os.path.basename(old))
             os.rename(old, doomed)
             shutil.rmtree(doomed, ignore_errors=True)
@@ -351,11 +381,11 @@ class Checkpointer:
     checkpoint and returns its ``state.json``.
     """
 
-    def __init__(self, run_dir: str, comm, keep_last: int, log=print):
+    def __init__(self, run_dir: str, comm, keep_last: int, log=print, keep_best: int = 0):
         self.comm = comm
         self.rank, self.world = comm.rank, comm.world_size
         self.log = log
-        self.writer = CheckpointWriter(run_dir, self.rank, self.world, keep_last, log=log)
+        self.writer = CheckpointWriter(run_dir, self.rank, self.world, keep_last, log=log, keep_best=keep_best)
         self.saved_step: int | None = None     # step of the newest committed checkpoint
 
     # -- saving
@@ -388,7 +418,7 @@ class Checkpointer:
     def _settle(self) -> None:
         """Wait for the write in flight (if any) and commit or fail it, on every rank."""
         if self.writer.pending_step is not None:
-            self.writer.wait()
+            self.writer.wait(getattr(self.comm, "timeout_s", None))
             self.progress(*self.comm.allreduce_scalars(list(self.writer.status()), op="sum"))
 
     def save(self, step: int, layout, buffers: dict, meta: dict, config_yaml: str) -> None:

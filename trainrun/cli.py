@@ -84,9 +84,17 @@ def resume(run_dir, overrides, log_level, force):
 @click.option("--output", "-o", required=True, type=click.Path(dir_okay=False), help="Output ONNX file.")
 @click.option("--opset", type=int, default=None, help="Target opset (default: the graph's).")
 @click.option("--with-loss", is_flag=True, help="Keep the loss output (takes labels).")
-def export(checkpoint, output, opset, with_loss):
+@click.option("--best", is_flag=True, help="From a run directory: its checkpoint of lowest eval loss.")
+def export(checkpoint, output, opset, with_loss, best):
     """Write an inference ONNX model from a checkpoint (offline, no MPI)."""
     from .export import export_checkpoint
+    if best:
+        from .checkpoint import best_checkpoints
+        ranked = best_checkpoints(os.path.join(checkpoint, "checkpoints"))
+        if not ranked:
+            raise UsageError(f"{checkpoint}: --best needs a run directory with checkpoints that recorded an "
+                             f"eval loss (checkpoint.keep_best, or checkpoints at eval steps)")
+        checkpoint = ranked[0]
     export_checkpoint(checkpoint, output, opset=opset, with_loss=with_loss)
 
 

@@ -116,6 +116,14 @@ class DataConfig:
 
 
 @dataclass
+class EarlyStoppingConfig:
+    patience: int = opt(0, min=0)
+    """Stop (with a checkpoint) after this many evaluations in a row without improvement (0: never)."""
+    min_delta: float = opt(0.0, min=0.0)
+    """An eval loss must beat the best by more than this to count as an improvement."""
+
+
+@dataclass
 class TrainConfig:
     micro_batch_size: int = opt(8, min=1)
     """Samples per rank per forward/backward."""
@@ -132,6 +140,8 @@ class TrainConfig:
     """Batches per evaluation, each of global-batch size (so the same samples on any rank count)."""
     log_every: int = opt(10, min=1)
     """Log train metrics every N steps."""
+    early_stopping: EarlyStoppingConfig = opt(factory=EarlyStoppingConfig)
+    """Stop on eval loss (needs data.eval and evaluations: train.eval_every)."""
 
 
 @dataclass
@@ -182,6 +192,9 @@ class CheckpointConfig:
     """Checkpoint every N steps (0: only at the end)."""
     keep_last: int = opt(3, min=1)
     """Complete checkpoints kept (older ones deleted after a newer one is committed)."""
+    keep_best: int = opt(0, min=0)
+    """Also keep the K checkpoints of lowest eval loss (never pruned by keep_last); checkpoint steps
+    then evaluate too. `trainrun export RUN --best` exports the best."""
 
 
 @dataclass
@@ -441,6 +454,10 @@ def _semantic_checks(cfg: Config, problems: _Problems, base_dir: str, need_data:
         problems.add("distributed.backend", "nccl needs device: cuda")
     if cfg.device == "cuda" and cfg.engine.optimizer_kernel == "host":
         problems.add("engine.optimizer_kernel", "host runs on the CPU; with device: cuda use graph or auto")
+    if need_data and cfg.train.early_stopping.patience and not cfg.data.eval:
+        problems.add("train.early_stopping.patience", "stops on eval loss: needs data.eval")
+    if need_data and cfg.checkpoint.keep_best and not cfg.data.eval:
+        problems.add("checkpoint.keep_best", "ranks checkpoints by eval loss: needs data.eval")
     if need_data and not cfg.data.train:
         problems.add("data.train", "is required to train (a directory made by trainrun-data)")
     # files and directories that must exist

@@ -36,9 +36,11 @@ from .comm import make_communicator
 from .data import TrainLoader, eval_batches, open_dataset
 from .engine import Engine, EngineOptions
 from .errors import TrainrunError, UsageError, collective
+from .lock import RunLock
 from .observe import Observer, apply_log_level, engine_options
 from .observe.metrics import Metrics, fmt_duration
 from .observe.timer import PhaseTimer
+from .stopping import EarlyStopping, StopSignals, Stopped
 from .schedule import learning_rate
 
 MAX_NONFINITE_IN_A_ROW = 8
@@ -50,8 +52,9 @@ def _config_hash(cfg: C.Config) -> str:
 
 
 class TrainingRunner:
-    def __init__(self, cfg: C.Config, comm, resume_from: str | None = None):
+    def __init__(self, cfg: C.Config, comm, resume_from: str | None = None, lock: RunLock | None = None):
         self.cfg = cfg
+        self.lock = lock
         self.resume_from = resume_from
         self.comm = comm
         self.rank, self.world = self.comm.rank, self.comm.world_size
@@ -72,7 +75,10 @@ class TrainingRunner:
         self.updates = 0           # successful updates: the optimizer's own step count
         self.skipped = 0
         self.nonfinite_in_a_row = 0
-        self.checkpoints = K.Checkpointer(self.out, comm, cfg.checkpoint.keep_last, log=self.log)
+        self.signals = StopSignals()      # SIGTERM/SIGINT/SIGUSR1: stop after the step, with a checkpoint
+        self.early_stopping = EarlyStopping(t.early_stopping.patience, t.early_stopping.min_delta)
+        self.checkpoints = K.Checkpointer(self.out, comm, cfg.checkpoint.keep_last, log=self.log,
+                                          keep_best=cfg.checkpoint.keep_best)
         if resume_from:
             self._restore(resume_from)
         self.metrics = Metrics(self.out, enabled=self.is_main, tensorboard=cfg.tensorboard.enabled,
@@ -94,6 +100,8 @@ class TrainingRunner:
         error = None
         if self.is_main:
             try:
+                if self.lock:
+                    self.lock.acquire()     # before anything is written: one job per run directory
                 ckpt_dir = os.path.join(self.out, "checkpoints")
                 if not self.resume_from and K.complete_checkpoints(ckpt_dir):
                     raise UsageError(f"{self.out} already holds checkpoints; continue it with "
@@ -168,6 +176,7 @@ class TrainingRunner:
         state = self.checkpoints.restore(ckpt, eng.layout, eng.params, eng.optimizer.state)
         self.loader.load_state_dict(state["loader"])
         self.step, self.updates, self.skipped = state["step"], state["updates"], state["skipped_steps"]
+        self.early_stopping.load_state_dict(state.get("early_stopping") or {})
         self.log(f"resumed from {ckpt} at step {self.step} (saved by {state['world_size']} rank(s), "
                  f"now {self.world})")
 
@@ -181,7 +190,7 @@ class TrainingRunner:
         timer.mark("forward_backward")
         self.comm.allreduce_(self.engine.grads)
         timer.mark("allreduce")
-        loss, grad_norm, finite = self.agree(loss_sum)
+        loss, grad_norm, finite, stop = self.agree(loss_sum)
         timer.mark("norm")
         self.step += 1
         lr = learning_rate(self.step, self.cfg.optimizer.lr, self.cfg.train.max_steps, self.cfg.lr_schedule)
@@ -191,7 +200,8 @@ class TrainingRunner:
         else:
             self.skip_step()
         timer.mark("optimizer")
-        result = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "local_loss": loss_sum / self.accum}
+        result = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "local_loss": loss_sum / self.accum,
+                  "stop": stop}
         if stats:
             stats.finish(self.step, scale, result)
             timer.mark("stats")
@@ -211,16 +221,17 @@ class TrainingRunner:
         """The gradient buffer holds a sum over ranks and micro-batches: this makes it the mean."""
         return 1.0 / (self.accum * self.world)
 
-    def agree(self, loss_sum: float) -> tuple[float, float, bool]:
-        """(mean loss, gradient norm, finite on every rank), from one allreduce of a few scalars
-        that also carries the background checkpoint's progress."""
+    def agree(self, loss_sum: float) -> tuple[float, float, bool, bool]:
+        """(mean loss, gradient norm, finite on every rank, a stop signal reached some rank), from one
+        allreduce of a few scalars that also carries the background checkpoint's progress."""
         norm_sq = self.engine.grad_norm_sq()
         grad_norm = math.sqrt(norm_sq) * self.grad_scale() if math.isfinite(norm_sq) else float("inf")
         ck_done, ck_failed = self.checkpoints.status()
-        loss_total, nonfinite, ck_done, ck_failed = self.comm.allreduce_scalars(
-            [loss_sum, 0.0 if math.isfinite(grad_norm) else 1.0, ck_done, ck_failed], op="sum")
+        loss_total, nonfinite, ck_done, ck_failed, stop = self.comm.allreduce_scalars(
+            [loss_sum, 0.0 if math.isfinite(grad_norm) else 1.0, ck_done, ck_failed, self.signals.flag()],
+            op="sum")
         self.checkpoints.progress(ck_done, ck_failed)
-        return loss_total / (self.accum * self.world), grad_norm, not nonfinite
+        return loss_total / (self.accum * self.world), grad_norm, not nonfinite, bool(stop)
 
     def clip_divisor(self, grad_norm: float) -> float:
         clip = self.cfg.optimizer.max_grad_norm
@@ -266,39 +277,15 @@ class TrainingRunner:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
-        cfg, t = self.cfg, self.cfg.train
+        t = self.cfg.train
         self._header()
         self.comm.barrier()          # start the clocks together: set-up time differs between ranks
         self.timer.restart()
         start, first_step = time.perf_counter(), self.step
-        window_t, window_steps = start, 0
-        last = {}
-        eval_loss = None
         end = min(t.max_steps, t.stop_at) if t.stop_at else t.max_steps
         try:
-            while self.step < end:
-                self.observe.step_begin(self.step + 1)
-                last = self.train_step()
-                window_steps += 1
-                self.metrics.progress(self.step)
-                if self.step % t.log_every == 0 or self.step == end:
-                    now = time.perf_counter()
-                    tps = window_steps * self.tokens_per_step / (now - window_t)
-                    window_t, window_steps = now, 0
-                    self.metrics.log(self.step, {"loss": last["loss"], "lr": last["lr"],
-                                                 "grad_norm": last["grad_norm"], "tokens_per_sec": tps,
-                                                 "skipped_steps": self.skipped})
-                    self.timer.mark("log")
-                if self.eval_ds is not None and (
-                        (t.eval_every and self.step % t.eval_every == 0) or self.step == end):
-                    evaluated = self.evaluate()
-                    eval_loss = evaluated["eval_loss"]
-                    self.metrics.log(self.step, evaluated)
-                    self.timer.mark("log")
-                every = cfg.checkpoint.every
-                if ((every and self.step % every == 0) or self.step == end) and not self.nonfinite_in_a_row:
-                    self.save()       # never while updates are being skipped: keep_last keeps good ones
-                self.observe.step_end(self.step, last)
+            with self.signals:
+                last, eval_loss = self._loop(end, start)
             self.observe.close()
             self.checkpoints.finish()
         finally:
@@ -320,14 +307,64 @@ class TrainingRunner:
         self._footer(summary)
         return summary
 
-    def save(self) -> None:
-        """Checkpoint this step: snapshot now, written in the background (every rank)."""
+    def _loop(self, end: int, window_t: float) -> tuple[dict, float | None]:
+        """Steps until ``end``, early stopping or a stop signal; (last step's result, last eval loss)."""
+        t, every = self.cfg.train, self.cfg.checkpoint.every
+        last, eval_loss, window_steps = {}, None, 0
+        while self.step < end:
+            self.observe.step_begin(self.step + 1)
+            last = self.train_step()
+            window_steps += 1
+            self.metrics.progress(self.step)
+            stop = last["stop"]
+            if self.step % t.log_every == 0 or self.step == end or stop:
+                now = time.perf_counter()
+                tps = window_steps * self.tokens_per_step / (now - window_t)
+                window_t, window_steps = now, 0
+                self.metrics.log(self.step, {"loss": last["loss"], "lr": last["lr"],
+                                             "grad_norm": last["grad_norm"], "tokens_per_sec": tps,
+                                             "skipped_steps": self.skipped})
+                self.timer.mark("log")
+            checkpoint = (every and self.step % every == 0) or self.step == end or stop
+            step_eval, early = None, False
+            if self.eval_ds is not None and not stop and (
+                    (t.eval_every and self.step % t.eval_every == 0) or self.step == end
+                    or (checkpoint and self.cfg.checkpoint.keep_best)):     # keep_best ranks by eval loss
+                evaluated = self.evaluate()
+                eval_loss = step_eval = evaluated["eval_loss"]
+                self.metrics.log(self.step, evaluated)
+                self.timer.mark("log")
+                early = self.early_stopping.update(self.step, eval_loss)
+            if (checkpoint or early) and (stop or not self.nonfinite_in_a_row):
+                self.save(step_eval)   # not while updates are being skipped: keep_last keeps good ones
+            self.observe.step_end(self.step, last)
+            if stop:
+                self._stopped()
+            if early:
+                self.log(f"early stopping at step {self.step}: {self.early_stopping.describe()}")
+                break
+        return last, eval_loss
+
+    def _stopped(self) -> None:
+        """After a stop signal: the checkpoint of this step committed on every rank, then :class:`Stopped`."""
+        self.checkpoints.finish()
+        sig = self.signals.received
+        took = f" {time.monotonic() - self.signals.at:.1f} s after the signal" if sig else ""
+        raise collective(Stopped(
+            f"stopped by {sig or 'a signal to another rank'} after step {self.step}; checkpoint "
+            f"{os.path.join(self.out, 'checkpoints', str(self.step))} committed{took}. "
+            f"Continue with `trainrun resume {self.out}`"))
+
+    def save(self, eval_loss: float | None = None) -> None:
+        """Checkpoint this step: snapshot now, written in the background (every rank). ``eval_loss``:
+        this step's, recorded in state.json (checkpoint.keep_best ranks by it)."""
         cfg = self.cfg
         meta = {"updates": self.updates, "skipped_steps": self.skipped, "loader": self.loader.state_dict(),
                 "lr_schedule": {"step": self.step, "lr": learning_rate(self.step, cfg.optimizer.lr,
                                                                        cfg.train.max_steps, cfg.lr_schedule)},
                 "world_size": self.world, "global_batch": self.global_batch, "seed": cfg.run.seed,
-                "graphs": self.manifest["files"]}
+                "graphs": self.manifest["files"], "eval_loss": eval_loss,
+                "early_stopping": self.early_stopping.state_dict()}
         buffers = {"params": self.engine.params, **self.engine.optimizer.state}
         self.checkpoints.save(self.step, self.engine.layout, buffers, meta, C.to_yaml(cfg))
         self.timer.mark("checkpoint")
@@ -373,13 +410,15 @@ def train(cfg: C.Config, resume_from: str | None = None) -> dict:
                              "`gpu` extra on a machine with a GPU, or set device: cpu)")
     apply_log_level(cfg.run.log_level)
     comm = make_communicator(cfg.distributed.backend, cfg.device, cfg.distributed.timeout_s)
+    lock = RunLock(cfg.run.output_dir)
     try:
-        return TrainingRunner(cfg, comm, resume_from=resume_from).fit()
+        return TrainingRunner(cfg, comm, resume_from=resume_from, lock=lock).fit()
     except BaseException as exc:
         if comm.world_size > 1 and not getattr(exc, "collective", False):
             _report_and_abort(comm, exc, verbose=cfg.run.log_level == "verbose")
         raise
     finally:
+        lock.release()
         comm.close()
 
 

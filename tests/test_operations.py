@@ -1,0 +1,175 @@
+"""Operations: stopping on a signal with a checkpoint, one job per run directory, best checkpoints,
+early stopping, a stuck checkpoint write. Real `mpirun` jobs, real signals, real files."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from conftest import MPIRUN, TRAINRUN, mpirun, rank_pids, read_metrics, run, write_config
+from trainrun import checkpoint as K
+from trainrun.stopping import STOPPED_EXIT
+
+
+def _start(cmd, tmp_path, name="job"):
+    out = open(tmp_path / f"{name}.out", "w")
+    err = open(tmp_path / f"{name}.err", "w")
+    return subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+
+
+def _wait_for_steps(run_dir, n, proc, timeout=120):
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the job ended early with {proc.returncode}"
+        if os.path.exists(metrics) and len(open(metrics).read().splitlines()) >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{n} logged steps not reached in {timeout} s")
+
+
+def _finish(proc, timeout=120):
+    try:
+        proc.wait(timeout=timeout)          # a hang raises TimeoutExpired
+    finally:
+        proc.kill()
+    return proc.returncode
+
+
+def _texts(tmp_path, name="job"):
+    return (tmp_path / f"{name}.out").read_text(), (tmp_path / f"{name}.err").read_text()
+
+
+def _long_config(tmp_path, byte_dataset, **more):
+    # a cosine schedule over 100000 steps that the tests stop early: the signal must come mid-run
+    return write_config(tmp_path / "c.yaml", byte_dataset, **{
+        "train.max_steps": 100000, "checkpoint.every": 1000, "run.deterministic": True,
+        "model.gpt2.dropout": 0.1, **more})
+
+
+@pytest.mark.parametrize("sig,target", [("SIGTERM", "mpirun"), ("SIGUSR1", "rank 1"), ("SIGINT", "mpirun")])
+def test_signal_stops_every_rank_with_a_committed_checkpoint(tmp_path, byte_dataset, sig, target):
+    """A stop signal, to mpirun (which forwards it to every rank) or to one rank alone: every rank
+    stops after the same step, that step's checkpoint is committed, the job exits 75 and says how
+    long the save took after the signal."""
+    cfg = _long_config(tmp_path, byte_dataset)
+    proc = _start([MPIRUN, "-np", "2", TRAINRUN, "--config", cfg], tmp_path)
+    _wait_for_steps(tmp_path / "run", 5, proc)
+    victim = proc.pid if target == "mpirun" else rank_pids(str(tmp_path))[1]
+    os.kill(victim, getattr(signal, sig))
+    assert _finish(proc) == STOPPED_EXIT, _texts(tmp_path)
+    out, err = _texts(tmp_path)
+    train, _ = read_metrics(str(tmp_path / "run"))
+    last = max(train)
+    assert 5 <= last < 100000
+    ckpt = K.resolve_checkpoint(str(tmp_path / "run"))
+    assert ckpt == str(tmp_path / "run" / "checkpoints" / str(last))
+    K.verify(ckpt)
+    named = sig if target == "mpirun" else "a signal to another rank"    # rank 0 did not receive it
+    assert f"stopped by {named} after step {last}" in err, err
+    assert ("s after the signal" in err) == (target == "mpirun")
+    assert err.count("stopped by") == 1 and "Traceback" not in err      # rank 0 alone reports
+    assert not os.path.exists(tmp_path / "run" / ".lock")               # released on the way out
+
+
+def test_stopped_run_resumes_bitwise_with_dropout(tmp_path, byte_dataset):
+    """SIGTERM mid-run (dropout 0.1, deterministic), resume to step K: parameters, optimizer moments
+    and every loss equal the straight run's to the bit."""
+    cfg = _long_config(tmp_path, byte_dataset)
+    proc = _start([MPIRUN, "-np", "2", TRAINRUN, "--config", cfg], tmp_path)
+    _wait_for_steps(tmp_path / "run", 5, proc)
+    proc.send_signal(signal.SIGTERM)
+    assert _finish(proc) == STOPPED_EXIT, _texts(tmp_path)
+    stopped = max(read_metrics(str(tmp_path / "run"))[0])
+    end = stopped + 7
+    mpirun(2, "resume", str(tmp_path / "run"), "--set", f"train.stop_at={end}")
+
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    cfg2 = _long_config(straight, byte_dataset, **{"train.stop_at": end})
+    mpirun(2, "--config", cfg2)
+    a, b = (str(d / "run" / "checkpoints" / str(end)) for d in (tmp_path, straight))
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        ta, tb = load_file(os.path.join(a, name)), load_file(os.path.join(b, name))
+        assert ta.keys() == tb.keys()
+        for k in ta:
+            assert np.array_equal(ta[k], tb[k]), (name, k)
+    resumed, direct = read_metrics(str(tmp_path / "run"))[0], read_metrics(str(straight / "run"))[0]
+    assert [resumed[s]["loss"] for s in range(stopped + 1, end + 1)] == \
+        [direct[s]["loss"] for s in range(stopped + 1, end + 1)]
+
+
+def test_one_job_per_run_directory(tmp_path, byte_dataset):
+    """A second job on a run directory in use exits 2 naming the holder; a lock left by a dead job is
+    taken over with a warning."""
+    cfg = _long_config(tmp_path, byte_dataset)
+    first = _start([MPIRUN, "-np", "2", TRAINRUN, "--config", cfg], tmp_path)
+    _wait_for_steps(tmp_path / "run", 3, first)
+    holder = json.loads((tmp_path / "run" / ".lock").read_text())
+    second = run([MPIRUN, "-np", "2", TRAINRUN, "--config", cfg], check=2, timeout=120)
+    assert "is in use by another trainrun job" in second.stderr, second.stderr
+    assert f"pid {holder['pid']}" in second.stderr and holder["host"] in second.stderr
+    assert first.poll() is None                  # the first job runs on, untouched
+    assert json.loads((tmp_path / "run" / ".lock").read_text()) == holder
+    os.kill(rank_pids(str(tmp_path))[0], signal.SIGKILL)      # rank 0 dies without releasing
+    _finish(first)
+    assert os.path.exists(tmp_path / "run" / ".lock")
+    proc = run([TRAINRUN, "--config", cfg, "--set", "train.max_steps=3"], check=0, timeout=300)
+    assert "taking over the run directory's lock from a job that is gone" in proc.stdout
+    assert f"pid {holder['pid']}" in proc.stdout
+    assert not os.path.exists(tmp_path / "run" / ".lock")
+
+
+def test_keep_best_and_export_best(tmp_path, byte_dataset):
+    """keep_best keeps the checkpoints of lowest eval loss besides the newest keep_last; state.json
+    records each one's eval loss; export --best takes the best."""
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{
+        "train.max_steps": 16, "train.eval_every": 0, "checkpoint.every": 2, "checkpoint.keep_last": 1,
+        "checkpoint.keep_best": 2, "optimizer.lr": 0.05, "lr_schedule": {"name": "constant"}})
+    mpirun(2, "--config", cfg)
+    _, evals = read_metrics(str(tmp_path / "run"))
+    assert sorted(evals) == list(range(2, 17, 2))     # keep_best: every checkpoint step evaluates
+    best = sorted(evals, key=lambda s: (evals[s]["eval_loss"], -s))[:2]
+    kept = sorted(int(os.path.basename(c)) for c in K.complete_checkpoints(str(tmp_path / "run" / "checkpoints")))
+    assert kept == sorted({16, *best}), (kept, best)
+    for s in kept:
+        state = K.read_state(str(tmp_path / "run" / "checkpoints" / str(s)))
+        assert state["eval_loss"] == pytest.approx(evals[s]["eval_loss"], rel=1e-12)
+    run([TRAINRUN, "export", str(tmp_path / "run"), "--best", "--output", str(tmp_path / "best.onnx")], check=0)
+    run([TRAINRUN, "export", str(tmp_path / "run" / "checkpoints" / str(best[0])),
+         "--output", str(tmp_path / "direct.onnx")], check=0)
+    assert (tmp_path / "best.onnx").read_bytes() == (tmp_path / "direct.onnx").read_bytes()
+
+
+def test_early_stopping_stops_with_a_checkpoint_and_resumes_its_state(tmp_path, byte_dataset):
+    """patience 2 with a min_delta no eval can beat: evaluations at 3, 6, 9 -> stop at 9 with a
+    checkpoint and exit 0; the counter is in state.json."""
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{
+        "train.max_steps": 40, "train.eval_every": 3,
+        "train.early_stopping": {"patience": 2, "min_delta": 100.0}})
+    proc = mpirun(2, "--config", cfg)
+    _, evals = read_metrics(str(tmp_path / "run"))
+    assert sorted(evals) == [3, 6, 9]
+    assert "early stopping at step 9" in proc.stdout
+    state = K.read_state(K.resolve_checkpoint(str(tmp_path / "run")))
+    assert state["step"] == 9 and state["early_stopping"]["evals_since_best"] == 2
+    assert state["early_stopping"]["best_step"] == 3
+    assert os.path.exists(tmp_path / "run" / "model.onnx")
+    # resumed with more patience, the saved count goes on: one more evaluation without improvement
+    mpirun(2, "resume", str(tmp_path / "run"), "--set", "train.early_stopping.patience=3")
+    _, evals = read_metrics(str(tmp_path / "run"))
+    assert max(evals) == 12
+
+
+def test_stuck_checkpoint_write_ends_the_job_within_the_timeout(tmp_path, byte_dataset):
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 4, "distributed.timeout_s": 5})
+    env = dict(os.environ, TRAINRUN_FAULT_STALL_CHECKPOINT="4")      # the final checkpoint's write hangs
+    proc = mpirun(2, "--config", cfg, env=env, check=1, timeout=120)
+    assert "the checkpoint write of step 4" in proc.stderr and "did not finish within 5 s" in proc.stderr, \
+        proc.stderr
+    assert K.complete_checkpoints(str(tmp_path / "run" / "checkpoints")) == []

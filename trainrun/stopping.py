@@ -1,0 +1,95 @@
+"""When a run stops before max_steps: on a signal (:class:`StopSignals`) or on eval loss (:class:`EarlyStopping`).
+
+SIGTERM, SIGINT or SIGUSR1 end the run after the current step, with a checkpoint.
+
+Clusters stop jobs by signal: SLURM sends SIGTERM to every task at the time limit or on preemption
+(then SIGKILL after KillWait, 30 s by default), ``--signal=USR1@120`` warns ahead, Kubernetes sends
+SIGTERM; MPICH's mpiexec forwards SIGTERM, SIGINT and SIGUSR1 to every rank. The handler only notes
+the signal; :meth:`StopSignals.flag` rides in the runner's per-step scalar allreduce, so every rank
+sees a signal that reached any rank after the same step, commits a checkpoint of it, and the job
+exits with :data:`STOPPED_EXIT`.
+
+A second SIGINT (Ctrl-C again) interrupts at once (exit 130); a second SIGTERM/SIGUSR1 is ignored,
+the save in progress goes on. Either way nothing half-written looks committed (the commit is one
+atomic rename, :mod:`trainrun.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+from .errors import TrainrunError
+
+STOPPED_EXIT = 75       # sysexits.h EX_TEMPFAIL: "temporary failure, retry later": resumable
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+class Stopped(TrainrunError):
+    """The run stopped on a signal after committing a checkpoint: resumable (exit 75)."""
+    exit_code = STOPPED_EXIT
+
+    def render(self) -> str:
+        return f"trainrun: {self.message}"
+
+
+class StopSignals:
+    """Notes the first stop signal; installed for the life of the training loop (main thread only)."""
+
+    def __init__(self):
+        self.received: str | None = None    # the signal's name, e.g. "SIGTERM"
+        self.at: float | None = None         # time.monotonic() when it arrived
+        self._old: dict = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for s in SIGNALS:
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, old in self._old.items():
+            signal.signal(s, old)
+        self._old = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is None:
+            self.received, self.at = signal.Signals(signum).name, time.monotonic()
+        elif signum == signal.SIGINT:
+            raise KeyboardInterrupt
+
+    def flag(self) -> float:
+        """1.0 once a signal arrived on this rank (summed over ranks by the runner)."""
+        return 0.0 if self.received is None else 1.0
+
+
+class EarlyStopping:
+    """``train.early_stopping``: stop once ``patience`` evaluations in a row did not improve the best
+    eval loss by more than ``min_delta`` (patience 0: never). Its state is saved in checkpoints."""
+
+    def __init__(self, patience: int, min_delta: float):
+        self.patience, self.min_delta = patience, min_delta
+        self.best: float | None = None
+        self.best_step: int | None = None
+        self.evals_since_best = 0
+
+    def update(self, step: int, eval_loss: float) -> bool:
+        """Note an evaluation; True when the run should stop now."""
+        if self.best is None or eval_loss < self.best - self.min_delta:
+            self.best, self.best_step, self.evals_since_best = eval_loss, step, 0
+        else:
+            self.evals_since_best += 1
+        return self.patience > 0 and self.evals_since_best >= self.patience
+
+    def describe(self) -> str:
+        return (f"eval loss did not improve by more than {self.min_delta:g} in {self.evals_since_best} "
+                f"evaluations (best {self.best:.4f} at step {self.best_step})")
+
+    def state_dict(self) -> dict:
+        return {"best_eval_loss": self.best, "best_step": self.best_step,
+                "evals_since_best": self.evals_since_best}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best, self.best_step = state.get("best_eval_loss"), state.get("best_step")
+        self.evals_since_best = state.get("evals_since_best", 0)
