@@ -258,8 +258,10 @@ def test_doctor_passes_on_two_ranks(tmp_path, byte_dataset):
     assert "(median of 3)" in out                                                # --iters
     assert any(line.split()[:3] == ["PASS", "data.eval", f"{train}:"] for line in out.splitlines()), out  # --set
     assert "trainrun doctor: 2 rank(s) on 1 host(s)" in out and "MPI library: MPICH" in out
+    assert ": 2)" in out.splitlines()[0]                       # ranks per host
+    assert not glob.glob(str(tmp_path / "run" / ".doctor-*"))   # the probe file is removed
     assert "onnxruntime 1.19.2" in out and "CPUExecutionProvider" in out
-    for check in ("versions", "allreduce", "bandwidth", "config", "data.train", "data.eval"):
+    for check in ("versions", "allreduce", "bandwidth", "config", "run_dir", "data.train", "data.eval"):
         assert any(line.split()[:2] == ["PASS", check] for line in out.splitlines()), (check, out)
     assert any(line.split()[:2] == ["SKIP", "graphs"] for line in out.splitlines())     # not prepared yet
     assert "GB/s" in out
@@ -281,7 +283,8 @@ def test_doctor_names_the_failing_check(tmp_path, byte_dataset):
     args = [TRAINRUN, "doctor", "--config", str(cfg), "--size-mb", "1"]
     proc = run([MPIRUN, "-np", "1", "-env", "HOME", str(tmp_path / "h0"), *args, ":",
                 "-np", "1", "-env", "HOME", str(tmp_path / "h1"), *args], check=1, timeout=120)
-    assert "doctor: check(s) failed: data.train" in proc.stderr
+    assert "doctor: check(s) failed: run_dir, data.train" in proc.stderr
+    assert f"{tmp_path / 'h0' / 'run'}: rank(s) 1 (" in proc.stderr     # ~/run is not one shared path
     assert "rank 1 differs from rank 0: different content: shard-" in proc.stderr
     assert any(line.split()[:2] == ["PASS", "data.eval"] for line in proc.stdout.splitlines())
 

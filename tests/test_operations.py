@@ -173,3 +173,28 @@ def test_stuck_checkpoint_write_ends_the_job_within_the_timeout(tmp_path, byte_d
     assert "the checkpoint write of step 4" in proc.stderr and "did not finish within 5 s" in proc.stderr, \
         proc.stderr
     assert K.complete_checkpoints(str(tmp_path / "run" / "checkpoints")) == []
+
+
+def test_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(tmp_path, byte_dataset):
+    """Rank 1 alone gets a NaN in its gradient at step 3: every rank skips step 3, the run goes on, and
+    at the end both replicas hold the same parameters (each rank's digest in its rank-<r>.json)."""
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 6})
+    proc = mpirun(2, "--config", cfg, env=dict(os.environ, TRAINRUN_FAULT_NAN_GRAD="1:3"))
+    assert "step 3: non-finite gradients on some rank, update skipped" in proc.stdout
+    train, _ = read_metrics(str(tmp_path / "run"))
+    assert [train[s]["skipped_steps"] for s in range(1, 7)] == [0, 0, 1, 1, 1, 1]
+    ckpt = str(tmp_path / "run" / "checkpoints" / "6")
+    digests = {json.load(open(os.path.join(ckpt, f"rank-{r}.json")))["params_sha256"] for r in (0, 1)}
+    assert len(digests) == 1
+    assert K.read_state(ckpt)["updates"] == 5
+
+
+def test_a_rank_stuck_in_a_step_ends_the_job_within_the_timeout(tmp_path, byte_dataset):
+    """Rank 1 hangs at the start of step 3 (as in a stuck data read): rank 0 waits in the step's
+    allreduce, gives up after distributed.timeout_s and ends the job (the run's exit status is not 0)."""
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 6, "distributed.timeout_s": 5})
+    proc = mpirun(2, "--config", cfg, env=dict(os.environ, TRAINRUN_FAULT_STALL_STEP="1:3"), check=None,
+                  timeout=120)
+    assert proc.returncode != 0
+    assert "timed out on rank 0 of 2" in proc.stderr and "timeout_s=5" in proc.stderr, proc.stderr
+    assert max(read_metrics(str(tmp_path / "run"))[0]) == 2

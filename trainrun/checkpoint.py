@@ -41,6 +41,7 @@ import threading
 
 import numpy as np
 
+from . import faults
 from .data import sha256_file
 from .engine import from_host, to_host
 from .errors import TrainrunError, UsageError, collective
@@ -100,14 +101,6 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _fault_stall(step: int) -> None:
-    """Fault injection for the crash tests: TRAINRUN_FAULT_STALL_CHECKPOINT=<step> makes the
-    writer of that step hang (after rank 0 wrote its tensors), so a test can kill it mid-write."""
-    import time
-    if os.environ.get("TRAINRUN_FAULT_STALL_CHECKPOINT") == str(step):
-        time.sleep(3600)
 
 
 # --------------------------------------------------------------------------- finding checkpoints
@@ -283,7 +276,7 @@ class CheckpointWriter:
                     fh.flush()
                     os.fsync(fh.fileno())
                 sums["config.yaml"] = sha256_file(os.path.join(staging, "config.yaml"))
-            _fault_stall(meta["step"])
+            faults.stall("STALL_CHECKPOINT", self.rank, meta["step"])
             # each rank's own parameter digest: proves every replica holds the same bits
             own = {"rank": self.rank, "world_size": self.world, "step": meta["step"],
                    "loader": meta["loader"],

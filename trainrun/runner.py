@@ -30,6 +30,7 @@ import platform
 import time
 
 from . import checkpoint as K
+from . import faults
 from . import config as C
 from . import graphs as G
 from .comm import make_communicator
@@ -183,10 +184,13 @@ class TrainingRunner:
     # ------------------------------------------------------------------ the step
     def train_step(self) -> dict:
         timer = self.timer
+        faults.stall("STALL_STEP", self.rank, self.step + 1)
         micro = self.loader.next_step()
         timer.mark("data")
         stats = self.observe.stats_step(self.step + 1)     # None unless debug.stats_every says so
         loss_sum = self.forward_backward(micro, stats)
+        if faults.hit("NAN_GRAD", self.rank, self.step + 1):
+            self.engine.grads[0] = float("nan")
         timer.mark("forward_backward")
         self.comm.allreduce_(self.engine.grads)
         timer.mark("allreduce")

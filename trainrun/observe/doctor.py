@@ -12,6 +12,9 @@ table. Then the checks, each PASS, FAIL or SKIP:
                  median of ``--iters``), as algorithm bandwidth (bytes/time)
                  and bus bandwidth (x 2(n-1)/n, as nccl-tests report it);
 * ``config``     every rank read the same config file bytes and ``--set``;
+* ``run_dir``    with --config: a file rank 0 writes into run.output_dir is read by
+                 every rank (checkpoints are committed by rank 0 from every
+                 rank's files: the run directory must be one shared path);
 * ``data``       with --config: every rank sees the same files in data.train
                  and data.eval (names, sizes and a digest of each file:
                  sha256 of the whole file up to 64 MiB, above that of 16
@@ -165,6 +168,33 @@ def measure_bandwidth(comm, device: str, size_mb: float, iters: int) -> tuple[st
                     f"busbw {busbw:.2f} GB/s (median of {iters})")
 
 
+def check_run_dir(comm, run_dir: str) -> tuple[str, str]:
+    """Rank 0 writes a file with a fresh token into ``run_dir``; every rank must read that token."""
+    token = comm.allgather_object(os.urandom(8).hex())[0]
+    probe = os.path.join(run_dir, f".doctor-{token}")
+    if comm.rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(probe, "w") as fh:
+            fh.write(token)
+            fh.flush()
+            os.fsync(fh.fileno())
+    comm.barrier()
+    try:
+        with open(probe) as fh:
+            mine = fh.read() == token
+    except OSError:
+        mine = False
+    seen = comm.allgather_object([mine, platform.node()])
+    comm.barrier()
+    if comm.rank == 0:
+        os.remove(probe)
+    blind = [f"{r} ({host})" for r, (ok, host) in enumerate(seen) if not ok]
+    if blind:
+        return "FAIL", (f"{run_dir}: rank(s) {', '.join(blind)} cannot read the file rank 0 wrote there; the run "
+                        f"directory must be the same shared filesystem path on every host")
+    return "PASS", f"{run_dir}: a file written by rank 0 is read by every rank"
+
+
 def _same(name: str, values: list, describe) -> tuple[str, str]:
     ref = values[0]
     for r, v in enumerate(values):
@@ -236,6 +266,7 @@ def run_doctor(cfg=None, config_bytes: bytes = b"", overrides=(), size_mb: float
             mine = hashlib.sha256(config_bytes + "\0".join(overrides).encode()).hexdigest()[:16]
             checks.append(("config", *_same("config", comm.allgather_object(mine),
                                              lambda a, b: f"config file or --set differ (sha256 {b} vs {a})")))
+            checks.append(("run_dir", *check_run_dir(comm, cfg.run.output_dir)))
             for key in ("train", "eval"):
                 path = getattr(cfg.data, key)
                 if not path:
@@ -266,7 +297,9 @@ def run_doctor(cfg=None, config_bytes: bytes = b"", overrides=(), size_mb: float
 def _report(facts: list[dict], checks: list[tuple], world: int) -> str:
     hosts = sorted({f["host"] for f in facts})
     f0 = facts[0]
-    lines = [f"trainrun doctor: {world} rank(s) on {len(hosts)} host(s): {', '.join(hosts)}",
+    per_host = ", ".join(f"{h}: {sum(f['host'] == h for f in facts)}" for h in hosts)
+    lines = [f"trainrun doctor: {world} rank(s) on {len(hosts)} host(s): {', '.join(hosts)} (ranks per host: "
+             f"{per_host})",
              f"MPI library: {f0['mpi']}",
              f"onnxruntime {f0['ort']} (providers: {', '.join(f0['providers'])}); trainrun {f0['trainrun']}; "
              f"Python {f0['python']} ({sys.executable})", ""]

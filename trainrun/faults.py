@@ -1,0 +1,28 @@
+"""Fault injection for the tests of what survives what: off unless an environment variable names a
+step (``STEP``, every rank) or a rank and a step (``RANK:STEP``). Read once at import.
+
+* ``TRAINRUN_FAULT_STALL_CHECKPOINT``  the background write of that step's checkpoint hangs (after rank 0
+                                       wrote its tensors), so a test can kill or time out a write;
+* ``TRAINRUN_FAULT_STALL_STEP``        the rank hangs at the start of that step (a stuck data read);
+* ``TRAINRUN_FAULT_NAN_GRAD``          the rank's gradient holds a NaN after that step's backward.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+_SPECS = {k: v for k, v in os.environ.items() if k.startswith("TRAINRUN_FAULT_")}
+
+
+def hit(name: str, rank: int, step: int) -> bool:
+    spec = _SPECS.get(f"TRAINRUN_FAULT_{name}")
+    if not spec:
+        return False
+    who, _, when = spec.rpartition(":")
+    return when == str(step) and who in ("", str(rank))
+
+
+def stall(name: str, rank: int, step: int) -> None:
+    if hit(name, rank, step):
+        time.sleep(3600)
