@@ -6,6 +6,12 @@ state is bound once to a view of those arrays (zero copy). Data inputs,
 ``lazy_reset_grad``, ``lr``/``step``/``grad_scale`` and the loss are small
 preallocated arrays bound once too, so a step allocates nothing in Python.
 
+On CUDA (``device: cuda``) the big buffers and the batches are cupy arrays; the
+small host scalars are bound again before each run (onnxruntime copies a host
+input to the GPU when it is bound, not when the graph runs), and cupy's stream
+is synchronized before each run (onnxruntime computes on its own stream).
+See :class:`_Bound` and :mod:`trainrun.cuda`.
+
 ``engine.optimizer`` (:func:`trainrun.optim.build`) updates the parameters in
 place and owns the optimizer state; when it runs a graph, the engine opens that
 session and hands it over to be bound.
@@ -122,7 +128,10 @@ class _Bound:
     def __init__(self, path: str, opts: EngineOptions, name: str):
         import onnxruntime as ort
         providers = ["CPUExecutionProvider"]
-        if opts.device == "cuda":
+        self.cuda = opts.device == "cuda"
+        if self.cuda:
+            from . import cuda
+            cuda.setup()        # the pip-installed CUDA 11 libraries, before the provider loads
             providers = [("CUDAExecutionProvider", {"device_id": opts.device_id}), "CPUExecutionProvider"]
         self.device_id = opts.device_id
         try:
@@ -131,10 +140,14 @@ class _Bound:
         except Exception as exc:  # noqa: BLE001
             raise TrainrunError(f"{path}: onnxruntime cannot load the {name} graph: "
                                 f"{str(exc).strip().splitlines()[0]}") from None
+        if self.cuda:
+            cuda.check_session(self.session, path, name)
         self.binding = self.session.io_binding()
         self.name, self.path = name, path
         self.input_names = {i.name for i in self.session.get_inputs()}
         self.keep = []   # arrays whose memory is bound: keep them alive
+        # host arrays bound as inputs of a CUDA session: bound again before each run (see run())
+        self.host_inputs: dict[str, np.ndarray] = {}
 
     def _where(self, arr):
         assert arr.flags.c_contiguous
@@ -155,6 +168,8 @@ class _Bound:
         dev, dev_id, ptr = self._where(arr)
         self.binding.bind_input(name, dev, dev_id, arr.dtype, list(arr.shape), ptr)
         self.keep.append(arr)
+        if self.cuda and dev == "cpu":
+            self.host_inputs[name] = arr
 
     def bind_out(self, name: str, arr) -> None:
         dev, dev_id, ptr = self._where(arr)
@@ -162,6 +177,16 @@ class _Bound:
         self.keep.append(arr)
 
     def run(self) -> None:
+        if self.cuda:
+            from .cuda import synchronize
+            synchronize()       # cupy's writes to bound buffers (batches, weights) are done first
+            # IOBinding::BindInput copies a bound tensor to the device its consumer runs on at BIND
+            # time (utils::CopyOneInputAcrossDevices): a host scalar (lr, step, grad_scale) read on the
+            # GPU would keep the value of its first bind forever. Binding again copies the current
+            # value; a host input the graph reads on the CPU (the accumulators' reset flag) is not
+            # copied, so this is a few small copies per run.
+            for name, arr in self.host_inputs.items():
+                self.binding.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
         self.session.run_with_iobinding(self.binding)
 
 
@@ -182,6 +207,8 @@ class Engine:
         self.layout = FlatLayout.from_manifest(self.manifest)
         N = self.layout.total
         if opts.device == "cuda":       # big buffers and batches on the GPU; scalars stay on the host
+            from . import cuda
+            cuda.setup()
             import cupy
             cupy.cuda.Device(opts.device_id).use()
             self.xp = cupy

@@ -32,7 +32,7 @@ import time
 from . import checkpoint as K
 from . import config as C
 from . import graphs as G
-from .comm import make_communicator
+from .comm import local_device, make_communicator
 from .data import TrainLoader, eval_batches, open_dataset
 from .engine import Engine, EngineOptions
 from .errors import TrainrunError, UsageError, collective
@@ -152,7 +152,8 @@ class TrainingRunner:
         if cfg.run.deterministic:
             threads = 1
         self.threads = threads
-        opts = EngineOptions(device=cfg.device, device_id=self.comm.local_rank, threads=threads,
+        device_id = local_device(self.comm.local_rank) if cfg.device == "cuda" else 0
+        opts = EngineOptions(device=cfg.device, device_id=device_id, threads=threads,
                              graph_optimization=cfg.engine.graph_optimization,
                              optimizer_kernel=cfg.engine.optimizer_kernel,
                              log_severity=_ORT_SEVERITY[cfg.run.log_level], deterministic=cfg.run.deterministic,
