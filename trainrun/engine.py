@@ -132,7 +132,10 @@ class _Bound:
         if self.cuda:
             from . import cuda
             cuda.setup()        # the pip-installed CUDA 11 libraries, before the provider loads
-            providers = [("CUDAExecutionProvider", {"device_id": opts.device_id}), "CPUExecutionProvider"]
+            cuda_opts = {"device_id": opts.device_id}
+            if opts.deterministic:      # fp32 MatMuls in fp32, not TF32 (the provider's default on Ampere+)
+                cuda_opts["use_tf32"] = 0
+            providers = [("CUDAExecutionProvider", cuda_opts), "CPUExecutionProvider"]
         self.device_id = opts.device_id
         try:
             self.session = ort.InferenceSession(path, sess_options=session_options(opts, name),
