@@ -132,6 +132,10 @@ class TrainConfig:
     """Batches per evaluation, each of global-batch size (so the same samples on any rank count)."""
     log_every: int = opt(10, min=1)
     """Log train metrics every N steps."""
+    precision: str = opt("fp32", choices=["fp32", "fp16", "bf16"])
+    """Compute type of the train graph: fp32; fp16 or bf16 (float32 master parameters, a Cast after each
+    in the graph; LayerNorm, Softmax and the loss in fp32; fp16 with dynamic loss scaling). fp16/bf16
+    need device: cuda (onnxruntime's CPU provider lacks their training kernels)."""
 
 
 @dataclass
@@ -441,6 +445,11 @@ def _semantic_checks(cfg: Config, problems: _Problems, base_dir: str, need_data:
         problems.add("distributed.backend", "nccl needs device: cuda")
     if cfg.device == "cuda" and cfg.engine.optimizer_kernel == "host":
         problems.add("engine.optimizer_kernel", "host runs on the CPU; with device: cuda use graph or auto")
+    if cfg.device == "cpu" and cfg.train.precision != "fp32":
+        problems.add("train.precision", f"{cfg.train.precision} needs device: cuda; onnxruntime-training "
+                     f"1.19.2's CPU provider cannot run a {cfg.train.precision} train graph ("
+                     + ("no float16 SliceGrad kernel" if cfg.train.precision == "fp16" else
+                        "no bfloat16 kernels, not even Add") + "); with device: cpu use fp32")
     if need_data and not cfg.data.train:
         problems.add("data.train", "is required to train (a directory made by trainrun-data)")
     # files and directories that must exist

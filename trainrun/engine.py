@@ -223,6 +223,8 @@ class Engine:
         self.loss = np.zeros((), np.float32)
         self.eval_loss = np.zeros((), np.float32)
         self.reset = np.ones(1, bool)
+        # fp16 train graph: its loss (and so every gradient) is multiplied by this input (precision.py)
+        self.loss_scale = np.ones((), np.float32) if self.manifest.get("loss_scale") else None
         labels = self.manifest.get("labels", "labels")
         self.feeds = {labels: "labels"} if labels not in batch_shapes and "labels" in batch_shapes else {}
         graph_name = {f: g for g, f in self.feeds.items()}
@@ -286,7 +288,8 @@ class Engine:
             t.check_shape(name, arr.shape)
             t.bind_in(name, arr)
         missing = [n for n in t.input_names if n not in self.batch and n not in set(L.names)
-                   and not n.startswith(G.MASK_PREFIX) and not n.endswith(G.BUFFER_SUFFIX) and n != G.RESET]
+                   and not n.startswith(G.MASK_PREFIX) and not n.endswith(G.BUFFER_SUFFIX) and n != G.RESET
+                   and n != self.manifest.get("loss_scale")]
         if missing:
             raise UsageError(f"the dataset does not provide graph input(s): {', '.join(missing)}")
         for name, arr in self.eval_batch.items():
@@ -302,6 +305,8 @@ class Engine:
             self.flags.append(flag)
             t.bind_out(name + G.ACC_OUT_SUFFIX, flag)
         t.bind_in(G.RESET, self.reset)
+        if self.loss_scale is not None:
+            t.bind_in(self.manifest["loss_scale"], self.loss_scale)
         t.bind_out(G.LOSS, self.loss)
         for name in self.stats_outputs:     # onnxruntime allocates them, on the device, each run
             t.binding.bind_output(name, *(("cpu", 0) if self.xp is np else ("cuda", t.device_id)))
@@ -328,7 +333,8 @@ class Engine:
             from_host(buf, src)
 
     def forward_backward(self, batch: dict, accumulate: bool, position: int | None = None) -> float:
-        """Loss of one micro-batch; its gradients overwrite (accumulate=False) or add to the buffer.
+        """Loss of one micro-batch (unscaled); its gradients (times :attr:`loss_scale` when the graph has
+        one) overwrite (accumulate=False) or add to the buffer.
         ``position``: the global position of its first sample (TrainLoader.sample_position), which
         keys its dropout masks; needed when the train graph has dropout."""
         self.set_batch(batch)
@@ -341,7 +347,7 @@ class Engine:
                 self.set_batch(self.masks.buffers, self.mask_dev)
         self.reset[0] = not accumulate
         self.train_s.run()
-        return float(self.loss)
+        return float(self.loss) if self.loss_scale is None else float(self.loss) / float(self.loss_scale)
 
     def evaluate(self, batch: dict) -> float:
         """Loss of one eval micro-batch; its metric sums and counts are then in :attr:`eval_metrics`."""

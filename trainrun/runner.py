@@ -39,6 +39,7 @@ from .errors import TrainrunError, UsageError, collective
 from .observe import Observer, apply_log_level, engine_options
 from .observe.metrics import Metrics, fmt_duration
 from .observe.timer import PhaseTimer
+from .precision import make_scaler
 from .schedule import learning_rate
 
 MAX_NONFINITE_IN_A_ROW = 8
@@ -72,6 +73,7 @@ class TrainingRunner:
         self.updates = 0           # successful updates: the optimizer's own step count
         self.skipped = 0
         self.nonfinite_in_a_row = 0
+        self.scaler = make_scaler(cfg.train.precision)     # fp16: dynamic loss scaling; else None
         self.checkpoints = K.Checkpointer(self.out, comm, cfg.checkpoint.keep_last, log=self.log)
         if resume_from:
             self._restore(resume_from)
@@ -169,6 +171,8 @@ class TrainingRunner:
         state = self.checkpoints.restore(ckpt, eng.layout, eng.params, eng.optimizer.state)
         self.loader.load_state_dict(state["loader"])
         self.step, self.updates, self.skipped = state["step"], state["updates"], state["skipped_steps"]
+        if self.scaler and state.get("loss_scaler"):
+            self.scaler.load_state_dict(state["loss_scaler"])
         self.log(f"resumed from {ckpt} at step {self.step} (saved by {state['world_size']} rank(s), "
                  f"now {self.world})")
 
@@ -178,6 +182,8 @@ class TrainingRunner:
         micro = self.loader.next_step()
         timer.mark("data")
         stats = self.observe.stats_step(self.step + 1)     # None unless debug.stats_every says so
+        if self.scaler:
+            self.engine.loss_scale[()] = self.scaler.scale
         loss_sum = self.forward_backward(micro, stats)
         timer.mark("forward_backward")
         self.comm.allreduce_(self.engine.grads)
@@ -187,12 +193,19 @@ class TrainingRunner:
         self.step += 1
         lr = learning_rate(self.step, self.cfg.optimizer.lr, self.cfg.train.max_steps, self.cfg.lr_schedule)
         scale = self.grad_scale()
+        result = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "local_loss": loss_sum / self.accum}
+        if self.scaler:
+            result["loss_scale"] = self.scaler.scale        # the scale this step ran with
         if finite:
             self.optimizer_step(lr, scale / self.clip_divisor(grad_norm))
+        elif self.scaler and self.scaler.update(False):
+            self.skipped += 1           # an fp16 overflow: the scaler halved its scale; not a divergence
+            self.log(f"step {self.step}: fp16 overflow, update skipped; loss scale now {self.scaler.scale:g}")
         else:
             self.skip_step()
+        if finite and self.scaler:
+            self.scaler.update(True)
         timer.mark("optimizer")
-        result = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "local_loss": loss_sum / self.accum}
         if stats:
             stats.finish(self.step, scale, result)
             timer.mark("stats")
@@ -209,8 +222,9 @@ class TrainingRunner:
         return loss_sum
 
     def grad_scale(self) -> float:
-        """The gradient buffer holds a sum over ranks and micro-batches: this makes it the mean."""
-        return 1.0 / (self.accum * self.world)
+        """The gradient buffer holds a sum over ranks and micro-batches (times the fp16 loss scale):
+        this makes it the mean."""
+        return 1.0 / (self.accum * self.world * (self.scaler.scale if self.scaler else 1.0))
 
     def agree(self, loss_sum: float) -> tuple[float, float, bool]:
         """(mean loss, gradient norm, finite on every rank), from one allreduce of a few scalars
@@ -288,7 +302,8 @@ class TrainingRunner:
                     window_t, window_steps = now, 0
                     self.metrics.log(self.step, {"loss": last["loss"], "lr": last["lr"],
                                                  "grad_norm": last["grad_norm"], "tokens_per_sec": tps,
-                                                 "skipped_steps": self.skipped})
+                                                 "skipped_steps": self.skipped,
+                                                 **({"loss_scale": last["loss_scale"]} if self.scaler else {})})
                     self.timer.mark("log")
                 if self.eval_ds is not None and (
                         (t.eval_every and self.step % t.eval_every == 0) or self.step == end):
@@ -325,6 +340,7 @@ class TrainingRunner:
         """Checkpoint this step: snapshot now, written in the background (every rank)."""
         cfg = self.cfg
         meta = {"updates": self.updates, "skipped_steps": self.skipped, "loader": self.loader.state_dict(),
+                "loss_scaler": self.scaler.state_dict() if self.scaler else None,
                 "lr_schedule": {"step": self.step, "lr": learning_rate(self.step, cfg.optimizer.lr,
                                                                        cfg.train.max_steps, cfg.lr_schedule)},
                 "world_size": self.world, "global_batch": self.global_batch, "seed": cfg.run.seed,
