@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP_RUN  := $(VENV)/.installed-run
 STAMP_TEST := $(VENV)/.installed-test
 
-.PHONY: setup setup-test test demo bench clean
+.PHONY: setup setup-test test test-gpu demo bench clean
 
 $(BIN)/python:
 	@test -n "$(PYTHON)" || { echo "trainrun needs Python 3.10-3.12 on PATH" >&2; exit 2; }
@@ -26,7 +26,18 @@ setup: $(STAMP_RUN)
 setup-test: $(STAMP_TEST)
 
 test: $(STAMP_TEST)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not gpu" $(PYTEST_ARGS)
+
+# The GPU suite (tests/test_gpu.py and every test marked gpu): installs the gpu extra, from the index
+# or offline from a wheel directory (make test-gpu WHEELS=/path/to/wheels); skips without a GPU.
+STAMP_GPU := $(VENV)/.installed-gpu
+$(STAMP_GPU): pyproject.toml $(STAMP_TEST)
+	$(BIN)/pip install -q $(if $(WHEELS),--no-index --find-links $(WHEELS)) -e '.[gpu,test]'
+	@touch $@
+
+test-gpu: $(STAMP_GPU)
+	CUDA_MODULE_LOADING=$${CUDA_MODULE_LOADING:-LAZY} CUDA_CACHE_MAXSIZE=$${CUDA_CACHE_MAXSIZE:-4294967296} \
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q -rs -m gpu $(PYTEST_ARGS)
 
 demo: $(STAMP_RUN)
 	PATH=$(CURDIR)/$(BIN):$$PATH bash scripts/demo.sh

@@ -391,7 +391,7 @@ import cupy as cp
 
 def main(comm):
     r, n = comm.rank, comm.world_size
-    assert comm.backend == "nccl" and cp.cuda.Device().id == comm.local_rank
+    assert comm.backend == "nccl" and cp.cuda.Device().id == comm.device
     base = cp.arange(10_000, dtype=cp.float32) % 1000
     buf = base * (r + 1) + r
     comm.allreduce_(buf)
@@ -419,6 +419,7 @@ comm.close()
 '''
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(C.cuda_device_count() == 0, reason="needs a CUDA GPU and cupy (NCCL backend)")
 def test_nccl_collectives_on_gpu(tmp_path):
     nprocs = min(C.cuda_device_count(), 2)  # NCCL needs one GPU per rank

@@ -4,7 +4,8 @@ One interface, :class:`Communicator`, with three implementations:
 
 * :class:`SingleProcess`: world size 1; every collective is a copy or a no-op.
   Works on numpy and cupy arrays alike and never touches MPI.
-* :class:`MPICommunicator`: mpi4py on numpy buffers over ``MPI.COMM_WORLD``.
+* :class:`MPICommunicator`: mpi4py on numpy buffers over ``MPI.COMM_WORLD``
+  (cupy buffers through host copies: lets ranks share a GPU).
 * :class:`NCCLCommunicator`: cupy's NCCL binding on cupy arrays, with an
   :class:`MPICommunicator` as its control plane (unique-id exchange, objects,
   scalars, barrier).
@@ -13,8 +14,8 @@ One interface, :class:`Communicator`, with three implementations:
 
 Rules every implementation keeps:
 
-* Buffers are contiguous 1-D arrays of float32, float64 or int64 (numpy for
-  MPI, cupy for NCCL). Collectives write in place or into ``out``; nothing is
+* Buffers are contiguous 1-D arrays of float32, float64 or int64 (numpy or
+  cupy for MPI, cupy for NCCL). Collectives write in place or into ``out``; nothing is
   allocated per call.
 * No pickle anywhere: objects travel as JSON (``allgather_object``), so what
   comes back is the JSON round trip of what went in (tuples become lists,
@@ -113,11 +114,27 @@ def cuda_device_count() -> int:
     lists CUDAExecutionProvider on machines without any GPU.
     """
     try:
+        from . import cuda
+        cuda.setup()        # CUDA's environment is read when the runtime initialises: set it first
         import cupy
 
         return int(cupy.cuda.runtime.getDeviceCount())
     except Exception:  # ImportError, CUDARuntimeError (no driver / no device), ...
         return 0
+
+
+def local_device(local_rank: int) -> int:
+    """The CUDA device of the rank with this local rank: ``local_rank`` modulo the visible devices.
+
+    A launcher that gives every rank all of a host's GPUs (plain ``mpirun``) makes it local rank
+    r -> GPU r; one that gives each rank its own (per-rank ``CUDA_VISIBLE_DEVICES``, SLURM
+    ``--gpus-per-task=1``) makes every rank see one device, device 0. More ranks than GPUs on a host
+    share GPUs: fine for the MPI backend (tests), refused by NCCL (:class:`NCCLCommunicator`)."""
+    n = cuda_device_count()
+    if n == 0:
+        raise UsageError("device: cuda, but no CUDA GPU is visible (checked with cupy; install the `gpu` "
+                         "extra on a machine with a GPU, or set device: cpu)")
+    return local_rank % n
 
 
 def _check_buffer(buf: Any, what: str) -> None:
@@ -293,7 +310,8 @@ class SingleProcess(Communicator):
 
 
 class MPICommunicator(Communicator):
-    """mpi4py over ``MPI.COMM_WORLD`` with numpy buffers; every collective polled to ``timeout_s``."""
+    """mpi4py over ``MPI.COMM_WORLD`` with numpy buffers (cupy ones staged through host copies, see
+    :meth:`_staged`); every collective polled to ``timeout_s``."""
 
     backend = "mpi"
 
@@ -305,6 +323,7 @@ class MPICommunicator(Communicator):
         self.timeout_s = float(timeout_s)
         self.hostname = socket.gethostname()
         self._stuck: list = []  # buffers of timed-out collectives: MPI may still write them
+        self._twins: dict = {}  # host copies of cupy buffers (see _staged)
         # Ranks sharing this host's memory, ordered by world rank, give the local
         # rank. Split_type is a blocking collective: a polled barrier first makes
         # sure every rank is alive and about to call it.
@@ -339,33 +358,65 @@ class MPICommunicator(Communicator):
     def _np(self, buf, what: str) -> np.ndarray:
         _check_buffer(buf, what)
         if not isinstance(buf, np.ndarray):
-            raise ValueError(f"{what}: the MPI backend takes numpy arrays, got {type(buf).__module__}."
-                             f"{type(buf).__name__} (use the nccl backend for GPU arrays)")
+            raise ValueError(f"{what}: the MPI backend takes numpy or cupy arrays, got {type(buf).__module__}."
+                             f"{type(buf).__name__}")
         return buf
+
+    def _staged(self, op: str, run, arrays: tuple, down: tuple, up: tuple) -> None:
+        """``run(*arrays)`` with numpy twins in place of cupy arrays (host staging: MPICH from PyPI is
+        not CUDA-aware): the arrays at indices ``down`` are copied to their twins first, the twins at
+        ``up`` back to the GPU afterwards; numpy arrays are passed through. One twin per (address,
+        size, dtype), kept: nothing is allocated per call."""
+        if all(isinstance(b, np.ndarray) for b in arrays):
+            run(*arrays)
+            return
+        twins = []
+        for b in arrays:
+            if isinstance(b, np.ndarray):
+                twins.append(b)
+            elif type(b).__module__.startswith("cupy"):
+                key = (b.data.ptr, b.size, b.dtype.str)
+                if key not in self._twins:
+                    self._twins[key] = np.empty(b.size, b.dtype)
+                twins.append(self._twins[key])
+            else:
+                twins.append(self._np(b, f"{op} buffer"))     # raises
+        for i in down:
+            if arrays[i] is not twins[i]:
+                arrays[i].get(out=twins[i])     # synchronous: waits for the GPU work queued before it
+        run(*twins)
+        copied = [arrays[i].set(twins[i]) for i in up if arrays[i] is not twins[i]]
+        if copied:
+            import cupy
+            cupy.cuda.get_current_stream().synchronize()    # the twin is reused by the next call
 
     def _op(self, name: str):
         return {"sum": self._MPI.SUM, "max": self._MPI.MAX, "min": self._MPI.MIN}[name]
 
     # -- collectives --------------------------------------------------------------
     def allreduce_(self, buf) -> None:
-        buf = self._np(buf, "allreduce_ buffer")
-        self._wait(self._comm.Iallreduce(self._MPI.IN_PLACE, buf, op=self._MPI.SUM), "allreduce_", (buf,))
+        _check_buffer(buf, "allreduce_ buffer")
+        self._staged("allreduce_", lambda b: self._wait(
+            self._comm.Iallreduce(self._MPI.IN_PLACE, b, op=self._MPI.SUM), "allreduce_", (b,)),
+            (buf,), (0,), (0,))
 
     def reduce_scatter(self, buf, out) -> None:
         _check_shapes("reduce_scatter", buf, out, self.world_size)
-        buf, out = self._np(buf, "reduce_scatter input"), self._np(out, "reduce_scatter output")
-        self._wait(self._comm.Ireduce_scatter_block(buf, out, op=self._MPI.SUM), "reduce_scatter", (buf, out))
+        self._staged("reduce_scatter", lambda b, o: self._wait(
+            self._comm.Ireduce_scatter_block(b, o, op=self._MPI.SUM), "reduce_scatter", (b, o)),
+            (buf, out), (0,), (1,))
 
     def allgather(self, chunk, out) -> None:
         _check_shapes("allgather", chunk, out, self.world_size)
-        chunk, out = self._np(chunk, "allgather input"), self._np(out, "allgather output")
-        self._wait(self._comm.Iallgather(chunk, out), "allgather", (chunk, out))
+        self._staged("allgather", lambda c, o: self._wait(self._comm.Iallgather(c, o), "allgather", (c, o)),
+                     (chunk, out), (0,), (1,))
 
     def broadcast_(self, buf, root: int = 0) -> None:
-        buf = self._np(buf, "broadcast_ buffer")
+        _check_buffer(buf, "broadcast_ buffer")
         if not 0 <= root < self.world_size:
             raise ValueError(f"broadcast_: root {root} out of range for world size {self.world_size}")
-        self._wait(self._comm.Ibcast(buf, root=root), "broadcast_", (buf,))
+        self._staged("broadcast_", lambda b: self._wait(self._comm.Ibcast(b, root=root), "broadcast_", (b,)),
+                     (buf,), (0,) if self.rank == root else (), (0,))
 
     def barrier(self) -> None:
         self._wait(self._comm.Ibarrier(), "barrier")
@@ -405,7 +456,7 @@ class MPICommunicator(Communicator):
 class NCCLCommunicator(Communicator):
     """NCCL (through cupy) for array collectives on cupy arrays; ``host`` for the rest.
 
-    Each rank uses GPU ``local_rank`` (made current here). Collectives are
+    Each rank uses GPU :func:`local_device` (made current here); two ranks on one GPU are refused. Collectives are
     enqueued on cupy's current stream and then waited for (a CUDA event polled
     until ``timeout_s``), so when a call returns its result is ready, as with
     the MPI backend. ``allgather_object``, ``allreduce_scalars`` and
@@ -422,11 +473,18 @@ class NCCLCommunicator(Communicator):
         self.local_rank, self.local_size = host.local_rank, host.local_size
         self.hostname = host.hostname
         self.timeout_s = float(timeout_s)
-        ndev = cuda_device_count()
-        if self.local_size > ndev:
-            raise UsageError(f"nccl backend: {self.local_size} ranks on host {self.hostname} but only {ndev} "
-                             f"CUDA device(s); NCCL needs one GPU per rank")
-        cupy.cuda.Device(self.local_rank).use()
+        self.device = local_device(self.local_rank)
+        cupy.cuda.Device(self.device).use()
+        # NCCL refuses two ranks on one GPU ("Duplicate GPU detected") and may hang doing so: compare
+        # the GPUs' PCI bus ids, which name a device whatever each rank's CUDA_VISIBLE_DEVICES says
+        where = host.allgather_object([self.hostname, cupy.cuda.Device(self.device).pci_bus_id])
+        for r, w in enumerate(where):
+            first = where.index(w)
+            if first != r:
+                raise collective(UsageError(
+                    f"nccl backend: ranks {first} and {r} on host {w[0]} would share GPU {w[1]}; NCCL needs "
+                    f"one GPU per rank: launch at most one rank per GPU (or give each rank its own with "
+                    f"CUDA_VISIBLE_DEVICES / srun --gpus-per-task=1), or use distributed.backend: mpi"))
         # Rank 0 makes the unique id (128 signed chars); the host communicator carries it.
         uid = np.zeros(128, np.int64)  # NCCL_UNIQUE_ID_BYTES
         if self.rank == 0:

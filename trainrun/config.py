@@ -142,6 +142,10 @@ class TrainConfig:
     """Log train metrics every N steps."""
     early_stopping: EarlyStoppingConfig = opt(factory=EarlyStoppingConfig)
     """Stop on eval loss (needs data.eval and evaluations: train.eval_every)."""
+    precision: str = opt("fp32", choices=["fp32", "fp16", "bf16"])
+    """Compute type of the train graph: fp32; fp16 or bf16 (float32 master parameters, a Cast after each
+    in the graph; LayerNorm, Softmax and the loss in fp32; fp16 with dynamic loss scaling). fp16/bf16
+    need device: cuda (onnxruntime's CPU provider lacks their training kernels)."""
 
 
 @dataclass
@@ -458,6 +462,11 @@ def _semantic_checks(cfg: Config, problems: _Problems, base_dir: str, need_data:
         problems.add("train.early_stopping.patience", "stops on eval loss: needs data.eval")
     if need_data and cfg.checkpoint.keep_best and not cfg.data.eval:
         problems.add("checkpoint.keep_best", "ranks checkpoints by eval loss: needs data.eval")
+    if cfg.device == "cpu" and cfg.train.precision != "fp32":
+        problems.add("train.precision", f"{cfg.train.precision} needs device: cuda; onnxruntime-training "
+                     f"1.19.2's CPU provider cannot run a {cfg.train.precision} train graph ("
+                     + ("no float16 SliceGrad kernel" if cfg.train.precision == "fp16" else
+                        "no bfloat16 kernels, not even Add") + "); with device: cpu use fp32")
     if need_data and not cfg.data.train:
         problems.add("data.train", "is required to train (a directory made by trainrun-data)")
     # files and directories that must exist

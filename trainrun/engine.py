@@ -6,6 +6,12 @@ state is bound once to a view of those arrays (zero copy). Data inputs,
 ``lazy_reset_grad``, ``lr``/``step``/``grad_scale`` and the loss are small
 preallocated arrays bound once too, so a step allocates nothing in Python.
 
+On CUDA (``device: cuda``) the big buffers and the batches are cupy arrays; the
+small host scalars are bound again before each run (onnxruntime copies a host
+input to the GPU when it is bound, not when the graph runs), and cupy's stream
+is synchronized before each run (onnxruntime computes on its own stream).
+See :class:`_Bound` and :mod:`trainrun.cuda`.
+
 ``engine.optimizer`` (:func:`trainrun.optim.build`) updates the parameters in
 place and owns the optimizer state; when it runs a graph, the engine opens that
 session and hands it over to be bound.
@@ -122,8 +128,14 @@ class _Bound:
     def __init__(self, path: str, opts: EngineOptions, name: str):
         import onnxruntime as ort
         providers = ["CPUExecutionProvider"]
-        if opts.device == "cuda":
-            providers = [("CUDAExecutionProvider", {"device_id": opts.device_id}), "CPUExecutionProvider"]
+        self.cuda = opts.device == "cuda"
+        if self.cuda:
+            from . import cuda
+            cuda.setup()        # the pip-installed CUDA 11 libraries, before the provider loads
+            cuda_opts = {"device_id": opts.device_id}
+            if opts.deterministic:      # fp32 MatMuls in fp32, not TF32 (the provider's default on Ampere+)
+                cuda_opts["use_tf32"] = 0
+            providers = [("CUDAExecutionProvider", cuda_opts), "CPUExecutionProvider"]
         self.device_id = opts.device_id
         try:
             self.session = ort.InferenceSession(path, sess_options=session_options(opts, name),
@@ -131,10 +143,14 @@ class _Bound:
         except Exception as exc:  # noqa: BLE001
             raise TrainrunError(f"{path}: onnxruntime cannot load the {name} graph: "
                                 f"{str(exc).strip().splitlines()[0]}") from None
+        if self.cuda:
+            cuda.check_session(self.session, path, name)
         self.binding = self.session.io_binding()
         self.name, self.path = name, path
         self.input_names = {i.name for i in self.session.get_inputs()}
         self.keep = []   # arrays whose memory is bound: keep them alive
+        # host arrays bound as inputs of a CUDA session: bound again before each run (see run())
+        self.host_inputs: dict[str, np.ndarray] = {}
 
     def _where(self, arr):
         assert arr.flags.c_contiguous
@@ -155,6 +171,8 @@ class _Bound:
         dev, dev_id, ptr = self._where(arr)
         self.binding.bind_input(name, dev, dev_id, arr.dtype, list(arr.shape), ptr)
         self.keep.append(arr)
+        if self.cuda and dev == "cpu":
+            self.host_inputs[name] = arr
 
     def bind_out(self, name: str, arr) -> None:
         dev, dev_id, ptr = self._where(arr)
@@ -162,6 +180,16 @@ class _Bound:
         self.keep.append(arr)
 
     def run(self) -> None:
+        if self.cuda:
+            from .cuda import synchronize
+            synchronize()       # cupy's writes to bound buffers (batches, weights) are done first
+            # IOBinding::BindInput copies a bound tensor to the device its consumer runs on at BIND
+            # time (utils::CopyOneInputAcrossDevices): a host scalar (lr, step, grad_scale) read on the
+            # GPU would keep the value of its first bind forever. Binding again copies the current
+            # value; a host input the graph reads on the CPU (the accumulators' reset flag) is not
+            # copied, so this is a few small copies per run.
+            for name, arr in self.host_inputs.items():
+                self.binding.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
         self.session.run_with_iobinding(self.binding)
 
 
@@ -182,6 +210,8 @@ class Engine:
         self.layout = FlatLayout.from_manifest(self.manifest)
         N = self.layout.total
         if opts.device == "cuda":       # big buffers and batches on the GPU; scalars stay on the host
+            from . import cuda
+            cuda.setup()
             import cupy
             cupy.cuda.Device(opts.device_id).use()
             self.xp = cupy
@@ -193,6 +223,8 @@ class Engine:
         self.loss = np.zeros((), np.float32)
         self.eval_loss = np.zeros((), np.float32)
         self.reset = np.ones(1, bool)
+        # fp16 train graph: its loss (and so every gradient) is multiplied by this input (precision.py)
+        self.loss_scale = np.ones((), np.float32) if self.manifest.get("loss_scale") else None
         labels = self.manifest.get("labels", "labels")
         self.feeds = {labels: "labels"} if labels not in batch_shapes and "labels" in batch_shapes else {}
         graph_name = {f: g for g, f in self.feeds.items()}
@@ -256,7 +288,8 @@ class Engine:
             t.check_shape(name, arr.shape)
             t.bind_in(name, arr)
         missing = [n for n in t.input_names if n not in self.batch and n not in set(L.names)
-                   and not n.startswith(G.MASK_PREFIX) and not n.endswith(G.BUFFER_SUFFIX) and n != G.RESET]
+                   and not n.startswith(G.MASK_PREFIX) and not n.endswith(G.BUFFER_SUFFIX) and n != G.RESET
+                   and n != self.manifest.get("loss_scale")]
         if missing:
             raise UsageError(f"the dataset does not provide graph input(s): {', '.join(missing)}")
         for name, arr in self.eval_batch.items():
@@ -272,6 +305,8 @@ class Engine:
             self.flags.append(flag)
             t.bind_out(name + G.ACC_OUT_SUFFIX, flag)
         t.bind_in(G.RESET, self.reset)
+        if self.loss_scale is not None:
+            t.bind_in(self.manifest["loss_scale"], self.loss_scale)
         t.bind_out(G.LOSS, self.loss)
         for name in self.stats_outputs:     # onnxruntime allocates them, on the device, each run
             t.binding.bind_output(name, *(("cpu", 0) if self.xp is np else ("cuda", t.device_id)))
@@ -298,7 +333,8 @@ class Engine:
             from_host(buf, src)
 
     def forward_backward(self, batch: dict, accumulate: bool, position: int | None = None) -> float:
-        """Loss of one micro-batch; its gradients overwrite (accumulate=False) or add to the buffer.
+        """Loss of one micro-batch (unscaled); its gradients (times :attr:`loss_scale` when the graph has
+        one) overwrite (accumulate=False) or add to the buffer.
         ``position``: the global position of its first sample (TrainLoader.sample_position), which
         keys its dropout masks; needed when the train graph has dropout."""
         self.set_batch(batch)
@@ -311,7 +347,7 @@ class Engine:
                 self.set_batch(self.masks.buffers, self.mask_dev)
         self.reset[0] = not accumulate
         self.train_s.run()
-        return float(self.loss)
+        return float(self.loss) if self.loss_scale is None else float(self.loss) / float(self.loss_scale)
 
     def evaluate(self, batch: dict) -> float:
         """Loss of one eval micro-batch; its metric sums and counts are then in :attr:`eval_metrics`."""

@@ -341,15 +341,105 @@ def _dims(tt):
         if tt is not None and tt.HasField("shape") else "unknown"
 
 
+# Mixed precision (train.precision): these ops, and the loss, compute in float32 on float32 inputs
+FP32_OPS = {"LayerNormalization", "Softmax", "LogSoftmax", "SoftmaxCrossEntropyLoss",
+            "NegativeLogLikelihoodLoss", "ReduceMean", "Pow", "Sqrt", "Div", "Constant"}
+PRECISIONS = {"fp32": None, "fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
+
+
+def cast_pass(model: onnx.ModelProto, precision: str) -> onnx.ModelProto:
+    """The loss graph computing in ``precision`` (fp16/bf16) on float32 inputs (``model`` for fp32).
+
+    Each float32 graph input (the parameters, the dropout masks) is followed by a Cast to the compute
+    type, so the parameter buffers stay float32 and their gradients come back to float32 through
+    Cast's gradient. :data:`FP32_OPS` (LayerNorm, Softmax, the loss, decomposed-norm arithmetic, and
+    Constants) keep float32: their float inputs are cast up and their outputs cast down where a
+    low-precision op reads them. A Cast to float32 in the graph casts to the compute type instead.
+    Float32 initializers get a Cast too (onnxruntime folds it). Graph outputs keep their types."""
+    low = PRECISIONS[precision]
+    if low is None:
+        return model
+    from onnx import shape_inference
+    suffix = {TensorProto.FLOAT16: "/fp16", TensorProto.BFLOAT16: "/bf16"}[low]
+    inferred = shape_inference.infer_shapes(model)
+    floats = {v.name for v in list(inferred.graph.value_info) + list(inferred.graph.input)
+              + list(inferred.graph.output) if v.type.tensor_type.elem_type == TensorProto.FLOAT}
+    floats |= {t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT}
+
+    def keeps_fp32(n) -> bool:
+        return n.op_type in FP32_OPS
+    low_made = {n.output[i] for n in model.graph.node if not keeps_fp32(n) for i in range(len(n.output))
+                if n.output[i] in floats}
+    casts, made = [], {}
+
+    def cast(name: str, to: int) -> str:
+        key = (name, to)
+        if key not in made:
+            made[key] = name + (suffix if to == low else "/fp32")
+            casts.append(helper.make_node("Cast", [name], [made[key]], to=to, name=f"cast{made[key]}"))
+        return made[key]
+
+    nodes = []
+    for n in model.graph.node:
+        n = copy.deepcopy(n)
+        keep = keeps_fp32(n)
+        for i, t in enumerate(n.input):
+            if t not in floats:
+                continue
+            if keep and t in low_made:
+                n.input[i] = cast(t, TensorProto.FLOAT)
+            elif not keep and t not in low_made:
+                n.input[i] = cast(t, low)
+        if n.op_type == "Cast" and n.attribute[0].i == TensorProto.FLOAT:
+            n.attribute[0].i = low
+        nodes.append(n)
+    # every Cast goes right after the tensor it reads is made (inputs first)
+    producers = {o: i for i, n in enumerate(nodes) for o in n.output}
+    placed: dict[int, list] = {}
+    for c in casts:
+        placed.setdefault(producers.get(c.input[0], -1), []).append(c)
+    ordered = placed.get(-1, [])
+    for i, n in enumerate(nodes):
+        ordered.append(n)
+        ordered.extend(placed.get(i, []))
+    # a low-precision graph output: computed under another name, cast back to float32 under its own
+    for o in model.graph.output:
+        if o.name in low_made:
+            inner = o.name + suffix
+            for n in ordered:
+                n.input[:] = [inner if x == o.name else x for x in n.input]
+                n.output[:] = [inner if x == o.name else x for x in n.output]
+            ordered.append(helper.make_node("Cast", [inner], [o.name], to=TensorProto.FLOAT,
+                                            name=f"cast{o.name}"))
+    return _fresh(model, ordered, list(model.graph.input), list(model.graph.output),
+                  list(model.graph.initializer))
+
+
+LOSS_SCALE = "loss_scale"
+
+
+def scale_loss(model: onnx.ModelProto, precision: str) -> onnx.ModelProto:
+    """fp16: the loss output multiplied by a float32 scalar input ``loss_scale`` (dynamic loss scaling,
+    :mod:`trainrun.precision`), so the gradients are scaled too; other precisions: ``model``."""
+    if precision != "fp16":
+        return model
+    nodes = list(model.graph.node)
+    for n in nodes:
+        n.output[:] = [LOSS + "/unscaled" if o == LOSS else o for o in n.output]
+    nodes.append(helper.make_node("Mul", [LOSS + "/unscaled", LOSS_SCALE], [LOSS], name="loss_scaled"))
+    inputs = list(model.graph.input) + [helper.make_tensor_value_info(LOSS_SCALE, TensorProto.FLOAT, [])]
+    return _fresh(model, nodes, inputs, list(model.graph.output), list(model.graph.initializer))
+
+
 def build_options(cfg: Config) -> dict:
     """What besides the model and optimizer shapes the graphs: recorded in the manifest."""
     stats = list(cfg.debug.tensors) if cfg.debug.stats_every > 0 else []
-    return {"deterministic": cfg.run.deterministic, "stats_tensors": stats,
+    return {"deterministic": cfg.run.deterministic, "stats_tensors": stats, "precision": cfg.train.precision,
             "static_shape": [cfg.train.micro_batch_size, cfg.data.seq_len] if cfg.engine.static_shapes else None}
 
 
 # manifests written before a build option existed
-DEFAULT_BUILD = {"deterministic": False, "stats_tensors": [], "static_shape": None}
+DEFAULT_BUILD = {"deterministic": False, "stats_tensors": [], "static_shape": None, "precision": "fp32"}
 
 
 def fix_dims(model: onnx.ModelProto, inputs: list[str], micro_batch: int, seq_len: int | None) -> onnx.ModelProto:
@@ -481,6 +571,7 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
 
     loss_model = _params_to_inputs(with_loss(fwd, cfg.model.loss.ignore_index, keep_logits=False), fwd.params)
     loss_model, dropout = dropout_masks(loss_model, fwd.inputs, source)
+    loss_model = scale_loss(cast_pass(loss_model, build["precision"]), build["precision"])
     if static:   # the train graph for the micro-batch's shape; eval and forward (export) stay symbolic
         fix_dims(loss_model, fwd.inputs, static[0], static[1] if cfg.model.builtin == "gpt2" else None)
     train = build_train_graph(loss_model, fwd.params, source)
@@ -515,6 +606,7 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
         "build": build,
         "stats_outputs": stats_outputs,
         "dropout": dropout,
+        "loss_scale": LOSS_SCALE if build["precision"] == "fp16" else None,
         "files": {f"{n}.onnx": sha256_file(os.path.join(out_dir, f"{n}.onnx")) for n in files}
                  | {"weights.safetensors": sha256_file(os.path.join(out_dir, "weights.safetensors"))},
         "onnxruntime": onnxruntime.__version__,
@@ -560,5 +652,5 @@ def up_to_date(graphs_dir: str, cfg: Config) -> bool:
     # from before it ran Dropout in onnxruntime (ratio 0 under run.deterministic): prepare them again
     return "dropout" in manifest and manifest["model"] == to_dict(cfg.model) \
         and baked(manifest["optimizer"]) == baked(to_dict(cfg.optimizer)) \
-        and manifest.get("build", DEFAULT_BUILD) == build_options(cfg) \
+        and {**DEFAULT_BUILD, **manifest.get("build", {})} == build_options(cfg) \
         and all(os.path.exists(os.path.join(graphs_dir, f)) for f in manifest["files"])

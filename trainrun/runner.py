@@ -33,7 +33,7 @@ from . import checkpoint as K
 from . import faults
 from . import config as C
 from . import graphs as G
-from .comm import make_communicator
+from .comm import local_device, make_communicator
 from .data import TrainLoader, eval_batches, open_dataset
 from .engine import Engine, EngineOptions
 from .errors import TrainrunError, UsageError, collective
@@ -41,6 +41,7 @@ from .lock import RunLock
 from .observe import Observer, apply_log_level, engine_options
 from .observe.metrics import Metrics, fmt_duration
 from .observe.timer import PhaseTimer
+from .precision import make_scaler
 from .stopping import EarlyStopping, StopSignals, Stopped
 from .schedule import learning_rate
 
@@ -78,6 +79,7 @@ class TrainingRunner:
         self.nonfinite_in_a_row = 0
         self.signals = StopSignals()      # SIGTERM/SIGINT/SIGUSR1: stop after the step, with a checkpoint
         self.early_stopping = EarlyStopping(t.early_stopping.patience, t.early_stopping.min_delta)
+        self.scaler = make_scaler(cfg.train.precision)     # fp16: dynamic loss scaling; else None
         self.checkpoints = K.Checkpointer(self.out, comm, cfg.checkpoint.keep_last, log=self.log,
                                           keep_best=cfg.checkpoint.keep_best)
         if resume_from:
@@ -161,7 +163,8 @@ class TrainingRunner:
         if cfg.run.deterministic:
             threads = 1
         self.threads = threads
-        opts = EngineOptions(device=cfg.device, device_id=self.comm.local_rank, threads=threads,
+        device_id = local_device(self.comm.local_rank) if cfg.device == "cuda" else 0
+        opts = EngineOptions(device=cfg.device, device_id=device_id, threads=threads,
                              graph_optimization=cfg.engine.graph_optimization,
                              optimizer_kernel=cfg.engine.optimizer_kernel,
                              log_severity=_ORT_SEVERITY[cfg.run.log_level], deterministic=cfg.run.deterministic,
@@ -178,6 +181,8 @@ class TrainingRunner:
         self.loader.load_state_dict(state["loader"])
         self.step, self.updates, self.skipped = state["step"], state["updates"], state["skipped_steps"]
         self.early_stopping.load_state_dict(state.get("early_stopping") or {})
+        if self.scaler and state.get("loss_scaler"):
+            self.scaler.load_state_dict(state["loss_scaler"])
         self.log(f"resumed from {ckpt} at step {self.step} (saved by {state['world_size']} rank(s), "
                  f"now {self.world})")
 
@@ -188,6 +193,8 @@ class TrainingRunner:
         micro = self.loader.next_step()
         timer.mark("data")
         stats = self.observe.stats_step(self.step + 1)     # None unless debug.stats_every says so
+        if self.scaler:
+            self.engine.loss_scale[()] = self.scaler.scale
         loss_sum = self.forward_backward(micro, stats)
         if faults.hit("NAN_GRAD", self.rank, self.step + 1):
             self.engine.grads[0] = float("nan")
@@ -199,13 +206,20 @@ class TrainingRunner:
         self.step += 1
         lr = learning_rate(self.step, self.cfg.optimizer.lr, self.cfg.train.max_steps, self.cfg.lr_schedule)
         scale = self.grad_scale()
-        if finite:
-            self.optimizer_step(lr, scale / self.clip_divisor(grad_norm))
-        else:
-            self.skip_step()
-        timer.mark("optimizer")
         result = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "local_loss": loss_sum / self.accum,
                   "stop": stop}
+        if self.scaler:
+            result["loss_scale"] = self.scaler.scale        # the scale this step ran with
+        if finite:
+            self.optimizer_step(lr, scale / self.clip_divisor(grad_norm))
+        elif self.scaler and self.scaler.update(False):
+            self.skipped += 1           # an fp16 overflow: the scaler halved its scale; not a divergence
+            self.log(f"step {self.step}: fp16 overflow, update skipped; loss scale now {self.scaler.scale:g}")
+        else:
+            self.skip_step()
+        if finite and self.scaler:
+            self.scaler.update(True)
+        timer.mark("optimizer")
         if stats:
             stats.finish(self.step, scale, result)
             timer.mark("stats")
@@ -222,8 +236,9 @@ class TrainingRunner:
         return loss_sum
 
     def grad_scale(self) -> float:
-        """The gradient buffer holds a sum over ranks and micro-batches: this makes it the mean."""
-        return 1.0 / (self.accum * self.world)
+        """The gradient buffer holds a sum over ranks and micro-batches (times the fp16 loss scale):
+        this makes it the mean."""
+        return 1.0 / (self.accum * self.world * (self.scaler.scale if self.scaler else 1.0))
 
     def agree(self, loss_sum: float) -> tuple[float, float, bool, bool]:
         """(mean loss, gradient norm, finite on every rank, a stop signal reached some rank), from one
@@ -327,7 +342,8 @@ class TrainingRunner:
                 window_t, window_steps = now, 0
                 self.metrics.log(self.step, {"loss": last["loss"], "lr": last["lr"],
                                              "grad_norm": last["grad_norm"], "tokens_per_sec": tps,
-                                             "skipped_steps": self.skipped})
+                                             "skipped_steps": self.skipped,
+                                             **({"loss_scale": last["loss_scale"]} if self.scaler else {})})
                 self.timer.mark("log")
             checkpoint = (every and self.step % every == 0) or self.step == end or stop
             step_eval, early = None, False
@@ -364,6 +380,7 @@ class TrainingRunner:
         this step's, recorded in state.json (checkpoint.keep_best ranks by it)."""
         cfg = self.cfg
         meta = {"updates": self.updates, "skipped_steps": self.skipped, "loader": self.loader.state_dict(),
+                "loss_scaler": self.scaler.state_dict() if self.scaler else None,
                 "lr_schedule": {"step": self.step, "lr": learning_rate(self.step, cfg.optimizer.lr,
                                                                        cfg.train.max_steps, cfg.lr_schedule)},
                 "world_size": self.world, "global_batch": self.global_batch, "seed": cfg.run.seed,

@@ -45,6 +45,8 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--lr-warmup", type=int, default=4, help="trainrun's cosine schedule: warmup steps")
     ap.add_argument("--min-lr", type=float, default=3e-4)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: DDP with NCCL, rank r on GPU local_rank (GPU mode, NOT YET RUN on a GPU)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     m = common.MODELS[args.model]
@@ -66,8 +68,15 @@ def main() -> int:
     hf_logging.set_verbosity_error()
 
     rank, world = common.launcher_rank()
+    cuda = args.device == "cuda"
+    dev = torch.device("cpu")
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", os.environ.get("MPI_LOCALRANKID", rank)))
+        dev = torch.device("cuda", local % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+        torch.backends.cuda.matmul.allow_tf32 = False      # trainrun's deterministic mode: fp32 MatMuls
     if world > 1:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     torch.manual_seed(args.seed)
     cfg = GPT2Config(n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, n_positions=m.n_positions,
                      vocab_size=m.vocab_size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -77,7 +86,7 @@ def main() -> int:
         from safetensors.numpy import load_file
         w = load_file(args.weights)
         model.load_state_dict({k: torch.from_numpy(v) for k, v in w.items()}, strict=False)
-    model.train()
+    model.to(dev).train()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
@@ -91,23 +100,32 @@ def main() -> int:
     phases = {"data": 0.0, "forward": 0.0, "backward": 0.0, "clip": 0.0, "optimizer": 0.0}
     step_ms, losses = [], []
 
+    def sync():     # per-phase times on the GPU need the queued kernels finished
+        if cuda:
+            torch.cuda.synchronize()
+
     def step(timed: bool):
         t0 = time.perf_counter()
         batch = loader.next_step()[0]
-        x, y = torch.from_numpy(batch["input_ids"]), torch.from_numpy(batch["labels"])
+        x, y = torch.from_numpy(batch["input_ids"]).to(dev), torch.from_numpy(batch["labels"]).to(dev)
+        sync()
         t1 = time.perf_counter()
         logits = net(x).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, m.vocab_size), y.reshape(-1))
+        sync()
         t2 = time.perf_counter()
         loss.backward()
+        sync()
         t3 = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        sync()
         t4 = time.perf_counter()
         n_step[0] += 1
         for group in opt.param_groups:
             group["lr"] = learning_rate(n_step[0], args.lr, warmup + steps, schedule)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        sync()
         t5 = time.perf_counter()
         if timed:
             for k, a, b in (("data", t0, t1), ("forward", t1, t2), ("backward", t2, t3), ("clip", t3, t4),
@@ -127,7 +145,7 @@ def main() -> int:
         dist.barrier()
     elapsed = time.perf_counter() - start
     loader.close()
-    rss = torch.tensor([common.peak_rss_mb(), common.vm_peak_mb() or 0.0], dtype=torch.float64)
+    rss = torch.tensor([common.peak_rss_mb(), common.vm_peak_mb() or 0.0], dtype=torch.float64, device=dev)
     all_rss = [torch.zeros_like(rss) for _ in range(world)]
     if world > 1:
         dist.all_gather(all_rss, rss)
@@ -136,7 +154,7 @@ def main() -> int:
     total = sum(phases.values()) or 1.0
     if rank == 0:
         common.write_json(args.out, {
-            "kind": "ddp" if world > 1 else "torch", "ranks": world, "threads": args.threads,
+            "kind": ("ddp" if world > 1 else "torch") + ("-cuda" if cuda else ""), "device": args.device, "ranks": world, "threads": args.threads,
             "micro_batch": args.micro_batch, "steps": steps, "elapsed_s": elapsed,
             "tokens_per_sec": steps * world * args.micro_batch * m.seq_len / elapsed,
             "step_ms_median": float(np.median(step_ms)),

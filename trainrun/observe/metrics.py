@@ -21,7 +21,8 @@ import time
 
 _TB_NAMES = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
              "tokens_per_sec": "train/tokens_per_sec", "eval_loss": "eval/loss",
-             "eval_perplexity": "eval/perplexity", "skipped_steps": "train/skipped_steps"}
+             "eval_perplexity": "eval/perplexity", "skipped_steps": "train/skipped_steps",
+             "loss_scale": "train/loss_scale"}
 
 
 def _tb_name(key: str) -> str | None:

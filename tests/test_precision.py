@@ -1,0 +1,121 @@
+"""Mixed precision on the CPU: what runs there. onnxruntime-training 1.19.2's CPU provider cannot run
+an fp16 or bf16 train graph (measured: fp16 fails in SliceGrad, "Type for T or Tind not supported";
+bf16 finds no Add kernel), so the fp16/bf16 training runs are in tests/test_gpu.py; here: the cast
+pass's graphs, the fp16 forward (onnxruntime's CPU provider runs it, casting to fp32 where it lacks
+an fp16 kernel), the loss scaler's rules and its state, and the config check."""
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, numpy_helper
+
+from conftest import TRAINRUN, run, write_config
+from trainrun import config as C
+from trainrun import graphs as G
+from trainrun.precision import LossScaler
+
+
+def loss_graph(precision, shape):
+    cfg = C.Config()
+    for k, v in shape.items():
+        setattr(cfg.model.gpt2, k, v)
+    fwd = G.forward_from_config(cfg)
+    model = G._params_to_inputs(G.with_loss(fwd, -100, keep_logits=False), fwd.params)
+    model, _ = G.dropout_masks(model, fwd.inputs, "gpt2")
+    return fwd, G.scale_loss(G.cast_pass(model, precision), precision)
+
+
+def test_fp32_graph_is_untouched(tiny_gpt2):
+    fwd, model = loss_graph("fp32", tiny_gpt2)
+    _, again = loss_graph("fp32", tiny_gpt2)
+    assert not any(n.op_type == "Cast" for n in model.graph.node)
+    assert model.SerializeToString() == again.SerializeToString()
+
+
+@pytest.mark.parametrize("precision,elem", [("fp16", TensorProto.FLOAT16), ("bf16", TensorProto.BFLOAT16)])
+def test_cast_after_each_parameter_fp32_islands_and_fp32_gradients(tiny_gpt2, precision, elem):
+    fwd, model = loss_graph(precision, tiny_gpt2)
+    casts = {n.input[0]: n.attribute[0].i for n in model.graph.node if n.op_type == "Cast"}
+    by_input = {}
+    for n in model.graph.node:
+        for i in n.input:
+            by_input.setdefault(i, []).append(n)
+    for p in fwd.params:
+        users = by_input[p]
+        # a parameter feeds fp32 ops (LayerNorm) directly, everything else through its Cast
+        assert all(u.op_type in G.FP32_OPS or (u.op_type == "Cast" and casts[p] == elem) for u in users), p
+    inferred = onnx.shape_inference.infer_shapes(model)
+    types = {v.name: v.type.tensor_type.elem_type for v in inferred.graph.value_info}
+    for n in model.graph.node:
+        if n.op_type in ("LayerNormalization", "Softmax", "SoftmaxCrossEntropyLoss"):
+            assert all(types.get(i) not in (TensorProto.FLOAT16, TensorProto.BFLOAT16) for i in n.input), n.name
+        if n.op_type == "MatMul":
+            assert types[n.output[0]] == elem, n.name
+    assert ("loss_scale" in {i.name for i in model.graph.input}) == (precision == "fp16")
+    train = G.build_train_graph(model, fwd.params, "gpt2")
+    ins = {i.name: i.type.tensor_type.elem_type for i in train.graph.input}
+    for p in fwd.params:       # the master parameters and their gradient buffers stay float32
+        assert ins[p] == ins[p + G.BUFFER_SUFFIX] == TensorProto.FLOAT
+
+
+def test_fp16_forward_on_cpu_close_to_fp32(tiny_gpt2):
+    """fp16 rounds each op's result to 11 significant bits (relative 2^-11 = 4.9e-4); a 2-layer model
+    is a few tens of such roundings deep, most of which average out: the loss (a mean over 256 tokens
+    of log-probabilities computed in fp32 from fp16 logits) within 1e-2 relative of fp32's, and not
+    equal to it (the cast pass did change the computation)."""
+    out = {}
+    ids = (np.arange(256).reshape(4, 64) * 7) % tiny_gpt2["vocab_size"]
+    for prec in ("fp32", "fp16"):
+        fwd, model = loss_graph(prec, tiny_gpt2)
+        inits = {t.name: numpy_helper.to_array(t) for t in fwd.model.graph.initializer}
+        feeds = {"input_ids": ids, "labels": np.roll(ids, -1, axis=1), **{p: inits[p] for p in fwd.params}}
+        if prec == "fp16":
+            feeds["loss_scale"] = np.array(1024.0, np.float32)
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        s = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        out[prec] = float(s.run(["loss"], feeds)[0]) / (1024.0 if prec == "fp16" else 1.0)
+    assert out["fp16"] == pytest.approx(out["fp32"], rel=1e-2)
+    assert out["fp16"] != out["fp32"]
+
+
+def test_loss_scaler_rules_are_onnxruntimes():
+    s = LossScaler()
+    assert (s.scale, s.growth_interval) == (2.0 ** 16, 2000)      # onnxruntime's defaults
+    assert s.update(False) and s.scale == 2.0 ** 15                # overflow: halve (the step is skipped)
+    for _ in range(1999):
+        assert s.update(True)
+    assert s.scale == 2.0 ** 15                                     # not yet
+    s.update(True)
+    assert s.scale == 2.0 ** 16 and s.good_steps == 0              # 2000 finite steps in a row: double
+    for _ in range(1500):
+        s.update(True)
+    s.update(False)
+    assert s.good_steps == 0 and s.scale == 2.0 ** 15              # an overflow restarts the count
+    small = LossScaler(init_scale=2.0, min_scale=1.0)
+    assert small.update(False) and small.scale == 1.0
+    assert not small.update(False)                                  # at the floor: a real divergence
+    big = LossScaler(init_scale=2.0 ** 24, growth_interval=1)
+    big.update(True)
+    assert big.scale == 2.0 ** 24                                   # capped
+
+
+def test_loss_scaler_state_resumes_exactly():
+    a = LossScaler(growth_interval=7)
+    for finite in [True] * 5 + [False] + [True] * 9:
+        a.update(finite)
+    b = LossScaler(growth_interval=7)
+    b.load_state_dict(__import__("json").loads(__import__("json").dumps(a.state_dict())))
+    for finite in [True] * 20 + [False, True]:
+        assert a.update(finite) == b.update(finite)
+        assert (a.scale, a.good_steps) == (b.scale, b.good_steps)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_low_precision_on_cpu_is_a_config_error(tmp_path, byte_dataset, precision):
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.precision": precision})
+    for cmd in (["config", "validate", "--config", cfg], ["train", "--config", cfg]):
+        proc = run([TRAINRUN, *cmd], check=2)
+        assert f"train.precision: {precision} needs device: cuda" in proc.stderr + proc.stdout
+    run([TRAINRUN, "config", "validate", "--config", cfg, "--set", "train.precision=fp32"], check=0)

@@ -1,0 +1,107 @@
+"""CUDA set-up for ``device: cuda`` (imported on the CUDA path only; imports neither cupy nor onnxruntime).
+
+onnxruntime-training 1.19.2's CUDA provider (``libonnxruntime_providers_cuda.so``) needs the
+CUDA 11.8 libraries libcudart.so.11.0, libcublas(Lt).so.11, libcudnn.so.8, libcufft.so.10 and
+libcurand.so.10; its RUNPATH is /usr/local/cuda-11.8/lib only. The ``gpu`` extra installs them
+as pip wheels (``nvidia-*-cu11``, under site-packages/nvidia/<lib>/lib), where neither the
+provider nor cupy looks: onnxruntime then silently falls back to the CPU provider. :func:`setup`
+loads each of them by absolute path with RTLD_GLOBAL before the first CUDA session or cupy kernel,
+so the loader's later look-ups by soname find the copy already in the process (glibc matches a
+loaded object by its soname). NVRTC (cupy compiles its elementwise kernels with it) and NCCL
+(cupy's binding) come the same way.
+
+The provider's kernels are built for sm_60, 61, 70, 75, 80 and 86, SASS and PTX (read from the
+fat binaries of the wheel's provider library: 183 of them, no sm_89/sm_90 code). A newer GPU (an H100
+is sm_90) runs them by JIT-compiling the PTX at first use: :func:`setup` sets
+``CUDA_MODULE_LOADING=LAZY`` (compile a module when first used, not all at context creation) and a
+4 GiB ``CUDA_CACHE_MAXSIZE`` (the driver's JIT cache, ~/.nv/ComputeCache, default 256 MiB, too small
+to keep them), unless the environment already sets them. Both must be set before CUDA is initialised
+in the process, so every CUDA path calls :func:`setup` first.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+
+from .errors import TrainrunError
+
+# (package directory under site-packages/nvidia, sonames in load order: dependencies first)
+LIBRARIES = (
+    ("cuda_runtime", ["libcudart.so.11.0"]),
+    ("cuda_nvrtc", ["libnvrtc.so.11.2", "libnvrtc-builtins.so.11.8"]),
+    ("cublas", ["libcublasLt.so.11", "libcublas.so.11"]),
+    ("cufft", ["libcufft.so.10"]),
+    ("curand", ["libcurand.so.10"]),
+    # libcudnn.so.8 dlopens its sub-libraries by soname at first use: load them all now
+    ("cudnn", ["libcudnn_ops_infer.so.8", "libcudnn_ops_train.so.8", "libcudnn_cnn_infer.so.8",
+               "libcudnn_cnn_train.so.8", "libcudnn_adv_infer.so.8", "libcudnn_adv_train.so.8",
+               "libcudnn.so.8"]),
+    ("nccl", ["libnccl.so.2"]),
+)
+ENVIRONMENT = {"CUDA_MODULE_LOADING": "LAZY", "CUDA_CACHE_MAXSIZE": str(4 << 30)}
+
+_loaded: dict[str, str] | None = None
+
+
+def nvidia_dirs() -> list[str]:
+    """The ``nvidia`` namespace package's directories (the ``nvidia-*-cu11`` wheels), if installed."""
+    import importlib.util
+    try:
+        spec = importlib.util.find_spec("nvidia")
+    except (ImportError, ValueError):
+        return []
+    return list(spec.submodule_search_locations or []) if spec else []
+
+
+def setup() -> dict[str, str]:
+    """Set the CUDA environment and load the pip-installed CUDA 11 libraries (idempotent).
+    Returns soname -> the path loaded. A library that is not pip-installed is left to the system's
+    search path (a CUDA 11.8 toolkit in /usr/local/cuda-11.8 or on LD_LIBRARY_PATH)."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    for key, value in ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
+    _loaded = {}
+    roots = nvidia_dirs()
+    for package, sonames in LIBRARIES:
+        for soname in sonames:
+            hits = [p for r in roots for p in glob.glob(os.path.join(r, package, "lib", soname))]
+            if not hits:
+                continue
+            try:
+                ctypes.CDLL(hits[0], mode=ctypes.RTLD_GLOBAL)
+            except OSError as exc:
+                raise TrainrunError(f"cannot load {hits[0]} (pip package nvidia-{package.replace('_', '-')}-cu11): "
+                                    f"{exc}") from None
+            _loaded[soname] = hits[0]
+    return _loaded
+
+
+def check_session(session, path: str, name: str) -> None:
+    """TrainrunError unless onnxruntime ``session`` (asked for CUDA) really runs on the CUDA provider.
+
+    onnxruntime drops a provider it cannot load (missing CUDA/cuDNN libraries) with a warning and
+    runs on the CPU; a GPU bind then fails later with an obscure copy error."""
+    active = session.get_providers()
+    if "CUDAExecutionProvider" not in active:
+        loaded = setup()
+        missing = [so for _, sonames in LIBRARIES[:5] for so in sonames if so not in loaded]
+        raise TrainrunError(
+            f"{path}: device: cuda, but onnxruntime runs the {name} graph on {', '.join(active)}: its CUDA "
+            f"provider could not be loaded. It needs the CUDA 11.8 libraries (cudart 11, cublas 11, cudnn 8, "
+            f"cufft 10, curand 10): pip install 'trainrun[gpu]'"
+            + (f" (not pip-installed here: {', '.join(missing)})" if missing else "")
+            + "; set log_level: devinfo to see onnxruntime's reason")
+
+
+def synchronize() -> None:
+    """Wait for the work queued on cupy's current stream (uploads, ``load_weights``, cupy kernels).
+
+    onnxruntime computes on its own CUDA stream, which nothing orders after cupy's: a session run
+    must not start before cupy's writes to its bound buffers are done. (When a run returns,
+    onnxruntime has synchronized its own stream, so cupy may read the results.)"""
+    import cupy
+    cupy.cuda.get_current_stream().synchronize()
