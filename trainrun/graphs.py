@@ -214,9 +214,9 @@ def _trainable(names: list[str], frozen: list[str], source: str) -> list[str]:
 
 # --------------------------------------------------------------------------- surgery
 
-def _fresh(model: onnx.ModelProto, nodes, inputs, outputs, initializers) -> onnx.ModelProto:
+def _fresh(model: onnx.ModelProto, nodes, inputs, outputs, initializers, value_info=()) -> onnx.ModelProto:
     graph = helper.make_graph(nodes, model.graph.name or "graph", inputs, outputs, initializers,
-                              value_info=[])
+                              value_info=list(value_info))
     out = helper.make_model(graph, opset_imports=list(model.opset_import), producer_name="trainrun")
     out.ir_version = IR_VERSION
     return out
@@ -575,7 +575,10 @@ def build_train_graph(loss_model: onnx.ModelProto, params: list[str], source: st
         new_inputs.append(buf_vi)
         new_outputs.append(helper.make_tensor_value_info(p + ACC_OUT_SUFFIX, TensorProto.BOOL, [1]))
     new_inputs.append(helper.make_tensor_value_info(RESET, TensorProto.BOOL, [1]))
-    model = _fresh(grad_model, nodes, new_inputs, new_outputs, list(grad_model.graph.initializer))
+    # the builder's value_info kept: without it onnxruntime 1.19 crashes (SIGSEGV) creating a session over
+    # MaxPoolGrad, whose forward MaxPool's added Indices output then has no type
+    model = _fresh(grad_model, nodes, new_inputs, new_outputs, list(grad_model.graph.initializer),
+                   grad_model.graph.value_info)
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     return model
