@@ -216,3 +216,175 @@ step of a window, 1e-2 after the others (one step was seen within 1.4e-4, five w
                      for i in range(0, n, micro)]
     assert evals[STEPS]["eval_loss"] == pytest.approx(np.mean(per_batch), rel=1e-5)
     assert evals[STEPS]["eval_accuracy"] == (logits.numpy().argmax(1) == y_ev[:n]).sum() / n
+
+
+# ------------------------------------------------------------------------------------------- other models
+def mlp(path, out_dim, own_loss=False, seed=0, opset=17):
+    """x [b, 6] -> tanh -> out [b, out_dim]; with ``own_loss`` the graph also takes int64 ``y`` [b] and
+    outputs its own loss ``nll``, the mean cross-entropy written out (LogSoftmax, OneHot; onnxruntime has no
+    gradient of NegativeLogLikelihoodLoss) plus 1e-3 * sum(w2^2), and its own accuracy sums."""
+    rng = np.random.default_rng(seed)
+    w = {"w1": rng.normal(0, 0.5, (6, 16)).astype(np.float32), "b1": np.zeros(16, np.float32),
+         "w2": rng.normal(0, 0.5, (16, out_dim)).astype(np.float32), "b2": np.zeros(out_dim, np.float32)}
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h0"]), helper.make_node("Add", ["h0", "b1"], ["h1"]),
+             helper.make_node("Tanh", ["h1"], ["h2"]), helper.make_node("MatMul", ["h2", "w2"], ["h3"]),
+             helper.make_node("Add", ["h3", "b2"], ["out"])]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 6])]
+    outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["b", out_dim])]
+    if own_loss:
+        consts = {"depth": np.array([5], np.int64), "onoff": np.array([0.0, 1.0], np.float32),
+                  "l2": np.array(1e-3, np.float32)}
+        nodes += [helper.make_node("Constant", [], [k], value=numpy_helper.from_array(v)) for k, v in consts.items()]
+        nodes += [helper.make_node("LogSoftmax", ["out"], ["logp"], axis=1),
+                  helper.make_node("OneHot", ["y", "depth", "onoff"], ["onehot"], axis=1),
+                  helper.make_node("Mul", ["logp", "onehot"], ["picked"]),
+                  helper.make_node("ReduceSum", ["picked"], ["total"], keepdims=0),
+                  helper.make_node("Size", ["y"], ["count"]),
+                  helper.make_node("Cast", ["count"], ["countf"], to=TensorProto.FLOAT),
+                  helper.make_node("Div", ["total", "countf"], ["mean_logp"]),
+                  helper.make_node("Mul", ["w2", "w2"], ["w2sq"]),
+                  helper.make_node("ReduceSum", ["w2sq"], ["w2norm"], keepdims=0),
+                  helper.make_node("Mul", ["w2norm", "l2"], ["penalty"]),
+                  helper.make_node("Sub", ["penalty", "mean_logp"], ["nll"]),
+                  helper.make_node("ArgMax", ["out"], ["pred"], axis=1, keepdims=0),
+                  helper.make_node("Equal", ["pred", "y"], ["hit"]),
+                  helper.make_node("Cast", ["hit"], ["hitf"], to=TensorProto.FLOAT),
+                  helper.make_node("ReduceSum", ["hitf"], ["metric/own_accuracy/sum"], keepdims=0),
+                  helper.make_node("Size", ["y"], ["n"]),
+                  helper.make_node("Cast", ["n"], ["metric/own_accuracy/count"], to=TensorProto.FLOAT)]
+        inputs.append(helper.make_tensor_value_info("y", TensorProto.INT64, ["b"]))
+        outputs = [helper.make_tensor_value_info("nll", TensorProto.FLOAT, []),
+                   helper.make_tensor_value_info("metric/own_accuracy/sum", TensorProto.FLOAT, []),
+                   helper.make_tensor_value_info("metric/own_accuracy/count", TensorProto.FLOAT, [])] + outputs
+    g = helper.make_graph(nodes, "mlp", inputs, outputs, [numpy_helper.from_array(v, k) for k, v in w.items()])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 8
+    onnx.save(m, str(path))
+    return w
+
+
+def np_forward(w, x):
+    return np.tanh(x.astype(np.float64) @ w["w1"] + w["b1"]) @ w["w2"] + w["b2"]
+
+
+def small_run(tmp_path, model, data_dir, **sections):
+    cfg = {"run": {"name": "u", "output_dir": str(tmp_path / "run")},
+           "model": {"builtin": None, "onnx": str(tmp_path / "m.onnx"), **model},
+           "data": {"train": data_dir + "/train", "eval": data_dir + "/eval", "shuffle": False, "prefetch": 0},
+           "train": {"micro_batch_size": 8, "max_steps": 30, "eval_every": 0, "eval_steps": 2, "log_every": 1},
+           "optimizer": {"name": "adamw", "lr": 0.03, "max_grad_norm": 0.0}, "lr_schedule": {"name": "constant"},
+           "checkpoint": {"every": 0}, "tensorboard": {"enabled": False}, "engine": {"threads": 1}}
+    for k, v in sections.items():
+        cfg[k].update(v)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    return str(tmp_path / "c.yaml")
+
+
+@pytest.fixture(scope="module")
+def tabular(tmp_path_factory):
+    """x [6] float32 with a class label (5 classes, argmax of a linear rule) and a 3-value float target."""
+    root = tmp_path_factory.mktemp("tabular")
+    rng = np.random.default_rng(11)
+    rule, reg = rng.normal(0, 1, (6, 5)), rng.normal(0, 0.5, (6, 3))
+    arrays = {}
+    for split, n in (("train", 320), ("eval", 64)):
+        x = rng.normal(0, 1, (n, 6)).astype(np.float32)
+        arrays[split] = {"x": x, "y": np.argmax(x @ rule, 1).astype(np.int64),
+                         "target": np.tanh(x @ reg).astype(np.float32)}
+        np.savez(root / f"{split}.npz", **arrays[split])
+        tensors(root / f"{split}.npz", root / split)
+    return str(root), arrays
+
+
+def test_graph_with_its_own_loss_trains_on_two_ranks(tmp_path, tabular):
+    """model.loss.output: the graph's scalar output is the loss; its own metric outputs are reported; the
+    first step's loss is the graph's formula on the initial weights (NumPy), and the loss falls."""
+    data, arrays = tabular
+    w = mlp(tmp_path / "m.onnx", 5, own_loss=True)
+    mpirun(2, "--config", small_run(tmp_path, {"loss": {"output": "nll"}}, data))
+    train, evals = read_metrics(str(tmp_path / "run"))
+    x, y = arrays["train"]["x"][:16], arrays["train"]["y"][:16]
+    logits = np_forward(w, x)
+    logp = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+    nll = -logp[np.arange(16), y]
+    penalty = 1e-3 * (w["w2"].astype(np.float64) ** 2).sum()
+    assert train[1]["loss"] == pytest.approx((nll[:8].mean() + nll[8:].mean()) / 2 + penalty, rel=1e-5)
+    assert train[30]["loss"] < 0.5 * train[1]["loss"]
+    assert evals[30]["eval_own_accuracy"] > 0.6 and "eval_accuracy" not in evals[30]
+    # the exported model is the user's graph with trained weights: it takes y and returns its loss
+    import onnxruntime as ort
+    sess = ort.InferenceSession(str(tmp_path / "run" / "model.onnx"), providers=["CPUExecutionProvider"])
+    ex, ey = arrays["eval"]["x"][:16], arrays["eval"]["y"][:16]
+    loss, = sess.run(["nll"], {"x": ex, "y": ey})
+    assert np.isfinite(loss)
+
+
+@pytest.mark.parametrize("loss", ["mse", "l1"])
+def test_regression_trains_on_two_ranks_with_eval_mse_and_mae(tmp_path, tabular, loss):
+    """mse / l1 against float targets (data.inputs maps the loss's labels input to the feature `target`):
+    the first loss and the final eval mse and mae equal NumPy's on the initial / final weights."""
+    data, arrays = tabular
+    w0 = mlp(tmp_path / "m.onnx", 3)
+    mpirun(2, "--config", small_run(tmp_path, {"loss": {"type": loss, "logits": "out"}}, data,
+                                    data={"inputs": {"labels": "target"}}, checkpoint={"every": 30}))
+    train, evals = read_metrics(str(tmp_path / "run"))
+    err = np_forward(w0, arrays["train"]["x"][:16]) - arrays["train"]["target"][:16]
+    per = err ** 2 if loss == "mse" else np.abs(err)
+    assert train[1]["loss"] == pytest.approx((per[:8].mean() + per[8:].mean()) / 2, rel=1e-5)
+    assert train[30]["loss"] < 0.5 * train[1]["loss"]
+    w = {k: v.astype(np.float64) for k, v in load_file(str(tmp_path / "run/checkpoints/30/model.safetensors")).items()}
+    err = np_forward(w, arrays["eval"]["x"][:32]) - arrays["eval"]["target"][:32]
+    assert evals[30]["eval_mse"] == pytest.approx((err ** 2).mean(), rel=1e-4)
+    assert evals[30]["eval_mae"] == pytest.approx(np.abs(err).mean(), rel=1e-4)
+    assert "eval_accuracy" not in evals[30]
+
+
+@pytest.mark.parametrize("layout", ["classes_axis1", "sequence_last"])
+def test_cross_entropy_layouts_weights_and_accuracy_match_pytorch(tmp_path, layout):
+    """class_axis 1 ([N, C, d], ONNX's layout) and -1 ([N, S, V]), with class weights and ignore_index: the
+    eval graph's loss against torch's cross_entropy(weight, ignore_index), its top-1/top-5 sums against
+    NumPy's over the counted labels; a label out of range is a named UsageError at the batch."""
+    import torch
+    from trainrun import config as C, graphs as G
+    from trainrun.engine import Engine, EngineOptions
+    from trainrun.errors import UsageError
+    C_, S = 7, 5
+    axis = 1 if layout == "classes_axis1" else -1
+    shape_out = ["b", C_, S] if axis == 1 else ["b", S, C_]
+    rng = np.random.default_rng(2)
+    wt = rng.normal(0, 1, (3, C_)).astype(np.float32)
+    perm = [0, 2, 1] if axis == 1 else [0, 1, 2]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Transpose", ["h"], ["logits"], perm=perm)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", S, 3])],
+                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, shape_out)],
+                          [numpy_helper.from_array(wt, "w")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.save(m, str(tmp_path / "m.onnx"))
+    weights = [0.5, 1.0, 2.0, 1.5, 1.0, 0.25, 3.0]
+    cfg = C.from_dict({"model": {"builtin": None, "onnx": str(tmp_path / "m.onnx"),
+                                 "loss": {"class_axis": axis, "weights": weights, "ignore_index": -1}},
+                       "train": {"micro_batch_size": 4}, "run": {"output_dir": str(tmp_path / "run")}})
+    graphs = G.prepare(cfg)
+    shapes = {"x": ((4, S, 3), np.float32), "labels": ((4, S), np.int64)}
+    eng = Engine(graphs, EngineOptions(threads=1), shapes, shapes)
+    eng.load_weights()
+    x = rng.normal(0, 1, (4, S, 3)).astype(np.float32)
+    y = rng.integers(0, C_, (4, S))
+    y[0, 1] = y[2, 3] = -1
+    loss = eng.evaluate({"x": x, "labels": y})
+    logits = torch.tensor(x.astype(np.float64)) @ torch.tensor(wt.astype(np.float64))      # [4, S, C]
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, C_), torch.tensor(y).reshape(-1),
+                                            weight=torch.tensor(weights, dtype=torch.float64), ignore_index=-1)
+    assert loss == pytest.approx(ref.item(), rel=1e-5)
+    got = {k.split("/")[1] + "/" + k.split("/")[2]: float(v) for k, v in eng.eval_metrics.items()}
+    flat, labels = logits.reshape(-1, C_).numpy(), y.reshape(-1)
+    valid = labels != -1
+    top5 = np.argsort(-flat, 1)[:, :5]
+    assert got == {"accuracy/sum": float((flat.argmax(1) == labels)[valid].sum()), "accuracy/count": valid.sum(),
+                   "top5_accuracy/sum": float((top5 == labels[:, None]).any(1)[valid].sum()),
+                   "top5_accuracy/count": valid.sum()}
+    y[3, 4] = C_
+    with pytest.raises(UsageError, match=f"feature 'labels' .graph input 'labels'. holds label {C_}: not a class "
+                                         f"of the {C_} .0..{C_ - 1}. nor model.loss.ignore_index .-1."):
+        eng.forward_backward({"x": x, "labels": y}, accumulate=False)

@@ -310,7 +310,9 @@ def _cross_entropy(model, fwd: Forward, ignore_index: int, classes: int | None) 
     if fwd.class_weights:
         nodes.append(_const("loss_class_weights", fwd.class_weights, np.float32))
         sce_in.append("loss_class_weights")
-    nodes.append(helper.make_node("SoftmaxCrossEntropyLoss", sce_in, [LOSS], reduction="mean",
+    # over [N, C, d...] onnxruntime's gradient of SoftmaxCrossEntropyLoss needs its optional log_prob output
+    sce_out = [LOSS] if fwd.class_axis == -1 else [LOSS, "loss_log_prob"]
+    nodes.append(helper.make_node("SoftmaxCrossEntropyLoss", sce_in, sce_out, reduction="mean",
                                   ignore_index=ignore_index, name="loss_sce"))
     # metrics: correct predictions and counted labels (float32 sums)
     m = [_const("acc_ignore", ignore_index),
