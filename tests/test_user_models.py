@@ -388,3 +388,41 @@ def test_cross_entropy_layouts_weights_and_accuracy_match_pytorch(tmp_path, layo
     with pytest.raises(UsageError, match=f"feature 'labels' .graph input 'labels'. holds label {C_}: not a class "
                                          f"of the {C_} .0..{C_ - 1}. nor model.loss.ignore_index .-1."):
         eng.forward_backward({"x": x, "labels": y}, accumulate=False)
+
+
+BAD = {
+    # case: (model section, data section, feature arrays replaced, world, expected message parts)
+    "feature_dtype": ({}, {}, {"x": lambda a: a["x"].astype(np.float64)}, 2,
+                      ["feature 'x' (float64, per sample [6]) does not fit graph input 'x' (float32, per sample [6]"]),
+    "feature_shape": ({}, {}, {"x": lambda a: np.concatenate([a["x"], a["x"][:, :2]], 1)}, 1,
+                      ["feature 'x' (float32, per sample [8]) does not fit graph input 'x' (float32, per sample [6]"]),
+    "unfed_input": ({}, {}, {"y": None}, 1,
+                    ["graph input 'labels' <- feature 'labels': not in the dataset (its features: x, target)"]),
+    "unknown_data_input": ({}, {"inputs": {"nope": "y", "labels": "y"}}, {}, 1,
+                           ["data.inputs: 'nope' not a data input of the model (its data inputs: x, labels)"]),
+    "label_out_of_range": ({}, {"inputs": {"labels": "y"}}, {"y": lambda a: np.where(np.arange(len(a["y"])) == 21, 5,
+                                                                                    a["y"])}, 2,
+                           ["feature 'y' (graph input 'labels') holds label 5: not a class of the 5 (0..4)"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_data_for_the_graph_is_named_and_exits_2(tmp_path, tabular, case):
+    """Each mismatch between the data and the graph: exit 2 and a message naming the feature and the input;
+    on 2 ranks too (start-up checks agree on every rank; a bad label found in one rank's batch ends the job)."""
+    model, data_section, replace, world, expected = BAD[case]
+    _, arrays = tabular
+    mlp(tmp_path / "m.onnx", 5)
+    for split, a in arrays.items():
+        a = dict(a, target=a["target"])
+        for k, f in replace.items():
+            a = {n: v for n, v in a.items() if n != k} if f is None else dict(a, **{k: f(a)})
+        np.savez(tmp_path / f"{split}.npz", **a)
+        tensors(tmp_path / f"{split}.npz", tmp_path / "d" / split)
+    cfg = small_run(tmp_path, {"loss": {"logits": "out"}, **model}, str(tmp_path / "d"),
+                    data={"inputs": {"labels": "y"}, **data_section} if "y" not in replace or replace["y"] else
+                    data_section)
+    proc = mpirun(world, "--config", cfg, check=2) if world > 1 else run([TRAINRUN, "--config", cfg], check=2)
+    for part in expected:
+        assert part in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
