@@ -141,9 +141,9 @@ def test_squeezenet_matches_pytorch_on_the_same_batches(tmp_path, digits, world)
     the reference restarts from trainrun's checkpoint (weights and BatchNorm statistics); the first step of
     a window is held to 1e-5, the others (float32 drift amplified by training over <= 4 steps) to 1e-4 on
     the loss; the weights and statistics (checkpointed every step) to 1e-3 of their change after the first
-step of a window, 1e-2 after the others (one step was seen within 1.4e-4, five within 2e-3: BatchNorm over
-8 images at 1x1 is sensitive). Then the
-    final evaluation's loss and accuracy against the reference in eval mode."""
+    step of a window, 1e-2 after the others (one step was seen within 1.4e-4, five within 2e-3: BatchNorm
+    over 8 images at 1x1 is sensitive). Then the final evaluation's loss and accuracy against the reference in eval mode; the 2-rank run resumed from
+    step 10 on 1 rank (16 images a micro-batch) continues from the checkpoint's statistics."""
     import torch
     root, (x_tr, y_tr), (x_ev, y_ev) = digits[SIZE]
     onnx.save(SQ.build(WIDTH, SIZE, batchnorm=True, seed=3), str(tmp_path / "sq.onnx"))
@@ -177,26 +177,9 @@ step of a window, 1e-2 after the others (one step was seen within 1.4e-4, five w
     for start in range(0, STEPS, WINDOW):
         w = {k: torch.tensor(v) for k, v in state_at(start).items()}
         for t in range(start + 1, start + WINDOW + 1):
-            p = {k: v.clone().requires_grad_(k in trained) for k, v in w.items()}
-            rows = slice((t - 1) * 16, t * 16)
-            losses, rank_stats = [], []
-            for r in range(world):
-                part = slice(rows.start + r * micro, rows.start + (r + 1) * micro)
-                stats = {}
-                logits = torch_squeezenet(p, WIDTH, torch.tensor(x_tr[part], dtype=torch.float64), True, stats)
-                losses.append(torch.nn.functional.cross_entropy(logits, torch.tensor(y_tr[part])))
-                rank_stats.append(stats)
-            loss = sum(losses) / world
-            loss.backward()
+            loss, w = reference_step(w, trained, x_tr, y_tr, t, world)
             bound = 1e-5 if t == start + 1 else 1e-4
-            assert train[t]["loss"] == pytest.approx(loss.item(), rel=bound), (t, train[t]["loss"], loss.item())
-            with torch.no_grad():
-                for k in trained:
-                    w[k] = p[k] - LR * p[k].grad
-                for name in rank_stats[0]:      # each rank's own update, then the mean over ranks
-                    for j, key in enumerate(("running_mean", "running_var")):
-                        new = [0.9 * w[f"{name}.{key}"] + 0.1 * s[name][j] for s in rank_stats]
-                        w[f"{name}.{key}"] = sum(new) / world
+            assert train[t]["loss"] == pytest.approx(loss, rel=bound), (t, train[t]["loss"], loss)
             got, before = state_at(t), state_at(start)
             bound = 1e-3 if t == start + 1 else 1e-2
             for k in checked:
@@ -216,6 +199,50 @@ step of a window, 1e-2 after the others (one step was seen within 1.4e-4, five w
                      for i in range(0, n, micro)]
     assert evals[STEPS]["eval_loss"] == pytest.approx(np.mean(per_batch), rel=1e-5)
     assert evals[STEPS]["eval_accuracy"] == (logits.numpy().argmax(1) == y_ev[:n]).sum() / n
+    if world == 1:
+        return
+    # resume the 2-rank run from step 10 on 1 rank (16 images a micro-batch): the checkpoint's statistics
+    # are restored, so step 11 is the reference's step from checkpoint 10 on one rank
+    resumed = tmp_path / "resumed"
+    import shutil
+    shutil.copytree(out, resumed)
+    for t in range(11, STEPS + 1):
+        shutil.rmtree(resumed / "checkpoints" / str(t))
+    (resumed / "metrics.jsonl").write_text("")
+    run([TRAINRUN, "resume", str(resumed / "checkpoints" / "10"), "--set", "train.micro_batch_size=16",
+         "--set", "train.max_steps=11"], check=0)
+    loss, w = reference_step({k: torch.tensor(v) for k, v in state_at(10).items()}, trained, x_tr, y_tr, 11, 1)
+    assert read_metrics(str(resumed))[0][11]["loss"] == pytest.approx(loss, rel=1e-5)
+    got = load_file(str(resumed / "checkpoints" / "11" / "model.safetensors"))
+    for k in checked:
+        change = np.abs(w[k].numpy() - state_at(10)[k]).max()
+        assert np.abs(got[k] - w[k].numpy()).max() <= 1e-3 * change, k
+
+
+def reference_step(w, trained, x, y, t, world):
+    """Step ``t`` (global batch 16, rank r its r-th slice, each normalising by its own batch) from state ``w``:
+    (loss, new state): SGD on the trained weights; each rank's running-statistics update, then their mean."""
+    import torch
+    micro = 16 // world
+    p = {k: v.clone().requires_grad_(k in trained) for k, v in w.items()}
+    losses, rank_stats = [], []
+    for r in range(world):
+        part = slice((t - 1) * 16 + r * micro, (t - 1) * 16 + (r + 1) * micro)
+        stats = {}
+        logits = torch_squeezenet(p, WIDTH, torch.tensor(x[part], dtype=torch.float64), True, stats)
+        losses.append(torch.nn.functional.cross_entropy(logits, torch.tensor(y[part])))
+        rank_stats.append(stats)
+    loss = sum(losses) / world
+    loss.backward()
+    w = dict(w)
+    with torch.no_grad():
+        for k in trained:
+            w[k] = p[k] - LR * p[k].grad
+        for name in rank_stats[0]:
+            for j, key in enumerate(("running_mean", "running_var")):
+                new = [0.9 * w[f"{name}.{key}"] + 0.1 * s[name][j] for s in rank_stats]
+                w[f"{name}.{key}"] = sum(new) / world
+    return loss.item(), w
 
 
 # ------------------------------------------------------------------------------------------- other models
