@@ -10,8 +10,6 @@ trainrun averages them over ranks before every checkpoint and evaluation (checkp
 every step) -- the reference does the same.
 """
 
-import json
-import math
 import os
 import sys
 
@@ -26,8 +24,6 @@ from conftest import ROOT, TRAINRUN, TRAINRUN_DATA, mpirun, read_metrics, run
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import squeezenet_digits as SQ  # noqa: E402  (the model and data builder of the recipe)
-
-pytest.importorskip("sklearn")
 
 
 def tensors(npz, out, *extra):
