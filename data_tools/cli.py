@@ -252,40 +252,70 @@ def encode_part(listing, output, tokenizer_path, eos, use_bytes):
 # ---------------------------------------------------------------------- tensors
 @main.command()
 @click.option("--input", "inputs", multiple=True, required=True, type=click.Path(exists=True, dir_okay=False),
-              help=".npz file: arrays of equal length along axis 0, one array per feature; repeatable.")
+              help=".npz file (one array per feature) or .npy file (one feature, named after the file); "
+                   "repeatable.")
 @click.option("--output", required=True, type=click.Path(file_okay=False), help="Directory for the .pb files.")
 @click.option("--samples-per-file", type=int, default=10000, show_default=True)
 @click.option("--rename", multiple=True, metavar="OLD=NEW", help="Store array OLD under the tensor name NEW.")
 @click.option("--overwrite", is_flag=True, help="Replace .pb files and manifest already in --output.")
 def tensors(inputs, output, samples_per_file, rename, overwrite):
-    """Write .npz arrays as tensor samples in ONNX Runtime's .pb layout (+ manifest.json).
+    """Write .npz / .npy arrays as tensor samples in ONNX Runtime's .pb layout (+ manifest.json).
 
-    Sample i holds row i of every array, named after the array.
+    Sample i holds row i of every array, named after the array. Each .npz is a table of samples
+    (several .npz: their samples one after the other); the .npy files together form one table, each
+    file a feature named after its file name (x.npy -> x), all of one length.
     """
     names = dict(r.split("=", 1) for r in rename if "=" in r)
     if len(names) != len(rename):
         raise UsageError(f"--rename: expected OLD=NEW, got {list(rename)}")
+    tables = [(p, _read_npz(p)) for p in inputs if not p.endswith(".npy")]
+    npy = [p for p in inputs if p.endswith(".npy")]
+    if npy:
+        stems = [Path(p).stem for p in npy]
+        if len(set(stems)) != len(stems):
+            raise UsageError(f"--input: .npy files name their feature by file name; these repeat one: {npy}")
+        tables.append((", ".join(npy), {s: _read_array(p) for s, p in zip(stems, npy)}))
+    tables = [(path, {names.get(k, k): a for k, a in arrays.items()}) for path, arrays in tables]
+    first = None
+    for path, arrays in tables:       # every problem found before anything is written
+        lengths = {k: (len(a) if a.ndim else None) for k, a in arrays.items()}
+        if not arrays or None in lengths.values() or len(set(lengths.values())) != 1:
+            raise UsageError(f"--input {path}: needs arrays with one common first dimension, got {lengths}")
+        spec = {k: f"{a.dtype} {list(a.shape[1:])}" for k, a in arrays.items()}
+        if first is not None and spec != first[1]:
+            raise UsageError(f"--input {path}: its samples hold {spec}, those of {first[0]} {first[1]}")
+        first = first or (path, spec)
     out = Path(output)
     old = [p.name for p in out.glob("*.pb")] + ([MANIFEST] if (out / MANIFEST).exists() else [])
     _prepare_output(out, old, overwrite)
     writer = TensorShardWriter(out, samples_per_file)
-    for path in inputs:
-        try:
-            npz = np.load(path, allow_pickle=False)
-            if not isinstance(npz, np.lib.npyio.NpzFile):
-                raise ValueError("not an .npz archive")
-            with npz:
-                arrays = {names.get(k, k): npz[k] for k in npz.files}
-        except (OSError, ValueError) as exc:
-            raise UsageError(f"--input {path}: not a readable .npz of plain arrays ({exc})") from None
-        lengths = {k: (len(a) if a.ndim else None) for k, a in arrays.items()}
-        if not arrays or None in lengths.values() or len(set(lengths.values())) != 1:
-            raise UsageError(f"--input {path}: needs arrays with one common first dimension, got {lengths}")
-        for i in range(next(iter(lengths.values()))):
+    for path, arrays in tables:
+        for i in range(len(next(iter(arrays.values())))):
             writer.add({k: a[i] for k, a in arrays.items()})
     m = writer.close()
     feats = ", ".join(f"{k} {v['dtype']} {v['shape']}" for k, v in m["features"].items())
     click.echo(f"{out}: {m['num_samples']} samples in {len(m['files'])} file(s); {feats}")
+
+
+def _read_npz(path: str) -> dict:
+    try:
+        npz = np.load(path, allow_pickle=False)
+        if not isinstance(npz, np.lib.npyio.NpzFile):
+            raise ValueError("not an .npz archive")
+        with npz:
+            return {k: npz[k] for k in npz.files}
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--input {path}: not a readable .npz of plain arrays ({exc})") from None
+
+
+def _read_array(path: str) -> np.ndarray:
+    try:
+        arr = np.load(path, allow_pickle=False)
+        if not isinstance(arr, np.ndarray):
+            raise ValueError("not an .npy array")
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--input {path}: not a readable .npy of a plain array ({exc})") from None
+    return arr
 
 
 # ---------------------------------------------------------------------- inspect

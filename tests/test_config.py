@@ -32,9 +32,27 @@ def test_defaults_are_valid_and_documented():
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))))
 def test_shipped_configs_parse(path):
+    data = yaml.safe_load(open(path))
+    if data["model"].get("builtin", "gpt2") is None:     # a user model: its file is built by a script
+        with pytest.raises(UsageError) as err:
+            C.load_config(path)
+        assert [p.split(":")[0] for p in err.value.problems] == ["model.onnx"], err.value.problems
+        return
     cfg = C.load_config(path)  # data dirs are only required to train
     assert cfg.model.builtin == "gpt2"
     assert cfg.data.seq_len <= cfg.model.gpt2.n_positions
+
+
+def test_loss_and_data_inputs_are_checked(tmp_path):
+    """The loss keys that contradict each other or the built-in model, and data.inputs' type, are named."""
+    with pytest.raises(UsageError) as err:
+        C.load_config(write(tmp_path, {"model": {"loss": {"output": "l", "type": "mse", "weights": [1.0]}},
+                                       "data": {"inputs": ["x"]}}))
+    assert sorted(p.split(":")[0] for p in err.value.problems) == [
+        "data.inputs", "model.loss.output", "model.loss.type", "model.loss.weights"], err.value.problems
+    assert "data.inputs: expected a mapping of str, got ['x']" in err.value.problems
+    cfg = C.load_config(write(tmp_path, {"data": {"inputs": {"labels": "target"}}}))
+    assert cfg.data.inputs == {"labels": "target"}
 
 
 def test_every_problem_reported_at_once(tmp_path):

@@ -71,10 +71,10 @@ def test_tensor_round_trip(tmp_path):
     for i in range(10):
         writer.add({"x": x[i], "y": y[i]})
     writer.close()
-    ds = open_dataset(tmp_path / "t", None, input_map={"y": "target"})
-    assert ds.num_samples == 10 and len(ds.files) == 3 and ds.feature_names == ["x", "target"]
+    ds = open_dataset(tmp_path / "t", None)
+    assert ds.num_samples == 10 and len(ds.files) == 3 and ds.feature_names == ["x", "y"]
     b = ds.read(np.arange(10), ds.new_batch(10))
-    assert np.array_equal(b["x"], x) and np.array_equal(b["target"], y)
+    assert np.array_equal(b["x"], x) and np.array_equal(b["y"], y)
 
 
 def ort_sample(tensors):
@@ -308,7 +308,6 @@ def test_sequence_and_batch_limits(tokdir):
            TrainLoader, ds, 4, 2, rank=0, world_size=2)
     raises("fewer than one eval batch of 16", eval_batches, ds, 8, 0, 2)
     raises("rank 2 is not below world_size 2", TrainLoader, ds, 2, rank=2, world_size=2)
-    raises("input_map names feature.* nope", open_dataset, tokdir, 8, input_map={"nope": "x"})
     loader = TrainLoader(ds, 4)
     raises("'num_samples' is 99", loader.load_state_dict, dict(loader.state_dict(), num_samples=99))
     raises("missing key 'position'", loader.load_state_dict, {"seed": 0})

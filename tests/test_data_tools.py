@@ -192,6 +192,32 @@ def test_tensors_from_npz_and_inspect(tmp_path):
     assert "one common first dimension" in proc.stderr
 
 
+def test_tensors_from_npy_files(tmp_path):
+    """.npy files are the features of one table, each named after its file; bad ones are named, exit 2,
+    and nothing is written."""
+    rng = np.random.default_rng(1)
+    x, label = rng.normal(size=(5, 1, 4, 4)).astype(np.float32), rng.integers(0, 10, 5)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "label.npy", label)
+    out = tmp_path / "pb"
+    proc = run([TRAINRUN_DATA, "tensors", "--input", str(tmp_path / "x.npy"), "--input", str(tmp_path / "label.npy"),
+                "--output", str(out), "--rename", "label=y"], check=0)
+    assert "5 samples in 1 file(s)" in proc.stdout
+    ds = open_dataset(out, None)
+    b = ds.read(np.arange(5), ds.new_batch(5))
+    assert ds.feature_names == ["x", "y"] and np.array_equal(b["x"], x) and np.array_equal(b["y"], label)
+    np.save(tmp_path / "short.npy", label[:4])
+    np.save(tmp_path / "obj.npy", np.array([{"a": 1}] * 5, dtype=object), allow_pickle=True)
+    (tmp_path / "z.npz").write_bytes(b"not a zip")
+    for bad, message in [(["x.npy", "short.npy"], "one common first dimension"),
+                         (["obj.npy"], "obj.npy: not a readable .npy of a plain array"),
+                         (["x.npy", "z.npz"], "z.npz: not a readable .npz")]:
+        proc = run([TRAINRUN_DATA, "tensors", *[a for f in bad for a in ("--input", str(tmp_path / f))],
+                    "--output", str(tmp_path / "o")], check=2)
+        assert message in proc.stderr and "Traceback" not in proc.stderr
+        assert not (tmp_path / "o").exists()
+
+
 def test_inspect_and_tokens_usage_errors(corpus, tmp_path):
     out = tmp_path / "ds"
     run([TRAINRUN_DATA, "tokens", "--input", str(corpus / "notes"), "--output", str(out), "--bytes",

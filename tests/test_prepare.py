@@ -118,6 +118,8 @@ def _model(op_nodes, inits, out="logits"):
     ("no_gradient", "operator Round has no gradient"),
     ("missing_input", "model.inputs: 'features' is not an input"),
     ("missing_logits", "model.loss.logits: 'scores' is not an output"),
+    ("loss_not_scalar", "model.loss.output: 'logits' of {src} must be a scalar (rank 0), its shape is ['b', 3]"),
+    ("class_weights", "model.loss.weights: 2 weights, but 'logits' of {src} has 3 classes (axis -1)"),
 ])
 def test_bad_user_graphs_are_named(tmp_path, case, expected):
     w = {"W": np.ones((4, 3), np.float32)}
@@ -131,9 +133,13 @@ def test_bad_user_graphs_are_named(tmp_path, case, expected):
         model["inputs"] = ["features"]
     if case == "missing_logits":
         model["loss"] = {"logits": "scores"}
+    if case == "loss_not_scalar":
+        model["loss"] = {"output": "logits"}
+    if case == "class_weights":
+        model["loss"] = {"weights": [1.0, 2.0]}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump({"model": model, "run": {"output_dir": "run"}}))
     proc = run([TRAINRUN, "prepare", "--config", str(tmp_path / "c.yaml")], check=2)
-    assert expected in proc.stderr and "user.onnx" in proc.stderr
+    assert expected.format(src=tmp_path / "user.onnx") in proc.stderr and "user.onnx" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
@@ -150,6 +156,6 @@ def test_static_shapes_fix_only_the_train_graph(tmp_path, tiny_gpt2):
     assert dims("train", "input_ids") == [3, 16] and dims("train", "labels") == [3, 16]
     assert dims("eval", "input_ids") == ["batch", "seq"] and dims("forward", "logits") == ["batch", "seq", 300]
     wrong = {"input_ids": ((2, 16), np.int64), "labels": ((2, 16), np.int64)}
-    with pytest.raises(UsageError, match=r"train.onnx: input 'input_ids' has shape \[3, 16\], the batch has "
-                                         r"\[2, 16\] .*prepare again"):
+    with pytest.raises(UsageError, match=r"train.onnx: the data does not fit the graph's inputs \(its train graph "
+                                         r"was prepared for the micro-batch x length \[3, 16\]: prepare again"):
         Engine(graphs_dir, EngineOptions(), wrong, wrong, cfg.optimizer)

@@ -3,7 +3,8 @@
 Layout of ``<run>/checkpoints/<step>/``::
 
     model.safetensors      parameters, by name (safetensors: no pickle, readable by
-                           safetensors/transformers/numpy tools)
+                           safetensors/transformers/numpy tools), then the model's state that
+                           is not a parameter (BatchNorm running mean/var), by name
     optimizer.safetensors  optimizer state, keys "<state>/<param name>" (e.g. exp_avg/...)
     state.json             step, updates, skipped steps, data-loader position, LR-schedule
                            position, world size and global batch at save time, seed, graph
@@ -47,6 +48,7 @@ from .engine import from_host, to_host
 from .errors import TrainrunError, UsageError, collective
 
 COMMITTED = "COMMITTED"
+_MODEL_STATE = "model_state"     # the snapshot key of the model's non-parameter state
 STAGING = ".staging-"
 PRUNING = ".pruning-"
 FORMAT_VERSION = 1
@@ -240,9 +242,15 @@ class CheckpointWriter:
         self.pending_step: int | None = None
 
     # -- called by every rank at the checkpoint step
-    def start(self, step: int, layout, buffers: dict[str, np.ndarray], meta: dict, config_yaml: str) -> None:
-        """Snapshot ``buffers`` ("params" and one per optimizer state) and write them in the background."""
+    def start(self, step: int, layout, buffers: dict[str, np.ndarray], meta: dict, config_yaml: str,
+              model_state=None) -> None:
+        """Snapshot ``buffers`` ("params" and one per optimizer state) and write them in the background;
+        ``model_state``: (layout, flat buffer) of the model's non-parameter state, written after the
+        parameters in model.safetensors."""
         self.wait()   # at most one write in flight (Checkpointer.save settled it already)
+        self._state_layout = model_state[0] if model_state and model_state[0].names else None
+        if self._state_layout is not None:
+            buffers = {**buffers, _MODEL_STATE: model_state[1]}
         for key, buf in buffers.items():
             snap = self._snap.get(key)
             if snap is None or snap.shape != buf.shape:
@@ -261,10 +269,13 @@ class CheckpointWriter:
             sums = {}
             if self.rank == 0:
                 names, shapes = layout.names, layout.shapes
+                sl = self._state_layout
                 sums["model.safetensors"] = write_flat_safetensors(
-                    os.path.join(staging, "model.safetensors"), names, shapes, [self._snap["params"]],
+                    os.path.join(staging, "model.safetensors"), names + (sl.names if sl else []),
+                    shapes + (sl.shapes if sl else []),
+                    [self._snap["params"]] + ([self._snap[_MODEL_STATE]] if sl else []),
                     metadata={"format": "pt", "producer": "trainrun"})
-                states = [k for k in self._snap if k != "params"]
+                states = [k for k in self._snap if k not in ("params", _MODEL_STATE)]
                 if states:
                     sums["optimizer.safetensors"] = write_flat_safetensors(
                         os.path.join(staging, "optimizer.safetensors"),
@@ -414,22 +425,24 @@ class Checkpointer:
             self.writer.wait(getattr(self.comm, "timeout_s", None))
             self.progress(*self.comm.allreduce_scalars(list(self.writer.status()), op="sum"))
 
-    def save(self, step: int, layout, buffers: dict, meta: dict, config_yaml: str) -> None:
-        """Snapshot ``buffers`` ("params" and one per optimizer state) and write them in the
-        background; ``meta`` becomes state.json (``step`` and ``loader`` are required)."""
+    def save(self, step: int, layout, buffers: dict, meta: dict, config_yaml: str, model_state=None) -> None:
+        """Snapshot ``buffers`` ("params" and one per optimizer state) and ``model_state`` ((layout, flat)
+        of the non-parameter state, or None) and write them in the background; ``meta`` becomes
+        state.json (``step`` and ``loader`` are required)."""
         self._settle()     # at most one write in flight
         meta = {"format_version": FORMAT_VERSION, **meta, "step": step,
                 "optimizer_states": [k for k in buffers if k != "params"]}
-        self.writer.start(step, layout, buffers, meta, config_yaml)
+        self.writer.start(step, layout, buffers, meta, config_yaml, model_state)
 
     def finish(self) -> None:
         """At the end of training: the last write committed (or its failure raised)."""
         self._settle()
 
     # -- restoring
-    def restore(self, ckpt: str, layout, params, state: dict) -> dict:
-        """Fill ``params`` and each ``state`` buffer (numpy or cupy) from ``ckpt`` on every rank;
-        return its state.json. Rank 0 verifies the checksums first."""
+    def restore(self, ckpt: str, layout, params, state: dict, model_state=None) -> dict:
+        """Fill ``params``, each optimizer ``state`` buffer and ``model_state`` ((layout, flat) or None)
+        (numpy or cupy) from ``ckpt`` on every rank; return its state.json. Rank 0 verifies the checksums
+        first."""
         error, saved = None, None
         try:
             if self.rank == 0:
@@ -442,6 +455,11 @@ class Checkpointer:
             host = np.empty(layout.total, np.float32)
             load_tensors_into(os.path.join(ckpt, "model.safetensors"), layout.names, layout.shapes, host)
             from_host(params, host)
+            if model_state is not None and model_state[0].names:
+                sl, buf = model_state
+                held = np.empty(sl.total, np.float32)
+                load_tensors_into(os.path.join(ckpt, "model.safetensors"), sl.names, sl.shapes, held)
+                from_host(buf, held)
             for name, buf in state.items():
                 if name not in saved["optimizer_states"]:
                     raise UsageError(f"{ckpt}: holds no optimizer state '{name}' (saved: "

@@ -75,14 +75,23 @@ class GPT2Config:
 
 @dataclass
 class LossConfig:
-    type: str = opt("cross_entropy", choices=["cross_entropy"])
-    """Loss function applied to the forward graph's outputs."""
+    type: str = opt("cross_entropy", choices=["cross_entropy", "mse", "l1"])
+    """cross_entropy (integer labels; eval accuracy, and top-5 accuracy when there are >= 5 classes),
+    mse or l1 (float targets of the output's shape; eval mse and mae); each the mean over the micro-batch."""
+    output: Optional[str] = None
+    """An output of the forward graph that already is the scalar loss (type, logits and labels unused:
+    the graph's own inputs carry the labels)."""
     logits: str = "logits"
-    """Name of the forward graph output holding the logits [batch, seq, vocab] or [batch, classes]."""
+    """Name of the forward graph output holding the logits (cross_entropy) or predictions (mse, l1)."""
     labels: str = "labels"
     """Name of the labels input (created as a graph input of the loss)."""
     ignore_index: int = -100
-    """Label value that does not count towards the loss."""
+    """cross_entropy: label value that does not count towards the loss nor the accuracy."""
+    class_axis: int = opt(-1, choices=[-1, 1])
+    """cross_entropy: the logits' class axis. -1: classes last, [N, C] or [N, S, V] (language models;
+    labels [N] or [N, S]); 1: ONNX's SoftmaxCrossEntropyLoss layout [N, C, d1, ...] (labels [N, d1, ...])."""
+    weights: list[float] = opt(factory=list)
+    """cross_entropy: one weight per class (empty: all 1); the mean is weighted as PyTorch's."""
 
 
 @dataclass
@@ -93,8 +102,9 @@ class ModelConfig:
     """Shape of the built-in GPT-2."""
     onnx: Optional[str] = opt(None, path="file")
     """A user's forward ONNX model (inputs -> logits); its initializers are the parameters."""
-    inputs: list[str] = opt(factory=lambda: ["input_ids"])
-    """Data inputs of the forward graph, fed from the dataset by name."""
+    inputs: list[str] = opt(factory=list)
+    """Data inputs of the forward graph (empty: every graph input that is not an initializer); each is fed
+    by the dataset feature of its name, or the one data.inputs maps it to."""
     loss: LossConfig = opt(factory=LossConfig)
     """How the loss is computed from the forward graph's outputs."""
     frozen: list[str] = opt(factory=list)
@@ -113,6 +123,9 @@ class DataConfig:
     """Shuffle samples each epoch (a seeded permutation independent of the rank count)."""
     prefetch: int = opt(2, min=0)
     """Batches read ahead by a background thread (0: read synchronously)."""
+    inputs: dict[str, str] = opt(factory=dict)
+    """{graph input: dataset feature} for the inputs not fed by the feature of their own name (the loss's
+    labels input defaults to the feature `labels`); checked against the graph at start-up."""
 
 
 @dataclass
@@ -323,6 +336,8 @@ def _type_name(tp) -> str:
         return f"{_type_name(args[0])} or null"
     if origin is list:
         return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return f"mapping of {_type_name(typing.get_args(tp)[1])}"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -341,6 +356,15 @@ def _coerce(value, tp, path: str, problems: _Problems):
         (inner,) = typing.get_args(tp)
         out = [_coerce(v, inner, f"{path}[{i}]", problems) for i, v in enumerate(value)]
         return out
+    if origin is dict:
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            problems.add(path, f"expected a {_type_name(tp)}, got {value!r}")
+            return None
+        key_t, val_t = typing.get_args(tp)
+        return {_coerce(k, key_t, path, problems): _coerce(v, val_t, f"{path}.{k}", problems)
+                for k, v in value.items()}
     if dataclasses.is_dataclass(tp):
         if value is None:
             value = {}
@@ -433,8 +457,13 @@ def _semantic_checks(cfg: Config, problems: _Problems, base_dir: str, need_data:
         if cfg.data.seq_len > g.n_positions:
             problems.add("data.seq_len", f"{cfg.data.seq_len} is longer than the model's positions "
                          f"(model.gpt2.n_positions = {g.n_positions})")
-    if not m.inputs:
-        problems.add("model.inputs", "needs at least one data input")
+    loss = m.loss
+    if loss.output is not None and m.builtin is not None:
+        problems.add("model.loss.output", f"the built-in {m.builtin} has no loss output; only for model.onnx")
+    if m.builtin is not None and (loss.type != "cross_entropy" or loss.class_axis != -1):
+        problems.add("model.loss.type", f"the built-in {m.builtin} trains with cross_entropy over its last axis")
+    if loss.weights and loss.type != "cross_entropy":
+        problems.add("model.loss.weights", f"class weights need type cross_entropy, not {loss.type}")
     o = cfg.optimizer
     if len(o.betas) != 2:
         problems.add("optimizer.betas", f"expected two values [beta1, beta2], got {o.betas}")

@@ -124,19 +124,6 @@ def _check_int(name: str, value, minimum: int) -> int:
     return int(value)
 
 
-def _apply_input_map(names: list[str], input_map: dict | None, where: str) -> list[str]:
-    """Graph input names of the features: ``input_map`` renames feature -> input, others keep theirs."""
-    input_map = dict(input_map or {})
-    unknown = sorted(set(input_map) - set(names))
-    if unknown:
-        raise UsageError(f"{where}: input_map names feature(s) {', '.join(unknown)} that the dataset "
-                         f"does not have (it has: {', '.join(names)})")
-    mapped = [input_map.get(n, n) for n in names]
-    if len(set(mapped)) != len(mapped):
-        raise UsageError(f"{where}: input_map maps two features to the same input: {mapped}")
-    return mapped
-
-
 # ---------------------------------------------------------------------- token shards
 class TokenDataset:
     """Token shards of one directory; see the module docstring for the layout."""
@@ -145,7 +132,7 @@ class TokenDataset:
     release_every_pages = 16384     # resident shard pages (estimate) before release_pages(): 64 MiB
 
     def __init__(self, path: Path, manifest: dict, seq_len: int | None, vocab_limit: int | None,
-                 verify: bool, input_map: dict | None):
+                 verify: bool):
         where = str(path / MANIFEST)
         _check_version(manifest, where)
         self.path, self.manifest, self.verified = path, manifest, verify
@@ -194,7 +181,7 @@ class TokenDataset:
             if self.num_samples < 1:
                 raise UsageError(f"{path}: {self.num_tokens} tokens are too few for one sample of "
                                  f"seq_len {seq_len} (needs {seq_len + 1})")
-        self.feature_names = _apply_input_map(list(TOKEN_FEATURES), input_map, str(path))
+        self.feature_names = list(TOKEN_FEATURES)
         self.specs = {n: ((seq_len,), np.dtype(np.int64)) for n in self.feature_names}
 
     def new_batch(self, n: int) -> dict:
@@ -251,7 +238,7 @@ class TensorDataset:
     kind = "tensors"
 
     def __init__(self, path: Path, manifest: dict | None, seq_len: int | None, vocab_limit: int | None,
-                 n_positions: int | None, verify: bool, input_map: dict | None):
+                 n_positions: int | None, verify: bool):
         import onnx  # only this format needs it
         from onnx import numpy_helper
         self._proto, self._to_array = onnx.TensorProto, numpy_helper.to_array
@@ -271,9 +258,8 @@ class TensorDataset:
             raise UsageError(f"{path}: samples hold different numbers of tensors, or none ({sorted(width)})")
         self._index = np.asarray(index, dtype=np.int64)          # [num_samples, tensors, (offset, length)]
         first = self._decode(0)
-        self._raw_names = list(first)
-        self.feature_names = _apply_input_map(self._raw_names, input_map, str(path))
-        self.specs = {m: (first[r].shape, first[r].dtype) for r, m in zip(self._raw_names, self.feature_names)}
+        self.feature_names = list(first)
+        self.specs = {n: (first[n].shape, first[n].dtype) for n in self.feature_names}
         self._limit = vocab_limit
         self.seq_len = seq_len
         ids = self.specs.get("input_ids")
@@ -362,16 +348,16 @@ class TensorDataset:
 
     def _checked(self, i: int) -> dict:
         sample = self._decode(i)
-        if set(sample) != set(self._raw_names):
+        if set(sample) != set(self.feature_names):
             file, _, local = self._where(i)
             raise UsageError(f"{file}: sample {local} holds tensors {sorted(sample)}, the first sample "
-                             f"{sorted(self._raw_names)}")
+                             f"{sorted(self.feature_names)}")
         out = {}
-        for raw, name in zip(self._raw_names, self.feature_names):
-            arr, (shape, dtype) = sample[raw], self.specs[name]
+        for name in self.feature_names:
+            arr, (shape, dtype) = sample[name], self.specs[name]
             if arr.shape != shape or arr.dtype != dtype:
                 file, _, local = self._where(i)
-                raise UsageError(f"{file}: sample {local}: tensor '{raw}' is {arr.dtype} {list(arr.shape)}, "
+                raise UsageError(f"{file}: sample {local}: tensor '{name}' is {arr.dtype} {list(arr.shape)}, "
                                  f"the first sample's is {dtype} {list(shape)}")
             if name == "input_ids" and self._limit is not None and arr.size and \
                     (arr.min() < 0 or arr.max() >= self._limit):
@@ -393,14 +379,13 @@ class TensorDataset:
 
 # ---------------------------------------------------------------------- open
 def open_dataset(path, seq_len: int | None, vocab_size: int | None = None, n_positions: int | None = None,
-                 input_map: dict | None = None, verify: bool = True):
+                 verify: bool = True):
     """Open a token-shard or ``.pb`` dataset directory.
 
     ``seq_len``: tokens per sample (for ``.pb`` data it must equal the
     ``input_ids`` length); None only to inspect token shards (no samples). ``vocab_size`` and
     ``n_positions``: the model's, to reject token ids and sequences it cannot
-    take. ``input_map``: {feature name: graph input name}; features not named
-    keep their name. ``verify``: check sha256 (token shards, manifests) or
+    take (which feature feeds which graph input is the engine's: data.inputs). ``verify``: check sha256 (token shards, manifests) or
     decode every sample (``.pb`` without manifest); sizes are always checked.
     Raises :class:`UsageError` naming the file or key for every problem.
     """
@@ -416,9 +401,9 @@ def open_dataset(path, seq_len: int | None, vocab_size: int | None = None, n_pos
     manifest = _read_manifest(path)
     fmt = TENSORS_FORMAT if manifest is None else manifest.get("format")
     if fmt == TOKENS_FORMAT:
-        return TokenDataset(path, manifest, seq_len, vocab_size, verify, input_map)
+        return TokenDataset(path, manifest, seq_len, vocab_size, verify)
     if fmt == TENSORS_FORMAT:
-        return TensorDataset(path, manifest, seq_len, vocab_size, n_positions, verify, input_map)
+        return TensorDataset(path, manifest, seq_len, vocab_size, n_positions, verify)
     raise UsageError(f"{path / MANIFEST}: key 'format' is {fmt!r}, expected '{TOKENS_FORMAT}' or "
                      f"'{TENSORS_FORMAT}'")
 

@@ -30,6 +30,10 @@ from .config import OptimizerConfig
 from .errors import TrainrunError, UsageError
 
 _NORM_CHUNK = 1 << 16
+_ORT_TYPES = {"tensor(float)": np.dtype(np.float32), "tensor(double)": np.dtype(np.float64),
+              "tensor(float16)": np.dtype(np.float16), "tensor(int64)": np.dtype(np.int64),
+              "tensor(int32)": np.dtype(np.int32), "tensor(int8)": np.dtype(np.int8),
+              "tensor(uint8)": np.dtype(np.uint8), "tensor(bool)": np.dtype(bool)}
 _LEVELS = {"disabled": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
            "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
 
@@ -196,14 +200,19 @@ class _Bound:
 class Engine:
     """The train, eval and optimizer sessions over shared flat buffers.
 
-    ``batch_shapes``: feature name -> (shape, dtype) of every data input (and labels) of
-    one micro-batch; the engine owns those buffers, and :meth:`set_batch` copies
-    a batch into them. The dataset's ``labels`` feature feeds the loss's labels
-    input whatever ``model.loss.labels`` names it (:attr:`feeds`: graph input -> feature).
+    ``batch_shapes``: dataset feature -> (shape, dtype) of one micro-batch; ``feeds``: graph input ->
+    the feature that feeds it (:func:`trainrun.graphs.feeds`, by default equal names and the labels
+    input from the feature ``labels``). The engine owns one buffer per fed graph input, checked at
+    start-up against the graph's declared type and dims; :meth:`set_batch` copies a batch into them.
+
+    Model state that is not a parameter (BatchNormalization's running mean/var, the manifest's
+    ``states``) lives in one flat float32 array, :attr:`state`: the train graph reads it and writes
+    its update into :attr:`state_next`, copied back after each micro-batch; the eval graph reads it.
+    The optimizer never sees it.
     """
 
     def __init__(self, graphs_dir: str, opts: EngineOptions, batch_shapes: dict, eval_batch_shapes: dict,
-                 optimizer: OptimizerConfig | None = None):
+                 optimizer: OptimizerConfig | None = None, feeds: dict | None = None):
         self.dir = graphs_dir
         self.opts = opts
         self.manifest = G.load_manifest(graphs_dir)
@@ -225,11 +234,13 @@ class Engine:
         self.reset = np.ones(1, bool)
         # fp16 train graph: its loss (and so every gradient) is multiplied by this input (precision.py)
         self.loss_scale = np.ones((), np.float32) if self.manifest.get("loss_scale") else None
-        labels = self.manifest.get("labels", "labels")
-        self.feeds = {labels: "labels"} if labels not in batch_shapes and "labels" in batch_shapes else {}
-        graph_name = {f: g for g, f in self.feeds.items()}
-        self.batch = {graph_name.get(k, k): xp.zeros(s, d) for k, (s, d) in batch_shapes.items()}
-        self.eval_batch = {graph_name.get(k, k): xp.zeros(s, d) for k, (s, d) in eval_batch_shapes.items()}
+        self.feeds = G.feeds(self.manifest, {}, batch_shapes) if feeds is None else dict(feeds)
+        self.batch = self._batch_buffers(batch_shapes)
+        self.eval_batch = self._batch_buffers(eval_batch_shapes)
+        self.state_layout = FlatLayout.from_manifest({"params": self.manifest.get("states", [])})
+        self.state = xp.zeros(self.state_layout.total, np.float32)
+        self.state_next = xp.zeros(self.state_layout.total, np.float32)
+        self.label_check = self._label_check()
         self.masks = self._masks(self.manifest.get("dropout"), opts.seed)
 
         self.stats_outputs = list(self.manifest.get("stats_outputs", []))   # debug.tensors, see stats.py
@@ -261,6 +272,45 @@ class Engine:
             self.optimizer.bind(self.opt_s)
 
     # ------------------------------------------------------------------ binding
+    def _batch_buffers(self, shapes: dict) -> dict:
+        """One buffer per fed graph input, of its feature's batch shape and dtype."""
+        missing = {g: f for g, f in self.feeds.items() if f not in shapes}
+        if missing:
+            raise UsageError("the dataset lacks the feature(s) that feed graph inputs (map others with data.inputs)",
+                             [f"graph input '{g}' <- feature '{f}': not in the dataset (its features: "
+                              f"{', '.join(shapes)})" for g, f in missing.items()])
+        return {g: self.xp.zeros(*shapes[f]) for g, f in self.feeds.items()}
+
+    def _label_check(self):
+        """(graph input, feature, classes, ignore_index) of cross-entropy labels, checked per micro-batch."""
+        labels, classes = self.manifest.get("labels"), self.manifest.get("classes")
+        if not classes or labels not in self.feeds:
+            return None
+        return labels, self.feeds[labels], classes, self.manifest.get("ignore_index", -100)
+
+    def _check_inputs(self, bound: "_Bound", batch: dict) -> None:
+        """Every data input of ``bound``'s graph is fed, with its declared element type and dims."""
+        problems = []
+        for i in bound.session.get_inputs():
+            if i.name not in batch:
+                continue
+            arr, feature = batch[i.name], self.feeds[i.name]
+            want = _ORT_TYPES.get(i.type)
+            shape_ok = len(i.shape) == arr.ndim and all(not isinstance(d, int) or d == s
+                                                        for d, s in zip(i.shape, arr.shape))
+            if want != arr.dtype or not shape_ok:
+                batch_note = "" if shape_ok or not (i.shape and isinstance(i.shape[0], int)
+                                                    and i.shape[0] != arr.shape[0]) else \
+                    f" (its batch dim is fixed to {i.shape[0]}, the micro-batch has {arr.shape[0]})"
+                problems.append(f"feature '{feature}' ({arr.dtype}, per sample {list(arr.shape[1:])}) does not fit "
+                                f"graph input '{i.name}' ({want or i.type}, per sample {list(i.shape[1:])}, "
+                                f"batch dim {i.shape[0] if i.shape else '-'}){batch_note}")
+        if problems:
+            static = (self.manifest.get("build") or {}).get("static_shape")
+            hint = f" (its train graph was prepared for the micro-batch x length {static}: prepare again " \
+                   f"for another)" if static and bound.name == "train" else ""
+            raise UsageError(f"{bound.path}: the data does not fit the graph's inputs{hint}", problems)
+
     def _masks(self, spec: dict | None, seed: int):
         """The dropout mask buffers (host; on the GPU a device twin of each, ``self.mask_dev``)."""
         if not spec:
@@ -277,24 +327,27 @@ class Engine:
         return masks
 
     def _bind_all(self) -> None:
-        L = self.layout
+        L, S = self.layout, self.state_layout
         t, e = self.train_s, self.eval_s
+        self._check_inputs(t, self.batch)
+        self._check_inputs(e, self.eval_batch)
         for name, arr in self.batch.items():
-            if name not in t.input_names:
-                raise UsageError(f"data feature '{name}' is not an input of the train graph")
-            t.check_shape(name, arr.shape)
             t.bind_in(name, arr)
         for name, arr in (self.mask_dev if self.masks else {}).items():
             t.check_shape(name, arr.shape)
             t.bind_in(name, arr)
-        missing = [n for n in t.input_names if n not in self.batch and n not in set(L.names)
-                   and not n.startswith(G.MASK_PREFIX) and not n.endswith(G.BUFFER_SUFFIX) and n != G.RESET
-                   and n != self.manifest.get("loss_scale")]
+        known = set(L.names) | set(S.names) | set(self.batch) | {G.RESET, self.manifest.get("loss_scale")}
+        missing = [n for n in t.input_names if n not in known
+                   and not n.startswith(G.MASK_PREFIX) and not n.endswith(G.BUFFER_SUFFIX)]
         if missing:
-            raise UsageError(f"the dataset does not provide graph input(s): {', '.join(missing)}")
+            raise UsageError(f"graph input(s) neither parameters nor fed by a dataset feature: {', '.join(missing)} "
+                             f"(feed each with data.inputs: {{INPUT: FEATURE}})")
         for name, arr in self.eval_batch.items():
-            e.check_shape(name, arr.shape)
             e.bind_in(name, arr)
+        for i, (name, out) in enumerate(zip(S.names, (s["output"] for s in self.manifest.get("states", [])))):
+            t.bind_in(name, S.view(self.state, i))
+            e.bind_in(name, S.view(self.state, i))
+            t.bind_out(out, S.view(self.state_next, i))
         self.flags = []
         for i, name in enumerate(L.names):
             p, g = L.view(self.params, i), L.view(self.grads, i)
@@ -326,11 +379,22 @@ class Engine:
     # ------------------------------------------------------------------ steps
     def set_batch(self, batch: dict, target: dict | None = None) -> None:
         target = self.batch if target is None else target
+        if self.label_check and (target is self.batch or target is self.eval_batch):
+            self._check_labels(batch)
         for k, buf in target.items():
             src = batch[self.feeds.get(k, k)]
             if src.shape != buf.shape:
                 raise TrainrunError(f"batch '{k}' has shape {src.shape}, the engine was built for {buf.shape}")
             from_host(buf, src)
+
+    def _check_labels(self, batch: dict) -> None:
+        name, feature, classes, ignore = self.label_check
+        y = batch[feature]
+        bad = (y >= classes) | ((y < 0) & (y != ignore))
+        if bad.any():
+            value = int(y[bad].flat[0])
+            raise UsageError(f"feature '{feature}' (graph input '{name}') holds label {value}: not a class of "
+                             f"the {classes} (0..{classes - 1}) nor model.loss.ignore_index ({ignore})")
 
     def forward_backward(self, batch: dict, accumulate: bool, position: int | None = None) -> float:
         """Loss of one micro-batch (unscaled); its gradients (times :attr:`loss_scale` when the graph has
@@ -347,6 +411,8 @@ class Engine:
                 self.set_batch(self.masks.buffers, self.mask_dev)
         self.reset[0] = not accumulate
         self.train_s.run()
+        if self.state.size:       # the running statistics this micro-batch updated
+            self.state[...] = self.state_next
         return float(self.loss) if self.loss_scale is None else float(self.loss) / float(self.loss_scale)
 
     def evaluate(self, batch: dict) -> float:
@@ -360,10 +426,12 @@ class Engine:
         from safetensors.numpy import load_file
         path = path or os.path.join(self.dir, "weights.safetensors")
         tensors = load_file(path)
-        for i, name in enumerate(self.layout.names):
+        for layout, flat, i, name in [(L, f, i, n) for L, f in ((self.layout, self.params),
+                                                                (self.state_layout, self.state))
+                                      for i, n in enumerate(L.names)]:
             if name not in tensors:
                 raise UsageError(f"{path}: no tensor '{name}'")
-            v = self.layout.view(self.params, i)
+            v = layout.view(flat, i)
             if tensors[name].shape != v.shape:
                 raise UsageError(f"{path}: tensor '{name}' has shape {tensors[name].shape}, "
                                  f"the model expects {v.shape}")

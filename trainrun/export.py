@@ -72,6 +72,11 @@ def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None,
     flat = np.empty(layout.total, np.float32)
     K.load_tensors_into(os.path.join(ckpt, "model.safetensors"), layout.names, layout.shapes, flat)
     weights = layout.unflatten(flat)
+    states = FlatLayout.from_manifest({"params": manifest.get("states", [])})
+    if states.names:          # the model's non-parameter state (BatchNorm running stats), after the parameters
+        held = np.empty(states.total, np.float32)
+        K.load_tensors_into(os.path.join(ckpt, "model.safetensors"), states.names, states.shapes, held)
+        weights.update(states.unflatten(held))
 
     base = "eval.onnx" if with_loss else "forward.onnx"
     model = with_weights(onnx.load(os.path.join(graphs_dir, base)), weights)
@@ -93,10 +98,14 @@ def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None,
     so = ort.SessionOptions()
     so.log_severity_level = 3
     exported = ort.InferenceSession(output, so, providers=["CPUExecutionProvider"])
-    logits_name = manifest["logits"]
+    # the logits, or for a graph with its own loss that loss (the eval graph's ``loss``)
+    logits_name = manifest["logits"] or manifest.get("loss_output") or G.LOSS
+    ref_name = manifest["logits"] or G.LOSS
+    if with_loss:
+        logits_name = ref_name
     ours = exported.run([logits_name], {n: v for n, v in batch.items() if with_loss or n != manifest["labels"]})[0]
     ref_sess = ort.InferenceSession(os.path.join(graphs_dir, "eval.onnx"), so, providers=["CPUExecutionProvider"])
-    ref = ref_sess.run([logits_name], {**batch, **weights})[0]
+    ref = ref_sess.run([ref_name], {**batch, **weights})[0]
     diff = float(np.abs(ours - ref).max())
     echo(f"exported {output} from {ckpt}: max |logits - eval graph| = {diff:.3g} on a "
          f"{'x'.join(map(str, batch[manifest['inputs'][0]].shape))} sample")

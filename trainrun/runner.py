@@ -171,13 +171,36 @@ class TrainingRunner:
                              seed=cfg.run.seed, **engine_options(cfg, self.rank))
         mb = cfg.train.micro_batch_size
         shapes = {name: ((mb, *shape), dtype) for name, (shape, dtype) in self.train_ds.specs.items()}
-        self.engine = Engine(self.graphs_dir, opts, shapes, shapes, cfg.optimizer)
-        self.engine.load_weights()
+        error = None
+        try:     # the data checked against the graph's inputs: the same verdict on every rank
+            if self.eval_ds is not None and self.eval_ds.specs != self.train_ds.specs:
+                raise UsageError(f"data.eval: {cfg.data.eval} has features {self._features(self.eval_ds)}, "
+                                 f"data.train {self._features(self.train_ds)}")
+            feeds = G.feeds(self.manifest, cfg.data.inputs, shapes)
+            self.engine = Engine(self.graphs_dir, opts, shapes, shapes, cfg.optimizer, feeds=feeds)
+            self.engine.load_weights()
+        except UsageError as exc:
+            error = exc
+        self.comm.agree(error)
+
+    @staticmethod
+    def _features(ds) -> str:
+        return ", ".join(f"{n} {d} {list(s)}" for n, (s, d) in ds.specs.items())
+
+    def sync_state(self) -> None:
+        """Model state that is not a parameter (BatchNorm running stats) is updated by each rank from its
+        own batches: replace it by the mean over ranks (before eval, checkpoints and so export), so every
+        rank evaluates and every checkpoint holds the statistics of all the data."""
+        state = self.engine.state
+        if state.size and self.world > 1:
+            self.comm.allreduce_(state)
+            state *= 1.0 / self.world
 
     def _restore(self, ckpt: str) -> None:
         """Parameters, optimizer state, step counters and the data position of ``ckpt``."""
         eng = self.engine
-        state = self.checkpoints.restore(ckpt, eng.layout, eng.params, eng.optimizer.state)
+        state = self.checkpoints.restore(ckpt, eng.layout, eng.params, eng.optimizer.state,
+                                         (eng.state_layout, eng.state))
         self.loader.load_state_dict(state["loader"])
         self.step, self.updates, self.skipped = state["step"], state["updates"], state["skipped_steps"]
         self.early_stopping.load_state_dict(state.get("early_stopping") or {})
@@ -276,6 +299,7 @@ class TrainingRunner:
         """``eval_loss``, ``eval_perplexity`` and ``eval_<name>`` of each metric of the eval graph,
         over ``eval_steps`` global batches; sums from every rank in one allreduce."""
         cfg, eng = self.cfg, self.engine
+        self.sync_state()
         names = list(eng.eval_metrics)
         total, count, sums = 0.0, 0.0, [0.0] * len(names)
         for batch in eval_batches(self.eval_ds, micro_batch=cfg.train.micro_batch_size, rank=self.rank,
@@ -386,8 +410,10 @@ class TrainingRunner:
                 "world_size": self.world, "global_batch": self.global_batch, "seed": cfg.run.seed,
                 "graphs": self.manifest["files"], "eval_loss": eval_loss,
                 "early_stopping": self.early_stopping.state_dict()}
+        self.sync_state()
         buffers = {"params": self.engine.params, **self.engine.optimizer.state}
-        self.checkpoints.save(self.step, self.engine.layout, buffers, meta, C.to_yaml(cfg))
+        model_state = (self.engine.state_layout, self.engine.state)
+        self.checkpoints.save(self.step, self.engine.layout, buffers, meta, C.to_yaml(cfg), model_state)
         self.timer.mark("checkpoint")
 
     # ------------------------------------------------------------------ start and end lines
