@@ -74,6 +74,34 @@ class GPT2Config:
 
 
 @dataclass
+class BertConfig:
+    vocab_size: int = opt(1024, min=2)
+    """Vocabulary size (token ids must be below it; id 0 is [PAD])."""
+    hidden_size: int = opt(128, min=1)
+    """Width of the encoder."""
+    num_hidden_layers: int = opt(2, min=1)
+    """Number of encoder layers."""
+    num_attention_heads: int = opt(4, min=1)
+    """Attention heads per layer (must divide hidden_size)."""
+    intermediate_size: int = opt(512, min=1)
+    """Width of each layer's feed-forward block."""
+    max_position_embeddings: int = opt(512, min=1)
+    """Longest sequence the position embedding covers."""
+    type_vocab_size: int = opt(2, min=1)
+    """Token types (segment ids) the token-type embedding covers."""
+    hidden_act: str = opt("gelu", choices=["gelu", "gelu_new"])
+    """Activation of the feed-forward block and the MLM head: gelu (erf form) or gelu_new (tanh form)."""
+    layer_norm_eps: float = opt(1e-12, gt=0.0)
+    """Epsilon of every LayerNorm."""
+    hidden_dropout_prob: float = opt(0.1, min=0.0, max=0.999)
+    """Dropout on the embeddings and after each attention-output and output dense layer."""
+    attention_probs_dropout_prob: float = opt(0.1, min=0.0, max=0.999)
+    """Dropout on the attention probabilities."""
+    initializer_range: float = opt(0.02, gt=0.0)
+    """Std of the normal initialisation of weights and embeddings."""
+
+
+@dataclass
 class LossConfig:
     type: str = opt("cross_entropy", choices=["cross_entropy"])
     """Loss function applied to the forward graph's outputs."""
@@ -87,10 +115,12 @@ class LossConfig:
 
 @dataclass
 class ModelConfig:
-    builtin: Optional[str] = opt("gpt2", choices=["gpt2", None])
+    builtin: Optional[str] = opt("gpt2", choices=["gpt2", "bert", None])
     """Built-in model to build (null when `onnx` names a forward graph)."""
     gpt2: GPT2Config = opt(factory=GPT2Config)
     """Shape of the built-in GPT-2."""
+    bert: BertConfig = opt(factory=BertConfig)
+    """Shape of the built-in BERT (BertForPreTraining: MLM + NSP loss in the graph)."""
     onnx: Optional[str] = opt(None, path="file")
     """A user's forward ONNX model (inputs -> logits); its initializers are the parameters."""
     inputs: list[str] = opt(factory=lambda: ["input_ids"])
@@ -405,7 +435,7 @@ def _build(cls, data: dict, prefix: str, problems: _Problems):
 def _semantic_checks(cfg: Config, problems: _Problems, base_dir: str, need_data: bool) -> None:
     m = cfg.model
     if m.builtin is None and m.onnx is None:
-        problems.add("model", "set either model.builtin (gpt2) or model.onnx (a forward graph)")
+        problems.add("model", "set either model.builtin (gpt2, bert) or model.onnx (a forward graph)")
     if m.builtin is not None and m.onnx is not None:
         problems.add("model", "model.builtin and model.onnx are exclusive; set model.builtin: null "
                      "to train model.onnx")
@@ -416,6 +446,14 @@ def _semantic_checks(cfg: Config, problems: _Problems, base_dir: str, need_data:
         if cfg.data.seq_len > g.n_positions:
             problems.add("data.seq_len", f"{cfg.data.seq_len} is longer than the model's positions "
                          f"(model.gpt2.n_positions = {g.n_positions})")
+    if m.builtin == "bert":
+        b = m.bert
+        if b.num_attention_heads and b.hidden_size % b.num_attention_heads:
+            problems.add("model.bert.num_attention_heads",
+                         f"must divide hidden_size ({b.hidden_size}), got {b.num_attention_heads}")
+        if cfg.data.seq_len > b.max_position_embeddings:
+            problems.add("data.seq_len", f"{cfg.data.seq_len} is longer than the model's positions "
+                         f"(model.bert.max_position_embeddings = {b.max_position_embeddings})")
     if not m.inputs:
         problems.add("model.inputs", "needs at least one data input")
     o = cfg.optimizer

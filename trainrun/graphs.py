@@ -70,6 +70,11 @@ def forward_from_config(cfg: Config) -> Forward:
         inputs = ["input_ids"]
         return Forward(model=model, params=_trainable(list(weights), m.frozen, "gpt2"), inputs=inputs,
                        logits="logits", labels=m.loss.labels)
+    if m.builtin == "bert":
+        from .models import bert
+        weights = bert.init_weights(m.bert, cfg.run.seed)
+        return Forward(model=bert.build_bert(m.bert, weights), params=_trainable(list(weights), m.frozen, "bert"),
+                       inputs=list(bert.INPUTS), logits=bert.LOGITS, labels=None, loss=bert.LOSS)
     else:
         try:
             model = onnx.load(m.onnx)
@@ -471,7 +476,7 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
     out_dir = out_dir or os.path.join(cfg.run.output_dir, "graphs")
     os.makedirs(out_dir, exist_ok=True)
     fwd = forward_from_config(cfg)
-    source = cfg.model.onnx or "gpt2"
+    source = cfg.model.onnx or cfg.model.builtin
     inits = {t.name: t for t in fwd.model.graph.initializer}
     weights = {p: numpy_helper.to_array(inits[p]) for p in fwd.params}
     shapes = [(p, tuple(int(d) for d in inits[p].dims)) for p in fwd.params]
