@@ -129,6 +129,10 @@ class ModelConfig:
     """How the loss is computed from the forward graph's outputs."""
     frozen: list[str] = opt(factory=list)
     """Parameter name patterns (fnmatch) that are not trained."""
+    init_from: Optional[str] = opt(None, path="any")
+    """Start the built-in model from these weights: a transformers save_pretrained directory (config.json +
+    model.safetensors; its shape fields must match model.<builtin>, or fill it when the config gives no
+    such section), a .safetensors file, or a trainrun run/checkpoint directory (weights only)."""
 
 
 @dataclass
@@ -454,6 +458,8 @@ def _semantic_checks(cfg: Config, problems: _Problems, base_dir: str, need_data:
         if cfg.data.seq_len > b.max_position_embeddings:
             problems.add("data.seq_len", f"{cfg.data.seq_len} is longer than the model's positions "
                          f"(model.bert.max_position_embeddings = {b.max_position_embeddings})")
+    if m.init_from and m.builtin is None:
+        problems.add("model.init_from", "starts a built-in model (gpt2, bert); a model.onnx holds its own weights")
     if not m.inputs:
         problems.add("model.inputs", "needs at least one data input")
     o = cfg.optimizer
@@ -490,6 +496,8 @@ def _semantic_checks(cfg: Config, problems: _Problems, base_dir: str, need_data:
             problems.add(path, f"file not found: {full}")
         elif kind == "dir" and not os.path.isdir(full):
             problems.add(path, f"directory not found: {full}")
+        elif kind == "any" and not os.path.exists(full):
+            problems.add(path, f"not found: {full}")
 
 
 def _path_fields(obj, prefix=""):
@@ -505,6 +513,42 @@ def _path_fields(obj, prefix=""):
 def resolve_path(value: str, base_dir: str) -> str:
     value = os.path.expanduser(value)
     return value if os.path.isabs(value) else os.path.normpath(os.path.join(base_dir, value))
+
+
+# the fields of a transformers config.json that fix a built-in model's shape (same names in model.<builtin>)
+SHAPE_FIELDS = {"gpt2": ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size", "layer_norm_epsilon"),
+                "bert": ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                         "intermediate_size", "max_position_embeddings", "type_vocab_size", "hidden_act",
+                         "layer_norm_eps")}
+
+
+def _init_from_shape(cfg: Config, data: dict, base_dir: str, problems: _Problems) -> None:
+    """model.init_from's config.json against model.<builtin>: fill the section when the config gives
+    none, else every shape field must agree."""
+    m = cfg.model
+    if not m.init_from or m.builtin not in SHAPE_FIELDS:
+        return
+    file = os.path.join(resolve_path(m.init_from, base_dir), "config.json")
+    if not os.path.isfile(file):
+        return
+    import json
+    try:
+        with open(file, encoding="utf-8") as fh:
+            source = json.load(fh)
+        assert isinstance(source, dict)
+    except (OSError, ValueError, AssertionError) as exc:
+        problems.add("model.init_from", f"{file}: not a JSON object ({exc})")
+        return
+    section = getattr(m, m.builtin)
+    given = isinstance(data.get("model"), dict) and data["model"].get(m.builtin) is not None
+    for key in SHAPE_FIELDS[m.builtin]:
+        if key not in source:
+            continue
+        if not given:
+            setattr(section, key, type(getattr(section, key))(source[key]))
+        elif getattr(section, key) != source[key]:
+            problems.add(f"model.{m.builtin}.{key}", f"{getattr(section, key)!r}, but model.init_from's "
+                         f"{file} says {source[key]!r} (leave model.{m.builtin} out to take it from there)")
 
 
 # --------------------------------------------------------------------------- overrides
@@ -562,6 +606,7 @@ def from_dict(data: dict, *, base_dir: str = ".", source: str = "config",
     """Build and validate a Config; raise UsageError listing every problem."""
     problems = _Problems()
     cfg = _build(Config, data, "", problems)
+    _init_from_shape(cfg, data, base_dir, problems)
     # Cross-field checks run too (on the values that parsed), skipping keys already reported.
     bad = {p.split(":", 1)[0] for p in problems}
     semantic = _Problems()
