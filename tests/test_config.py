@@ -33,8 +33,8 @@ def test_defaults_are_valid_and_documented():
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))))
 def test_shipped_configs_parse(path):
     cfg = C.load_config(path)  # data dirs are only required to train
-    assert cfg.model.builtin == "gpt2"
-    assert cfg.data.seq_len <= cfg.model.gpt2.n_positions
+    positions = {"gpt2": cfg.model.gpt2.n_positions, "bert": cfg.model.bert.max_position_embeddings}
+    assert cfg.data.seq_len <= positions[cfg.model.builtin]
 
 
 def test_every_problem_reported_at_once(tmp_path):
