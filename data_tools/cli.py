@@ -70,12 +70,21 @@ def _prepare_output(out: Path, names: list[str], overwrite: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
+def _text_inputs(command):
+    """--input PATH..., positional PATHs and --output DIR: the text-corpus commands' common options."""
+    for option in reversed([
+            click.option("--input", "inputs", multiple=True, metavar="PATH",
+                         help="Text file, directory (walked) or glob ('**' recursive); repeatable."),
+            click.argument("more_inputs", nargs=-1, metavar="[PATH]..."),
+            click.option("--output", required=True, type=click.Path(file_okay=False),
+                         help="Dataset directory to create.")]):
+        command = option(command)
+    return command
+
+
 # ---------------------------------------------------------------------- tokens
 @main.command()
-@click.option("--input", "inputs", multiple=True, metavar="PATH",
-              help="Text file, directory (walked) or glob ('**' recursive); repeatable.")
-@click.argument("more_inputs", nargs=-1, metavar="[PATH]...")
-@click.option("--output", required=True, type=click.Path(file_okay=False), help="Dataset directory to create.")
+@_text_inputs
 @click.option("--tokenizer", "tokenizer_path", type=click.Path(exists=True, dir_okay=False),
               help="Use this tokenizer.json (e.g. GPT-2's).")
 @click.option("--train-bpe", type=int, metavar="VOCAB_SIZE", help="Train a byte-level BPE of this size.")
@@ -290,10 +299,7 @@ def tensors(inputs, output, samples_per_file, rename, overwrite):
 
 # ---------------------------------------------------------------------- bert
 @main.command()
-@click.option("--input", "inputs", multiple=True, metavar="PATH",
-              help="Text file, directory (walked) or glob ('**' recursive); repeatable.")
-@click.argument("more_inputs", nargs=-1, metavar="[PATH]...")
-@click.option("--output", required=True, type=click.Path(file_okay=False), help="Dataset directory to create.")
+@_text_inputs
 @click.option("--tokenizer", "tokenizer_path", type=click.Path(exists=True, dir_okay=False),
               help="A BERT WordPiece tokenizer.json ([PAD] = 0, [CLS], [SEP], [MASK]).")
 @click.option("--train-wordpiece", type=int, metavar="VOCAB_SIZE", help="Train an uncased WordPiece of this size.")

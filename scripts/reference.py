@@ -4,7 +4,8 @@ references (tests/test_parity.py, scripts/torch_stats.py) that check trainrun ag
 Written from the documented rules, never by importing trainrun: a reference that reused trainrun's
 loader, schedule or statistics would share their defects and could not see them.
 
-* Data (trainrun/data.py, "Token shards" and "Sample order"): the shards listed in manifest.json are
+* Data (trainrun/data.py, "Token shards", "Tensor samples" and "Sample order"; .pb files decoded here with
+  struct + onnx, see tensor_samples): the shards listed in manifest.json are
   one stream of little-endian token ids; sample ``i`` is ``stream[i*L : i*L + L + 1]`` with
   ``input_ids = window[:-1]``, ``labels = window[1:]``; there are ``(tokens - 1) // L`` samples.
   Global position ``p`` is sample ``perm(p // N)[p % N]``, ``perm(e)`` being ``arange(N)`` shuffled
