@@ -70,12 +70,21 @@ def _prepare_output(out: Path, names: list[str], overwrite: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
+def _text_inputs(command):
+    """--input PATH..., positional PATHs and --output DIR: the text-corpus commands' common options."""
+    for option in reversed([
+            click.option("--input", "inputs", multiple=True, metavar="PATH",
+                         help="Text file, directory (walked) or glob ('**' recursive); repeatable."),
+            click.argument("more_inputs", nargs=-1, metavar="[PATH]..."),
+            click.option("--output", required=True, type=click.Path(file_okay=False),
+                         help="Dataset directory to create.")]):
+        command = option(command)
+    return command
+
+
 # ---------------------------------------------------------------------- tokens
 @main.command()
-@click.option("--input", "inputs", multiple=True, metavar="PATH",
-              help="Text file, directory (walked) or glob ('**' recursive); repeatable.")
-@click.argument("more_inputs", nargs=-1, metavar="[PATH]...")
-@click.option("--output", required=True, type=click.Path(file_okay=False), help="Dataset directory to create.")
+@_text_inputs
 @click.option("--tokenizer", "tokenizer_path", type=click.Path(exists=True, dir_okay=False),
               help="Use this tokenizer.json (e.g. GPT-2's).")
 @click.option("--train-bpe", type=int, metavar="VOCAB_SIZE", help="Train a byte-level BPE of this size.")
@@ -316,6 +325,90 @@ def _read_array(path: str) -> np.ndarray:
     except (OSError, ValueError) as exc:
         raise UsageError(f"--input {path}: not a readable .npy of a plain array ({exc})") from None
     return arr
+
+
+# ---------------------------------------------------------------------- bert
+@main.command()
+@_text_inputs
+@click.option("--tokenizer", "tokenizer_path", type=click.Path(exists=True, dir_okay=False),
+              help="A BERT WordPiece tokenizer.json ([PAD] = 0, [CLS], [SEP], [MASK]).")
+@click.option("--train-wordpiece", type=int, metavar="VOCAB_SIZE", help="Train an uncased WordPiece of this size.")
+@click.option("--seq-len", type=click.IntRange(min=8), default=128, show_default=True, help="Tokens per sample.")
+@click.option("--max-predictions", type=click.IntRange(min=1), default=20, show_default=True,
+              help="Masked positions per sample at most.")
+@click.option("--masked-lm-prob", type=click.FloatRange(0, 1, min_open=True), default=0.15, show_default=True)
+@click.option("--dupe-factor", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Passes over the documents, each with other masks and pairs.")
+@click.option("--short-seq-prob", type=click.FloatRange(0, 1), default=0.1, show_default=True,
+              help="Probability of a shorter target length.")
+@click.option("--seed", type=click.IntRange(min=0), default=12345, show_default=True)
+@click.option("--eval-fraction", type=float, default=0.01, show_default=True,
+              help="Fraction of files (by content hash) for DIR/eval; 0 for none.")
+@click.option("--samples-per-file", type=click.IntRange(min=1), default=10000, show_default=True)
+@click.option("--include", multiple=True, default=DEFAULT_INCLUDE, show_default=True,
+              help="File name patterns taken from directories.")
+@click.option("--exclude", multiple=True, default=DEFAULT_EXCLUDE, show_default=True,
+              help="File and directory names skipped in directories.")
+@click.option("--overwrite", is_flag=True, help="Replace a dataset already in --output.")
+@click.option("--progress/--no-progress", default=True, show_default=True)
+def bert(inputs, more_inputs, output, tokenizer_path, train_wordpiece, seq_len, max_predictions, masked_lm_prob,
+         dupe_factor, short_seq_prob, seed, eval_fraction, samples_per_file, include, exclude, overwrite, progress):
+    """BERT pre-training samples (masked LM + next sentence) in ONNX Runtime's .pb layout:
+    DIR/train, DIR/eval, DIR/tokenizer.json.
+
+    Input as Google's create_pretraining_data.py reads it: one sentence per line, a blank
+    line between documents. Same input and options, same bytes.
+    """
+    from .bert import Vocab, documents, instances, train_wordpiece as train
+    from .encode import load_tokenizer
+    if (tokenizer_path is None) == (train_wordpiece is None):
+        raise UsageError("choose exactly one of --tokenizer FILE, --train-wordpiece VOCAB_SIZE")
+    inputs = list(inputs) + list(more_inputs)
+    if not inputs:
+        raise UsageError("--input: give at least one file, directory or glob")
+    files = find_files(inputs, include, exclude)
+    train_files, eval_files, empty = split_eval(files, eval_fraction)
+    if not train_files:
+        raise UsageError(f"--input: the {len(files)} file(s) found are all empty")
+    if tokenizer_path:
+        tokenizer, where = load_tokenizer(tokenizer_path), f"--tokenizer {tokenizer_path}"
+    else:
+        tokenizer = train((read_text(p) for p in train_files), train_wordpiece, progress, length=len(train_files))
+        where = "--train-wordpiece"
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    vocab = Vocab(tokenizer, where)
+    splits = {}
+    for split, split_files in (("train", train_files), ("eval", eval_files)):
+        if split_files:
+            docs = documents((read_text(p) for p in split_files), tokenizer)
+            if not docs:
+                raise UsageError(f"--input: the {split} files ({split_files[0]} ...) hold no text")
+            splits[split] = docs
+    out = Path(output)
+    _prepare_output(out, ["train", "eval", "tokenizer.json"], overwrite)
+    summary = []
+    with tempfile.TemporaryDirectory(dir=out, prefix=".bert-") as tmp:    # nothing half-written in out
+        for split, docs in splits.items():
+            writer = TensorShardWriter(Path(tmp) / split, samples_per_file)
+            seed_of_split = seed if split == "train" else seed + 1
+            for sample in instances(docs, vocab, seq_len, max_predictions, masked_lm_prob, short_seq_prob,
+                                    dupe_factor, seed_of_split):
+                writer.add(sample)
+            if writer.num_samples == 0:
+                raise UsageError(f"--input: the {split} documents make no sample (each needs two non-empty parts)")
+            m = writer.close(tokenizer_file="../tokenizer.json", vocab_size=vocab.size, seq_len=seq_len,
+                             max_predictions=max_predictions, masked_lm_prob=masked_lm_prob, dupe_factor=dupe_factor,
+                             short_seq_prob=short_seq_prob, seed=seed_of_split)
+            summary.append(f"{split}: {len(docs)} documents, {m['num_samples']:,} samples in {len(m['files'])} file(s)")
+        (Path(tmp) / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
+        for name in ["tokenizer.json", *splits]:
+            os.replace(Path(tmp) / name, out / name)
+    click.echo(f"{out}: {len(files)} files ({empty} empty skipped)")
+    for line in summary:
+        click.echo("  " + line)
+    click.echo(f"  tokenizer: vocab_size {vocab.size} ([PAD] 0, [CLS] {vocab.cls}, [SEP] {vocab.sep}, "
+               f"[MASK] {vocab.mask}); seq_len {seq_len}, max_predictions {max_predictions}")
 
 
 # ---------------------------------------------------------------------- inspect

@@ -4,7 +4,8 @@ references (tests/test_parity.py, scripts/torch_stats.py) that check trainrun ag
 Written from the documented rules, never by importing trainrun: a reference that reused trainrun's
 loader, schedule or statistics would share their defects and could not see them.
 
-* Data (trainrun/data.py, "Token shards" and "Sample order"): the shards listed in manifest.json are
+* Data (trainrun/data.py, "Token shards", "Tensor samples" and "Sample order"; .pb files decoded here with
+  struct + onnx, see tensor_samples): the shards listed in manifest.json are
   one stream of little-endian token ids; sample ``i`` is ``stream[i*L : i*L + L + 1]`` with
   ``input_ids = window[:-1]``, ``labels = window[1:]``; there are ``(tokens - 1) // L`` samples.
   Global position ``p`` is sample ``perm(p // N)[p % N]``, ``perm(e)`` being ``arange(N)`` shuffled
@@ -41,28 +42,58 @@ def token_stream(dataset_dir: str) -> np.ndarray:
     return np.concatenate(parts).astype(np.int64)
 
 
+def sample_order(n: int, seed: int, shuffle: bool = True):
+    """Yield the sample index of global positions 0, 1, 2, ... of a dataset of ``n`` samples."""
+    position = 0
+    while True:
+        perm = np.arange(n, dtype=np.int64)
+        if shuffle:
+            np.random.default_rng([seed, position // n]).shuffle(perm)
+        yield from perm.tolist()
+        position += n
+
+
 def global_batches(dataset_dir: str, seq_len: int, global_batch: int, seed: int, shuffle: bool = True):
     """Yield (input_ids, labels), int64 [global_batch, seq_len], of steps 1, 2, ... in trainrun's order."""
     stream = token_stream(dataset_dir)
-    n = (len(stream) - 1) // seq_len
-    perms = {}
-
-    def sample(p):
-        epoch = p // n
-        if epoch not in perms:
-            perm = np.arange(n, dtype=np.int64)
-            if shuffle:
-                np.random.default_rng([seed, epoch]).shuffle(perm)
-            perms.clear()
-            perms[epoch] = perm
-        i = int(perms[epoch][p % n])
-        return stream[i * seq_len:i * seq_len + seq_len + 1]
-
-    position = 0
+    order = sample_order((len(stream) - 1) // seq_len, seed, shuffle)
     while True:
-        windows = np.stack([sample(p) for p in range(position, position + global_batch)])
-        position += global_batch
+        windows = np.stack([stream[i * seq_len:i * seq_len + seq_len + 1]
+                            for i in (next(order) for _ in range(global_batch))])
         yield windows[:, :-1], windows[:, 1:]
+
+
+def tensor_samples(dataset_dir: str) -> list[dict]:
+    """Every sample ({name: array}) of a directory of ONNX Runtime .pb files, in file-name order:
+    each file ``[u32 n]([u32 m][TensorProto])...`` little-endian (decoded with onnx's numpy_helper)."""
+    import struct
+
+    from onnx import TensorProto, numpy_helper
+    samples = []
+    for name in sorted(f for f in os.listdir(dataset_dir) if f.endswith(".pb") and not f.startswith(".")):
+        with open(os.path.join(dataset_dir, name), "rb") as fh:
+            data = fh.read()
+        pos = 0
+        while pos < len(data):
+            (n,) = struct.unpack_from("<I", data, pos)
+            end, pos, sample = pos + 4 + n, pos + 4, {}
+            while pos < end:
+                (m,) = struct.unpack_from("<I", data, pos)
+                t = TensorProto()
+                t.ParseFromString(data[pos + 4:pos + 4 + m])
+                sample[t.name] = numpy_helper.to_array(t)
+                pos += 4 + m
+            samples.append(sample)
+    return samples
+
+
+def tensor_batches(dataset_dir: str, global_batch: int, seed: int, shuffle: bool = True):
+    """Yield {name: array [global_batch, ...]} of steps 1, 2, ... of a .pb dataset in trainrun's order."""
+    samples = tensor_samples(dataset_dir)
+    order = sample_order(len(samples), seed, shuffle)
+    while True:
+        chosen = [samples[next(order)] for _ in range(global_batch)]
+        yield {k: np.stack([s[k] for s in chosen]) for k in chosen[0]}
 
 
 def learning_rate(t: int, lr: float, max_steps: int, name: str = "constant", warmup_steps: int = 0,

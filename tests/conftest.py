@@ -65,6 +65,67 @@ def assert_matches_torch(eng, loss, hf, batch, vocab, rel):
         assert err < rel, (name, err)
 
 
+def adamw_windows(run_dir, cfg, train: dict, window: int, make_model, loss_of, lr_at) -> dict:
+    """A trainrun AdamW run (checkpoints every ``window`` steps, max_grad_norm 1) replayed by
+    torch.optim.AdamW on ``make_model(params)``, restarting from trainrun's state at each window
+    (see test_parity.py for why); ``loss_of(model)`` is the loss of the next global batch, ``lr_at(t)``
+    the reference schedule. Returns the worst relative differences: first_loss / first_grad_norm (first
+    step of a window), loss / grad_norm (the others) and update (the parameter change over a window)."""
+    import fnmatch
+
+    import numpy as np
+    import torch
+    from safetensors.numpy import load_file
+    o = cfg.optimizer
+    run_dir = str(run_dir)
+
+    def state_at(step):
+        """trainrun's parameters and AdamW moments after ``step`` updates (0: the initial weights)."""
+        if step == 0:
+            params = load_file(os.path.join(run_dir, "graphs", "weights.safetensors"))
+            return params, {n: np.zeros_like(p) for n, p in params.items()}, {n: np.zeros_like(p) for n, p in params.items()}
+        ckpt = os.path.join(run_dir, "checkpoints", str(step))
+        assert os.path.exists(os.path.join(ckpt, "COMMITTED"))
+        opt = load_file(os.path.join(ckpt, "optimizer.safetensors"))
+        params = load_file(os.path.join(ckpt, "model.safetensors"))
+        return params, {n: opt[f"exp_avg/{n}"] for n in params}, {n: opt[f"exp_avg_sq/{n}"] for n in params}
+
+    worst = {"first_loss": 0.0, "first_grad_norm": 0.0, "loss": 0.0, "grad_norm": 0.0, "update": 0.0}
+    for start in range(0, max(train), window):
+        params, exp_avg, exp_avg_sq = state_at(start)
+        model = make_model(params).train()
+        named = {n: p for n, p in model.named_parameters() if n in params}
+        assert set(named) == set(params)
+        no_decay = [n for n in named if any(fnmatch.fnmatchcase(n, q) for q in o.no_decay)]
+        groups = [{"params": [p for n, p in named.items() if n not in no_decay], "weight_decay": o.weight_decay},
+                  {"params": [named[n] for n in no_decay], "weight_decay": 0.0}]
+        opt = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+        for n, p in named.items():
+            opt.state[p] = {"step": torch.tensor(float(start)), "exp_avg": torch.from_numpy(exp_avg[n].copy()),
+                            "exp_avg_sq": torch.from_numpy(exp_avg_sq[n].copy())}
+        for t in range(start + 1, start + window + 1):
+            rate = lr_at(t)
+            assert abs(train[t]["lr"] - rate) <= 1e-6 * rate, (t, train[t]["lr"], rate)
+            for group in opt.param_groups:
+                group["lr"] = rate
+            loss = loss_of(model)
+            opt.zero_grad()
+            loss.backward()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(list(named.values()), 1.0))
+            opt.step()
+            dl = abs(train[t]["loss"] - loss.item()) / loss.item()
+            dg = abs(train[t]["grad_norm"] - grad_norm) / grad_norm
+            first = "first_" if t == start + 1 else ""
+            worst[first + "loss"] = max(worst[first + "loss"], dl)
+            worst[first + "grad_norm"] = max(worst[first + "grad_norm"], dg)
+        ours = state_at(start + window)[0]
+        ref_change = np.concatenate([(p.detach().numpy() - params[n]).ravel() for n, p in named.items()])
+        our_change = np.concatenate([(ours[n] - params[n]).ravel() for n in named])
+        worst["update"] = max(worst["update"], np.linalg.norm(our_change - ref_change) / np.linalg.norm(ref_change))
+    print("worst relative differences:", {k: f"{v:.2g}" for k, v in worst.items()})
+    return worst
+
+
 class SplitMix64:
     """A tiny seeded generator written out here (splitmix64), so that test data is the same bytes
     on every machine, CPython and NumPy version (``random`` and NumPy promise no such thing)."""

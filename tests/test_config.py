@@ -39,8 +39,8 @@ def test_shipped_configs_parse(path):
         assert [p.split(":")[0] for p in err.value.problems] == ["model.onnx"], err.value.problems
         return
     cfg = C.load_config(path)  # data dirs are only required to train
-    assert cfg.model.builtin == "gpt2"
-    assert cfg.data.seq_len <= cfg.model.gpt2.n_positions
+    positions = {"gpt2": cfg.model.gpt2.n_positions, "bert": cfg.model.bert.max_position_embeddings}
+    assert cfg.data.seq_len <= positions[cfg.model.builtin]
 
 
 def test_loss_and_data_inputs_are_checked(tmp_path):

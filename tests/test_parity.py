@@ -19,17 +19,14 @@ What float32 can promise on any machine, and so what is asserted:
 * The logged learning rate equals the reference schedule to float32 precision.
 """
 
-import fnmatch
 import os
 import sys
 
-import numpy as np
 import torch
-from safetensors.numpy import load_file
 
 from trainrun import config as C
 
-from conftest import ROOT, hf_gpt2, mpirun, read_metrics, write_config
+from conftest import ROOT, adamw_windows, hf_gpt2, mpirun, read_metrics, write_config
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import reference as R  # noqa: E402  (scripts/reference.py: the independent twins)
@@ -51,57 +48,16 @@ def test_each_step_matches_pytorch_from_the_same_weights(tmp_path, byte_dataset)
     run_dir = tmp_path / "run"
     train, _ = read_metrics(str(run_dir))
     assert sorted(train) == list(range(1, STEPS + 1))
-    no_decay_patterns = C.load_config(cfg_path).optimizer.no_decay
-
-    def state_at(step):
-        """trainrun's parameters and AdamW moments after ``step`` updates (0: the initial weights)."""
-        if step == 0:
-            params = load_file(str(run_dir / "graphs" / "weights.safetensors"))
-            return params, {n: np.zeros_like(p) for n, p in params.items()}, {n: np.zeros_like(p) for n, p in params.items()}
-        ckpt = run_dir / "checkpoints" / str(step)
-        assert (ckpt / "COMMITTED").exists()
-        opt = load_file(str(ckpt / "optimizer.safetensors"))
-        params = load_file(str(ckpt / "model.safetensors"))
-        return params, {n: opt[f"exp_avg/{n}"] for n in params}, {n: opt[f"exp_avg_sq/{n}"] for n in params}
-
     batches = R.global_batches(os.path.join(byte_dataset, "train"), seq, 8, seed)
-    worst = {"first_loss": 0.0, "first_grad_norm": 0.0, "loss": 0.0, "grad_norm": 0.0, "update": 0.0}
-    for start in range(0, STEPS, WINDOW):
-        params, exp_avg, exp_avg_sq = state_at(start)
-        model = hf_gpt2(shape, params).train()
-        named = {n: p for n, p in model.named_parameters() if n in params}
-        assert set(named) == set(params)
-        groups = [{"params": [p for n, p in named.items() if not any(fnmatch.fnmatchcase(n, q) for q in no_decay_patterns)],
-                   "weight_decay": wd},
-                  {"params": [p for n, p in named.items() if any(fnmatch.fnmatchcase(n, q) for q in no_decay_patterns)],
-                   "weight_decay": 0.0}]
-        opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
-        for n, p in named.items():
-            opt.state[p] = {"step": torch.tensor(float(start)), "exp_avg": torch.from_numpy(exp_avg[n].copy()),
-                            "exp_avg_sq": torch.from_numpy(exp_avg_sq[n].copy())}
-        for t in range(start + 1, start + WINDOW + 1):
-            ids, labels = next(batches)
-            rate = R.learning_rate(t, lr, STEPS, "cosine", warmup, min_lr)
-            assert abs(train[t]["lr"] - rate) <= 1e-6 * rate, (t, train[t]["lr"], rate)
-            for group in opt.param_groups:
-                group["lr"] = rate
-            logits = model(torch.from_numpy(ids)).logits
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                     torch.from_numpy(labels).reshape(-1))
-            opt.zero_grad()
-            loss.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(list(named.values()), 1.0))
-            opt.step()
-            dl = abs(train[t]["loss"] - loss.item()) / loss.item()
-            dg = abs(train[t]["grad_norm"] - grad_norm) / grad_norm
-            first = "first_" if t == start + 1 else ""
-            worst[first + "loss"] = max(worst[first + "loss"], dl)
-            worst[first + "grad_norm"] = max(worst[first + "grad_norm"], dg)
-        ours = state_at(start + WINDOW)[0]
-        ref_change = np.concatenate([(p.detach().numpy() - params[n]).ravel() for n, p in named.items()])
-        our_change = np.concatenate([(ours[n] - params[n]).ravel() for n in named])
-        worst["update"] = max(worst["update"], np.linalg.norm(our_change - ref_change) / np.linalg.norm(ref_change))
-    print("worst relative differences:", {k: f"{v:.2g}" for k, v in worst.items()})
+
+    def loss_of(model):
+        ids, labels = next(batches)
+        logits = model(torch.from_numpy(ids)).logits
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 torch.from_numpy(labels).reshape(-1))
+
+    worst = adamw_windows(run_dir, C.load_config(cfg_path), train, WINDOW, lambda params: hf_gpt2(shape, params),
+                          loss_of, lambda t: R.learning_rate(t, lr, STEPS, "cosine", warmup, min_lr))
     assert worst["first_loss"] <= 1e-5 and worst["loss"] <= 1e-4, worst
     assert worst["first_grad_norm"] <= 1e-3 and worst["grad_norm"] <= 1e-3, worst
     assert worst["update"] <= 1e-3, worst

@@ -74,6 +74,34 @@ class GPT2Config:
 
 
 @dataclass
+class BertConfig:
+    vocab_size: int = opt(1024, min=2)
+    """Vocabulary size (token ids must be below it; id 0 is [PAD])."""
+    hidden_size: int = opt(128, min=1)
+    """Width of the encoder."""
+    num_hidden_layers: int = opt(2, min=1)
+    """Number of encoder layers."""
+    num_attention_heads: int = opt(4, min=1)
+    """Attention heads per layer (must divide hidden_size)."""
+    intermediate_size: int = opt(512, min=1)
+    """Width of each layer's feed-forward block."""
+    max_position_embeddings: int = opt(512, min=1)
+    """Longest sequence the position embedding covers."""
+    type_vocab_size: int = opt(2, min=1)
+    """Token types (segment ids) the token-type embedding covers."""
+    hidden_act: str = opt("gelu", choices=["gelu", "gelu_new"])
+    """Activation of the feed-forward block and the MLM head: gelu (erf form) or gelu_new (tanh form)."""
+    layer_norm_eps: float = opt(1e-12, gt=0.0)
+    """Epsilon of every LayerNorm."""
+    hidden_dropout_prob: float = opt(0.1, min=0.0, max=0.999)
+    """Dropout on the embeddings and after each attention-output and output dense layer."""
+    attention_probs_dropout_prob: float = opt(0.1, min=0.0, max=0.999)
+    """Dropout on the attention probabilities."""
+    initializer_range: float = opt(0.02, gt=0.0)
+    """Std of the normal initialisation of weights and embeddings."""
+
+
+@dataclass
 class LossConfig:
     type: str = opt("cross_entropy", choices=["cross_entropy", "mse", "l1"])
     """cross_entropy (integer labels; eval accuracy, and top-5 accuracy when there are >= 5 classes),
@@ -96,10 +124,12 @@ class LossConfig:
 
 @dataclass
 class ModelConfig:
-    builtin: Optional[str] = opt("gpt2", choices=["gpt2", None])
+    builtin: Optional[str] = opt("gpt2", choices=["gpt2", "bert", None])
     """Built-in model to build (null when `onnx` names a forward graph)."""
     gpt2: GPT2Config = opt(factory=GPT2Config)
     """Shape of the built-in GPT-2."""
+    bert: BertConfig = opt(factory=BertConfig)
+    """Shape of the built-in BERT (BertForPreTraining: MLM + NSP loss in the graph)."""
     onnx: Optional[str] = opt(None, path="file")
     """A user's forward ONNX model (inputs -> logits); its initializers are the parameters."""
     inputs: list[str] = opt(factory=list)
@@ -109,6 +139,10 @@ class ModelConfig:
     """How the loss is computed from the forward graph's outputs."""
     frozen: list[str] = opt(factory=list)
     """Parameter name patterns (fnmatch) that are not trained."""
+    init_from: Optional[str] = opt(None, path="any")
+    """Start the built-in model from these weights: a transformers save_pretrained directory (config.json +
+    model.safetensors; its shape fields must match model.<builtin>, or fill it when the config gives no
+    such section), a .safetensors file, or a trainrun run/checkpoint directory (weights only)."""
 
 
 @dataclass
@@ -446,7 +480,7 @@ def _build(cls, data: dict, prefix: str, problems: _Problems):
 def _semantic_checks(cfg: Config, problems: _Problems, base_dir: str, need_data: bool) -> None:
     m = cfg.model
     if m.builtin is None and m.onnx is None:
-        problems.add("model", "set either model.builtin (gpt2) or model.onnx (a forward graph)")
+        problems.add("model", "set either model.builtin (gpt2, bert) or model.onnx (a forward graph)")
     if m.builtin is not None and m.onnx is not None:
         problems.add("model", "model.builtin and model.onnx are exclusive; set model.builtin: null "
                      "to train model.onnx")
@@ -464,6 +498,16 @@ def _semantic_checks(cfg: Config, problems: _Problems, base_dir: str, need_data:
         problems.add("model.loss.type", f"the built-in {m.builtin} trains with cross_entropy over its last axis")
     if loss.weights and loss.type != "cross_entropy":
         problems.add("model.loss.weights", f"class weights need type cross_entropy, not {loss.type}")
+    if m.builtin == "bert":
+        b = m.bert
+        if b.num_attention_heads and b.hidden_size % b.num_attention_heads:
+            problems.add("model.bert.num_attention_heads",
+                         f"must divide hidden_size ({b.hidden_size}), got {b.num_attention_heads}")
+        if cfg.data.seq_len > b.max_position_embeddings:
+            problems.add("data.seq_len", f"{cfg.data.seq_len} is longer than the model's positions "
+                         f"(model.bert.max_position_embeddings = {b.max_position_embeddings})")
+    if m.init_from and m.builtin is None:
+        problems.add("model.init_from", "starts a built-in model (gpt2, bert); a model.onnx holds its own weights")
     o = cfg.optimizer
     if len(o.betas) != 2:
         problems.add("optimizer.betas", f"expected two values [beta1, beta2], got {o.betas}")
@@ -507,6 +551,8 @@ def _semantic_checks(cfg: Config, problems: _Problems, base_dir: str, need_data:
             problems.add(path, f"file not found: {full}")
         elif kind == "dir" and not os.path.isdir(full):
             problems.add(path, f"directory not found: {full}")
+        elif kind == "any" and not os.path.exists(full):
+            problems.add(path, f"not found: {full}")
 
 
 def _path_fields(obj, prefix=""):
@@ -522,6 +568,42 @@ def _path_fields(obj, prefix=""):
 def resolve_path(value: str, base_dir: str) -> str:
     value = os.path.expanduser(value)
     return value if os.path.isabs(value) else os.path.normpath(os.path.join(base_dir, value))
+
+
+# the fields of a transformers config.json that fix a built-in model's shape (same names in model.<builtin>)
+SHAPE_FIELDS = {"gpt2": ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size", "layer_norm_epsilon"),
+                "bert": ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                         "intermediate_size", "max_position_embeddings", "type_vocab_size", "hidden_act",
+                         "layer_norm_eps")}
+
+
+def _init_from_shape(cfg: Config, data: dict, base_dir: str, problems: _Problems) -> None:
+    """model.init_from's config.json against model.<builtin>: fill the section when the config gives
+    none, else every shape field must agree."""
+    m = cfg.model
+    if not m.init_from or m.builtin not in SHAPE_FIELDS:
+        return
+    file = os.path.join(resolve_path(m.init_from, base_dir), "config.json")
+    if not os.path.isfile(file):
+        return
+    import json
+    try:
+        with open(file, encoding="utf-8") as fh:
+            source = json.load(fh)
+        assert isinstance(source, dict)
+    except (OSError, ValueError, AssertionError) as exc:
+        problems.add("model.init_from", f"{file}: not a JSON object ({exc})")
+        return
+    section = getattr(m, m.builtin)
+    given = isinstance(data.get("model"), dict) and data["model"].get(m.builtin) is not None
+    for key in SHAPE_FIELDS[m.builtin]:
+        if key not in source:
+            continue
+        if not given:
+            setattr(section, key, type(getattr(section, key))(source[key]))
+        elif getattr(section, key) != source[key]:
+            problems.add(f"model.{m.builtin}.{key}", f"{getattr(section, key)!r}, but model.init_from's "
+                         f"{file} says {source[key]!r} (leave model.{m.builtin} out to take it from there)")
 
 
 # --------------------------------------------------------------------------- overrides
@@ -579,6 +661,7 @@ def from_dict(data: dict, *, base_dir: str = ".", source: str = "config",
     """Build and validate a Config; raise UsageError listing every problem."""
     problems = _Problems()
     cfg = _build(Config, data, "", problems)
+    _init_from_shape(cfg, data, base_dir, problems)
     # Cross-field checks run too (on the values that parsed), skipping keys already reported.
     bad = {p.split(":", 1)[0] for p in problems}
     semantic = _Problems()

@@ -45,6 +45,10 @@ def save_model(model: onnx.ModelProto, path: str) -> None:
 def sample_batch(graphs_dir: str, manifest: dict, rng_seed: int = 0) -> dict[str, np.ndarray]:
     """A small random batch for the data inputs and the labels of the eval graph (ids below the vocab)."""
     model = onnx.load(os.path.join(graphs_dir, "eval.onnx"), load_external_data=False)
+    if manifest["model"].get("builtin") == "bert":      # positions, types and labels have their own ranges
+        from .config import BertConfig
+        from .models.bert import sample_inputs
+        return sample_inputs(BertConfig(**manifest["model"]["bert"]), 4, 16, 3, np.random.default_rng(rng_seed))
     vocab = manifest["model"]["gpt2"]["vocab_size"] if manifest["model"].get("builtin") == "gpt2" else 2
     rng = np.random.default_rng(rng_seed)
     batch = {}

@@ -72,11 +72,16 @@ def forward_from_config(cfg: Config) -> Forward:
     m = cfg.model
     if m.builtin == "gpt2":
         from .models.gpt2 import build_gpt2, init_weights
-        weights = init_weights(m.gpt2, cfg.run.seed)
+        weights = _pretrained(init_weights(m.gpt2, cfg.run.seed), m)
         model = build_gpt2(m.gpt2, weights)
         inputs = ["input_ids"]
         return Forward(model=model, params=_trainable(list(weights), m.frozen, "gpt2"), inputs=inputs,
                        logits="logits", labels=m.loss.labels)
+    if m.builtin == "bert":
+        from .models import bert
+        weights = _pretrained(bert.init_weights(m.bert, cfg.run.seed), m)
+        return Forward(model=bert.build_bert(m.bert, weights), params=_trainable(list(weights), m.frozen, "bert"),
+                       inputs=list(bert.INPUTS), logits=bert.LOGITS, labels=None, loss=bert.LOSS)
     else:
         try:
             model = onnx.load(m.onnx)
@@ -84,6 +89,14 @@ def forward_from_config(cfg: Config) -> Forward:
             raise UsageError(f"model.onnx: cannot load {m.onnx}: {exc}") from None
         inputs = list(m.inputs)
     return _check_forward(model, inputs, m.loss, m.frozen, source=m.onnx or "gpt2")
+
+
+def _pretrained(weights: dict, m) -> dict:
+    """``weights`` replaced by model.init_from's, when given."""
+    if not m.init_from:
+        return weights
+    from .pretrained import load_into
+    return load_into(weights, m.init_from, m.builtin)
 
 
 def _check_forward(model, inputs, loss, frozen, source) -> Forward:
@@ -734,7 +747,7 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
     out_dir = out_dir or os.path.join(cfg.run.output_dir, "graphs")
     os.makedirs(out_dir, exist_ok=True)
     fwd = forward_from_config(cfg)
-    source = cfg.model.onnx or "gpt2"
+    source = cfg.model.onnx or cfg.model.builtin
     inits = {t.name: t for t in fwd.model.graph.initializer}
     states = dict(fwd.states or {})
     weights = {p: numpy_helper.to_array(inits[p]) for p in fwd.params + list(states)}

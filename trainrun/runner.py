@@ -142,9 +142,9 @@ class TrainingRunner:
 
     def _open_data(self) -> None:
         cfg = self.cfg
-        g = cfg.model.gpt2 if cfg.model.builtin == "gpt2" else None
-        vocab = g.vocab_size if g else None
-        positions = g.n_positions if g else None
+        g, b = cfg.model.gpt2, cfg.model.bert
+        vocab, positions = {"gpt2": (g.vocab_size, g.n_positions),
+                            "bert": (b.vocab_size, b.max_position_embeddings)}.get(cfg.model.builtin, (None, None))
         self.train_ds = open_dataset(cfg.data.train, cfg.data.seq_len, vocab_size=vocab, n_positions=positions)
         if self.train_ds.num_samples < self.global_batch:
             raise UsageError(f"data.train: {cfg.data.train} has {self.train_ds.num_samples} samples of "

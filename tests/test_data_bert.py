@@ -1,0 +1,94 @@
+"""`trainrun-data bert` as a real subprocess: the samples' invariants, determinism, bad input."""
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, TRAINRUN_DATA, run, synthetic_text_dir
+from test_data_tools import tree_bytes
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import reference as R  # noqa: E402  (reads the .pb files without trainrun)
+
+ARGS = ["--seq-len", "64", "--max-predictions", "8", "--masked-lm-prob", "0.15", "--dupe-factor", "2",
+        "--short-seq-prob", "0.2", "--seed", "7", "--eval-fraction", "0.1", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bert")
+    synthetic_text_dir(str(root / "text"), max_bytes=120_000)
+    run([TRAINRUN_DATA, "bert", "--input", str(root / "text"), "--output", str(root / "a"),
+         "--train-wordpiece", "600", *ARGS], check=0)
+    return root
+
+
+def test_samples_are_bert_pretraining_pairs(built):
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(built / "a" / "tokenizer.json"))
+    cls, sep, mask = (tok.token_to_id(t) for t in ("[CLS]", "[SEP]", "[MASK]"))
+    assert tok.token_to_id("[PAD]") == 0
+    samples = R.tensor_samples(str(built / "a" / "train"))
+    assert len(samples) > 500 and len(R.tensor_samples(str(built / "a" / "eval"))) > 10
+    replaced = kept = masked = 0
+    for s in samples:
+        ids, seg, inmask = s["input_ids"], s["segment_ids"], s["input_mask"]
+        n = int(inmask.sum())
+        assert ids.shape == (64,) and s["masked_lm_positions"].shape == (8,) and s["next_sentence_labels"].shape == ()
+        assert (inmask[:n] == 1).all() and (inmask[n:] == 0).all() and (ids[n:] == 0).all() and (seg[n:] == 0).all()
+        seps = np.flatnonzero(ids[:n] == sep)
+        used = s["masked_lm_ids"] != 0
+        k = int(used.sum())
+        pos = s["masked_lm_positions"][used]
+        # [CLS] A [SEP] B [SEP], segment 0 then 1; a masked [SEP] would break this, none is ever chosen
+        assert ids[0] == cls and seps[-1] == n - 1 and len(seps) >= 2
+        a_end = seps[-2] if ids[seps[-2]] == sep and (seg[:seps[-2] + 1] == 0).all() else None
+        assert a_end is not None and (seg[a_end + 1:n] == 1).all() and a_end >= 2 and n - 1 - a_end >= 2
+        assert k == min(8, max(1, round(n * 0.15)))
+        assert (s["masked_lm_positions"][~used] == 0).all() and (np.diff(pos) > 0).all()
+        assert ((pos > 0) & (pos < n - 1) & (pos != a_end)).all()
+        at = ids[pos]
+        masked += int((at == mask).sum())
+        kept += int((at == s["masked_lm_ids"][used]).sum())
+        replaced += int(((at != mask) & (at != s["masked_lm_ids"][used])).sum())
+    total = masked + kept + replaced
+    # 80/10/10 (a random replacement may draw the original token: it then counts as kept)
+    assert abs(masked / total - 0.8) < 0.03 and abs(kept / total - 0.1) < 0.03 and abs(replaced / total - 0.1) < 0.03
+    labels = np.array([int(s["next_sentence_labels"]) for s in samples])
+    assert set(labels) == {0, 1} and 0.4 < labels.mean() < 0.75       # > 1/2: one-sentence chunks pair randomly
+
+
+def test_same_bytes_with_the_written_tokenizer_and_any_thread_count(built, tmp_path):
+    out = tmp_path / "b"
+    run([TRAINRUN_DATA, "bert", "--input", str(built / "text"), "--output", str(out),
+         "--tokenizer", str(built / "a" / "tokenizer.json"), *ARGS], check=0, env={"RAYON_NUM_THREADS": "1"})
+    assert tree_bytes(out) == tree_bytes(built / "a")
+    manifest = json.loads((out / "train" / "manifest.json").read_text())
+    assert manifest["seq_len"] == 64 and manifest["tokenizer_file"] == "../tokenizer.json"
+    other = tmp_path / "c"       # another seed: other samples
+    run([TRAINRUN_DATA, "bert", "--input", str(built / "text"), "--output", str(other),
+         "--tokenizer", str(built / "a" / "tokenizer.json"), *[("8" if a == "7" else a) for a in ARGS]], check=0)
+    assert tree_bytes(other / "train") != tree_bytes(out / "train")
+
+
+def test_bad_input_is_named_and_nothing_is_written(built, tmp_path):
+    out = tmp_path / "o"
+    # a GPT-2-style byte-level BPE has no [CLS]/[SEP]/[MASK]
+    run([TRAINRUN_DATA, "tokens", "--input", str(built / "text"), "--output", str(tmp_path / "bpe"),
+         "--train-bpe", "300", "--no-progress"], check=0)
+    bpe = str(tmp_path / "bpe" / "tokenizer.json")
+    p = run([TRAINRUN_DATA, "bert", "--input", str(built / "text"), "--output", str(out), "--tokenizer", bpe], check=2)
+    assert bpe in p.stderr and "[CLS]" in p.stderr and "Traceback" not in p.stderr
+    assert not out.exists()
+    (tmp_path / "blank.txt").write_text("\n\n   \n")
+    p = run([TRAINRUN_DATA, "bert", "--input", str(tmp_path / "blank.txt"), "--output", str(out),
+             "--train-wordpiece", "100", "--eval-fraction", "0"], check=2)
+    assert "hold no text" in p.stderr and not out.exists()
+    p = run([TRAINRUN_DATA, "bert", "--input", str(built / "text"), "--output", str(built / "a"),
+             "--train-wordpiece", "100"], check=2)
+    assert "--overwrite" in p.stderr
+    p = run([TRAINRUN_DATA, "bert", "--input", str(built / "text"), "--output", str(out)], check=2)
+    assert "exactly one of" in p.stderr

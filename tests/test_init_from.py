@@ -1,0 +1,116 @@
+"""model.init_from: transformers save_pretrained directories, .safetensors files and trainrun checkpoints."""
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+from conftest import ROOT, TRAINRUN, mpirun, read_metrics, run, write_config
+from test_bert import hf_forward
+from trainrun.models.bert import sample_inputs
+from trainrun import config as C
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import reference as R  # noqa: E402
+
+GPT2 = dict(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=257)
+BERT = dict(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            max_position_embeddings=40)
+
+
+def pretrained_gpt2(path, seed=0):
+    """A 'pretrained' GPT-2: transformers' own random initialisation, saved as save_pretrained does."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(GPT2Config(**GPT2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                       bos_token_id=0, eos_token_id=0)).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def test_gpt2_from_save_pretrained_fills_the_shape_and_starts_at_its_loss(tmp_path, byte_dataset):
+    hf = pretrained_gpt2(tmp_path / "pre")
+    cfg_path = write_config(tmp_path / "c.yaml", byte_dataset, **{
+        "model": {"builtin": "gpt2", "init_from": str(tmp_path / "pre")},     # no model.gpt2: from config.json
+        "train.max_steps": 2, "run.seed": 3})
+    shape = {k: getattr(C.load_config(cfg_path).model.gpt2, k) for k in GPT2}
+    assert shape == GPT2
+    mpirun(2, "--config", cfg_path)
+    ours = load_file(str(tmp_path / "run" / "graphs" / "weights.safetensors"))
+    state = hf.state_dict()
+    assert set(ours) == {k for k in state if k != "lm_head.weight" and not k.endswith(".attn.bias")}
+    for name, value in ours.items():
+        assert np.array_equal(value, state[name].numpy()), name
+    train, _ = read_metrics(str(tmp_path / "run"))
+    ids, labels = next(R.global_batches(os.path.join(byte_dataset, "train"), 32, 8, 3))
+    with torch.no_grad():
+        logits = hf(torch.from_numpy(ids)).logits
+        ref = torch.nn.functional.cross_entropy(logits.reshape(-1, 257), torch.from_numpy(labels).reshape(-1)).item()
+    assert train[1]["loss"] == pytest.approx(ref, rel=1e-4)
+
+    # a trainrun run directory as init_from: its latest checkpoint's weights, a fresh run
+    os.makedirs(tmp_path / "d")
+    cfg2 = write_config(tmp_path / "d" / "c.yaml", byte_dataset, **{
+        "model": {"builtin": "gpt2", "gpt2": GPT2, "init_from": str(tmp_path / "run")}, "train.max_steps": 1})
+    run([TRAINRUN, "prepare", "--config", cfg2], check=0)
+    again = load_file(str(tmp_path / "d" / "run" / "graphs" / "weights.safetensors"))
+    final = load_file(str(tmp_path / "run" / "checkpoints" / "2" / "model.safetensors"))
+    assert set(again) == set(final) and all(np.array_equal(again[k], final[k]) for k in final)
+
+
+def test_bert_from_a_base_model_file_and_from_pretraining_weights(tmp_path):
+    from transformers import BertConfig, BertForPreTraining
+    torch.manual_seed(1)
+    hf = BertForPreTraining(BertConfig(**BERT, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)).eval()
+    hf.save_pretrained(tmp_path / "pre")
+    hf.bert.save_pretrained(tmp_path / "base")          # BertModel: no 'bert.' prefix, no cls.* heads
+    state = {k: v.numpy() for k, v in hf.state_dict().items()}
+
+    def prepared(init_from, **bert):
+        cfg = C.from_dict({"model": {"builtin": "bert", "init_from": str(init_from), **({"bert": bert} if bert else {})},
+                           "data": {"seq_len": 16}, "run": {"output_dir": str(tmp_path / "run"), "seed": 4}})
+        from trainrun import graphs as G
+        G.prepare(cfg)
+        return cfg, load_file(str(tmp_path / "run" / "graphs" / "weights.safetensors"))
+
+    cfg, ours = prepared(tmp_path / "pre")
+    assert {k: getattr(cfg.model.bert, k) for k in BERT} == BERT
+    for name, value in ours.items():
+        assert np.array_equal(value, state[name]), name
+    # first loss = transformers' on the same batch, through the prepared eval graph
+    import onnxruntime as ort
+    sess = ort.InferenceSession(str(tmp_path / "run" / "graphs" / "eval.onnx"), providers=["CPUExecutionProvider"])
+    batch = sample_inputs(cfg.model.bert, 3, 16, 4, np.random.default_rng(0))
+    (loss,) = sess.run(["loss"], {**batch, **ours})
+    with torch.no_grad():
+        assert float(loss) == pytest.approx(hf_forward(hf, batch).loss.item(), rel=1e-4)
+
+    _, ours = prepared(tmp_path / "base" / "model.safetensors", **BERT)
+    fresh = {k: v for k, v in ours.items() if k.startswith("cls.")}
+    assert fresh and all(not np.array_equal(v, state[k]) for k, v in fresh.items() if v.std() > 0)
+    for name, value in ours.items():
+        if not name.startswith("cls."):
+            assert np.array_equal(value, state[name]), name
+
+
+def test_init_from_mismatches_are_usage_errors(tmp_path, byte_dataset):
+    pretrained_gpt2(tmp_path / "pre")
+    cfg_path = write_config(tmp_path / "c.yaml", byte_dataset, **{
+        "model": {"builtin": "gpt2", "init_from": str(tmp_path / "pre"), "gpt2": {**GPT2, "n_embd": 64}}})
+    p = run([TRAINRUN, "prepare", "--config", cfg_path], check=2)
+    assert "model.gpt2.n_embd" in p.stderr and "64" in p.stderr and "32" in p.stderr
+    # a bare .safetensors file has no config.json: the tensors' shapes are checked instead
+    cfg_path = write_config(tmp_path / "c.yaml", byte_dataset, **{
+        "model": {"builtin": "gpt2", "init_from": str(tmp_path / "pre" / "model.safetensors"),
+                  "gpt2": {**GPT2, "n_positions": 32}}})
+    p = run([TRAINRUN, "prepare", "--config", cfg_path], check=2)
+    assert "'transformer.wpe.weight' is [64, 32]" in p.stderr and "[32, 32]" in p.stderr
+    assert not os.path.exists(tmp_path / "run" / "graphs" / "manifest.json")
+    cfg_path = write_config(tmp_path / "c.yaml", byte_dataset, **{
+        "model": {"builtin": "gpt2", "init_from": str(tmp_path / "nowhere")}})
+    p = run([TRAINRUN, "prepare", "--config", cfg_path], check=2)
+    assert "model.init_from" in p.stderr and "nowhere" in p.stderr

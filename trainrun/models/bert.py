@@ -1,0 +1,250 @@
+"""BERT pre-training (masked LM + next sentence), built directly as ONNX.
+
+The layout and parameter names are those of transformers' ``BertForPreTraining``
+state dict (Linear weights [out, in]; the MLM decoder tied to
+``bert.embeddings.word_embeddings.weight``, its bias ``cls.predictions.bias``),
+so weights move between the two unchanged. Post-LN encoder layers, erf GELU
+(``hidden_act: gelu``), dropout placed as transformers places it (embeddings,
+attention probabilities, after the attention-output and output dense layers).
+No torch needed.
+
+Inputs (ONNX Runtime's BERT pre-training data; per sample, batch dim added):
+
+* ``input_ids``, ``segment_ids`` (token types), ``input_mask`` (1 = token,
+  0 = padding): int64 [batch, seq];
+* ``masked_lm_positions``, ``masked_lm_ids``: int64 [batch, predictions], the
+  positions of the masked tokens and their original ids. An unused prediction
+  slot holds position 0 and id 0 (as Google's create_pretraining_data.py pads
+  them; its masked_lm_weights is 0 exactly there): id 0 is [PAD], never a
+  prediction target, so the MLM loss ignores label 0 (``ignore_index`` 0).
+  The MLM head runs only at these positions (as NVIDIA's and ORT's BERT do);
+* ``next_sentence_labels``: int64 [batch]; 0 = B follows A, 1 = B is random
+  (transformers' convention).
+
+Outputs: ``bert_loss`` = mean MLM cross-entropy over the used prediction slots
+of the batch + mean NSP cross-entropy (transformers' ``loss``), the eval
+metrics ``metric/{mlm_accuracy,nsp_accuracy,mlm_loss,nsp_loss}/{sum,count}``,
+``prediction_logits`` [batch, predictions, vocab] (the MLM logits at the
+masked positions) and ``seq_relationship_logits`` [batch, 2].
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from onnx import TensorProto, helper
+
+from ..config import BertConfig
+from .gpt2 import IR_VERSION, MASK_VALUE, OPSET, _Graph
+
+INPUTS = ["input_ids", "segment_ids", "input_mask", "masked_lm_positions", "masked_lm_ids",
+          "next_sentence_labels"]
+LOSS = "bert_loss"
+LOGITS = "prediction_logits"
+NSP_LOGITS = "seq_relationship_logits"
+IGNORE_ID = 0            # masked_lm_ids value of an unused prediction slot
+
+
+def init_weights(cfg: BertConfig, seed: int) -> dict[str, np.ndarray]:
+    """transformers' BERT initialisation: weights and embeddings N(0, initializer_range), the
+    [PAD] (id 0) embedding row 0, biases 0, LayerNorm 1/0. Deterministic in ``seed``."""
+    rng = np.random.default_rng(seed)
+    E, I = cfg.hidden_size, cfg.intermediate_size
+
+    def normal(*shape):
+        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(cfg.initializer_range)).astype(np.float32)
+
+    def zeros(n):
+        return np.zeros(n, np.float32)
+
+    def ones(n):
+        return np.ones(n, np.float32)
+
+    w: dict[str, np.ndarray] = {"bert.embeddings.word_embeddings.weight": normal(cfg.vocab_size, E)}
+    w["bert.embeddings.word_embeddings.weight"][0] = 0
+    w["bert.embeddings.position_embeddings.weight"] = normal(cfg.max_position_embeddings, E)
+    w["bert.embeddings.token_type_embeddings.weight"] = normal(cfg.type_vocab_size, E)
+    w["bert.embeddings.LayerNorm.weight"], w["bert.embeddings.LayerNorm.bias"] = ones(E), zeros(E)
+    for i in range(cfg.num_hidden_layers):
+        p = f"bert.encoder.layer.{i}."
+        for name in ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense"):
+            w[p + name + ".weight"], w[p + name + ".bias"] = normal(E, E), zeros(E)
+        w[p + "attention.output.LayerNorm.weight"], w[p + "attention.output.LayerNorm.bias"] = ones(E), zeros(E)
+        w[p + "intermediate.dense.weight"], w[p + "intermediate.dense.bias"] = normal(I, E), zeros(I)
+        w[p + "output.dense.weight"], w[p + "output.dense.bias"] = normal(E, I), zeros(E)
+        w[p + "output.LayerNorm.weight"], w[p + "output.LayerNorm.bias"] = ones(E), zeros(E)
+    w["bert.pooler.dense.weight"], w["bert.pooler.dense.bias"] = normal(E, E), zeros(E)
+    w["cls.predictions.transform.dense.weight"], w["cls.predictions.transform.dense.bias"] = normal(E, E), zeros(E)
+    w["cls.predictions.transform.LayerNorm.weight"] = ones(E)
+    w["cls.predictions.transform.LayerNorm.bias"] = zeros(E)
+    w["cls.predictions.bias"] = zeros(cfg.vocab_size)
+    w["cls.seq_relationship.weight"], w["cls.seq_relationship.bias"] = normal(2, E), zeros(2)
+    return w
+
+
+# transformers' state-dict names of the tied MLM decoder -> the parameter that holds them here
+TIED = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+        "cls.predictions.decoder.bias": "cls.predictions.bias"}
+
+
+def build_bert(cfg: BertConfig, weights: dict[str, np.ndarray]):
+    """The forward graph (see the module doc) with ``weights`` as initializers.
+
+    Dense layers run as Gemm on [batch*seq, width] (transB: the [out, in] weights as stored);
+    the residual stream is [batch, seq, hidden] so that Dropout's input has the batch first.
+    Dropout nodes carry ``training_mode`` (true) as their third input; the train graph turns them
+    into products with mask inputs (graphs.dropout_masks), the eval and inference graphs into Identity.
+    """
+    E, H = cfg.hidden_size, cfg.num_attention_heads
+    D = E // H
+    g = _Graph()
+    for name, value in weights.items():
+        g.const(name, value)
+    g.const("c_zero1", np.array([0], np.int64))
+    g.const("c_axes12", np.array([1, 2], np.int64))
+    g.const("c_last", np.array([-1], np.int64))
+    g.const("c_2d", np.array([-1, E], np.int64))
+    g.const("c_heads_shape", np.array([0, 0, H, D], np.int64))
+    g.const("c_first", np.array(0, np.int64))
+    g.const("c_scale", np.array(1.0 / math.sqrt(D), np.float32))
+    g.const("c_mask_value", np.array(MASK_VALUE, np.float32))
+    g.const("c_1f", np.array(1.0, np.float32))
+    g.const("c_half", np.array(0.5, np.float32))
+    g.const("c_rsqrt2", np.array(1 / math.sqrt(2), np.float32))
+    if cfg.hidden_act == "gelu_new":
+        g.const("c_gelu_a", np.array(2 * math.sqrt(2 / math.pi), np.float32))
+        g.const("c_gelu_b", np.array(2 * math.sqrt(2 / math.pi) * 0.044715, np.float32))
+    g.const("c_ignore", np.array(IGNORE_ID, np.int64))
+    ratios = {}
+    for key, p in (("hidden", cfg.hidden_dropout_prob), ("attention", cfg.attention_probs_dropout_prob)):
+        if p > 0:
+            ratios[key] = g.const(f"dropout_ratio_{key}", np.array(p, np.float32))
+    if ratios:
+        g.const("dropout_training", np.array(True))
+
+    def dropout(x, key):
+        return g.op("Dropout", [x, ratios[key], "dropout_training"]) if key in ratios else x
+
+    def layer_norm(x, prefix):
+        y, _, _ = g.op("LayerNormalization", [x, prefix + ".weight", prefix + ".bias"], n_out=3,
+                       axis=-1, epsilon=cfg.layer_norm_eps)
+        return y
+
+    def dense(x2d, prefix):           # torch Linear on [N, in]: x W^T + b
+        return g.op("Gemm", [x2d, prefix + ".weight", prefix + ".bias"], transB=1)
+
+    def gelu(y, name):
+        if cfg.hidden_act == "gelu":  # 0.5 y (1 + erf(y / sqrt 2))
+            half = g.op("Mul", [g.op("Add", [g.op("Erf", [g.op("Mul", [y, "c_rsqrt2"])]), "c_1f"]), "c_half"])
+            g.nodes.append(helper.make_node("Mul", [y, half], [name], name=name))
+        else:                         # gelu_new as in gpt2.py: y * sigmoid(y (2k + 2k 0.044715 y^2))
+            poly = g.op("Add", [g.op("Mul", [g.op("Mul", [y, y]), "c_gelu_b"]), "c_gelu_a"])
+            g.nodes.append(helper.make_node("Mul", [y, g.op("Sigmoid", [g.op("Mul", [y, poly])])], [name], name=name))
+        return name
+
+    # embeddings
+    seq = g.op("Shape", ["input_ids"], start=1, end=2)
+    words = g.op("Gather", ["bert.embeddings.word_embeddings.weight", "input_ids"], axis=0)
+    pos = g.op("Slice", ["bert.embeddings.position_embeddings.weight", "c_zero1", seq, "c_zero1"])
+    types = g.op("Gather", ["bert.embeddings.token_type_embeddings.weight", "segment_ids"], axis=0)
+    h = dropout(layer_norm(g.op("Add", [g.op("Add", [words, pos]), types]), "bert.embeddings.LayerNorm"), "hidden")
+    shape3 = g.op("Shape", [h])                                                       # [B, S, E]
+    # additive attention mask [B, 1, 1, S]: 0 for tokens, MASK_VALUE for padding
+    keep = g.op("Cast", ["input_mask"], to=TensorProto.FLOAT)
+    mask = g.op("Unsqueeze", [g.op("Mul", [g.op("Sub", ["c_1f", keep]), "c_mask_value"]), "c_axes12"])
+
+    def heads(x2d, perm):
+        return g.op("Transpose", [g.op("Reshape", [g.op("Reshape", [x2d, shape3]), "c_heads_shape"])], perm=perm)
+
+    for i in range(cfg.num_hidden_layers):
+        p = f"bert.encoder.layer.{i}"
+        x = g.op("Reshape", [h, "c_2d"])
+        q = heads(dense(x, p + ".attention.self.query"), [0, 2, 1, 3])      # [B,H,S,D]
+        kt = heads(dense(x, p + ".attention.self.key"), [0, 2, 3, 1])       # [B,H,D,S]
+        v = heads(dense(x, p + ".attention.self.value"), [0, 2, 1, 3])
+        scores = g.op("Add", [g.op("Mul", [g.op("MatMul", [q, kt]), "c_scale"]), mask])
+        probs = dropout(g.op("Softmax", [scores], axis=-1), "attention")
+        ctx = g.op("Reshape", [g.op("Transpose", [g.op("MatMul", [probs, v])], perm=[0, 2, 1, 3]), "c_2d"])
+        a = g.op("Reshape", [dense(ctx, p + ".attention.output.dense"), shape3])
+        h = layer_norm(g.op("Add", [dropout(a, "hidden"), h]), p + ".attention.output.LayerNorm")
+        m = gelu(dense(g.op("Reshape", [h, "c_2d"]), p + ".intermediate.dense"), p + ".intermediate.act")
+        o = g.op("Reshape", [dense(m, p + ".output.dense"), shape3])
+        h = layer_norm(g.op("Add", [dropout(o, "hidden"), h]), p + ".output.LayerNorm")
+
+    # MLM head at the masked positions only: [B, P, E] -> [B*P, E] -> [B*P, V]
+    at = g.op("GatherND", [h, g.op("Unsqueeze", ["masked_lm_positions", "c_last"])], batch_dims=1)
+    t = layer_norm(gelu(dense(g.op("Reshape", [at, "c_2d"]), "cls.predictions.transform.dense"), "cls.predictions.act"),
+                   "cls.predictions.transform.LayerNorm")
+    logits2d = g.op("Gemm", [t, "bert.embeddings.word_embeddings.weight", "cls.predictions.bias"], transB=1)
+    labels = g.op("Reshape", ["masked_lm_ids", "c_last"])
+    plogits_shape = g.op("Concat", [g.op("Shape", ["masked_lm_ids"]), g.op("Shape", [logits2d], start=1)], axis=0)
+    g.nodes.append(helper.make_node("Reshape", [logits2d, plogits_shape], [LOGITS], name="mlm_logits"))
+    mlm_loss = g.op("SoftmaxCrossEntropyLoss", [logits2d, labels], reduction="mean", ignore_index=IGNORE_ID)
+
+    # NSP head on the first ([CLS]) token
+    pooled = g.op("Tanh", [dense(g.op("Gather", [h, "c_first"], axis=1), "bert.pooler.dense")])
+    g.nodes.append(helper.make_node("Gemm", [pooled, "cls.seq_relationship.weight", "cls.seq_relationship.bias"],
+                                    [NSP_LOGITS], name="nsp_logits", transB=1))
+    nsp_loss = g.op("SoftmaxCrossEntropyLoss", [NSP_LOGITS, "next_sentence_labels"], reduction="mean")
+    g.nodes.append(helper.make_node("Add", [mlm_loss, nsp_loss], [LOSS], name=LOSS))
+
+    # eval metrics: correct predictions / used slots, correct NSP / samples, and the two losses
+    def metric(name, total, count):
+        g.nodes.append(helper.make_node("Identity", [total], [f"metric/{name}/sum"], name=f"metric_{name}_sum"))
+        g.nodes.append(helper.make_node("Identity", [count], [f"metric/{name}/count"], name=f"metric_{name}_count"))
+
+    def fsum(x):
+        return g.op("ReduceSum", [g.op("Cast", [x], to=TensorProto.FLOAT)], keepdims=0)
+
+    used = g.op("Not", [g.op("Equal", [labels, "c_ignore"])])
+    hits = g.op("And", [used, g.op("Equal", [g.op("ArgMax", [logits2d], axis=1, keepdims=0), labels])])
+    n_used, n_samples = fsum(used), fsum(g.op("Shape", ["next_sentence_labels"]))
+    nsp_hits = g.op("Equal", [g.op("ArgMax", [NSP_LOGITS], axis=1, keepdims=0), "next_sentence_labels"])
+    metric("mlm_accuracy", fsum(hits), n_used)
+    metric("nsp_accuracy", fsum(nsp_hits), n_samples)
+    metric("mlm_loss", g.op("Mul", [mlm_loss, n_used]), n_used)
+    metric("nsp_loss", g.op("Mul", [nsp_loss, n_samples]), n_samples)
+
+    def ids(name, dims):
+        return helper.make_tensor_value_info(name, TensorProto.INT64, dims)
+    graph_inputs = [ids("input_ids", ["batch", "seq"]), ids("segment_ids", ["batch", "seq"]),
+                    ids("input_mask", ["batch", "seq"]), ids("masked_lm_positions", ["batch", "predictions"]),
+                    ids("masked_lm_ids", ["batch", "predictions"]), ids("next_sentence_labels", ["batch"])]
+    scalar = [helper.make_tensor_value_info(n, TensorProto.FLOAT, []) for n in
+              [LOSS] + [f"metric/{m}/{k}" for m in ("mlm_accuracy", "nsp_accuracy", "mlm_loss", "nsp_loss")
+                        for k in ("sum", "count")]]
+    outputs = scalar + [
+        helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, ["batch", "predictions", cfg.vocab_size]),
+        helper.make_tensor_value_info(NSP_LOGITS, TensorProto.FLOAT, ["batch", 2])]
+    graph = helper.make_graph(g.nodes, "bert", inputs=graph_inputs, outputs=outputs, initializer=g.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="trainrun")
+    model.ir_version = IR_VERSION
+    return model
+
+
+def param_count(cfg: BertConfig) -> int:
+    """Trainable parameters (the MLM decoder is tied to the word embeddings)."""
+    E, I, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    per_layer = 4 * (E * E + E) + 2 * E + (E * I + I) + (I * E + E) + 2 * E
+    embeddings = (V + cfg.max_position_embeddings + cfg.type_vocab_size) * E + 2 * E
+    heads = (E * E + E) + (E * E + E) + 2 * E + V + (2 * E + 2)
+    return embeddings + L * per_layer + heads
+
+
+def sample_inputs(cfg: BertConfig, batch: int, seq: int, predictions: int, rng) -> dict[str, np.ndarray]:
+    """A random but valid batch: distinct masked positions in 1..seq-1, ids in 1..vocab-1, padding in
+    the last quarter of some rows, a few unused prediction slots."""
+    out = {"input_ids": rng.integers(1, cfg.vocab_size, (batch, seq)),
+           "segment_ids": rng.integers(0, cfg.type_vocab_size, (batch, seq)),
+           "input_mask": np.ones((batch, seq), np.int64),
+           "masked_lm_positions": np.stack([rng.permutation(np.arange(1, seq))[:predictions] for _ in range(batch)]),
+           "masked_lm_ids": rng.integers(1, cfg.vocab_size, (batch, predictions)),
+           "next_sentence_labels": rng.integers(0, 2, batch)}
+    for b in range(0, batch, 2):
+        out["input_mask"][b, seq - seq // 4:] = 0
+        out["input_ids"][b, seq - seq // 4:] = 0
+        keep = out["masked_lm_positions"][b] < seq - seq // 4
+        out["masked_lm_positions"][b][~keep] = 0
+        out["masked_lm_ids"][b][~keep] = IGNORE_ID
+    return {k: v.astype(np.int64) for k, v in out.items()}

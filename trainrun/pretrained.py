@@ -1,0 +1,71 @@
+"""``model.init_from``: start a built-in model from pretrained weights.
+
+Sources: a transformers ``save_pretrained`` directory (config.json + model.safetensors), a bare
+``.safetensors`` file, or a trainrun run/checkpoint directory (its model.safetensors; weights only,
+the optimizer starts fresh). Tensor names are transformers': with or without the family's prefix
+(``transformer.`` for GPT-2's GPT2Model vs GPT2LMHeadModel, ``bert.`` for BertModel vs
+BertForPreTraining); the tied heads (``lm_head.weight``, ``cls.predictions.decoder.*``) are the
+embedding (and bias) they are tied to. Every shape is checked. Parameters a file does not hold keep
+their fresh initialisation only when they are heads the source model may lack (``cls.*`` of a
+BertModel); any other missing parameter is an error. Tensors of the file that are no parameter here
+(buffers such as ``attn.bias`` or ``position_ids``) are ignored.
+
+The config side (config.json's shape fields against ``model.<family>``) is config._init_from_shape.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .errors import UsageError
+
+PREFIX = {"gpt2": "transformer.", "bert": "bert."}
+TIED = {"gpt2": {"lm_head.weight": "transformer.wte.weight"},
+        "bert": {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+                 "cls.predictions.decoder.bias": "cls.predictions.bias"}}
+OPTIONAL = {"gpt2": (), "bert": ("cls.",)}      # heads a base model's file does not hold
+def _safetensors_file(path: str) -> str:
+    if os.path.isfile(path):
+        return path
+    if os.path.isfile(os.path.join(path, "model.safetensors")) and os.path.isfile(os.path.join(path, "config.json")):
+        return os.path.join(path, "model.safetensors")
+    from .checkpoint import resolve_checkpoint
+    try:
+        return os.path.join(resolve_checkpoint(path), "model.safetensors")
+    except UsageError:
+        raise UsageError(f"model.init_from: {path}: neither a .safetensors file, a transformers save_pretrained "
+                         f"directory (config.json + model.safetensors) nor a trainrun run/checkpoint "
+                         f"directory") from None
+
+
+def load_into(weights: dict[str, np.ndarray], path: str, family: str) -> dict[str, np.ndarray]:
+    """``weights`` (our names and shapes, freshly initialised) with every tensor ``path`` provides."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+    file = _safetensors_file(path)
+    try:
+        tensors = load_file(file)
+    except (OSError, SafetensorError, ValueError) as exc:
+        raise UsageError(f"model.init_from: {file}: not a readable .safetensors file ({exc})") from None
+    prefix = PREFIX[family]
+    found: dict[str, tuple[str, np.ndarray]] = {}
+    for name, value in tensors.items():
+        ours = TIED[family].get(name, name)
+        if ours not in weights and prefix + ours in weights:
+            ours = prefix + ours
+        if ours in weights and (ours not in found or name == ours):   # the tensor itself wins over its tied twin
+            found[ours] = (name, value)
+    problems = [f"'{name}' is {list(value.shape)} in {file}, the model's '{ours}' is {list(weights[ours].shape)}"
+                for ours, (name, value) in found.items() if value.shape != weights[ours].shape]
+    missing = [n for n in weights if n not in found and not n.startswith(OPTIONAL[family])]
+    if missing:
+        problems.append(f"{file} holds no tensor for {len(missing)} parameter(s) of the model: "
+                        f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    if problems:
+        raise UsageError(f"model.init_from: {file} does not fit model.{family}", problems)
+    out = dict(weights)
+    for ours, (_, value) in found.items():
+        out[ours] = np.ascontiguousarray(value, dtype=np.float32)
+    return out
