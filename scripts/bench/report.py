@@ -682,6 +682,37 @@ def findings(R, out):
         f"{_x(_lever(R, '1x2: data.prefetch=0'))} of trainrun's tokens/s (tiny, runner levers).\n")
 
 
+def bert_section(R, out):
+    """scripts/bench/bert.py's results: bert-tiny, trainrun vs PyTorch DDP 2x1 (the target >= 1.2x)."""
+    b = R.get("bert")
+    if not b:
+        return
+    s = b["shape"]
+    ratio = b["median_ratio"]
+    out.append("## BERT pre-training vs PyTorch DDP\n")
+    out.append(f"`scripts/bench/bert.py`: configs/bert-tiny.yaml (BertForPreTraining, {s['num_hidden_layers']} layers, "
+               f"hidden {s['hidden_size']}, {s['num_attention_heads']} heads, WordPiece {s['vocab_size']}, erf GELU, "
+               f"no dropout), seq {b['seq_len']}, 20 predictions a sample, global batch {b['global_batch']} "
+               f"({b['global_batch'] // 2} a rank), 2 ranks x 1 thread: `mpirun -np 2 trainrun` against transformers' "
+               f"`BertForPreTraining` under DDP (gloo, torchrun), same initial weights, same batches (data.shuffle "
+               f"off), AdamW + clipping at 1.0 on both; {b['timed_steps']} timed steps after "
+               f"{b['steps'] - b['timed_steps']} untimed, rounds alternating the two. PyTorch runs transformers' own "
+               f"MLM head (logits at every position, as a user gets it); trainrun's runs it at the masked positions "
+               f"only, as ORT's and NVIDIA's BERT do.\n")
+    out.append("| round | trainrun tokens/s | PyTorch DDP tokens/s | trainrun / DDP |")
+    out.append("|---|---|---|---|")
+    for i, (a, d) in enumerate(zip(b["trainrun_tokens_per_s"], b["ddp_tokens_per_s"])):
+        out.append(f"| {i + 1} | {a:,.0f} | {d:,.0f} | {a / d:.2f} |")
+    out.append("")
+    fl = b.get("final_loss") or {}
+    out.append(f"**Target trainrun 2x1 >= 1.2x PyTorch DDP 2x1: {ratio:.2f}x (median of rounds) "
+               f"{'met' if ratio >= 1.2 else '**not met**'}.** Final loss (last round, step {b['steps']}): trainrun "
+               f"{na(fl.get('trainrun'), '{:.4f}')}, DDP {na(fl.get('ddp'), '{:.4f}')} (same start and data).\n")
+    if b.get("profile"):
+        out.append("trainrun's onnxruntime profile (`trainrun profile summarize`, steps 30-34):\n")
+        out.append("```\n" + b["profile"].strip().replace(str(common.ROOT) + "/", "") + "\n```\n")
+
+
 def render(R) -> str:
     m = R.get("machine", {})
     v = m.get("versions", {})
@@ -744,6 +775,7 @@ def render(R) -> str:
         for k, c in cmds.items():
             out.append(f"# {k}\n{c.replace(str(common.ROOT) + '/', '')}")
         out.append("```\n")
+    bert_section(R, out)
     findings(R, out)
     out.append("## Levers\n")
     levers_section(R, out)
