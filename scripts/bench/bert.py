@@ -177,6 +177,7 @@ def main() -> None:
         return torch_rank(args)
     work = Path(args.out).resolve()
     work.mkdir(parents=True, exist_ok=True)
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     shape = prepare(work)
     ours, theirs = [], []
     for r in range(args.rounds):         # alternate, so that load on a shared machine hits both alike
@@ -191,7 +192,7 @@ def main() -> None:
                "ddp_tokens_per_s": [b["tokens_per_s"] for b in theirs], "ratios": ratios,
                "median_ratio": float(np.median(ratios)),
                "final_loss": {"trainrun": ours[-1]["final_loss"], "ddp": theirs[-1]["final_loss"]},
-               "loadavg": os.getloadavg()[0]}
+               "loadavg": os.getloadavg()[0], "started": started}
     if args.profile:
         prof = trainrun_once(work, 40, profile=True)
         out = subprocess.run([str(BIN / "trainrun"), "profile", "summarize", prof["run_dir"], "--top", "8"],

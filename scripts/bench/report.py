@@ -4,6 +4,7 @@ was not measured), levers and components."""
 
 from __future__ import annotations
 
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -698,7 +699,8 @@ def bert_section(R, out):
                f"off), AdamW + clipping at 1.0 on both; {b['timed_steps']} timed steps after "
                f"{b['steps'] - b['timed_steps']} untimed, rounds alternating the two. PyTorch runs transformers' own "
                f"MLM head (logits at every position, as a user gets it); trainrun's runs it at the masked positions "
-               f"only, as ORT's and NVIDIA's BERT do.\n")
+               f"only, as ORT's and NVIDIA's BERT do. Run started {b.get('started', '?')}; 1-minute load average "
+               f"{na(b.get('loadavg'), '{:.1f}')} at its end.\n")
     out.append("| round | trainrun tokens/s | PyTorch DDP tokens/s | trainrun / DDP |")
     out.append("|---|---|---|---|")
     for i, (a, d) in enumerate(zip(b["trainrun_tokens_per_s"], b["ddp_tokens_per_s"])):
@@ -710,7 +712,8 @@ def bert_section(R, out):
                f"{na(fl.get('trainrun'), '{:.4f}')}, DDP {na(fl.get('ddp'), '{:.4f}')} (same start and data).\n")
     if b.get("profile"):
         out.append("trainrun's onnxruntime profile (`trainrun profile summarize`, steps 30-34):\n")
-        out.append("```\n" + b["profile"].strip().replace(str(common.ROOT) + "/", "") + "\n```\n")
+        text = re.sub(r"(rank\(s\)): \S+", r"\1", b["profile"].strip())       # (the run folder)
+        out.append("```\n" + text + "\n```\n")
 
 
 def render(R) -> str:
