@@ -77,6 +77,10 @@ def test_both_heads_match_transformers(shape):
         valid = batch["masked_lm_ids"] != 0
         assert used == valid.sum()
         assert hits == (valid & (at.argmax(-1) == batch["masked_lm_ids"])).sum()
+    # an id past its table fails as transformers' nn.Embedding does (not a silent zero embedding)
+    for name, bad in (("input_ids", cfg.vocab_size), ("segment_ids", cfg.type_vocab_size)):
+        with pytest.raises(Exception, match="(?i)indice|index"):
+            sess.run(["bert_loss"], {**batch, name: np.full_like(batch[name], bad)})
 
 
 def test_initialisation_is_seeded_and_bert_like():

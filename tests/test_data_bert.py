@@ -13,16 +13,25 @@ from test_data_tools import tree_bytes
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import reference as R  # noqa: E402  (reads the .pb files without trainrun)
 
-ARGS = ["--seq-len", "64", "--max-predictions", "8", "--masked-lm-prob", "0.15", "--dupe-factor", "2",
-        "--short-seq-prob", "0.2", "--seed", "7", "--eval-fraction", "0.1", "--no-progress"]
+MLM_PROB, PER_FILE = 0.2, 200
+ARGS = ["--seq-len", "64", "--max-predictions", "8", "--masked-lm-prob", str(MLM_PROB), "--dupe-factor", "2",
+        "--short-seq-prob", "0.2", "--seed", "7", "--eval-fraction", "0.1", "--samples-per-file", str(PER_FILE),
+        "--no-progress"]
+# the text dir also holds notes.src (not a default suffix) and skip/ (*.py, taken by default): these pick
+# exactly the top-level *.py and notes.src, as the globs of test_same_bytes_... do
+PICK = ["--include", "*.py", "--include", "*.src", "--exclude", "skip", "--exclude", "__pycache__"]
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("bert")
-    synthetic_text_dir(str(root / "text"), max_bytes=120_000)
-    run([TRAINRUN_DATA, "bert", "--input", str(root / "text"), "--output", str(root / "a"),
-         "--train-wordpiece", "600", *ARGS], check=0)
+    text = root / "text"
+    synthetic_text_dir(str(text), max_bytes=120_000)
+    (text / "notes.src").write_text("".join(f"Note {i} says the parser reads a line.\nIt ends here.\n\n"
+                                            for i in range(40)))
+    synthetic_text_dir(str(text / "skip"), max_bytes=5_000, seed=1)
+    run([TRAINRUN_DATA, "bert", "--input", str(text), "--output", str(root / "a"),
+         "--train-wordpiece", "600", *PICK, *ARGS], check=0)
     return root
 
 
@@ -33,6 +42,9 @@ def test_samples_are_bert_pretraining_pairs(built):
     assert tok.token_to_id("[PAD]") == 0
     samples = R.tensor_samples(str(built / "a" / "train"))
     assert len(samples) > 500 and len(R.tensor_samples(str(built / "a" / "eval"))) > 10
+    files = json.loads((built / "a" / "train" / "manifest.json").read_text())["files"]    # --samples-per-file
+    assert [f["num_samples"] for f in files] == [PER_FILE] * (len(samples) // PER_FILE) + (
+        [len(samples) % PER_FILE] if len(samples) % PER_FILE else [])
     replaced = kept = masked = 0
     for s in samples:
         ids, seg, inmask = s["input_ids"], s["segment_ids"], s["input_mask"]
@@ -47,7 +59,7 @@ def test_samples_are_bert_pretraining_pairs(built):
         assert ids[0] == cls and seps[-1] == n - 1 and len(seps) >= 2
         a_end = seps[-2] if ids[seps[-2]] == sep and (seg[:seps[-2] + 1] == 0).all() else None
         assert a_end is not None and (seg[a_end + 1:n] == 1).all() and a_end >= 2 and n - 1 - a_end >= 2
-        assert k == min(8, max(1, round(n * 0.15)))
+        assert k == min(8, max(1, round(n * MLM_PROB)))
         assert (s["masked_lm_positions"][~used] == 0).all() and (np.diff(pos) > 0).all()
         assert ((pos > 0) & (pos < n - 1) & (pos != a_end)).all()
         at = ids[pos]
@@ -63,15 +75,21 @@ def test_samples_are_bert_pretraining_pairs(built):
 
 def test_same_bytes_with_the_written_tokenizer_and_any_thread_count(built, tmp_path):
     out = tmp_path / "b"
-    run([TRAINRUN_DATA, "bert", "--input", str(built / "text"), "--output", str(out),
+    globs = [str(built / "text" / "*.py"), str(built / "text" / "*.src")]     # the files PICK chose
+    run([TRAINRUN_DATA, "bert", "--input", *globs, "--output", str(out),
          "--tokenizer", str(built / "a" / "tokenizer.json"), *ARGS], check=0, env={"RAYON_NUM_THREADS": "1"})
-    assert tree_bytes(out) == tree_bytes(built / "a")
+    same = tree_bytes(out)
+    assert same == tree_bytes(built / "a")
     manifest = json.loads((out / "train" / "manifest.json").read_text())
     assert manifest["seq_len"] == 64 and manifest["tokenizer_file"] == "../tokenizer.json"
-    other = tmp_path / "c"       # another seed: other samples
-    run([TRAINRUN_DATA, "bert", "--input", str(built / "text"), "--output", str(other),
+    # another seed: other samples, replacing the dataset in place (--overwrite)
+    run([TRAINRUN_DATA, "bert", "--input", str(built / "text"), "--output", str(out), "--overwrite", *PICK,
          "--tokenizer", str(built / "a" / "tokenizer.json"), *[("8" if a == "7" else a) for a in ARGS]], check=0)
-    assert tree_bytes(other / "train") != tree_bytes(out / "train")
+    again = tree_bytes(out)
+    files = json.loads(again[os.path.join("train", "manifest.json")])["files"]
+    assert {k for k in again if k.startswith("train")} == {os.path.join("train", n) for n in
+                                                           ["manifest.json"] + [f["file"] for f in files]}
+    assert again["tokenizer.json"] == same["tokenizer.json"] and again != same
 
 
 def test_bad_input_is_named_and_nothing_is_written(built, tmp_path):

@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from conftest import ROOT, TRAINRUN, mpirun, read_metrics, run, write_config
+from conftest import ROOT, TRAINRUN, TRAINRUN_DATA, mpirun, read_metrics, run, synthetic_text_dir, write_config
 from test_bert import hf_forward
+from test_data_tools import expected_split
 from trainrun.models.bert import sample_inputs
 from trainrun import config as C
 
@@ -22,23 +23,57 @@ BERT = dict(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_h
             max_position_embeddings=40)
 
 
-def pretrained_gpt2(path, seed=0):
+def pretrained_gpt2(path, seed=0, eos=0, **shape):
     """A 'pretrained' GPT-2: transformers' own random initialisation, saved as save_pretrained does."""
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(seed)
-    model = GPT2LMHeadModel(GPT2Config(**GPT2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                       bos_token_id=0, eos_token_id=0)).eval()
+    model = GPT2LMHeadModel(GPT2Config(**{**GPT2, **shape}, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                       bos_token_id=eos, eos_token_id=eos)).eval()
     model.save_pretrained(path)
     return model
 
 
-def test_gpt2_from_save_pretrained_fills_the_shape_and_starts_at_its_loss(tmp_path, byte_dataset):
-    hf = pretrained_gpt2(tmp_path / "pre")
-    cfg_path = write_config(tmp_path / "c.yaml", byte_dataset, **{
+def gpt2_tokenizer_json(texts, path, vocab_size):
+    """A byte-level BPE laid out as GPT-2's tokenizer.json: merges as "a b" strings, no subword prefix or
+    suffix, <|endoftext|> the last id (GPT-2's 50256), ByteLevel pre-tokenizer, post-processor and decoder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size - 1, show_progress=False,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    spec = json.loads(tok.to_str())
+    model = spec["model"]
+    assert len(model["vocab"]) == vocab_size - 1
+    model["merges"] = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    model.update(continuing_subword_prefix="", end_of_word_suffix="")
+    model["vocab"]["<|endoftext|>"] = vocab_size - 1
+    spec["added_tokens"] = [{"id": vocab_size - 1, "content": "<|endoftext|>", "single_word": False, "lstrip": False,
+                             "rstrip": False, "normalized": True, "special": True}]
+    path.write_text(json.dumps(spec))
+    return Tokenizer.from_file(str(path))
+
+
+def test_gpt2_from_save_pretrained_fills_the_shape_and_starts_at_its_loss(tmp_path):
+    """The README walk-through: a pretrained GPT-2 directory and its own tokenizer.json (GPT-2's layout)
+    -> `trainrun-data tokens --tokenizer` -> `model.init_from`: the first loss is transformers'."""
+    vocab = 320
+    text = synthetic_text_dir(str(tmp_path / "text"), max_bytes=60_000)
+    docs = [open(os.path.join(text, f), encoding="utf-8").read() for f in sorted(os.listdir(text))]
+    hf = pretrained_gpt2(tmp_path / "pre", eos=vocab - 1, vocab_size=vocab)
+    tok = gpt2_tokenizer_json(docs, tmp_path / "pre" / "tokenizer.json", vocab)
+    data = tmp_path / "data"
+    run([TRAINRUN_DATA, "tokens", "--input", text, "--output", str(data), "--tokenizer",
+         str(tmp_path / "pre" / "tokenizer.json"), "--eval-fraction", "0.1", "--no-progress"], check=0)
+    train_docs, _ = expected_split([(f, d.encode()) for f, d in zip(sorted(os.listdir(text)), docs)], 0.1)
+    want = [i for d in train_docs for i in tok.encode(d.decode(), add_special_tokens=False).ids + [vocab - 1]]
+    assert np.array_equal(R.token_stream(str(data / "train")), want)      # the library's own ids
+    cfg_path = write_config(tmp_path / "c.yaml", str(data), **{
         "model": {"builtin": "gpt2", "init_from": str(tmp_path / "pre")},     # no model.gpt2: from config.json
         "train.max_steps": 2, "run.seed": 3})
     shape = {k: getattr(C.load_config(cfg_path).model.gpt2, k) for k in GPT2}
-    assert shape == GPT2
+    assert shape == {**GPT2, "vocab_size": vocab}
     mpirun(2, "--config", cfg_path)
     ours = load_file(str(tmp_path / "run" / "graphs" / "weights.safetensors"))
     state = hf.state_dict()
@@ -46,16 +81,17 @@ def test_gpt2_from_save_pretrained_fills_the_shape_and_starts_at_its_loss(tmp_pa
     for name, value in ours.items():
         assert np.array_equal(value, state[name].numpy()), name
     train, _ = read_metrics(str(tmp_path / "run"))
-    ids, labels = next(R.global_batches(os.path.join(byte_dataset, "train"), 32, 8, 3))
+    ids, labels = next(R.global_batches(str(data / "train"), 32, 8, 3))
     with torch.no_grad():
         logits = hf(torch.from_numpy(ids)).logits
-        ref = torch.nn.functional.cross_entropy(logits.reshape(-1, 257), torch.from_numpy(labels).reshape(-1)).item()
+        ref = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), torch.from_numpy(labels).reshape(-1)).item()
     assert train[1]["loss"] == pytest.approx(ref, rel=1e-4)
 
     # a trainrun run directory as init_from: its latest checkpoint's weights, a fresh run
     os.makedirs(tmp_path / "d")
-    cfg2 = write_config(tmp_path / "d" / "c.yaml", byte_dataset, **{
-        "model": {"builtin": "gpt2", "gpt2": GPT2, "init_from": str(tmp_path / "run")}, "train.max_steps": 1})
+    cfg2 = write_config(tmp_path / "d" / "c.yaml", str(data), **{
+        "model": {"builtin": "gpt2", "gpt2": {**GPT2, "vocab_size": vocab}, "init_from": str(tmp_path / "run")},
+        "train.max_steps": 1})
     run([TRAINRUN, "prepare", "--config", cfg2], check=0)
     again = load_file(str(tmp_path / "d" / "run" / "graphs" / "weights.safetensors"))
     final = load_file(str(tmp_path / "run" / "checkpoints" / "2" / "model.safetensors"))

@@ -19,7 +19,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +26,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+import common  # noqa: E402
 import squeezenet_digits as SQ  # noqa: E402
 
 WARM = 20
@@ -91,20 +92,12 @@ def torch_rank(args) -> None:
     data = np.load(args.data)
     x, y = torch.from_numpy(data["x"]), torch.from_numpy(data["label"])
     n = len(y)
-    t0 = None
-    for t in range(1, args.steps + 1):
-        if t == WARM + 1:
-            dist.barrier()
-            t0 = time.perf_counter()
+
+    def loss_at(t):
         idx = [(64 * (t - 1) + 32 * rank + j) % n for j in range(32)]
-        loss = F.cross_entropy(model(x[idx]), y[idx])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        float(loss)
-    dist.barrier()
-    elapsed = time.perf_counter() - t0
+        return F.cross_entropy(model(x[idx]), y[idx])
+
+    elapsed, _ = common.ddp_timed_steps(model, opt, args.steps, WARM, loss_at)
     if rank == 0:
         Path(args.result).write_text(json.dumps({"samples_per_s": (args.steps - WARM) * 64 / elapsed}))
     dist.destroy_process_group()

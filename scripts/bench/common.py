@@ -194,3 +194,25 @@ def best_window(step_seconds: list[float], window: int, tokens_per_step: float) 
     w = max(1, min(window, len(step_seconds)))
     best = min(sum(step_seconds[i:i + w]) for i in range(len(step_seconds) - w + 1))
     return w * tokens_per_step / best
+
+
+def ddp_timed_steps(model, opt, steps: int, warm: int, loss_at) -> tuple[float, float]:
+    """Steps 1..``steps`` of a DDP rank: ``loss_at(t)`` (the forward), backward, clipping at 1.0, the optimizer
+    step. Returns the seconds of steps ``warm``+1..``steps`` (barriers around them) and the last loss."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    t0 = None
+    for t in range(1, steps + 1):
+        if t == warm + 1:
+            dist.barrier()
+            t0 = time.perf_counter()
+        loss = loss_at(t)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        last = float(loss.detach())
+    dist.barrier()
+    return time.perf_counter() - t0, last

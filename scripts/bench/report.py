@@ -4,6 +4,7 @@ was not measured), levers and components."""
 
 from __future__ import annotations
 
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -682,6 +683,53 @@ def findings(R, out):
         f"{_x(_lever(R, '1x2: data.prefetch=0'))} of trainrun's tokens/s (tiny, runner levers).\n")
 
 
+def bert_section(R, out):
+    """scripts/bench/bert.py's results: bert-tiny, trainrun vs PyTorch DDP 2x1 (the target >= 1.2x)."""
+    b = R.get("bert")
+    if not b:
+        return
+    s = b["shape"]
+    ratio = b["median_ratio"]
+    out.append("## BERT pre-training vs PyTorch DDP\n")
+    out.append(f"`scripts/bench/bert.py`: configs/bert-tiny.yaml (BertForPreTraining, {s['num_hidden_layers']} layers, "
+               f"hidden {s['hidden_size']}, {s['num_attention_heads']} heads, WordPiece {s['vocab_size']}, erf GELU, "
+               f"no dropout), seq {b['seq_len']}, 20 predictions a sample, global batch {b['global_batch']} "
+               f"({b['global_batch'] // 2} a rank), 2 ranks x 1 thread: `mpirun -np 2 trainrun` against transformers' "
+               f"`BertForPreTraining` under DDP (gloo, torchrun), same initial weights, same batches (data.shuffle "
+               f"off), AdamW + clipping at 1.0 on all; {b['timed_steps']} timed steps after "
+               f"{b['steps'] - b['timed_steps']} untimed, rounds alternating the setups. trainrun runs the MLM head "
+               f"at the masked positions only, as ORT's and NVIDIA's BERT do; PyTorch runs transformers' model as a "
+               f"user gets it (the head at every position) and, like for like, the same modules with the head at "
+               f"the masked positions only (\"masked head\"). Run started {b.get('started', '?')}; 1-minute load average "
+               f"{na(b.get('loadavg'), '{:.1f}')} at its end.\n")
+    masked = b.get("ddp_masked_head_tokens_per_s") or [None] * len(b["ddp_tokens_per_s"])
+    out.append("| round | trainrun tokens/s | PyTorch DDP tokens/s | trainrun / DDP | PyTorch DDP, masked head, "
+               "tokens/s | trainrun / DDP masked head |")
+    out.append("|---|---|---|---|---|---|")
+    for i, (a, d, m) in enumerate(zip(b["trainrun_tokens_per_s"], b["ddp_tokens_per_s"], masked)):
+        out.append(f"| {i + 1} | {a:,.0f} | {d:,.0f} | {a / d:.2f} | {na(m, '{:,.0f}')} | "
+                   f"{na(a / m if m else None)} |")
+    out.append("")
+    fl = b.get("final_loss") or {}
+    like = b.get("median_masked_head_ratio")
+    out.append(f"**Target trainrun 2x1 >= 1.2x PyTorch DDP 2x1: {ratio:.2f}x (median of rounds) "
+               f"{'met' if ratio >= 1.2 else '**not met**'}**; like for like (masked head): {na(like, '{:.2f}x')}"
+               f"{'' if like is None else (' met' if like >= 1.2 else ' **not met**')}. Final loss (last round, step "
+               f"{b['steps']}): trainrun {na(fl.get('trainrun'), '{:.4f}')}, DDP {na(fl.get('ddp'), '{:.4f}')}, "
+               f"DDP masked head {na(fl.get('ddp_masked_head'), '{:.4f}')} (same start and data).\n")
+    co = b.get("compute_only_ms")
+    if co:
+        out.append(f"Forward + backward alone (1 thread, one process, the three interleaved step by step so that "
+                   f"load hits them alike; median ms a step, micro-batch {b['global_batch'] // 2}): trainrun "
+                   f"{co['trainrun']:.1f}, transformers {co['torch']:.1f} ({co['torch'] / co['trainrun']:.2f}x "
+                   f"trainrun's), masked head {co['torch_masked_head']:.1f} "
+                   f"({co['torch_masked_head'] / co['trainrun']:.2f}x).\n")
+    if b.get("profile"):
+        out.append("trainrun's onnxruntime profile (`trainrun profile summarize`, steps 30-34):\n")
+        text = re.sub(r"(rank\(s\)): \S+", r"\1", b["profile"].strip())       # (the run folder)
+        out.append("```\n" + text + "\n```\n")
+
+
 def render(R) -> str:
     m = R.get("machine", {})
     v = m.get("versions", {})
@@ -744,6 +792,7 @@ def render(R) -> str:
         for k, c in cmds.items():
             out.append(f"# {k}\n{c.replace(str(common.ROOT) + '/', '')}")
         out.append("```\n")
+    bert_section(R, out)
     findings(R, out)
     out.append("## Levers\n")
     levers_section(R, out)

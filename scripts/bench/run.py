@@ -443,6 +443,14 @@ class Suite:
                          "--out", str(out)])
         self.results["data"] = common.read_json(out) if out.exists() else None
 
+    def bert(self) -> None:
+        q = self.quick
+        self.say("BERT pre-training (bert-tiny) vs PyTorch DDP (scripts/bench/bert.py)")
+        out = self.work / "bert"
+        self.sh("bert", [PY, str(HERE / "bert.py"), "--steps", "30" if q else "60", "--rounds", "1" if q else "3",
+                         "--profile", "--out", str(out)], timeout=1200)
+        self.results["bert"] = common.read_json(out / "results.json") if (out / "results.json").exists() else None
+
     # ------------------------------------------------------------------ all
     def run(self) -> None:
         only = set(self.args.only.split(",")) if self.args.only else None
@@ -486,6 +494,9 @@ class Suite:
             self.save()
         if want("memcap") and not self.args.skip_extras and (not self.quick or only):
             self.memcap()
+        if want("bert") and not self.args.skip_extras:
+            self.bert()
+            self.save()
         if want("peak"):
             self.peak_again()
         self.results["loadavg_end"] = os.getloadavg()
@@ -516,7 +527,7 @@ def main() -> int:
     ap.add_argument("--skip-levers", action="store_true")
     ap.add_argument("--skip-extras", action="store_true")
     ap.add_argument("--only", help="comma-separated sections to (re-)run into the existing results.json: "
-                                   "peak,matrix,levers,scaling,runner_levers,extras,memcap")
+                                   "peak,matrix,levers,scaling,runner_levers,extras,memcap,bert")
     ap.add_argument("--render", action="store_true", help="only re-write the report from results.json")
     args = ap.parse_args()
     import report

@@ -145,9 +145,15 @@ def build_bert(cfg: BertConfig, weights: dict[str, np.ndarray]):
 
     # embeddings
     seq = g.op("Shape", ["input_ids"], start=1, end=2)
-    words = g.op("Gather", ["bert.embeddings.word_embeddings.weight", "input_ids"], axis=0)
+    # onnxruntime's CPU GatherGrad (Gather's gradient) takes a mutex per element: ~10 ms a step for each
+    # embedding of bert-tiny whatever the table's size. GatherND's gradient is a plain serial loop (~15x
+    # faster); the token types, a table of a few rows, are a one-hot [B, S, T] (a Gather from a constant
+    # identity, so an out-of-range id still fails as before) times the table, whose gradient is one small Gemm.
+    words = g.op("GatherND", ["bert.embeddings.word_embeddings.weight", g.op("Unsqueeze", ["input_ids", "c_last"])])
     pos = g.op("Slice", ["bert.embeddings.position_embeddings.weight", "c_zero1", seq, "c_zero1"])
-    types = g.op("Gather", ["bert.embeddings.token_type_embeddings.weight", "segment_ids"], axis=0)
+    g.const("c_type_onehot", np.eye(cfg.type_vocab_size, dtype=np.float32))
+    types = g.op("MatMul", [g.op("Gather", ["c_type_onehot", "segment_ids"], axis=0),
+                            "bert.embeddings.token_type_embeddings.weight"])
     h = dropout(layer_norm(g.op("Add", [g.op("Add", [words, pos]), types]), "bert.embeddings.LayerNorm"), "hidden")
     shape3 = g.op("Shape", [h])                                                       # [B, S, E]
     # additive attention mask [B, 1, 1, S]: 0 for tokens, MASK_VALUE for padding
