@@ -81,13 +81,27 @@ def resume(run_dir, overrides, log_level, force):
 
 @cli.command()
 @click.argument("checkpoint", type=click.Path(exists=True))
-@click.option("--output", "-o", required=True, type=click.Path(dir_okay=False), help="Output ONNX file.")
+@click.option("--output", "-o", required=True, type=click.Path(),
+              help="Output ONNX file (--format onnx) or directory (--format transformers).")
+@click.option("--format", "fmt", type=click.Choice(["onnx", "transformers"]), default="onnx", show_default=True,
+              help="onnx: an inference model; transformers: a save_pretrained directory (gpt2, bert).")
+@click.option("--kv-cache", is_flag=True,
+              help="GPT-2: an inference graph with past/present keys and values (for trainrun generate).")
+@click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False),
+              help="--format transformers: this tokenizer.json instead of the run's.")
 @click.option("--opset", type=int, default=None, help="Target opset (default: the graph's).")
 @click.option("--with-loss", is_flag=True, help="Keep the loss output (takes labels).")
 @click.option("--best", is_flag=True, help="From a run directory: its checkpoint of lowest eval loss.")
-def export(checkpoint, output, opset, with_loss, best):
-    """Write an inference ONNX model from a checkpoint (offline, no MPI)."""
-    from .export import export_checkpoint
+def export(checkpoint, output, fmt, kv_cache, tokenizer, opset, with_loss, best):
+    """Write an inference model from a checkpoint (offline, no MPI): an ONNX file, or a
+    transformers directory (config.json, model.safetensors, tokenizer)."""
+    from .export import export_checkpoint, export_transformers
+    if fmt == "transformers" and (kv_cache or with_loss or opset is not None):
+        raise UsageError("--format transformers takes none of --kv-cache, --with-loss, --opset")
+    if tokenizer and fmt != "transformers":
+        raise UsageError("--tokenizer goes with --format transformers")
+    if kv_cache and with_loss:
+        raise UsageError("--kv-cache and --with-loss exclude each other")
     if best:
         from .checkpoint import best_checkpoints
         ranked = best_checkpoints(os.path.join(checkpoint, "checkpoints"))
@@ -95,7 +109,10 @@ def export(checkpoint, output, opset, with_loss, best):
             raise UsageError(f"{checkpoint}: --best needs a run directory with checkpoints that recorded an "
                              f"eval loss (checkpoint.keep_best, or checkpoints at eval steps)")
         checkpoint = ranked[0]
-    export_checkpoint(checkpoint, output, opset=opset, with_loss=with_loss)
+    if fmt == "transformers":
+        export_transformers(checkpoint, output, tokenizer=tokenizer, echo=click.echo)
+    else:
+        export_checkpoint(checkpoint, output, opset=opset, with_loss=with_loss, kv_cache=kv_cache, echo=click.echo)
 
 
 @cli.command()

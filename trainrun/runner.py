@@ -43,6 +43,7 @@ from .observe.metrics import Metrics, fmt_duration
 from .observe.timer import PhaseTimer
 from .precision import make_scaler
 from .stopping import EarlyStopping, StopSignals, Stopped
+from .tokenizer import record as record_tokenizer
 from .schedule import learning_rate
 
 MAX_NONFINITE_IN_A_ROW = 8
@@ -113,6 +114,8 @@ class TrainingRunner:
                 os.makedirs(self.out, exist_ok=True)
                 with open(os.path.join(self.out, "config.yaml"), "w") as fh:
                     fh.write(C.to_yaml(cfg))
+                if cfg.data.train:         # generate and export find the tokenizer in the run
+                    record_tokenizer(cfg.data.train, self.out)
                 if not G.up_to_date(self.graphs_dir, cfg):
                     self.log(f"preparing graphs in {self.graphs_dir}")
                     G.prepare(cfg, self.graphs_dir)
