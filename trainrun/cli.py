@@ -44,6 +44,8 @@ def cli(ctx, config_path, overrides, log_level):
     mpirun -np N trainrun --config FILE [--set key.path=value ...]   train
     mpirun -np N trainrun resume RUN_DIR                             continue a run
     trainrun export CHECKPOINT --output model.onnx                   inference model
+    trainrun generate RUN_DIR --prompt TEXT                          sample text
+    mpirun -np N trainrun evaluate RUN_DIR --data DIR                loss, perplexity, metrics
     """
     ctx.ensure_object(dict)
     ctx.obj["log_level"] = log_level
@@ -113,6 +115,29 @@ def export(checkpoint, output, fmt, kv_cache, tokenizer, opset, with_loss, best)
         export_transformers(checkpoint, output, tokenizer=tokenizer, echo=click.echo)
     else:
         export_checkpoint(checkpoint, output, opset=opset, with_loss=with_loss, kv_cache=kv_cache, echo=click.echo)
+
+
+@cli.command()
+@click.argument("source", type=click.Path(exists=True))
+@click.option("--prompt", required=True, help="Text the sample starts from.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=100, show_default=True,
+              help="Most tokens generated per sample (fewer at the end-of-document token or a full window).")
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=1.0, show_default=True,
+              help="Softmax temperature; 0: greedy (always the most likely token).")
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Sample among the k most likely tokens only (0: all).")
+@click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0, show_default=True,
+              help="Sample among the most likely tokens holding this much probability (nucleus).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Same seed, same text.")
+@click.option("--num-samples", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False),
+              help="A tokenizer.json (default: the one the run recorded from its data).")
+def generate(source, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_samples, tokenizer):
+    """Sample text from a GPT-2: SOURCE is a model.onnx, a checkpoint or a run directory (its
+    latest checkpoint). Tokens are printed as they come."""
+    from .generate import run_generate
+    run_generate(source, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                 top_p=top_p, seed=seed, num_samples=num_samples, tokenizer=tokenizer)
 
 
 @cli.command()

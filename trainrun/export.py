@@ -79,6 +79,18 @@ def checkpoint_weights(ckpt: str, manifest: dict) -> dict[str, np.ndarray]:
     return weights
 
 
+def _logits_in_two_passes(session, ids: np.ndarray) -> np.ndarray:
+    """An attention-cache graph's logits for ``ids``: the first half with no past, the rest after it."""
+    past = [i for i in session.get_inputs() if i.name.startswith("past.")]
+    empty = {i.name: np.zeros((ids.shape[0], i.shape[1], 0, i.shape[3]), np.float32) for i in past}
+    present = [i.name.replace("past.", "present.", 1) for i in past]
+    half = ids.shape[1] // 2
+    first = session.run(["logits", *present], {"input_ids": ids[:, :half], **empty})
+    cache = dict(zip([i.name for i in past], first[1:]))
+    second = session.run(["logits"], {"input_ids": ids[:, half:], **cache})[0]
+    return np.concatenate([first[0], second], axis=1)
+
+
 def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None, with_loss: bool = False,
                       kv_cache: bool = False,
                       verify: bool = True, echo=print) -> float:
@@ -90,8 +102,12 @@ def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None,
     manifest = G.load_manifest(graphs_dir)
     weights = checkpoint_weights(ckpt, manifest)
 
-    base = "eval.onnx" if with_loss else "forward.onnx"
-    model = with_weights(onnx.load(os.path.join(graphs_dir, base)), weights)
+    if kv_cache:
+        from .generate import kv_cache_model
+        model = kv_cache_model(manifest, lambda: weights, where=ckpt)
+    else:
+        base = "eval.onnx" if with_loss else "forward.onnx"
+        model = with_weights(onnx.load(os.path.join(graphs_dir, base)), weights)
     if opset is not None:
         current = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
         if opset != current:
@@ -115,12 +131,17 @@ def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None,
     ref_name = manifest["logits"] or G.LOSS
     if with_loss:
         logits_name = ref_name
-    ours = exported.run([logits_name], {n: v for n, v in batch.items() if with_loss or n != manifest["labels"]})[0]
+    if kv_cache:
+        ours = _logits_in_two_passes(exported, batch["input_ids"])
+    else:
+        ours = exported.run([logits_name], {n: v for n, v in batch.items()
+                                            if with_loss or n != manifest["labels"]})[0]
     ref_sess = ort.InferenceSession(os.path.join(graphs_dir, "eval.onnx"), so, providers=["CPUExecutionProvider"])
     ref = ref_sess.run([ref_name], {**batch, **weights})[0]
     diff = float(np.abs(ours - ref).max())
     echo(f"exported {output} from {ckpt}: max |logits - eval graph| = {diff:.3g} on a "
-         f"{'x'.join(map(str, batch[manifest['inputs'][0]].shape))} sample")
+         f"{'x'.join(map(str, batch[manifest['inputs'][0]].shape))} sample"
+         f"{' (attention cache: half the sample, then the rest after it)' if kv_cache else ''}")
     if not diff <= 1e-4:
         raise TrainrunError(f"{output}: the exported model differs from the eval graph by {diff}")
     return diff
