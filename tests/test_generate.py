@@ -119,3 +119,41 @@ def test_generate_refuses_what_it_cannot_do(trained, tmp_path):
     assert "--tokenizer" in p.stderr
     p = run([TRAINRUN, "export", trained, "--kv-cache", "--with-loss", "--output", str(tmp_path / "x.onnx")], check=2)
     assert "exclude" in p.stderr
+
+
+def test_samples_during_training_leave_the_training_numbers_unchanged(tmp_path, byte_dataset):
+    import struct
+    from tensorboardX.proto import event_pb2
+    from conftest import mpirun, read_metrics
+    common = {"train.max_steps": 6, "train.eval_every": 3, "model.gpt2.vocab_size": 257,
+              "tensorboard": {"enabled": True}}
+    runs = {}
+    for name, extra in (("plain", {}), ("sampled", {"train.sample_every": 3, "train.sample_prompt": "def f"})):
+        os.makedirs(tmp_path / name)
+        cfg = write_config(tmp_path / name / "c.yaml", byte_dataset, **common, **extra)
+        runs[name] = mpirun(2, "--config", cfg).stdout
+    assert "sample at step" not in runs["plain"]
+    assert runs["sampled"].count("sample at step") == 2 and "\ndef f" in runs["sampled"]
+    a_train, a_eval = read_metrics(str(tmp_path / "plain" / "run"))
+    b_train, b_eval = read_metrics(str(tmp_path / "sampled" / "run"))
+    keys = ("loss", "lr", "grad_norm")
+    assert [[r[k] for k in keys] for r in a_train.values()] == [[r[k] for k in keys] for r in b_train.values()]
+    assert [r["eval_loss"] for r in a_eval.values()] == [r["eval_loss"] for r in b_eval.values()]
+    texts = {}
+    for f in os.listdir(tmp_path / "sampled" / "run" / "tensorboard"):
+        data = open(tmp_path / "sampled" / "run" / "tensorboard" / f, "rb").read()
+        i = 0
+        while i < len(data):
+            (n,) = struct.unpack("<Q", data[i:i + 8])
+            event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+            for v in event.summary.value:
+                if v.tag.startswith("samples"):
+                    texts[event.step] = v.tensor.string_val[0].decode()
+            i += 12 + n + 4
+    assert sorted(texts) == [3, 6] and all("def f" in t for t in texts.values())
+    # a model without a GPT-2 tokenizer cannot be sampled: refused before training
+    os.makedirs(tmp_path / "bad")
+    cfg = write_config(tmp_path / "bad" / "c.yaml", byte_dataset, **common, **{
+        "train.sample_every": 3, "model": {"builtin": "bert"}})
+    p = mpirun(2, "--config", cfg, check=2)
+    assert "train.sample_every" in p.stderr and "samples need model.builtin gpt2" in p.stderr

@@ -181,3 +181,56 @@ def run_generate(source: str, prompt: str, *, max_new_tokens: int, temperature: 
         out.flush()
         texts.append(prompt + piece)
     return texts
+
+
+class TrainingSampler:
+    """``train.sample_every``: samples from the weights being trained (rank 0). The attention-cache graph is
+    built once with the parameters as inputs, fed views of a host copy of the flat parameter buffer, so
+    training's own buffers and random streams are never touched."""
+
+    NEW_TOKENS, TOP_K = 64, 40
+
+    def __init__(self, manifest: dict, run_dir: str, prompt: str, threads: int):
+        import onnxruntime as ort
+        from . import tokenizer as T
+        from .engine import FlatLayout
+        self.text = T.for_run(run_dir)
+        self.prompt = self.text.encode(prompt)
+        if not self.prompt:
+            raise UsageError(f"train.sample_prompt: {prompt!r} encodes to no tokens")
+        self.layout = FlatLayout.from_manifest(manifest)
+        model = kv_cache_model(manifest, lambda: {}, where="train.sample_every")
+        model.graph.input.extend(onnx_inputs(self.layout))
+        n_positions = self.layout.shapes[self.layout.names.index("transformer.wpe.weight")][0]
+        self.session = ort.InferenceSession(model.SerializeToString(), session_options(threads),
+                                            providers=["CPUExecutionProvider"])
+        self.host = np.empty(self.layout.total, np.float32)
+        self.decoder = Decoder(_WithWeights(self.session, self.layout.unflatten(self.host)), n_positions)
+
+    def sample(self, params, seed: int, step: int) -> str:
+        from .engine import to_host
+        to_host(params, self.host)
+        new = generate(self.decoder, self.prompt, self.NEW_TOKENS, np.random.default_rng([seed, step]),
+                       temperature=1.0, top_k=self.TOP_K, eos_id=self.text.eos_id)
+        return self.text.decode(self.prompt + new)
+
+
+def onnx_inputs(layout) -> list:
+    from onnx import TensorProto, helper
+    return [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(s)) for n, s in zip(layout.names, layout.shapes)]
+
+
+class _WithWeights:
+    """A session whose parameter inputs are always fed from ``weights``."""
+
+    def __init__(self, session, weights: dict):
+        self.session, self.weights = session, weights
+
+    def get_inputs(self):
+        return [i for i in self.session.get_inputs() if i.name not in self.weights]
+
+    def get_outputs(self):
+        return self.session.get_outputs()
+
+    def run(self, names, feeds):
+        return self.session.run(names, {**feeds, **self.weights})

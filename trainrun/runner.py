@@ -185,6 +185,15 @@ class TrainingRunner:
         except UsageError as exc:
             error = exc
         self.comm.agree(error)
+        error, self.sampler = None, None
+        if cfg.train.sample_every and self.is_main:
+            try:
+                from .generate import TrainingSampler
+                self.sampler = TrainingSampler(self.manifest, self.out, cfg.train.sample_prompt, threads)
+            except UsageError as exc:
+                error = exc
+        if cfg.train.sample_every:
+            self.comm.agree(error)
 
     @staticmethod
     def _features(ds) -> str:
@@ -384,6 +393,8 @@ class TrainingRunner:
                 early = self.early_stopping.update(self.step, eval_loss)
             if (checkpoint or early) and (stop or not self.nonfinite_in_a_row):
                 self.save(step_eval)   # not while updates are being skipped: keep_last keeps good ones
+            if t.sample_every and self.step % t.sample_every == 0 and not stop:
+                self._sample()
             self.observe.step_end(self.step, last)
             if stop:
                 self._stopped()
@@ -391,6 +402,16 @@ class TrainingRunner:
                 self.log(f"early stopping at step {self.step}: {self.early_stopping.describe()}")
                 break
         return last, eval_loss
+
+    def _sample(self) -> None:
+        """train.sample_every (rank 0): a sample to the log and TensorBoard (text, tag ``samples``)."""
+        if self.is_main:
+            t0 = time.perf_counter()
+            text = self.sampler.sample(self.engine.params, self.cfg.run.seed, self.step)
+            took = time.perf_counter() - t0
+            self.log(f"sample at step {self.step} ({took:.2f} s):\n{text}")
+            self.metrics.text(self.step, "samples", f"step {self.step} ({took:.2f} s):\n\n{text}")
+        self.timer.mark("sample")
 
     def _stopped(self) -> None:
         """After a stop signal: the checkpoint of this step committed on every rank, then :class:`Stopped`."""
