@@ -141,6 +141,21 @@ def generate(source, prompt, max_new_tokens, temperature, top_k, top_p, seed, nu
 
 
 @cli.command()
+@click.argument("source", type=click.Path(exists=True))
+@click.option("--data", required=True, type=click.Path(exists=True, file_okay=False),
+              help="Dataset directory (token shards or tensor samples with the model's features).")
+@click.option("--steps", type=click.IntRange(min=1), default=None, help="Steps (default: the whole dataset).")
+@click.option("--batch", type=click.IntRange(min=1), default=None,
+              help="Samples per step over all ranks (default: the run's micro_batch_size x ranks).")
+@click.option("--output", type=click.Path(dir_okay=False), default=None, help="Also write the result as JSON.")
+def evaluate(source, data, steps, batch, output):
+    """Loss, perplexity and the model's metrics of a checkpoint (SOURCE: a checkpoint or a run
+    directory, its latest) on a dataset; under mpirun the batches are split over the ranks."""
+    from .evaluate import run_evaluate
+    run_evaluate(source, data, steps=steps, batch=batch, output=output, echo=click.echo)
+
+
+@cli.command()
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
               help="YAML config file.")
 @set_option
