@@ -227,11 +227,10 @@ def _encode_files(corpus, docs, encoder, worker_args, workers, out: Path, bar):
                     proc.kill()
                     proc.wait()
                 err.close()
-        for result in results:
-            tokens = np.memmap(result, np.dtype("<i4"), mode="r") if result.stat().st_size else []
-            for start in range(0, len(tokens), 1 << 24):
-                yield np.asarray(tokens[start:start + (1 << 24)])
-            del tokens
+        for result in results:       # read in 64 MB pieces (a memory map would count all of it as resident)
+            with open(result, "rb") as fh:
+                while chunk := fh.read(4 << 24):
+                    yield np.frombuffer(chunk, np.dtype("<i4"))
 
 
 def _follow_progress(procs, bar) -> None:

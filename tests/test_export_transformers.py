@@ -98,6 +98,13 @@ def test_gpt2_loads_in_transformers_offline_and_matches_the_onnx_export(tmp_path
     hf = np.load(tmp_path / "logits.npy")
     assert hf.shape == ref.shape and np.abs(hf - ref).max() <= 1e-4
     _init_from_matches(tmp_path, bpe_dataset, hf_dir, os.path.join(run_dir, "checkpoints", "4"), model=model)
+    # another tokenizer.json named by hand goes with the model instead of the run's
+    other = tmp_path / "other.json"
+    tok.add_special_tokens(["<|pad|>"])
+    tok.save(str(other))
+    run([TRAINRUN, "export", run_dir, "--format", "transformers", "--tokenizer", str(other),
+         "--output", str(tmp_path / "hf2")], check=0)
+    assert (tmp_path / "hf2" / "tokenizer.json").read_bytes() == other.read_bytes()
 
 
 def test_bert_loads_as_bert_for_pretraining_and_matches_the_onnx_export(tmp_path):

@@ -104,7 +104,8 @@ def test_generate_command_from_a_run_a_checkpoint_and_both_exports(trained, tmp_
     outs = [run([TRAINRUN, "generate", src, *greedy], check=0).stdout
             for src in [trained, os.path.join(trained, "checkpoints", "6"), kv, plain]]
     assert outs[0].startswith("def f(") and len(set(outs)) == 1, outs
-    sampled = ["--prompt", "class ", "--max-new-tokens", "20", "--seed", "4", "--top-k", "20", "--num-samples", "2"]
+    sampled = ["--prompt", "class ", "--max-new-tokens", "20", "--seed", "4", "--top-k", "20", "--top-p", "0.9",
+               "--temperature", "0.8", "--num-samples", "2"]
     a = run([TRAINRUN, "generate", trained, *sampled], check=0).stdout
     assert a == run([TRAINRUN, "generate", trained, *sampled], check=0).stdout
     assert a.count("---- sample") == 2
