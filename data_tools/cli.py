@@ -130,7 +130,7 @@ def tokens(inputs, more_inputs, output, tokenizer_path, train_bpe, use_bytes, eo
     scan.close()
     train_docs, eval_docs = corpus.split(eval_fraction)
     if not len(train_docs):
-        raise UsageError(f"--input: the {len(files)} file(s) found hold no text")
+        raise UsageError(f"--input: the {len(files)} file(s) found are all empty")
     out = Path(output)
     _prepare_output(out, ["train", "eval", "tokenizer.json"], overwrite)
     encoder = _make_encoder(tokenizer_path, train_bpe, eos, corpus, train_docs, progress)

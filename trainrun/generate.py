@@ -190,11 +190,11 @@ class TrainingSampler:
 
     NEW_TOKENS, TOP_K = 64, 40
 
-    def __init__(self, manifest: dict, run_dir: str, prompt: str, threads: int):
+    def __init__(self, manifest: dict, data_dir: str, prompt: str, threads: int):
         import onnxruntime as ort
         from . import tokenizer as T
         from .engine import FlatLayout
-        self.text = T.for_run(run_dir)
+        self.text = T.for_data(data_dir)
         self.prompt = self.text.encode(prompt)
         if not self.prompt:
             raise UsageError(f"train.sample_prompt: {prompt!r} encodes to no tokens")

@@ -114,8 +114,6 @@ class TrainingRunner:
                 os.makedirs(self.out, exist_ok=True)
                 with open(os.path.join(self.out, "config.yaml"), "w") as fh:
                     fh.write(C.to_yaml(cfg))
-                if cfg.data.train:         # generate and export find the tokenizer in the run
-                    record_tokenizer(cfg.data.train, self.out)
                 if not G.up_to_date(self.graphs_dir, cfg):
                     self.log(f"preparing graphs in {self.graphs_dir}")
                     G.prepare(cfg, self.graphs_dir)
@@ -189,7 +187,7 @@ class TrainingRunner:
         if cfg.train.sample_every and self.is_main:
             try:
                 from .generate import TrainingSampler
-                self.sampler = TrainingSampler(self.manifest, self.out, cfg.train.sample_prompt, threads)
+                self.sampler = TrainingSampler(self.manifest, cfg.data.train, cfg.train.sample_prompt, threads)
             except UsageError as exc:
                 error = exc
         if cfg.train.sample_every:
@@ -333,6 +331,8 @@ class TrainingRunner:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
         t = self.cfg.train
+        if self.is_main and self.cfg.data.train:     # set-up passed: generate and export find the tokenizer here
+            record_tokenizer(self.cfg.data.train, self.out)
         self._header()
         self.comm.barrier()          # start the clocks together: set-up time differs between ranks
         self.timer.restart()

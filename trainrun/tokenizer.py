@@ -28,27 +28,6 @@ def _dataset_manifest(data_dir: str) -> dict | None:
         return None
 
 
-def record(data_dir: str, run_dir: str) -> bool:
-    """Copy ``data_dir``'s tokenizer into ``run_dir`` (see the module doc); False when it has none."""
-    manifest = _dataset_manifest(data_dir) or {}
-    file = manifest.get("tokenizer_file")
-    info = {"eos_id": manifest.get("eos_id"), "data": os.path.abspath(data_dir)}
-    if file and os.path.isfile(os.path.join(data_dir, file)):
-        tmp = os.path.join(run_dir, RUN_FILE + ".tmp")
-        shutil.copyfile(os.path.join(data_dir, file), tmp)
-        os.replace(tmp, os.path.join(run_dir, RUN_FILE))
-        info["tokenizer"] = RUN_FILE
-    elif manifest.get("tokenizer_id") == BYTES:
-        info["tokenizer"] = BYTES
-    else:
-        return False
-    tmp = os.path.join(run_dir, INFO_FILE + ".tmp")
-    with open(tmp, "w") as fh:
-        json.dump(info, fh, indent=1)
-    os.replace(tmp, os.path.join(run_dir, INFO_FILE))
-    return True
-
-
 class Text:
     """Encode/decode for a run: a ``tokenizers`` tokenizer.json or raw bytes; ``eos_id`` may be None."""
 
@@ -73,6 +52,42 @@ def _load_json_tokenizer(path: str):
         return Tokenizer.from_file(path)
     except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exception
         raise UsageError(f"{path}: not a readable tokenizer.json ({exc})") from None
+
+
+def _dataset_tokenizer(data_dir: str) -> tuple[str | None, dict | None]:
+    """(tokenizer.json path or None, info as in INFO_FILE) of a dataset; info None without a tokenizer."""
+    manifest = _dataset_manifest(data_dir) or {}
+    file = manifest.get("tokenizer_file")
+    info = {"eos_id": manifest.get("eos_id"), "data": os.path.abspath(data_dir)}
+    if file and os.path.isfile(os.path.join(data_dir, file)):
+        return os.path.join(data_dir, file), {**info, "tokenizer": RUN_FILE}
+    if manifest.get("tokenizer_id") == BYTES:
+        return None, {**info, "tokenizer": BYTES}
+    return None, None
+
+
+def record(data_dir: str, run_dir: str) -> bool:
+    """Copy ``data_dir``'s tokenizer into ``run_dir`` (see the module doc); False when it has none."""
+    path, info = _dataset_tokenizer(data_dir)
+    if info is None:
+        return False
+    if path:
+        tmp = os.path.join(run_dir, RUN_FILE + ".tmp")
+        shutil.copyfile(path, tmp)
+        os.replace(tmp, os.path.join(run_dir, RUN_FILE))
+    tmp = os.path.join(run_dir, INFO_FILE + ".tmp")
+    with open(tmp, "w") as fh:
+        json.dump(info, fh, indent=1)
+    os.replace(tmp, os.path.join(run_dir, INFO_FILE))
+    return True
+
+
+def for_data(data_dir: str) -> Text:
+    """A dataset's own tokenizer (its manifest's tokenizer_file or raw bytes)."""
+    path, info = _dataset_tokenizer(data_dir)
+    if info is None:
+        raise UsageError(f"{data_dir}: the dataset names no tokenizer (manifest.json tokenizer_file)")
+    return Text(_load_json_tokenizer(path) if path else None, info["eos_id"], path)
 
 
 def run_info(run_dir: str) -> dict | None:
