@@ -11,11 +11,17 @@ import pytest
 from conftest import MPIRUN, TRAINRUN, mpirun, read_metrics, run, write_config
 
 
-def test_evaluate_on_one_and_two_ranks_and_as_the_run_evaluated(tmp_path, byte_dataset):
-    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, byte_dataset):
+    root = tmp_path_factory.mktemp("evaluate")
+    cfg = write_config(root / "c.yaml", byte_dataset, **{
         "train.max_steps": 6, "train.eval_steps": 3, "checkpoint": {"every": 6}, "model.gpt2.vocab_size": 257})
     mpirun(2, "--config", cfg)
-    run_dir, evald = str(tmp_path / "run"), os.path.join(byte_dataset, "eval")
+    return str(root / "run")
+
+
+def test_evaluate_on_one_and_two_ranks_and_as_the_run_evaluated(tmp_path, trained, byte_dataset):
+    run_dir, evald = trained, os.path.join(byte_dataset, "eval")
     _, evals = read_metrics(run_dir)
     results = {}
     for ranks in (1, 2):
@@ -39,11 +45,9 @@ def test_evaluate_on_one_and_two_ranks_and_as_the_run_evaluated(tmp_path, byte_d
     assert again["accuracy"] == pytest.approx(evals[6]["eval_accuracy"], rel=1e-6)
 
 
-def test_evaluate_refuses_a_batch_the_ranks_do_not_divide_and_data_without_the_features(tmp_path, byte_dataset):
-    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{
-        "train.max_steps": 2, "checkpoint": {"every": 2}, "model.gpt2.vocab_size": 257})
-    run([TRAINRUN, "--config", cfg], check=0)
-    run_dir = str(tmp_path / "run")
+def test_evaluate_refuses_a_batch_the_ranks_do_not_divide_and_data_without_the_features(tmp_path, trained,
+                                                                                          byte_dataset):
+    run_dir = trained
     p = run([MPIRUN, "-np", "2", TRAINRUN, "evaluate", run_dir, "--data", os.path.join(byte_dataset, "eval"),
              "--batch", "3"], check=2)
     assert "--batch 3" in p.stderr and p.stderr.count("--batch 3") == 1     # said once, by rank 0
