@@ -10,6 +10,7 @@ the eval graph on a sample batch and the max difference of the logits printed.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -79,6 +80,18 @@ def checkpoint_weights(ckpt: str, manifest: dict) -> dict[str, np.ndarray]:
     return weights
 
 
+def kv_cache_model(manifest: dict, weights, where: str):
+    """The GPT-2 inference graph with the attention cache (dropout off) holding ``weights()``."""
+    from .config import GPT2Config
+    from .models.gpt2 import build_gpt2
+    if manifest["model"].get("builtin") != "gpt2":
+        raise UsageError(f"{where}: the attention-cache graph is built for model.builtin gpt2 only "
+                         f"(this run: {manifest['model'].get('builtin') or 'a user graph'}); "
+                         f"export it and pass the .onnx file")
+    cfg = dataclasses.replace(GPT2Config(**manifest["model"]["gpt2"]), dropout=0.0)
+    return build_gpt2(cfg, weights(), kv_cache=True)
+
+
 def _logits_in_two_passes(session, ids: np.ndarray) -> np.ndarray:
     """An attention-cache graph's logits for ``ids``: the first half with no past, the rest after it."""
     past = [i for i in session.get_inputs() if i.name.startswith("past.")]
@@ -103,7 +116,6 @@ def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None,
     weights = checkpoint_weights(ckpt, manifest)
 
     if kv_cache:
-        from .generate import kv_cache_model
         model = kv_cache_model(manifest, lambda: weights, where=ckpt)
     else:
         base = "eval.onnx" if with_loss else "forward.onnx"

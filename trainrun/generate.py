@@ -12,7 +12,6 @@ smallest set of top-p probability; numpy's PCG64 seeded by ``--seed``: same seed
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 
@@ -21,6 +20,7 @@ import numpy as np
 from . import checkpoint as K
 from . import graphs as G
 from .errors import UsageError
+from .export import checkpoint_weights, kv_cache_model
 
 
 class Decoder:
@@ -129,24 +129,11 @@ def load_source(source: str, threads: int = 0) -> tuple[Decoder, str]:
     ckpt = K.resolve_checkpoint(source)
     run_dir = K.run_dir_of(ckpt)
     manifest = G.load_manifest(os.path.join(run_dir, "graphs"))
-    from .export import checkpoint_weights
     model = kv_cache_model(manifest, lambda: checkpoint_weights(ckpt, manifest), where=ckpt)
     n_positions = next(i.dims[0] for i in model.graph.initializer if i.name == "transformer.wpe.weight")
     sess = ort.InferenceSession(model.SerializeToString(), session_options(threads),
                                 providers=["CPUExecutionProvider"])
     return Decoder(sess, n_positions), run_dir
-
-
-def kv_cache_model(manifest: dict, weights, where: str):
-    """The GPT-2 inference graph with the attention cache (dropout off) holding ``weights()``."""
-    from .config import GPT2Config
-    from .models.gpt2 import build_gpt2
-    if manifest["model"].get("builtin") != "gpt2":
-        raise UsageError(f"{where}: the attention-cache graph is built for model.builtin gpt2 only "
-                         f"(this run: {manifest['model'].get('builtin') or 'a user graph'}); "
-                         f"export it and pass the .onnx file")
-    cfg = dataclasses.replace(GPT2Config(**manifest["model"]["gpt2"]), dropout=0.0)
-    return build_gpt2(cfg, weights(), kv_cache=True)
 
 
 def run_generate(source: str, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
