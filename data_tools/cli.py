@@ -6,6 +6,7 @@ failure (one line; the traceback with TRAINRUN_TRACEBACK=1).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -21,7 +22,7 @@ import numpy as np
 from trainrun.data import MANIFEST, open_dataset
 from trainrun.errors import TrainrunError, UsageError
 
-from .corpus import DEFAULT_EXCLUDE, DEFAULT_INCLUDE, find_files, read_text, split_eval
+from .corpus import DEFAULT_EXCLUDE, DEFAULT_INCLUDE, Corpus, find_files, read_documents, read_text, split_eval
 from .encode import EOS_TOKEN
 from .writers import TensorShardWriter, TokenShardWriter
 
@@ -99,14 +100,20 @@ def _text_inputs(command):
               help="File and directory names skipped in directories.")
 @click.option("--workers", type=click.IntRange(min=1),
               help="Tokenizer processes (default: one per core, one per 4 MB of text at most).")
+@click.option("--text-field", default="text", show_default=True,
+              help="The field (.jsonl, .jsonl.gz) or column (.parquet) holding each record's text.")
+@click.option("--skip-bad", is_flag=True,
+              help="Skip records that are not JSON or lack a string --text-field (counted) instead of stopping.")
 @click.option("--overwrite", is_flag=True, help="Replace a dataset already in --output.")
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def tokens(inputs, more_inputs, output, tokenizer_path, train_bpe, use_bytes, eos, eval_fraction, shard_size,
-           include, exclude, workers, overwrite, progress):
-    """Tokenize text files into token shards: DIR/train, DIR/eval, DIR/tokenizer.json.
+           include, exclude, workers, text_field, skip_bad, overwrite, progress):
+    """Tokenize text into token shards: DIR/train, DIR/eval, DIR/tokenizer.json.
 
-    Each file is a document followed by the end-of-document token. The same
-    input and options give the same bytes, whatever the number of workers.
+    Each text file is a document; each record of a .jsonl, .jsonl.gz or .parquet
+    file (its --text-field) is one. Every document is followed by the
+    end-of-document token. The same input and options give the same bytes,
+    whatever the number of workers.
     """
     from tqdm import tqdm
     if sum([tokenizer_path is not None, train_bpe is not None, use_bytes]) != 1:
@@ -117,85 +124,93 @@ def tokens(inputs, more_inputs, output, tokenizer_path, train_bpe, use_bytes, eo
     shard_tokens = _size(shard_size)
     t0 = time.perf_counter()
     files = find_files(inputs, include, exclude)
-    train_files, eval_files, empty = split_eval(files, eval_fraction)
-    if not train_files:
+    scan = tqdm(total=sum(p.stat().st_size for p in files), unit="B", unit_scale=True, desc="reading",
+                disable=not progress)
+    corpus = Corpus(files, text_field, skip_bad, progress=scan.update)
+    scan.close()
+    train_docs, eval_docs = corpus.split(eval_fraction)
+    if not len(train_docs):
         raise UsageError(f"--input: the {len(files)} file(s) found are all empty")
     out = Path(output)
     _prepare_output(out, ["train", "eval", "tokenizer.json"], overwrite)
-    encoder = _make_encoder(tokenizer_path, train_bpe, eos, train_files, progress)
+    encoder = _make_encoder(tokenizer_path, train_bpe, eos, corpus, train_docs, progress)
     if encoder.tokenizer_json is not None:
         (out / "tokenizer.json").write_text(encoder.tokenizer_json, encoding="utf-8")
     worker_args = ["--bytes"] if use_bytes else ["--tokenizer", str(out / "tokenizer.json"), "--eos", eos]
     t1 = time.perf_counter()
-    total = sum(p.stat().st_size for p in train_files + eval_files)
+    total = int(corpus.size.sum())
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not progress)
     summary = []
-    for split, split_files in (("train", train_files), ("eval", eval_files)):
-        if not split_files:
+    for split, docs in (("train", train_docs), ("eval", eval_docs)):
+        if not len(docs):
             continue
         writer = TokenShardWriter(out / split, encoder.vocab_size, shard_tokens)
-        for ids in _encode_files(split_files, encoder, worker_args, workers, out, bar):
+        for ids in _encode_files(corpus, docs, encoder, worker_args, workers, out, bar):
             writer.add(ids)
-        m = writer.close(eos_id=encoder.eos_id, tokenizer_id=encoder.tokenizer_id, num_documents=len(split_files),
+        m = writer.close(eos_id=encoder.eos_id, tokenizer_id=encoder.tokenizer_id, num_documents=len(docs),
                          tokenizer_file="../tokenizer.json" if encoder.tokenizer_json is not None else None)
-        summary.append(f"{split}: {len(split_files)} documents, {m['num_tokens']:,} tokens, "
+        summary.append(f"{split}: {len(docs)} documents, {m['num_tokens']:,} tokens, "
                        f"{len(m['shards'])} shard(s)")
     bar.close()
     t2 = time.perf_counter()
-    click.echo(f"{out}: {len(files)} files ({empty} empty skipped), {total / 1e6:.1f} MB of text")
+    skipped = f", {corpus.bad} bad record(s) skipped (the first: {corpus.first_bad})" if corpus.bad else ""
+    click.echo(f"{out}: {len(files)} files, {len(corpus)} documents ({corpus.empty} empty skipped{skipped}), "
+               f"{total / 1e6:.1f} MB of text")
     for line in summary:
         click.echo("  " + line)
     click.echo(f"  tokenizer: {encoder.tokenizer_id} (vocab_size {encoder.vocab_size}, eos_id {encoder.eos_id})")
     click.echo(f"  time: {t2 - t0:.1f} s (tokenizer {t1 - t0:.1f} s, tokenizing {total / 1e6 / (t2 - t1):.1f} MB/s)")
 
 
-def _make_encoder(tokenizer_path, train_bpe, eos, train_files, progress):
+def _make_encoder(tokenizer_path, train_bpe, eos, corpus, train_docs, progress):
     from .encode import BytesEncoder, TokenizerEncoder, load_tokenizer, train_bpe as train
     if tokenizer_path:
         return TokenizerEncoder(load_tokenizer(tokenizer_path), eos)
     if train_bpe is not None:
-        docs = (read_text(p) for p in train_files)
-        return TokenizerEncoder(train(docs, train_bpe, progress, length=len(train_files)))
+        docs = read_documents(corpus.files, corpus.refs(train_docs), corpus.field)
+        return TokenizerEncoder(train(docs, train_bpe, progress, length=len(train_docs)))
     return BytesEncoder()
 
 
-def _batches(files, limit=CHUNK_BYTES):
-    """Consecutive groups of ``files`` of about ``limit`` bytes: (paths, bytes)."""
-    group, size = [], 0
-    for path in files:
-        group.append(path)
-        size += path.stat().st_size
+def _batches(sizes, limit=CHUNK_BYTES):
+    """Consecutive groups of documents of about ``limit`` bytes: (count, bytes)."""
+    count, size = 0, 0
+    for n in sizes:
+        count, size = count + 1, size + int(n)
         if size >= limit:
-            yield group, size
-            group, size = [], 0
-    if group:
-        yield group, size
+            yield count, size
+            count, size = 0, 0
+    if count:
+        yield count, size
 
 
-def _encode_in_process(files, encoder, report):
-    """Token ids of ``files`` with the end-of-document id after each, as a stream of arrays."""
+def _encode_in_process(files, refs, sizes, field, encoder, report):
+    """Token ids of the documents ``refs`` with the end-of-document id after each, as a stream of arrays."""
     eos = np.array([encoder.eos_id])
-    for group, size in _batches(files):
-        for ids in encoder.encode([read_text(p) for p in group]):
+    texts = read_documents(files, refs, field)
+    for count, size in _batches(sizes):
+        for ids in encoder.encode([next(texts) for _ in range(count)]):
             yield ids
             yield eos
         report(size)
 
 
-def _encode_files(files, encoder, worker_args, workers, out: Path, bar):
-    """As :func:`_encode_in_process`, on ``workers`` processes, each a contiguous share of the files."""
+def _encode_files(corpus, docs, encoder, worker_args, workers, out: Path, bar):
+    """As :func:`_encode_in_process`, on ``workers`` processes, each a contiguous share of the documents."""
+    sizes = corpus.size[docs]
     if workers is None:
-        text_bytes = sum(p.stat().st_size for p in files)
-        workers = min(len(os.sched_getaffinity(0)), max(1, text_bytes // WORKER_BYTES))
-    if workers == 1 or len(files) == 1:
-        yield from _encode_in_process(files, encoder, bar.update)
+        workers = min(len(os.sched_getaffinity(0)), max(1, int(sizes.sum()) // WORKER_BYTES))
+    if workers == 1 or len(docs) == 1:
+        yield from _encode_in_process(corpus.files, corpus.refs(docs), sizes, corpus.field, encoder, bar.update)
         return
     with tempfile.TemporaryDirectory(dir=out, prefix=".tokens-") as tmp:
         procs, results = [], []
         try:
-            for k, share in enumerate(_shares(files, workers)):
+            for k, share in enumerate(_shares(sizes, workers)):
                 listing, err = Path(tmp) / f"{k}.files", open(Path(tmp) / f"{k}.err", "w+")
-                listing.write_text("\0".join(map(str, share)), encoding="utf-8")
+                listing.write_text(json.dumps({"files": [str(p) for p in corpus.files], "field": corpus.field,
+                                               "refs": corpus.refs(docs[share]), "sizes": sizes[share].tolist()}),
+                                   encoding="utf-8")
                 results.append(Path(tmp) / f"{k}.tokens")
                 cmd = [sys.executable, "-m", "trainrun.data_tools.cli", "encode-part", "--files", str(listing),
                        "--output", str(results[-1]), *worker_args]
@@ -212,11 +227,10 @@ def _encode_files(files, encoder, worker_args, workers, out: Path, bar):
                     proc.kill()
                     proc.wait()
                 err.close()
-        for result in results:
-            tokens = np.memmap(result, np.dtype("<i4"), mode="r") if result.stat().st_size else []
-            for start in range(0, len(tokens), 1 << 24):
-                yield np.asarray(tokens[start:start + (1 << 24)])
-            del tokens
+        for result in results:       # read in 64 MB pieces (a memory map would count all of it as resident)
+            with open(result, "rb") as fh:
+                while chunk := fh.read(4 << 24):
+                    yield np.frombuffer(chunk, np.dtype("<i4"))
 
 
 def _follow_progress(procs, bar) -> None:
@@ -234,27 +248,29 @@ def _follow_progress(procs, bar) -> None:
         t.join()
 
 
-def _shares(files, n):
-    """``files`` cut into ``n`` contiguous shares of about equal bytes."""
-    sizes = np.cumsum([p.stat().st_size for p in files])
-    cuts = np.searchsorted(sizes, sizes[-1] * np.arange(1, n) / n)
-    bounds = [0, *cuts.tolist(), len(files)]
-    return [files[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+def _shares(sizes, n):
+    """Documents of ``sizes`` cut into ``n`` contiguous shares of about equal bytes (slices)."""
+    total = np.cumsum(sizes)
+    cuts = np.searchsorted(total, total[-1] * np.arange(1, n) / n)
+    bounds = [0, *cuts.tolist(), len(sizes)]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 @main.command("encode-part", hidden=True)
-@click.option("--files", "listing", required=True, help="NUL-separated paths.")
-@click.option("--output", required=True, help="Token ids (int32, little-endian), EOS after each file.")
+@click.option("--files", "listing", required=True, help="JSON: files, field, refs (file index, place), sizes.")
+@click.option("--output", required=True, help="Token ids (int32, little-endian), EOS after each document.")
 @click.option("--tokenizer", "tokenizer_path")
 @click.option("--eos", default=EOS_TOKEN)
 @click.option("--bytes", "use_bytes", is_flag=True)
 def encode_part(listing, output, tokenizer_path, eos, use_bytes):
-    """Worker of `tokens`: encode the listed files; print the bytes done after each batch."""
+    """Worker of `tokens`: encode the listed documents; print the bytes done after each batch."""
     from .encode import BytesEncoder, TokenizerEncoder, load_tokenizer
     encoder = BytesEncoder() if use_bytes else TokenizerEncoder(load_tokenizer(tokenizer_path), eos)
-    files = [Path(p) for p in Path(listing).read_text(encoding="utf-8").split("\0")]
+    job = json.loads(Path(listing).read_text(encoding="utf-8"))
+    files = [Path(p) for p in job["files"]]
     with open(output, "wb") as fh:
-        for ids in _encode_in_process(files, encoder, lambda n: print(n, flush=True)):
+        for ids in _encode_in_process(files, job["refs"], job["sizes"], job["field"], encoder,
+                                      lambda n: print(n, flush=True)):
             fh.write(ids.astype("<i4").tobytes())
 
 

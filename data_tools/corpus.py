@@ -74,3 +74,155 @@ def split_eval(files: list[Path], fraction: float) -> tuple[list[Path], list[Pat
         raise UsageError(f"--eval-fraction {fraction}: {len(docs)} document(s) leave none to train on")
     chosen = set(sorted(docs, key=keys.__getitem__)[:n_eval])
     return [p for p in docs if p not in chosen], [p for p in docs if p in chosen], empty
+
+
+# ------------------------------------------------------------------ records: .jsonl, .jsonl.gz, .parquet
+RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
+
+
+def is_records(path: Path) -> bool:
+    """A file of records (one document each) rather than one document."""
+    return path.name.endswith(RECORD_SUFFIXES)
+
+
+def _open_lines(path: Path):
+    import gzip
+    return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
+
+
+def _jsonl_records(path: Path, field: str, bad):
+    """(line number, text) of each good record; ``bad(where, why)`` for the others (blank lines skipped)."""
+    import json
+    with _open_lines(path) as fh:
+        for line, raw in enumerate(fh, 1):
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw)
+            except ValueError as exc:
+                bad(f"{path}:{line}", f"not JSON ({exc})")
+                continue
+            if not isinstance(record, dict) or field not in record:
+                bad(f"{path}:{line}", f"no field '{field}'")
+            elif not isinstance(record[field], str):
+                bad(f"{path}:{line}", f"field '{field}' is {type(record[field]).__name__}, not a string")
+            else:
+                yield line, record[field]
+
+
+def _parquet_file(path: Path):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UsageError(f"--input {path}: reading .parquet needs pyarrow: pip install 'trainrun[parquet]'") from None
+    try:
+        return pq.ParquetFile(path)
+    except Exception as exc:  # noqa: BLE001 - pyarrow's errors are of several types
+        raise UsageError(f"--input {path}: not a readable Parquet file ({exc})") from None
+
+
+def _parquet_records(path: Path, field: str, bad):
+    """(row index in the file, text) of each good row; ``bad`` names row group and row of the others."""
+    pf = _parquet_file(path)
+    if field not in pf.schema_arrow.names:
+        raise UsageError(f"--input {path}: no column '{field}' (its columns: {', '.join(pf.schema_arrow.names)}); "
+                         f"choose one with --text-field")
+    first = 0
+    for g in range(pf.num_row_groups):
+        values = pf.read_row_group(g, columns=[field]).column(0).to_pylist()
+        for r, value in enumerate(values):
+            if isinstance(value, str):
+                yield first + r, value
+            else:
+                bad(f"{path}: row group {g}, row {r}", f"column '{field}' is {type(value).__name__}, not a string")
+        first += len(values)
+
+
+def records(path: Path, field: str, bad):
+    return (_parquet_records if path.name.endswith(".parquet") else _jsonl_records)(path, field, bad)
+
+
+class Corpus:
+    """The documents of ``files`` in order: a text file is one document (read as :func:`read_text`), a
+    record file (:data:`RECORD_SUFFIXES`) one document per record, its field ``field``.
+
+    One streaming pass notes, per non-empty document, its file, place in the file (line or row; -1 for
+    a text file), UTF-8 size and the first 8 bytes of the sha256 of its UTF-8 text, in compact arrays.
+    A bad record raises :class:`UsageError` naming file and line (Parquet: row group and row), or with
+    ``skip_bad`` is counted (:attr:`bad`, :attr:`first_bad`). Empty documents are counted (:attr:`empty`)."""
+
+    def __init__(self, files: list[Path], field: str = "text", skip_bad: bool = False, progress=None):
+        import array
+        self.files, self.field = files, field
+        self.empty, self.bad, self.first_bad = 0, 0, None
+        file_idx, where, size, key = array.array("i"), array.array("q"), array.array("q"), array.array("Q")
+
+        def bad(at, why):
+            if not skip_bad:
+                raise UsageError(f"{at}: {why} (--skip-bad skips such records)")
+            self.bad += 1
+            self.first_bad = self.first_bad or f"{at}: {why}"
+
+        def add(fi, w, data: bytes):
+            if progress:
+                progress(len(data))
+            if not data:
+                self.empty += 1
+                return
+            file_idx.append(fi)
+            where.append(w)
+            size.append(len(data))
+            key.append(int.from_bytes(hashlib.sha256(data).digest()[:8], "big"))
+
+        for fi, path in enumerate(files):
+            if is_records(path):
+                for w, text in records(path, field, bad):
+                    add(fi, w, text.encode("utf-8"))
+            else:
+                add(fi, -1, path.read_bytes())
+        import numpy as np
+        self.file_idx, self.where = np.frombuffer(file_idx, np.int32), np.frombuffer(where, np.int64)
+        self.size, self.key = np.frombuffer(size, np.int64), np.frombuffer(key, np.uint64)
+
+    def __len__(self) -> int:
+        return len(self.key)
+
+    def split(self, fraction: float):
+        """(train, eval) document indices: eval the ``ceil(fraction * documents)`` documents of smallest
+        hash (ties in file order), as :func:`split_eval`: independent of paths, order and file kind."""
+        import numpy as np
+        if not 0 <= fraction < 1:
+            raise UsageError(f"--eval-fraction {fraction}: must be in [0, 1)")
+        n_eval = math.ceil(fraction * len(self))
+        if len(self) and n_eval >= len(self):
+            raise UsageError(f"--eval-fraction {fraction}: {len(self)} document(s) leave none to train on")
+        chosen = np.zeros(len(self), bool)
+        chosen[np.argsort(self.key, kind="stable")[:n_eval]] = True
+        return np.flatnonzero(~chosen), np.flatnonzero(chosen)
+
+    def refs(self, idx) -> list[list[int]]:
+        """[file index, place] of documents ``idx`` (what :func:`read_documents` takes)."""
+        return [[int(self.file_idx[i]), int(self.where[i])] for i in idx]
+
+
+def read_documents(files: list[Path], refs, field: str):
+    """The texts of the documents ``refs`` ([file index, place], in file order), each record file
+    streamed once (its bad records were named or skipped by :class:`Corpus` already)."""
+    i = 0
+    while i < len(refs):
+        fi = refs[i][0]
+        path = files[fi]
+        if not is_records(path):
+            yield read_text(path)
+            i += 1
+            continue
+        wanted = []
+        while i < len(refs) and refs[i][0] == fi:
+            wanted.append(refs[i][1])
+            i += 1
+        want = set(wanted)
+        for w, text in records(path, field, lambda at, why: None):
+            if w in want:
+                yield text
+                if w == wanted[-1]:
+                    break

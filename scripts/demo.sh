@@ -30,4 +30,4 @@ mpirun -np 1 trainrun resume "$RUN" --set train.stop_at=0 --set train.gradient_a
 
 echo "== exporting the last checkpoint offline and sampling from it with plain onnxruntime"
 trainrun export "$RUN/checkpoints/500" --output "$RUN/exported.onnx"
-python scripts/generate.py "$RUN/exported.onnx" --tokenizer "$DATA/tokenizer.json" --prompt "def " --tokens 80 --top-k 8
+trainrun generate "$RUN/exported.onnx" --prompt "def " --max-new-tokens 80 --top-k 8 --seed 0

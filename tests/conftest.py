@@ -218,6 +218,17 @@ def byte_dataset(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def bpe_dataset(tmp_path_factory):
+    """A token dataset with a byte-level BPE of 384 (DIR/tokenizer.json, end of document <|endoftext|>)."""
+    root = tmp_path_factory.mktemp("bpe_data")
+    text = synthetic_text_dir(str(root / "text"), max_bytes=200_000, seed=1)
+    out = str(root / "data")
+    run([TRAINRUN_DATA, "tokens", "--input", text, "--output", out, "--train-bpe", "384", "--eval-fraction", "0.1",
+         "--no-progress"], check=0)
+    return out
+
+
 def write_config(path, data_dir, **sections):
     """A tiny GPT-2 run config over ``data_dir``; ``sections`` override whole keys (dotted names allowed)."""
     import yaml

@@ -44,6 +44,8 @@ def cli(ctx, config_path, overrides, log_level):
     mpirun -np N trainrun --config FILE [--set key.path=value ...]   train
     mpirun -np N trainrun resume RUN_DIR                             continue a run
     trainrun export CHECKPOINT --output model.onnx                   inference model
+    trainrun generate RUN_DIR --prompt TEXT                          sample text
+    mpirun -np N trainrun evaluate RUN_DIR --data DIR                loss, perplexity, metrics
     """
     ctx.ensure_object(dict)
     ctx.obj["log_level"] = log_level
@@ -81,13 +83,27 @@ def resume(run_dir, overrides, log_level, force):
 
 @cli.command()
 @click.argument("checkpoint", type=click.Path(exists=True))
-@click.option("--output", "-o", required=True, type=click.Path(dir_okay=False), help="Output ONNX file.")
+@click.option("--output", "-o", required=True, type=click.Path(),
+              help="Output ONNX file (--format onnx) or directory (--format transformers).")
+@click.option("--format", "fmt", type=click.Choice(["onnx", "transformers"]), default="onnx", show_default=True,
+              help="onnx: an inference model; transformers: a save_pretrained directory (gpt2, bert).")
+@click.option("--kv-cache", is_flag=True,
+              help="GPT-2: an inference graph with past/present keys and values (for trainrun generate).")
+@click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False),
+              help="--format transformers: this tokenizer.json instead of the run's.")
 @click.option("--opset", type=int, default=None, help="Target opset (default: the graph's).")
 @click.option("--with-loss", is_flag=True, help="Keep the loss output (takes labels).")
 @click.option("--best", is_flag=True, help="From a run directory: its checkpoint of lowest eval loss.")
-def export(checkpoint, output, opset, with_loss, best):
-    """Write an inference ONNX model from a checkpoint (offline, no MPI)."""
-    from .export import export_checkpoint
+def export(checkpoint, output, fmt, kv_cache, tokenizer, opset, with_loss, best):
+    """Write an inference model from a checkpoint (offline, no MPI): an ONNX file, or a
+    transformers directory (config.json, model.safetensors, tokenizer)."""
+    from .export import export_checkpoint, export_transformers
+    if fmt == "transformers" and (kv_cache or with_loss or opset is not None):
+        raise UsageError("--format transformers takes none of --kv-cache, --with-loss, --opset")
+    if tokenizer and fmt != "transformers":
+        raise UsageError("--tokenizer goes with --format transformers")
+    if kv_cache and with_loss:
+        raise UsageError("--kv-cache and --with-loss exclude each other")
     if best:
         from .checkpoint import best_checkpoints
         ranked = best_checkpoints(os.path.join(checkpoint, "checkpoints"))
@@ -95,7 +111,48 @@ def export(checkpoint, output, opset, with_loss, best):
             raise UsageError(f"{checkpoint}: --best needs a run directory with checkpoints that recorded an "
                              f"eval loss (checkpoint.keep_best, or checkpoints at eval steps)")
         checkpoint = ranked[0]
-    export_checkpoint(checkpoint, output, opset=opset, with_loss=with_loss)
+    if fmt == "transformers":
+        export_transformers(checkpoint, output, tokenizer=tokenizer, echo=click.echo)
+    else:
+        export_checkpoint(checkpoint, output, opset=opset, with_loss=with_loss, kv_cache=kv_cache, echo=click.echo)
+
+
+@cli.command()
+@click.argument("source", type=click.Path(exists=True))
+@click.option("--prompt", required=True, help="Text the sample starts from.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=100, show_default=True,
+              help="Most tokens generated per sample (fewer at the end-of-document token or a full window).")
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=1.0, show_default=True,
+              help="Softmax temperature; 0: greedy (always the most likely token).")
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Sample among the k most likely tokens only (0: all).")
+@click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0, show_default=True,
+              help="Sample among the most likely tokens holding this much probability (nucleus).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Same seed, same text.")
+@click.option("--num-samples", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False),
+              help="A tokenizer.json (default: the one the run recorded from its data).")
+def generate(source, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_samples, tokenizer):
+    """Sample text from a GPT-2: SOURCE is a model.onnx, a checkpoint or a run directory (its
+    latest checkpoint). Tokens are printed as they come."""
+    from .generate import run_generate
+    run_generate(source, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                 top_p=top_p, seed=seed, num_samples=num_samples, tokenizer=tokenizer)
+
+
+@cli.command()
+@click.argument("source", type=click.Path(exists=True))
+@click.option("--data", required=True, type=click.Path(exists=True, file_okay=False),
+              help="Dataset directory (token shards or tensor samples with the model's features).")
+@click.option("--steps", type=click.IntRange(min=1), default=None, help="Steps (default: the whole dataset).")
+@click.option("--batch", type=click.IntRange(min=1), default=None,
+              help="Samples per step over all ranks (default: the run's micro_batch_size x ranks).")
+@click.option("--output", type=click.Path(dir_okay=False), default=None, help="Also write the result as JSON.")
+def evaluate(source, data, steps, batch, output):
+    """Loss, perplexity and the model's metrics of a checkpoint (SOURCE: a checkpoint or a run
+    directory, its latest) on a dataset; under mpirun the batches are split over the ranks."""
+    from .evaluate import run_evaluate
+    run_evaluate(source, data, steps=steps, batch=batch, output=output, echo=click.echo)
 
 
 @cli.command()

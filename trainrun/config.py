@@ -187,6 +187,11 @@ class TrainConfig:
     """Batches per evaluation, each of global-batch size (so the same samples on any rank count)."""
     log_every: int = opt(10, min=1)
     """Log train metrics every N steps."""
+    sample_every: int = opt(0, min=0)
+    """model.builtin gpt2: every N steps rank 0 writes a sample of 64 tokens after train.sample_prompt to the
+    log and to TensorBoard (text, tag `samples`); top-k 40, seeded by run.seed and the step (0: never)."""
+    sample_prompt: str = "\n"
+    """The text train.sample_every's samples start from (encoded with the run's tokenizer)."""
     early_stopping: EarlyStoppingConfig = opt(factory=EarlyStoppingConfig)
     """Stop on eval loss (needs data.eval and evaluations: train.eval_every)."""
     precision: str = opt("fp32", choices=["fp32", "fp16", "bf16"])
@@ -531,6 +536,8 @@ def _semantic_checks(cfg: Config, problems: _Problems, base_dir: str, need_data:
         problems.add("distributed.backend", "nccl needs device: cuda")
     if cfg.device == "cuda" and cfg.engine.optimizer_kernel == "host":
         problems.add("engine.optimizer_kernel", "host runs on the CPU; with device: cuda use graph or auto")
+    if cfg.train.sample_every and cfg.model.builtin != "gpt2":
+        problems.add("train.sample_every", "samples need model.builtin gpt2")
     if need_data and cfg.train.early_stopping.patience and not cfg.data.eval:
         problems.add("train.early_stopping.patience", "stops on eval loss: needs data.eval")
     if need_data and cfg.checkpoint.keep_best and not cfg.data.eval:

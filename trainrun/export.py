@@ -4,10 +4,13 @@ The run's ``graphs/forward.onnx`` (dropout off, no training ops) gets the
 checkpoint's parameters as initializers. With ``--with-loss`` the eval graph is
 used instead (loss and logits; takes labels). The result is checked against
 the eval graph on a sample batch and the max difference of the logits printed.
+
+``--format transformers`` writes a ``save_pretrained`` directory instead (:func:`export_transformers`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -62,15 +65,8 @@ def sample_batch(graphs_dir: str, manifest: dict, rng_seed: int = 0) -> dict[str
     return batch
 
 
-def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None, with_loss: bool = False,
-                      verify: bool = True, echo=print) -> float:
-    """Write the inference model; return the max |logits difference| against the eval graph."""
-    import onnxruntime as ort
-
-    ckpt = K.resolve_checkpoint(checkpoint)
-    run_dir = K.run_dir_of(ckpt)
-    graphs_dir = os.path.join(run_dir, "graphs")
-    manifest = G.load_manifest(graphs_dir)
+def checkpoint_weights(ckpt: str, manifest: dict) -> dict[str, np.ndarray]:
+    """The parameters (and the non-parameter state) of a verified checkpoint, by name."""
     K.verify(ckpt)
     layout = FlatLayout.from_manifest(manifest)
     flat = np.empty(layout.total, np.float32)
@@ -81,9 +77,49 @@ def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None,
         held = np.empty(states.total, np.float32)
         K.load_tensors_into(os.path.join(ckpt, "model.safetensors"), states.names, states.shapes, held)
         weights.update(states.unflatten(held))
+    return weights
 
-    base = "eval.onnx" if with_loss else "forward.onnx"
-    model = with_weights(onnx.load(os.path.join(graphs_dir, base)), weights)
+
+def kv_cache_model(manifest: dict, weights, where: str):
+    """The GPT-2 inference graph with the attention cache (dropout off) holding ``weights()``."""
+    from .config import GPT2Config
+    from .models.gpt2 import build_gpt2
+    if manifest["model"].get("builtin") != "gpt2":
+        raise UsageError(f"{where}: the attention-cache graph is built for model.builtin gpt2 only "
+                         f"(this run: {manifest['model'].get('builtin') or 'a user graph'}); "
+                         f"export it and pass the .onnx file")
+    cfg = dataclasses.replace(GPT2Config(**manifest["model"]["gpt2"]), dropout=0.0)
+    return build_gpt2(cfg, weights(), kv_cache=True)
+
+
+def _logits_in_two_passes(session, ids: np.ndarray) -> np.ndarray:
+    """An attention-cache graph's logits for ``ids``: the first half with no past, the rest after it."""
+    past = [i for i in session.get_inputs() if i.name.startswith("past.")]
+    empty = {i.name: np.zeros((ids.shape[0], i.shape[1], 0, i.shape[3]), np.float32) for i in past}
+    present = [i.name.replace("past.", "present.", 1) for i in past]
+    half = ids.shape[1] // 2
+    first = session.run(["logits", *present], {"input_ids": ids[:, :half], **empty})
+    cache = dict(zip([i.name for i in past], first[1:]))
+    second = session.run(["logits"], {"input_ids": ids[:, half:], **cache})[0]
+    return np.concatenate([first[0], second], axis=1)
+
+
+def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None, with_loss: bool = False,
+                      kv_cache: bool = False,
+                      verify: bool = True, echo=print) -> float:
+    """Write the inference model; return the max |logits difference| against the eval graph."""
+    import onnxruntime as ort
+
+    ckpt = K.resolve_checkpoint(checkpoint)
+    graphs_dir = os.path.join(K.run_dir_of(ckpt), "graphs")
+    manifest = G.load_manifest(graphs_dir)
+    weights = checkpoint_weights(ckpt, manifest)
+
+    if kv_cache:
+        model = kv_cache_model(manifest, lambda: weights, where=ckpt)
+    else:
+        base = "eval.onnx" if with_loss else "forward.onnx"
+        model = with_weights(onnx.load(os.path.join(graphs_dir, base)), weights)
     if opset is not None:
         current = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
         if opset != current:
@@ -107,12 +143,112 @@ def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None,
     ref_name = manifest["logits"] or G.LOSS
     if with_loss:
         logits_name = ref_name
-    ours = exported.run([logits_name], {n: v for n, v in batch.items() if with_loss or n != manifest["labels"]})[0]
+    if kv_cache:
+        ours = _logits_in_two_passes(exported, batch["input_ids"])
+    else:
+        ours = exported.run([logits_name], {n: v for n, v in batch.items()
+                                            if with_loss or n != manifest["labels"]})[0]
     ref_sess = ort.InferenceSession(os.path.join(graphs_dir, "eval.onnx"), so, providers=["CPUExecutionProvider"])
     ref = ref_sess.run([ref_name], {**batch, **weights})[0]
     diff = float(np.abs(ours - ref).max())
     echo(f"exported {output} from {ckpt}: max |logits - eval graph| = {diff:.3g} on a "
-         f"{'x'.join(map(str, batch[manifest['inputs'][0]].shape))} sample")
+         f"{'x'.join(map(str, batch[manifest['inputs'][0]].shape))} sample"
+         f"{' (attention cache: half the sample, then the rest after it)' if kv_cache else ''}")
     if not diff <= 1e-4:
         raise TrainrunError(f"{output}: the exported model differs from the eval graph by {diff}")
     return diff
+
+
+# --format transformers: what save_pretrained writes, from the run's values
+ARCHITECTURE = {"gpt2": "GPT2LMHeadModel", "bert": "BertForPreTraining"}
+BERT_SPECIAL = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
+                "mask_token": "[MASK]"}
+
+
+def _hf_config(family: str, shape: dict, eos_id: int | None) -> tuple[dict, dict]:
+    """(config.json, generation_config.json) of the family's transformers config with the run's values."""
+    if family == "gpt2":
+        config = {"n_layer": shape["n_layer"], "n_head": shape["n_head"], "n_embd": shape["n_embd"],
+                  "n_positions": shape["n_positions"], "vocab_size": shape["vocab_size"], "n_inner": None,
+                  "activation_function": "gelu_new", "layer_norm_epsilon": shape["layer_norm_epsilon"],
+                  "resid_pdrop": shape["dropout"], "embd_pdrop": shape["dropout"], "attn_pdrop": shape["dropout"],
+                  "initializer_range": shape["initializer_range"], "tie_word_embeddings": True}
+        ids = {"bos_token_id": eos_id, "eos_token_id": eos_id} if eos_id is not None else {}
+    else:
+        config = {**shape, "pad_token_id": 0, "tie_word_embeddings": True}
+        ids = {"pad_token_id": 0}
+    config = {"architectures": [ARCHITECTURE[family]], "model_type": family, **config, **ids,
+              "torch_dtype": "float32"}
+    return config, {**ids, "_from_model_config": True}
+
+
+def _hf_tokenizer_files(family: str, text, max_length: int) -> dict[str, dict]:
+    """tokenizer_config.json and special_tokens_map.json for the run's tokenizer.json."""
+    if family == "bert":
+        special = dict(BERT_SPECIAL)
+    else:
+        eos = text.tokenizer.id_to_token(text.eos_id) if text.eos_id is not None else None
+        special = {"bos_token": eos, "eos_token": eos, "unk_token": eos} if eos else {}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
+              "clean_up_tokenization_spaces": False, **special}
+    return {"tokenizer_config.json": config, "special_tokens_map.json": special}
+
+
+def export_transformers(checkpoint: str, output: str, *, tokenizer: str | None = None, echo=print) -> str:
+    """Write a transformers ``save_pretrained`` directory (see the README): config.json, model.safetensors
+    (transformers' names; the tied heads are the tensors they are tied to), generation_config.json and
+    the run's tokenizer. Staged beside ``output`` and moved into place at the end."""
+    import json
+    import shutil
+    import tempfile
+
+    from safetensors.numpy import save_file
+
+    from . import pretrained
+    from . import tokenizer as T
+
+    ckpt = K.resolve_checkpoint(checkpoint)
+    run_dir = K.run_dir_of(ckpt)
+    manifest = G.load_manifest(os.path.join(run_dir, "graphs"))
+    family = manifest["model"].get("builtin")
+    if family not in ARCHITECTURE:
+        raise UsageError(f"--format transformers: {ckpt} is not a built-in gpt2 or bert model "
+                         f"(a user graph has no transformers class; export it as onnx)")
+    if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
+        raise UsageError(f"--output {output} already exists and is not an empty directory")
+    weights = checkpoint_weights(ckpt, manifest)
+    for tied, source in pretrained.TIED[family].items():       # as GPT2LMHeadModel/BertForPreTraining hold them
+        weights[tied] = weights[source]
+    try:
+        text = T.for_run(run_dir, tokenizer)
+    except UsageError as exc:
+        text = None
+        echo(f"note: no tokenizer files written: {exc.message}")
+    if text is not None and text.tokenizer is None:
+        echo("note: no tokenizer files written: the run's data are raw bytes (no tokenizer.json)")
+    shape = manifest["model"][family]
+    eos_id = text.eos_id if text is not None else None
+    config, generation = _hf_config(family, shape, eos_id)
+    parent = os.path.dirname(os.path.abspath(output))
+    os.makedirs(parent, exist_ok=True)
+    stage = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    try:
+        save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, os.path.join(stage, "model.safetensors"),
+                  metadata={"format": "pt"})
+        files = {"config.json": config, "generation_config.json": generation}
+        if text is not None and text.tokenizer is not None:
+            max_length = shape["n_positions"] if family == "gpt2" else shape["max_position_embeddings"]
+            files.update(_hf_tokenizer_files(family, text, max_length))
+            shutil.copyfile(text.path, os.path.join(stage, "tokenizer.json"))
+        for name, obj in files.items():
+            with open(os.path.join(stage, name), "w") as fh:
+                json.dump(obj, fh, indent=2)
+                fh.write("\n")
+        if os.path.isdir(output):
+            os.rmdir(output)
+        os.replace(stage, output)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    echo(f"exported {output} ({ARCHITECTURE[family]}, {', '.join(sorted(os.listdir(output)))}) from {ckpt}")
+    return output

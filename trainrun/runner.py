@@ -43,6 +43,7 @@ from .observe.metrics import Metrics, fmt_duration
 from .observe.timer import PhaseTimer
 from .precision import make_scaler
 from .stopping import EarlyStopping, StopSignals, Stopped
+from .tokenizer import record as record_tokenizer
 from .schedule import learning_rate
 
 MAX_NONFINITE_IN_A_ROW = 8
@@ -182,6 +183,15 @@ class TrainingRunner:
         except UsageError as exc:
             error = exc
         self.comm.agree(error)
+        error, self.sampler = None, None
+        if cfg.train.sample_every and self.is_main:
+            try:
+                from .generate import TrainingSampler
+                self.sampler = TrainingSampler(self.manifest, cfg.data.train, cfg.train.sample_prompt, threads)
+            except UsageError as exc:
+                error = exc
+        if cfg.train.sample_every:
+            self.comm.agree(error)
 
     @staticmethod
     def _features(ds) -> str:
@@ -321,6 +331,8 @@ class TrainingRunner:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
         t = self.cfg.train
+        if self.is_main and self.cfg.data.train:     # set-up passed: generate and export find the tokenizer here
+            record_tokenizer(self.cfg.data.train, self.out)
         self._header()
         self.comm.barrier()          # start the clocks together: set-up time differs between ranks
         self.timer.restart()
@@ -381,6 +393,8 @@ class TrainingRunner:
                 early = self.early_stopping.update(self.step, eval_loss)
             if (checkpoint or early) and (stop or not self.nonfinite_in_a_row):
                 self.save(step_eval)   # not while updates are being skipped: keep_last keeps good ones
+            if t.sample_every and self.step % t.sample_every == 0 and not stop:
+                self._sample()
             self.observe.step_end(self.step, last)
             if stop:
                 self._stopped()
@@ -388,6 +402,16 @@ class TrainingRunner:
                 self.log(f"early stopping at step {self.step}: {self.early_stopping.describe()}")
                 break
         return last, eval_loss
+
+    def _sample(self) -> None:
+        """train.sample_every (rank 0): a sample to the log and TensorBoard (text, tag ``samples``)."""
+        if self.is_main:
+            t0 = time.perf_counter()
+            text = self.sampler.sample(self.engine.params, self.cfg.run.seed, self.step)
+            took = time.perf_counter() - t0
+            self.log(f"sample at step {self.step} ({took:.2f} s):\n{text}")
+            self.metrics.text(self.step, "samples", f"step {self.step} ({took:.2f} s):\n\n{text}")
+        self.timer.mark("sample")
 
     def _stopped(self) -> None:
         """After a stop signal: the checkpoint of this step committed on every rank, then :class:`Stopped`."""

@@ -75,9 +75,15 @@ def init_weights(cfg: GPT2Config, seed: int) -> dict[str, np.ndarray]:
     return w
 
 
-def build_gpt2(cfg: GPT2Config, weights: dict[str, np.ndarray]) -> onnx.ModelProto:
+def build_gpt2(cfg: GPT2Config, weights: dict[str, np.ndarray], kv_cache: bool = False) -> onnx.ModelProto:
     """The forward graph with ``weights`` as initializers; input ``input_ids``
     int64 [batch, seq], output ``logits`` float32 [batch, seq, vocab].
+
+    ``kv_cache``: the inference graph for generation (build it with dropout 0). Per layer ``i`` it also
+    takes ``past.{i}.key`` / ``past.{i}.value`` [batch, n_head, past, head_dim] (the keys and values of
+    the ``past`` tokens before ``input_ids``, transformers' layout; ``past`` may be 0) and returns
+    ``present.{i}.key`` / ``present.{i}.value`` [batch, n_head, past + seq, head_dim]; positions start at
+    ``past``. A prompt is one pass with past 0, each new token a pass of seq 1.
 
     Dropout nodes (when cfg.dropout > 0; transformers' placement: embeddings,
     attention probabilities, after each c_proj) carry ``training_mode`` as their
@@ -94,7 +100,8 @@ def build_gpt2(cfg: GPT2Config, weights: dict[str, np.ndarray]) -> onnx.ModelPro
     g.const("causal_mask", np.triu(np.full((cfg.n_positions, cfg.n_positions), MASK_VALUE, np.float32), 1))
     g.const("c_zero1", np.array([0], np.int64))
     g.const("c_axes01", np.array([0, 1], np.int64))
-    g.const("c_zero2", np.array([0, 0], np.int64))
+    if not kv_cache:
+        g.const("c_zero2", np.array([0, 0], np.int64))
     g.const("c_heads_shape", np.array([0, 0, H, D], np.int64))
     g.const("c_merge_shape", np.array([0, 0, E], np.int64))
     g.const("c_split3", np.array([E, E, E], np.int64))
@@ -121,10 +128,17 @@ def build_gpt2(cfg: GPT2Config, weights: dict[str, np.ndarray]) -> onnx.ModelPro
         return g.op("Add", [g.op("MatMul", [x, prefix + ".weight"]), prefix + ".bias"])
 
     seq = g.op("Shape", ["input_ids"], start=1, end=2)                       # [1]
-    seq2 = g.op("Concat", [seq, seq], axis=0)                                # [2]
+    seq2 = None if kv_cache else g.op("Concat", [seq, seq], axis=0)          # [2]
     tok = g.op("Gather", ["transformer.wte.weight", "input_ids"], axis=0)    # [B,S,E]
-    pos = g.op("Slice", ["transformer.wpe.weight", "c_zero1", seq, "c_zero1"])  # [S,E]
-    mask = g.op("Slice", ["causal_mask", "c_zero2", seq2, "c_axes01"])       # [S,S]
+    if kv_cache:        # rows past..past+S of the causal mask, keys 0..past+S; positions from past
+        past = g.op("Shape", ["past.0.key"], start=2, end=3)
+        total = g.op("Add", [past, seq])
+        pos = g.op("Slice", ["transformer.wpe.weight", past, total, "c_zero1"])
+        mask = g.op("Slice", ["causal_mask", g.op("Concat", [past, "c_zero1"], axis=0),
+                              g.op("Concat", [total, total], axis=0), "c_axes01"])
+    else:
+        pos = g.op("Slice", ["transformer.wpe.weight", "c_zero1", seq, "c_zero1"])  # [S,E]
+        mask = g.op("Slice", ["causal_mask", "c_zero2", seq2, "c_axes01"])   # [S,S]
     h = dropout(g.op("Add", [tok, pos]))
 
     for i in range(cfg.n_layer):
@@ -133,8 +147,17 @@ def build_gpt2(cfg: GPT2Config, weights: dict[str, np.ndarray]) -> onnx.ModelPro
         qkv = linear(a, p + ".attn.c_attn")
         q, k, v = g.op("Split", [qkv, "c_split3"], n_out=3, axis=-1)
         q = g.op("Transpose", [g.op("Reshape", [q, "c_heads_shape"])], perm=[0, 2, 1, 3])  # [B,H,S,D]
-        kt = g.op("Transpose", [g.op("Reshape", [k, "c_heads_shape"])], perm=[0, 2, 3, 1])  # [B,H,D,S]
-        v = g.op("Transpose", [g.op("Reshape", [v, "c_heads_shape"])], perm=[0, 2, 1, 3])
+        if kv_cache:
+            k = g.op("Transpose", [g.op("Reshape", [k, "c_heads_shape"])], perm=[0, 2, 1, 3])  # [B,H,S,D]
+            v = g.op("Transpose", [g.op("Reshape", [v, "c_heads_shape"])], perm=[0, 2, 1, 3])
+            for name, new in (("key", k), ("value", v)):
+                g.nodes.append(helper.make_node("Concat", [f"past.{i}.{name}", new], [f"present.{i}.{name}"],
+                                                name=f"present.{i}.{name}", axis=2))
+            kt = g.op("Transpose", [f"present.{i}.key"], perm=[0, 1, 3, 2])                  # [B,H,D,P+S]
+            v = f"present.{i}.value"
+        else:
+            kt = g.op("Transpose", [g.op("Reshape", [k, "c_heads_shape"])], perm=[0, 2, 3, 1])  # [B,H,D,S]
+            v = g.op("Transpose", [g.op("Reshape", [v, "c_heads_shape"])], perm=[0, 2, 1, 3])
         scores = g.op("Add", [g.op("Mul", [g.op("MatMul", [q, kt]), "c_scale"]), mask])
         probs = dropout(g.op("Softmax", [scores], axis=-1))
         y = g.op("Transpose", [g.op("MatMul", [probs, v])], perm=[0, 2, 1, 3])   # [B,S,H,D]
@@ -156,12 +179,15 @@ def build_gpt2(cfg: GPT2Config, weights: dict[str, np.ndarray]) -> onnx.ModelPro
     g.nodes.append(helper.make_node("MatMul", [hf, g.op("Transpose", ["transformer.wte.weight"], perm=[1, 0])],
                                     ["logits"], name="lm_head"))
 
-    graph = helper.make_graph(
-        g.nodes, "gpt2",
-        inputs=[helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"])],
-        outputs=[helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", cfg.vocab_size])],
-        initializer=g.inits,
-    )
+    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"])]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", cfg.vocab_size])]
+    for i in range(cfg.n_layer if kv_cache else 0):
+        for name in ("key", "value"):
+            inputs.append(helper.make_tensor_value_info(f"past.{i}.{name}", TensorProto.FLOAT,
+                                                        ["batch", H, "past", D]))
+            outputs.append(helper.make_tensor_value_info(f"present.{i}.{name}", TensorProto.FLOAT,
+                                                         ["batch", H, "past_seq", D]))
+    graph = helper.make_graph(g.nodes, "gpt2", inputs=inputs, outputs=outputs, initializer=g.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
                               producer_name="trainrun")
     model.ir_version = IR_VERSION

@@ -107,6 +107,14 @@ class Metrics:
         if scalars:
             self._tb.write_event(Event(wall_time=time.time(), step=step, summary=Summary(value=scalars)))
 
+    def text(self, step: int, tag: str, text: str) -> None:
+        """A text summary in TensorBoard (its Text tab) under ``tag``."""
+        if self._tb is not None:
+            from tensorboardX.proto.event_pb2 import Event
+            from tensorboardX.summary import text as text_summary
+            self._tb.write_event(Event(wall_time=time.time(), step=step, summary=text_summary(tag, text)))
+            self._tb.flush()
+
     def close(self) -> None:
         """Flush and close the files. Idempotent."""
         if self._bar is not None:

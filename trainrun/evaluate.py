@@ -1,0 +1,101 @@
+"""``trainrun evaluate``: loss, perplexity and the eval graph's metrics of a checkpoint on any dataset.
+
+``--batch B`` counts the samples of one step over all ranks (default: the run's micro_batch_size x
+the ranks); ``--steps N`` the steps (default: every whole step of the dataset). Under ``mpirun -np R``
+(R dividing B) step ``s`` covers samples ``s*B .. (s+1)*B - 1`` and rank ``r`` the ``r``-th ``B/R`` of
+them (:func:`data.eval_batches`); each rank
+runs the run's ``graphs/eval.onnx`` with the checkpoint's weights in a plain onnxruntime session and
+the sums of loss, batch count and every ``metric/<name>/sum|count`` are added over ranks in one
+allreduce. ``loss`` is the mean of the micro-batch losses (as ``eval_loss`` in training),
+``perplexity`` its exp, ``<name>`` = sum / count. With a given ``--batch``, the same samples on any
+number of ranks: the metrics agree to float rounding of the sums, and so does a loss that is a mean
+over every token (GPT-2; a mean over the used slots of each micro-batch, as BERT's MLM loss, depends
+on the micro-batch size).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+
+from . import checkpoint as K
+from . import config as C
+from . import graphs as G
+from .comm import make_communicator
+from .data import eval_batches, open_dataset
+from .errors import TrainrunError, UsageError
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def run_evaluate(source: str, data: str, *, steps: int | None, batch: int | None, output: str | None,
+                 echo=print) -> dict | None:
+    """Evaluate; rank 0 prints the result, writes ``output`` and returns it (other ranks return None)."""
+    import onnxruntime as ort
+
+    from .export import checkpoint_weights
+    ckpt = K.resolve_checkpoint(source)
+    run_dir = K.run_dir_of(ckpt)
+    cfg = C.load_config(os.path.join(ckpt, "config.yaml"))
+    comm = make_communicator("auto", "cpu", cfg.distributed.timeout_s)
+    error, sess, weights, feeds, batches, micro = None, None, None, None, None, 1
+    try:
+        per_step = batch or cfg.train.micro_batch_size * comm.world_size
+        if per_step % comm.world_size:
+            raise UsageError(f"--batch {per_step}: samples per step over all ranks; must be a multiple of the "
+                             f"{comm.world_size} ranks")
+        micro = per_step // comm.world_size
+        manifest = G.load_manifest(os.path.join(run_dir, "graphs"))
+        g, b = cfg.model.gpt2, cfg.model.bert
+        vocab, positions = {"gpt2": (g.vocab_size, g.n_positions),
+                            "bert": (b.vocab_size, b.max_position_embeddings)}.get(cfg.model.builtin, (None, None))
+        ds = open_dataset(data, cfg.data.seq_len, vocab_size=vocab, n_positions=positions)
+        feeds = G.feeds(manifest, cfg.data.inputs, ds.specs)
+        missing = [f"graph input '{i}' <- feature '{f}'" for i, f in feeds.items() if f not in ds.specs]
+        if missing:
+            raise UsageError(f"--data {data}: lacks the features the model reads "
+                             f"(its features: {', '.join(ds.specs)})", missing)
+        weights = checkpoint_weights(ckpt, manifest)
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        so.intra_op_num_threads = max(1, _cores() // max(1, comm.local_size))
+        sess = ort.InferenceSession(os.path.join(run_dir, "graphs", "eval.onnx"), so,
+                                    providers=["CPUExecutionProvider"])
+        batches = eval_batches(ds, micro_batch=micro, rank=comm.rank, world_size=comm.world_size, steps=steps)
+    except TrainrunError as exc:
+        error = exc
+    comm.agree(error)
+    metrics = [o.name for o in sess.get_outputs() if o.name.startswith(G.METRIC_PREFIX)]
+    names = [G.LOSS, *metrics]
+    total = np.zeros(len(names) + 1, np.float64)       # the sums, then the batch count
+    for item in batches:
+        out = sess.run(names, {**weights, **{i: item[f] for i, f in feeds.items()}})
+        total[:-1] += [float(v) for v in out]
+        total[-1] += 1
+    total = comm.allreduce_scalars(list(total), op="sum")
+    count = total[-1]
+    loss = total[0] / count
+    result = {"loss": loss, "perplexity": math.exp(min(loss, 80.0))}
+    got = dict(zip(metrics, total[1:-1]))
+    for name in G.metric_names(metrics):
+        c = got[f"{G.METRIC_PREFIX}{name}/count"]
+        result[name] = got[f"{G.METRIC_PREFIX}{name}/sum"] / c if c else float("nan")
+    result.update({"checkpoint": ckpt, "data": os.path.abspath(data), "samples": int(count) * micro,
+                   "batch": micro * comm.world_size, "world_size": comm.world_size})
+    comm.close()
+    if comm.rank != 0:
+        return None
+    echo(" | ".join(f"{k} {v:.4f}" for k, v in result.items() if isinstance(v, float))
+         + f" | {result['samples']} samples ({result['batch']} per step on {comm.world_size} rank(s))")
+    if output:
+        tmp = output + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(result, fh, indent=1)
+            fh.write("\n")
+        os.replace(tmp, output)
+    return result
