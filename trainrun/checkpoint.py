@@ -17,7 +17,8 @@ Layout of ``<run>/checkpoints/<step>/``::
 Protocol. At a checkpoint step every rank copies the state into preallocated
 host buffers (the only time the step waits) and a background thread writes and
 fsyncs the files into ``checkpoints/.staging-<step>/`` (rank 0 writes the
-tensors, every rank its ``rank-<r>.json``). Completion is agreed through the
+tensors, every rank its ``rank-<r>.json``; with ZeRO-1 the optimizer state is
+gathered on rank 0 first, :mod:`trainrun.zero`). Completion is agreed through the
 small per-step allreduce that the runner does anyway; once every rank is done,
 rank 0 writes ``COMMITTED`` into the staging directory, renames it to
 ``<step>`` (one atomic rename: a ``<step>`` directory never lacks its marker)
@@ -439,10 +440,11 @@ class Checkpointer:
         self._settle()
 
     # -- restoring
-    def restore(self, ckpt: str, layout, params, state: dict, model_state=None) -> dict:
+    def restore(self, ckpt: str, layout, params, state: dict, model_state=None, state_range=None) -> dict:
         """Fill ``params``, each optimizer ``state`` buffer and ``model_state`` ((layout, flat) or None)
         (numpy or cupy) from ``ckpt`` on every rank; return its state.json. Rank 0 verifies the checksums
-        first."""
+        first. ``state_range`` (lo, hi): the optimizer state buffers hold elements lo:hi of the flat
+        layout only (a ZeRO-1 part, :mod:`trainrun.zero`); by default all of it."""
         error, saved = None, None
         try:
             if self.rank == 0:
@@ -466,7 +468,7 @@ class Checkpointer:
                                      f"{saved['optimizer_states']}); the optimizer changed")
                 load_tensors_into(os.path.join(ckpt, "optimizer.safetensors"), layout.names, layout.shapes,
                                   host, prefix=f"{name}/")
-                from_host(buf, host)
+                from_host(buf, host[slice(*state_range)] if state_range else host)
         except TrainrunError as exc:
             error = exc
         self.comm.agree(error)
