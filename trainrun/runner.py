@@ -434,6 +434,10 @@ class TrainingRunner:
                      f"{self.comm.local_size} | device {cfg.device} | {self.threads} thread(s) | "
                      f"backend {self.comm.backend} | {cfg.train.micro_batch_size} samples x {self.accum} "
                      f"micro-batches per step", all_ranks=True)
+            sh = self.shard
+            self.log(f"zero stage {cfg.distributed.zero_stage}: this rank updates parameters {sh.lo}:{sh.hi} of {n} "
+                     f"and holds {sum(b.nbytes for b in sh.state.values()):,} bytes of optimizer state",
+                     all_ranks=True)
         else:   # one line per section; the whole file is <output_dir>/config.yaml
             self.log("config (" + os.path.join(self.out, "config.yaml") + "):\n" + C.to_yaml_compact(cfg))
         self.log(f"trainrun: {cfg.run.name} | {self.world} rank(s) x {self.threads} thread(s) | "
