@@ -362,6 +362,7 @@ class TrainingRunner:
         """Steps until ``end``, early stopping or a stop signal; (last step's result, last eval loss)."""
         t, every = self.cfg.train, self.cfg.checkpoint.every
         last, eval_loss, window_steps = {}, None, 0
+        phases = dict(self.timer.total)     # phase totals at the last log: phase_ms is the mean since then
         while self.step < end:
             self.observe.step_begin(self.step + 1)
             last = self.train_step()
@@ -371,10 +372,12 @@ class TrainingRunner:
             if self.step % t.log_every == 0 or self.step == end or stop:
                 now = time.perf_counter()
                 tps = window_steps * self.tokens_per_step / (now - window_t)
-                window_t, window_steps = now, 0
+                phase_ms = {k: round(1e3 * (v - phases.get(k, 0.0)) / window_steps, 3)
+                            for k, v in self.timer.total.items() if v > phases.get(k, 0.0)}
+                window_t, window_steps, phases = now, 0, dict(self.timer.total)
                 self.metrics.log(self.step, {"loss": last["loss"], "lr": last["lr"],
                                              "grad_norm": last["grad_norm"], "tokens_per_sec": tps,
-                                             "skipped_steps": self.skipped,
+                                             "skipped_steps": self.skipped, "phase_ms": phase_ms,
                                              **({"loss_scale": last["loss_scale"]} if self.scaler else {})})
                 self.timer.mark("log")
             checkpoint = (every and self.step % every == 0) or self.step == end or stop
