@@ -119,6 +119,9 @@ def main(comm):
     comm.reduce_scatter(src, part, counts)
     whole = (np.arange(total) % 97).astype(np.float32) * (n * (n + 1) // 2)
     assert np.array_equal(part, whole[offs[r]:offs[r + 1]]), "reduce_scatter with counts"
+    inplace = src.copy()
+    comm.reduce_scatter(inplace, inplace[:counts[r]], counts)     # this rank's part lands at the start
+    assert np.array_equal(inplace[:counts[r]], whole[offs[r]:offs[r + 1]]), "reduce_scatter in place"
     flat = np.full(total, -1.0, np.float32)
     flat[offs[r]:offs[r + 1]] = part
     comm.allgather(flat[offs[r]:offs[r + 1]], flat, counts)      # in place: this rank's part of flat

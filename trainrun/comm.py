@@ -230,7 +230,8 @@ class Communicator:
         Without ``counts``, ``buf.size`` must be divisible by ``world_size``; rank r gets elements
         ``[r*k, (r+1)*k)`` of the sum, ``k = buf.size // world_size = out.size``. With ``counts``
         (one element count per rank, summing to ``buf.size``) rank r gets the ``counts[r]``
-        elements after the first ``sum(counts[:r])``.
+        elements after the first ``sum(counts[:r])``; ``out`` may then be the start of ``buf``
+        (``buf[:counts[rank]]``): reduced in place, ``buf``'s other elements left undefined.
         """
         raise NotImplementedError
 
@@ -317,7 +318,8 @@ class SingleProcess(Communicator):
 
     def reduce_scatter(self, buf, out, counts=None) -> None:
         _check_shapes("reduce_scatter", buf, out, 1, counts)
-        out[...] = buf
+        if not _same_memory(out, buf):
+            out[...] = buf
 
     def allgather(self, chunk, out, counts=None) -> None:
         _check_shapes("allgather", chunk, out, 1, counts)
@@ -445,8 +447,12 @@ class MPICommunicator(Communicator):
         _check_shapes("reduce_scatter", buf, out, self.world_size, counts, self.rank)
         if counts is not None:      # numpy only (distributed.zero_stage 1 runs on the CPU)
             b, o = self._np(buf, "reduce_scatter input"), self._np(out, "reduce_scatter output")
-            self._wait(self._comm.Ireduce_scatter(b, o, recvcounts=list(counts), op=self._MPI.SUM),
-                       "reduce_scatter", (b, o))
+            if _same_memory(o, b[:o.size]):     # in place: MPI leaves this rank's part at the start
+                self._wait(self._comm.Ireduce_scatter(self._MPI.IN_PLACE, b, recvcounts=list(counts),
+                                                      op=self._MPI.SUM), "reduce_scatter", (b,))
+            else:
+                self._wait(self._comm.Ireduce_scatter(b, o, recvcounts=list(counts), op=self._MPI.SUM),
+                           "reduce_scatter", (b, o))
             return
         self._staged("reduce_scatter", lambda b, o: self._wait(
             self._comm.Ireduce_scatter_block(b, o, op=self._MPI.SUM), "reduce_scatter", (b, o)),

@@ -16,7 +16,8 @@ and holds the optimizer state (``state``: name -> flat buffer covering elements
   alone (every rank holds the same reduced gradients; the others send 0).
 * :class:`Zero1` (stage 1, ZeRO-1): the flat buffer is cut into ``world_size``
   contiguous parts of equal size (+-1 element), wherever tensor boundaries fall.
-  ``reduce`` is one reduce-scatter into a gradient buffer of the part's size;
+  ``reduce`` is one in-place reduce-scatter (this rank's reduced part lands at
+  the start of the gradient buffer: no buffer of its own);
   the optimizer and its moments cover the part only (1/N of the state per
   rank); ``gather`` is one in-place allgather of the parameters. LAMB's trust
   ratio needs ||p|| and ||d|| of whole tensors: a tensor cut by a part boundary
@@ -101,7 +102,9 @@ class Zero1:
         self.counts = shard_counts(n, world)
         self.lo = sum(self.counts[:rank])
         self.hi = self.lo + self.counts[rank]
-        self.grad = np.empty(self.counts[rank], np.float32)    # this rank's part of the reduced gradients
+        # this rank's part of the reduced gradients: reduced in place into the start of the gradient buffer
+        # (the next backward overwrites all of it), no buffer of its own
+        self.grad = engine.grads[:self.counts[rank]]
         # the parts of tensors this rank holds: (name, size within [lo, hi), index of the tensor)
         bounds = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) for s in layout.shapes]).tolist()
         parts = [(name, min(b, self.hi) - max(a, self.lo), i)
