@@ -422,9 +422,11 @@ class TrainingRunner:
                 "graphs": self.manifest["files"], "eval_loss": eval_loss,
                 "early_stopping": self.early_stopping.state_dict()}
         self.sync_state()
-        buffers = {"params": self.engine.params, **self.shard.full_state()}
+        state = self.shard.full_state()
+        buffers = {"params": self.engine.params, **state}
         model_state = (self.engine.state_layout, self.engine.state)
-        self.checkpoints.save(self.step, self.engine.layout, buffers, meta, C.to_yaml(cfg), model_state)
+        self.checkpoints.save(self.step, self.engine.layout, buffers, meta, C.to_yaml(cfg), model_state,
+                              fresh=state.keys() if self.shard.sharded else ())
         self.timer.mark("checkpoint")
 
     # ------------------------------------------------------------------ start and end lines

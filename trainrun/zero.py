@@ -139,8 +139,8 @@ class Zero1:
         self.comm.allgather(params[self.lo:self.hi], params, self.counts)
 
     def full_state(self) -> dict:
-        """name -> the whole flat optimizer state, gathered on rank 0 (a temporary of the model's size per
-        state, on rank 0 only); other ranks get an empty dict."""
+        """name -> the whole flat optimizer state, gathered on rank 0 into new arrays (the checkpoint
+        writer keeps them as its snapshot); other ranks get an empty dict."""
         out = {}
         for name, part in self.state.items():
             full = np.empty(sum(self.counts), np.float32) if self.comm.rank == 0 else None
