@@ -17,7 +17,8 @@ STEPS = 50
 def _train(tmp_path, data, name, ranks, stage, optimizer, **extra):
     cfg = write_config(tmp_path / f"{name}.yaml", data, **{
         "run.output_dir": str(tmp_path / name), "train.max_steps": STEPS, "train.micro_batch_size": 2,
-        "distributed.zero_stage": stage, "optimizer": optimizer, **extra})
+        "distributed.zero_stage": stage, "optimizer": optimizer, "checkpoint": {"every": 10, "keep_last": 2},
+        **extra})
     mpirun(ranks, "--config", cfg)
     return read_metrics(str(tmp_path / name))[0], str(tmp_path / name)
 
