@@ -80,9 +80,15 @@ class HostOptimizer:
     per float32 array) was the fastest of 2**14 / 2**16 / 2**18 for AdamW,
     LAMB and SGD with momentum on 13M GPT-2-like parameters at 1 thread:
     smaller chunks pay more Python overhead per element.
+
+    ``norm_sums`` (LAMB only): the tensors are parts of tensors split over ranks
+    (ZeRO-1, :mod:`trainrun.zero`). It receives this rank's (parts, 2) float64
+    array of (||p||^2, ||d||^2) partial sums and returns the sums over the whole
+    tensors (over every rank), from which each part takes its trust ratio.
     """
 
-    def __init__(self, cfg: OptimizerConfig, sizes: list[int], names: list[str], chunk: int = 1 << 18):
+    def __init__(self, cfg: OptimizerConfig, sizes: list[int], names: list[str], chunk: int = 1 << 18,
+                 norm_sums=None):
         sizes = [int(n) for n in sizes]
         names = list(names)
         if not sizes:
@@ -96,6 +102,7 @@ class HostOptimizer:
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
         self.cfg = cfg
+        self.norm_sums = norm_sums
         self.states = state_names(cfg)  # also rejects an unknown rule
         self.sizes, self.names, self.chunk = sizes, names, chunk
         self.numel = sum(sizes)
@@ -243,42 +250,63 @@ class HostOptimizer:
                     sub(pp, t1, out=pp)
 
     def _lamb(self, p, g, m, v, lr, t, gs) -> None:
-        cfg = self.cfg
-        c1, c2, e, c = self._direction_scalars(t, gs, "torch")  # LAMB: always torch's eps form
-        c1f, c2f, ef = _F32(c1), _F32(c2), _F32(e)
-        b1f, b2f = _F32(self.b1), _F32(self.b2)
-        lo, hi = float(cfg.ratio_min), float(cfg.ratio_max)
-        mul, add, sub, dot = np.multiply, np.add, np.subtract, np.dot
+        c = self._direction_scalars(t, gs, "torch")[3]  # LAMB: always torch's eps form
+        scalars = self._lamb_scalars(t, gs)
+        if self.norm_sums is None:  # tensor by tensor: both passes while the tensor is in cache
+            for chunks, wd in self.tensors:
+                p_sq, d_sq = self._lamb_sums(p, g, m, v, chunks, wd, c, scalars)
+                self._lamb_apply(p, m, v, chunks, wd, c, self._trust(lr, c, p_sq, d_sq), scalars)
+            return
+        # the tensors are parts of tensors split over ranks: every first pass, then the sums of the
+        # whole tensors (norm_sums), then every second pass
+        sums = np.array([self._lamb_sums(p, g, m, v, chunks, wd, c, scalars) for chunks, wd in self.tensors],
+                        np.float64).reshape(len(self.tensors), 2)
+        sums = self.norm_sums(sums)
+        for (chunks, wd), (p_sq, d_sq) in zip(self.tensors, sums):
+            self._lamb_apply(p, m, v, chunks, wd, c, self._trust(lr, c, float(p_sq), float(d_sq)), scalars)
+
+    def _lamb_scalars(self, t, gs):
+        c1, c2, e, _ = self._direction_scalars(t, gs, "torch")
+        return _F32(c1), _F32(c2), _F32(e), _F32(self.b1), _F32(self.b2)
+
+    def _trust(self, lr, c, p_sq, d_sq) -> float:
+        """lr times the trust ratio, from the two sums of squares of a whole tensor."""
+        p_norm, d_norm = math.sqrt(p_sq), math.sqrt(d_sq * (c * c))
+        if p_norm > 0 and d_norm > 0:
+            return lr * min(max(p_norm / d_norm, float(self.cfg.ratio_min)), float(self.cfg.ratio_max))
+        return lr
+
+    def _lamb_sums(self, p, g, m, v, chunks, wd, c, scalars) -> tuple[float, float]:
+        """Pass 1 over one tensor: m, v updated; (||p||^2, ||d/c||^2) returned (p is not written)."""
+        c1f, c2f, ef, b1f, b2f = scalars
+        a_wd = _F32(wd / c)  # d = c * (q + (wd/c)*p), q = m / (sqrt(v) + e)
         tmp, tmp2 = self.tmp, self.tmp2
-        for chunks, wd in self.tensors:
-            a_wd = _F32(wd / c)  # d = c * (q + (wd/c)*p), q = m / (sqrt(v) + e)
-            p_sq = d_sq = 0.0
-            # pass 1: m, v and the two sums of squares (p is not written yet)
-            for a, b in chunks:
-                n = b - a
-                pp, gg, mm, vv = p[a:b], g[a:b], m[a:b], v[a:b]
-                t1, t2 = tmp[:n], tmp2[:n]
-                _moments(gg, mm, vv, b1f, c1f, b2f, c2f, scratch=t2)
-                _ratio(mm, vv, ef, out=t1)
-                if wd:
-                    mul(pp, a_wd, out=t2)
-                    add(t1, t2, out=t1)
-                p_sq += float(dot(pp, pp))
-                d_sq += float(dot(t1, t1))
-            p_norm, d_norm = math.sqrt(p_sq), math.sqrt(d_sq * (c * c))
-            if p_norm > 0 and d_norm > 0:
-                r = lr * min(max(p_norm / d_norm, lo), hi)
-            else:
-                r = lr
-            k = _F32(c * r)
-            # pass 2: the same d from the new m, v; p -= (c*r) * (d/c)
-            for a, b in chunks:
-                n = b - a
-                pp, mm, vv = p[a:b], m[a:b], v[a:b]
-                t1, t2 = tmp[:n], tmp2[:n]
-                _ratio(mm, vv, ef, out=t1)
-                if wd:
-                    mul(pp, a_wd, out=t2)
-                    add(t1, t2, out=t1)
-                mul(t1, k, out=t1)
-                sub(pp, t1, out=pp)
+        p_sq = d_sq = 0.0
+        for a, b in chunks:
+            n = b - a
+            pp, gg, mm, vv = p[a:b], g[a:b], m[a:b], v[a:b]
+            t1, t2 = tmp[:n], tmp2[:n]
+            _moments(gg, mm, vv, b1f, c1f, b2f, c2f, scratch=t2)
+            _ratio(mm, vv, ef, out=t1)
+            if wd:
+                np.multiply(pp, a_wd, out=t2)
+                np.add(t1, t2, out=t1)
+            p_sq += float(np.dot(pp, pp))
+            d_sq += float(np.dot(t1, t1))
+        return p_sq, d_sq
+
+    def _lamb_apply(self, p, m, v, chunks, wd, c, r, scalars) -> None:
+        """Pass 2 over one tensor: the same d from the new m, v; p -= (c*r) * (d/c)."""
+        ef = scalars[2]
+        a_wd, k = _F32(wd / c), _F32(c * r)
+        tmp, tmp2 = self.tmp, self.tmp2
+        for a, b in chunks:
+            n = b - a
+            pp, mm, vv = p[a:b], m[a:b], v[a:b]
+            t1, t2 = tmp[:n], tmp2[:n]
+            _ratio(mm, vv, ef, out=t1)
+            if wd:
+                np.multiply(pp, a_wd, out=t2)
+                np.add(t1, t2, out=t1)
+            np.multiply(t1, k, out=t1)
+            np.subtract(pp, t1, out=pp)

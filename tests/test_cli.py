@@ -128,7 +128,7 @@ def _checkpoint_cases(tmp_path, trained):
 
 USAGE_ERRORS = {   # name: (config sections, message): `trainrun train` must exit 2 naming the key
     "missing data.train": ({"data.train": None}, "data.train: is required to train"),
-    "zero_stage 1": ({"distributed.zero_stage": 1}, "distributed.zero_stage: 1 (sharded optimizer state)"),
+    "zero_stage 2": ({"distributed.zero_stage": 2}, "distributed.zero_stage: 2 is not one of: 0, 1"),
     "nccl on cpu": ({"distributed.backend": "nccl", "device": "cpu"}, "distributed.backend: nccl needs device: cuda"),
     "betas out of range": ({"optimizer.betas": [0.9, 1.0]}, "optimizer.betas[1]: must be in [0, 1), got 1.0"),
     "min_lr > lr": ({"lr_schedule.min_lr": 0.01}, "lr_schedule.min_lr: 0.01 exceeds optimizer.lr (0.003)"),

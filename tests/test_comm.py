@@ -109,6 +109,36 @@ def main(comm):
     comm.allgather(chunk, gathered)
     assert np.array_equal(gathered, np.concatenate([np.arange(5) + 100 * q for q in range(n)])), "allgather"
 
+    # the uneven variants (ZeRO-1's parts): rank q holds counts[q] elements, one rank none at all
+    counts = [7 + 3 * q for q in range(n)]
+    counts[1] = 0
+    offs = np.concatenate(([0], np.cumsum(counts)))
+    total = int(offs[-1])
+    src = (np.arange(total) % 97).astype(np.float32) * (r + 1)
+    part = np.full(counts[r], -1.0, np.float32)
+    comm.reduce_scatter(src, part, counts)
+    whole = (np.arange(total) % 97).astype(np.float32) * (n * (n + 1) // 2)
+    assert np.array_equal(part, whole[offs[r]:offs[r + 1]]), "reduce_scatter with counts"
+    inplace = src.copy()
+    comm.reduce_scatter(inplace, inplace[:counts[r]], counts)     # this rank's part lands at the start
+    assert np.array_equal(inplace[:counts[r]], whole[offs[r]:offs[r + 1]]), "reduce_scatter in place"
+    flat = np.full(total, -1.0, np.float32)
+    flat[offs[r]:offs[r + 1]] = part
+    comm.allgather(flat[offs[r]:offs[r + 1]], flat, counts)      # in place: this rank's part of flat
+    assert np.array_equal(flat, whole), "allgather in place with counts"
+    other = np.full(total, -1.0, np.float32)
+    comm.allgather(part, other, counts)                          # from a separate buffer
+    assert np.array_equal(other, whole), "allgather with counts"
+    root = n - 1
+    got = np.full(total, -1.0, np.float32) if r == root else None
+    comm.gather(part, got, counts, root=root)
+    assert r != root or np.array_equal(got, whole), "gather with counts"
+    try:
+        comm.reduce_scatter(src, np.empty(counts[r] + 1, np.float32), counts)
+        raise AssertionError("reduce_scatter accepted a part of the wrong size")
+    except ValueError as e:
+        assert "do not match counts" in str(e), e
+
     # broadcast_ from the last rank (a root other than 0) and from rank 0.
     for root in (n - 1, 0):
         b = np.full(300, float(r), dtype=np.float32)
@@ -320,6 +350,13 @@ def test_single_process_semantics(no_launcher):
         comm.allreduce_(np.zeros(8, dtype=np.float32)[::2])
     with pytest.raises(ValueError, match="output size"):
         comm.allgather(buf, np.zeros(3, dtype=np.float32))
+    out[:] = 0
+    comm.reduce_scatter(buf, out, [10])
+    comm.gather(out[:], buf, [10])
+    comm.allgather(buf, buf, [10])          # in place
+    assert np.array_equal(out, np.arange(10)) and np.array_equal(buf, np.arange(10))
+    with pytest.raises(ValueError, match="do not match counts"):
+        comm.allgather(buf, out, [9])
     comm.close()
 
 

@@ -162,3 +162,15 @@ def test_host_optimizer_kernel_needs_the_cpu(tmp_path):
         err.value.problems
     cfg = C.load_config(write(tmp_path, {"device": "cuda", "engine": {"optimizer_kernel": "auto"}}))
     assert cfg.engine.optimizer_kernel == "auto"
+
+
+def test_zero_stage_1_needs_the_cpu_mpi_and_the_host_kernel(tmp_path):
+    for data, key, text in [
+            ({"device": "cuda"}, "distributed.zero_stage", "runs on the CPU with the mpi backend"),
+            ({"engine": {"optimizer_kernel": "graph"}}, "distributed.zero_stage", "needs engine.optimizer_kernel"),
+            ({"debug": {"stats_every": 1}}, "debug.stats_every", "needs distributed.zero_stage: 0")]:
+        with pytest.raises(UsageError) as err:
+            C.load_config(write(tmp_path, {**data, "distributed": {"zero_stage": 1}}))
+        assert [p for p in err.value.problems if p.startswith(f"{key}: ") and text in p], err.value.problems
+        assert C.load_config(write(tmp_path, data)).distributed.zero_stage == 0     # fine with stage 0
+    assert C.load_config(write(tmp_path, {"distributed": {"zero_stage": 1}})).distributed.zero_stage == 1

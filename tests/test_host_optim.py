@@ -207,3 +207,58 @@ def test_rejects_what_is_not_a_float32_numpy_buffer():
         opt.step(good(), good(), {"exp_avg": good()}, 0.1, 1, 1.0)
     with pytest.raises(ValueError):
         host.HostOptimizer(cfg, [3, 0], ["a", "b"])
+
+
+@pytest.mark.parametrize("case", ["lamb", "lamb_no_decay_no_bias_correction", "adamw_torch", "sgd_momentum_l2"])
+def test_parts_of_the_buffer_update_as_the_whole(case):
+    """ZeRO-1's shards: the flat buffer cut into 3 parts inside tensors (and one part inside a single
+    tensor), one HostOptimizer per part over the tensor pieces it holds, run in 3 threads whose LAMB
+    norm_sums add up every part's per-tensor sums (as trainrun.zero does over ranks): the graph's update
+    of the whole buffer, to the same tolerances."""
+    import threading
+    cfg = OptimizerConfig(**CASES[case])
+    params, grads = start(3)
+    flat, flat_grads = to_flat(params), [to_flat(g) for g in grads]
+    want_p, want_st = run_graph(cfg, flat, flat_grads, SCHEDULE, 0.7)
+    bounds = np.cumsum([0] + SIZES)
+    cuts = [0, 1600, 1700, bounds[-1]]        # wpe is 1517:1764: cut twice, the middle part inside it
+    assert any(a < c < b for a, b in zip(bounds, bounds[1:]) for c in cuts[1:-1])
+    p, st = flat.copy(), {s: np.zeros_like(flat) for s in state_names(cfg)}
+    sums = np.zeros((len(SIZES), 2))
+    barrier, lock = threading.Barrier(3), threading.Lock()
+    errors = []
+
+    def part(lo, hi):
+        pieces = [(i, min(b, hi) - max(a, lo)) for i, (a, b) in enumerate(zip(bounds, bounds[1:])) if a < hi and b > lo]
+        ids = [i for i, _ in pieces]
+
+        def norm_sums(mine):
+            with lock:
+                sums[ids] += mine
+            barrier.wait()
+            total = sums[ids].copy()
+            barrier.wait()
+            if lo == 0:
+                sums[...] = 0.0
+            barrier.wait()
+            return total
+
+        opt = host.HostOptimizer(cfg, [n for _, n in pieces], [NAMES[i] for i in ids], chunk=CHUNK,
+                                 norm_sums=norm_sums if cfg.name == "lamb" else None)
+        try:
+            for t, (g, lr) in enumerate(zip(flat_grads, SCHEDULE), start=1):
+                opt.step(p[lo:hi], g[lo:hi].copy(), {s: v[lo:hi] for s, v in st.items()}, lr, t, 0.7)
+        except BaseException as exc:    # noqa: BLE001
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=part, args=(a, b)) for a, b in zip(cuts, cuts[1:])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert np.abs(want_p - flat).max() > 1e-2
+    np.testing.assert_allclose(p, want_p, rtol=RTOL, atol=ATOL)
+    for s in want_st:
+        np.testing.assert_allclose(st[s], want_st[s], rtol=RTOL, atol=ATOL, err_msg=s)

@@ -69,13 +69,17 @@ def test_summary_metrics_and_tensorboard(tmp_path, byte_dataset):
         for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "elapsed_s"):
             assert key in row
         assert row["tokens_per_sec"] > 0
+        # mean ms per step of each phase since the last log
+        assert {"data", "forward_backward", "allreduce", "norm", "optimizer"} <= set(row["phase_ms"])
+        assert all(v > 0 for v in row["phase_ms"].values()), row["phase_ms"]
+    assert "eval" not in train[5]["phase_ms"] and "eval" in train[10]["phase_ms"]   # step 5's eval: after its log
     assert evals[10]["eval_perplexity"] == pytest.approx(math.exp(evals[10]["eval_loss"]), rel=1e-6)
     assert "2 rank(s)" in proc.stdout and "global batch 8" in proc.stdout and "done: 10 steps" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 10 and set(summary["phase_shares"]) >= {"forward_backward", "allreduce", "optimizer"}
     tags = _tensorboard_tags(glob.glob(str(out / "tensorboard" / "events.*")))
     assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_sec", "eval/loss",
-            "eval/perplexity"} <= tags
+            "eval/perplexity", "time/forward_backward_ms", "time/optimizer_ms"} <= tags
 
 
 def _tensorboard_tags(files):

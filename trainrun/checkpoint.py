@@ -17,7 +17,8 @@ Layout of ``<run>/checkpoints/<step>/``::
 Protocol. At a checkpoint step every rank copies the state into preallocated
 host buffers (the only time the step waits) and a background thread writes and
 fsyncs the files into ``checkpoints/.staging-<step>/`` (rank 0 writes the
-tensors, every rank its ``rank-<r>.json``). Completion is agreed through the
+tensors, every rank its ``rank-<r>.json``; with ZeRO-1 the optimizer state is
+gathered on rank 0 first, :mod:`trainrun.zero`). Completion is agreed through the
 small per-step allreduce that the runner does anyway; once every rank is done,
 rank 0 writes ``COMMITTED`` into the staging directory, renames it to
 ``<step>`` (one atomic rename: a ``<step>`` directory never lacks its marker)
@@ -243,15 +244,20 @@ class CheckpointWriter:
 
     # -- called by every rank at the checkpoint step
     def start(self, step: int, layout, buffers: dict[str, np.ndarray], meta: dict, config_yaml: str,
-              model_state=None) -> None:
+              model_state=None, fresh=()) -> None:
         """Snapshot ``buffers`` ("params" and one per optimizer state) and write them in the background;
         ``model_state``: (layout, flat buffer) of the model's non-parameter state, written after the
-        parameters in model.safetensors."""
+        parameters in model.safetensors. ``fresh``: keys of buffers made for this save alone (host
+        arrays nobody else writes): kept as they are instead of copied."""
         self.wait()   # at most one write in flight (Checkpointer.save settled it already)
         self._state_layout = model_state[0] if model_state and model_state[0].names else None
         if self._state_layout is not None:
             buffers = {**buffers, _MODEL_STATE: model_state[1]}
+        self._fresh = set(fresh)
         for key, buf in buffers.items():
+            if key in fresh:
+                self._snap[key] = buf
+                continue
             snap = self._snap.get(key)
             if snap is None or snap.shape != buf.shape:
                 snap = self._snap[key] = np.empty(buf.shape, np.float32)
@@ -299,6 +305,9 @@ class CheckpointWriter:
                 self._rank0_sums = sums
         except BaseException as exc:  # noqa: BLE001 - reported to every rank by status()
             self._error = exc
+        finally:
+            for key in self._fresh:     # written: not kept for the next save
+                self._snap.pop(key, None)
 
     def status(self) -> tuple[float, float]:
         """(done, failed) flags of the write in flight, for the runner's per-step allreduce."""
@@ -425,24 +434,26 @@ class Checkpointer:
             self.writer.wait(getattr(self.comm, "timeout_s", None))
             self.progress(*self.comm.allreduce_scalars(list(self.writer.status()), op="sum"))
 
-    def save(self, step: int, layout, buffers: dict, meta: dict, config_yaml: str, model_state=None) -> None:
+    def save(self, step: int, layout, buffers: dict, meta: dict, config_yaml: str, model_state=None,
+             fresh=()) -> None:
         """Snapshot ``buffers`` ("params" and one per optimizer state) and ``model_state`` ((layout, flat)
         of the non-parameter state, or None) and write them in the background; ``meta`` becomes
         state.json (``step`` and ``loader`` are required)."""
         self._settle()     # at most one write in flight
         meta = {"format_version": FORMAT_VERSION, **meta, "step": step,
                 "optimizer_states": [k for k in buffers if k != "params"]}
-        self.writer.start(step, layout, buffers, meta, config_yaml, model_state)
+        self.writer.start(step, layout, buffers, meta, config_yaml, model_state, fresh)
 
     def finish(self) -> None:
         """At the end of training: the last write committed (or its failure raised)."""
         self._settle()
 
     # -- restoring
-    def restore(self, ckpt: str, layout, params, state: dict, model_state=None) -> dict:
+    def restore(self, ckpt: str, layout, params, state: dict, model_state=None, state_range=None) -> dict:
         """Fill ``params``, each optimizer ``state`` buffer and ``model_state`` ((layout, flat) or None)
         (numpy or cupy) from ``ckpt`` on every rank; return its state.json. Rank 0 verifies the checksums
-        first."""
+        first. ``state_range`` (lo, hi): the optimizer state buffers hold elements lo:hi of the flat
+        layout only (a ZeRO-1 part, :mod:`trainrun.zero`); by default all of it."""
         error, saved = None, None
         try:
             if self.rank == 0:
@@ -466,7 +477,7 @@ class Checkpointer:
                                      f"{saved['optimizer_states']}); the optimizer changed")
                 load_tensors_into(os.path.join(ckpt, "optimizer.safetensors"), layout.names, layout.shapes,
                                   host, prefix=f"{name}/")
-                from_host(buf, host)
+                from_host(buf, host[slice(*state_range)] if state_range else host)
         except TrainrunError as exc:
             error = exc
         self.comm.agree(error)

@@ -146,12 +146,21 @@ def _check_buffer(buf: Any, what: str) -> None:
         raise ValueError(f"{what} has dtype {buf.dtype}; supported: float32, float64, int64")
 
 
-def _check_shapes(op: str, src: Any, out: Any, world_size: int) -> None:
-    """Checks shared by every backend for reduce_scatter and allgather."""
+def _check_shapes(op: str, src: Any, out: Any, world_size: int, counts=None, rank: int = 0) -> None:
+    """Checks shared by every backend for reduce_scatter and allgather (``counts``: the uneven
+    variants, one element count per rank: the full buffer is their concatenation)."""
     _check_buffer(src, f"{op} input")
     _check_buffer(out, f"{op} output")
     if src.dtype != out.dtype:
         raise ValueError(f"{op}: input dtype {src.dtype} != output dtype {out.dtype}")
+    if counts is not None:
+        if len(counts) != world_size or min(counts) < 0:
+            raise ValueError(f"{op}: counts must be {world_size} element counts >= 0, got {list(counts)}")
+        full, part = (src, out) if op == "reduce_scatter" else (out, src)
+        if full.size != sum(counts) or part.size != counts[rank]:
+            raise ValueError(f"{op}: buffer sizes {full.size} (whole) and {part.size} (this rank's part) do not "
+                             f"match counts {list(counts)} at rank {rank}")
+        return
     if op == "reduce_scatter":
         if src.size % world_size:
             raise ValueError(f"reduce_scatter: input size {src.size} is not divisible by the world size "
@@ -161,6 +170,23 @@ def _check_shapes(op: str, src: Any, out: Any, world_size: int) -> None:
                              f"= {src.size // world_size}")
     elif out.size != src.size * world_size:
         raise ValueError(f"allgather: output size {out.size} != chunk size x world size = {src.size * world_size}")
+
+
+def _displacements(counts) -> list[int]:
+    return [int(x) for x in np.concatenate(([0], np.cumsum(counts)[:-1]))]
+
+
+def _part(counts, rank: int) -> slice:
+    """Rank ``rank``'s part of a buffer laid out as ``counts``."""
+    lo = int(sum(counts[:rank]))
+    return slice(lo, lo + int(counts[rank]))
+
+
+def _same_memory(a: Any, b: Any) -> bool:
+    """``a`` and ``b`` are the very same elements (same start, size and dtype)."""
+    ai, bi = getattr(a, "__array_interface__", None), getattr(b, "__array_interface__", None)
+    return (ai is not None and bi is not None and ai["data"][0] == bi["data"][0]
+            and a.size == b.size and a.dtype == b.dtype)
 
 
 def _json_bytes(obj: Any) -> bytes:
@@ -198,16 +224,26 @@ class Communicator:
         """In place: ``buf`` becomes the element-wise SUM of every rank's ``buf``."""
         raise NotImplementedError
 
-    def reduce_scatter(self, buf, out) -> None:
+    def reduce_scatter(self, buf, out, counts=None) -> None:
         """SUM over ranks of ``buf``; ``out`` receives this rank's chunk.
 
-        ``buf.size`` must be divisible by ``world_size``; rank r gets elements
-        ``[r*k, (r+1)*k)`` of the sum, ``k = buf.size // world_size = out.size``.
+        Without ``counts``, ``buf.size`` must be divisible by ``world_size``; rank r gets elements
+        ``[r*k, (r+1)*k)`` of the sum, ``k = buf.size // world_size = out.size``. With ``counts``
+        (one element count per rank, summing to ``buf.size``) rank r gets the ``counts[r]``
+        elements after the first ``sum(counts[:r])``; ``out`` may then be the start of ``buf``
+        (``buf[:counts[rank]]``): reduced in place, ``buf``'s other elements left undefined.
         """
         raise NotImplementedError
 
-    def allgather(self, chunk, out) -> None:
-        """``out`` (size ``chunk.size * world_size``) receives every rank's chunk, in rank order."""
+    def allgather(self, chunk, out, counts=None) -> None:
+        """``out`` (size ``chunk.size * world_size``, or ``sum(counts)``) receives every rank's chunk,
+        in rank order. With ``counts``, ``chunk`` may be this rank's own part of ``out`` (a view of it
+        at its offset): then it is gathered in place, without a copy."""
+        raise NotImplementedError
+
+    def gather(self, chunk, out, counts, root: int = 0) -> None:
+        """Rank ``root``'s ``out`` (size ``sum(counts)``) receives every rank's ``chunk`` (size
+        ``counts[rank]``) in rank order; ``out`` is ignored (may be None) on the other ranks."""
         raise NotImplementedError
 
     def broadcast_(self, buf, root: int = 0) -> None:
@@ -280,13 +316,20 @@ class SingleProcess(Communicator):
     def allreduce_(self, buf) -> None:
         _check_buffer(buf, "allreduce_ buffer")
 
-    def reduce_scatter(self, buf, out) -> None:
-        _check_shapes("reduce_scatter", buf, out, 1)
-        out[...] = buf
+    def reduce_scatter(self, buf, out, counts=None) -> None:
+        _check_shapes("reduce_scatter", buf, out, 1, counts)
+        if not _same_memory(out, buf):
+            out[...] = buf
 
-    def allgather(self, chunk, out) -> None:
-        _check_shapes("allgather", chunk, out, 1)
-        out[...] = chunk
+    def allgather(self, chunk, out, counts=None) -> None:
+        _check_shapes("allgather", chunk, out, 1, counts)
+        if not _same_memory(chunk, out):
+            out[...] = chunk
+
+    def gather(self, chunk, out, counts, root: int = 0) -> None:
+        if root != 0:
+            raise ValueError(f"gather: root {root} out of range for world size 1")
+        self.allgather(chunk, out, counts)
 
     def broadcast_(self, buf, root: int = 0) -> None:
         _check_buffer(buf, "broadcast_ buffer")
@@ -400,16 +443,43 @@ class MPICommunicator(Communicator):
             self._comm.Iallreduce(self._MPI.IN_PLACE, b, op=self._MPI.SUM), "allreduce_", (b,)),
             (buf,), (0,), (0,))
 
-    def reduce_scatter(self, buf, out) -> None:
-        _check_shapes("reduce_scatter", buf, out, self.world_size)
+    def reduce_scatter(self, buf, out, counts=None) -> None:
+        _check_shapes("reduce_scatter", buf, out, self.world_size, counts, self.rank)
+        if counts is not None:      # numpy only (distributed.zero_stage 1 runs on the CPU)
+            b, o = self._np(buf, "reduce_scatter input"), self._np(out, "reduce_scatter output")
+            if _same_memory(o, b[:o.size]):     # in place: MPI leaves this rank's part at the start
+                self._wait(self._comm.Ireduce_scatter(self._MPI.IN_PLACE, b, recvcounts=list(counts),
+                                                      op=self._MPI.SUM), "reduce_scatter", (b,))
+            else:
+                self._wait(self._comm.Ireduce_scatter(b, o, recvcounts=list(counts), op=self._MPI.SUM),
+                           "reduce_scatter", (b, o))
+            return
         self._staged("reduce_scatter", lambda b, o: self._wait(
             self._comm.Ireduce_scatter_block(b, o, op=self._MPI.SUM), "reduce_scatter", (b, o)),
             (buf, out), (0,), (1,))
 
-    def allgather(self, chunk, out) -> None:
-        _check_shapes("allgather", chunk, out, self.world_size)
+    def allgather(self, chunk, out, counts=None) -> None:
+        _check_shapes("allgather", chunk, out, self.world_size, counts, self.rank)
+        if counts is not None:
+            c, o = self._np(chunk, "allgather input"), self._np(out, "allgather output")
+            spec = [o, (list(counts), _displacements(counts))]
+            src = self._MPI.IN_PLACE if _same_memory(c, o[_part(counts, self.rank)]) else c
+            self._wait(self._comm.Iallgatherv(src, spec), "allgather", (c, o))
+            return
         self._staged("allgather", lambda c, o: self._wait(self._comm.Iallgather(c, o), "allgather", (c, o)),
                      (chunk, out), (0,), (1,))
+
+    def gather(self, chunk, out, counts, root: int = 0) -> None:
+        if not 0 <= root < self.world_size:
+            raise ValueError(f"gather: root {root} out of range for world size {self.world_size}")
+        c = self._np(chunk, "gather input")
+        if self.rank == root:
+            _check_shapes("gather", c, self._np(out, "gather output"), self.world_size, counts, self.rank)
+            spec = [out, (list(counts), _displacements(counts))]
+        else:
+            _check_buffer(c, "gather input")
+            spec = None
+        self._wait(self._comm.Igatherv(c, spec, root=root), "gather", (c, out))
 
     def broadcast_(self, buf, root: int = 0) -> None:
         _check_buffer(buf, "broadcast_ buffer")
@@ -532,19 +602,24 @@ class NCCLCommunicator(Communicator):
                              self._nccl.NCCL_SUM, self._stream())
         self._wait("allreduce_")
 
-    def reduce_scatter(self, buf, out) -> None:
+    def reduce_scatter(self, buf, out, counts=None) -> None:
+        _no_counts("reduce_scatter", counts)
         _check_shapes("reduce_scatter", buf, out, self.world_size)
         buf, out = self._gpu(buf, "reduce_scatter input"), self._gpu(out, "reduce_scatter output")
         self._comm.reduceScatter(buf.data.ptr, out.data.ptr, out.size, self._dtypes[np.dtype(buf.dtype)],
                                  self._nccl.NCCL_SUM, self._stream())
         self._wait("reduce_scatter")
 
-    def allgather(self, chunk, out) -> None:
+    def allgather(self, chunk, out, counts=None) -> None:
+        _no_counts("allgather", counts)
         _check_shapes("allgather", chunk, out, self.world_size)
         chunk, out = self._gpu(chunk, "allgather input"), self._gpu(out, "allgather output")
         self._comm.allGather(chunk.data.ptr, out.data.ptr, chunk.size, self._dtypes[np.dtype(chunk.dtype)],
                              self._stream())
         self._wait("allgather")
+
+    def gather(self, chunk, out, counts, root: int = 0) -> None:
+        _no_counts("gather", counts)
 
     def broadcast_(self, buf, root: int = 0) -> None:
         buf = self._gpu(buf, "broadcast_ buffer")
@@ -577,6 +652,12 @@ class NCCLCommunicator(Communicator):
             self._comm.destroy()
             self._comm = None
         self._host.close()
+
+
+def _no_counts(op: str, counts) -> None:
+    if counts is not None:
+        raise NotImplementedError(f"{op} with per-rank counts (distributed.zero_stage: 1) runs on the mpi "
+                                  f"backend only")
 
 
 def _import_mpi():

@@ -258,7 +258,8 @@ class DistributedConfig:
     backend: str = opt("auto", choices=["auto", "mpi", "nccl", "none"])
     """Gradient collectives: auto (nccl on cuda, mpi on cpu, none for one rank)."""
     zero_stage: int = opt(0, choices=[0, 1])
-    """0: replicated optimizer state; 1: optimizer state sharded over ranks."""
+    """0: replicated optimizer state; 1: optimizer state sharded over ranks (ZeRO-1: reduce-scatter,
+    each rank updates its part with its part of the moments, allgather; CPU, mpi backend)."""
     timeout_s: float = opt(300.0, gt=0.0)
     """A collective that takes longer fails the run instead of hanging."""
 
@@ -528,7 +529,15 @@ def _semantic_checks(cfg: Config, problems: _Problems, base_dir: str, need_data:
     if s.min_lr > o.lr:
         problems.add("lr_schedule.min_lr", f"{s.min_lr} exceeds optimizer.lr ({o.lr})")
     if cfg.distributed.zero_stage == 1:
-        problems.add("distributed.zero_stage", "1 (sharded optimizer state) is not available yet; use 0")
+        if cfg.device != "cpu" or cfg.distributed.backend == "nccl":
+            problems.add("distributed.zero_stage", "1 (sharded optimizer state) runs on the CPU with the mpi "
+                         "backend; use 0 with device: cuda or backend: nccl")
+        if cfg.engine.optimizer_kernel == "graph":
+            problems.add("distributed.zero_stage", "1 (sharded optimizer state) needs engine.optimizer_kernel "
+                         "host or auto (the graph kernel updates the whole flat buffer)")
+        if cfg.debug.stats_every:
+            problems.add("debug.stats_every", "needs distributed.zero_stage: 0 (with 1 no rank holds the whole "
+                         "reduced gradient)")
     if cfg.profile.start_step > cfg.train.max_steps:
         problems.add("profile.start_step", f"{cfg.profile.start_step} is after the last step "
                      f"(train.max_steps = {cfg.train.max_steps})")

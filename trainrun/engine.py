@@ -453,5 +453,10 @@ class Engine:
         g = self.grads
         if self.xp is not np:      # cupy reduces in a tree on the device
             return float(self.xp.dot(g, g))
-        return sum(float(np.dot(c, c)) for c in (g[i:i + _NORM_CHUNK] for i in range(0, g.size, _NORM_CHUNK)))
+        return norm_sq(g)
+
+
+def norm_sq(g: np.ndarray) -> float:
+    """Squared L2 norm of a flat float32 NumPy buffer: float32 dots of 64Ki-element chunks summed in float64."""
+    return sum(float(np.dot(c, c)) for c in (g[i:i + _NORM_CHUNK] for i in range(0, g.size, _NORM_CHUNK)))
 

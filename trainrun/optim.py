@@ -62,10 +62,10 @@ class Optimizer:
 
 
 class _Host(Optimizer):
-    def __init__(self, cfg, params, grads, xp, sizes, names):
+    def __init__(self, cfg, params, grads, xp, sizes, names, norm_sums=None):
         super().__init__(cfg, params, grads, xp)
         from trainrun.kernels.host import HostOptimizer
-        self.kernel = HostOptimizer(cfg, sizes, names)
+        self.kernel = HostOptimizer(cfg, sizes, names, norm_sums=norm_sums)
 
     def step(self, lr, t, grad_scale):
         self.kernel.step(self.params, self.grads, self.state, lr, t, grad_scale)
@@ -104,15 +104,22 @@ class _Graph(Optimizer):
 
 
 def build(cfg: OptimizerConfig, names: list[str], sizes: list[int], params, grads, xp=np, *,
-          kernel: str = "auto") -> Optimizer:
+          kernel: str = "auto", norm_sums=None) -> Optimizer:
     """The optimizer of ``cfg`` over flat ``params``/``grads`` laid out as ``names``/``sizes``;
     ``xp`` is their array module (numpy, or cupy on the GPU). ``kernel``: host, graph or auto
-    (host for numpy buffers, graph otherwise)."""
+    (host for numpy buffers, graph otherwise).
+
+    A shard (ZeRO-1, :mod:`trainrun.zero`): ``params``/``grads`` are views of one rank's part of
+    the flat buffers, ``names``/``sizes`` the parts of tensors it holds (a tensor may be cut at
+    either end), and ``norm_sums`` combines LAMB's per-tensor sums of squares over the ranks (see
+    :class:`trainrun.kernels.host.HostOptimizer`); host kernel only."""
     on_host = xp is np
     if kernel == "host" or (kernel == "auto" and on_host):
         if not on_host:     # config validation refuses it first; this guards other callers
             raise ValueError("the host optimizer kernel runs on the CPU; the buffers are on the GPU")
-        return _Host(cfg, params, grads, xp, sizes, names)
+        return _Host(cfg, params, grads, xp, sizes, names, norm_sums)
+    if norm_sums is not None:
+        raise ValueError("a sharded optimizer (norm_sums) runs on the host kernel only")
     return _Graph(cfg, params, grads, xp)
 
 

@@ -4,14 +4,16 @@ One step (:meth:`TrainingRunner.train_step`), in the order of ORT's C++ runner:
 
 1. ``forward_backward``: ``gradient_accumulation_steps`` micro-batches, gradients
    accumulated in place in the flat gradient buffer;
-2. ``reduce``: ONE allreduce (sum) over the flat gradient buffer;
-3. ``agree``: the global gradient norm, then ONE small allreduce of scalars that
-   carries the loss, the finite check and the background checkpoint's progress,
-   so every rank takes the same decision;
+2. ``reduce``: ONE allreduce (sum) over the flat gradient buffer (with
+   ``distributed.zero_stage: 1`` a reduce-scatter: :mod:`trainrun.zero`);
+3. ``agree``: ONE small allreduce of scalars that carries the loss, the squared
+   gradient norm (rank 0's, or each rank's part of it), and the background
+   checkpoint's progress, so every rank takes the same decision (a non-finite
+   norm: the step is skipped everywhere);
 4. ``clip``: the divisor that brings the norm down to ``max_grad_norm``;
 5. ``optimizer step``: in place, at the learning rate of this step (a pure
    function of the step, :mod:`trainrun.schedule`); a non-finite step is skipped
-   on every rank.
+   on every rank (stage 1: each rank's part, then an allgather of the parameters).
 
 Around it, :meth:`fit` logs every ``log_every`` steps, evaluates every
 ``eval_every`` and checkpoints every ``checkpoint.every`` steps. The averaging
@@ -31,6 +33,7 @@ import time
 
 from . import checkpoint as K
 from . import faults
+from . import zero
 from . import config as C
 from . import graphs as G
 from .comm import local_device, make_communicator
@@ -178,8 +181,11 @@ class TrainingRunner:
                 raise UsageError(f"data.eval: {cfg.data.eval} has features {self._features(self.eval_ds)}, "
                                  f"data.train {self._features(self.train_ds)}")
             feeds = G.feeds(self.manifest, cfg.data.inputs, shapes)
-            self.engine = Engine(self.graphs_dir, opts, shapes, shapes, cfg.optimizer, feeds=feeds)
+            stage = cfg.distributed.zero_stage     # stage 1: the optimizer over this rank's part only
+            self.engine = Engine(self.graphs_dir, opts, shapes, shapes, None if stage else cfg.optimizer,
+                                 feeds=feeds)
             self.engine.load_weights()
+            self.shard = zero.build(stage, self.comm, self.engine, cfg.optimizer)
         except UsageError as exc:
             error = exc
         self.comm.agree(error)
@@ -209,8 +215,8 @@ class TrainingRunner:
     def _restore(self, ckpt: str) -> None:
         """Parameters, optimizer state, step counters and the data position of ``ckpt``."""
         eng = self.engine
-        state = self.checkpoints.restore(ckpt, eng.layout, eng.params, eng.optimizer.state,
-                                         (eng.state_layout, eng.state))
+        state = self.checkpoints.restore(ckpt, eng.layout, eng.params, self.shard.state,
+                                         (eng.state_layout, eng.state), state_range=(self.shard.lo, self.shard.hi))
         self.loader.load_state_dict(state["loader"])
         self.step, self.updates, self.skipped = state["step"], state["updates"], state["skipped_steps"]
         self.early_stopping.load_state_dict(state.get("early_stopping") or {})
@@ -232,7 +238,7 @@ class TrainingRunner:
         if faults.hit("NAN_GRAD", self.rank, self.step + 1):
             self.engine.grads[0] = float("nan")
         timer.mark("forward_backward")
-        self.comm.allreduce_(self.engine.grads)
+        self.shard.reduce()
         timer.mark("allreduce")
         loss, grad_norm, finite, stop = self.agree(loss_sum)
         timer.mark("norm")
@@ -253,6 +259,9 @@ class TrainingRunner:
         if finite and self.scaler:
             self.scaler.update(True)
         timer.mark("optimizer")
+        if finite and self.shard.sharded:
+            self.shard.gather()
+            timer.mark("allgather")
         if stats:
             stats.finish(self.step, scale, result)
             timer.mark("stats")
@@ -276,14 +285,13 @@ class TrainingRunner:
     def agree(self, loss_sum: float) -> tuple[float, float, bool, bool]:
         """(mean loss, gradient norm, finite on every rank, a stop signal reached some rank), from one
         allreduce of a few scalars that also carries the background checkpoint's progress."""
-        norm_sq = self.engine.grad_norm_sq()
-        grad_norm = math.sqrt(norm_sq) * self.grad_scale() if math.isfinite(norm_sq) else float("inf")
         ck_done, ck_failed = self.checkpoints.status()
-        loss_total, nonfinite, ck_done, ck_failed, stop = self.comm.allreduce_scalars(
-            [loss_sum, 0.0 if math.isfinite(grad_norm) else 1.0, ck_done, ck_failed, self.signals.flag()],
-            op="sum")
+        loss_total, norm_sq, ck_done, ck_failed, stop = self.comm.allreduce_scalars(
+            [loss_sum, self.shard.norm_sq_part(), ck_done, ck_failed, self.signals.flag()], op="sum")
         self.checkpoints.progress(ck_done, ck_failed)
-        return loss_total / (self.accum * self.world), grad_norm, not nonfinite, bool(stop)
+        finite = math.isfinite(norm_sq)     # NaN and inf propagate through the sum
+        grad_norm = math.sqrt(norm_sq) * self.grad_scale() if finite else float("inf")
+        return loss_total / (self.accum * self.world), grad_norm, finite, bool(stop)
 
     def clip_divisor(self, grad_norm: float) -> float:
         clip = self.cfg.optimizer.max_grad_norm
@@ -292,7 +300,7 @@ class TrainingRunner:
     def optimizer_step(self, lr: float, grad_scale: float) -> None:
         self.nonfinite_in_a_row = 0
         self.updates += 1
-        self.engine.optimizer.step(lr, self.updates, grad_scale)
+        self.shard.step(lr, self.updates, grad_scale)
 
     def skip_step(self) -> None:
         """Every rank saw the same non-finite flag: skip the update; too many in a row stop the run."""
@@ -366,6 +374,7 @@ class TrainingRunner:
         """Steps until ``end``, early stopping or a stop signal; (last step's result, last eval loss)."""
         t, every = self.cfg.train, self.cfg.checkpoint.every
         last, eval_loss, window_steps = {}, None, 0
+        phases = dict(self.timer.total)     # phase totals at the last log: phase_ms is the mean since then
         while self.step < end:
             self.observe.step_begin(self.step + 1)
             last = self.train_step()
@@ -375,10 +384,12 @@ class TrainingRunner:
             if self.step % t.log_every == 0 or self.step == end or stop:
                 now = time.perf_counter()
                 tps = window_steps * self.tokens_per_step / (now - window_t)
-                window_t, window_steps = now, 0
+                phase_ms = {k: round(1e3 * (v - phases.get(k, 0.0)) / window_steps, 3)
+                            for k, v in self.timer.total.items() if v > phases.get(k, 0.0)}
+                window_t, window_steps, phases = now, 0, dict(self.timer.total)
                 self.metrics.log(self.step, {"loss": last["loss"], "lr": last["lr"],
                                              "grad_norm": last["grad_norm"], "tokens_per_sec": tps,
-                                             "skipped_steps": self.skipped,
+                                             "skipped_steps": self.skipped, "phase_ms": phase_ms,
                                              **({"loss_scale": last["loss_scale"]} if self.scaler else {})})
                 self.timer.mark("log")
             checkpoint = (every and self.step % every == 0) or self.step == end or stop
@@ -435,9 +446,11 @@ class TrainingRunner:
                 "graphs": self.manifest["files"], "eval_loss": eval_loss,
                 "early_stopping": self.early_stopping.state_dict()}
         self.sync_state()
-        buffers = {"params": self.engine.params, **self.engine.optimizer.state}
+        state = self.shard.full_state()
+        buffers = {"params": self.engine.params, **state}
         model_state = (self.engine.state_layout, self.engine.state)
-        self.checkpoints.save(self.step, self.engine.layout, buffers, meta, C.to_yaml(cfg), model_state)
+        self.checkpoints.save(self.step, self.engine.layout, buffers, meta, C.to_yaml(cfg), model_state,
+                              fresh=state.keys() if self.shard.sharded else ())
         self.timer.mark("checkpoint")
 
     # ------------------------------------------------------------------ start and end lines
@@ -450,6 +463,10 @@ class TrainingRunner:
                      f"{self.comm.local_size} | device {cfg.device} | {self.threads} thread(s) | "
                      f"backend {self.comm.backend} | {cfg.train.micro_batch_size} samples x {self.accum} "
                      f"micro-batches per step", all_ranks=True)
+            sh = self.shard
+            self.log(f"zero stage {cfg.distributed.zero_stage}: this rank updates parameters {sh.lo}:{sh.hi} of {n} "
+                     f"and holds {sum(b.nbytes for b in sh.state.values()):,} bytes of optimizer state",
+                     all_ranks=True)
         else:   # one line per section; the whole file is <output_dir>/config.yaml
             self.log("config (" + os.path.join(self.out, "config.yaml") + "):\n" + C.to_yaml_compact(cfg))
         self.log(f"trainrun: {cfg.run.name} | {self.world} rank(s) x {self.threads} thread(s) | "

@@ -104,6 +104,7 @@ class Metrics:
         from tensorboardX.proto.summary_pb2 import Summary
         scalars = [Summary.Value(tag=_tb_name(k), simple_value=v) for k, v in values.items()
                    if _tb_name(k) and v is not None and math.isfinite(v)]
+        scalars += [Summary.Value(tag=f"time/{k}_ms", simple_value=v) for k, v in values.get("phase_ms", {}).items()]
         if scalars:
             self._tb.write_event(Event(wall_time=time.time(), step=step, summary=Summary(value=scalars)))
 

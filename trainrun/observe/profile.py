@@ -194,7 +194,8 @@ def operator_table(traces: dict[int, dict], by: str = "op") -> list[dict]:
 
 
 def phase_table(traces: dict[int, dict]) -> tuple[list[str], dict[int, dict]]:
-    order = ["data", "forward_backward", "allreduce", "norm", "optimizer", "stats", "log", "eval", "checkpoint"]
+    order = ["data", "forward_backward", "allreduce", "norm", "optimizer", "allgather", "stats", "log", "eval",
+             "checkpoint"]
     per_rank = {r: d["trainrun"]["phase_seconds"] for r, d in traces.items()}
     seen = {p for v in per_rank.values() for p in v}
     phases = [p for p in order if p in seen] + sorted(seen - set(order))
