@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -158,14 +159,16 @@ def main() -> None:
               f"ratio {ours[-1] / theirs[-1]:.2f}", flush=True)
     ratios = [a / b for a, b in zip(ours, theirs)]
     summary = {"steps": args.steps, "timed_steps": args.steps - WARM, "trainrun_samples_per_s": ours,
-               "ddp_samples_per_s": theirs, "median_ratio": float(np.median(ratios))}
-    (work / "results.json").write_text(json.dumps(summary, indent=1))
+               "ddp_samples_per_s": theirs, "median_ratio": float(np.median(ratios)),
+               "started": time.strftime("%Y-%m-%d %H:%M"), "loadavg": os.getloadavg()[0]}
     print(f"median: trainrun {np.median(ours):,.0f} samples/s, PyTorch DDP {np.median(theirs):,.0f} samples/s, "
           f"trainrun/DDP {np.median(ratios):.2f}x (2 ranks x 1 thread, global batch 64)")
     prof = trainrun_once(work, 40, profile=True)
     out = subprocess.run([str(BIN / "trainrun"), "profile", "summarize", prof["run_dir"]], capture_output=True,
                          text=True)
     print(out.stdout or out.stderr)
+    summary["profile"] = out.stdout
+    (work / "results.json").write_text(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":

@@ -683,6 +683,33 @@ def findings(R, out):
         f"{_x(_lever(R, '1x2: data.prefetch=0'))} of trainrun's tokens/s (tiny, runner levers).\n")
 
 
+def cnn_section(R, out):
+    """scripts/bench/cnn.py's results: SqueezeNet 1.1 on the digits, trainrun vs PyTorch DDP 2x1 (target >= 1.0x)."""
+    c = R.get("cnn")
+    if not c:
+        return
+    ratio = c["median_ratio"]
+    out.append("## A CNN (SqueezeNet 1.1 on the digits) vs PyTorch DDP\n")
+    out.append(f"`scripts/bench/cnn.py`: configs/squeezenet-digits.yaml's network (scripts/squeezenet_digits.py: fire "
+               f"modules, BatchNorm, 32x32 inputs, 10 classes), global batch 64 (32 a rank), 2 ranks x 1 thread: "
+               f"`mpirun -np 2 trainrun` against the same network in PyTorch under DDP (gloo, torchrun, its default "
+               f"BatchNorm buffer broadcast), same initial weights, same batches, AdamW + clipping at 1.0; "
+               f"{c['timed_steps']} timed steps after {c['steps'] - c['timed_steps']} untimed, rounds alternating. "
+               f"Run started {c.get('started', '?')}; 1-minute load average {na(c.get('loadavg'), '{:.1f}')}.\n")
+    out.append("| round | trainrun samples/s | PyTorch DDP samples/s | trainrun / DDP |")
+    out.append("|---|---|---|---|")
+    for i, (a, d) in enumerate(zip(c["trainrun_samples_per_s"], c["ddp_samples_per_s"])):
+        out.append(f"| {i + 1} | {a:,.0f} | {d:,.0f} | {a / d:.2f} |")
+    out.append("")
+    out.append(f"**Target trainrun 2x1 >= 1.0x PyTorch DDP 2x1: {ratio:.2f}x (median of rounds) "
+               f"{'met' if ratio >= 1.0 else '**not met**'}.**\n")
+    if c.get("profile"):
+        out.append("trainrun's onnxruntime profile (`trainrun profile summarize`, 40-step run): the convolution "
+                   "kernels lead\n")
+        text = re.sub(r"(rank\(s\)): \S+", r"\1", c["profile"].strip())
+        out.append("```\n" + text + "\n```\n")
+
+
 def bert_section(R, out):
     """scripts/bench/bert.py's results: bert-tiny, trainrun vs PyTorch DDP 2x1 (the target >= 1.2x)."""
     b = R.get("bert")
@@ -793,6 +820,7 @@ def render(R) -> str:
             out.append(f"# {k}\n{c.replace(str(common.ROOT) + '/', '')}")
         out.append("```\n")
     bert_section(R, out)
+    cnn_section(R, out)
     findings(R, out)
     out.append("## Levers\n")
     levers_section(R, out)

@@ -451,6 +451,14 @@ class Suite:
                          "--profile", "--out", str(out)], timeout=1200)
         self.results["bert"] = common.read_json(out / "results.json") if (out / "results.json").exists() else None
 
+    def cnn(self) -> None:
+        q = self.quick
+        self.say("SqueezeNet 1.1 on the digits vs PyTorch DDP (scripts/bench/cnn.py)")
+        out = self.work / "cnn"
+        self.sh("cnn", [PY, str(HERE / "cnn.py"), "--steps", "80" if q else "200", "--rounds", "1" if q else "3",
+                        "--out", str(out)], timeout=1200)
+        self.results["cnn"] = common.read_json(out / "results.json") if (out / "results.json").exists() else None
+
     # ------------------------------------------------------------------ all
     def run(self) -> None:
         only = set(self.args.only.split(",")) if self.args.only else None
@@ -496,6 +504,8 @@ class Suite:
             self.memcap()
         if want("bert") and not self.args.skip_extras:
             self.bert()
+        if want("cnn") and not self.args.skip_extras:
+            self.cnn()
             self.save()
         if want("peak"):
             self.peak_again()
@@ -527,7 +537,7 @@ def main() -> int:
     ap.add_argument("--skip-levers", action="store_true")
     ap.add_argument("--skip-extras", action="store_true")
     ap.add_argument("--only", help="comma-separated sections to (re-)run into the existing results.json: "
-                                   "peak,matrix,levers,scaling,runner_levers,extras,memcap,bert")
+                                   "peak,matrix,levers,scaling,runner_levers,extras,memcap,bert,cnn")
     ap.add_argument("--render", action="store_true", help="only re-write the report from results.json")
     args = ap.parse_args()
     import report
