@@ -445,8 +445,10 @@ class Checkpointer:
         self.writer.start(step, layout, buffers, meta, config_yaml, model_state, fresh)
 
     def finish(self) -> None:
-        """At the end of training: the last write committed (or its failure raised)."""
+        """At the end of training: the last write committed (or its failure raised); the snapshot
+        buffers are freed (no save follows)."""
         self._settle()
+        self.writer._snap.clear()
 
     # -- restoring
     def restore(self, ckpt: str, layout, params, state: dict, model_state=None, state_range=None) -> dict:

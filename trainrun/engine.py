@@ -421,6 +421,13 @@ class Engine:
         self.eval_s.run()
         return float(self.eval_loss)
 
+    def close(self) -> None:
+        """Drop the sessions and every buffer (the end of a run: what follows, e.g. rank 0's export,
+        then does not stack on top of them)."""
+        self.train_s = self.eval_s = self.opt_s = self.optimizer = None
+        self.params = self.grads = self.state = self.state_next = self.masks = None
+        self.batch, self.eval_batch = {}, {}
+
     def load_weights(self, path: str | None = None) -> None:
         """Fill the parameter buffer from a safetensors file (default: the initial weights)."""
         from safetensors.numpy import load_file

@@ -31,6 +31,8 @@ import os
 import platform
 import time
 
+import numpy as np
+
 from . import checkpoint as K
 from . import faults
 from . import zero
@@ -357,6 +359,7 @@ class TrainingRunner:
         elapsed = time.perf_counter() - start
         if self.is_main and self.checkpoints.saved_step == self.step:
             from .export import export_checkpoint
+            self._release()      # the export reads the checkpoint: free what training held first
             export_checkpoint(os.path.join(self.out, "checkpoints", str(self.step)),
                               os.path.join(self.out, "model.onnx"), echo=self.log)
         ran = self.step - first_step        # steps of this session (a resumed run started later)
@@ -403,7 +406,8 @@ class TrainingRunner:
                 self.timer.mark("log")
                 early = self.early_stopping.update(self.step, eval_loss)
             if (checkpoint or early) and (stop or not self.nonfinite_in_a_row):
-                self.save(step_eval)   # not while updates are being skipped: keep_last keeps good ones
+                # not while updates are being skipped: keep_last keeps good ones
+                self.save(step_eval, last=self.step == end or stop or early)
             if t.sample_every and self.step % t.sample_every == 0 and not stop:
                 self._sample()
             self.observe.step_end(self.step, last)
@@ -424,6 +428,11 @@ class TrainingRunner:
             self.metrics.text(self.step, "samples", f"step {self.step} ({took:.2f} s):\n\n{text}")
         self.timer.mark("sample")
 
+    def _release(self) -> None:
+        """After the last checkpoint: drop the sessions, the flat buffers and the optimizer state."""
+        self.engine.close()
+        self.shard = self.sampler = self.observe = None
+
     def _stopped(self) -> None:
         """After a stop signal: the checkpoint of this step committed on every rank, then :class:`Stopped`."""
         self.checkpoints.finish()
@@ -434,9 +443,11 @@ class TrainingRunner:
             f"{os.path.join(self.out, 'checkpoints', str(self.step))} committed{took}. "
             f"Continue with `trainrun resume {self.out}`"))
 
-    def save(self, eval_loss: float | None = None) -> None:
+    def save(self, eval_loss: float | None = None, last: bool = False) -> None:
         """Checkpoint this step: snapshot now, written in the background (every rank). ``eval_loss``:
-        this step's, recorded in state.json (checkpoint.keep_best ranks by it)."""
+        this step's, recorded in state.json (checkpoint.keep_best ranks by it). ``last``: the run ends
+        after it (no step changes the buffers before :meth:`Checkpointer.finish`), so host buffers are
+        written as they are, without a snapshot copy (1.5 GB less at GPT-2 124M with AdamW)."""
         cfg = self.cfg
         meta = {"updates": self.updates, "skipped_steps": self.skipped, "loader": self.loader.state_dict(),
                 "loss_scaler": self.scaler.state_dict() if self.scaler else None,
@@ -449,8 +460,11 @@ class TrainingRunner:
         state = self.shard.full_state()
         buffers = {"params": self.engine.params, **state}
         model_state = (self.engine.state_layout, self.engine.state)
+        fresh = set(state) if self.shard.sharded else set()
+        if last and self.engine.xp is np:
+            fresh |= set(buffers)
         self.checkpoints.save(self.step, self.engine.layout, buffers, meta, C.to_yaml(cfg), model_state,
-                              fresh=state.keys() if self.shard.sharded else ())
+                              fresh=fresh)
         self.timer.mark("checkpoint")
 
     # ------------------------------------------------------------------ start and end lines
