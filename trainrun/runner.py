@@ -457,7 +457,9 @@ class TrainingRunner:
                 "graphs": self.manifest["files"], "eval_loss": eval_loss,
                 "early_stopping": self.early_stopping.state_dict()}
         self.sync_state()
-        state = self.shard.full_state()
+        state = self.shard.full_state()      # (collective for stage 1)
+        if not self.is_main:     # rank 0 alone writes the tensors; the others keep the parameters for their digest
+            state = {}
         buffers = {"params": self.engine.params, **state}
         model_state = (self.engine.state_layout, self.engine.state)
         fresh = set(state) if self.shard.sharded else set()
