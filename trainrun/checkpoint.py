@@ -330,6 +330,10 @@ class CheckpointWriter:
                                     f"{self.root} did not finish within {timeout_s:g} s "
                                     f"(distributed.timeout_s); is the filesystem stuck?")
 
+    def release(self) -> None:
+        """Free the snapshot buffers (no save follows)."""
+        self._snap.clear()
+
     def abandon(self) -> None:
         """A failed write: drop the staging directory (rank 0), keep older checkpoints intact."""
         step, self.pending_step = self.pending_step, None
@@ -448,7 +452,7 @@ class Checkpointer:
         """At the end of training: the last write committed (or its failure raised); the snapshot
         buffers are freed (no save follows)."""
         self._settle()
-        self.writer._snap.clear()
+        self.writer.release()
 
     # -- restoring
     def restore(self, ckpt: str, layout, params, state: dict, model_state=None, state_range=None) -> dict:

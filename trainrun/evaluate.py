@@ -16,7 +16,6 @@ on the micro-batch size).
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import numpy as np
@@ -79,12 +78,7 @@ def run_evaluate(source: str, data: str, *, steps: int | None, batch: int | None
         total[-1] += 1
     total = comm.allreduce_scalars(list(total), op="sum")
     count = total[-1]
-    loss = total[0] / count
-    result = {"loss": loss, "perplexity": math.exp(min(loss, 80.0))}
-    got = dict(zip(metrics, total[1:-1]))
-    for name in G.metric_names(metrics):
-        c = got[f"{G.METRIC_PREFIX}{name}/count"]
-        result[name] = got[f"{G.METRIC_PREFIX}{name}/sum"] / c if c else float("nan")
+    result = G.eval_results(total[0] / count, dict(zip(metrics, total[1:-1])))
     result.update({"checkpoint": ckpt, "data": os.path.abspath(data), "samples": int(count) * micro,
                    "batch": micro * comm.world_size, "world_size": comm.world_size})
     comm.close()

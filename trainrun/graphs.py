@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -253,6 +254,16 @@ def metric_names(outputs: list[str]) -> list[str]:
     """``<name>`` of every complete ``metric/<name>/sum`` + ``metric/<name>/count`` pair."""
     names = [o[len(METRIC_PREFIX):-len("/sum")] for o in outputs if o.endswith("/sum")]
     return [n for n in names if f"{METRIC_PREFIX}{n}/count" in outputs]
+
+
+def eval_results(loss: float, sums: dict[str, float]) -> dict[str, float]:
+    """``loss``, ``perplexity`` and ``<name>`` = sum / count of every metric, from the mean eval loss and
+    the ``metric/<name>/sum|count`` outputs summed over batches and ranks (NaN for a count of 0)."""
+    result = {"loss": loss, "perplexity": math.exp(min(loss, 80.0))}
+    for name in metric_names(list(sums)):
+        c = sums[f"{METRIC_PREFIX}{name}/count"]
+        result[name] = sums[f"{METRIC_PREFIX}{name}/sum"] / c if c else float("nan")
+    return result
 
 
 def with_loss(fwd: Forward, ignore_index: int, keep_logits: bool, metrics: bool = False) -> onnx.ModelProto:

@@ -330,13 +330,8 @@ class TrainingRunner:
                 sums[i] += float(eng.eval_metrics[n])
         total, count, *sums = self.comm.allreduce_scalars([total, count, *sums], op="sum")
         self.timer.mark("eval")
-        loss = total / max(count, 1.0)
-        result = {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0))}
-        got = dict(zip(names, sums))
-        for name in G.metric_names(names):
-            c = got[f"{G.METRIC_PREFIX}{name}/count"]
-            result[f"eval_{name}"] = got[f"{G.METRIC_PREFIX}{name}/sum"] / c if c else float("nan")
-        return result
+        result = G.eval_results(total / max(count, 1.0), dict(zip(names, sums)))
+        return {f"eval_{k}": v for k, v in result.items()}
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
