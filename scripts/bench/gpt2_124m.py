@@ -146,8 +146,8 @@ class Section:
         info = self.suite.sh(f"{SECTION}-{tag}", [str(common.BIN / "mpirun"), "-np", str(self.ranks)] + wrapper +
                              ["--"] + argv, timeout=600)
         shown = f"mpirun -np {self.ranks} trainrun " + " ".join(
-            str(Path(a).relative_to(common.ROOT)) if a.startswith(str(common.ROOT) + "/") else a
-            for a in argv)
+            str(Path(a).relative_to(common.ROOT)) if a.startswith(str(common.ROOT) + "/") and
+            not a.startswith(str(self.suite.work)) else a for a in argv)
         if code:
             shown = f"PYTHONPATH={code} " + shown
         out = {"cmd": shown.replace(str(self.suite.work), "WORK"), **info}
@@ -206,7 +206,7 @@ class Section:
     def machine_figures(self, when: str) -> dict:
         out = {}
         pj = self.work / f"peak-{when}.json"
-        self.suite.sh(f"{SECTION}-peak-{when}", [PY, str(HERE / "peak.py"), "--repeats", "6", "--out", str(pj)])
+        self.suite.sh(f"{SECTION}-peak-{when}", [PY, str(HERE / "peak.py"), "--repeats", "10", "--out", str(pj)])
         out["peak"] = common.read_json(pj) if pj.exists() else None
         cj = self.work / f"comm-{when}.json"
         self.suite.sh(f"{SECTION}-comm-{when}", [PY, str(HERE / "extras.py"), "comm", "--sizes",
