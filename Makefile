@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP_RUN  := $(VENV)/.installed-run
 STAMP_TEST := $(VENV)/.installed-test
 
-.PHONY: setup setup-test test test-gpu demo bench clean
+.PHONY: setup setup-test test test-gpu demo bench bench-124m clean
 
 $(BIN)/python:
 	@test -n "$(PYTHON)" || { echo "trainrun needs Python 3.10-3.12 on PATH" >&2; exit 2; }
@@ -44,6 +44,10 @@ demo: $(STAMP_RUN)
 
 bench: $(STAMP_TEST)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python scripts/bench.py
+
+# issue 17's targets at GPT-2 124M alone (~10 min on 2 cores): its section of BENCHMARKS.md
+bench-124m: $(STAMP_TEST)
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python scripts/bench.py --only gpt2-124m
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

@@ -68,6 +68,9 @@ MODELS = {
     # the mid size of the issue: 6 layers, d 384, seq 256 (11.2M parameters), 4 x 256 per rank at 2 ranks
     "mid": BenchModel("mid", n_layer=6, n_head=6, n_embd=384, seq_len=256, vocab_size=1024,
                       global_batch=8, warmup=2, steps=5, quick_steps=3),
+    # issue 17's targets (scripts/bench/gpt2_124m.py): GPT-2 124M, seq 256, micro-batch 2 per rank at 2 ranks
+    "gpt2-124m": BenchModel("gpt2-124m", n_layer=12, n_head=12, n_embd=768, seq_len=256, vocab_size=50257,
+                            global_batch=4, warmup=3, steps=5, quick_steps=5),
 }
 
 

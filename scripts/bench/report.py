@@ -796,6 +796,7 @@ def render(R) -> str:
                "Every run starts from graphs prepared for its micro-batch.\n")
     out.append("## Targets\n")
     targets(R, out)
+    gpt2_124m_section(R, out)
     out.append("## trainrun vs PyTorch vs the ceiling\n")
     out.append("Layouts: **2x1** = 2 processes x 1 thread (trainrun: `mpirun -np 2`, PyTorch: DDP gloo via torchrun); "
                "**1x2** = 1 process x 2 threads. tokens/s = timed tokens / timed wall time (all ranks; warm-up excluded); "
@@ -829,6 +830,223 @@ def render(R) -> str:
     out.append("## Components\n")
     components(R, out)
     return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------------- GPT-2 124M (issue 17's targets)
+BEGIN_124M, END_124M = "<!-- gpt2-124m: begin -->", "<!-- gpt2-124m: end -->"
+LOADED_CORES = 0.2       # median foreign load (cores) above which the section is labelled as run on a loaded machine
+
+
+def _best(*vals):
+    vals = [v for v in vals if v is not None]
+    return max(vals) if vals else None
+
+
+def _mach_figures(G):
+    """(GEMM peak GFLOP/s, memcpy GB/s, MPI allreduce GB/s): the best of the section's start and end."""
+    peaks, mem, mpi = [], [], []
+    for when in ("machine_start", "machine_end"):
+        f = G.get(when) or {}
+        p = f.get("peak")
+        if p:        # 2 ranks x 1 thread run on single-thread GEMMs: cores x the 1-thread peak counts too
+            peaks += [p.get("peak_gflops"), p["cores"] * p["peak_gflops_1core"] if p.get("peak_gflops_1core") else None]
+        for r in (f.get("comm") or {}).get("rows") or []:
+            mem.append(r.get("memcpy_gbps"))
+            mpi.append(r.get("blocking_gbps"))
+    return _best(*peaks), _best(*mem), _best(*mpi)
+
+
+def _med_of(runs, key):
+    return med([r.get(key) for r in runs])
+
+
+def _rss_max(runs, key):
+    vals = [max(r[key]) for r in runs if r.get(key)]
+    return max(vals) if vals else None
+
+
+def _reduce_ms(run):
+    """The run's gradient reduction phase (``allreduce``; any phase named *reduce*), median ms a step."""
+    ph = run.get("phase_ms") or {}
+    vals = [v for k, v in ph.items() if "reduce" in k]
+    return sum(vals) if vals else None
+
+
+def gpt2_124m_section(R, out):
+    """scripts/bench/gpt2_124m.py's results: the targets of issue 17 at GPT-2 124M, all setups of one run."""
+    G = R.get("gpt2-124m")
+    if not G:
+        return
+    md, mach = G["model"], G.get("machine", {})
+    cpu = mach.get("cpu", "?")
+    runs, setups = G["runs"], G.get("setups", {})
+    peak, memcpy, mpi_bw = _mach_figures(G)
+    params, tps_step = md["params"], md["tokens_per_step"]
+    grad_mb = 4 * params / 1e6
+    loads = [r.get("foreign_cpu_cores") for rs in runs.values() for r in rs if r.get("foreign_cpu_cores") is not None]
+    load = med(loads)
+    loaded = load is not None and load > LOADED_CORES
+    before = next((k for k, v in setups.items() if v.get("code") == "before"), None)
+    ddp = next((k for k, v in setups.items() if v.get("code") == "ddp"), None)
+    current = [k for k, v in setups.items() if v.get("code") == "current"]
+    ex = next((rs[0]["cmd"] for k, rs in runs.items() if k in current and rs), "")
+    out.append(BEGIN_124M)
+    out.append(f"## GPT-2 {md['n_layer']} x {md['n_embd']} ({params / 1e6:.1f}M parameters): issue 17's targets\n")
+    if loaded:
+        out.append(f"**Run on a loaded machine** (processes outside the runs used a median {load:.2f} cores of "
+                   f"{mach.get('cores')} during them): the figures are not representative; re-run "
+                   f"`make bench-124m` on a quiet machine.\n")
+    out.append(f"`make bench-124m` (= `.venv/bin/python scripts/bench/run.py --only {'gpt2-124m'}`, "
+               f"scripts/bench/gpt2_124m.py), started {G.get('started')}, took {G.get('duration_s', '?')} s. "
+               f"GPT-2 {md['n_layer']} layers x {md['n_embd']}, {md['n_head']} heads, vocab {md['vocab_size']}, "
+               f"seq {md['seq_len']}, micro-batch {md['global_batch'] // G['ranks']} per rank, AdamW, "
+               f"{G['ranks']} ranks x {G['threads_per_rank']} thread; {md['warmup']} warm-up steps then "
+               f"{md['steps']} measured steps per run, {G['rounds']} round(s), setups in a rotated order per round. "
+               f"Data: {G.get('dataset')}. Machine: **{cpu}** ({mach.get('cores')} cores, {mach.get('simd', '')}, "
+               f"{mach.get('memory_gb')} GB; median foreign load during the runs {na(load)} cores).\n")
+    out.append(f"Setups: trainrun of this checkout ({', '.join(current)}; `distributed.intra_node` "
+               f"{'exists and is' if G.get('intra_node_key') else 'does not exist in this checkout, so it is not'} "
+               f"varied); **main before issue 17** = commit `{G['before']}`'s trainrun package and "
+               f"configs/gpt2-tiny.yaml (`git archive`), run with the same venv, graphs prepared by its own "
+               f"`trainrun prepare`; **PyTorch DDP** = scripts/bench/torch_train.py (transformers GPT-2, gloo, "
+               f"same data and initial weights). Every trainrun run: `{ex}` (the `--set`s of the setup added; "
+               f"WORK = runs/bench/gpt2-124m; the end-of-run checkpoint and export included).\n")
+    out.append(f"Measured in this run: GEMM peak **{na(peak, '{:.0f}')} GFLOP/s** (scripts/bench/peak.py: 2048^3 "
+               f"matmul, onnxruntime and torch, the best of all cores at once and {mach.get('cores')} x one core, "
+               f"best of repeats at the start and the end); memcpy of a "
+               f"{grad_mb:.0f} MB buffer on both ranks at once **{na(memcpy)} GB/s**, MPI allreduce of it "
+               f"{na(mpi_bw)} GB/s (scripts/bench_comm.py, best of start and end).\n")
+
+    def tgt(label, rows):
+        for setup, measured, ok in rows:
+            out.append(f"| {label} | {setup} | {measured} | "
+                       f"{'–' if ok is None else ('yes' if ok else '**no**')} |")
+
+    out.append("### Targets (steady state: the steps after the warm-up)\n")
+    out.append("| target | setup | measured | met |")
+    out.append("|---|---|---|---|")
+    tgt("time outside forward/backward <= 5% of the steady step", [
+        (k, pct(_med_of(runs[k], "outside_share"), 1), None if _med_of(runs[k], "outside_share") is None
+         else _med_of(runs[k], "outside_share") <= 0.05) for k in current])
+    rows, shares = [], []
+    for k in current:
+        t = _med_of(runs[k], "tokens_per_sec")
+        fl = None if t is None else t * md["flops_per_token"] / 1e9
+        share = None if fl is None or not peak else fl / peak
+        shares.append(share)
+        rows.append((k, f"{na(fl, '{:.0f}')} GFLOP/s = {pct(share)} of {na(peak, '{:.0f}')}",
+                     None if share is None else share >= 0.8))
+    tgt("model FLOP/s >= 80% of the GEMM peak of the same run", rows)
+    if any(sh is not None and sh > 1 for sh in shares):
+        out.append("| (above 100%: the GEMM peak was measured low, under load) | | | |")
+    for other, goal, label in ((before, 1.15, f"tokens/s >= 1.15x main before issue 17 ({G['before']})"),
+                               (ddp, 1.25, "tokens/s >= 1.25x PyTorch DDP")):
+        rows = []
+        for k in current:
+            v = paired(runs[k], runs.get(other, []))
+            r = statistics.median(v) if v else None
+            rows.append((k, f"{na(r, '{:.2f}x')} ({na(_med_of(runs[k], 'tokens_per_sec'), '{:.0f}')} vs "
+                            f"{na(_med_of(runs.get(other, []), 'tokens_per_sec'), '{:.0f}')} tokens/s; {cpu})",
+                         None if r is None else r >= goal))
+        tgt(label, rows)
+    rows = []
+    for k in current:
+        ms = med([_reduce_ms(r) for r in runs[k]])
+        bw = None if not ms else grad_mb / ms
+        share = None if bw is None or not memcpy else bw / memcpy
+        rows.append((k, f"{na(bw)} GB/s ({grad_mb:.0f} MB in {na(ms, '{:.0f}')} ms) = {pct(share)} of memcpy "
+                        f"{na(memcpy)} GB/s", None if share is None else share >= 0.6))
+    tgt("gradient reduction >= 60% of the memcpy bandwidth of the same run", rows)
+    tgt("parameters + AdamW moments about 12 bytes per parameter per node", [
+        (k, f"{setups[k]['bytes_per_param_per_node']['total']} B (computed)",
+         setups[k]["bytes_per_param_per_node"]["total"] <= 12) for k in current])
+    d_tr, d_run = _rss_max(runs.get(ddp, []), "train_rss_mb"), _rss_max(runs.get(ddp, []), "run_rss_mb")
+    rows = []
+    for k in current:
+        a, b = _rss_max(runs[k], "train_rss_mb"), _rss_max(runs[k], "run_rss_mb")
+        ok = None if None in (a, b, d_run) else (b <= d_run)
+        rows.append((k, f"training {na(a, '{:.0f}')}, whole run {na(b, '{:.0f}')} vs DDP {na(d_run, '{:.0f}')} MB "
+                        f"(max over ranks)", ok))
+    tgt("peak RSS per rank <= DDP's (whole run: checkpoint and export included)", rows)
+    out.append("")
+    out.append("Bytes per parameter per node are computed from the setup's config, not measured: float32 "
+               "parameters on every rank (4 x ranks), once per node only with ZeRO-1 on the shared intra-node path "
+               "(4); AdamW's float32 m and v on every rank (8 x ranks) or one shard per rank with ZeRO-1 (8); "
+               f"{G['ranks']} ranks on the node. Gradients (4 B per parameter per rank) are not counted. "
+               "Ratios are medians of per-round ratios (the runs of one round ran next to each other).\n")
+
+    out.append("### Every setup (steady state; whole run apart)\n")
+    out.append("| setup | tokens/s (steady, median of steps) | step ms | outside fwd/bwd | phases ms (median) | "
+               "model GFLOP/s (of peak) | grad reduction GB/s (of memcpy) | peak RSS MB per rank: training / whole run "
+               "| params+moments B/param/node | whole run: wall s, tokens/s (summary.json) | final loss | "
+               "foreign load (cores) |")
+    out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for k, rs in runs.items():
+        if not rs:
+            continue
+        t = _med_of(rs, "tokens_per_sec")
+        fl = None if t is None else t * md["flops_per_token"] / 1e9
+        ms = med([_reduce_ms(r) for r in rs])
+        bw = None if not ms else grad_mb / ms
+        phase = {}
+        for r in rs:
+            for p, v in (r.get("phase_ms") or {}).items():
+                phase.setdefault(p, []).append(v)
+        if not phase and rs[0].get("phase_shares"):        # DDP: shares of its timed steps
+            ph = ", ".join(f"{p} {pct(med([r['phase_shares'].get(p) for r in rs]))}"
+                           for p in rs[0]["phase_shares"])
+        else:
+            ph = ", ".join(f"{p} {statistics.median(v):.0f}" for p, v in
+                           sorted(phase.items(), key=lambda kv: -statistics.median(kv[1])))
+        tr = "; ".join("/".join(f"{x:.0f}" for x in r["train_rss_mb"]) for r in rs if r.get("train_rss_mb"))
+        wr = "; ".join("/".join(f"{x:.0f}" for x in r["run_rss_mb"]) for r in rs if r.get("run_rss_mb"))
+        bpp = (setups.get(k) or {}).get("bytes_per_param_per_node") or {}
+        whole = "; ".join(f"{r.get('wall_s', 0):.0f} s, {na(r.get('whole_run_tokens_per_sec'), '{:.0f}')}"
+                          for r in rs)
+        per_round = ", ".join(f"{r['tokens_per_sec']:.0f}" for r in rs if r.get("tokens_per_sec"))
+        err = "; ".join(r["error"] for r in rs if r.get("error"))
+        out.append(f"| {k} | {na(t, '{:.0f}')}" + (f" ({per_round})" if len(rs) > 1 else "") +
+                   (f" failed: {err}" if err else "") + " | " +
+                   f"{na(_med_of(rs, 'step_ms'), '{:.0f}')} | {pct(_med_of(rs, 'outside_share'), 1)} | {ph or '–'} | "
+                   f"{na(fl, '{:.0f}')} ({pct(None if fl is None or not peak else fl / peak)}) | "
+                   f"{na(bw)} ({pct(None if bw is None or not memcpy else bw / memcpy)}) | "
+                   f"{tr or '–'} / {wr or '–'} | {bpp.get('total', '–')} | "
+                   f"{'(DDP: no checkpoint, no export) ' if k == ddp else ''}{whole} | "
+                   f"{na(_med_of(rs, 'final_loss'), '{:.4f}')} | {na(med([r.get('foreign_cpu_cores') for r in rs]))} |")
+    out.append("")
+    out.append("Steady tokens/s: trainrun = median of metrics.jsonl's per-step tokens/s after the warm-up (log_every 1); "
+               "DDP = tokens a step / median step time of its timed steps. Phases: trainrun's `phase_ms` (rank 0; for "
+               "the commit before issue 17, which does not log it, the same per-step phase times taken by "
+               "scripts/bench/trainrun_rank.py `--phases`); DDP's forward/backward/clip/optimizer shares (its "
+               "allreduce overlaps the backward pass). Model FLOP/s = nanoGPT's count "
+               f"({md['flops_per_token'] / 1e6:.0f} MFLOP per token: 6 x matmul parameters + 12 x layers x seq x d) x "
+               "steady tokens/s. Gradient reduction = 4 bytes x parameters / the `allreduce` phase (a reduce-scatter "
+               "with ZeRO-1; the phases named *reduce*, added up). Whole run: the command's wall time (start-up, graph loading, checkpoint and export "
+               "included) and summary.json's tokens/s.\n")
+    cmds = {k: rs[0]["cmd"] for k, rs in runs.items() if rs and rs[0].get("cmd")}
+    if cmds:
+        out.append("Commands (first round):\n")
+        out.append("```")
+        for k, c in cmds.items():
+            out.append(f"# {k}\n{c}")
+        out.append("```\n")
+    out.append(END_124M)
+    out.append("")
+
+
+def splice_124m(text: str, R) -> str:
+    """``text`` (a BENCHMARKS.md) with its GPT-2 124M section replaced by (or, if it has none, given) this one."""
+    part: list = []
+    gpt2_124m_section(R, part)
+    new = "\n".join(part)
+    if BEGIN_124M in text and END_124M in text:
+        head, rest = text.split(BEGIN_124M, 1)
+        return head + new.rstrip("\n") + rest.split(END_124M, 1)[1]
+    anchor = "## trainrun vs PyTorch vs the ceiling"
+    if anchor in text:
+        head, rest = text.split(anchor, 1)
+        return head + new + "\n" + anchor + rest
+    return text.rstrip("\n") + "\n\n" + new + "\n"
 
 
 if __name__ == "__main__":

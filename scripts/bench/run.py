@@ -7,6 +7,7 @@ regenerates BENCHMARKS.md.
     .venv/bin/python scripts/bench/run.py --quick    # ~5 min: fewer steps and repeats
     .venv/bin/python scripts/bench/run.py --render   # re-write BENCHMARKS.md from the last results.json
     .venv/bin/python scripts/bench/run.py --only runner_levers,memcap   # re-run sections into results.json
+    .venv/bin/python scripts/bench/run.py --only gpt2-124m   # = make bench-124m: issue 17's targets (~10 min)
 
 Everything runs with the same thread budget (all cores, 2 on the reference
 machine): "2x1" = 2 ranks x 1 thread, "1x2" = 1 process x 2 threads, the same
@@ -35,6 +36,10 @@ micro-batch (2x1: global batch / 2, 1x2: the global batch, memcap: its own)
 and graph-shaping --sets, and every run starts from the folder of its own
 micro-batch, so no run re-prepares (a run that did is flagged in the report).
 
+Section gpt2-124m (scripts/bench/gpt2_124m.py; not in --quick unless named in --only): GPT-2 124M
+with trainrun's ZeRO stages (and intra-node paths), main before issue 17 and PyTorch DDP, side by side;
+``--only gpt2-124m`` alone re-writes just its part of BENCHMARKS.md (the rest of the file is kept).
+
 Raw results: runs/bench/results.json (+ logs/ and per-run folders).
 """
 
@@ -54,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import BIN, MODELS, ROOT  # noqa: E402
 
+import gpt2_124m  # noqa: E402
 import variants  # noqa: E402
 
 PY = sys.executable
@@ -473,8 +479,9 @@ class Suite:
         want = lambda section: only is None or section in only  # noqa: E731
         self.results["machine"] = common.machine()
         self.results["loadavg_start"] = os.getloadavg()
-        self.data = self.dataset()
-        self.results["dataset"] = rel(self.data)
+        if only is None or only - {gpt2_124m.SECTION}:      # (the 124M section builds its own)
+            self.data = self.dataset()
+            self.results["dataset"] = rel(self.data)
         self.results["off"] = {"sets": self.off_sets}
         self.results["models_def"] = {k: common.asdict_model(v) for k, v in MODELS.items()}
         models = self.args.models.split(",")
@@ -507,6 +514,10 @@ class Suite:
         if want("cnn") and not self.args.skip_extras:
             self.cnn()
             self.save()
+        if want(gpt2_124m.SECTION) and (not self.quick or only):
+            gpt2_124m.Section(self, self.args.target_model, self.args.target_rounds, self.args.target_warmup,
+                              self.args.target_steps).run()
+            self.save()
         if want("peak"):
             self.peak_again()
         self.results["loadavg_end"] = os.getloadavg()
@@ -537,7 +548,13 @@ def main() -> int:
     ap.add_argument("--skip-levers", action="store_true")
     ap.add_argument("--skip-extras", action="store_true")
     ap.add_argument("--only", help="comma-separated sections to (re-)run into the existing results.json: "
-                                   "peak,matrix,levers,scaling,runner_levers,extras,memcap,bert,cnn")
+                                   "peak,matrix,levers,scaling,runner_levers,extras,memcap,bert,cnn,gpt2-124m "
+                                   "(gpt2-124m alone re-writes only its part of the report)")
+    ap.add_argument("--target-model", default="gpt2-124m", choices=list(MODELS),
+                    help="model of the gpt2-124m section (e.g. mid to try it quickly)")
+    ap.add_argument("--target-rounds", type=int, default=1, help="rounds of the gpt2-124m section")
+    ap.add_argument("--target-warmup", type=int, help="untimed steps per run of the gpt2-124m section (default 3)")
+    ap.add_argument("--target-steps", type=int, help="timed steps per run of the gpt2-124m section (default 5)")
     ap.add_argument("--render", action="store_true", help="only re-write the report from results.json")
     args = ap.parse_args()
     import report
@@ -549,7 +566,11 @@ def main() -> int:
         finally:
             suite.save()
     results = common.read_json(work / "results.json")
-    Path(args.output).write_text(report.render(results))
+    output = Path(args.output)
+    if args.only and set(args.only.split(",")) == {gpt2_124m.SECTION} and output.exists():
+        output.write_text(report.splice_124m(output.read_text(), results))     # the rest of the file kept
+    else:
+        output.write_text(report.render(results))
     print(f"wrote {rel(args.output)} (raw results: {rel(work / 'results.json')})")
     return 0
 

@@ -17,6 +17,13 @@ JSON object with:
 Everything that has a config key (engine.optimizer_kernel, engine.static_shapes,
 data.prefetch, ...) goes through ``--set`` instead.
 
+``--code DIR`` runs the trainrun package found in DIR (e.g. an older commit's
+``git archive``) instead of this checkout's, in this process's Python and venv.
+``--phases`` (with ``--rss-dir``) writes DIR/phases-<rank>.json: for every
+completed step, the milliseconds its phase timer charged to each phase between
+the start of that step and the start of the next (what ``phase_ms`` in
+metrics.jsonl shows, for code versions that do not log it).
+
 Besides the peak RSS of the whole run, the peak RSS reached before the first
 checkpoint is written (``train_peak_rss_mb``: the training steps alone; the
 end-of-run checkpoint snapshot and, on rank 0, the export come after it) is
@@ -34,16 +41,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 
+def record_phases(path: Path) -> None:
+    """Hook TrainingRunner.train_step: at the start of each step, the phase timer's totals since the start
+    of the previous one are that step's phase times; written to ``path`` at exit."""
+    from trainrun import runner
+    steps: list = []
+    prev: dict = {}
+    original = runner.TrainingRunner.train_step
+
+    def train_step(self, *a, **kw):
+        total = dict(self.timer.total)
+        if prev.get("total") is not None and all(v >= prev["total"].get(k, 0.0) for k, v in total.items()):
+            steps.append({"step": prev["step"], "phase_ms": {k: round(1e3 * (v - prev["total"].get(k, 0.0)), 3)
+                                                             for k, v in total.items()
+                                                             if v > prev["total"].get(k, 0.0)}})
+        prev.update(total=total, step=self.step + 1)
+        return original(self, *a, **kw)
+    runner.TrainingRunner.train_step = train_step
+    atexit.register(lambda: common.write_json(path, {"steps": steps}))
+
+
 def main() -> None:
     argv = sys.argv[1:]
     sep = argv.index("--") if "--" in argv else len(argv)
     own, rest = argv[:sep], argv[sep + 1:]
-    rss_dir, patch = None, {}
+    rss_dir, patch, code, phases = None, {}, None, False
     i = 0
     while i < len(own):
         if own[i] == "--rss-dir":
             rss_dir = own[i + 1]
             i += 2
+        elif own[i] == "--code":
+            code = own[i + 1]
+            i += 2
+        elif own[i] == "--phases":
+            phases = True
+            i += 1
         elif own[i] == "--patch":
             patch = json.loads(own[i + 1])
             i += 2
@@ -52,12 +85,16 @@ def main() -> None:
     unknown = set(patch) - {"spin_s", "session_config"}
     if unknown:
         raise SystemExit(f"trainrun_rank: unknown patch key(s) {sorted(unknown)}")
+    if code:       # ahead of this checkout (common put it first on sys.path) and of an editable install
+        sys.path.insert(0, str(Path(code).resolve()))
     rank, _ = common.launcher_rank()
     marks: dict = {}
     if rss_dir:
         atexit.register(lambda: common.write_json(Path(rss_dir) / f"rss-{rank}.json",
                                                   {"rank": rank, "peak_rss_mb": round(common.peak_rss_mb(), 1),
                                                    "vm_peak_mb": common.vm_peak_mb(), **marks}))
+        if phases:
+            record_phases(Path(rss_dir) / f"phases-{rank}.json")
         try:
             from trainrun import runner
             original_save = runner.TrainingRunner.save
