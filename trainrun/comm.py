@@ -540,6 +540,7 @@ class MPIGroup(MPICommunicator):
     ``world_size`` are within the group; its timeout is the parent's; errors name the world rank too."""
 
     def __init__(self, parent: MPICommunicator, comm, what: str):
+        parent = parent._parent if isinstance(parent, MPIGroup) else parent     # the world communicator
         self._MPI, self._comm, self._parent, self.what = parent._MPI, comm, parent, what
         self.rank, self.world_size = comm.Get_rank(), comm.Get_size()
         self.local_rank, self.local_size = parent.local_rank, parent.local_size
