@@ -5,7 +5,8 @@ One step (:meth:`TrainingRunner.train_step`), in the order of ORT's C++ runner:
 1. ``forward_backward``: ``gradient_accumulation_steps`` micro-batches, gradients
    accumulated in place in the flat gradient buffer;
 2. ``reduce``: ONE allreduce (sum) over the flat gradient buffer (with
-   ``distributed.zero_stage: 1`` a reduce-scatter: :mod:`trainrun.zero`);
+   ``distributed.zero_stage: 1`` a reduce-scatter; with ``distributed.intra_node: shared`` each rank
+   first sums its slice of the node's gradients from shared memory: :mod:`trainrun.zero`);
 3. ``agree``: ONE small allreduce of scalars that carries the loss, the squared
    gradient norm (rank 0's, or each rank's part of it), and the background
    checkpoint's progress, so every rank takes the same decision (a non-finite
