@@ -61,6 +61,9 @@ __all__ = [
     "Communicator",
     "SingleProcess",
     "MPICommunicator",
+    "MPIGroup",
+    "NodeMemory",
+    "SharedMemoryUnavailable",
     "NCCLCommunicator",
     "make_communicator",
     "detect_world",
@@ -388,15 +391,18 @@ class MPICommunicator(Communicator):
                 if now >= deadline:
                     self._stuck.append((request, keep_alive))
                     raise TrainrunError(
-                        f"{op} timed out on rank {self.rank} of {self.world_size} ({self.hostname}) after "
+                        f"{op} timed out on {self._who()} after "
                         f"{now - start:.1f} s (timeout_s={self.timeout_s:g}): a peer rank probably died or hung "
                         f"before reaching this collective; the job must be aborted")
                 if now >= spin_until:
                     time.sleep(sleep)
                     sleep = min(2 * sleep, MAX_SLEEP_S)
         except MPI.Exception as e:
-            raise TrainrunError(f"{op} failed on rank {self.rank} of {self.world_size} ({self.hostname}) "
+            raise TrainrunError(f"{op} failed on {self._who()} "
                                 f"after {time.monotonic() - start:.1f} s: {e.Get_error_string()}") from None
+
+    def _who(self) -> str:
+        return f"rank {self.rank} of {self.world_size} ({self.hostname})"
 
     def _np(self, buf, what: str) -> np.ndarray:
         _check_buffer(buf, what)
@@ -521,6 +527,116 @@ class MPICommunicator(Communicator):
         if self._node is not None and not self._MPI.Is_finalized():
             self._node.Free()
         self._node = None
+
+    def split(self, color: int, what: str) -> "MPIGroup":
+        """The ranks that pass the same ``color``, ordered by world rank, as a communicator of their own
+        (collectives polled to this communicator's ``timeout_s``). Every rank must call it."""
+        self.barrier()      # Split is a blocking collective: first make sure every rank is alive and here
+        return MPIGroup(self, self._comm.Split(color, key=self.rank), what)
+
+
+class MPIGroup(MPICommunicator):
+    """A sub-communicator of an :class:`MPICommunicator` (:meth:`MPICommunicator.split`): ``rank`` and
+    ``world_size`` are within the group; its timeout is the parent's; errors name the world rank too."""
+
+    def __init__(self, parent: MPICommunicator, comm, what: str):
+        parent = parent._parent if isinstance(parent, MPIGroup) else parent     # the world communicator
+        self._MPI, self._comm, self._parent, self.what = parent._MPI, comm, parent, what
+        self.rank, self.world_size = comm.Get_rank(), comm.Get_size()
+        self.local_rank, self.local_size = parent.local_rank, parent.local_size
+        self.hostname = parent.hostname
+        self._stuck, self._twins, self._node = parent._stuck, {}, None
+
+    @property
+    def timeout_s(self) -> float:
+        return self._parent.timeout_s
+
+    def _who(self) -> str:
+        return f"{self._parent._who()}, {self.what} rank {self.rank} of {self.world_size}"
+
+    def abort(self, code: int = 1) -> None:
+        self._parent.abort(code)
+
+    def close(self) -> None:
+        if self._comm is not None and not self._MPI.Is_finalized():
+            self._comm.Free()
+        self._comm = None
+
+
+class SharedMemoryUnavailable(Exception):
+    """MPI-3 shared-memory windows cannot be had here (raised on every rank alike)."""
+
+
+_ALIGN = 64     # bytes: each rank's segment of a window starts on a cache line
+
+
+class NodeMemory:
+    """The ranks of this node with MPI-3 shared memory between them (``distributed.intra_node: shared``).
+
+    ``node``: the ranks sharing memory (``MPI_COMM_TYPE_SHARED``), or, with ``ranks_per_node`` K (the
+    environment's ``TRAINRUN_RANKS_PER_NODE``), pretend nodes of K consecutive world ranks inside them, so
+    that a test exercises the cross-node path on one machine. ``cross``: the ranks with the same node rank,
+    one per node (ordered by world rank: the node of world rank 0 is cross rank 0). Both poll their
+    collectives to the world's ``timeout_s``.
+
+    :meth:`allocate` makes a float32 buffer in a shared window, zero-filled: one segment per node rank (a
+    list of every node rank's segment, this rank's at ``node.rank``) or one segment for the whole node
+    (owned by node rank 0). Every node rank holds numpy views of all of them: what one rank writes the
+    others read, no copy. :class:`SharedMemoryUnavailable` (on every rank) when the windows cannot be had.
+    """
+
+    def __init__(self, world: MPICommunicator, ranks_per_node: int | None = None):
+        from . import faults
+        MPI = self._MPI = world._MPI
+        self.world, self.node, self.cross, self._windows = world, None, None, []
+        world.barrier()     # Split_type is a blocking collective
+        shared = MPIGroup(world, world._comm.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank), "node")
+        if ranks_per_node:
+            self.node = shared.split(world.rank // ranks_per_node, "node")
+            shared.close()
+        else:
+            self.node = shared
+        self.cross = world.split(self.node.rank, "cross-node")
+        sizes = world.allgather_object([self.node.world_size, faults.hit("SHARED_WINDOWS", world.rank, 0)])
+        if len({n for n, _ in sizes}) != 1:
+            self.close()
+            raise SharedMemoryUnavailable(f"nodes of unequal sizes ({sorted({n for n, _ in sizes})} ranks): "
+                                          f"the cross-node groups need the same number of ranks on every node")
+        if any(f for _, f in sizes):     # fault injection: a system without shared windows
+            self.close()
+            raise SharedMemoryUnavailable("MPI_Win_allocate_shared failed (TRAINRUN_FAULT_SHARED_WINDOWS)")
+
+    def allocate(self, n: int, per_rank: bool) -> list[np.ndarray]:
+        node = self.node
+        owners = list(range(node.world_size)) if per_rank else [0]
+        nbytes = -(-4 * int(n) // _ALIGN) * _ALIGN if node.rank in owners else 0
+        node.barrier()      # Allocate_shared is a blocking collective
+        error = None
+        try:
+            win = self._MPI.Win.Allocate_shared(nbytes, 4, comm=node._comm)
+            self._windows.append(win)
+            views = [np.frombuffer(win.Shared_query(r)[0], np.float32, count=int(n)) for r in owners]
+        except self._MPI.Exception as e:
+            error = e.Get_error_string()
+        failed = [(r, e) for r, e in enumerate(self.world.allgather_object(error)) if e]
+        if failed:
+            self.close()
+            raise SharedMemoryUnavailable(f"MPI_Win_allocate_shared failed on rank {failed[0][0]}: {failed[0][1]}")
+        if node.rank in owners:
+            views[owners.index(node.rank)][...] = 0.0     # by its owner (first touch: its own NUMA node)
+        node.barrier()
+        return views
+
+    def close(self) -> None:
+        """Free the windows (every view of them is then invalid) and the groups. Every rank calls it."""
+        if not self._MPI.Is_finalized():
+            for win in self._windows:
+                win.Free()
+        self._windows = []
+        for group in (self.node, self.cross):
+            if group is not None:
+                group.close()
+        self.node = self.cross = None
 
 
 class NCCLCommunicator(Communicator):

@@ -260,6 +260,12 @@ class DistributedConfig:
     zero_stage: int = opt(0, choices=[0, 1])
     """0: replicated optimizer state; 1: optimizer state sharded over ranks (ZeRO-1: reduce-scatter,
     each rank updates its part with its part of the moments, allgather; CPU, mpi backend)."""
+    intra_node: str = opt("shared", choices=["shared", "mpi"])
+    """shared: the ranks of a node share one copy of the parameters (MPI-3 shared memory), reduce the
+    gradients by reading each other's buffers and each update a slice of the parameters with its slice
+    of the optimizer state; applies on the CPU with the mpi backend and the host optimizer kernel
+    (elsewhere, or where shared windows are missing, with a warning: mpi). mpi: every rank its own copy,
+    gradients reduced over MPI."""
     timeout_s: float = opt(300.0, gt=0.0)
     """A collective that takes longer fails the run instead of hanging."""
 

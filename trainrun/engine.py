@@ -200,6 +200,9 @@ class _Bound:
 class Engine:
     """The train, eval and optimizer sessions over shared flat buffers.
 
+    ``buffers``: (params, grads) allocated by the caller (host arrays of the layout's size, e.g. views of
+    shared memory that several ranks' sessions bind to, :mod:`trainrun.zero`); by default the engine's own.
+
     ``batch_shapes``: dataset feature -> (shape, dtype) of one micro-batch; ``feeds``: graph input ->
     the feature that feeds it (:func:`trainrun.graphs.feeds`, by default equal names and the labels
     input from the feature ``labels``). The engine owns one buffer per fed graph input, checked at
@@ -212,7 +215,7 @@ class Engine:
     """
 
     def __init__(self, graphs_dir: str, opts: EngineOptions, batch_shapes: dict, eval_batch_shapes: dict,
-                 optimizer: OptimizerConfig | None = None, feeds: dict | None = None):
+                 optimizer: OptimizerConfig | None = None, feeds: dict | None = None, buffers: tuple | None = None):
         self.dir = graphs_dir
         self.opts = opts
         self.manifest = G.load_manifest(graphs_dir)
@@ -227,8 +230,16 @@ class Engine:
         else:
             self.xp = np
         xp = self.xp
-        self.params = xp.zeros(N, np.float32)
-        self.grads = xp.zeros(N, np.float32)
+        if buffers is None:
+            self.params = xp.zeros(N, np.float32)
+            self.grads = xp.zeros(N, np.float32)
+        else:       # allocated by the caller (host, e.g. in shared memory: trainrun.zero); bound as they are
+            self.params, self.grads = buffers
+            for what, b in zip(("params", "grads"), buffers):
+                if not (isinstance(b, np.ndarray) and b.dtype == np.float32 and b.shape == (N,)
+                        and b.flags.c_contiguous and xp is np):
+                    raise TrainrunError(f"engine: the {what} buffer must be a contiguous float32 host array "
+                                        f"of {N} elements")
         self.loss = np.zeros((), np.float32)
         self.eval_loss = np.zeros((), np.float32)
         self.reset = np.ones(1, bool)

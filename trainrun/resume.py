@@ -22,7 +22,7 @@ SAFE_ON_RESUME = ("train.max_steps", "train.stop_at", "train.eval_every", "train
                   "train.micro_batch_size", "train.gradient_accumulation_steps", "train.early_stopping", "checkpoint.",
                   "optimizer.lr", "optimizer.max_grad_norm", "lr_schedule.", "run.log_level", "engine.",
                   "tensorboard.", "data.prefetch", "data.eval", "distributed.timeout_s", "distributed.backend",
-                  "distributed.zero_stage",
+                  "distributed.zero_stage", "distributed.intra_node",
                   "profile.", "debug.")
 
 

@@ -5,7 +5,8 @@ One step (:meth:`TrainingRunner.train_step`), in the order of ORT's C++ runner:
 1. ``forward_backward``: ``gradient_accumulation_steps`` micro-batches, gradients
    accumulated in place in the flat gradient buffer;
 2. ``reduce``: ONE allreduce (sum) over the flat gradient buffer (with
-   ``distributed.zero_stage: 1`` a reduce-scatter: :mod:`trainrun.zero`);
+   ``distributed.zero_stage: 1`` a reduce-scatter; with ``distributed.intra_node: shared`` each rank
+   first sums its slice of the node's gradients from shared memory: :mod:`trainrun.zero`);
 3. ``agree``: ONE small allreduce of scalars that carries the loss, the squared
    gradient norm (rank 0's, or each rank's part of it), and the background
    checkpoint's progress, so every rank takes the same decision (a non-finite
@@ -183,11 +184,14 @@ class TrainingRunner:
                 raise UsageError(f"data.eval: {cfg.data.eval} has features {self._features(self.eval_ds)}, "
                                  f"data.train {self._features(self.train_ds)}")
             feeds = G.feeds(self.manifest, cfg.data.inputs, shapes)
-            stage = cfg.distributed.zero_stage     # stage 1: the optimizer over this rank's part only
-            self.engine = Engine(self.graphs_dir, opts, shapes, shapes, None if stage else cfg.optimizer,
-                                 feeds=feeds)
+            # intra_node: shared: parameters and gradients in the node's shared memory (None: the mpi path)
+            node = zero.node_buffers(cfg, self.comm, self.manifest["num_params"])
+            stage = cfg.distributed.zero_stage     # partitioned: the optimizer over this rank's part only
+            self.engine = Engine(self.graphs_dir, opts, shapes, shapes,
+                                 None if stage or node else cfg.optimizer, feeds=feeds,
+                                 buffers=node.buffers if node else None)
             self.engine.load_weights()
-            self.shard = zero.build(stage, self.comm, self.engine, cfg.optimizer)
+            self.shard = zero.build(stage, self.comm, self.engine, cfg.optimizer, node)
         except UsageError as exc:
             error = exc
         self.comm.agree(error)
@@ -348,6 +352,7 @@ class TrainingRunner:
                 last, eval_loss = self._loop(end, start)
             self.observe.close()
             self.checkpoints.finish()
+            self.shard.close()      # shared memory freed by every rank (collective), before rank 0 exports
         finally:
             self.loader.close()
             self.metrics.close()     # what was logged reaches metrics.jsonl, also on an error
@@ -477,6 +482,11 @@ class TrainingRunner:
             sh = self.shard
             self.log(f"zero stage {cfg.distributed.zero_stage}: this rank updates parameters {sh.lo}:{sh.hi} of {n} "
                      f"and holds {sum(b.nbytes for b in sh.state.values()):,} bytes of optimizer state",
+                     all_ranks=True)
+            node = getattr(sh, "node", None)
+            self.log(f"intra-node: " + (f"shared (node rank {node.mem.node.rank} of {node.mem.node.world_size}, "
+                                        f"node {node.mem.cross.rank} of {node.mem.cross.world_size}; one "
+                                        f"{node.params.nbytes:,}-byte parameter buffer per node)" if node else "mpi"),
                      all_ranks=True)
         else:   # one line per section; the whole file is <output_dir>/config.yaml
             self.log("config (" + os.path.join(self.out, "config.yaml") + "):\n" + C.to_yaml_compact(cfg))

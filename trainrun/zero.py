@@ -1,46 +1,65 @@
-"""The reduce and update part of the step, replicated or sharded over ranks (``distributed.zero_stage``).
+"""The reduce and update part of the step, replicated or partitioned over ranks (``distributed.zero_stage``,
+``distributed.intra_node``).
 
 :func:`build` returns the component the runner's step calls, in this order::
 
-    reduce()          the gradients summed over ranks (each rank's part of them, for stage 1)
+    reduce()          the gradients summed over ranks (each rank's part of them, when partitioned)
     norm_sq_part()    this rank's share of the squared gradient norm: the runner sums the
                       shares in its per-step scalar allreduce (runner.agree)
-    step(lr, t, gs)   the optimizer update (of this rank's part, for stage 1)
-    gather()          every rank's updated part to every rank (stage 1)
+    step(lr, t, gs)   the optimizer update (of this rank's part, when partitioned)
+    gather()          every rank's updated part to every rank that reads it
 
 and holds the optimizer state (``state``: name -> flat buffer covering elements
 ``lo:hi`` of the flat parameters) for checkpoints.
 
-* :class:`Replicated` (stage 0): one allreduce of the flat gradient buffer, every
-  rank runs the whole update on identical buffers. The norm is taken by rank 0
+* :class:`Replicated` (stage 0, ``intra_node: mpi`` or one rank per node): one allreduce of the flat
+  gradient buffer, every rank runs the whole update on identical buffers. The norm is taken by rank 0
   alone (every rank holds the same reduced gradients; the others send 0).
-* :class:`Zero1` (stage 1, ZeRO-1): the flat buffer is cut into ``world_size``
-  contiguous parts of equal size (+-1 element), wherever tensor boundaries fall.
-  ``reduce`` is one in-place reduce-scatter (this rank's reduced part lands at
-  the start of the gradient buffer: no buffer of its own);
-  the optimizer and its moments cover the part only (1/N of the state per
-  rank); ``gather`` is one in-place allgather of the parameters. LAMB's trust
-  ratio needs ||p|| and ||d|| of whole tensors: a tensor cut by a part boundary
-  contributes partial sums from two (or more) ranks, which one small allreduce
-  (2 float64 per tensor of the model) adds up before the update is applied
-  (:class:`trainrun.kernels.host.HostOptimizer`'s ``norm_sums``). AdamW, Adam and
-  SGD are elementwise: a part's update is bit for bit that part of the
+* :class:`Partitioned`: the flat buffer is cut into contiguous parts of equal size (+-1 element),
+  wherever tensor boundaries fall, at two levels:
+
+  - within a node (``intra_node: shared``, :func:`node_buffers`): the parameters exist ONCE per node,
+    in an MPI-3 shared-memory window every local rank's sessions bind to; each rank's gradient buffer
+    is its segment of another window. ``reduce`` sums, for this rank's slice of the node, every local
+    rank's gradients straight from their buffers (in cache-sized chunks, at memory bandwidth) into its
+    own; its slice of the parameters is updated in place with its slice of the moments (so the update
+    and the optimizer state are split over the node's ranks at stage 0 too); nothing to gather inside
+    a node. Barriers (polled to ``distributed.timeout_s``) order it: every local backward done before
+    the sum reads the buffers, every read done before a buffer is written again, every slice updated
+    before any rank's next forward reads the parameters.
+  - across nodes (the ranks with the same node rank, one per node): stage 0 allreduces the slice
+    (every node then updates it alike); stage 1 (ZeRO-1) reduce-scatters it in place (this rank's
+    reduced part lands at the start of its slice of the gradient buffer), updates its part with its
+    part of the moments and allgathers the slice among the same ranks. With one rank per node this is
+    plain ZeRO-1: one part per rank.
+
+  LAMB's trust ratio needs ||p|| and ||d|| of whole tensors: a tensor cut by a part boundary
+  contributes partial sums from two (or more) ranks, which one small allreduce (2 float64 per tensor
+  of the model) adds up before the update is applied (:class:`trainrun.kernels.host.HostOptimizer`'s
+  ``norm_sums``). AdamW, Adam and SGD are elementwise: a part's update is bit for bit that part of the
   replicated update.
 
-Checkpoints keep full tensors by name: :meth:`Zero1.full_state` gathers the
-moment parts on rank 0 for a save, and a restore reads the full tensors and keeps
-``lo:hi`` (so any stage on any number of ranks resumes any checkpoint).
-Stage 1 runs on the CPU with the MPI backend and the host optimizer kernel
-(config validation says so).
+Checkpoints keep full tensors by name: :meth:`Partitioned.full_state` gathers the moment parts on rank 0
+for a save, and a restore reads the full tensors and keeps ``lo:hi`` (so any stage on any number of
+ranks, shared or not, resumes any checkpoint). Partitioned updates run on the CPU with the MPI backend
+and the host optimizer kernel (config validation says so for stage 1; ``intra_node: shared`` applies
+only there, :func:`node_buffers`).
 """
 
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
 
 from . import optim
-from .engine import norm_sq
+from .comm import MPICommunicator, NodeMemory, SharedMemoryUnavailable, SingleProcess
+from .engine import FlatLayout, norm_sq
 from .errors import UsageError
+
+RANKS_PER_NODE_ENV = "TRAINRUN_RANKS_PER_NODE"
+_SUM_CHUNK = 1 << 15      # float32 elements per chunk of the node-local sum: a few of them stay in L2
 
 
 def shard_counts(n: int, world_size: int) -> list[int]:
@@ -50,17 +69,80 @@ def shard_counts(n: int, world_size: int) -> list[int]:
     return [base + (r < extra) for r in range(world_size)]
 
 
-def build(stage: int, comm, engine, cfg_optimizer):
-    """The reduce/update component of ``stage`` for ``engine``'s flat buffers. Stage 0 uses the
-    engine's own optimizer (``engine.optimizer``); stage 1 builds one over this rank's part (build the
-    engine without an optimizer then: it would hold full-size moments)."""
-    if stage == 0:
+def build(stage: int, comm, engine, cfg_optimizer, node: "NodeBuffers | None" = None):
+    """The reduce/update component for ``engine``'s flat buffers. Replicated (stage 0 without ``node``)
+    uses the engine's own optimizer (``engine.optimizer``); the others build one over this rank's part
+    (build the engine without an optimizer then: it would hold full-size moments)."""
+    if stage == 0 and node is None:
         return Replicated(comm, engine)
-    return Zero1(comm, engine, cfg_optimizer)
+    return Partitioned(stage, comm, engine, cfg_optimizer, node)
+
+
+class NodeBuffers:
+    """The parameters (one buffer per node) and every local rank's gradient buffer, in shared memory."""
+
+    def __init__(self, mem: NodeMemory, n: int):
+        self.mem = mem
+        self.params = mem.allocate(n, per_rank=False)[0]
+        self.grads = mem.allocate(n, per_rank=True)
+        self.buffers = (self.params, self.grads[mem.node.rank])     # for Engine(buffers=...)
+
+    def close(self) -> None:
+        self.params = self.grads = self.buffers = None
+        self.mem.close()
+
+
+def ranks_per_node(world_size: int) -> int | None:
+    """``TRAINRUN_RANKS_PER_NODE`` (pretend nodes of K consecutive ranks), or None when unset."""
+    value = os.environ.get(RANKS_PER_NODE_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        k = int(value)
+    except ValueError:
+        k = 0
+    if k < 1 or world_size % k:
+        raise UsageError(f"environment {RANKS_PER_NODE_ENV}={value!r}: must be a whole number >= 1 that "
+                         f"divides the number of ranks ({world_size})")
+    return k
+
+
+def node_buffers(cfg, comm, n: int) -> NodeBuffers | None:
+    """Shared memory for ``distributed.intra_node: shared`` where it applies (several ranks per node, the
+    CPU, the MPI backend, the host optimizer kernel, no debug.stats_every); None for the mpi path. Where
+    MPI-3 shared windows cannot be had: a warning (rank 0) and None. Every rank calls it."""
+    if (cfg.distributed.intra_node != "shared" or not isinstance(comm, MPICommunicator) or cfg.device != "cpu"
+            or cfg.engine.optimizer_kernel == "graph" or cfg.debug.stats_every):
+        return None
+    k = ranks_per_node(comm.world_size)
+    try:
+        mem = NodeMemory(comm, k)
+        if mem.node.world_size == 1:        # one rank per node: nothing to share
+            mem.close()
+            return None
+        return NodeBuffers(mem, n)
+    except SharedMemoryUnavailable as e:
+        if comm.rank == 0:
+            print(f"trainrun: warning: distributed.intra_node: shared is not available here ({e}); "
+                  f"falling back to intra_node: mpi (every rank holds its own parameters)",
+                  file=sys.stderr, flush=True)
+        return None
+
+
+def _part_optimizer(cfg_optimizer, layout: FlatLayout, lo: int, hi: int, params, grad, norm_sums):
+    """The host optimizer over elements ``lo:hi`` of the flat layout (``params`` and ``grad`` of that size),
+    with the indices of the tensors it touches (for LAMB's per-tensor sums)."""
+    bounds = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) for s in layout.shapes]).tolist()
+    parts = [(name, min(b, hi) - max(a, lo), i)
+             for i, (name, a, b) in enumerate(zip(layout.names, bounds, bounds[1:])) if a < hi and b > lo]
+    tensor_ids = np.array([i for *_, i in parts], np.int64)
+    opt = optim.build(cfg_optimizer, [p[0] for p in parts], [p[1] for p in parts], params, grad, np,
+                      kernel="host", norm_sums=norm_sums if cfg_optimizer.name == "lamb" else None)
+    return opt, tensor_ids
 
 
 class Replicated:
-    """Stage 0: allreduce, the whole update on every rank."""
+    """Stage 0 over MPI: allreduce, the whole update on every rank."""
 
     sharded = False
 
@@ -86,65 +168,116 @@ class Replicated:
         """name -> the whole flat optimizer state buffer (on rank 0; other ranks may get an empty dict)."""
         return self.state
 
+    def close(self) -> None:
+        pass
 
-class Zero1:
-    """Stage 1: reduce-scatter, this rank's part updated with its part of the moments, allgather."""
+
+class Partitioned:
+    """Each rank updates its part with its part of the moments: parts within a node over shared memory,
+    and for stage 1 parts of those over the nodes (see the module's docstring)."""
 
     sharded = True
 
-    def __init__(self, comm, engine, cfg_optimizer):
-        self.comm, self.engine = comm, engine
+    def __init__(self, stage: int, comm, engine, cfg_optimizer, node: NodeBuffers | None):
+        self.comm, self.engine, self.node = comm, engine, node
         layout = engine.layout
-        n, world, rank = layout.total, comm.world_size, comm.rank
-        if n < world:
-            raise UsageError(f"distributed.zero_stage: 1 needs at least one parameter per rank "
-                             f"({n} parameters, {world} ranks)")
-        self.counts = shard_counts(n, world)
-        self.lo = sum(self.counts[:rank])
-        self.hi = self.lo + self.counts[rank]
-        # this rank's part of the reduced gradients: reduced in place into the start of the gradient buffer
+        n = layout.total
+        if node is None:        # one rank per node: every rank is a node of its own
+            self.local, self.cross, self.peers = SingleProcess(comm.timeout_s), comm, [engine.grads]
+        else:
+            self.local, self.cross, self.peers = node.mem.node, node.mem.cross, node.grads
+        parts = self.local.world_size * (self.cross.world_size if stage else 1)
+        if n < parts:
+            raise UsageError(f"distributed.zero_stage: {stage} needs at least one parameter per part "
+                             f"({n} parameters, {parts} parts)")
+        self.node_counts = shard_counts(n, self.local.world_size)
+        self.a = sum(self.node_counts[:self.local.rank])      # this rank's slice a:b of the node
+        self.b = self.a + self.node_counts[self.local.rank]
+        self.cross_counts = shard_counts(self.b - self.a, self.cross.world_size) \
+            if stage == 1 and self.cross.world_size > 1 else None
+        if self.cross_counts:
+            self.lo = self.a + sum(self.cross_counts[:self.cross.rank])
+            self.hi = self.lo + self.cross_counts[self.cross.rank]
+        else:
+            self.lo, self.hi = self.a, self.b
+        # this rank's part of the reduced gradients: at the start of its slice of its own gradient buffer
         # (the next backward overwrites all of it), no buffer of its own
-        self.grad = engine.grads[:self.counts[rank]]
-        # the parts of tensors this rank holds: (name, size within [lo, hi), index of the tensor)
-        bounds = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) for s in layout.shapes]).tolist()
-        parts = [(name, min(b, self.hi) - max(a, self.lo), i)
-                 for i, (name, a, b) in enumerate(zip(layout.names, bounds, bounds[1:]))
-                 if a < self.hi and b > self.lo]
-        self.tensor_ids = np.array([i for *_, i in parts], np.int64)
+        self.grad = engine.grads[self.a:self.a + self.hi - self.lo]
+        # the ranks holding distinct parts (LAMB's per-tensor sums are added over them)
+        self.parts_comm = comm if self.cross_counts else self.local
         self._sums = np.zeros((len(layout.names), 2), np.float64)
-        self.optimizer = optim.build(cfg_optimizer, [p[0] for p in parts], [p[1] for p in parts],
-                                     engine.params[self.lo:self.hi], self.grad, np, kernel="host",
-                                     norm_sums=self._norm_sums if cfg_optimizer.name == "lamb" else None)
+        self.optimizer, self.tensor_ids = _part_optimizer(cfg_optimizer, layout, self.lo, self.hi,
+                                                          engine.params[self.lo:self.hi], self.grad,
+                                                          self._norm_sums)
         self.state = self.optimizer.state
 
+    def _sum_peers(self) -> None:
+        """This rank's slice of the node: its own gradients plus every other local rank's, read from their
+        buffers, chunk by chunk."""
+        own = self.peers[self.local.rank]
+        others = [p for r, p in enumerate(self.peers) if r != self.local.rank]
+        for i in range(self.a, self.b, _SUM_CHUNK):
+            out = own[i:min(i + _SUM_CHUNK, self.b)]
+            for p in others:
+                np.add(out, p[i:i + out.size], out=out)
+
     def reduce(self) -> None:
-        self.comm.reduce_scatter(self.engine.grads, self.grad, self.counts)
+        shared = len(self.peers) > 1
+        if shared:
+            self.local.barrier()    # every local backward is done
+            self._sum_peers()
+            self.local.barrier()    # every read of the peers' buffers is done: the next backward may write
+        slice_ = self.engine.grads[self.a:self.b]
+        if self.cross_counts:
+            self.cross.reduce_scatter(slice_, self.grad, self.cross_counts)
+        elif self.cross.world_size > 1:
+            self.cross.allreduce_(slice_)
 
     def norm_sq_part(self) -> float:
-        return norm_sq(self.grad)
+        # stage 0 across nodes: every node holds the same reduced slices; the first node's count
+        return norm_sq(self.grad) if self.cross_counts or self.cross.rank == 0 else 0.0
 
     def _norm_sums(self, sums: np.ndarray) -> np.ndarray:
         """LAMB: this rank's per-part sums of squares -> the whole tensors' (one allreduce)."""
         full = self._sums
         full[...] = 0.0
         full[self.tensor_ids] = sums
-        self.comm.allreduce_(full.reshape(-1))
+        self.parts_comm.allreduce_(full.reshape(-1))
         return full[self.tensor_ids]
 
     def step(self, lr: float, t: int, grad_scale: float) -> None:
         self.optimizer.step(lr, t, grad_scale)
 
     def gather(self) -> None:
-        params = self.engine.params
-        self.comm.allgather(params[self.lo:self.hi], params, self.counts)
+        if self.cross_counts:
+            params = self.engine.params
+            self.cross.allgather(params[self.lo:self.hi], params[self.a:self.b], self.cross_counts)
+        if len(self.peers) > 1:
+            self.local.barrier()    # every slice updated before any local rank's next forward reads them
 
     def full_state(self) -> dict:
         """name -> the whole flat optimizer state, gathered on rank 0 into new arrays (the checkpoint
-        writer keeps them as its snapshot); other ranks get an empty dict."""
+        writer keeps them as its snapshot): the parts over the nodes, then the slices over the first
+        node; other ranks get an empty dict."""
         out = {}
         for name, part in self.state.items():
-            full = np.empty(sum(self.counts), np.float32) if self.comm.rank == 0 else None
-            self.comm.gather(part, full, self.counts, root=0)
+            mid = part
+            if self.cross_counts:
+                mid = np.empty(self.b - self.a, np.float32) if self.cross.rank == 0 else None
+                self.cross.gather(part, mid, self.cross_counts, root=0)
+            if self.cross.rank != 0:
+                continue
+            if self.local.world_size == 1:
+                out[name] = mid if mid is not part else part.copy()
+                continue
+            full = np.empty(sum(self.node_counts), np.float32) if self.local.rank == 0 else None
+            self.local.gather(mid, full, self.node_counts, root=0)
             if full is not None:
                 out[name] = full
         return out
+
+    def close(self) -> None:
+        """Free the shared memory (every rank; the engine's buffers are gone then)."""
+        if self.node is not None:
+            self.engine.close()
+            self.node.close()

@@ -2,6 +2,11 @@
 
     .venv/bin/python scripts/bench/zero.py [--work runs/bench-zero] [--layers 12 --embd 768 --heads 12
         --seq 256 --vocab 50257 --micro-batch 2] [--warmup 3 --steps 6] [--rounds 1] [--ranks 2]
+        [--intra-node mpi,shared]
+
+Each stage runs with each ``distributed.intra_node`` of ``--intra-node`` (mpi: every rank its own
+parameters, gradients allreduced over MPI; shared: one parameter copy per node, gradients summed from the
+peers' shared buffers). Peak RSS counts shared pages in every rank that touches them.
 
 GPT-2 124M by default (12 x 768, vocab 50257, seq 256, micro-batch 2 per rank), AdamW, ``--ranks`` ranks x
 1 thread, the trainrun CLI (scripts/bench/trainrun_rank.py: the rank's peak RSS at exit and before its
@@ -48,6 +53,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--optimizer", default="adamw")
+    ap.add_argument("--intra-node", default="mpi", help="comma-separated distributed.intra_node values")
     a = ap.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -68,8 +74,8 @@ def main() -> int:
 
     results = []
     for rnd in range(a.rounds):
-        for stage in (0, 1):
-            out = work / f"stage{stage}-r{rnd}"
+        for stage, intra in [(s, i) for s in (0, 1) for i in a.intra_node.split(",")]:
+            out = work / f"stage{stage}-{intra}-r{rnd}"
             shutil.rmtree(out, ignore_errors=True)
             (out / "graphs").mkdir(parents=True)
             for f in (prep / "graphs").iterdir():        # the prepared graphs, hard-linked (no copy)
@@ -77,14 +83,15 @@ def main() -> int:
             rss = out / "rss"
             sh([BIN / "mpirun", "-np", a.ranks, sys.executable, common.HERE / "trainrun_rank.py", "--rss-dir", rss,
                 "--", "train", "--config", common.CONFIG,
-                *sets([f"run.output_dir={out}", f"distributed.zero_stage={stage}"])])
+                *sets([f"run.output_dir={out}", f"distributed.zero_stage={stage}",
+                       f"distributed.intra_node={intra}"])])
             rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
             steady = [r for r in rows if "loss" in r and r["step"] > a.warmup]
             step_s = statistics.median(m.tokens_per_step() / r["tokens_per_sec"] for r in steady)
             phases = sorted({k for r in steady for k in r.get("phase_ms", {})})
             phase_ms = {k: statistics.median(r["phase_ms"].get(k, 0.0) for r in steady) for k in phases}
             ranks = [json.loads((rss / f"rss-{r}.json").read_text()) for r in range(a.ranks)]
-            results.append({"stage": stage, "round": rnd, "step_s": step_s, "phase_ms": phase_ms,
+            results.append({"stage": stage, "intra_node": intra, "round": rnd, "step_s": step_s, "phase_ms": phase_ms,
                             "tokens_per_sec": m.tokens_per_step() / step_s,
                             "final_loss": steady[-1]["loss"], "ranks": ranks})
             shutil.rmtree(out / "checkpoints", ignore_errors=True)   # GBs at 124M
@@ -96,14 +103,14 @@ def main() -> int:
     print(f"\nGPT-2 {a.layers} x {a.embd}, vocab {a.vocab}, seq {a.seq}, micro-batch {a.micro_batch}, "
           f"{m.params() / 1e6:.1f}M parameters, {a.optimizer}, {a.ranks} ranks x 1 thread, "
           f"{report['machine'].get('cpu', '?')}")
-    print("| stage | round | step s | tokens/s | non-fwd/bwd ms | phases ms | peak RSS MB per rank: "
+    print("| stage | intra_node | round | step s | tokens/s | non-fwd/bwd ms | phases ms | peak RSS MB per rank: "
           "training (whole run) | final loss |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         other = sum(v for k, v in r["phase_ms"].items() if k != "forward_backward")
         ph = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["phase_ms"].items(), key=lambda kv: -kv[1]))
         mem = ", ".join(f"{x.get('train_peak_rss_mb', float('nan')):.0f} ({x['peak_rss_mb']:.0f})" for x in r["ranks"])
-        print(f"| {r['stage']} | {r['round']} | {r['step_s']:.3f} | {r['tokens_per_sec']:.0f} | {other:.0f} | {ph} | "
+        print(f"| {r['stage']} | {r['intra_node']} | {r['round']} | {r['step_s']:.3f} | {r['tokens_per_sec']:.0f} | {other:.0f} | {ph} | "
               f"{mem} | {r['final_loss']:.4f} |")
     return 0
 
