@@ -50,6 +50,10 @@ ACC_OUT_SUFFIX = "_grad.accumulation.out"
 # eval step of a 2-layer d=128 model 1.9x slower (363 -> 695 ms at 8x128 tokens, 1 thread), top-1 (ArgMax) 1.1x
 TOP5_MAX_CLASSES = 4096
 FORMAT_VERSION = 1
+# what trainrun's graph surgery produces from the same config; graphs prepared by an older version
+# (a manifest with a lower or no ``graph_version``) are prepared again. 2: the cross-entropy split into
+# LogSoftmax + NegativeLogLikelihoodLoss, tied embedding gradients added by ScatterElements
+GRAPH_VERSION = 2
 
 
 @dataclass
@@ -707,7 +711,7 @@ def build_train_graph(loss_model: onnx.ModelProto, params: list[str], source: st
         raise UsageError(f"{source}: the loss does not depend on these parameters (freeze them with "
                          f"model.frozen): {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}")
 
-    nodes = list(grad_model.graph.node)
+    nodes = list(_scatter_tied_gradients(grad_model).graph.node)
     new_inputs = list(grad_model.graph.input)
     new_outputs = [outputs[LOSS]] + [outputs[k] for k in keep]
     for p in params:
@@ -726,6 +730,61 @@ def build_train_graph(loss_model: onnx.ModelProto, params: list[str], source: st
                    grad_model.graph.value_info)
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return model
+
+
+def _scatter_tied_gradients(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A parameter read by a Gather (an embedding) and by other ops (a tied LM head) gets from the
+    gradient builder Sum(its other gradient, GatherGrad(shape, indices, dY)): GatherGrad writes a dense
+    zero tensor of the parameter's size, scatters dY into it (a mutex per element in onnxruntime 1.19),
+    and the Sum reads both: three passes over a [50257, 768] tensor at GPT-2 124M. Here that pair
+    becomes ScatterElements(other gradient, indices, dY, reduction add), which adds the looked-up rows'
+    gradients into the other gradient in place (serially, so repeated indices are summed exactly).
+    Only float32 2-D parameters (graph inputs), from opset 16 (ScatterElements' reduction); returns
+    ``model``, changed in place."""
+    if _opset(model) < 16:
+        return model
+    nodes = list(model.graph.node)
+    producer = {o: n for n in nodes for o in n.output}
+    uses: dict[str, int] = {}
+    for n in nodes:
+        for i in n.input:
+            uses[i] = uses.get(i, 0) + 1
+    params = {i.name for i in model.graph.input if i.type.tensor_type.elem_type == TensorProto.FLOAT
+              and len(i.type.tensor_type.shape.dim) == 2}
+    replace, dropped = {}, set()
+    for n in nodes:
+        if n.op_type != "Sum" or len(n.input) != 2:
+            continue
+        for k, name in enumerate(n.input):
+            gg = producer.get(name)
+            shape = producer.get(gg.input[0]) if gg is not None and gg.op_type == "GatherGrad" else None
+            if shape is None or shape.op_type != "Shape" or shape.input[0] not in params or uses[name] != 1 \
+                    or any(a.name == "axis" and a.i != 0 for a in gg.attribute):
+                continue
+            b, (_, indices, d_rows) = n.name or n.output[0], gg.input
+            replace[id(n)] = [
+                _const(b + "/column", [-1, 1]), _const(b + "/all", [-1]), _const(b + "/start", [1]),
+                _const(b + "/big", [2**62]),
+                helper.make_node("Reshape", [indices, b + "/column"], [b + "/indices"], name=b + "/indices"),
+                helper.make_node("Slice", [gg.input[0], b + "/start", b + "/big"], [b + "/width"], name=b + "/width"),
+                helper.make_node("Concat", [b + "/all", b + "/width"], [b + "/rows_shape"], axis=0,
+                                 name=b + "/rows_shape"),                                  # [-1, width]
+                helper.make_node("Reshape", [d_rows, b + "/rows_shape"], [b + "/rows"], name=b + "/rows"),
+                helper.make_node("Shape", [b + "/rows"], [b + "/rows_size"], name=b + "/rows_size"),
+                helper.make_node("Expand", [b + "/indices", b + "/rows_size"], [b + "/where"], name=b + "/where"),
+                helper.make_node("ScatterElements", [n.input[1 - k], b + "/where", b + "/rows"], list(n.output),
+                                 axis=0, reduction="add", name=b)]
+            dropped.add(id(gg))
+            break
+    if not replace:
+        return model
+    out = []
+    for n in nodes:
+        if id(n) not in dropped:
+            out.extend(replace.get(id(n), [n]))
+    del model.graph.node[:]
+    model.graph.node.extend(out)
     return model
 
 
@@ -825,6 +884,7 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
     import onnxruntime
     manifest = {
         "format_version": FORMAT_VERSION,
+        "graph_version": GRAPH_VERSION,
         "params": [{"name": n, "shape": list(s)} for n, s in shapes],
         "num_params": int(sum(int(np.prod(s)) for _, s in shapes)),
         "inputs": fwd.inputs,
@@ -891,8 +951,8 @@ _NOT_BAKED = ("lr", "max_grad_norm")
 
 
 def up_to_date(graphs_dir: str, cfg: Config) -> bool:
-    """Whether ``graphs_dir`` holds the graphs ``cfg`` would prepare (same model, baked optimizer
-    fields and build options, every file present)."""
+    """Whether ``graphs_dir`` holds the graphs ``cfg`` would prepare (same graph version and model, baked
+    optimizer fields and build options, every file present)."""
     try:
         manifest = load_manifest(graphs_dir)
     except UsageError:
@@ -902,7 +962,8 @@ def up_to_date(graphs_dir: str, cfg: Config) -> bool:
         return {k: v for k, v in d.items() if k not in _NOT_BAKED}
     # "dropout" (masks as inputs) is in every manifest since dropout became trainrun's own stream; graphs
     # from before it ran Dropout in onnxruntime (ratio 0 under run.deterministic): prepare them again
-    return "dropout" in manifest and manifest["model"] == to_dict(cfg.model) \
+    return "dropout" in manifest and manifest.get("graph_version") == GRAPH_VERSION \
+        and manifest["model"] == to_dict(cfg.model) \
         and baked(manifest["optimizer"]) == baked(to_dict(cfg.optimizer)) \
         and {**DEFAULT_BUILD, **manifest.get("build", {})} == build_options(cfg) \
         and all(os.path.exists(os.path.join(graphs_dir, f)) for f in manifest["files"])
