@@ -373,6 +373,12 @@ def _cross_entropy(model, fwd: Forward, ignore_index: int, classes: int | None) 
     return nodes, m
 
 
+# prepare splits the cross-entropy of a user model from this many classes on (a vocabulary): below it the
+# SCE kernel costs little, and the graph stays as it was (a BatchNorm classifier's parity run drifts with
+# the last ulp of the gradient)
+SPLIT_MIN_CLASSES = 1024
+
+
 def split_cross_entropy(model: onnx.ModelProto) -> onnx.ModelProto:
     """Every SoftmaxCrossEntropyLoss of ``model`` (opset >= 13) as LogSoftmax over axis 1 +
     NegativeLogLikelihoodLoss (the same attributes and inputs): ONNX's own definition of the op, the same
@@ -863,12 +869,15 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
     loss_model = scale_loss(cast_pass(loss_model, build["precision"]), build["precision"])
     if static:   # the train graph for the micro-batch's shape; eval and forward (export) stay symbolic
         fix_dims(loss_model, fwd.inputs, static[0], static[1] if cfg.model.builtin == "gpt2" else None)
-    train = split_cross_entropy(build_train_graph(loss_model, fwd.params, source, keep=list(states.values())))
+    classes = _num_classes(fwd) if fwd.loss is None and fwd.loss_type == "cross_entropy" else None
+    # the built-in models' losses are over vocabularies; a user model's when its classes are that many
+    split = split_cross_entropy if cfg.model.builtin or (classes or 0) >= SPLIT_MIN_CLASSES else (lambda m: m)
+    train = split(build_train_graph(loss_model, fwd.params, source, keep=list(states.values())))
     stats_outputs = []
     if build["stats_tensors"]:      # debug.stats_every > 0: chosen tensors become outputs
         stats_outputs = select_outputs(train, cfg.debug.tensors)
         add_outputs(train, stats_outputs)
-    evalg = split_cross_entropy(batchnorm_inference(dropout_off(_params_to_inputs(
+    evalg = split(batchnorm_inference(dropout_off(_params_to_inputs(
         with_loss(fwd, cfg.model.loss.ignore_index, keep_logits=True, metrics=True), graph_inputs), source)))
     forward = batchnorm_inference(dropout_off(_params_to_inputs(fwd.model, graph_inputs), source))
     _drop_outputs(forward, set(states.values()))
@@ -893,7 +902,7 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
         "loss": LOSS,
         "loss_output": fwd.loss,
         # cross_entropy: labels must be below C (or ignore_index), checked per batch by the engine
-        "classes": _num_classes(fwd) if fwd.loss is None and fwd.loss_type == "cross_entropy" else None,
+        "classes": classes,
         "ignore_index": cfg.model.loss.ignore_index,
         "states": [{"name": n, "shape": [int(d) for d in inits[n].dims], "output": o} for n, o in states.items()],
         "metrics": metric_names(metric_outputs(evalg)),
