@@ -115,8 +115,8 @@ def test_vocabulary_sized_loss_and_tied_gradient_match_transformers(tmp_path):
 
     hf = hf_gpt2(shape, eng.layout.unflatten(eng.params.copy())).double()
     logits = hf(torch.from_numpy(ids)).logits
-    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, shape["vocab_size"]), torch.from_numpy(labels).reshape(-1),
-                                            ignore_index=ignore_index)
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, shape["vocab_size"]),
+                                            torch.from_numpy(labels).reshape(-1), ignore_index=ignore_index)
     ref.backward()
     assert loss == pytest.approx(ref.item(), rel=1e-5)
     named = dict(hf.named_parameters())
