@@ -50,6 +50,10 @@ ACC_OUT_SUFFIX = "_grad.accumulation.out"
 # eval step of a 2-layer d=128 model 1.9x slower (363 -> 695 ms at 8x128 tokens, 1 thread), top-1 (ArgMax) 1.1x
 TOP5_MAX_CLASSES = 4096
 FORMAT_VERSION = 1
+# what trainrun's graph surgery produces from the same config; graphs prepared by an older version
+# (a manifest with a lower or no ``graph_version``) are prepared again. 2: the cross-entropy split into
+# LogSoftmax + NegativeLogLikelihoodLoss, tied embedding gradients added by ScatterElements
+GRAPH_VERSION = 2
 
 
 @dataclass
@@ -369,6 +373,42 @@ def _cross_entropy(model, fwd: Forward, ignore_index: int, classes: int | None) 
     return nodes, m
 
 
+# prepare splits the cross-entropy of a user model from this many classes on (a vocabulary): below it the
+# SCE kernel costs little, and the graph stays as it was (a BatchNorm classifier's parity run drifts with
+# the last ulp of the gradient)
+SPLIT_MIN_CLASSES = 1024
+
+
+def split_cross_entropy(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Every SoftmaxCrossEntropyLoss of ``model`` (opset >= 13) as LogSoftmax over axis 1 +
+    NegativeLogLikelihoodLoss (the same attributes and inputs): ONNX's own definition of the op, the same
+    outputs (its ``log_prob`` output, which the gradient's SoftmaxCrossEntropyLossGrad reads, now comes
+    from LogSoftmax). onnxruntime's CPU SoftmaxCrossEntropyLoss is a scalar one-thread loop: over GPT-2
+    124M's 512 x 50257 logits 228 ms a step (1 thread), LogSoftmax (MLAS, vectorised) + the NLL pick
+    7 ms. Applied after the gradient builder, which differentiates SoftmaxCrossEntropyLoss in one cheap
+    kernel (the gradient of LogSoftmax + NLL, LogSoftmaxGrad, is over 2x slower). Before opset 13
+    LogSoftmax flattened its input from ``axis``: such graphs are left alone. Returns ``model``, changed
+    in place."""
+    if _opset(model) < 13:
+        return model
+    nodes = []
+    for n in model.graph.node:
+        if n.op_type != "SoftmaxCrossEntropyLoss" or n.domain not in ("", "ai.onnx"):
+            nodes.append(n)
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        log_prob = n.output[1] if len(n.output) > 1 and n.output[1] else n.output[0] + "/log_prob"
+        kw = {"reduction": attrs.get("reduction", b"mean").decode()}
+        if "ignore_index" in attrs:
+            kw["ignore_index"] = attrs["ignore_index"]
+        nodes += [helper.make_node("LogSoftmax", [n.input[0]], [log_prob], axis=1, name=f"{n.name}/log_softmax"),
+                  helper.make_node("NegativeLogLikelihoodLoss", [log_prob, *n.input[1:]], [n.output[0]],
+                                   name=f"{n.name}/nll", **kw)]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return model
+
+
 def _regression(fwd: Forward) -> tuple[list, list]:
     """(loss nodes, metric nodes): mean squared (mse) or absolute (l1) error of the predictions against
     targets of their shape -> ``loss``; metrics mse and mae over every element."""
@@ -678,7 +718,7 @@ def build_train_graph(loss_model: onnx.ModelProto, params: list[str], source: st
         raise UsageError(f"{source}: the loss does not depend on these parameters (freeze them with "
                          f"model.frozen): {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}")
 
-    nodes = list(grad_model.graph.node)
+    nodes = list(_scatter_tied_gradients(grad_model).graph.node)
     new_inputs = list(grad_model.graph.input)
     new_outputs = [outputs[LOSS]] + [outputs[k] for k in keep]
     for p in params:
@@ -697,6 +737,61 @@ def build_train_graph(loss_model: onnx.ModelProto, params: list[str], source: st
                    grad_model.graph.value_info)
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return model
+
+
+def _scatter_tied_gradients(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A parameter read by a Gather (an embedding) and by other ops (a tied LM head) gets from the
+    gradient builder Sum(its other gradient, GatherGrad(shape, indices, dY)): GatherGrad writes a dense
+    zero tensor of the parameter's size, scatters dY into it (a mutex per element in onnxruntime 1.19),
+    and the Sum reads both: three passes over a [50257, 768] tensor at GPT-2 124M. Here that pair
+    becomes ScatterElements(other gradient, indices, dY, reduction add), which adds the looked-up rows'
+    gradients into the other gradient in place (serially, so repeated indices are summed exactly).
+    Only float32 2-D parameters (graph inputs), from opset 16 (ScatterElements' reduction); returns
+    ``model``, changed in place."""
+    if _opset(model) < 16:
+        return model
+    nodes = list(model.graph.node)
+    producer = {o: n for n in nodes for o in n.output}
+    uses: dict[str, int] = {}
+    for n in nodes:
+        for i in n.input:
+            uses[i] = uses.get(i, 0) + 1
+    params = {i.name for i in model.graph.input if i.type.tensor_type.elem_type == TensorProto.FLOAT
+              and len(i.type.tensor_type.shape.dim) == 2}
+    replace, dropped = {}, set()
+    for n in nodes:
+        if n.op_type != "Sum" or len(n.input) != 2:
+            continue
+        for k, name in enumerate(n.input):
+            gg = producer.get(name)
+            shape = producer.get(gg.input[0]) if gg is not None and gg.op_type == "GatherGrad" else None
+            if shape is None or shape.op_type != "Shape" or shape.input[0] not in params or uses[name] != 1 \
+                    or any(a.name == "axis" and a.i != 0 for a in gg.attribute):
+                continue
+            b, (_, indices, d_rows) = n.name or n.output[0], gg.input
+            replace[id(n)] = [
+                _const(b + "/column", [-1, 1]), _const(b + "/all", [-1]), _const(b + "/start", [1]),
+                _const(b + "/big", [2**62]),
+                helper.make_node("Reshape", [indices, b + "/column"], [b + "/indices"], name=b + "/indices"),
+                helper.make_node("Slice", [gg.input[0], b + "/start", b + "/big"], [b + "/width"], name=b + "/width"),
+                helper.make_node("Concat", [b + "/all", b + "/width"], [b + "/rows_shape"], axis=0,
+                                 name=b + "/rows_shape"),                                  # [-1, width]
+                helper.make_node("Reshape", [d_rows, b + "/rows_shape"], [b + "/rows"], name=b + "/rows"),
+                helper.make_node("Shape", [b + "/rows"], [b + "/rows_size"], name=b + "/rows_size"),
+                helper.make_node("Expand", [b + "/indices", b + "/rows_size"], [b + "/where"], name=b + "/where"),
+                helper.make_node("ScatterElements", [n.input[1 - k], b + "/where", b + "/rows"], list(n.output),
+                                 axis=0, reduction="add", name=b)]
+            dropped.add(id(gg))
+            break
+    if not replace:
+        return model
+    out = []
+    for n in nodes:
+        if id(n) not in dropped:
+            out.extend(replace.get(id(n), [n]))
+    del model.graph.node[:]
+    model.graph.node.extend(out)
     return model
 
 
@@ -775,13 +870,16 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
     loss_model = scale_loss(cast_pass(loss_model, build["precision"]), build["precision"])
     if static:   # the train graph for the micro-batch's shape; eval and forward (export) stay symbolic
         fix_dims(loss_model, fwd.inputs, static[0], static[1] if cfg.model.builtin == "gpt2" else None)
-    train = build_train_graph(loss_model, fwd.params, source, keep=list(states.values()))
+    classes = _num_classes(fwd) if fwd.loss is None and fwd.loss_type == "cross_entropy" else None
+    # the built-in models' losses are over vocabularies; a user model's when its classes are that many
+    split = split_cross_entropy if cfg.model.builtin or (classes or 0) >= SPLIT_MIN_CLASSES else (lambda m: m)
+    train = split(build_train_graph(loss_model, fwd.params, source, keep=list(states.values())))
     stats_outputs = []
     if build["stats_tensors"]:      # debug.stats_every > 0: chosen tensors become outputs
         stats_outputs = select_outputs(train, cfg.debug.tensors)
         add_outputs(train, stats_outputs)
-    evalg = batchnorm_inference(dropout_off(_params_to_inputs(
-        with_loss(fwd, cfg.model.loss.ignore_index, keep_logits=True, metrics=True), graph_inputs), source))
+    evalg = split(batchnorm_inference(dropout_off(_params_to_inputs(
+        with_loss(fwd, cfg.model.loss.ignore_index, keep_logits=True, metrics=True), graph_inputs), source)))
     forward = batchnorm_inference(dropout_off(_params_to_inputs(fwd.model, graph_inputs), source))
     _drop_outputs(forward, set(states.values()))
     optimizer = build_optimizer_graph(cfg.optimizer, shapes)
@@ -796,6 +894,7 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
     import onnxruntime
     manifest = {
         "format_version": FORMAT_VERSION,
+        "graph_version": GRAPH_VERSION,
         "params": [{"name": n, "shape": list(s)} for n, s in shapes],
         "num_params": int(sum(int(np.prod(s)) for _, s in shapes)),
         "inputs": fwd.inputs,
@@ -804,7 +903,7 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
         "loss": LOSS,
         "loss_output": fwd.loss,
         # cross_entropy: labels must be below C (or ignore_index), checked per batch by the engine
-        "classes": _num_classes(fwd) if fwd.loss is None and fwd.loss_type == "cross_entropy" else None,
+        "classes": classes,
         "ignore_index": cfg.model.loss.ignore_index,
         "states": [{"name": n, "shape": [int(d) for d in inits[n].dims], "output": o} for n, o in states.items()],
         "metrics": metric_names(metric_outputs(evalg)),
@@ -862,8 +961,8 @@ _NOT_BAKED = ("lr", "max_grad_norm")
 
 
 def up_to_date(graphs_dir: str, cfg: Config) -> bool:
-    """Whether ``graphs_dir`` holds the graphs ``cfg`` would prepare (same model, baked optimizer
-    fields and build options, every file present)."""
+    """Whether ``graphs_dir`` holds the graphs ``cfg`` would prepare (same graph version and model, baked
+    optimizer fields and build options, every file present)."""
     try:
         manifest = load_manifest(graphs_dir)
     except UsageError:
@@ -873,7 +972,8 @@ def up_to_date(graphs_dir: str, cfg: Config) -> bool:
         return {k: v for k, v in d.items() if k not in _NOT_BAKED}
     # "dropout" (masks as inputs) is in every manifest since dropout became trainrun's own stream; graphs
     # from before it ran Dropout in onnxruntime (ratio 0 under run.deterministic): prepare them again
-    return "dropout" in manifest and manifest["model"] == to_dict(cfg.model) \
+    return "dropout" in manifest and manifest.get("graph_version") == GRAPH_VERSION \
+        and manifest["model"] == to_dict(cfg.model) \
         and baked(manifest["optimizer"]) == baked(to_dict(cfg.optimizer)) \
         and {**DEFAULT_BUILD, **manifest.get("build", {})} == build_options(cfg) \
         and all(os.path.exists(os.path.join(graphs_dir, f)) for f in manifest["files"])
