@@ -204,6 +204,28 @@ def read_state(ckpt: str) -> dict:
     return state
 
 
+def tensor_spans(path: str, names, shapes) -> tuple[int, list[tuple[int, int]]]:
+    """Where each of ``names`` (float32, ``shapes``) lies in a safetensors file: (start of the data section,
+    [(offset in the data section, bytes)]), from the header alone; clear errors on mismatch."""
+    try:
+        with open(path, "rb") as fh:
+            size = struct.unpack("<Q", fh.read(8))[0]
+            header = json.loads(fh.read(size))
+    except (OSError, ValueError, struct.error) as exc:
+        raise UsageError(f"{path}: not a readable safetensors file: {exc}") from None
+    spans = []
+    for name, shape in zip(names, shapes):
+        t = header.get(name)
+        if t is None:
+            raise UsageError(f"{path}: has no tensor '{name}'; the checkpoint is of another model")
+        if tuple(t["shape"]) != tuple(shape) or t["dtype"] != "F32":
+            raise UsageError(f"{path}: tensor '{name}' has shape {tuple(t['shape'])} ({t['dtype']}), this "
+                             f"model's is {tuple(shape)} (F32); the checkpoint is of another model")
+        begin, end = t["data_offsets"]
+        spans.append((begin, end - begin))
+    return 8 + size, spans
+
+
 def load_tensors_into(path: str, names, shapes, flat: np.ndarray, prefix: str = "") -> None:
     """Fill ``flat`` (laid out as names/shapes) from a safetensors file; clear errors on mismatch."""
     from safetensors import safe_open
