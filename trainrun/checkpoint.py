@@ -75,8 +75,10 @@ def _header(names, shapes, metadata=None) -> bytes:
 
 
 def _chunks(flat, staging: list):
-    """``flat`` (numpy or cupy, float32) as byte chunks of at most _CHUNK; a device buffer goes through one
-    reused host array (``staging``: [] or [that array])."""
+    """``flat`` (numpy or cupy, float32, or a function returning one) as byte chunks of at most _CHUNK; a
+    device buffer goes through one reused host array (``staging``: [] or [that array])."""
+    if callable(flat):
+        flat = flat()
     if isinstance(flat, np.ndarray):
         mv = memoryview(np.ascontiguousarray(flat, dtype=np.float32)).cast("B")
         for i in range(0, len(mv), _CHUNK):
@@ -89,6 +91,17 @@ def _chunks(flat, staging: list):
         part = staging[0][:min(step, flat.size - i)]
         to_host(flat[i:i + step], part)
         yield memoryview(part).cast("B")
+
+
+class _Once:
+    """A function called at most once (later calls return None)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self):
+        fn, self.fn = self.fn, None
+        return fn() if fn else None
 
 
 def write_flat_safetensors(path: str, names, shapes, flat_buffers, metadata=None, sync: bool = True) -> str | None:
@@ -326,6 +339,9 @@ class CheckpointWriter:
         self.pending_step, self._error, self._thread = step, None, None
         staging = os.path.join(self.root, f"{STAGING}{step}")
         files, digest = [], None      # (tensor file, span of the parameters' bytes in it or None)
+        # optimizer states given as functions (ZeRO-1's gathers, collectives): every rank calls each once
+        gathers = {k: _Once(v) for k, v in buffers.items() if k != "params" and callable(v)}
+        buffers = {**buffers, **gathers}
         try:
             os.makedirs(staging, exist_ok=True)
             if self.rank == 0:
@@ -348,6 +364,10 @@ class CheckpointWriter:
                 digest = params_digest(buffers["params"])
         except BaseException as exc:  # noqa: BLE001 - reported to every rank by status()
             self._error = exc
+        finally:
+            for gather in gathers.values():      # those not called yet (not rank 0, or its write failed)
+                gather()
+        if self._error is not None:
             return
         self._thread = threading.Thread(target=self._write, name="checkpoint-writer", daemon=True,
                                         args=(staging, files, digest, meta, config_yaml))

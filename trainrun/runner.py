@@ -467,10 +467,9 @@ class TrainingRunner:
                 "graphs": self.manifest["files"], "eval_loss": eval_loss,
                 "early_stopping": self.early_stopping.state_dict()}
         self.sync_state()
-        state = self.shard.full_state()      # (collective for stage 1)
-        if not self.is_main:     # rank 0 alone writes the tensors; the others hash their parameters
-            state = {}
-        buffers = {"params": self.engine.params, **state}
+        # rank 0 alone writes the tensors; the others hash their parameters (and take part in the gathers
+        # of stage 1's optimizer state)
+        buffers = {"params": self.engine.params, **self.shard.full_state()}
         model_state = (self.engine.state_layout, self.engine.state)
         self.checkpoints.save(self.step, self.engine.layout, buffers, meta, C.to_yaml(cfg), model_state)
         self.timer.mark("checkpoint")

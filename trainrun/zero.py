@@ -28,13 +28,15 @@ and holds the optimizer state (``state``: name -> flat buffer covering elements
   replicated update.
 
 Checkpoints keep full tensors by name: :meth:`Zero1.full_state` gathers the
-moment parts on rank 0 for a save, and a restore reads the full tensors and keeps
+moment parts on rank 0 for a save (one state at a time, as it is written), and a restore reads the full tensors and keeps
 ``lo:hi`` (so any stage on any number of ranks resumes any checkpoint).
 Stage 1 runs on the CPU with the MPI backend and the host optimizer kernel
 (config validation says so).
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
@@ -139,12 +141,12 @@ class Zero1:
         self.comm.allgather(params[self.lo:self.hi], params, self.counts)
 
     def full_state(self) -> dict:
-        """name -> the whole flat optimizer state, gathered on rank 0 into new arrays (the checkpoint
-        writer keeps them as its snapshot); other ranks get an empty dict."""
-        out = {}
-        for name, part in self.state.items():
-            full = np.empty(sum(self.counts), np.float32) if self.comm.rank == 0 else None
-            self.comm.gather(part, full, self.counts, root=0)
-            if full is not None:
-                out[name] = full
-        return out
+        """name -> a function that gathers the whole flat optimizer state on rank 0 into a new array
+        (None on the other ranks), a collective: every rank calls each, in order (the checkpoint writer
+        does, one state at a time, so rank 0 holds one gathered state at a time)."""
+        return {name: functools.partial(self._gather, part) for name, part in self.state.items()}
+
+    def _gather(self, part: np.ndarray) -> np.ndarray | None:
+        full = np.empty(sum(self.counts), np.float32) if self.comm.rank == 0 else None
+        self.comm.gather(part, full, self.counts, root=0)
+        return full
