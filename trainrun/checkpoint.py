@@ -120,6 +120,7 @@ def write_flat_safetensors(path: str, names, shapes, flat_buffers, metadata=None
                 fh.write(chunk)
                 if h:
                     h.update(chunk)
+            chunk = None      # its view kept a gathered state alive while the next one was gathered
         if not sync:
             return None
         fh.flush()

@@ -5,7 +5,8 @@
 
 Per shape (depth x width, n_head = width / ``--heads-dim``), one after the other on the same machine:
 
-* trainrun, ``--ranks`` ranks x 1 thread, ``distributed.zero_stage`` ``--stage``, AdamW, 3 steps with a
+* trainrun (its graphs prepared by the run itself on rank 0, or with ``--prepare-first`` by
+  ``trainrun prepare`` in a process of its own before), ``--ranks`` ranks x 1 thread, ``distributed.zero_stage`` ``--stage``, AdamW, 3 steps with a
   checkpoint at step 2 (a periodic one, written while step 3 runs) and the end-of-run checkpoint and
   export at step 3: the whole-run peak RSS of every rank (scripts/bench/trainrun_rank.py), the rank that
   writes the checkpoints and exports included, and the peak of the training steps before the first
@@ -52,6 +53,9 @@ def run_trainrun(m: common.BenchModel, a, work: Path, data: Path) -> dict:
     sets = common.run_sets(m, out, str(data / "train"), a.micro_batch, threads=1, warmup=1, steps=2) + [
         "optimizer.name=adamw", f"distributed.zero_stage={a.stage}", "checkpoint.every=2", "train.log_every=1"]
     rss = out / "rss"
+    if a.prepare_first:     # the graphs built by `trainrun prepare` in a process of its own, as zero.py does
+        sh([BIN / "trainrun", "prepare", "--config", common.CONFIG, *[x for s in sets for x in ("--set", s)]],
+           stdout=subprocess.DEVNULL)
     sh([BIN / "mpirun", "-np", a.ranks, sys.executable, common.HERE / "trainrun_rank.py", "--rss-dir", rss, "--",
         "train", "--config", common.CONFIG, *[x for s in sets for x in ("--set", s)]])
     ranks = [json.loads((rss / f"rss-{r}.json").read_text()) for r in range(a.ranks)]
@@ -96,6 +100,9 @@ def main() -> int:
     ap.add_argument("--stage", type=int, default=1, help="trainrun's distributed.zero_stage")
     ap.add_argument("--cap-mb", type=float, default=6144.0)
     ap.add_argument("--sides", default="trainrun,ddp")
+    ap.add_argument("--prepare-first", action="store_true",
+                    help="trainrun: prepare the graphs in a process of its own first (else the run prepares them: "
+                         "rank 0's peak includes building the graphs)")
     a = ap.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -119,6 +126,7 @@ def main() -> int:
                 over.add(side)
         rows.append(row)
         common.write_json(work / "memcap.json", {"machine": common.machine(), "seq": a.seq, "vocab": a.vocab,
+                                                 "prepare_first": a.prepare_first,
                                                  "micro_batch": a.micro_batch, "ranks": a.ranks,
                                                  "zero_stage": a.stage, "cap_mb": a.cap_mb, "rows": rows})
     print(f"\nGPT-2 at seq {a.seq}, vocab {a.vocab}, micro-batch {a.micro_batch}, {a.ranks} ranks x 1 thread, AdamW; "
