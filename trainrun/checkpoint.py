@@ -14,11 +14,14 @@ Layout of ``<run>/checkpoints/<step>/``::
     checksums.json         sha256 of every file above
     COMMITTED              written last, after every rank finished: holds sha256(checksums.json)
 
-Protocol. At a checkpoint step every rank copies the state into preallocated
-host buffers (the only time the step waits) and a background thread writes and
-fsyncs the files into ``checkpoints/.staging-<step>/`` (rank 0 writes the
-tensors, every rank its ``rank-<r>.json``; with ZeRO-1 the optimizer state is
-gathered on rank 0 first, :mod:`trainrun.zero`). Completion is agreed through the
+Protocol. At a checkpoint step rank 0 writes the tensors into
+``checkpoints/.staging-<step>/`` straight from the flat buffers (with ZeRO-1 the
+optimizer state is gathered on rank 0 first, :mod:`trainrun.zero`) and every
+other rank takes the digest of its parameters: the only time the step waits. The
+written data are then in the kernel's page cache, the snapshot that training may
+not change, so no copy of the state is kept in the process; a background thread
+fsyncs the files, reads them back for their checksums and writes the small files
+(every rank its ``rank-<r>.json``). Completion is agreed through the
 small per-step allreduce that the runner does anyway; once every rank is done,
 rank 0 writes ``COMMITTED`` into the staging directory, renames it to
 ``<step>`` (one atomic rename: a ``<step>`` directory never lacks its marker)
@@ -29,7 +32,7 @@ staging and pruning directories are removed at start-up.
 
 The safetensors files are written directly from the flat buffers: the flat
 layout is the concatenation of the tensors, so the data section is one
-sequential write.
+sequential write (a device buffer goes through one reused host chunk).
 """
 
 from __future__ import annotations
@@ -49,11 +52,11 @@ from .engine import from_host, to_host
 from .errors import TrainrunError, UsageError, collective
 
 COMMITTED = "COMMITTED"
-_MODEL_STATE = "model_state"     # the snapshot key of the model's non-parameter state
 STAGING = ".staging-"
 PRUNING = ".pruning-"
 FORMAT_VERSION = 1
 _CHUNK = 64 << 20
+_READ_CHUNK = 4 << 20      # read back for the checksums
 
 
 # --------------------------------------------------------------------------- safetensors on flat buffers
@@ -71,21 +74,83 @@ def _header(names, shapes, metadata=None) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def write_flat_safetensors(path: str, names, shapes, flat_buffers, metadata=None) -> str:
-    """Write tensors laid out contiguously in ``flat_buffers`` (float32); fsync; return sha256."""
-    h = hashlib.sha256()
+def _chunks(flat, staging: list):
+    """``flat`` (numpy or cupy, float32, or a function returning one) as byte chunks of at most _CHUNK; a
+    device buffer goes through one reused host array (``staging``: [] or [that array])."""
+    if callable(flat):
+        flat = flat()
+    if isinstance(flat, np.ndarray):
+        mv = memoryview(np.ascontiguousarray(flat, dtype=np.float32)).cast("B")
+        for i in range(0, len(mv), _CHUNK):
+            yield mv[i:i + _CHUNK]
+        return
+    step = _CHUNK // 4
+    if not staging:
+        staging.append(np.empty(min(step, flat.size), np.float32))
+    for i in range(0, flat.size, step):
+        part = staging[0][:min(step, flat.size - i)]
+        to_host(flat[i:i + step], part)
+        yield memoryview(part).cast("B")
+
+
+class _Once:
+    """A function called at most once (later calls return None)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self):
+        fn, self.fn = self.fn, None
+        return fn() if fn else None
+
+
+def write_flat_safetensors(path: str, names, shapes, flat_buffers, metadata=None, sync: bool = True) -> str | None:
+    """Write tensors laid out contiguously in ``flat_buffers`` (float32, numpy or cupy); with ``sync``
+    fsync and return the sha256, else leave both to :func:`sync_file` (the data are in the kernel's
+    page cache once this returns: the buffers may change after it)."""
+    h = hashlib.sha256() if sync else None
+    staging: list = []
     with open(path, "wb") as fh:
         head = _header(names, shapes, metadata)
         fh.write(head)
-        h.update(head)
+        if h:
+            h.update(head)
         for flat in flat_buffers:
-            mv = memoryview(np.ascontiguousarray(flat, dtype=np.float32)).cast("B")
-            for i in range(0, len(mv), _CHUNK):
-                chunk = mv[i:i + _CHUNK]
+            for chunk in _chunks(flat, staging):
                 fh.write(chunk)
-                h.update(chunk)
+                if h:
+                    h.update(chunk)
+            chunk = None      # its view kept a gathered state alive while the next one was gathered
+        if not sync:
+            return None
         fh.flush()
         os.fsync(fh.fileno())
+    return h.hexdigest()
+
+
+def sync_file(path: str, span: tuple[int, int] | None = None) -> tuple[str, str | None]:
+    """fsync ``path``; (sha256 of the file, sha256 of its bytes ``span`` = (start, end) or None), read back."""
+    whole, part = hashlib.sha256(), hashlib.sha256() if span else None
+    buf = memoryview(bytearray(_READ_CHUNK))
+    with open(path, "rb", buffering=0) as fh:
+        os.fsync(fh.fileno())
+        pos = 0
+        while n := fh.readinto(buf):
+            block = buf[:n]
+            whole.update(block)
+            if part:
+                lo, hi = max(span[0] - pos, 0), min(span[1] - pos, n)
+                if lo < hi:
+                    part.update(block[lo:hi])
+            pos += n
+    return whole.hexdigest(), part.hexdigest() if part else None
+
+
+def params_digest(flat) -> str:
+    """sha256 of a flat float32 buffer's bytes (numpy or cupy), chunk by chunk."""
+    h = hashlib.sha256()
+    for chunk in _chunks(flat, []):
+        h.update(chunk)
     return h.hexdigest()
 
 
@@ -204,6 +269,28 @@ def read_state(ckpt: str) -> dict:
     return state
 
 
+def tensor_spans(path: str, names, shapes) -> tuple[int, list[tuple[int, int]]]:
+    """Where each of ``names`` (float32, ``shapes``) lies in a safetensors file: (start of the data section,
+    [(offset in the data section, bytes)]), from the header alone; clear errors on mismatch."""
+    try:
+        with open(path, "rb") as fh:
+            size = struct.unpack("<Q", fh.read(8))[0]
+            header = json.loads(fh.read(size))
+    except (OSError, ValueError, struct.error) as exc:
+        raise UsageError(f"{path}: not a readable safetensors file: {exc}") from None
+    spans = []
+    for name, shape in zip(names, shapes):
+        t = header.get(name)
+        if t is None:
+            raise UsageError(f"{path}: has no tensor '{name}'; the checkpoint is of another model")
+        if tuple(t["shape"]) != tuple(shape) or t["dtype"] != "F32":
+            raise UsageError(f"{path}: tensor '{name}' has shape {tuple(t['shape'])} ({t['dtype']}), this "
+                             f"model's is {tuple(shape)} (F32); the checkpoint is of another model")
+        begin, end = t["data_offsets"]
+        spans.append((begin, end - begin))
+    return 8 + size, spans
+
+
 def load_tensors_into(path: str, names, shapes, flat: np.ndarray, prefix: str = "") -> None:
     """Fill ``flat`` (laid out as names/shapes) from a safetensors file; clear errors on mismatch."""
     from safetensors import safe_open
@@ -239,54 +326,61 @@ class CheckpointWriter:
         self.log = log
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._snap: dict[str, np.ndarray] = {}
         self.pending_step: int | None = None
 
     # -- called by every rank at the checkpoint step
-    def start(self, step: int, layout, buffers: dict[str, np.ndarray], meta: dict, config_yaml: str,
-              model_state=None, fresh=()) -> None:
-        """Snapshot ``buffers`` ("params" and one per optimizer state) and write them in the background;
-        ``model_state``: (layout, flat buffer) of the model's non-parameter state, written after the
-        parameters in model.safetensors. ``fresh``: keys of buffers made for this save alone (host
-        arrays nobody else writes): kept as they are instead of copied."""
+    def start(self, step: int, layout, buffers: dict, meta: dict, config_yaml: str, model_state=None) -> None:
+        """Write ``buffers`` ("params" and one per optimizer state; rank 0 writes the tensors) and
+        ``model_state`` ((layout, flat buffer) of the model's non-parameter state, written after the
+        parameters in model.safetensors). Now, while the buffers hold this step: rank 0 writes the tensor
+        files into the staging directory (into the kernel's page cache, no copy kept in this process),
+        every other rank takes the digest of its parameters; the buffers may change once this returns.
+        The fsync, the checksums and the small files follow in the background."""
         self.wait()   # at most one write in flight (Checkpointer.save settled it already)
-        self._state_layout = model_state[0] if model_state and model_state[0].names else None
-        if self._state_layout is not None:
-            buffers = {**buffers, _MODEL_STATE: model_state[1]}
-        self._fresh = set(fresh)
-        for key, buf in buffers.items():
-            if key in fresh:
-                self._snap[key] = buf
-                continue
-            snap = self._snap.get(key)
-            if snap is None or snap.shape != buf.shape:
-                snap = self._snap[key] = np.empty(buf.shape, np.float32)
-            to_host(buf, snap)
-        self.pending_step = step
-        self._error = None
+        self.pending_step, self._error, self._thread = step, None, None
         staging = os.path.join(self.root, f"{STAGING}{step}")
-        self._thread = threading.Thread(target=self._write, name="checkpoint-writer", daemon=True,
-                                        args=(staging, layout, meta, config_yaml))
-        self._thread.start()
-
-    def _write(self, staging, layout, meta, config_yaml) -> None:
+        files, digest = [], None      # (tensor file, span of the parameters' bytes in it or None)
+        # optimizer states given as functions (ZeRO-1's gathers, collectives): every rank calls each once
+        gathers = {k: _Once(v) for k, v in buffers.items() if k != "params" and callable(v)}
+        buffers = {**buffers, **gathers}
         try:
             os.makedirs(staging, exist_ok=True)
+            if self.rank == 0:
+                sl = model_state[0] if model_state and model_state[0].names else None
+                names = layout.names + (sl.names if sl else [])
+                shapes = layout.shapes + (sl.shapes if sl else [])
+                metadata = {"format": "pt", "producer": "trainrun"}
+                write_flat_safetensors(os.path.join(staging, "model.safetensors"), names, shapes,
+                                       [buffers["params"]] + ([model_state[1]] if sl else []), metadata, sync=False)
+                head = len(_header(names, shapes, metadata))
+                files.append(("model.safetensors", (head, head + 4 * layout.total)))
+                states = [k for k in buffers if k != "params"]
+                if states:
+                    write_flat_safetensors(
+                        os.path.join(staging, "optimizer.safetensors"),
+                        [f"{s}/{n}" for s in states for n in layout.names],
+                        [sh for _ in states for sh in layout.shapes], [buffers[s] for s in states], sync=False)
+                    files.append(("optimizer.safetensors", None))
+            else:
+                digest = params_digest(buffers["params"])
+        except BaseException as exc:  # noqa: BLE001 - reported to every rank by status()
+            self._error = exc
+        finally:
+            for gather in gathers.values():      # those not called yet (not rank 0, or its write failed)
+                gather()
+        if self._error is not None:
+            return
+        self._thread = threading.Thread(target=self._write, name="checkpoint-writer", daemon=True,
+                                        args=(staging, files, digest, meta, config_yaml))
+        self._thread.start()
+
+    def _write(self, staging, files, digest, meta, config_yaml) -> None:
+        try:
             sums = {}
             if self.rank == 0:
-                names, shapes = layout.names, layout.shapes
-                sl = self._state_layout
-                sums["model.safetensors"] = write_flat_safetensors(
-                    os.path.join(staging, "model.safetensors"), names + (sl.names if sl else []),
-                    shapes + (sl.shapes if sl else []),
-                    [self._snap["params"]] + ([self._snap[_MODEL_STATE]] if sl else []),
-                    metadata={"format": "pt", "producer": "trainrun"})
-                states = [k for k in self._snap if k not in ("params", _MODEL_STATE)]
-                if states:
-                    sums["optimizer.safetensors"] = write_flat_safetensors(
-                        os.path.join(staging, "optimizer.safetensors"),
-                        [f"{s}/{n}" for s in states for n in names], [sh for _ in states for sh in shapes],
-                        [self._snap[s] for s in states])
+                for name, span in files:
+                    sums[name], part = sync_file(os.path.join(staging, name), span)
+                    digest = part or digest
                 sums["state.json"] = write_json(os.path.join(staging, "state.json"), meta)
                 with open(os.path.join(staging, "config.yaml"), "w") as fh:
                     fh.write(config_yaml)
@@ -296,8 +390,7 @@ class CheckpointWriter:
             faults.stall("STALL_CHECKPOINT", self.rank, meta["step"])
             # each rank's own parameter digest: proves every replica holds the same bits
             own = {"rank": self.rank, "world_size": self.world, "step": meta["step"],
-                   "loader": meta["loader"],
-                   "params_sha256": hashlib.sha256(memoryview(self._snap["params"]).cast("B")).hexdigest()}
+                   "loader": meta["loader"], "params_sha256": digest}
             digest = write_json(os.path.join(staging, f"rank-{self.rank}.json"), own)
             with open(os.path.join(staging, f"rank-{self.rank}.sha256"), "w") as fh:
                 fh.write(digest)
@@ -305,9 +398,6 @@ class CheckpointWriter:
                 self._rank0_sums = sums
         except BaseException as exc:  # noqa: BLE001 - reported to every rank by status()
             self._error = exc
-        finally:
-            for key in self._fresh:     # written: not kept for the next save
-                self._snap.pop(key, None)
 
     def status(self) -> tuple[float, float]:
         """(done, failed) flags of the write in flight, for the runner's per-step allreduce."""
@@ -329,10 +419,6 @@ class CheckpointWriter:
                 raise TrainrunError(f"rank {self.rank}: the checkpoint write of step {self.pending_step} into "
                                     f"{self.root} did not finish within {timeout_s:g} s "
                                     f"(distributed.timeout_s); is the filesystem stuck?")
-
-    def release(self) -> None:
-        """Free the snapshot buffers (no save follows)."""
-        self._snap.clear()
 
     def abandon(self) -> None:
         """A failed write: drop the staging directory (rank 0), keep older checkpoints intact."""
@@ -438,21 +524,18 @@ class Checkpointer:
             self.writer.wait(getattr(self.comm, "timeout_s", None))
             self.progress(*self.comm.allreduce_scalars(list(self.writer.status()), op="sum"))
 
-    def save(self, step: int, layout, buffers: dict, meta: dict, config_yaml: str, model_state=None,
-             fresh=()) -> None:
-        """Snapshot ``buffers`` ("params" and one per optimizer state) and ``model_state`` ((layout, flat)
-        of the non-parameter state, or None) and write them in the background; ``meta`` becomes
-        state.json (``step`` and ``loader`` are required)."""
+    def save(self, step: int, layout, buffers: dict, meta: dict, config_yaml: str, model_state=None) -> None:
+        """Write ``buffers`` ("params" and one per optimizer state) and ``model_state`` ((layout, flat)
+        of the non-parameter state, or None): the tensors now, the rest in the background
+        (:meth:`CheckpointWriter.start`); ``meta`` becomes state.json (``step`` and ``loader`` are required)."""
         self._settle()     # at most one write in flight
         meta = {"format_version": FORMAT_VERSION, **meta, "step": step,
                 "optimizer_states": [k for k in buffers if k != "params"]}
-        self.writer.start(step, layout, buffers, meta, config_yaml, model_state, fresh)
+        self.writer.start(step, layout, buffers, meta, config_yaml, model_state)
 
     def finish(self) -> None:
-        """At the end of training: the last write committed (or its failure raised); the snapshot
-        buffers are freed (no save follows)."""
+        """At the end of training: the last write committed (or its failure raised)."""
         self._settle()
-        self.writer.release()
 
     # -- restoring
     def restore(self, ckpt: str, layout, params, state: dict, model_state=None, state_range=None) -> dict:

@@ -23,26 +23,132 @@ from .engine import FlatLayout
 from .errors import TrainrunError, UsageError
 
 _EXTERNAL_DATA_BYTES = 1_800_000_000   # protobuf's 2 GB limit: larger models keep weights beside the .onnx
+_COPY_CHUNK = 16 << 20                 # bytes copied at a time from a checkpoint into the model file
 
 
-def with_weights(model: onnx.ModelProto, weights: dict[str, np.ndarray]) -> onnx.ModelProto:
-    """Turn the parameter inputs of ``model`` into initializers holding ``weights``."""
-    inputs = [i for i in model.graph.input if i.name not in weights]
-    del model.graph.input[:]
-    model.graph.input.extend(inputs)
-    model.graph.initializer.extend(numpy_helper.from_array(w, name) for name, w in weights.items())
-    return model
+@dataclasses.dataclass
+class Weight:
+    """One initializer to write: float32 ``nbytes`` at ``offset`` of the file ``path`` (a checkpoint's
+    safetensors), copied into the model file chunk by chunk, never held whole."""
+    name: str
+    dims: tuple[int, ...]
+    path: str
+    offset: int
+    nbytes: int
+
+    def tensor(self, location: str | None = None, offset: int = 0) -> onnx.TensorProto:
+        """The TensorProto without its data; with ``location``: its data at ``offset`` of that file."""
+        t = onnx.TensorProto(name=self.name, data_type=onnx.TensorProto.FLOAT, dims=self.dims)
+        if location is not None:
+            for k, v in (("location", location), ("offset", offset), ("length", self.nbytes)):
+                t.external_data.add(key=k, value=str(v))
+            t.data_location = onnx.TensorProto.EXTERNAL
+        return t
+
+    def copy_to(self, out) -> None:
+        buf = memoryview(bytearray(min(self.nbytes, _COPY_CHUNK) or 1))
+        with open(self.path, "rb") as src:
+            src.seek(self.offset)
+            left = self.nbytes
+            while left:
+                n = src.readinto(buf[:min(left, len(buf))])
+                if not n:
+                    raise TrainrunError(f"{self.path}: ends inside tensor '{self.name}'")
+                out.write(buf[:n])
+                left -= n
 
 
-def save_model(model: onnx.ModelProto, path: str) -> None:
-    tmp = path + ".tmp"
-    size = sum(t.ByteSize() for t in model.graph.initializer)
-    if size > _EXTERNAL_DATA_BYTES:
-        onnx.save(model, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
-                  location=os.path.basename(path) + ".data")
-    else:
-        onnx.save(model, tmp)
-    os.replace(tmp, path)
+def checkpoint_tensors(ckpt: str, manifest: dict) -> list[Weight]:
+    """Where the parameters (then the non-parameter state) of a checkpoint lie in its model.safetensors."""
+    path = os.path.join(ckpt, "model.safetensors")
+    layout = FlatLayout.from_manifest(manifest)
+    states = FlatLayout.from_manifest({"params": manifest.get("states", [])})
+    names, shapes = layout.names + states.names, layout.shapes + states.shapes
+    start, spans = K.tensor_spans(path, names, shapes)
+    return [Weight(n, tuple(s), path, start + off, size) for n, s, (off, size) in zip(names, shapes, spans)]
+
+
+def mapped_weights(weights: list[Weight]) -> dict[str, np.ndarray]:
+    """The tensors as read-only arrays mapped from their files (pages read on use, no copy made)."""
+    return {w.name: np.memmap(w.path, np.float32, "r", w.offset, w.dims) for w in weights}
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _field(number: int, size: int) -> bytes:
+    """The key and length of a length-delimited protobuf field ``number`` of ``size`` bytes."""
+    return _varint(number << 3 | 2) + _varint(size)
+
+
+def _fields(msg, keep) -> bytes:
+    """``msg`` serialized with only the fields whose number passes ``keep`` (protobuf writes fields in
+    number order, so these parts concatenate to the whole message)."""
+    part = type(msg)()
+    part.CopyFrom(msg)
+    for fd, _ in part.ListFields():
+        if not keep(fd.number):
+            part.ClearField(fd.name)
+    return part.SerializeToString()
+
+
+_GRAPH, _INITIALIZER, _RAW_DATA = 7, 5, 9      # ModelProto.graph, GraphProto.initializer, TensorProto.raw_data
+
+
+def save_with_weights(model: onnx.ModelProto, path: str, weights: list[Weight]) -> None:
+    """Write ``model`` to ``path`` with ``weights`` as initializers after its own (and no longer graph
+    inputs): the bytes of ``onnx.save`` of that model, streamed tensor by tensor from the weights' files.
+    Above protobuf's 2 GB limit the tensors go to ``<path>.data`` beside it (onnx's external data layout:
+    one file, in order, tensors under 1 KB kept inline). Both files are written under temporary names
+    and moved into place."""
+    names = {w.name for w in weights}
+    model_ = onnx.ModelProto()
+    model_.CopyFrom(model)
+    inputs = [i for i in model_.graph.input if i.name not in names]
+    del model_.graph.input[:]
+    model_.graph.input.extend(inputs)
+    graph = model_.graph
+    external = sum(w.nbytes for w in weights) + sum(t.ByteSize() for t in graph.initializer) > _EXTERNAL_DATA_BYTES
+    location = os.path.basename(path) + ".data"
+    entries, data_off = [], 0         # (bytes before the data, data follows inline)
+    for w in weights:
+        if external and w.nbytes >= 1024:
+            head = w.tensor(location, data_off).SerializeToString()
+            data_off += w.nbytes
+            entries.append((w, _field(_INITIALIZER, len(head)) + head, False))
+        else:
+            head = w.tensor().SerializeToString() + _field(_RAW_DATA, w.nbytes)
+            entries.append((w, _field(_INITIALIZER, len(head) + w.nbytes) + head, True))
+    g_lo = _fields(graph, lambda n: n <= _INITIALIZER)        # nodes, name, the model's own initializers
+    g_hi = _fields(graph, lambda n: n > _INITIALIZER)
+    size = len(g_lo) + len(g_hi) + sum(len(h) + (w.nbytes if inline else 0) for w, h, inline in entries)
+    tmp, data_tmp = path + ".tmp", os.path.join(os.path.dirname(os.path.abspath(path)), location + ".tmp")
+    try:
+        with open(tmp, "wb") as out:
+            out.write(_fields(model_, lambda n: n < _GRAPH) + _field(_GRAPH, size) + g_lo)
+            for w, head, inline in entries:
+                out.write(head)
+                if inline:
+                    w.copy_to(out)
+            out.write(g_hi + _fields(model_, lambda n: n > _GRAPH))
+        if external:
+            with open(data_tmp, "wb") as data:
+                for w, _, inline in entries:
+                    if not inline:
+                        w.copy_to(data)
+            os.replace(data_tmp, os.path.join(os.path.dirname(os.path.abspath(path)), location))
+        os.replace(tmp, path)
+    except BaseException:
+        for p in (tmp, data_tmp):
+            if os.path.exists(p):
+                os.remove(p)
+        raise
 
 
 def sample_batch(graphs_dir: str, manifest: dict, rng_seed: int = 0) -> dict[str, np.ndarray]:
@@ -113,13 +219,13 @@ def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None,
     ckpt = K.resolve_checkpoint(checkpoint)
     graphs_dir = os.path.join(K.run_dir_of(ckpt), "graphs")
     manifest = G.load_manifest(graphs_dir)
-    weights = checkpoint_weights(ckpt, manifest)
+    K.verify(ckpt)
+    tensors = checkpoint_tensors(ckpt, manifest)      # streamed from the file into the model: no copy held
 
     if kv_cache:
-        model = kv_cache_model(manifest, lambda: weights, where=ckpt)
+        model = kv_cache_model(manifest, dict, where=ckpt)      # the graph alone; the weights follow
     else:
-        base = "eval.onnx" if with_loss else "forward.onnx"
-        model = with_weights(onnx.load(os.path.join(graphs_dir, base)), weights)
+        model = onnx.load(os.path.join(graphs_dir, "eval.onnx" if with_loss else "forward.onnx"))
     if opset is not None:
         current = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
         if opset != current:
@@ -130,13 +236,15 @@ def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None,
                 raise UsageError(f"--opset {opset}: cannot convert the model from opset {current}: {exc}") from None
     model.ir_version = min(model.ir_version, G.IR_VERSION)
     os.makedirs(os.path.dirname(os.path.abspath(output)) or ".", exist_ok=True)
-    save_model(model, output)
+    save_with_weights(model, output, tensors)
+    del model
     if not verify:
         return 0.0
 
     batch = sample_batch(graphs_dir, manifest)          # data inputs and labels
     so = ort.SessionOptions()
     so.log_severity_level = 3
+    so.add_session_config_entry("session.disable_prepacking", "1")     # no packed second copy of the weights
     exported = ort.InferenceSession(output, so, providers=["CPUExecutionProvider"])
     # the logits, or for a graph with its own loss that loss (the eval graph's ``loss``)
     logits_name = manifest["logits"] or manifest.get("loss_output") or G.LOSS
@@ -148,8 +256,9 @@ def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None,
     else:
         ours = exported.run([logits_name], {n: v for n, v in batch.items()
                                             if with_loss or n != manifest["labels"]})[0]
+    del exported                # one session at a time
     ref_sess = ort.InferenceSession(os.path.join(graphs_dir, "eval.onnx"), so, providers=["CPUExecutionProvider"])
-    ref = ref_sess.run([ref_name], {**batch, **weights})[0]
+    ref = ref_sess.run([ref_name], {**batch, **mapped_weights(tensors)})[0]
     diff = float(np.abs(ours - ref).max())
     echo(f"exported {output} from {ckpt}: max |logits - eval graph| = {diff:.3g} on a "
          f"{'x'.join(map(str, batch[manifest['inputs'][0]].shape))} sample"

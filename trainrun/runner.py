@@ -32,7 +32,10 @@ import os
 import platform
 import time
 
-import numpy as np
+# onnxruntime first imported here, on a short stack: with torch installed its first import keeps an exception
+# (ORTModule's) whose traceback holds every frame below the import, locals included, for the life of the
+# process: imported inside prepare or the engine it kept the model being built (1 GB at GPT-2 124M)
+import onnxruntime  # noqa: F401
 
 from . import checkpoint as K
 from . import faults
@@ -58,6 +61,18 @@ _ORT_SEVERITY = {"warning": 3, "info": 3, "devinfo": 1, "verbose": 0}
 
 def _config_hash(cfg: C.Config) -> str:
     return hashlib.sha256(C.to_yaml(cfg).encode()).hexdigest()[:16]
+
+
+def return_freed_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing). Building
+    the graphs leaves GBs free but mapped in the heap, counted in the process's RSS until then."""
+    import ctypes
+    import gc
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):       # not glibc
+        pass
 
 
 class TrainingRunner:
@@ -123,6 +138,7 @@ class TrainingRunner:
                 if not G.up_to_date(self.graphs_dir, cfg):
                     self.log(f"preparing graphs in {self.graphs_dir}")
                     G.prepare(cfg, self.graphs_dir)
+                    return_freed_memory()     # the model built in memory: not kept for the whole run
             except TrainrunError as exc:
                 error = exc
         self.comm.agree(error)
@@ -407,7 +423,7 @@ class TrainingRunner:
                 early = self.early_stopping.update(self.step, eval_loss)
             if (checkpoint or early) and (stop or not self.nonfinite_in_a_row):
                 # not while updates are being skipped: keep_last keeps good ones
-                self.save(step_eval, last=self.step == end or stop or early)
+                self.save(step_eval)
             if t.sample_every and self.step % t.sample_every == 0 and not stop:
                 self._sample()
             self.observe.step_end(self.step, last)
@@ -432,6 +448,7 @@ class TrainingRunner:
         """After the last checkpoint: drop the sessions, the flat buffers and the optimizer state."""
         self.engine.close()
         self.shard = self.sampler = self.observe = None
+        return_freed_memory()
 
     def _stopped(self) -> None:
         """After a stop signal: the checkpoint of this step committed on every rank, then :class:`Stopped`."""
@@ -443,11 +460,9 @@ class TrainingRunner:
             f"{os.path.join(self.out, 'checkpoints', str(self.step))} committed{took}. "
             f"Continue with `trainrun resume {self.out}`"))
 
-    def save(self, eval_loss: float | None = None, last: bool = False) -> None:
-        """Checkpoint this step: snapshot now, written in the background (every rank). ``eval_loss``:
-        this step's, recorded in state.json (checkpoint.keep_best ranks by it). ``last``: the run ends
-        after it (no step changes the buffers before :meth:`Checkpointer.finish`), so host buffers are
-        written as they are, without a snapshot copy (1.5 GB less at GPT-2 124M with AdamW)."""
+    def save(self, eval_loss: float | None = None) -> None:
+        """Checkpoint this step: the tensors written now, the rest in the background (every rank).
+        ``eval_loss``: this step's, recorded in state.json (checkpoint.keep_best ranks by it)."""
         cfg = self.cfg
         meta = {"updates": self.updates, "skipped_steps": self.skipped, "loader": self.loader.state_dict(),
                 "loss_scaler": self.scaler.state_dict() if self.scaler else None,
@@ -457,16 +472,11 @@ class TrainingRunner:
                 "graphs": self.manifest["files"], "eval_loss": eval_loss,
                 "early_stopping": self.early_stopping.state_dict()}
         self.sync_state()
-        state = self.shard.full_state()      # (collective for stage 1)
-        if not self.is_main:     # rank 0 alone writes the tensors; the others keep the parameters for their digest
-            state = {}
-        buffers = {"params": self.engine.params, **state}
+        # rank 0 alone writes the tensors; the others hash their parameters (and take part in the gathers
+        # of stage 1's optimizer state)
+        buffers = {"params": self.engine.params, **self.shard.full_state()}
         model_state = (self.engine.state_layout, self.engine.state)
-        fresh = set(state) if self.shard.sharded else set()
-        if last and self.engine.xp is np:
-            fresh |= set(buffers)
-        self.checkpoints.save(self.step, self.engine.layout, buffers, meta, C.to_yaml(cfg), model_state,
-                              fresh=fresh)
+        self.checkpoints.save(self.step, self.engine.layout, buffers, meta, C.to_yaml(cfg), model_state)
         self.timer.mark("checkpoint")
 
     # ------------------------------------------------------------------ start and end lines

@@ -40,14 +40,15 @@ and holds the optimizer state (``state``: name -> flat buffer covering elements
   replicated update.
 
 Checkpoints keep full tensors by name: :meth:`Partitioned.full_state` gathers the moment parts on rank 0
-for a save, and a restore reads the full tensors and keeps ``lo:hi`` (so any stage on any number of
-ranks, shared or not, resumes any checkpoint). Partitioned updates run on the CPU with the MPI backend
-and the host optimizer kernel (config validation says so for stage 1; ``intra_node: shared`` applies
-only there, :func:`node_buffers`).
+for a save, one state at a time as it is written, and a restore reads the full tensors and keeps ``lo:hi``
+(so any stage on any number of ranks, shared or not, resumes any checkpoint). Partitioned updates run on
+the CPU with the MPI backend and the host optimizer kernel (config validation says so for stage 1;
+``intra_node: shared`` applies only there, :func:`node_buffers`).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -256,25 +257,24 @@ class Partitioned:
             self.local.barrier()    # every slice updated before any local rank's next forward reads them
 
     def full_state(self) -> dict:
-        """name -> the whole flat optimizer state, gathered on rank 0 into new arrays (the checkpoint
-        writer keeps them as its snapshot): the parts over the nodes, then the slices over the first
-        node; other ranks get an empty dict."""
-        out = {}
-        for name, part in self.state.items():
-            mid = part
-            if self.cross_counts:
-                mid = np.empty(self.b - self.a, np.float32) if self.cross.rank == 0 else None
-                self.cross.gather(part, mid, self.cross_counts, root=0)
-            if self.cross.rank != 0:
-                continue
-            if self.local.world_size == 1:
-                out[name] = mid if mid is not part else part.copy()
-                continue
-            full = np.empty(sum(self.node_counts), np.float32) if self.local.rank == 0 else None
-            self.local.gather(mid, full, self.node_counts, root=0)
-            if full is not None:
-                out[name] = full
-        return out
+        """name -> a function that gathers the whole flat optimizer state on rank 0 into a new array
+        (None on the other ranks): the parts over the nodes, then the slices over the first node. A
+        collective: every rank calls each, in order (the checkpoint writer does, one state at a time, so
+        rank 0 holds one gathered state at a time)."""
+        return {name: functools.partial(self._gather, part) for name, part in self.state.items()}
+
+    def _gather(self, part: np.ndarray) -> np.ndarray | None:
+        mid = part
+        if self.cross_counts:
+            mid = np.empty(self.b - self.a, np.float32) if self.cross.rank == 0 else None
+            self.cross.gather(part, mid, self.cross_counts, root=0)
+        if self.cross.rank != 0:
+            return None
+        if self.local.world_size == 1:
+            return mid if mid is not part else part.copy()
+        full = np.empty(sum(self.node_counts), np.float32) if self.local.rank == 0 else None
+        self.local.gather(mid, full, self.node_counts, root=0)
+        return full
 
     def close(self) -> None:
         """Free the shared memory (every rank; the engine's buffers are gone then)."""
