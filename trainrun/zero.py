@@ -211,23 +211,31 @@ class Partitioned:
                                                           engine.params[self.lo:self.hi], self.grad,
                                                           self._norm_sums)
         self.state = self.optimizer.state
+        self._norm_sq = None     # the squared norm of this rank's reduced part, when reduce() took it
 
-    def _sum_peers(self) -> None:
+    def _sum_peers(self) -> float:
         """This rank's slice of the node: its own gradients plus every other local rank's, read from their
-        buffers, chunk by chunk."""
+        buffers, chunk by chunk; returns the slice's squared norm, taken while each summed chunk is in cache
+        (float32 dots of the chunks summed in float64, like :func:`trainrun.engine.norm_sq`)."""
         own = self.peers[self.local.rank]
         others = [p for r, p in enumerate(self.peers) if r != self.local.rank]
+        sq = 0.0
         for i in range(self.a, self.b, _SUM_CHUNK):
             out = own[i:min(i + _SUM_CHUNK, self.b)]
             for p in others:
                 np.add(out, p[i:i + out.size], out=out)
+            sq += float(np.dot(out, out))
+        return sq
 
     def reduce(self) -> None:
+        self._norm_sq = None
         shared = len(self.peers) > 1
         if shared:
             self.local.barrier()    # every local backward is done
-            self._sum_peers()
+            sq = self._sum_peers()
             self.local.barrier()    # every read of the peers' buffers is done: the next backward may write
+            if self.cross.world_size == 1:      # one node: the slice is reduced; its norm came with the sum
+                self._norm_sq = sq
         slice_ = self.engine.grads[self.a:self.b]
         if self.cross_counts:
             self.cross.reduce_scatter(slice_, self.grad, self.cross_counts)
@@ -235,6 +243,8 @@ class Partitioned:
             self.cross.allreduce_(slice_)
 
     def norm_sq_part(self) -> float:
+        if self._norm_sq is not None:
+            return self._norm_sq
         # stage 0 across nodes: every node holds the same reduced slices; the first node's count
         return norm_sq(self.grad) if self.cross_counts or self.cross.rank == 0 else 0.0
 

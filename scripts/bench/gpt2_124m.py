@@ -58,11 +58,13 @@ def intra_node_key() -> bool:
 
 
 def bytes_per_param_per_node(stage: int | None, intra: str | None, ranks: int) -> dict:
-    """Parameters + AdamW moments per parameter on one node of ``ranks`` ranks, from the config:
-    float32 parameters on every rank (once per node with ZeRO-1 on the shared path, every rank's sessions
-    bound to one shared buffer); float32 m and v on every rank (stage 0) or one shard each (stage 1)."""
-    params = 1 if (stage == 1 and intra == "shared") else ranks
-    moments = 1 if stage == 1 else ranks
+    """Parameters + AdamW moments per parameter on one node of ``ranks`` ranks, from the config (one node:
+    ``intra_node: shared`` applies): float32 parameters on every rank, or once per node on the shared path
+    (every rank's sessions bound to one shared buffer); float32 m and v on every rank (stage 0 over MPI) or
+    one part per rank (stage 1, or the shared path at any stage: each rank updates its slice of the node)."""
+    shared = intra == "shared" and ranks > 1
+    params = 1 if shared else ranks
+    moments = 1 if (stage == 1 or shared) else ranks
     return {"params": GRAD_BYTES * params, "moments": 2 * GRAD_BYTES * moments,
             "total": GRAD_BYTES * params + 2 * GRAD_BYTES * moments}
 

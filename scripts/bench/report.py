@@ -970,8 +970,9 @@ def gpt2_124m_section(R, out):
     tgt("peak RSS per rank <= DDP's (whole run: checkpoint and export included)", rows)
     out.append("")
     out.append("Bytes per parameter per node are computed from the setup's config, not measured: float32 "
-               "parameters on every rank (4 x ranks), once per node only with ZeRO-1 on the shared intra-node path "
-               "(4); AdamW's float32 m and v on every rank (8 x ranks) or one shard per rank with ZeRO-1 (8); "
+               "parameters on every rank (4 x ranks), once per node on the shared intra-node path (4); AdamW's "
+               "float32 m and v on every rank (8 x ranks) or one part per rank with ZeRO-1 or the shared path "
+               "at any stage (8); the sizes the ranks hold are checked by tests/test_shared.py and test_zero.py; "
                f"{G['ranks']} ranks on the node. Gradients (4 B per parameter per rank) are not counted. "
                "Ratios are medians of per-round ratios (the runs of one round ran next to each other).\n")
 
