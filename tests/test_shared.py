@@ -149,3 +149,25 @@ def test_two_ranks_shared_equals_mpi_and_falls_back_without_windows(tmp_path, by
         assert a.keys() == b.keys()
         for k in a:
             np.testing.assert_allclose(b[k], a[k], rtol=1e-3, atol=1e-5, err_msg=k)
+
+
+def test_a_small_dev_shm_falls_back_instead_of_a_bus_error(tmp_path, byte_dataset):
+    """MPICH maps shared windows from files in /dev/shm and hands out a window larger than that tmpfs; the
+    first touch past its size kills the rank with SIGBUS (Docker's default /dev/shm is 64 MB). Under an 8 MB
+    /dev/shm (a mount namespace of this test's own) a model whose windows need ~20 MB takes the mpi path
+    with a warning naming /dev/shm and --shm-size, and trains. Skipped where mount namespaces are not
+    allowed (no CAP_SYS_ADMIN)."""
+    import pytest
+    small = "mount -t tmpfs -o size=8m tmpfs /dev/shm"
+    if subprocess.run(["unshare", "-m", "sh", "-c", small], capture_output=True).returncode:
+        pytest.skip("unshare -m / mount -t tmpfs not permitted here")
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{
+        "run.output_dir": str(tmp_path / "run"), "train.max_steps": 3, "train.micro_batch_size": 2,
+        "distributed.intra_node": "shared", "checkpoint.every": 0,
+        "model.gpt2": {"n_layer": 2, "n_head": 4, "n_embd": 256, "n_positions": 32, "vocab_size": 512}})
+    proc = run(["unshare", "-m", "sh", "-c", f"{small} && exec {MPIRUN} -np 2 {TRAINRUN} --config {cfg}"],
+               check=0)
+    out = proc.stdout + proc.stderr
+    assert re.search(r"/dev/shm has [\d,]+ MB free on rank \d .*the shared windows need [\d,]+ MB there "
+                     r"\(in a container: a larger --shm-size\)\); falling back to intra_node: mpi", out), out
+    assert sorted(read_metrics(str(tmp_path / "run"))[0]) == [1, 2, 3]

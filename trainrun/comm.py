@@ -568,6 +568,7 @@ class SharedMemoryUnavailable(Exception):
 
 
 _ALIGN = 64     # bytes: each rank's segment of a window starts on a cache line
+SHM_DIR = "/dev/shm"     # where MPICH maps shared windows from (a tmpfs file)
 
 
 class NodeMemory:
@@ -591,6 +592,7 @@ class NodeMemory:
         self.world, self.node, self.cross, self._windows = world, None, None, []
         world.barrier()     # Split_type is a blocking collective
         shared = MPIGroup(world, world._comm.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank), "node")
+        self._machine_ranks = shared.world_size      # the ranks on this machine (pretend nodes or not)
         if ranks_per_node:
             self.node = shared.split(world.rank // ranks_per_node, "node")
             shared.close()
@@ -605,6 +607,25 @@ class NodeMemory:
         if any(f for _, f in sizes):     # fault injection: a system without shared windows
             self.close()
             raise SharedMemoryUnavailable("MPI_Win_allocate_shared failed (TRAINRUN_FAULT_SHARED_WINDOWS)")
+
+    def require(self, nbytes: int, where: str = SHM_DIR) -> None:
+        """:class:`SharedMemoryUnavailable` (on every rank) unless ``where`` (the tmpfs MPICH maps its
+        shared windows from) has room for ``nbytes`` per node, for every (pretend) node on this machine. A
+        window larger than the tmpfs is handed out anyway, and its first touch kills the rank with SIGBUS
+        (Docker's default /dev/shm is 64 MB)."""
+        error = None
+        if os.path.isdir(where):
+            st = os.statvfs(where)
+            free = st.f_bavail * st.f_frsize
+            need = int(nbytes) * (self._machine_ranks // self.node.world_size)
+            if free < need + (64 << 20):
+                error = (f"{where} has {free / 2**20:,.0f} MB free on rank {self.world.rank} "
+                         f"({socket.gethostname()}), the shared windows need {need / 2**20:,.0f} MB there "
+                         f"(in a container: a larger --shm-size)")
+        failed = [e for e in self.world.allgather_object(error) if e]
+        if failed:
+            self.close()
+            raise SharedMemoryUnavailable(failed[0])
 
     def allocate(self, n: int, per_rank: bool) -> list[np.ndarray]:
         node = self.node

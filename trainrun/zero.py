@@ -84,6 +84,7 @@ class NodeBuffers:
 
     def __init__(self, mem: NodeMemory, n: int):
         self.mem = mem
+        mem.require(4 * n * (1 + mem.node.world_size))     # one parameter buffer + every rank's gradients
         self.params = mem.allocate(n, per_rank=False)[0]
         self.grads = mem.allocate(n, per_rank=True)
         self.buffers = (self.params, self.grads[mem.node.rank])     # for Engine(buffers=...)
