@@ -86,10 +86,11 @@ def test_eval_graph_matches_train_loss(tmp_path, tiny_gpt2):
 
 def test_vocabulary_sized_loss_and_tied_gradient_match_transformers(tmp_path):
     """The cross-entropy as LogSoftmax + NegativeLogLikelihoodLoss and the tied embedding's gradient
-    added by ScatterElements (graphs.split_cross_entropy, graphs._scatter_tied_gradients), against
-    transformers' GPT-2 in float64: a vocabulary far larger than the model, repeated tokens (the
-    scatter must sum them), labels ignored by a non-default ignore_index, 2 threads; the loss and every
-    gradient within 1e-5."""
+    added by ScatterElements (graphs.split_cross_entropy, graphs._scatter_tied_gradients), every
+    weight gradient a MatMul over a transposed input, no Gemm with transA
+    (graphs._untransposed_weight_gradients), against transformers' GPT-2 in float64: a vocabulary far
+    larger than the model, repeated tokens (the scatter must sum them), labels ignored by a non-default
+    ignore_index, 2 threads; the loss and every gradient within 1e-5."""
     ignore_index = 0
     shape = dict(n_layer=1, n_head=2, n_embd=32, n_positions=32, vocab_size=4099)
     batch, seq = 3, 32
@@ -97,9 +98,11 @@ def test_vocabulary_sized_loss_and_tied_gradient_match_transformers(tmp_path):
                        "data": {"seq_len": seq}, "train": {"micro_batch_size": batch},
                        "run": {"output_dir": str(tmp_path), "seed": 4}, "optimizer": {"name": "sgd"}})
     graphs_dir = G.prepare(cfg)
-    ops = {n.op_type for n in onnx.load(f"{graphs_dir}/train.onnx").graph.node}
+    nodes = onnx.load(f"{graphs_dir}/train.onnx").graph.node
+    ops = {n.op_type for n in nodes}
     assert {"LogSoftmax", "NegativeLogLikelihoodLoss", "ScatterElements"} <= ops
     assert not ops & {"SoftmaxCrossEntropyLoss", "GatherGrad"}
+    assert not [n.name for n in nodes if n.op_type == "Gemm" and any(a.name == "transA" and a.i for a in n.attribute)]
     shapes = {"input_ids": ((batch, seq), np.int64), "labels": ((batch, seq), np.int64)}
     eng = Engine(graphs_dir, EngineOptions(threads=2), shapes, shapes)
     eng.load_weights()
