@@ -124,9 +124,11 @@ class Section:
         return ["--config", str(config)] + [x for s in sets for x in ("--set", s)]
 
     def prepare(self, version: str, code: Path | None) -> Path:
-        """``trainrun prepare`` by that code version itself; returns its graphs folder."""
+        """``trainrun prepare`` by that code version itself; returns its graphs folder. This checkout's
+        graphs are prepared afresh on every invocation (kept ones may predate a graph change, and every run
+        would then prepare again inside its own timing and memory); the fixed ``before`` commit's are kept."""
         d = self.work / f"prep-{version}"
-        if not (d / "graphs" / "manifest.json").exists():
+        if code is None or not (d / "graphs" / "manifest.json").exists():
             shutil.rmtree(d, ignore_errors=True)
             config = (code or common.ROOT) / "configs" / "gpt2-tiny.yaml"
             cmd = [PY, str(HERE / "trainrun_rank.py")] + (["--code", str(code)] if code else []) + \

@@ -896,6 +896,10 @@ def gpt2_124m_section(R, out):
         out.append(f"**Run on a loaded machine** (processes outside the runs used a median {load:.2f} cores of "
                    f"{mach.get('cores')} during them): the figures are not representative; re-run "
                    f"`make bench-124m` on a quiet machine.\n")
+    again = sorted({k for k, rs in runs.items() for r in rs if r.get("reprepared")})
+    if again:
+        out.append(f"**Re-prepared inside the run** (its graphs folder did not fit: the whole-run memory and "
+                   f"wall time include a prepare): {', '.join(again)}.\n")
     out.append(f"`make bench-124m` (= `.venv/bin/python scripts/bench/run.py --only {'gpt2-124m'}`, "
                f"scripts/bench/gpt2_124m.py), started {G.get('started')}, took {G.get('duration_s', '?')} s. "
                f"GPT-2 {md['n_layer']} layers x {md['n_embd']}, {md['n_head']} heads, vocab {md['vocab_size']}, "
