@@ -620,8 +620,13 @@ class NodeMemory:
             need = int(nbytes) * (self._machine_ranks // self.node.world_size)
             if free < need + (64 << 20):
                 error = (f"{where} has {free / 2**20:,.0f} MB free on rank {self.world.rank} "
-                         f"({socket.gethostname()}), the shared windows need {need / 2**20:,.0f} MB there "
+                         f"({self.world.hostname}), the shared windows need {need / 2**20:,.0f} MB there "
                          f"(in a container: a larger --shm-size)")
+        self._agree(error)
+
+    def _agree(self, error: str | None) -> None:
+        """Every rank raises :class:`SharedMemoryUnavailable` (the first rank's ``error``, after freeing what
+        was made) if any rank has an error; a collective."""
         failed = [e for e in self.world.allgather_object(error) if e]
         if failed:
             self.close()
@@ -638,11 +643,8 @@ class NodeMemory:
             self._windows.append(win)
             views = [np.frombuffer(win.Shared_query(r)[0], np.float32, count=int(n)) for r in owners]
         except self._MPI.Exception as e:
-            error = e.Get_error_string()
-        failed = [(r, e) for r, e in enumerate(self.world.allgather_object(error)) if e]
-        if failed:
-            self.close()
-            raise SharedMemoryUnavailable(f"MPI_Win_allocate_shared failed on rank {failed[0][0]}: {failed[0][1]}")
+            error = f"MPI_Win_allocate_shared failed on rank {self.world.rank}: {e.Get_error_string()}"
+        self._agree(error)
         if node.rank in owners:
             views[owners.index(node.rank)][...] = 0.0     # by its owner (first touch: its own NUMA node)
         node.barrier()
