@@ -504,6 +504,9 @@ class Checkpointer:
             return
         if failed:
             step = w.pending_step
+            # every rank's own write ends before rank 0 removes the staging directory (the allgather orders
+            # it): a peer still writing its rank-N.json there could otherwise leave the directory behind
+            w.wait(getattr(self.comm, "timeout_s", None))
             causes = self.comm.allgather_object(w.error_text())
             w.abandon()
             raise collective(TrainrunError(
