@@ -9,6 +9,7 @@ import torch
 from trainrun import config as C
 from trainrun import graphs as G
 from trainrun.engine import Engine, EngineOptions
+from trainrun.errors import TrainrunError
 from trainrun.models.gpt2 import build_gpt2, init_weights, param_count
 
 from conftest import assert_matches_torch, hf_gpt2
@@ -75,6 +76,26 @@ def test_train_graph_gradients_match_torch(tmp_path, tiny_gpt2):
     np.testing.assert_allclose(eng.grads, 2 * first, rtol=1e-5, atol=1e-9)
     # the parameters are never written by the train graph
     assert all(np.array_equal(v, weights[k]) for k, v in eng.layout.unflatten(eng.params).items())
+
+
+def test_direct_gradients_write_the_accumulators_bits(tmp_path, tiny_gpt2):
+    """Without accumulation the engine runs the train graph with its gradients as outputs bound to the
+    flat buffer (graphs.direct_gradients): the same loss and the same gradient bits as the graph with
+    InPlaceAccumulatorV2, stale buffer content overwritten, and accumulation refused."""
+    acc = make_engine(tmp_path, tiny_gpt2, batch=2, seq=32)
+    shapes = {"input_ids": ((2, 32), np.int64), "labels": ((2, 32), np.int64)}
+    direct = Engine(acc.dir, EngineOptions(threads=1, direct_gradients=True), shapes, shapes)
+    acc.reopen(EngineOptions(threads=1))
+    direct.params[:] = acc.params
+    assert G.RESET not in direct.train_s.input_names and not direct.flags
+    rng = np.random.default_rng(4)
+    batch = {"input_ids": rng.integers(0, 300, (2, 32)), "labels": rng.integers(0, 300, (2, 32))}
+    acc.grads[:] = 5.0
+    direct.grads[:] = np.nan
+    assert direct.forward_backward(batch, accumulate=False) == acc.forward_backward(batch, accumulate=False)
+    assert np.array_equal(direct.grads, acc.grads) and np.abs(acc.grads).max() > 0
+    with pytest.raises(TrainrunError, match="direct_gradients"):
+        direct.forward_backward(batch, accumulate=True)
 
 
 def test_eval_graph_matches_train_loss(tmp_path, tiny_gpt2):

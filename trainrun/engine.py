@@ -97,6 +97,9 @@ class EngineOptions:
     log_id: str | None = None          # names this rank in onnxruntime's own log lines
     optimizer_kernel: str = "auto"     # graph (optimizer.onnx), host (kernels/host.py) or auto (host on cpu)
     seed: int = 0                      # run.seed: the dropout masks' stream (trainrun/dropout.py)
+    # the train graph's gradients written straight into the gradient buffer (graphs.direct_gradients):
+    # for runs that never accumulate; forward_backward(accumulate=True) is then refused
+    direct_gradients: bool = False
 
 
 def session_options(opts: EngineOptions, name: str = ""):
@@ -129,7 +132,8 @@ class _Bound:
     """One session with its IOBinding; inputs/outputs bound by pointer to numpy (host)
     or cupy (GPU) arrays."""
 
-    def __init__(self, path: str, opts: EngineOptions, name: str):
+    def __init__(self, path: str, opts: EngineOptions, name: str, model: bytes | None = None):
+        """``model``: the graph as serialized bytes, when it differs from the file at ``path``."""
         import onnxruntime as ort
         providers = ["CPUExecutionProvider"]
         self.cuda = opts.device == "cuda"
@@ -142,7 +146,8 @@ class _Bound:
             providers = [("CUDAExecutionProvider", cuda_opts), "CPUExecutionProvider"]
         self.device_id = opts.device_id
         try:
-            self.session = ort.InferenceSession(path, sess_options=session_options(opts, name),
+            self.session = ort.InferenceSession(path if model is None else model,
+                                                sess_options=session_options(opts, name),
                                                 providers=providers)
         except Exception as exc:  # noqa: BLE001
             raise TrainrunError(f"{path}: onnxruntime cannot load the {name} graph: "
@@ -268,7 +273,14 @@ class Engine:
         old = (getattr(self, "train_s", None), getattr(self, "eval_s", None), getattr(self, "opt_s", None),
                self.opts)
         self.opts = opts
-        self.train_s = _Bound(os.path.join(self.dir, "train.onnx"), opts, "train")
+        train = os.path.join(self.dir, "train.onnx")
+        self.grad_outputs = None     # parameter -> its gradient output, with opts.direct_gradients
+        if opts.direct_gradients:
+            import onnx
+            model, self.grad_outputs = G.direct_gradients(onnx.load(train))
+            self.train_s = _Bound(train, opts, "train", model.SerializeToString())
+        else:
+            self.train_s = _Bound(train, opts, "train")
         self.eval_s = _Bound(os.path.join(self.dir, "eval.onnx"), opts, "eval")
         self.opt_s = None
         self._bind_all()
@@ -364,11 +376,15 @@ class Engine:
             p, g = L.view(self.params, i), L.view(self.grads, i)
             t.bind_in(name, p)
             e.bind_in(name, p)
+            if self.grad_outputs:
+                t.bind_out(self.grad_outputs[name], g)
+                continue
             t.bind_in(name + G.BUFFER_SUFFIX, g)
             flag = np.zeros(1, bool)
             self.flags.append(flag)
             t.bind_out(name + G.ACC_OUT_SUFFIX, flag)
-        t.bind_in(G.RESET, self.reset)
+        if not self.grad_outputs:
+            t.bind_in(G.RESET, self.reset)
         if self.loss_scale is not None:
             t.bind_in(self.manifest["loss_scale"], self.loss_scale)
         t.bind_out(G.LOSS, self.loss)
@@ -420,6 +436,9 @@ class Engine:
             self.masks.fill(position)
             if self.mask_dev is not self.masks.buffers:
                 self.set_batch(self.masks.buffers, self.mask_dev)
+        if accumulate and self.grad_outputs:
+            raise TrainrunError("engine: built with direct_gradients (its train graph has no accumulators): "
+                                "it cannot add a micro-batch's gradients to the buffer")
         self.reset[0] = not accumulate
         self.train_s.run()
         if self.state.size:       # the running statistics this micro-batch updated

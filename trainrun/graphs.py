@@ -34,7 +34,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .config import Config, to_dict
 from .data import sha256_file
-from .errors import UsageError
+from .errors import TrainrunError, UsageError
 
 IR_VERSION = 9
 LOSS = "loss"
@@ -739,6 +739,37 @@ def build_train_graph(loss_model: onnx.ModelProto, params: list[str], source: st
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     return model
+
+
+def direct_gradients(train: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, str]]:
+    """``train`` (a :func:`build_train_graph` graph) without its accumulators, for runs that never
+    accumulate (``train.gradient_accumulation_steps`` 1): each parameter's gradient becomes a graph
+    output, which the engine binds to the parameter's view of the flat gradient buffer, so the kernel
+    that computes it writes it there. With InPlaceAccumulatorV2 every gradient is first written into
+    onnxruntime's arena and then copied into the buffer (~2.5% of a GPT-2 124M forward/backward).
+    Returns (the graph, parameter -> its gradient output). The bits are the same: a reset accumulator
+    copies its value."""
+    model = onnx.ModelProto()
+    model.CopyFrom(train)
+    g = model.graph
+    acc = [n for n in g.node if n.op_type == "InPlaceAccumulatorV2" and n.input[0].endswith(BUFFER_SUFFIX)]
+    if not acc:
+        raise TrainrunError("the train graph has no gradient accumulators (not built by trainrun prepare?)")
+    buffers = {i.name: i for i in g.input if i.name.endswith(BUFFER_SUFFIX)}
+    outputs, dropped = {}, {n.output[0] for n in acc}
+    for n in acc:
+        g.node.remove(n)
+        param = n.input[0][:-len(BUFFER_SUFFIX)]
+        out = copy.deepcopy(buffers[n.input[0]])     # the buffer's type and shape = the gradient's
+        out.name = outputs[param] = n.input[1]
+        g.output.append(out)
+    kept = [i for i in g.input if i.name not in buffers and i.name != RESET]
+    del g.input[:]
+    g.input.extend(kept)
+    kept = [o for o in g.output if o.name not in dropped]
+    del g.output[:]
+    g.output.extend(kept)
+    return model, outputs
 
 
 def _scatter_tied_gradients(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -191,7 +191,8 @@ class TrainingRunner:
                              graph_optimization=cfg.engine.graph_optimization,
                              optimizer_kernel=cfg.engine.optimizer_kernel,
                              log_severity=_ORT_SEVERITY[cfg.run.log_level], deterministic=cfg.run.deterministic,
-                             seed=cfg.run.seed, **engine_options(cfg, self.rank))
+                             seed=cfg.run.seed, direct_gradients=self.accum == 1,
+                             **engine_options(cfg, self.rank))
         mb = cfg.train.micro_batch_size
         shapes = {name: ((mb, *shape), dtype) for name, (shape, dtype) in self.train_ds.specs.items()}
         error = None

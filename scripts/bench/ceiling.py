@@ -88,12 +88,13 @@ class TrainGraphLoop:
         ds = open_dataset(data, seq_len)
         batch = ds.read(np.arange(batch_index * micro_batch, (batch_index + 1) * micro_batch), ds.new_batch(micro_batch))
         shapes = {k: (v.shape, v.dtype) for k, v in batch.items()}
-        opts = EngineOptions(threads=threads, graph_optimization=graph_optimization, profile_prefix=profile_prefix)
+        # as trainrun runs it without gradient accumulation: gradients written straight into the flat buffer
+        opts = EngineOptions(threads=threads, graph_optimization=graph_optimization, profile_prefix=profile_prefix,
+                             direct_gradients=True)
         with patched_session_options(session_config, mem_pattern, arena):
             self.engine = Engine(graphs, opts, shapes, shapes)
         self.engine.load_weights()
         self.engine.set_batch(batch)
-        self.engine.reset[0] = True
         self.tokens = micro_batch * seq_len
 
     def step(self) -> float:
