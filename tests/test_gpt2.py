@@ -105,9 +105,61 @@ def test_eval_graph_matches_train_loss(tmp_path, tiny_gpt2):
     assert eng.evaluate(batch) == pytest.approx(eng.forward_backward(batch, accumulate=False), rel=1e-6)
 
 
+@pytest.mark.parametrize("reduction,ignore_index,rank", [("mean", 2, 2), ("sum", None, 2), ("mean", None, 3),
+                                                         ("sum", 1, 3)])
+def test_cross_entropy_gradient_by_exp_matches_numpy(reduction, ignore_index, rank):
+    """graphs._cross_entropy_grad_by_exp in every form it takes (mean or sum, with or without
+    ignore_index, class axis 1 of a 2-D or 3-D input) against the float64 NumPy gradient of
+    softmax cross-entropy, and against onnxruntime's own SoftmaxCrossEntropyLossGrad."""
+    n, d, k, c = 6, 3, 4, 37
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((n, d, k) if rank == 3 else (n, k)).astype(np.float32)
+    w = rng.standard_normal((k, c)).astype(np.float32)
+    labels = rng.integers(0, c, (n, d) if rank == 3 else (n,))
+    if ignore_index is not None:
+        labels.flat[[0, 4]] = ignore_index
+    attrs = {"reduction": reduction, **({} if ignore_index is None else {"ignore_index": ignore_index})}
+    nodes = [onnx.helper.make_node("MatMul", ["x", "w"], ["z"])]
+    if rank == 3:      # classes on axis 1: [n, c, d]
+        nodes.append(onnx.helper.make_node("Transpose", ["z"], ["logits"], perm=[0, 2, 1]))
+    else:
+        nodes[0].output[0] = "logits"
+    nodes.append(onnx.helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "labels"], [G.LOSS, "log_prob"], **attrs))
+    f32, i64 = onnx.TensorProto.FLOAT, onnx.TensorProto.INT64
+    graph = onnx.helper.make_graph(nodes, "ce", [onnx.helper.make_tensor_value_info("x", f32, list(x.shape)),
+                                                 onnx.helper.make_tensor_value_info("w", f32, [k, c]),
+                                                 onnx.helper.make_tensor_value_info("labels", i64, list(labels.shape))],
+                                   [onnx.helper.make_tensor_value_info(G.LOSS, f32, [])])
+    loss_model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    loss_model.ir_version = 8
+    train = G.build_train_graph(loss_model, ["w"], "test")
+    plain = onnx.ModelProto()
+    plain.CopyFrom(train)
+    G._cross_entropy_grad_by_exp(train)
+    assert "SoftmaxCrossEntropyLossGrad" not in {m.op_type for m in train.graph.node}
+
+    def run(model):      # w's gradient as an output (graphs.direct_gradients)
+        direct, outputs = G.direct_gradients(model)
+        sess = ort.InferenceSession(direct.SerializeToString(), providers=["CPUExecutionProvider"])
+        return sess.run([outputs["w"]], {"x": x, "w": w, "labels": labels})[0].astype(np.float64)
+
+    z = (x.astype(np.float64) @ w).reshape(-1, c)
+    p = np.exp(z - z.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    y = labels.reshape(-1)
+    keep = np.ones(len(y), bool) if ignore_index is None else y != ignore_index
+    p[np.arange(len(y)), np.where(keep, y, 0)] -= 1
+    p *= keep[:, None] / (keep.sum() if reduction == "mean" else 1)
+    want = x.reshape(-1, k).astype(np.float64).T @ p
+    got = run(train)
+    assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
+    np.testing.assert_allclose(got, run(plain), rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
 def test_vocabulary_sized_loss_and_tied_gradient_match_transformers(tmp_path):
-    """The cross-entropy as LogSoftmax + NegativeLogLikelihoodLoss and the tied embedding's gradient
-    added by ScatterElements (graphs.split_cross_entropy, graphs._scatter_tied_gradients), every
+    """The cross-entropy as LogSoftmax + NegativeLogLikelihoodLoss, its gradient from Exp(log_prob), the
+    tied embedding's gradient added by ScatterElements (graphs.split_cross_entropy,
+    graphs._cross_entropy_grad_by_exp, graphs._scatter_tied_gradients), every
     weight gradient a MatMul over a transposed input, no Gemm with transA
     (graphs._untransposed_weight_gradients), against transformers' GPT-2 in float64: a vocabulary far
     larger than the model, repeated tokens (the scatter must sum them), labels ignored by a non-default
@@ -122,7 +174,7 @@ def test_vocabulary_sized_loss_and_tied_gradient_match_transformers(tmp_path):
     nodes = onnx.load(f"{graphs_dir}/train.onnx").graph.node
     ops = {n.op_type for n in nodes}
     assert {"LogSoftmax", "NegativeLogLikelihoodLoss", "ScatterElements"} <= ops
-    assert not ops & {"SoftmaxCrossEntropyLoss", "GatherGrad"}
+    assert not ops & {"SoftmaxCrossEntropyLoss", "SoftmaxCrossEntropyLossGrad", "GatherGrad"}
     assert not [n.name for n in nodes if n.op_type == "Gemm" and any(a.name == "transA" and a.i for a in n.attribute)]
     shapes = {"input_ids": ((batch, seq), np.int64), "labels": ((batch, seq), np.int64)}
     eng = Engine(graphs_dir, EngineOptions(threads=2), shapes, shapes)
