@@ -4,10 +4,11 @@ For a model of P parameters with Adam (3 float32 buffers: params, exp_avg,
 exp_avg_sq) it measures, alternating, repeated:
 
 * dd:        `dd if=/dev/zero bs=64M count=.. conv=fsync` of the same number of bytes;
-* trainrun:  CheckpointWriter.start() (the part the training step waits for: a
-             copy of the buffers into host memory) and the background write
-             (files + sha256 + fsync), until it reports done;
-* memcpy:    np.copyto of the same buffers (the floor of the blocking part).
+* trainrun:  CheckpointWriter.start() (the part the training step waits for: the
+             tensor files written from the buffers into the page cache) and the
+             background part (fsync, checksums read back, the small files), until
+             it reports done;
+* memcpy:    np.copyto of the same buffers (what a snapshot copy would cost instead).
 
 Usage: python scripts/bench_checkpoint.py [--params 50e6] [--repeat 3] [--dir DIR]
 """
@@ -64,7 +65,7 @@ def main() -> None:
     meta = {"format_version": 1, "step": 0, "updates": 0, "skipped_steps": 0, "loader": {"position": 0},
             "world_size": 1, "global_batch": 1}
     writer = CheckpointWriter(work, rank=0, world_size=1, keep_last=1, log=lambda *_: None)
-    snap_floor = {k: np.empty_like(v) for k, v in buffers.items()}
+    copy_of = {k: np.empty_like(v) for k, v in buffers.items()}
 
     dd, write, block, memcpy = [], [], [], []
     for r in range(args.repeat):
@@ -81,7 +82,7 @@ def main() -> None:
         write.append(nbytes / (t2 - t0) / 1e6)
         t = time.perf_counter()
         for k, v in buffers.items():
-            np.copyto(snap_floor[k], v)
+            np.copyto(copy_of[k], v)
         memcpy.append(time.perf_counter() - t)
     shutil.rmtree(work, ignore_errors=True)
 
@@ -91,7 +92,7 @@ def main() -> None:
           f"load {load:.1f}, disk of {base}")
     print(f"{'':28}{'median':>10}{'min':>10}{'max':>10}")
     for name, vals, unit in [("dd sequential write", dd, "MB/s"), ("trainrun checkpoint write", write, "MB/s"),
-                             ("step blocked (snapshot)", [b * 1e3 for b in block], "ms"),
+                             ("step blocked (tensors written)", [b * 1e3 for b in block], "ms"),
                              ("memcpy of the same buffers", [m * 1e3 for m in memcpy], "ms")]:
         print(f"{name:28}{med(vals):>10.0f}{min(vals):>10.0f}{max(vals):>10.0f}  {unit}")
     print(f"write speed / dd: {med(write) / med(dd):.2f}   blocked / memcpy: {med(block) / med(memcpy):.2f}")
