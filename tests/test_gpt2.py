@@ -176,6 +176,8 @@ def test_vocabulary_sized_loss_and_tied_gradient_match_transformers(tmp_path):
     assert {"LogSoftmax", "NegativeLogLikelihoodLoss", "ScatterElements"} <= ops
     assert not ops & {"SoftmaxCrossEntropyLoss", "SoftmaxCrossEntropyLossGrad", "GatherGrad"}
     assert not [n.name for n in nodes if n.op_type == "Gemm" and any(a.name == "transA" and a.i for a in n.attribute)]
+    producer = {o: n for n in nodes for o in n.output}      # the tied head's gradient scattered into before
+    assert producer["transformer.wte.weight" + G.GRAD_SUFFIX].op_type == "Transpose"    # its Transpose
     shapes = {"input_ids": ((batch, seq), np.int64), "labels": ((batch, seq), np.int64)}
     eng = Engine(graphs_dir, EngineOptions(threads=2), shapes, shapes)
     eng.load_weights()

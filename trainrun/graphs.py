@@ -54,8 +54,9 @@ FORMAT_VERSION = 1
 # (a manifest with a lower or no ``graph_version``) are prepared again. 2: the cross-entropy split into
 # LogSoftmax + NegativeLogLikelihoodLoss, tied embedding gradients added by ScatterElements; 3: weight
 # gradients by MatMul over an explicitly transposed input (no Gemm transA); 4: the cross-entropy's gradient
-# from Exp(log_prob) (_cross_entropy_grad_by_exp)
-GRAPH_VERSION = 4
+# from Exp(log_prob) (_cross_entropy_grad_by_exp); 5: a tied head's gradient scattered into before its
+# Transpose
+GRAPH_VERSION = 5
 
 
 @dataclass
@@ -833,7 +834,10 @@ def _scatter_tied_gradients(model: onnx.ModelProto) -> onnx.ModelProto:
     and the Sum reads both: three passes over a [50257, 768] tensor at GPT-2 124M. Here that pair
     becomes ScatterElements(other gradient, indices, dY, reduction add), which adds the looked-up rows'
     gradients into the other gradient in place (serially, so repeated indices are summed exactly).
-    Only float32 2-D parameters (graph inputs), from opset 16 (ScatterElements' reduction); returns
+    When the other gradient is a Transpose's output (a tied LM head's, computed as [width, vocab]), the
+    scatter goes into the Transpose's input, along axis 1, and the Transpose then writes the sum: with
+    direct gradients (:func:`direct_gradients`) straight into the flat buffer, where a scatter into a
+    bound output first copies its input there (65 ms a step at GPT-2 124M). Only float32 2-D parameters (graph inputs), from opset 16 (ScatterElements' reduction); returns
     ``model``, changed in place."""
     if _opset(model) < 16:
         return model
@@ -855,19 +859,40 @@ def _scatter_tied_gradients(model: onnx.ModelProto) -> onnx.ModelProto:
             if shape is None or shape.op_type != "Shape" or shape.input[0] not in params or uses[name] != 1 \
                     or any(a.name == "axis" and a.i != 0 for a in gg.attribute):
                 continue
-            b, (_, indices, d_rows) = n.name or n.output[0], gg.input
-            replace[id(n)] = [
-                _const(b + "/column", [-1, 1]), _const(b + "/all", [-1]), _const(b + "/start", [1]),
-                _const(b + "/big", [2**62]),
-                helper.make_node("Reshape", [indices, b + "/column"], [b + "/indices"], name=b + "/indices"),
-                helper.make_node("Slice", [gg.input[0], b + "/start", b + "/big"], [b + "/width"], name=b + "/width"),
-                helper.make_node("Concat", [b + "/all", b + "/width"], [b + "/rows_shape"], axis=0,
-                                 name=b + "/rows_shape"),                                  # [-1, width]
-                helper.make_node("Reshape", [d_rows, b + "/rows_shape"], [b + "/rows"], name=b + "/rows"),
-                helper.make_node("Shape", [b + "/rows"], [b + "/rows_size"], name=b + "/rows_size"),
-                helper.make_node("Expand", [b + "/indices", b + "/rows_size"], [b + "/where"], name=b + "/where"),
-                helper.make_node("ScatterElements", [n.input[1 - k], b + "/where", b + "/rows"], list(n.output),
-                                 axis=0, reduction="add", name=b)]
+            b, (_, indices, d_rows), other = n.name or n.output[0], gg.input, n.input[1 - k]
+            rows = [_const(b + "/all", [-1]), _const(b + "/start", [1]), _const(b + "/big", [2**62]),
+                    helper.make_node("Slice", [gg.input[0], b + "/start", b + "/big"], [b + "/width"],
+                                     name=b + "/width"),
+                    helper.make_node("Concat", [b + "/all", b + "/width"], [b + "/rows_shape"], axis=0,
+                                     name=b + "/rows_shape"),                                  # [-1, width]
+                    helper.make_node("Reshape", [d_rows, b + "/rows_shape"], [b + "/rows"], name=b + "/rows")]
+            tp = producer.get(other)
+            if tp is not None and tp.op_type == "Transpose" and uses[other] == 1 \
+                    and [list(a.ints) for a in tp.attribute if a.name == "perm"] in ([[1, 0]], []):
+                # the other gradient is a transpose (a tied LM head's, [width, rows] before it): scatter
+                # into it before the Transpose, so the Transpose writes the sum straight into its output
+                # (with direct gradients the flat buffer) and the scatter runs in place on an arena tensor;
+                # the same adds in the same order per element
+                replace[id(n)] = rows + [
+                    _const(b + "/row", [1, -1]),
+                    helper.make_node("Reshape", [indices, b + "/row"], [b + "/indices"], name=b + "/indices"),
+                    helper.make_node("Transpose", [b + "/rows"], [b + "/rows_t"], perm=[1, 0], name=b + "/rows_t"),
+                    helper.make_node("Shape", [b + "/rows_t"], [b + "/rows_size"], name=b + "/rows_size"),
+                    helper.make_node("Expand", [b + "/indices", b + "/rows_size"], [b + "/where"],
+                                     name=b + "/where"),
+                    helper.make_node("ScatterElements", [tp.input[0], b + "/where", b + "/rows_t"], [b + "/sum_t"],
+                                     axis=1, reduction="add", name=b),
+                    helper.make_node("Transpose", [b + "/sum_t"], list(n.output), perm=[1, 0], name=b + "/sum")]
+                dropped.add(id(tp))
+            else:
+                replace[id(n)] = rows + [
+                    _const(b + "/column", [-1, 1]),
+                    helper.make_node("Reshape", [indices, b + "/column"], [b + "/indices"], name=b + "/indices"),
+                    helper.make_node("Shape", [b + "/rows"], [b + "/rows_size"], name=b + "/rows_size"),
+                    helper.make_node("Expand", [b + "/indices", b + "/rows_size"], [b + "/where"],
+                                     name=b + "/where"),
+                    helper.make_node("ScatterElements", [other, b + "/where", b + "/rows"], list(n.output),
+                                     axis=0, reduction="add", name=b)]
             dropped.add(id(gg))
             break
     if not replace:
