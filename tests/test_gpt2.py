@@ -156,6 +156,45 @@ def test_cross_entropy_gradient_by_exp_matches_numpy(reduction, ignore_index, ra
     np.testing.assert_allclose(got, run(plain), rtol=1e-5, atol=1e-6 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("head,axis", [("Gemm", 0), ("Transpose", 1)])
+def test_tied_embedding_gradient_matches_numpy(head, axis):
+    """graphs._scatter_tied_gradients on both of its paths: a head whose gradient is the embedding's shape
+    (Gemm(h, E, transB=1): rows scattered into it along axis 0) and a head through a Transpose
+    (MatMul(h, Transpose(E)): scattered into the Transpose's input along axis 1), repeated ids, against
+    the float64 NumPy gradient."""
+    v, d, n = 41, 8, 12
+    rng = np.random.default_rng(8)
+    emb = rng.standard_normal((v, d)).astype(np.float32)
+    ids = rng.integers(0, 5, n)                       # few distinct rows: the adds must be summed
+    w = rng.standard_normal((n, v)).astype(np.float32)
+    h = onnx.helper.make_node("Gather", ["E", "ids"], ["h"], axis=0)
+    if head == "Gemm":
+        heads = [onnx.helper.make_node("Gemm", ["h", "E"], ["logits"], transB=1)]
+    else:
+        heads = [onnx.helper.make_node("Transpose", ["E"], ["Et"], perm=[1, 0]),
+                 onnx.helper.make_node("MatMul", ["h", "Et"], ["logits"])]
+    loss = [onnx.helper.make_node("Mul", ["logits", "W"], ["lw"]),
+            onnx.helper.make_node("ReduceSum", ["lw"], [G.LOSS], keepdims=0)]
+    f32 = onnx.TensorProto.FLOAT
+    graph = onnx.helper.make_graph([h, *heads, *loss], "tied",
+                                   [onnx.helper.make_tensor_value_info("E", f32, [v, d]),
+                                    onnx.helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [n])],
+                                   [onnx.helper.make_tensor_value_info(G.LOSS, f32, [])],
+                                   initializer=[onnx.numpy_helper.from_array(w, "W")])
+    loss_model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    loss_model.ir_version = 8
+    train, outputs = G.direct_gradients(G.build_train_graph(loss_model, ["E"], "test"))
+    scatters = [m for m in train.graph.node if m.op_type == "ScatterElements"]
+    assert [a.i for m in scatters for a in m.attribute if a.name == "axis"] == [axis]
+    assert "GatherGrad" not in {m.op_type for m in train.graph.node}
+    sess = ort.InferenceSession(train.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = sess.run([outputs["E"]], {"E": emb, "ids": ids})[0]
+    e64, w64 = emb.astype(np.float64), w.astype(np.float64)
+    want = w64.T @ e64[ids]                            # through the head
+    np.add.at(want, ids, w64 @ e64)                     # through the lookup
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
 def test_vocabulary_sized_loss_and_tied_gradient_match_transformers(tmp_path):
     """The cross-entropy as LogSoftmax + NegativeLogLikelihoodLoss, its gradient from Exp(log_prob), the
     tied embedding's gradient added by ScatterElements (graphs.split_cross_entropy,
