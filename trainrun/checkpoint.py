@@ -476,7 +476,7 @@ class CheckpointWriter:
 class Checkpointer:
     """Saving, committing and restoring checkpoints, on every rank of ``comm``.
 
-    :meth:`save` snapshots the buffers and writes them in the background;
+    :meth:`save` writes the tensors at the step and the rest in the background;
     the write's progress rides in the runner's per-step scalar allreduce
     (:meth:`status` before it, :meth:`progress` with the reduced values after
     it), so a commit costs no collective of its own. :meth:`finish` settles

@@ -282,7 +282,7 @@ class Partitioned:
         if self.cross.rank != 0:
             return None
         if self.local.world_size == 1:
-            return mid if mid is not part else part.copy()
+            return mid      # this rank's own part when nothing was gathered: written at once, no copy needed
         full = np.empty(sum(self.node_counts), np.float32) if self.local.rank == 0 else None
         self.local.gather(mid, full, self.node_counts, root=0)
         return full
