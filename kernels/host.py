@@ -1,21 +1,26 @@
-"""The optimizer update rules as chunked, in-place NumPy code for the CPU.
+"""The optimizer update rules as fused, in-place loops for the CPU (compiled by Numba).
 
 :mod:`.optimizers` writes each rule once, symbolically, and trainrun.optim turns
 it into an ONNX graph. On the CPU that graph runs every elementwise op over the
 whole flat buffer: a dozen passes over main memory and full-size intermediates
 (several times the parameter bytes of extra memory). :class:`HostOptimizer`
-runs the same rules on slices of ``chunk`` elements, so the dozen ops of a slice
-stay in cache: the update is about one pass over params, grads and state, and
-the only temporaries are two chunk-sized buffers allocated once.
+runs the same rules as one loop over params, grads and state per run of
+tensors: each element is read once and written once, nothing else is
+allocated, and the loop is vectorised (AVX2/AVX-512 where the CPU has them).
+Chunked NumPy (the dozen ufuncs over an L2-sized slice at a time) took 78-84 ms
+for AdamW over 62M parameters with two processes updating at once on the
+2-core AMD EPYC; the fused loop takes ~28 ms there (``scripts/bench/fastopt.py``).
 
 The arithmetic mirrors the graph op for op: the same float32 operations in the
-same order, and the same scalar coefficients, computed in float64 from the
+same order (Numba without ``fastmath``: no contraction into FMA, no
+reassociation; ``error_model="numpy"``: IEEE division, which lets the loop
+vectorise), and the same scalar coefficients, computed in float64 from the
 float32-rounded ``lr`` / ``grad_scale`` (the graph's inputs are float32) and
 cast to float32 once per step. So SGD, and the moments of AdamW and LAMB, come
 out bit for bit as onnxruntime's CPU kernels compute them. Past a square root
-the results differ by an ulp here and there: np.sqrt is correctly rounded,
-onnxruntime's float32 Sqrt (Eigen's rsqrt + Newton step) is not always. LAMB's
-two norms per tensor are also summed in another order (float32 partial sums per
+the results differ by an ulp here and there: a vectorised sqrt is correctly
+rounded, onnxruntime's float32 Sqrt (Eigen's rsqrt + Newton step) is not always.
+LAMB's two norms per tensor are also summed in another order (float32 dots per
 chunk, added up in float64, instead of onnxruntime's float32 ReduceSumSquare).
 
 NumPy buffers only: the GPU path keeps the ONNX graph.
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
 
 from trainrun.config import OptimizerConfig
@@ -33,27 +39,88 @@ from .optimizers import state_names, weight_decays
 
 _F32 = np.float32
 
+# cache: compiled once per machine into __pycache__ (or NUMBA_CACHE_DIR), loaded by every later process
+_jit = numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
+_inline = numba.njit(inline="always", boundscheck=False, error_model="numpy")
 
-def _moments(g, m, v, b1, c1, b2, c2, scratch) -> None:
-    """In place: m = b1*m + c1*g; v = b2*v + c2*g*g (the graph's op order). ``scratch`` must not alias g."""
-    np.multiply(m, b1, out=m)
-    np.multiply(g, c1, out=scratch)
-    np.add(m, scratch, out=m)
-    np.multiply(g, g, out=scratch)
-    np.multiply(scratch, c2, out=scratch)
-    np.multiply(v, b2, out=v)
-    np.add(v, scratch, out=v)
+# how decay enters an Adam step (the ``decay`` argument of _adam)
+_NO_DECAY, _L2, _DECOUPLED_BEFORE, _DECOUPLED_AFTER = 0, 1, 2, 3
 
 
-def _ratio(m, v, e, out) -> None:
-    """out = m / (sqrt(v) + e)."""
-    np.sqrt(v, out=out)
-    np.add(out, e, out=out)
-    np.divide(m, out, out=out)
+@_inline
+def _direction(g, m, v, b1, c1, b2, c2, e):
+    """m = b1*m + c1*g; v = b2*v + c2*g*g; (m, v, m / (sqrt(v) + e)), in the graph's op order."""
+    m = m * b1 + g * c1
+    v = v * b2 + (g * g) * c2
+    return m, v, m / (np.sqrt(v) + e)
+
+
+@_jit
+def _adam(p, g, m, v, b1, c1, b2, c2, e, k, a_wd, keep, decay):
+    """Adam / AdamW over whole arrays: p -= k * m/(sqrt(v)+e), with ``decay`` one of the four forms."""
+    n = p.size
+    if decay == _L2:            # the gradient is grads + (wd/gs)*p
+        for i in range(n):
+            m[i], v[i], d = _direction(g[i] + p[i] * a_wd, m[i], v[i], b1, c1, b2, c2, e)
+            p[i] = p[i] - d * k
+    elif decay == _DECOUPLED_BEFORE:
+        for i in range(n):
+            m[i], v[i], d = _direction(g[i], m[i], v[i], b1, c1, b2, c2, e)
+            p[i] = p[i] * keep - d * k
+    elif decay == _DECOUPLED_AFTER:
+        for i in range(n):
+            m[i], v[i], d = _direction(g[i], m[i], v[i], b1, c1, b2, c2, e)
+            p[i] = (p[i] - d * k) * keep
+    else:
+        for i in range(n):
+            m[i], v[i], d = _direction(g[i], m[i], v[i], b1, c1, b2, c2, e)
+            p[i] = p[i] - d * k
+
+
+@_jit
+def _sgd(p, g, a_wd, wd, k):
+    """Plain SGD: p -= (grads + (wd/gs)*p) * (gs*lr), or grads * (gs*lr) without decay."""
+    if wd:
+        for i in range(p.size):
+            p[i] = p[i] - (g[i] + p[i] * a_wd) * k
+    else:
+        for i in range(p.size):
+            p[i] = p[i] - g[i] * k
+
+
+@_jit
+def _sgd_momentum(p, g, buf, a_wd, wd, gs, mu, lr, nesterov):
+    """g' = (grads + (wd/gs)*p) * gs; buf = mu*buf + g'; p -= lr * (g' + mu*buf if nesterov else buf)."""
+    for i in range(p.size):
+        gi = (g[i] + p[i] * a_wd) * gs if wd else g[i] * gs
+        b = buf[i] * mu + gi
+        buf[i] = b
+        if nesterov:
+            p[i] = p[i] - (gi + b * mu) * lr
+        else:
+            p[i] = p[i] - b * lr
+
+
+@_jit
+def _lamb_direction(p, g, m, v, out, b1, c1, b2, c2, e, a_wd, wd):
+    """LAMB's first pass over a chunk: m, v updated; out = m/(sqrt(v)+e) + (wd/c)*p (p is not written)."""
+    for i in range(p.size):
+        m[i], v[i], d = _direction(g[i], m[i], v[i], b1, c1, b2, c2, e)
+        out[i] = d + p[i] * a_wd if wd else d
+
+
+@_jit
+def _lamb_apply(p, m, v, e, a_wd, wd, k):
+    """LAMB's second pass: the same direction from the new m, v; p -= k * direction."""
+    for i in range(p.size):
+        d = m[i] / (np.sqrt(v[i]) + e)
+        if wd:
+            d = d + p[i] * a_wd
+        p[i] = p[i] - d * k
 
 
 class HostOptimizer:
-    """One in-place optimizer update of flat float32 NumPy buffers, chunk by chunk.
+    """One in-place optimizer update of flat float32 NumPy buffers.
 
     ``cfg`` picks the rule and its hyper-parameters (``cfg.lr`` is not used: the
     scheduled lr is an argument of :meth:`step`); ``sizes`` are the element
@@ -73,15 +140,11 @@ class HostOptimizer:
       sums ||p||^2 and ||d||^2, the second recomputes d from the new m, v (the
       same arithmetic, so the same d) and applies it.
 
-    Elementwise work runs over chunks of at most ``chunk`` elements of runs of
-    consecutive tensors that share one weight decay (one tensor at a time for
-    LAMB), with NumPy ufuncs writing in place (``out=``) or into the two
-    preallocated chunk temporaries. The default chunk (2**16 elements, 256 KiB
-    per float32 array: the six a chunk touches fit in a 2 MiB L2) beat 2**18
-    on 62M parameters (half of GPT-2 124M) with two processes updating at once
-    on the 2-core AMD EPYC: AdamW 78-81 vs 85-100 ms, LAMB 139 vs 141, SGD with
-    momentum 40 vs 44; 2**15 was slower again (86 ms AdamW): smaller chunks pay
-    more Python overhead per element.
+    Each run of consecutive tensors that share one weight decay (each tensor
+    for LAMB) is one call of a compiled loop that writes params and state in
+    place. ``chunk`` (LAMB only) is how many elements of a tensor the first pass
+    takes at a time: their direction goes to a preallocated chunk buffer and is
+    summed while it is in cache.
 
     ``norm_sums`` (LAMB only): the tensors are parts of tensors split over ranks
     (ZeRO-1, :mod:`trainrun.zero`). It receives this rank's (parts, 2) float64
@@ -114,16 +177,15 @@ class HostOptimizer:
         bounds = np.cumsum([0] + sizes).tolist()
         if cfg.name == "lamb":  # per tensor: (chunks of the tensor, wd)
             self.tensors = [(self._cut(a, b), wd) for a, b, wd in zip(bounds, bounds[1:], self.weight_decay)]
-        else:  # runs of consecutive tensors with the same decay, cut into chunks
+        else:  # runs of consecutive tensors with the same decay
             runs: list[list] = []
             for a, b, wd in zip(bounds, bounds[1:], self.weight_decay):
                 if runs and runs[-1][2] == wd:
                     runs[-1][1] = b
                 else:
                     runs.append([a, b, wd])
-            self.runs = [(self._cut(a, b), wd) for a, b, wd in runs]
-        self.tmp = np.empty(min(chunk, self.numel), _F32)
-        self.tmp2 = np.empty(min(chunk, self.numel), _F32)
+            self.runs = [((a, b), wd) for a, b, wd in runs]
+        self.tmp = np.empty(min(chunk, self.numel), _F32)   # LAMB's direction of one chunk
 
     def _cut(self, a: int, b: int) -> list[tuple[int, int]]:
         return [(s, min(b, s + self.chunk)) for s in range(a, b, self.chunk)]
@@ -164,46 +226,13 @@ class HostOptimizer:
 
     def _sgd(self, p, g, buf, lr, gs) -> None:
         mu = float(self.cfg.momentum)
-        nesterov = bool(self.cfg.nesterov)
-        mul, add, sub = np.multiply, np.add, np.subtract
-        tmp, tmp2 = self.tmp, self.tmp2
-        if not mu:
-            # p -= (grads + (wd/gs)*p) * (gs*lr): the graph keeps gs*lr as one coefficient
-            k = _F32(gs * lr)
-            for chunks, wd in self.runs:
-                a_wd = _F32(wd / gs)
-                for a, b in chunks:
-                    pp, t1 = p[a:b], tmp[:b - a]
-                    if wd:
-                        mul(pp, a_wd, out=t1)
-                        add(g[a:b], t1, out=t1)
-                        mul(t1, k, out=t1)
-                    else:
-                        mul(g[a:b], k, out=t1)
-                    sub(pp, t1, out=pp)
-            return
-        gsf, muf, lrf = _F32(gs), _F32(mu), _F32(lr)
-        for chunks, wd in self.runs:
+        for (a, b), wd in self.runs:
             a_wd = _F32(wd / gs)
-            for a, b in chunks:
-                n = b - a
-                pp, bb, t1 = p[a:b], buf[a:b], tmp[:n]
-                if wd:  # g = (grads + (wd/gs)*p) * gs
-                    mul(pp, a_wd, out=t1)
-                    add(g[a:b], t1, out=t1)
-                    mul(t1, gsf, out=t1)
-                else:
-                    mul(g[a:b], gsf, out=t1)
-                mul(bb, muf, out=bb)
-                add(bb, t1, out=bb)
-                if nesterov:
-                    t2 = tmp2[:n]
-                    mul(bb, muf, out=t2)
-                    add(t1, t2, out=t1)
-                    mul(t1, lrf, out=t1)
-                else:
-                    mul(bb, lrf, out=t1)
-                sub(pp, t1, out=pp)
+            if not mu:      # the graph keeps gs*lr as one coefficient
+                _sgd(p[a:b], g[a:b], a_wd, bool(wd), _F32(gs * lr))
+            else:
+                _sgd_momentum(p[a:b], g[a:b], buf[a:b], a_wd, bool(wd), _F32(gs), _F32(mu), _F32(lr),
+                              bool(self.cfg.nesterov))
 
     def _direction_scalars(self, t, gs, eps_mode):
         """(c1, c2, e, c): m = b1*m + c1*g; v = b2*v + c2*g*g (g before grad_scale); direction = c*m/(sqrt(v)+e)."""
@@ -219,37 +248,18 @@ class HostOptimizer:
         return c1, c2, e, c
 
     def _adam(self, p, g, m, v, lr, t, gs, decoupled: bool) -> None:
-        eps_mode = self.cfg.eps_mode
-        c1, c2, e, c = self._direction_scalars(t, gs, eps_mode)
-        c1f, c2f, ef, kf = _F32(c1), _F32(c2), _F32(e), _F32(c * lr)
-        b1f, b2f = _F32(self.b1), _F32(self.b2)
-        torch_mode = eps_mode == "torch"
-        mul, add, sub = np.multiply, np.add, np.subtract
-        tmp, tmp2 = self.tmp, self.tmp2
-        for chunks, wd in self.runs:
-            a_wd = _F32(wd / gs)  # adam: L2 decay in the gradient, grads + (wd/gs)*p
-            keep = _F32(1 - lr * wd)  # adamw: decoupled decay
-            for a, b in chunks:
-                n = b - a
-                pp, mm, vv = p[a:b], m[a:b], v[a:b]
-                t1, t2 = tmp[:n], tmp2[:n]
-                if wd and not decoupled:
-                    gg = t1
-                    mul(pp, a_wd, out=gg)
-                    add(g[a:b], gg, out=gg)
-                else:
-                    gg = g[a:b]
-                _moments(gg, mm, vv, b1f, c1f, b2f, c2f, scratch=t2)
-                _ratio(mm, vv, ef, out=t1)
-                mul(t1, kf, out=t1)
-                if wd and decoupled and torch_mode:
-                    mul(pp, keep, out=pp)
-                    sub(pp, t1, out=pp)
-                elif wd and decoupled:
-                    sub(pp, t1, out=pp)
-                    mul(pp, keep, out=pp)
-                else:
-                    sub(pp, t1, out=pp)
+        c1, c2, e, c = self._direction_scalars(t, gs, self.cfg.eps_mode)
+        before = self.cfg.eps_mode == "torch"       # AdamW: decay before the step (torch) or after (ort)
+        args = (_F32(self.b1), _F32(c1), _F32(self.b2), _F32(c2), _F32(e), _F32(c * lr))
+        for (a, b), wd in self.runs:
+            if not wd:
+                decay = _NO_DECAY
+            elif not decoupled:
+                decay = _L2
+            else:
+                decay = _DECOUPLED_BEFORE if before else _DECOUPLED_AFTER
+            # adam: L2 decay in the gradient, grads + (wd/gs)*p; adamw: p *= 1 - lr*wd
+            _adam(p[a:b], g[a:b], m[a:b], v[a:b], *args, _F32(wd / gs), _F32(1 - lr * wd), decay)
 
     def _lamb(self, p, g, m, v, lr, t, gs) -> None:
         c = self._direction_scalars(t, gs, "torch")[3]  # LAMB: always torch's eps form
@@ -282,33 +292,15 @@ class HostOptimizer:
         """Pass 1 over one tensor: m, v updated; (||p||^2, ||d/c||^2) returned (p is not written)."""
         c1f, c2f, ef, b1f, b2f = scalars
         a_wd = _F32(wd / c)  # d = c * (q + (wd/c)*p), q = m / (sqrt(v) + e)
-        tmp, tmp2 = self.tmp, self.tmp2
         p_sq = d_sq = 0.0
-        for a, b in chunks:
-            n = b - a
-            pp, gg, mm, vv = p[a:b], g[a:b], m[a:b], v[a:b]
-            t1, t2 = tmp[:n], tmp2[:n]
-            _moments(gg, mm, vv, b1f, c1f, b2f, c2f, scratch=t2)
-            _ratio(mm, vv, ef, out=t1)
-            if wd:
-                np.multiply(pp, a_wd, out=t2)
-                np.add(t1, t2, out=t1)
+        for a, b in chunks:     # chunk by chunk: each chunk's direction is summed while in cache
+            pp, out = p[a:b], self.tmp[:b - a]
+            _lamb_direction(pp, g[a:b], m[a:b], v[a:b], out, b1f, c1f, b2f, c2f, ef, a_wd, bool(wd))
             p_sq += float(np.dot(pp, pp))
-            d_sq += float(np.dot(t1, t1))
+            d_sq += float(np.dot(out, out))
         return p_sq, d_sq
 
     def _lamb_apply(self, p, m, v, chunks, wd, c, r, scalars) -> None:
         """Pass 2 over one tensor: the same d from the new m, v; p -= (c*r) * (d/c)."""
-        ef = scalars[2]
-        a_wd, k = _F32(wd / c), _F32(c * r)
-        tmp, tmp2 = self.tmp, self.tmp2
-        for a, b in chunks:
-            n = b - a
-            pp, mm, vv = p[a:b], m[a:b], v[a:b]
-            t1, t2 = tmp[:n], tmp2[:n]
-            _ratio(mm, vv, ef, out=t1)
-            if wd:
-                np.multiply(pp, a_wd, out=t2)
-                np.add(t1, t2, out=t1)
-            np.multiply(t1, k, out=t1)
-            np.subtract(pp, t1, out=pp)
+        a, b = chunks[0][0], chunks[-1][1]
+        _lamb_apply(p[a:b], m[a:b], v[a:b], scalars[2], _F32(wd / c), bool(wd), _F32(c * r))
