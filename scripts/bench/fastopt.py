@@ -5,13 +5,13 @@
 ``engine.optimizer_kernel`` picks who runs the update: ``graph`` =
 graphs/optimizer.onnx in onnxruntime (every elementwise op a pass over the
 whole flat buffer, full-size intermediates in the session's arena), ``host`` =
-trainrun.kernels.host.HostOptimizer (the same rule as chunked in-place NumPy;
+trainrun.kernels.host.HostOptimizer (the same rule as fused in-place loops;
 the default on the CPU). For AdamW (the benchmark config's), LAMB and SGD with
 momentum, on the flat buffers of a benchmark model's real parameter tensors:
 ms per update of each, interleaved (so both see the same machine load), the
 max |difference| of params and state after one update from the same state, and
 the resident memory each adds on its first update (the graph's session arena
-vs the host kernel's two chunk-sized temporaries).
+vs the host kernel's none, or LAMB's one chunk-sized buffer).
 """
 
 from __future__ import annotations

@@ -426,7 +426,7 @@ def components(R, out):
                        f"{r['speedup']:.2f}x | {r['max_diff']:.1e} | {r['graph_extra_rss_mb']:.0f} / "
                        f"{r['host_extra_rss_mb']:.1f} |")
         out.append(f"\nExtra RSS = resident memory added by the first update (the graph: session and its arena's "
-                   f"full-size intermediates; the host kernel: two chunk-sized temporaries); the parameter buffer is "
+                   f"full-size intermediates; the host kernel: none, or LAMB's one chunk-sized buffer); the parameter buffer is "
                    f"{fo['params'] * 4 / 2**20:.0f} MB. The max |difference| covers params and optimizer state "
                    f"(the host kernel mirrors the graph's float32 arithmetic; past a square root an ulp may differ).\n")
     data = R.get("data")
@@ -546,7 +546,7 @@ def findings(R, out):
                               f"{na(b, '{:.1f} ms')} ({pct(sb, 1) if sb is not None else 'n/a'})")
     out.append(
         "2. **Optimizer: host kernel vs graph.** With `engine.optimizer_kernel: auto` (host on the CPU) the update "
-        "runs as trainrun.kernels.host.HostOptimizer: the rule's dozen elementwise ops on cache-sized chunks of the "
+        "runs as trainrun.kernels.host.HostOptimizer: the rule's elementwise ops fused into one compiled loop over the "
         "flat buffers, in place, instead of graphs/optimizer.onnx, where every op is a pass over main memory with "
         "full-size intermediates. Per update at 1 thread on the "
         f"{fo.get('model', 'mid')} model's {na(fo.get('params') and fo['params'] / 1e6, '{:.2f}', 'M')} parameters "
