@@ -179,15 +179,14 @@ class HostOptimizer:
         bounds = np.cumsum([0] + sizes).tolist()
         if cfg.name == "lamb":  # per tensor: (chunks of the tensor, wd)
             self.tensors = [(self._cut(a, b), wd) for a, b, wd in zip(bounds, bounds[1:], self.weight_decay)]
-        else:  # runs of consecutive tensors with the same decay
-            runs: list[list] = []
+            self.tmp = np.empty(min(chunk, self.numel), _F32)   # the direction of one chunk
+        else:  # runs [a, b, wd] of consecutive tensors with the same decay
+            self.runs: list[list] = []
             for a, b, wd in zip(bounds, bounds[1:], self.weight_decay):
-                if runs and runs[-1][2] == wd:
-                    runs[-1][1] = b
+                if self.runs and self.runs[-1][2] == wd:
+                    self.runs[-1][1] = b
                 else:
-                    runs.append([a, b, wd])
-            self.runs = [((a, b), wd) for a, b, wd in runs]
-        self.tmp = np.empty(min(chunk, self.numel), _F32)   # LAMB's direction of one chunk
+                    self.runs.append([a, b, wd])
 
     def _cut(self, a: int, b: int) -> list[tuple[int, int]]:
         return [(s, min(b, s + self.chunk)) for s in range(a, b, self.chunk)]
@@ -228,7 +227,7 @@ class HostOptimizer:
 
     def _sgd(self, p, g, buf, lr, gs) -> None:
         mu = float(self.cfg.momentum)
-        for (a, b), wd in self.runs:
+        for a, b, wd in self.runs:
             a_wd = _F32(wd / gs)
             if not mu:      # the graph keeps gs*lr as one coefficient
                 _sgd(p[a:b], g[a:b], a_wd, bool(wd), _F32(gs * lr))
@@ -253,7 +252,7 @@ class HostOptimizer:
         c1, c2, e, c = self._direction_scalars(t, gs, self.cfg.eps_mode)
         before = self.cfg.eps_mode == "torch"       # AdamW: decay before the step (torch) or after (ort)
         args = (_F32(self.b1), _F32(c1), _F32(self.b2), _F32(c2), _F32(e), _F32(c * lr))
-        for (a, b), wd in self.runs:
+        for a, b, wd in self.runs:
             if not wd:
                 decay = _NO_DECAY
             elif not decoupled:
