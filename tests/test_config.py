@@ -134,6 +134,18 @@ def test_cli_validate_and_show(tmp_path):
     assert "not valid YAML" in proc.stderr
 
 
+def test_a_rejected_value_is_reported_once(tmp_path):
+    """A value out of range is one problem: no cross-field check compares with it (a negative max_steps
+    put profile.start_step's default 'after the last step', a negative lr lr_schedule.min_lr 'above' it)."""
+    with pytest.raises(UsageError) as err:
+        C.load_config(write(tmp_path, {"train": {"max_steps": -5}, "optimizer": {"lr": -1.0}}))
+    assert sorted(err.value.problems) == ["optimizer.lr: must be > 0.0, got -1.0",
+                                          "train.max_steps: must be >= 1, got -5"], err.value.problems
+    with pytest.raises(UsageError) as err:      # a check naming a key still runs when that key is fine
+        C.load_config(write(tmp_path, {"train": {"max_steps": 5}, "profile": {"start_step": 6}}))
+    assert err.value.problems == ["profile.start_step: 6 is after the last step (train.max_steps = 5)"]
+
+
 def test_cli_help_lists_commands():
     """The contract's commands are registered: listed under "Commands:" and each with its own --help."""
     proc = run([TRAINRUN, "--help"], check=0)
