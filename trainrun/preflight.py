@@ -72,11 +72,11 @@ def _datasets(cfg: C.Config, world_size: int, problems: list[str]):
             problems += [f"data.{key}: {exc.message}", *(f"data.{key}: {p}" for p in exc.problems)]
     train, eval_ = opened.get("train"), opened.get("eval")
     if train is not None and eval_ is not None and eval_.specs != train.specs:
-        problems.append(f"data.eval: {d.eval} has features {features(eval_)}, data.train {features(train)}")
+        problems.append(f"data.eval: {d.eval} has features {_features(eval_)}, data.train {_features(train)}")
     return train, eval_
 
 
-def features(ds) -> str:
+def _features(ds) -> str:
     return ", ".join(f"{n} {d} {list(s)}" for n, (s, d) in ds.specs.items())
 
 
