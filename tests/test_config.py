@@ -9,7 +9,7 @@ import yaml
 from trainrun import config as C
 from trainrun.errors import UsageError
 
-from conftest import ROOT, TRAINRUN, run
+from conftest import ROOT, TRAINRUN, run, write_config
 
 
 def write(tmp_path, data, name="c.yaml"):
@@ -132,6 +132,47 @@ def test_cli_validate_and_show(tmp_path):
     bad_yaml = write(tmp_path, "train: [unclosed", name="b.yaml")
     proc = run([TRAINRUN, "config", "show", "--config", bad_yaml], check=2)
     assert "not valid YAML" in proc.stderr
+
+
+def test_a_rejected_value_is_reported_once(tmp_path):
+    """A value out of range is one problem: no cross-field check compares with it (a negative max_steps
+    put profile.start_step's default 'after the last step', a negative lr lr_schedule.min_lr 'above' it)."""
+    with pytest.raises(UsageError) as err:
+        C.load_config(write(tmp_path, {"train": {"max_steps": -5}, "optimizer": {"lr": -1.0}}))
+    assert sorted(err.value.problems) == ["optimizer.lr: must be > 0.0, got -1.0",
+                                          "train.max_steps: must be >= 1, got -5"], err.value.problems
+    with pytest.raises(UsageError) as err:      # a check naming a key still runs when that key is fine
+        C.load_config(write(tmp_path, {"train": {"max_steps": 5}, "profile": {"start_step": 6}}))
+    assert err.value.problems == ["profile.start_step: 6 is after the last step (train.max_steps = 5)"]
+
+
+def test_validate_reads_the_datasets_as_training_does(tmp_path, byte_dataset):
+    """Token ids the model's vocabulary cannot take (bytes: up to 256) are found by `config validate`,
+    in both datasets at once, and training refuses them before anything is written."""
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"model.gpt2.vocab_size": 200})
+    proc = run([TRAINRUN, "config", "validate", "--config", cfg], check=2)
+    for key in ("train", "eval"):
+        assert (f"data.{key}: {os.path.join(byte_dataset, key, 'manifest.json')}: token ids go up to 256 "
+                f"(tokenizer vocab_size 257), not below the model's vocab_size 200") in proc.stderr, proc.stderr
+    assert "2 problem(s)" in proc.stderr and "Traceback" not in proc.stderr
+    again = run([TRAINRUN, "--config", cfg], check=2)
+    assert again.stderr == proc.stderr and not os.path.exists(tmp_path / "run")
+    run([TRAINRUN, "config", "validate", "--config", cfg, "--set", "model.gpt2.vocab_size=257"], check=0)
+
+
+def test_a_model_too_large_for_memory_is_refused_before_allocating(tmp_path, byte_dataset):
+    """The parameters, gradients and AdamW moments of a vocabulary of 10^13 x 32 (5 PB) exceed any machine's
+    memory: validate, prepare and training say so, naming the keys (exit 2), instead of a MemoryError."""
+    V, E, P, L = 10**13, 32, 32, 2
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"model.gpt2.vocab_size": V})
+    n = V * E + P * E + L * (12 * E * E + 13 * E) + 2 * E      # GPT-2's parameters (tied head)
+    for cmd in (["config", "validate"], ["prepare"], ["train"]):
+        proc = run([TRAINRUN, *cmd, "--config", cfg], check=2)
+        assert (f"model.gpt2: {n:,} parameters need {16 * n / 2**30:,.1f} GiB for the parameters, gradients "
+                "and 2 adamw moment(s) (float32) on each rank, more than this machine's") in proc.stderr, proc.stderr
+        assert "(model.gpt2.vocab_size 10,000,000,000,000) holds 100% of them" in proc.stderr
+        assert "MemoryError" not in proc.stderr and "Traceback" not in proc.stderr
+    assert not os.path.exists(tmp_path / "run")
 
 
 def test_cli_help_lists_commands():

@@ -133,6 +133,29 @@ def test_bert_from_a_base_model_file_and_from_pretraining_weights(tmp_path):
             assert np.array_equal(value, state[name]), name
 
 
+def test_validate_and_training_check_init_from_before_building(tmp_path, byte_dataset):
+    """`config validate` and training's start-up read model.init_from's tensors' names and shapes (the
+    .safetensors header), as prepare's loading does: each mismatch named with both shapes, every problem
+    at once (exit 2), no graph built."""
+    from safetensors.numpy import save_file
+    pretrained_gpt2(tmp_path / "pre")
+    tensors = load_file(str(tmp_path / "pre" / "model.safetensors"))
+    part = str(tmp_path / "part.safetensors")         # without layer 1, and position embeddings of 64
+    save_file({k: v for k, v in tensors.items() if ".h.1." not in k}, part)
+    cfg_path = write_config(tmp_path / "c.yaml", byte_dataset, **{
+        "model": {"builtin": "gpt2", "init_from": part, "gpt2": {**GPT2, "n_positions": 32}}})
+    for cmd in (["config", "validate"], ["train"]):
+        p = run([TRAINRUN, *cmd, "--config", cfg_path], check=2)
+        assert (f"model.init_from: 'transformer.wpe.weight' is [64, 32] in {part}, the model's "
+                f"'transformer.wpe.weight' is [32, 32]") in p.stderr, p.stderr
+        assert f"model.init_from: {part} holds no tensor for 12 parameter(s) of the model: transformer.h.1." in p.stderr
+        assert "2 problem(s)" in p.stderr and "Traceback" not in p.stderr
+    assert not os.path.exists(tmp_path / "run")
+    cfg_path = write_config(tmp_path / "c.yaml", byte_dataset, **{
+        "model": {"builtin": "gpt2", "init_from": str(tmp_path / "pre" / "model.safetensors"), "gpt2": GPT2}})
+    run([TRAINRUN, "config", "validate", "--config", cfg_path], check=0)
+
+
 def test_init_from_mismatches_are_usage_errors(tmp_path, byte_dataset):
     pretrained_gpt2(tmp_path / "pre")
     cfg_path = write_config(tmp_path / "c.yaml", byte_dataset, **{

@@ -105,6 +105,24 @@ def test_refuses_to_overwrite_a_run_with_checkpoints(tmp_path, byte_dataset):
     assert "trainrun resume" in proc.stderr and proc.stderr.count("already holds checkpoints") == 1
 
 
+def test_every_dataset_is_checked_at_start_up(tmp_path, byte_dataset):
+    """An eval set of 7 samples holds an evaluation's batch on one rank (4) but not on two (2 x 4): the
+    start-up says so (exit 2) before step 1 and before anything is written, not the evaluation after
+    the last step (which lost every step); `config validate` (one rank) finds it valid."""
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_bytes(bytes(range(33, 127)) * 2 + b"x" * 42)      # 230 bytes
+    run([TRAINRUN_DATA, "tokens", "--input", str(tmp_path / "text"), "--output", str(tmp_path / "small"),
+         "--bytes", "--eval-fraction", "0", "--no-progress"], check=0)
+    small = str(tmp_path / "small" / "train")              # 231 tokens: 7 samples of 32 + 1
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"data.eval": small, "train.max_steps": 3})
+    proc = mpirun(2, "--config", cfg, check=2)
+    assert (f"data.eval: {small}: 7 samples (seq_len 32) are fewer than one eval batch of 8 (micro_batch 4 x "
+            f"world_size 2)") in proc.stderr, proc.stderr
+    assert proc.stderr.count("fewer than one") == 1       # agreed by the ranks: rank 0 reports it
+    assert not os.path.exists(tmp_path / "run")           # no step taken, no graph built
+    run([TRAINRUN, "config", "validate", "--config", cfg], check=0)
+
+
 def test_ranks_with_different_configs_fail_fast(tmp_path, byte_dataset):
     cfg = write_config(tmp_path / "c.yaml", byte_dataset)
     proc = run([MPIRUN, "-np", "1", TRAINRUN, "--config", cfg, ":",

@@ -163,7 +163,9 @@ def evaluate(source, data, steps, batch, output):
 def prepare(config_path, overrides, log_level):
     """Build the train, eval and optimizer graphs and initial weights into <output_dir>/graphs."""
     from .graphs import prepare as run_prepare
+    from .preflight import check
     cfg = C.load_config(config_path, _with_log_level(overrides, log_level))
+    check(cfg, datasets=False)
     out = run_prepare(cfg)
     if cfg.run.log_level != "warning":
         click.echo(f"graphs written to {out}")
@@ -190,8 +192,10 @@ def config_show(config_path, overrides, no_comments):
               help="YAML config file.")
 @set_option
 def config_validate(config_path, overrides):
-    """Check a config; list every problem (exit 2) or say it is valid."""
-    C.load_config(config_path, overrides, need_data=True)
+    """Check a config and the files it names (datasets, model.init_from, the memory the model needs, as
+    training's start-up does on one rank); list every problem (exit 2) or say it is valid."""
+    from .preflight import check
+    check(C.load_config(config_path, overrides, need_data=True))
     click.echo(f"{config_path}: valid")
 
 

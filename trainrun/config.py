@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import inspect
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -684,11 +685,13 @@ def from_dict(data: dict, *, base_dir: str = ".", source: str = "config",
     problems = _Problems()
     cfg = _build(Config, data, "", problems)
     _init_from_shape(cfg, data, base_dir, problems)
-    # Cross-field checks run too (on the values that parsed), skipping keys already reported.
+    # Cross-field checks run too (on the values that parsed), skipping those of a key already reported
+    # and those that name one: a comparison with a rejected value only repeats its problem.
     bad = {p.split(":", 1)[0] for p in problems}
+    named = re.compile("|".join(rf"(?<![\w.]){re.escape(k)}(?!\w)" for k in bad if "." in k) or "(?!)")
     semantic = _Problems()
     _semantic_checks(cfg, semantic, base_dir, need_data)
-    problems += [p for p in semantic if p.split(":", 1)[0] not in bad]
+    problems += [p for p in semantic if p.split(":", 1)[0] not in bad and not named.search(p)]
     if problems:
         raise UsageError(f"{source}: {len(problems)} problem(s) in the configuration", problems)
     return cfg

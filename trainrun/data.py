@@ -52,8 +52,8 @@ FORMAT_VERSION = 1
 TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 TOKEN_FEATURES = ("input_ids", "labels")
 
-__all__ = ["open_dataset", "TrainLoader", "eval_batches", "TokenDataset", "TensorDataset",
-           "token_dtype_name", "sha256_file", "MANIFEST", "TOKENS_FORMAT", "TENSORS_FORMAT",
+__all__ = ["open_dataset", "TrainLoader", "eval_batches", "check_train", "check_eval", "TokenDataset",
+           "TensorDataset", "token_dtype_name", "sha256_file", "MANIFEST", "TOKENS_FORMAT", "TENSORS_FORMAT",
            "FORMAT_VERSION"]
 
 
@@ -409,6 +409,26 @@ def open_dataset(path, seq_len: int | None, vocab_size: int | None = None, n_pos
 
 
 # ---------------------------------------------------------------------- loaders
+def _enough(ds, batch: int, what: str) -> int:
+    if ds.num_samples < batch:
+        raise UsageError(f"{ds.path}: {ds.num_samples} samples (seq_len {ds.seq_len}) are fewer than one {what}")
+    return batch
+
+
+def check_train(ds, micro_batch: int, accum: int, world_size: int) -> int:
+    """The global batch of a training step, which ``ds`` must hold at least once."""
+    batch = micro_batch * accum * world_size
+    return _enough(ds, batch, f"global batch of {batch} (micro_batch {micro_batch} x accum {accum} x world_size "
+                              f"{world_size}); use more data or a smaller batch")
+
+
+def check_eval(ds, micro_batch: int, world_size: int) -> int:
+    """The batch of an evaluation step (all ranks), which ``ds`` must hold at least once."""
+    batch = micro_batch * world_size
+    return _enough(ds, batch, f"eval batch of {batch} (micro_batch {micro_batch} x world_size {world_size}); "
+                              f"use more data or a smaller batch")
+
+
 class TrainLoader:
     """This rank's micro-batches of each step, in the rank-count-independent global order.
 
@@ -430,11 +450,7 @@ class TrainLoader:
         self.shuffle = bool(shuffle)
         if self.rank >= self.world_size:
             raise UsageError(f"rank {rank} is not below world_size {world_size}")
-        self.global_batch = self.micro_batch * self.accum * self.world_size
-        if ds.num_samples < self.global_batch:
-            raise UsageError(f"{ds.path}: {ds.num_samples} samples (seq_len {ds.seq_len}) are fewer than one "
-                             f"global batch of {self.global_batch} (micro_batch {micro_batch} x accum {accum} "
-                             f"x world_size {world_size}); use more data or a smaller batch")
+        self.global_batch = check_train(ds, self.micro_batch, self.accum, self.world_size)
         self._pool = [[ds.new_batch(self.micro_batch) for _ in range(self.accum)]
                       for _ in range(self.prefetch + 2)]   # enough that a buffer is never refilled in use
         self._orders: dict[int, np.ndarray] = {}
@@ -584,11 +600,8 @@ def eval_batches(ds, micro_batch: int, rank: int = 0, world_size: int = 1, steps
     rank = _check_int("rank", rank, 0)
     if rank >= world_size:
         raise UsageError(f"rank {rank} is not below world_size {world_size}")
-    group = micro_batch * world_size
+    group = check_eval(ds, micro_batch, world_size)
     available = ds.num_samples // group
-    if available == 0:
-        raise UsageError(f"{ds.path}: {ds.num_samples} samples (seq_len {ds.seq_len}) are fewer than one eval "
-                         f"batch of {group} (micro_batch {micro_batch} x world_size {world_size})")
     n = available if steps is None else min(_check_int("steps", steps, 1), available)
 
     def batches():

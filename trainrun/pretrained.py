@@ -40,6 +40,41 @@ def _safetensors_file(path: str) -> str:
                          f"directory") from None
 
 
+def _fit(shapes: dict[str, tuple], tensors: dict[str, tuple], file: str, family: str) -> tuple[dict, list[str]]:
+    """The file's tensors (name -> shape) that fill the model's parameters (name -> shape): ({our name:
+    the file's name}, problems: a shape that differs, parameters the file holds no tensor for)."""
+    prefix = PREFIX[family]
+    found: dict[str, str] = {}
+    for name in tensors:
+        ours = TIED[family].get(name, name)
+        if ours not in shapes and prefix + ours in shapes:
+            ours = prefix + ours
+        if ours in shapes and (ours not in found or name == ours):   # the tensor itself wins over its tied twin
+            found[ours] = name
+    problems = [f"'{name}' is {list(tensors[name])} in {file}, the model's '{ours}' is {list(shapes[ours])}"
+                for ours, name in found.items() if tuple(tensors[name]) != tuple(shapes[ours])]
+    missing = [n for n in shapes if n not in found and not n.startswith(OPTIONAL[family])]
+    if missing:
+        problems.append(f"{file} holds no tensor for {len(missing)} parameter(s) of the model: "
+                        f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    return found, problems
+
+
+def check(shapes: dict[str, tuple], path: str, family: str) -> list[str]:
+    """The problems :func:`load_into` would find, from the file's header alone (names and shapes; no
+    tensor read): what ``trainrun config validate`` and training's start-up report."""
+    from safetensors import SafetensorError, safe_open
+    try:
+        file = _safetensors_file(path)
+        with safe_open(file, framework="numpy") as fh:
+            tensors = {name: fh.get_slice(name).get_shape() for name in fh.keys()}
+    except UsageError as exc:
+        return [exc.message.removeprefix("model.init_from: ")]
+    except (OSError, SafetensorError, ValueError) as exc:
+        return [f"{file}: not a readable .safetensors file ({exc})"]
+    return _fit(shapes, tensors, file, family)[1]
+
+
 def load_into(weights: dict[str, np.ndarray], path: str, family: str) -> dict[str, np.ndarray]:
     """``weights`` (our names and shapes, freshly initialised) with every tensor ``path`` provides."""
     from safetensors import SafetensorError
@@ -49,23 +84,11 @@ def load_into(weights: dict[str, np.ndarray], path: str, family: str) -> dict[st
         tensors = load_file(file)
     except (OSError, SafetensorError, ValueError) as exc:
         raise UsageError(f"model.init_from: {file}: not a readable .safetensors file ({exc})") from None
-    prefix = PREFIX[family]
-    found: dict[str, tuple[str, np.ndarray]] = {}
-    for name, value in tensors.items():
-        ours = TIED[family].get(name, name)
-        if ours not in weights and prefix + ours in weights:
-            ours = prefix + ours
-        if ours in weights and (ours not in found or name == ours):   # the tensor itself wins over its tied twin
-            found[ours] = (name, value)
-    problems = [f"'{name}' is {list(value.shape)} in {file}, the model's '{ours}' is {list(weights[ours].shape)}"
-                for ours, (name, value) in found.items() if value.shape != weights[ours].shape]
-    missing = [n for n in weights if n not in found and not n.startswith(OPTIONAL[family])]
-    if missing:
-        problems.append(f"{file} holds no tensor for {len(missing)} parameter(s) of the model: "
-                        f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    found, problems = _fit({n: w.shape for n, w in weights.items()}, {n: v.shape for n, v in tensors.items()},
+                           file, family)
     if problems:
         raise UsageError(f"model.init_from: {file} does not fit model.{family}", problems)
     out = dict(weights)
-    for ours, (_, value) in found.items():
-        out[ours] = np.ascontiguousarray(value, dtype=np.float32)
+    for ours, name in found.items():
+        out[ours] = np.ascontiguousarray(tensors[name], dtype=np.float32)
     return out

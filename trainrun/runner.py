@@ -39,11 +39,12 @@ import onnxruntime  # noqa: F401
 
 from . import checkpoint as K
 from . import faults
+from . import preflight
 from . import zero
 from . import config as C
 from . import graphs as G
 from .comm import local_device, make_communicator
-from .data import TrainLoader, eval_batches, open_dataset
+from .data import TrainLoader, eval_batches
 from .engine import Engine, EngineOptions
 from .errors import TrainrunError, UsageError, collective
 from .lock import RunLock
@@ -91,9 +92,9 @@ class TrainingRunner:
         self.global_batch = cfg.global_batch(self.world)
         self.tokens_per_step = self.global_batch * cfg.data.seq_len
 
+        self._open_data()          # the start-up check, before anything is written or built
         self._prepare_run_dir()
         self._check_same_everywhere()
-        self._open_data()
         self._build_engine()
         self.step = 0              # optimizer steps taken (including skipped non-finite ones)
         self.updates = 0           # successful updates: the optimizer's own step count
@@ -164,17 +165,15 @@ class TrainingRunner:
         self.manifest = manifest
 
     def _open_data(self) -> None:
+        """The datasets of :func:`trainrun.preflight.check`, which finds every problem of the files the config
+        names (data, model.init_from, the memory the model needs) before the graphs are built."""
         cfg = self.cfg
-        g, b = cfg.model.gpt2, cfg.model.bert
-        vocab, positions = {"gpt2": (g.vocab_size, g.n_positions),
-                            "bert": (b.vocab_size, b.max_position_embeddings)}.get(cfg.model.builtin, (None, None))
-        self.train_ds = open_dataset(cfg.data.train, cfg.data.seq_len, vocab_size=vocab, n_positions=positions)
-        if self.train_ds.num_samples < self.global_batch:
-            raise UsageError(f"data.train: {cfg.data.train} has {self.train_ds.num_samples} samples of "
-                             f"{cfg.data.seq_len + 1} tokens, fewer than one global batch ({self.global_batch})")
-        self.eval_ds = None
-        if cfg.data.eval:
-            self.eval_ds = open_dataset(cfg.data.eval, cfg.data.seq_len, vocab_size=vocab, n_positions=positions)
+        error = None
+        try:
+            self.train_ds, self.eval_ds = preflight.check(cfg, self.world)
+        except UsageError as exc:
+            error = exc
+        self.comm.agree(error)
         self.loader = TrainLoader(self.train_ds, micro_batch=cfg.train.micro_batch_size, accum=self.accum,
                                   rank=self.rank, world_size=self.world, seed=cfg.run.seed,
                                   shuffle=cfg.data.shuffle, prefetch=cfg.data.prefetch)
@@ -197,9 +196,6 @@ class TrainingRunner:
         shapes = {name: ((mb, *shape), dtype) for name, (shape, dtype) in self.train_ds.specs.items()}
         error = None
         try:     # the data checked against the graph's inputs: the same verdict on every rank
-            if self.eval_ds is not None and self.eval_ds.specs != self.train_ds.specs:
-                raise UsageError(f"data.eval: {cfg.data.eval} has features {self._features(self.eval_ds)}, "
-                                 f"data.train {self._features(self.train_ds)}")
             feeds = G.feeds(self.manifest, cfg.data.inputs, shapes)
             # intra_node: shared: parameters and gradients in the node's shared memory (None: the mpi path)
             node = zero.node_buffers(cfg, self.comm, self.manifest["num_params"])
@@ -221,10 +217,6 @@ class TrainingRunner:
                 error = exc
         if cfg.train.sample_every:
             self.comm.agree(error)
-
-    @staticmethod
-    def _features(ds) -> str:
-        return ", ".join(f"{n} {d} {list(s)}" for n, (s, d) in ds.specs.items())
 
     def sync_state(self) -> None:
         """Model state that is not a parameter (BatchNorm running stats) is updated by each rank from its

@@ -46,41 +46,46 @@ NSP_LOGITS = "seq_relationship_logits"
 IGNORE_ID = 0            # masked_lm_ids value of an unused prediction slot
 
 
+def param_specs(cfg: BertConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every parameter's shape and initialisation (``normal``, ``normal_pad0``: normal with row 0 zero,
+    ``ones``, ``zeros``), in the graph's order: the model's size without allocating it."""
+    E, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    s = {"bert.embeddings.word_embeddings.weight": ((V, E), "normal_pad0"),
+         "bert.embeddings.position_embeddings.weight": ((cfg.max_position_embeddings, E), "normal"),
+         "bert.embeddings.token_type_embeddings.weight": ((cfg.type_vocab_size, E), "normal"),
+         "bert.embeddings.LayerNorm.weight": ((E,), "ones"), "bert.embeddings.LayerNorm.bias": ((E,), "zeros")}
+    for i in range(cfg.num_hidden_layers):
+        p = f"bert.encoder.layer.{i}."
+        for name in ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense"):
+            s[p + name + ".weight"], s[p + name + ".bias"] = ((E, E), "normal"), ((E,), "zeros")
+        s[p + "attention.output.LayerNorm.weight"] = ((E,), "ones")
+        s[p + "attention.output.LayerNorm.bias"] = ((E,), "zeros")
+        s[p + "intermediate.dense.weight"], s[p + "intermediate.dense.bias"] = ((I, E), "normal"), ((I,), "zeros")
+        s[p + "output.dense.weight"], s[p + "output.dense.bias"] = ((E, I), "normal"), ((E,), "zeros")
+        s[p + "output.LayerNorm.weight"], s[p + "output.LayerNorm.bias"] = ((E,), "ones"), ((E,), "zeros")
+    s["bert.pooler.dense.weight"], s["bert.pooler.dense.bias"] = ((E, E), "normal"), ((E,), "zeros")
+    s["cls.predictions.transform.dense.weight"] = ((E, E), "normal")
+    s["cls.predictions.transform.dense.bias"] = ((E,), "zeros")
+    s["cls.predictions.transform.LayerNorm.weight"] = ((E,), "ones")
+    s["cls.predictions.transform.LayerNorm.bias"] = ((E,), "zeros")
+    s["cls.predictions.bias"] = ((V,), "zeros")
+    s["cls.seq_relationship.weight"], s["cls.seq_relationship.bias"] = ((2, E), "normal"), ((2,), "zeros")
+    return s
+
+
 def init_weights(cfg: BertConfig, seed: int) -> dict[str, np.ndarray]:
     """transformers' BERT initialisation: weights and embeddings N(0, initializer_range), the
     [PAD] (id 0) embedding row 0, biases 0, LayerNorm 1/0. Deterministic in ``seed``."""
     rng = np.random.default_rng(seed)
-    E, I = cfg.hidden_size, cfg.intermediate_size
 
-    def normal(*shape):
-        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(cfg.initializer_range)).astype(np.float32)
-
-    def zeros(n):
-        return np.zeros(n, np.float32)
-
-    def ones(n):
-        return np.ones(n, np.float32)
-
-    w: dict[str, np.ndarray] = {"bert.embeddings.word_embeddings.weight": normal(cfg.vocab_size, E)}
-    w["bert.embeddings.word_embeddings.weight"][0] = 0
-    w["bert.embeddings.position_embeddings.weight"] = normal(cfg.max_position_embeddings, E)
-    w["bert.embeddings.token_type_embeddings.weight"] = normal(cfg.type_vocab_size, E)
-    w["bert.embeddings.LayerNorm.weight"], w["bert.embeddings.LayerNorm.bias"] = ones(E), zeros(E)
-    for i in range(cfg.num_hidden_layers):
-        p = f"bert.encoder.layer.{i}."
-        for name in ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense"):
-            w[p + name + ".weight"], w[p + name + ".bias"] = normal(E, E), zeros(E)
-        w[p + "attention.output.LayerNorm.weight"], w[p + "attention.output.LayerNorm.bias"] = ones(E), zeros(E)
-        w[p + "intermediate.dense.weight"], w[p + "intermediate.dense.bias"] = normal(I, E), zeros(I)
-        w[p + "output.dense.weight"], w[p + "output.dense.bias"] = normal(E, I), zeros(E)
-        w[p + "output.LayerNorm.weight"], w[p + "output.LayerNorm.bias"] = ones(E), zeros(E)
-    w["bert.pooler.dense.weight"], w["bert.pooler.dense.bias"] = normal(E, E), zeros(E)
-    w["cls.predictions.transform.dense.weight"], w["cls.predictions.transform.dense.bias"] = normal(E, E), zeros(E)
-    w["cls.predictions.transform.LayerNorm.weight"] = ones(E)
-    w["cls.predictions.transform.LayerNorm.bias"] = zeros(E)
-    w["cls.predictions.bias"] = zeros(cfg.vocab_size)
-    w["cls.seq_relationship.weight"], w["cls.seq_relationship.bias"] = normal(2, E), zeros(2)
-    return w
+    def make(shape, init):
+        if init == "ones" or init == "zeros":
+            return (np.ones if init == "ones" else np.zeros)(shape, np.float32)
+        w = (rng.standard_normal(shape, dtype=np.float32) * np.float32(cfg.initializer_range)).astype(np.float32)
+        if init == "normal_pad0":
+            w[0] = 0
+        return w
+    return {name: make(shape, init) for name, (shape, init) in param_specs(cfg).items()}
 
 
 # transformers' state-dict names of the tied MLM decoder -> the parameter that holds them here

@@ -42,37 +42,35 @@ class _Graph:
         return outs if n_out > 1 else outs[0]
 
 
+def param_specs(cfg: GPT2Config) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every parameter's shape and initialisation (``normal``, ``proj``: the residual projections'
+    smaller normal, ``ones``, ``zeros``), in the graph's order: the model's size without allocating it."""
+    E = cfg.n_embd
+    s = {"transformer.wte.weight": ((cfg.vocab_size, E), "normal"),
+         "transformer.wpe.weight": ((cfg.n_positions, E), "normal")}
+    for i in range(cfg.n_layer):
+        p = f"transformer.h.{i}."
+        s[p + "ln_1.weight"], s[p + "ln_1.bias"] = ((E,), "ones"), ((E,), "zeros")
+        s[p + "attn.c_attn.weight"], s[p + "attn.c_attn.bias"] = ((E, 3 * E), "normal"), ((3 * E,), "zeros")
+        s[p + "attn.c_proj.weight"], s[p + "attn.c_proj.bias"] = ((E, E), "proj"), ((E,), "zeros")
+        s[p + "ln_2.weight"], s[p + "ln_2.bias"] = ((E,), "ones"), ((E,), "zeros")
+        s[p + "mlp.c_fc.weight"], s[p + "mlp.c_fc.bias"] = ((E, 4 * E), "normal"), ((4 * E,), "zeros")
+        s[p + "mlp.c_proj.weight"], s[p + "mlp.c_proj.bias"] = ((4 * E, E), "proj"), ((E,), "zeros")
+    s["transformer.ln_f.weight"], s["transformer.ln_f.bias"] = ((E,), "ones"), ((E,), "zeros")
+    return s
+
+
 def init_weights(cfg: GPT2Config, seed: int) -> dict[str, np.ndarray]:
     """GPT-2 initialisation: N(0, initializer_range), residual projections scaled by
     1/sqrt(2 n_layer), biases 0, LayerNorm 1/0. Deterministic in ``seed``."""
     rng = np.random.default_rng(seed)
-    E, std = cfg.n_embd, cfg.initializer_range
-    proj_std = std / math.sqrt(2 * cfg.n_layer)
+    std = {"normal": cfg.initializer_range, "proj": cfg.initializer_range / math.sqrt(2 * cfg.n_layer)}
 
-    def normal(shape, s=std):
-        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(s)).astype(np.float32)
-
-    w: dict[str, np.ndarray] = {
-        "transformer.wte.weight": normal((cfg.vocab_size, E)),
-        "transformer.wpe.weight": normal((cfg.n_positions, E)),
-    }
-    for i in range(cfg.n_layer):
-        p = f"transformer.h.{i}."
-        w[p + "ln_1.weight"] = np.ones(E, np.float32)
-        w[p + "ln_1.bias"] = np.zeros(E, np.float32)
-        w[p + "attn.c_attn.weight"] = normal((E, 3 * E))
-        w[p + "attn.c_attn.bias"] = np.zeros(3 * E, np.float32)
-        w[p + "attn.c_proj.weight"] = normal((E, E), proj_std)
-        w[p + "attn.c_proj.bias"] = np.zeros(E, np.float32)
-        w[p + "ln_2.weight"] = np.ones(E, np.float32)
-        w[p + "ln_2.bias"] = np.zeros(E, np.float32)
-        w[p + "mlp.c_fc.weight"] = normal((E, 4 * E))
-        w[p + "mlp.c_fc.bias"] = np.zeros(4 * E, np.float32)
-        w[p + "mlp.c_proj.weight"] = normal((4 * E, E), proj_std)
-        w[p + "mlp.c_proj.bias"] = np.zeros(E, np.float32)
-    w["transformer.ln_f.weight"] = np.ones(E, np.float32)
-    w["transformer.ln_f.bias"] = np.zeros(E, np.float32)
-    return w
+    def make(shape, init):
+        if init in std:
+            return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std[init])).astype(np.float32)
+        return (np.ones if init == "ones" else np.zeros)(shape, np.float32)
+    return {name: make(shape, init) for name, (shape, init) in param_specs(cfg).items()}
 
 
 def build_gpt2(cfg: GPT2Config, weights: dict[str, np.ndarray], kv_cache: bool = False) -> onnx.ModelProto:

@@ -1,0 +1,109 @@
+"""What the files a config names tell before any graph is built.
+
+``trainrun config validate``, ``trainrun prepare`` and training's start-up call :func:`check`, which
+gathers the checks of the modules that own those files into one :class:`~trainrun.errors.UsageError`
+(exit 2) listing every problem, each naming its key and file:
+
+* ``data.train`` / ``data.eval`` (:mod:`trainrun.data`): readable, token ids below the model's
+  vocabulary, sequences within its positions, at least one batch each (a training step's global
+  batch, an evaluation's batch), the same features;
+* ``model.init_from`` (:mod:`trainrun.pretrained`): its tensors' names and shapes against the model's,
+  from the .safetensors header alone;
+* memory: the parameters, their gradients and the optimizer's moments (float32) of one rank against
+  the machine's physical memory, from the model's shapes (``models.*.param_specs``), nothing allocated.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from . import config as C
+from . import data as D
+from . import pretrained
+from .errors import UsageError
+
+
+def check(cfg: C.Config, world_size: int = 1, datasets: bool = True):
+    """Raise :class:`UsageError` listing every problem; return the opened (train, eval) datasets (None
+    where not given, or ``datasets`` False), each checked against ``world_size`` ranks' batches."""
+    problems: list[str] = []
+    specs = param_specs(cfg.model)
+    if specs is not None:
+        shapes = {name: shape for name, (shape, _) in specs.items()}
+        problems += _memory(cfg, shapes, world_size)
+        if cfg.model.init_from:
+            problems += [f"model.init_from: {p}" for p in pretrained.check(shapes, cfg.model.init_from,
+                                                                             cfg.model.builtin)]
+    found = _datasets(cfg, world_size, problems) if datasets else (None, None)
+    if problems:
+        raise UsageError(f"{len(problems)} problem(s) in the files the configuration names", problems)
+    return found
+
+
+def param_specs(m: C.ModelConfig) -> dict | None:
+    """The built-in model's {parameter: (shape, initialisation)}; None for a model.onnx."""
+    if m.builtin == "gpt2":
+        from .models.gpt2 import param_specs as specs
+        return specs(m.gpt2)
+    if m.builtin == "bert":
+        from .models.bert import param_specs as specs
+        return specs(m.bert)
+    return None
+
+
+def _datasets(cfg: C.Config, world_size: int, problems: list[str]):
+    d, t = cfg.data, cfg.train
+    g, b = cfg.model.gpt2, cfg.model.bert
+    vocab, positions = {"gpt2": (g.vocab_size, g.n_positions),
+                        "bert": (b.vocab_size, b.max_position_embeddings)}.get(cfg.model.builtin, (None, None))
+    opened = {}
+    for key, path in (("train", d.train), ("eval", d.eval)):
+        if not path:
+            continue
+        try:
+            ds = D.open_dataset(path, d.seq_len, vocab_size=vocab, n_positions=positions)
+            if key == "train":
+                D.check_train(ds, t.micro_batch_size, t.gradient_accumulation_steps, world_size)
+            else:
+                D.check_eval(ds, t.micro_batch_size, world_size)
+            opened[key] = ds
+        except UsageError as exc:
+            problems += [f"data.{key}: {exc.message}", *(f"data.{key}: {p}" for p in exc.problems)]
+    train, eval_ = opened.get("train"), opened.get("eval")
+    if train is not None and eval_ is not None and eval_.specs != train.specs:
+        problems.append(f"data.eval: {d.eval} has features {_features(eval_)}, data.train {_features(train)}")
+    return train, eval_
+
+
+def _features(ds) -> str:
+    return ", ".join(f"{n} {d} {list(s)}" for n, (s, d) in ds.specs.items())
+
+
+def physical_memory() -> int | None:
+    """The machine's physical memory in bytes (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _memory(cfg: C.Config, shapes: dict, world_size: int) -> list[str]:
+    """The float32 parameters, gradients and optimizer moments one rank holds (on cuda: the host copy of
+    the parameters that prepare builds) against the machine's memory: a lower bound of what training
+    needs, so a config refused here could never run."""
+    from .optim import state_names
+    n = sum(math.prod(s) for s in shapes.values())
+    moments = len(state_names(cfg.optimizer))
+    per_param = 1 if cfg.device == "cuda" else 2 + moments / (world_size if cfg.distributed.zero_stage else 1)
+    need, ram = 4 * n * per_param, physical_memory()
+    if ram is None or need <= ram:
+        return []
+    family = cfg.model.builtin
+    section = getattr(cfg.model, family)
+    vocab = sum(math.prod(s) for s in shapes.values() if s[0] == section.vocab_size) / n
+    held = "parameters" if cfg.device == "cuda" else \
+        f"parameters, gradients and {moments} {cfg.optimizer.name} moment(s)"
+    return [f"model.{family}: {n:,} parameters need {need / 2**30:,.1f} GiB for the {held} (float32) on each "
+            f"rank, more than this machine's {ram / 2**30:,.1f} GiB of memory; the vocabulary "
+            f"(model.{family}.vocab_size {section.vocab_size:,}) holds {vocab:.0%} of them"]
