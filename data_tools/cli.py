@@ -375,7 +375,7 @@ def bert(inputs, more_inputs, output, tokenizer_path, train_wordpiece, seq_len, 
     Input as Google's create_pretraining_data.py reads it: one sentence per line, a blank
     line between documents. Same input and options, same bytes.
     """
-    from .bert import Vocab, documents, instances, train_wordpiece as train
+    from .bert import Vocab, documents, instances, train_wordpiece as train, with_template
     from .encode import load_tokenizer
     if (tokenizer_path is None) == (train_wordpiece is None):
         raise UsageError("choose exactly one of --tokenizer FILE, --train-wordpiece VOCAB_SIZE")
@@ -389,11 +389,12 @@ def bert(inputs, more_inputs, output, tokenizer_path, train_wordpiece, seq_len, 
     if tokenizer_path:
         tokenizer, where = load_tokenizer(tokenizer_path), f"--tokenizer {tokenizer_path}"
     else:
-        tokenizer = train((read_text(p) for p in train_files), train_wordpiece, progress, length=len(train_files))
+        tokenizer = train(lambda: map(read_text, train_files), train_wordpiece, progress, length=len(train_files))
         where = "--train-wordpiece"
     tokenizer.no_truncation()
     tokenizer.no_padding()
     vocab = Vocab(tokenizer, where)
+    with_template(tokenizer, vocab)
     splits = {}
     for split, split_files in (("train", train_files), ("eval", eval_files)):
         if split_files:
