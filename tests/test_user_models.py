@@ -303,6 +303,35 @@ def small_run(tmp_path, model, data_dir, **sections):
     return str(tmp_path / "c.yaml")
 
 
+def test_external_data_outside_the_model_folder_is_refused(tmp_path, tabular):
+    """A weight file that is a link out of the model's folder: exit 2 naming the tensor and the path, nothing
+    prepared (onnx follows the link: another file's bytes were the weights); a link inside the folder is
+    read as before."""
+    data, _ = tabular
+    w = mlp(tmp_path / "plain.onnx", 5)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    onnx.save_model(onnx.load(str(tmp_path / "plain.onnx")), str(folder / "m.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="weights.bin", size_threshold=0)
+    os.replace(folder / "weights.bin", folder / "real.bin")
+    os.symlink("real.bin", folder / "weights.bin")
+    cfg = small_run(tmp_path, {"onnx": str(folder / "m.onnx"), "loss": {"logits": "out"}}, data,
+                    data={"inputs": {"labels": "y"}})
+    run([TRAINRUN, "prepare", "--config", cfg], check=0)
+    weights = load_file(str(tmp_path / "run" / "graphs" / "weights.safetensors"))
+    assert all(np.array_equal(weights[k], v) for k, v in w.items())
+
+    (tmp_path / "other.bin").write_bytes(os.urandom((folder / "real.bin").stat().st_size))
+    (folder / "weights.bin").unlink()
+    os.symlink(tmp_path / "other.bin", folder / "weights.bin")
+    cfg = small_run(tmp_path, {"onnx": str(folder / "m.onnx"), "loss": {"logits": "out"}}, data,
+                    run={"output_dir": str(tmp_path / "run2")}, data={"inputs": {"labels": "y"}})
+    p = run([TRAINRUN, "--config", cfg], check=2)
+    assert (f"tensor 'w1' has its external data in 'weights.bin', which is {tmp_path / 'other.bin'}, outside "
+            f"the model's folder {folder}") in p.stderr
+    assert "Traceback" not in p.stderr and not list((tmp_path / "run2" / "graphs").iterdir())
+
+
 @pytest.fixture(scope="module")
 def tabular(tmp_path_factory):
     """x [6] float32 with a class label (5 classes, argmax of a linear rule) and a 3-value float target."""
