@@ -59,6 +59,17 @@ def recipe_config(tmp_path, model_path, data_root, **over):
 
 
 # ------------------------------------------------------------------------------------------- the recipe
+def test_the_recipe_commands_make_their_folders(tmp_path):
+    """The README's first two recipe commands in a fresh directory (data/digits does not exist yet)."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as fh:
+        lines = [line.split("#")[0].split() for line in fh if line.startswith("python scripts/squeezenet_digits.py")]
+    assert [line[2] for line in lines] == ["model", "data"]
+    for line in lines:
+        run([sys.executable, os.path.join(ROOT, line[1]), *line[2:]], cwd=str(tmp_path), check=0)
+    assert onnx.load(str(tmp_path / "data" / "digits" / "squeezenet.onnx")).graph.node
+    assert sorted(os.listdir(tmp_path / "data" / "digits")) == ["eval.npz", "squeezenet.onnx", "train.npz"]
+
+
 def test_squeezenet_digits_recipe_on_two_ranks(tmp_path, digits):
     """The recipe (shortened to 150 steps) on 2 ranks reaches >= 0.9 eval accuracy; the exported model,
     run by a plain InferenceSession, gives that accuracy on the same eval images, and holds the
