@@ -156,8 +156,8 @@ def tokens(inputs, more_inputs, output, tokenizer_path, train_bpe, use_bytes, eo
                        f"{len(m['shards'])} shard(s)")
     bar.close()
     t2 = time.perf_counter()
-    skipped = f", {skipped}" if skipped else ""
-    click.echo(f"{out}: {len(files)} files, {len(corpus)} documents ({corpus.empty} empty skipped{skipped}), "
+    click.echo(f"{out}: {len(files)} files, {len(corpus)} documents ({corpus.empty} empty skipped"
+               f"{', ' + skipped if skipped else ''}), "
                f"{total / 1e6:.1f} MB of text")
     for line in summary:
         click.echo("  " + line)
