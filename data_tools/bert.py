@@ -20,6 +20,8 @@ masked_lm_positions, masked_lm_ids [max_predictions] (unused slots 0, 0); next_s
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 from trainrun.errors import UsageError
@@ -28,17 +30,29 @@ SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")     # [PAD] must be id
 
 
 def train_wordpiece(texts, vocab_size: int, progress: bool = True, length: int | None = None):
-    """Train BERT's WordPiece (uncased: BertNormalizer, BertPreTokenizer) on ``texts``; [PAD] is id 0."""
+    """Train BERT's WordPiece (uncased: BertNormalizer, BertPreTokenizer) on the documents ``texts()``
+    returns (called twice); [PAD] is id 0.
+
+    tokenizers' trainer numbers the "##" continuation characters in the order of a hash map, another
+    in each process, and breaks ties between equally frequent merges by id (huggingface/tokenizers
+    #1794). So a first pass (no merges) finds them, and the training proper gets them sorted, as
+    special tokens after :data:`SPECIALS`, at fixed ids; then they are made plain vocabulary again."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     if vocab_size <= len(SPECIALS):
         raise UsageError(f"--train-wordpiece {vocab_size}: needs more than the {len(SPECIALS)} special tokens")
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.decoder = decoders.WordPiece()
-    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS), show_progress=progress)
-    tok.train_from_iterator(texts, trainer=trainer, length=length)
-    return tok
+
+    def train(size, specials, show):
+        tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.decoder = decoders.WordPiece()
+        trainer = trainers.WordPieceTrainer(vocab_size=size, special_tokens=specials, show_progress=show)
+        tok.train_from_iterator(texts(), trainer=trainer, length=length)
+        return tok
+    continuing = sorted(t for t in train(0, list(SPECIALS), False).get_vocab() if t.startswith("##"))
+    spec = json.loads(train(vocab_size, [*SPECIALS, *continuing], progress).to_str())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] in SPECIALS]
+    return Tokenizer.from_str(json.dumps(spec))
 
 
 class Vocab:
@@ -57,6 +71,16 @@ class Vocab:
         self.size = tokenizer.get_vocab_size(with_added_tokens=True)
         special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special} | set(ids.values())
         self.normal = np.array([i for i in range(self.size) if i not in special], np.int64)
+
+
+def with_template(tokenizer, vocab: Vocab) -> None:
+    """Give ``tokenizer`` BERT's post-processor where it has none: [CLS] A [SEP] (B [SEP]), type ids 0 then
+    1, as the samples are made; so the tokenizer.json, in transformers too, encodes text as the data hold it."""
+    from tokenizers import processors
+    if tokenizer.post_processor is None:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="[CLS]:0 $A:0 [SEP]:0", pair="[CLS]:0 $A:0 [SEP]:0 $B:1 [SEP]:1",
+            special_tokens=[("[CLS]", vocab.cls), ("[SEP]", vocab.sep)])
 
 
 def documents(texts, tokenizer) -> list[list[np.ndarray]]:

@@ -103,7 +103,8 @@ def _text_inputs(command):
 @click.option("--text-field", default="text", show_default=True,
               help="The field (.jsonl, .jsonl.gz) or column (.parquet) holding each record's text.")
 @click.option("--skip-bad", is_flag=True,
-              help="Skip records that are not JSON or lack a string --text-field (counted) instead of stopping.")
+              help="Skip records that are not JSON or lack a string --text-field, and the unreadable rest of a "
+                   "truncated .gz (counted) instead of stopping.")
 @click.option("--overwrite", is_flag=True, help="Replace a dataset already in --output.")
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def tokens(inputs, more_inputs, output, tokenizer_path, train_bpe, use_bytes, eos, eval_fraction, shard_size,
@@ -129,8 +130,10 @@ def tokens(inputs, more_inputs, output, tokenizer_path, train_bpe, use_bytes, eo
     corpus = Corpus(files, text_field, skip_bad, progress=scan.update)
     scan.close()
     train_docs, eval_docs = corpus.split(eval_fraction)
+    skipped = f"{corpus.bad} bad record(s) skipped (the first: {corpus.first_bad})" if corpus.bad else ""
     if not len(train_docs):
-        raise UsageError(f"--input: the {len(files)} file(s) found are all empty")
+        raise UsageError(f"--input: the {len(files)} file(s) found "
+                         + (f"hold no good document: {skipped}" if skipped else "are all empty"))
     out = Path(output)
     _prepare_output(out, ["train", "eval", "tokenizer.json"], overwrite)
     encoder = _make_encoder(tokenizer_path, train_bpe, eos, corpus, train_docs, progress)
@@ -153,8 +156,8 @@ def tokens(inputs, more_inputs, output, tokenizer_path, train_bpe, use_bytes, eo
                        f"{len(m['shards'])} shard(s)")
     bar.close()
     t2 = time.perf_counter()
-    skipped = f", {corpus.bad} bad record(s) skipped (the first: {corpus.first_bad})" if corpus.bad else ""
-    click.echo(f"{out}: {len(files)} files, {len(corpus)} documents ({corpus.empty} empty skipped{skipped}), "
+    click.echo(f"{out}: {len(files)} files, {len(corpus)} documents ({corpus.empty} empty skipped"
+               f"{', ' + skipped if skipped else ''}), "
                f"{total / 1e6:.1f} MB of text")
     for line in summary:
         click.echo("  " + line)
@@ -375,7 +378,7 @@ def bert(inputs, more_inputs, output, tokenizer_path, train_wordpiece, seq_len, 
     Input as Google's create_pretraining_data.py reads it: one sentence per line, a blank
     line between documents. Same input and options, same bytes.
     """
-    from .bert import Vocab, documents, instances, train_wordpiece as train
+    from .bert import Vocab, documents, instances, train_wordpiece as train, with_template
     from .encode import load_tokenizer
     if (tokenizer_path is None) == (train_wordpiece is None):
         raise UsageError("choose exactly one of --tokenizer FILE, --train-wordpiece VOCAB_SIZE")
@@ -389,11 +392,12 @@ def bert(inputs, more_inputs, output, tokenizer_path, train_wordpiece, seq_len, 
     if tokenizer_path:
         tokenizer, where = load_tokenizer(tokenizer_path), f"--tokenizer {tokenizer_path}"
     else:
-        tokenizer = train((read_text(p) for p in train_files), train_wordpiece, progress, length=len(train_files))
+        tokenizer = train(lambda: map(read_text, train_files), train_wordpiece, progress, length=len(train_files))
         where = "--train-wordpiece"
     tokenizer.no_truncation()
     tokenizer.no_padding()
     vocab = Vocab(tokenizer, where)
+    with_template(tokenizer, vocab)
     splits = {}
     for split, split_files in (("train", train_files), ("eval", eval_files)):
         if split_files:

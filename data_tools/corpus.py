@@ -91,23 +91,30 @@ def _open_lines(path: Path):
 
 
 def _jsonl_records(path: Path, field: str, bad):
-    """(line number, text) of each good record; ``bad(where, why)`` for the others (blank lines skipped)."""
+    """(line number, text) of each good record; ``bad(where, why)`` for the others (blank lines skipped),
+    and once where the file cannot be read on (a truncated or corrupt .gz): the lines before count."""
     import json
+    import zlib
+    line = 0
     with _open_lines(path) as fh:
-        for line, raw in enumerate(fh, 1):
-            if not raw.strip():
-                continue
-            try:
-                record = json.loads(raw)
-            except ValueError as exc:
-                bad(f"{path}:{line}", f"not JSON ({exc})")
-                continue
-            if not isinstance(record, dict) or field not in record:
-                bad(f"{path}:{line}", f"no field '{field}'")
-            elif not isinstance(record[field], str):
-                bad(f"{path}:{line}", f"field '{field}' is {type(record[field]).__name__}, not a string")
-            else:
-                yield line, record[field]
+        try:
+            for line, raw in enumerate(fh, 1):
+                if not raw.strip():
+                    continue
+                try:
+                    record = json.loads(raw)
+                except ValueError as exc:
+                    bad(f"{path}:{line}", f"not JSON ({exc})")
+                    continue
+                if not isinstance(record, dict) or field not in record:
+                    bad(f"{path}:{line}", f"no field '{field}'")
+                elif not isinstance(record[field], str):
+                    bad(f"{path}:{line}", f"field '{field}' is {type(record[field]).__name__}, not a string")
+                else:
+                    yield line, record[field]
+        except (EOFError, OSError, zlib.error) as exc:     # gzip's: cut short, not gzip, corrupt
+            bad(f"{path}:{line + 1}", f"unreadable from here on, the file is truncated or corrupt "
+                                      f"({type(exc).__name__}: {exc})")
 
 
 def _parquet_file(path: Path):

@@ -31,3 +31,6 @@ mpirun -np 1 trainrun resume "$RUN" --set train.stop_at=0 --set train.gradient_a
 echo "== exporting the last checkpoint offline and sampling from it with plain onnxruntime"
 trainrun export "$RUN/checkpoints/500" --output "$RUN/exported.onnx"
 trainrun generate "$RUN/exported.onnx" --prompt "def " --max-new-tokens 80 --top-k 8 --seed 0
+
+echo "== done. The README's commands are in .venv/bin: run 'source .venv/bin/activate' in your shell"
+echo "   (or call them as .venv/bin/trainrun-data, .venv/bin/trainrun, .venv/bin/mpirun)"

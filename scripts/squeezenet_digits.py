@@ -173,6 +173,7 @@ def main(argv=None):
     if a.cmd == "model":
         import onnx
         model = build(a.width, a.image_size, batchnorm=a.batchnorm, seed=a.seed, final_relu=a.final_relu)
+        os.makedirs(os.path.dirname(os.path.abspath(a.output)), exist_ok=True)
         onnx.save(model, a.output)
         n = sum(int(np.prod(t.dims)) for t in model.graph.initializer if "running" not in t.name)
         print(f"{a.output}: SqueezeNet 1.1 x{a.width} on {a.image_size}x{a.image_size}, {n:,} parameters")

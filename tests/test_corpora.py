@@ -83,6 +83,31 @@ def test_bad_records_are_named_and_nothing_is_written(case, tmp_path):
     assert f"{11 if case == 'parquet null' else 12} documents" in p.stdout     # the null replaced a good row
 
 
+def test_a_truncated_jsonl_gz_is_named_or_its_readable_records_kept(tmp_path):
+    """A .jsonl.gz cut short stops with exit 2 naming the file and the line where it breaks off; --skip-bad
+    keeps the records before the break and counts the rest as one bad record; with no record left, the
+    error says how many were skipped."""
+    path = tmp_path / "c.jsonl.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as fh:
+        for i in range(12):
+            fh.write(json.dumps({"text": f"document {i}\n" * 20}) + "\n")
+            if i == 7:
+                fh.flush()                   # the first 8 records decodable from the bytes so far
+                cut = path.stat().st_size
+    data = path.read_bytes()
+    path.write_bytes(data[:cut])
+    out = tmp_path / "out"
+    p = _tokens([path], out, check=2)
+    assert f"{path}:9: unreadable from here on, the file is truncated or corrupt (EOFError" in p.stderr
+    assert "Traceback" not in p.stderr and (not out.exists() or not any(out.iterdir()))
+    p = _tokens([path], out, "--skip-bad")
+    assert "8 documents" in p.stdout and f"1 bad record(s) skipped (the first: {path}:9: unreadable" in p.stdout
+    path.write_bytes(data[:5])
+    bad = _jsonl(tmp_path / "bad.jsonl", ["not json", {"title": "x"}])
+    p = _tokens([path, bad], tmp_path / "none", "--skip-bad", check=2)
+    assert f"the 2 file(s) found hold no good document: 3 bad record(s) skipped (the first: {bad}:1:" in p.stderr
+
+
 def test_a_parquet_file_without_the_column_is_refused(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -13,6 +13,8 @@ from trainrun.data import TrainLoader, eval_batches, open_dataset
 from trainrun.data_tools.writers import TensorShardWriter, TokenShardWriter
 from trainrun.errors import UsageError
 
+from conftest import TRAINRUN_DATA, run
+
 
 def make_tokens(path, tokens, vocab=1000, shard_tokens=7):
     writer = TokenShardWriter(path, vocab, shard_tokens)
@@ -280,6 +282,30 @@ def test_manifest_problems(tokdir):
     raises("'format' is 'parquet'", open_dataset, tokdir, 8)
     (tokdir / "manifest.json").write_text("{not json")
     raises("manifest.json: not a readable JSON manifest", open_dataset, tokdir, 8)
+
+
+def test_manifest_files_outside_the_dataset_directory_are_refused(tokdir, tmp_path):
+    """A listed file with the right size and sha256 that is not the directory's own -- ../x, an absolute
+    path, a link out -- is refused by name, not read as the dataset's."""
+    pb = tmp_path / "pb"
+    writer = TensorShardWriter(pb, samples_per_file=2)
+    for i in range(4):
+        writer.add({"x": np.full(3, i, np.float32)})
+    writer.close()
+    for d, key in ((tokdir, "shards"), (pb, "files")):
+        m = json.loads((d / "manifest.json").read_text())
+        name = m[key][1]["file"]
+        os.replace(d / name, tmp_path / name)
+        for listed in (f"../{name}", str(tmp_path / name)):
+            m[key][1]["file"] = listed
+            (d / "manifest.json").write_text(json.dumps(m))
+            p = run([TRAINRUN_DATA, "inspect", str(d)], check=2)
+            assert f"manifest.json: {key}[1]: file '{listed}' lies outside the dataset directory {d}" in p.stderr
+        os.symlink(tmp_path / name, d / name)
+        m[key][1]["file"] = name
+        (d / "manifest.json").write_text(json.dumps(m))
+        raises(rf"{key}\[1\]: file '{name}' lies outside the dataset directory .*\({tmp_path / name}\)",
+               open_dataset, d, 8 if d == tokdir else None)
 
 
 def test_tokens_beyond_vocab(tokdir):

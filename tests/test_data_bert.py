@@ -92,6 +92,36 @@ def test_same_bytes_with_the_written_tokenizer_and_any_thread_count(built, tmp_p
     assert again["tokenizer.json"] == same["tokenizer.json"] and again != same
 
 
+def test_trained_wordpiece_is_the_same_bytes_in_another_process(built, tmp_path):
+    # tokenizers' trainer numbered the "##" tokens in the order of its (Rust) hash maps, seeded anew in
+    # each process whatever PYTHONHASHSEED says: other ids, other samples
+    out = tmp_path / "b"
+    run([TRAINRUN_DATA, "bert", "--input", str(built / "text"), "--output", str(out), "--train-wordpiece", "600",
+         *PICK, *ARGS], check=0, env={"PYTHONHASHSEED": "1"})
+    assert tree_bytes(out) == tree_bytes(built / "a")
+
+
+def test_tokenizer_adds_cls_and_sep_as_the_samples_hold_them(built, tmp_path):
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+    path = built / "a" / "tokenizer.json"
+    raw = Tokenizer.from_file(str(path))
+    cls, sep = raw.token_to_id("[CLS]"), raw.token_to_id("[SEP]")
+    a, b = (raw.encode(t, add_special_tokens=False).ids for t in ("Hello world.", "The parser reads a line."))
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(path))
+    assert tok("Hello world.")["input_ids"] == [cls, *a, sep]
+    pair = tok("Hello world.", "The parser reads a line.", return_token_type_ids=True)   # as a sample holds them
+    assert pair["input_ids"] == [cls, *a, sep, *b, sep]
+    assert pair["token_type_ids"] == [0] * (len(a) + 2) + [1] * (len(b) + 1)
+    # a --tokenizer without a post-processor gets BERT's
+    spec = json.loads(path.read_text())
+    spec["post_processor"] = None
+    (tmp_path / "plain.json").write_text(json.dumps(spec))
+    run([TRAINRUN_DATA, "bert", "--input", str(built / "text" / "notes.src"), "--output", str(tmp_path / "o"),
+         "--tokenizer", str(tmp_path / "plain.json"), "--eval-fraction", "0", "--no-progress"], check=0)
+    assert (tmp_path / "o" / "tokenizer.json").read_bytes() == path.read_bytes()
+
+
 def test_bad_input_is_named_and_nothing_is_written(built, tmp_path):
     out = tmp_path / "o"
     # a GPT-2-style byte-level BPE has no [CLS]/[SEP]/[MASK]

@@ -43,6 +43,7 @@ pos = torch.from_numpy(b["masked_lm_positions"])
 mlm = torch.gather(o.prediction_logits, 1, pos[:, :, None].expand(-1, -1, o.prediction_logits.shape[-1]))
 np.savez(out, mlm=mlm.numpy(), nsp=o.seq_relationship_logits.numpy())
 print(json.dumps({"class": type(model).__name__, "ids": tok(text)["input_ids"], "cls": tok.cls_token,
+                  "pair_types": tok(text, text)["token_type_ids"],
                   "mask_id": tok.mask_token_id, "pad_id": tok.pad_token_id}))
 """
 
@@ -130,7 +131,9 @@ def test_bert_loads_as_bert_for_pretraining_and_matches_the_onnx_export(tmp_path
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert got["class"] == "BertForPreTraining"
     tok = Tokenizer.from_file(os.path.join(data, "tokenizer.json"))
-    assert got["ids"] == tok.encode("x = [y]").ids
+    ids = tok.encode("x = [y]", add_special_tokens=False).ids        # as a sample holds it: [CLS] A [SEP] B [SEP]
+    assert got["ids"] == [tok.token_to_id("[CLS]"), *ids, tok.token_to_id("[SEP]")]
+    assert got["pair_types"] == [0] * (len(ids) + 2) + [1] * (len(ids) + 1)
     assert got["cls"] == "[CLS]" and got["mask_id"] == tok.token_to_id("[MASK]") and got["pad_id"] == 0
     sess = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
     names = [i.name for i in sess.get_inputs()]

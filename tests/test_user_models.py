@@ -59,6 +59,17 @@ def recipe_config(tmp_path, model_path, data_root, **over):
 
 
 # ------------------------------------------------------------------------------------------- the recipe
+def test_the_recipe_commands_make_their_folders(tmp_path):
+    """The README's first two recipe commands in a fresh directory (data/digits does not exist yet)."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as fh:
+        lines = [line.split("#")[0].split() for line in fh if line.startswith("python scripts/squeezenet_digits.py")]
+    assert [line[2] for line in lines] == ["model", "data"]
+    for line in lines:
+        run([sys.executable, os.path.join(ROOT, line[1]), *line[2:]], cwd=str(tmp_path), check=0)
+    assert onnx.load(str(tmp_path / "data" / "digits" / "squeezenet.onnx")).graph.node
+    assert sorted(os.listdir(tmp_path / "data" / "digits")) == ["eval.npz", "squeezenet.onnx", "train.npz"]
+
+
 def test_squeezenet_digits_recipe_on_two_ranks(tmp_path, digits):
     """The recipe (shortened to 150 steps) on 2 ranks reaches >= 0.9 eval accuracy; the exported model,
     run by a plain InferenceSession, gives that accuracy on the same eval images, and holds the
@@ -301,6 +312,35 @@ def small_run(tmp_path, model, data_dir, **sections):
         cfg[k].update(v)
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     return str(tmp_path / "c.yaml")
+
+
+def test_external_data_outside_the_model_folder_is_refused(tmp_path, tabular):
+    """A weight file that is a link out of the model's folder: exit 2 naming the tensor and the path, nothing
+    prepared (onnx follows the link: another file's bytes were the weights); a link inside the folder is
+    read as before."""
+    data, _ = tabular
+    w = mlp(tmp_path / "plain.onnx", 5)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    onnx.save_model(onnx.load(str(tmp_path / "plain.onnx")), str(folder / "m.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="weights.bin", size_threshold=0)
+    os.replace(folder / "weights.bin", folder / "real.bin")
+    os.symlink("real.bin", folder / "weights.bin")
+    cfg = small_run(tmp_path, {"onnx": str(folder / "m.onnx"), "loss": {"logits": "out"}}, data,
+                    data={"inputs": {"labels": "y"}})
+    run([TRAINRUN, "prepare", "--config", cfg], check=0)
+    weights = load_file(str(tmp_path / "run" / "graphs" / "weights.safetensors"))
+    assert all(np.array_equal(weights[k], v) for k, v in w.items())
+
+    (tmp_path / "other.bin").write_bytes(os.urandom((folder / "real.bin").stat().st_size))
+    (folder / "weights.bin").unlink()
+    os.symlink(tmp_path / "other.bin", folder / "weights.bin")
+    cfg = small_run(tmp_path, {"onnx": str(folder / "m.onnx"), "loss": {"logits": "out"}}, data,
+                    run={"output_dir": str(tmp_path / "run2")}, data={"inputs": {"labels": "y"}})
+    p = run([TRAINRUN, "--config", cfg], check=2)
+    assert (f"tensor 'w1' has its external data in 'weights.bin', which is {tmp_path / 'other.bin'}, outside "
+            f"the model's folder {folder}") in p.stderr
+    assert "Traceback" not in p.stderr and not list((tmp_path / "run2" / "graphs").iterdir())
 
 
 @pytest.fixture(scope="module")

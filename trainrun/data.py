@@ -36,6 +36,7 @@ import bisect
 import hashlib
 import json
 import mmap
+import os
 import queue
 import struct
 import threading
@@ -53,7 +54,7 @@ TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 TOKEN_FEATURES = ("input_ids", "labels")
 
 __all__ = ["open_dataset", "TrainLoader", "eval_batches", "check_train", "check_eval", "TokenDataset",
-           "TensorDataset", "token_dtype_name", "sha256_file", "MANIFEST", "TOKENS_FORMAT", "TENSORS_FORMAT",
+           "TensorDataset", "token_dtype_name", "sha256_file", "outside", "MANIFEST", "TOKENS_FORMAT", "TENSORS_FORMAT",
            "FORMAT_VERSION"]
 
 
@@ -68,6 +69,13 @@ def sha256_file(path, chunk: int = 1 << 22) -> str:
         while block := fh.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def outside(directory, name: str) -> str | None:
+    """The real path of ``directory/name`` (links followed) when it lies outside ``directory``'s, else None:
+    a manifest (or a model) names files of its own folder only."""
+    root, real = os.path.realpath(directory), os.path.realpath(os.path.join(directory, name))
+    return real if os.path.commonpath([root, real]) != root else None
 
 
 # ---------------------------------------------------------------------- helpers
@@ -99,6 +107,16 @@ def _check_version(manifest: dict, where: str) -> None:
     if version != FORMAT_VERSION:
         raise UsageError(f"{where}: format_version {version} is not supported; this trainrun reads "
                          f"format_version {FORMAT_VERSION} (rebuild the dataset with this trainrun-data)")
+
+
+def _listed_file(directory: Path, entry: dict, where: str) -> Path:
+    """The file a manifest entry names (key 'file'), refused when it is not in ``directory``."""
+    name = _need(entry, "file", str, where)
+    real = outside(directory, name)
+    if real is not None:
+        raise UsageError(f"{where}: file '{name}' lies outside the dataset directory {directory} ({real}); "
+                         f"a {MANIFEST} lists files of its own directory only")
+    return directory / name
 
 
 def _check_size(path: Path, expected: int, what: str) -> None:
@@ -154,7 +172,7 @@ class TokenDataset:
             sw = f"{where}: shards[{i}]"
             if not isinstance(shard, dict):
                 raise UsageError(f"{sw}: must be an object")
-            file = path / _need(shard, "file", str, sw)
+            file = _listed_file(path, shard, sw)
             n = _need(shard, "num_tokens", int, sw)
             digest = _need(shard, "sha256", str, sw)
             max_token = _need(shard, "max_token", int, sw)
@@ -289,7 +307,7 @@ class TensorDataset:
             ew = f"{where}: files[{i}]"
             if not isinstance(entry, dict):
                 raise UsageError(f"{ew}: must be an object")
-            file = path / _need(entry, "file", str, ew)
+            file = _listed_file(path, entry, ew)
             _check_size(file, _need(entry, "num_bytes", int, ew), "bytes")
             if verify:
                 _verify_sha(file, _need(entry, "sha256", str, ew))

@@ -300,6 +300,8 @@ def _hf_tokenizer_files(family: str, text, max_length: int) -> dict[str, dict]:
         special = {"bos_token": eos, "eos_token": eos, "unk_token": eos} if eos else {}
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
               "clean_up_tokenization_spaces": False, **special}
+    if family == "bert":          # the segment ids of a pair, as BertForPreTraining was trained on them
+        config["model_input_names"] = ["input_ids", "token_type_ids", "attention_mask"]
     return {"tokenizer_config.json": config, "special_tokens_map.json": special}
 
 

@@ -33,7 +33,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .config import Config, to_dict
-from .data import sha256_file
+from .data import outside, sha256_file
 from .errors import TrainrunError, UsageError
 
 IR_VERSION = 9
@@ -91,12 +91,33 @@ def forward_from_config(cfg: Config) -> Forward:
         return Forward(model=bert.build_bert(m.bert, weights), params=_trainable(list(weights), m.frozen, "bert"),
                        inputs=list(bert.INPUTS), logits=bert.LOGITS, labels=None, loss=bert.LOSS)
     else:
-        try:
-            model = onnx.load(m.onnx)
-        except Exception as exc:  # noqa: BLE001 - any parse failure is a bad user file
-            raise UsageError(f"model.onnx: cannot load {m.onnx}: {exc}") from None
+        model = _load_user_onnx(m.onnx)
         inputs = list(m.inputs)
     return _check_forward(model, inputs, m.loss, m.frozen, source=m.onnx or "gpt2")
+
+
+def _load_user_onnx(path: str) -> onnx.ModelProto:
+    """model.onnx with its external data, each file of which must lie in the model's folder: onnx refuses
+    a location with ``..`` but follows a link out of the folder (another file's bytes became a weight)."""
+    from onnx import external_data_helper as X
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        model = onnx.load(path, load_external_data=False)
+    except Exception as exc:  # noqa: BLE001 - any parse failure is a bad user file
+        raise UsageError(f"model.onnx: cannot load {path}: {exc}") from None
+    for tensor in X._get_all_tensors(model):      # initializers and attribute tensors, subgraphs too
+        if not X.uses_external_data(tensor):
+            continue
+        location = X.ExternalDataInfo(tensor).location
+        real = outside(folder, location)
+        if real is not None:
+            raise UsageError(f"model.onnx: {path}: tensor '{tensor.name}' has its external data in '{location}', "
+                             f"which is {real}, outside the model's folder {folder}")
+    try:
+        X.load_external_data_for_model(model, folder)
+    except Exception as exc:  # noqa: BLE001 - a missing or short data file is a bad user file
+        raise UsageError(f"model.onnx: cannot load {path}: {exc}") from None
+    return model
 
 
 def _pretrained(weights: dict, m) -> dict:
