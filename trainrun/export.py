@@ -254,7 +254,7 @@ def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None,
     else:
         model = inference_model(graphs_dir, manifest, where=ckpt)
     read = G.reads(model.graph.node)
-    tensors = [t for t in tensors if t.name in read]       # what a graph without its loss still reads
+    written = [t for t in tensors if t.name in read]       # what a graph without its loss still reads
     if opset is not None:
         current = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
         if opset != current:
@@ -265,7 +265,7 @@ def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None,
                 raise UsageError(f"--opset {opset}: cannot convert the model from opset {current}: {exc}") from None
     model.ir_version = min(model.ir_version, G.IR_VERSION)
     os.makedirs(os.path.dirname(os.path.abspath(output)) or ".", exist_ok=True)
-    save_with_weights(model, output, tensors)
+    save_with_weights(model, output, written)
     del model
     if not verify:
         return 0.0
