@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import onnxruntime as ort
+import pytest
 from safetensors.numpy import load_file
 
 from conftest import TRAINRUN, TRAINRUN_DATA, run, synthetic_text_dir, write_config
@@ -36,12 +37,17 @@ d, text, batch, out = sys.argv[1:5]
 tok = AutoTokenizer.from_pretrained(d)
 model = BertForPreTraining.from_pretrained(d).eval()
 b = dict(np.load(batch))
+labels = np.full(b["input_ids"].shape, -100, np.int64)     # the used prediction slots' ids at their positions
+for row, (pos, ids) in enumerate(zip(b["masked_lm_positions"], b["masked_lm_ids"])):
+    labels[row, pos[ids != 0]] = ids[ids != 0]
 with torch.no_grad():
     o = model(input_ids=torch.from_numpy(b["input_ids"]), token_type_ids=torch.from_numpy(b["segment_ids"]),
-              attention_mask=torch.from_numpy(b["input_mask"]))
+              attention_mask=torch.from_numpy(b["input_mask"]), labels=torch.from_numpy(labels),
+              next_sentence_label=torch.from_numpy(b["next_sentence_labels"]))
 pos = torch.from_numpy(b["masked_lm_positions"])
 mlm = torch.gather(o.prediction_logits, 1, pos[:, :, None].expand(-1, -1, o.prediction_logits.shape[-1]))
-np.savez(out, mlm=mlm.numpy(), nsp=o.seq_relationship_logits.numpy())
+np.savez(out, mlm=mlm.numpy(), every=o.prediction_logits.numpy(), nsp=o.seq_relationship_logits.numpy(),
+         loss=o.loss.numpy())
 print(json.dumps({"class": type(model).__name__, "ids": tok(text)["input_ids"], "cls": tok.cls_token,
                   "pair_types": tok(text, text)["token_type_ids"],
                   "mask_id": tok.mask_token_id, "pad_id": tok.pad_token_id}))
@@ -135,12 +141,24 @@ def test_bert_loads_as_bert_for_pretraining_and_matches_the_onnx_export(tmp_path
     assert got["ids"] == [tok.token_to_id("[CLS]"), *ids, tok.token_to_id("[SEP]")]
     assert got["pair_types"] == [0] * (len(ids) + 2) + [1] * (len(ids) + 1)
     assert got["cls"] == "[CLS]" and got["mask_id"] == tok.token_to_id("[MASK]") and got["pad_id"] == 0
+    # an inference model: the model's inputs (masked positions optional), its logits only
     sess = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
-    names = [i.name for i in sess.get_inputs()]
-    mlm, nsp = sess.run(["prediction_logits", "seq_relationship_logits"], {n: batch[n] for n in names})
+    assert [i.name for i in sess.get_inputs()] == ["input_ids", "segment_ids", "input_mask"]
+    assert [i.name for i in sess.get_overridable_initializers()] == ["masked_lm_positions"]
+    assert [o.name for o in sess.get_outputs()] == ["prediction_logits", "seq_relationship_logits"]
+    inputs = {n: batch[n] for n in ("input_ids", "segment_ids", "input_mask")}
+    mlm, nsp = sess.run(None, {**inputs, "masked_lm_positions": batch["masked_lm_positions"]})
+    every, nsp_every = sess.run(None, inputs)
     hf = np.load(tmp_path / "hf.npz")
     used = batch["masked_lm_ids"] != 0        # unused prediction slots point at position 0: compared too
-    assert used.any() and np.abs(hf["mlm"] - mlm).max() <= 1e-4
-    assert np.abs(hf["nsp"] - nsp).max() <= 1e-4
+    assert used.any() and mlm.shape == hf["mlm"].shape and np.abs(hf["mlm"] - mlm).max() <= 1e-4
+    assert every.shape == hf["every"].shape == (4, 32, 300) and np.abs(hf["every"] - every).max() <= 1e-4
+    assert np.abs(hf["nsp"] - nsp).max() <= 1e-4 and np.abs(hf["nsp"] - nsp_every).max() <= 1e-4
+    # --with-loss keeps the loss (and takes the labels): transformers' loss of the same batch
+    run([TRAINRUN, "export", run_dir, "--with-loss", "--output", str(tmp_path / "loss.onnx")], check=0)
+    sess = ort.InferenceSession(str(tmp_path / "loss.onnx"), providers=["CPUExecutionProvider"])
+    assert {"masked_lm_ids", "next_sentence_labels"} <= {i.name for i in sess.get_inputs()}
+    loss, = sess.run(["loss"], batch)
+    assert float(loss) == pytest.approx(float(hf["loss"]), rel=1e-5)
     _init_from_matches(tmp_path, data, hf_dir, os.path.join(run_dir, "checkpoints", "4"), model=model,
                        **{"data.seq_len": 32})

@@ -122,6 +122,39 @@ def test_generate_refuses_what_it_cannot_do(trained, tmp_path):
     assert "exclude" in p.stderr
 
 
+def test_generate_refuses_a_file_that_is_not_an_onnx_model(trained, tmp_path):
+    cfg = os.path.join(os.path.dirname(trained), "c.yaml")          # the run's config, not a model
+    p = run([TRAINRUN, "generate", cfg, "--prompt", "x"], check=2)
+    assert f"{cfg}: not an ONNX model" in p.stderr and "SOURCE is an exported model.onnx" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_empty_prompt_samples_from_the_end_of_document_token(trained):
+    """No prompt (or an empty one): unconditional samples, the text after the end-of-document token."""
+    from trainrun import tokenizer as T
+    from trainrun.generate import load_source
+    greedy = ["--max-new-tokens", "12", "--temperature", "0"]
+    out = run([TRAINRUN, "generate", trained, "--prompt", "", *greedy], check=0).stdout
+    assert out == run([TRAINRUN, "generate", trained, *greedy], check=0).stdout
+    decoder, run_dir = load_source(trained)
+    text = T.for_run(run_dir)
+    assert text.eos_id is not None
+    new = generate(decoder, [text.eos_id], 12, np.random.default_rng(0), temperature=0, eos_id=text.eos_id)
+    assert out == text.decode(new) + "\n" and len(new) > 1
+
+
+def test_generate_help_describes_every_option():
+    import click
+    from trainrun.cli import generate as command
+    text = run([TRAINRUN, "generate", "--help"], check=0).stdout
+    assert "SOURCE is a model.onnx" in text
+    options = [p for p in command.params if isinstance(p, click.Option)]
+    assert len(options) == 8
+    for option in options:
+        assert option.help, option.name
+        assert option.opts[0] in text and option.help.split()[0] in text
+
+
 def test_samples_during_training_leave_the_training_numbers_unchanged(tmp_path, byte_dataset):
     import struct
     from tensorboardX.proto import event_pb2

@@ -374,12 +374,23 @@ def test_graph_with_its_own_loss_trains_on_two_ranks(tmp_path, tabular):
     assert train[1]["loss"] == pytest.approx((nll[:8].mean() + nll[8:].mean()) / 2 + penalty, rel=1e-5)
     assert train[30]["loss"] < 0.5 * train[1]["loss"]
     assert evals[30]["eval_own_accuracy"] > 0.6 and "eval_accuracy" not in evals[30]
-    # the exported model is the user's graph with trained weights: it takes y and returns its loss
+    # the exported model is an inference model: the user's graph with the trained weights without its loss,
+    # its metrics and the labels input only they read; --with-loss keeps the loss (and takes y)
     import onnxruntime as ort
+    trained = load_file(str(tmp_path / "run" / "checkpoints" / "30" / "model.safetensors"))
     sess = ort.InferenceSession(str(tmp_path / "run" / "model.onnx"), providers=["CPUExecutionProvider"])
+    assert [i.name for i in sess.get_inputs()] == ["x"] and [o.name for o in sess.get_outputs()] == ["out"]
     ex, ey = arrays["eval"]["x"][:16], arrays["eval"]["y"][:16]
-    loss, = sess.run(["nll"], {"x": ex, "y": ey})
-    assert np.isfinite(loss)
+    out, = sess.run(None, {"x": ex})
+    assert np.abs(out - np_forward(trained, ex)).max() < 1e-4
+    run([TRAINRUN, "export", str(tmp_path / "run"), "--with-loss", "--output", str(tmp_path / "loss.onnx")], check=0)
+    sess = ort.InferenceSession(str(tmp_path / "loss.onnx"), providers=["CPUExecutionProvider"])
+    assert {i.name for i in sess.get_inputs()} == {"x", "y"}
+    loss, = sess.run(["loss"], {"x": ex, "y": ey})
+    logits = np_forward(trained, ex)
+    logp = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+    assert float(loss) == pytest.approx(1e-3 * (trained["w2"].astype(np.float64) ** 2).sum()
+                                        - logp[np.arange(16), ey].mean(), rel=1e-5)
 
 
 @pytest.mark.parametrize("loss", ["mse", "l1"])

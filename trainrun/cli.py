@@ -119,7 +119,8 @@ def export(checkpoint, output, fmt, kv_cache, tokenizer, opset, with_loss, best)
 
 @cli.command()
 @click.argument("source", type=click.Path(exists=True))
-@click.option("--prompt", required=True, help="Text the sample starts from.")
+@click.option("--prompt", default="", show_default="empty: unconditional, from the end-of-document token",
+              help="Text the sample starts from (printed before it).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=100, show_default=True,
               help="Most tokens generated per sample (fewer at the end-of-document token or a full window).")
 @click.option("--temperature", type=click.FloatRange(min=0.0), default=1.0, show_default=True,
@@ -128,13 +129,16 @@ def export(checkpoint, output, fmt, kv_cache, tokenizer, opset, with_loss, best)
               help="Sample among the k most likely tokens only (0: all).")
 @click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0, show_default=True,
               help="Sample among the most likely tokens holding this much probability (nucleus).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Same seed, same text.")
-@click.option("--num-samples", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seed of the sampling's random numbers (NumPy PCG64): same seed, same text.")
+@click.option("--num-samples", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Samples drawn one after another from the same prompt, each under a '---- sample N ----' line.")
 @click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False),
               help="A tokenizer.json (default: the one the run recorded from its data).")
 def generate(source, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_samples, tokenizer):
-    """Sample text from a GPT-2: SOURCE is a model.onnx, a checkpoint or a run directory (its
-    latest checkpoint). Tokens are printed as they come."""
+    """Sample text from a GPT-2: SOURCE is a model.onnx (an export; the run's tokenizer is looked
+    for beside it), a checkpoint or a run directory (its latest checkpoint). Tokens are printed as
+    they come."""
     from .generate import run_generate
     run_generate(source, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                  top_p=top_p, seed=seed, num_samples=num_samples, tokenizer=tokenizer)

@@ -605,25 +605,34 @@ class TrainLoader:
         self.close()
 
 
-def eval_batches(ds, micro_batch: int, rank: int = 0, world_size: int = 1, steps: int | None = None):
+def eval_batches(ds, micro_batch: int, rank: int = 0, world_size: int = 1, steps: int | None = None,
+                 rest: bool = False):
     """Deterministic eval micro-batches of this rank, in dataset order (no shuffle).
 
     Eval step ``s`` covers samples ``s*G .. s*G + G - 1`` (``G = micro_batch *
     world_size``), rank ``r`` the ``r``-th slice of ``micro_batch`` of them; all
     ranks yield the same number of batches: ``steps``, or every whole step when
-    ``steps`` is None or larger. Sum the results over ranks. Fresh arrays each batch.
+    ``steps`` is None or larger. ``rest``: the samples after the whole steps too
+    (when ``steps`` does not stop before them), as one last step split over the
+    ranks in order, a rank's part smaller than ``micro_batch`` (none: no batch).
+    Sum the results over ranks. Fresh arrays each batch.
     """
     micro_batch = _check_int("micro_batch", micro_batch, 1)
     world_size = _check_int("world_size", world_size, 1)
     rank = _check_int("rank", rank, 0)
     if rank >= world_size:
         raise UsageError(f"rank {rank} is not below world_size {world_size}")
-    group = check_eval(ds, micro_batch, world_size)
+    # with ``rest`` a set smaller than one batch is evaluated as one smaller step
+    group = micro_batch * world_size if rest and ds.num_samples else check_eval(ds, micro_batch, world_size)
     available = ds.num_samples // group
     n = available if steps is None else min(_check_int("steps", steps, 1), available)
+    left = ds.num_samples - available * group if rest and (steps is None or steps > available) else 0
+    part = range(available * group + rank * left // world_size, available * group + (rank + 1) * left // world_size)
 
     def batches():
         for s in range(n):
             first = s * group + rank * micro_batch
             yield ds.read(np.arange(first, first + micro_batch), ds.new_batch(micro_batch))
+        if len(part):
+            yield ds.read(np.arange(part.start, part.stop), ds.new_batch(len(part)))
     return batches()

@@ -38,6 +38,29 @@ _LEVELS = {"disabled": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
            "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
 
 
+def check_inputs(session, path: str, batch: dict, feeds: dict, hint: str = "") -> None:
+    """Every data input of ``session``'s graph (``path``) that ``batch`` feeds (graph input -> array, fed
+    by the dataset feature ``feeds[input]``) has its declared element type and dims, a fixed batch dim
+    included: else a UsageError naming the feature, the input and both (``hint`` added to the first line)."""
+    problems = []
+    for i in session.get_inputs():
+        if i.name not in batch:
+            continue
+        arr, feature = batch[i.name], feeds[i.name]
+        want = _ORT_TYPES.get(i.type)
+        shape_ok = len(i.shape) == arr.ndim and all(not isinstance(d, int) or d == s
+                                                    for d, s in zip(i.shape, arr.shape))
+        if want != arr.dtype or not shape_ok:
+            batch_note = "" if shape_ok or not (i.shape and isinstance(i.shape[0], int)
+                                                and i.shape[0] != arr.shape[0]) else \
+                f" (its batch dim is fixed to {i.shape[0]}, the micro-batch has {arr.shape[0]})"
+            problems.append(f"feature '{feature}' ({arr.dtype}, per sample {list(arr.shape[1:])}) does not fit "
+                            f"graph input '{i.name}' ({want or i.type}, per sample {list(i.shape[1:])}, "
+                            f"batch dim {i.shape[0] if i.shape else '-'}){batch_note}")
+    if problems:
+        raise UsageError(f"{path}: the data does not fit the graph's inputs{hint}", problems)
+
+
 @dataclass
 class FlatLayout:
     """Where each parameter lives in the flat buffers."""
@@ -312,27 +335,10 @@ class Engine:
         return labels, self.feeds[labels], classes, self.manifest.get("ignore_index", -100)
 
     def _check_inputs(self, bound: "_Bound", batch: dict) -> None:
-        """Every data input of ``bound``'s graph is fed, with its declared element type and dims."""
-        problems = []
-        for i in bound.session.get_inputs():
-            if i.name not in batch:
-                continue
-            arr, feature = batch[i.name], self.feeds[i.name]
-            want = _ORT_TYPES.get(i.type)
-            shape_ok = len(i.shape) == arr.ndim and all(not isinstance(d, int) or d == s
-                                                        for d, s in zip(i.shape, arr.shape))
-            if want != arr.dtype or not shape_ok:
-                batch_note = "" if shape_ok or not (i.shape and isinstance(i.shape[0], int)
-                                                    and i.shape[0] != arr.shape[0]) else \
-                    f" (its batch dim is fixed to {i.shape[0]}, the micro-batch has {arr.shape[0]})"
-                problems.append(f"feature '{feature}' ({arr.dtype}, per sample {list(arr.shape[1:])}) does not fit "
-                                f"graph input '{i.name}' ({want or i.type}, per sample {list(i.shape[1:])}, "
-                                f"batch dim {i.shape[0] if i.shape else '-'}){batch_note}")
-        if problems:
-            static = (self.manifest.get("build") or {}).get("static_shape")
-            hint = f" (its train graph was prepared for the micro-batch x length {static}: prepare again " \
-                   f"for another)" if static and bound.name == "train" else ""
-            raise UsageError(f"{bound.path}: the data does not fit the graph's inputs{hint}", problems)
+        static = (self.manifest.get("build") or {}).get("static_shape")
+        hint = f" (its train graph was prepared for the micro-batch x length {static}: prepare again " \
+               f"for another)" if static and bound.name == "train" else ""
+        check_inputs(bound.session, bound.path, batch, self.feeds, hint)
 
     def _masks(self, spec: dict | None, seed: int):
         """The dropout mask buffers (host; on the GPU a device twin of each, ``self.mask_dev``)."""

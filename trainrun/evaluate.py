@@ -1,12 +1,14 @@
 """``trainrun evaluate``: loss, perplexity and the eval graph's metrics of a checkpoint on any dataset.
 
 ``--batch B`` counts the samples of one step over all ranks (default: the run's micro_batch_size x
-the ranks); ``--steps N`` the steps (default: every whole step of the dataset). Under ``mpirun -np R``
-(R dividing B) step ``s`` covers samples ``s*B .. (s+1)*B - 1`` and rank ``r`` the ``r``-th ``B/R`` of
-them (:func:`data.eval_batches`); each rank
+the ranks); ``--steps N`` the steps (default: every sample: the whole steps, then the rest as one
+smaller step split over the ranks; left out, and said so, where the graph's batch dim is fixed).
+Under ``mpirun -np R`` (R dividing B) step ``s`` covers samples ``s*B .. (s+1)*B - 1`` and rank ``r``
+the ``r``-th ``B/R`` of them (:func:`data.eval_batches`); each rank
 runs the run's ``graphs/eval.onnx`` with the checkpoint's weights in a plain onnxruntime session and
 the sums of loss, batch count and every ``metric/<name>/sum|count`` are added over ranks in one
-allreduce. ``loss`` is the mean of the micro-batch losses (as ``eval_loss`` in training),
+allreduce. ``loss`` is the mean of the micro-batch losses (as ``eval_loss`` in training; a smaller last
+micro-batch weighs by its samples),
 ``perplexity`` its exp, ``<name>`` = sum / count. With a given ``--batch``, the same samples on any
 number of ranks: the metrics agree to float rounding of the sums, and so does a loss that is a mean
 over every token (GPT-2; a mean over the used slots of each micro-batch, as BERT's MLM loss, depends
@@ -25,6 +27,7 @@ from . import config as C
 from . import graphs as G
 from .comm import make_communicator
 from .data import eval_batches, open_dataset
+from .engine import check_inputs
 from .errors import TrainrunError, UsageError
 
 
@@ -42,7 +45,7 @@ def run_evaluate(source: str, data: str, *, steps: int | None, batch: int | None
     run_dir = K.run_dir_of(ckpt)
     cfg = C.load_config(os.path.join(ckpt, "config.yaml"))
     comm = make_communicator("auto", "cpu", cfg.distributed.timeout_s)
-    error, sess, weights, feeds, batches, micro = None, None, None, None, None, 1
+    error, sess, weights, feeds, batches, micro, left_out = None, None, None, None, None, 1, ""
     try:
         per_step = batch or cfg.train.micro_batch_size * comm.world_size
         if per_step % comm.world_size:
@@ -63,29 +66,39 @@ def run_evaluate(source: str, data: str, *, steps: int | None, batch: int | None
         so = ort.SessionOptions()
         so.log_severity_level = 3
         so.intra_op_num_threads = max(1, _cores() // max(1, comm.local_size))
-        sess = ort.InferenceSession(os.path.join(run_dir, "graphs", "eval.onnx"), so,
-                                    providers=["CPUExecutionProvider"])
-        batches = eval_batches(ds, micro_batch=micro, rank=comm.rank, world_size=comm.world_size, steps=steps)
+        eval_path = os.path.join(run_dir, "graphs", "eval.onnx")
+        sess = ort.InferenceSession(eval_path, so, providers=["CPUExecutionProvider"])
+        shaped = ds.new_batch(micro)        # the batch checked as training checks it at start-up
+        check_inputs(sess, eval_path, {i: shaped[f] for i, f in feeds.items()}, feeds,
+                     f" (--batch {per_step}{'' if batch else ', the run micro_batch_size x ranks'} on "
+                     f"{comm.world_size} rank(s): {micro} samples per rank)")
+        fixed = [i.shape[0] for i in sess.get_inputs() if i.name in feeds and i.shape and isinstance(i.shape[0], int)]
+        batches = eval_batches(ds, micro_batch=micro, rank=comm.rank, world_size=comm.world_size, steps=steps,
+                               rest=not fixed)
+        if fixed and steps is None and ds.num_samples % per_step:
+            left_out = f" ({ds.num_samples % per_step} left out: the graph's batch dim is fixed to {fixed[0]})"
     except TrainrunError as exc:
         error = exc
     comm.agree(error)
     metrics = [o.name for o in sess.get_outputs() if o.name.startswith(G.METRIC_PREFIX)]
     names = [G.LOSS, *metrics]
-    total = np.zeros(len(names) + 1, np.float64)       # the sums, then the batch count
+    total = np.zeros(len(names) + 1, np.float64)       # the sums (the loss weighed by the batch's samples), samples
     for item in batches:
         out = sess.run(names, {**weights, **{i: item[f] for i, f in feeds.items()}})
-        total[:-1] += [float(v) for v in out]
-        total[-1] += 1
+        n = len(item[next(iter(feeds.values()))])
+        total[:-1] += [float(out[0]) * (n / micro)] + [float(v) for v in out[1:]]
+        total[-1] += n
     total = comm.allreduce_scalars(list(total), op="sum")
-    count = total[-1]
-    result = G.eval_results(total[0] / count, dict(zip(metrics, total[1:-1])))
-    result.update({"checkpoint": ckpt, "data": os.path.abspath(data), "samples": int(count) * micro,
-                   "batch": micro * comm.world_size, "world_size": comm.world_size})
+    samples = int(total[-1])
+    result = G.eval_results(total[0] / (samples / micro), dict(zip(metrics, total[1:-1])))
+    result.update({"checkpoint": ckpt, "data": os.path.abspath(data), "samples": samples,
+                   "dataset_samples": ds.num_samples, "batch": micro * comm.world_size, "world_size": comm.world_size})
     comm.close()
     if comm.rank != 0:
         return None
     echo(" | ".join(f"{k} {v:.4f}" for k, v in result.items() if isinstance(v, float))
-         + f" | {result['samples']} samples ({result['batch']} per step on {comm.world_size} rank(s))")
+         + f" | {samples} of {ds.num_samples} samples{left_out} ({result['batch']} per step on "
+           f"{comm.world_size} rank(s))")
     if output:
         tmp = output + ".tmp"
         with open(tmp, "w") as fh:

@@ -1,9 +1,13 @@
 """``trainrun export``: an inference ONNX model from a checkpoint (offline, no MPI).
 
-The run's ``graphs/forward.onnx`` (dropout off, no training ops) gets the
-checkpoint's parameters as initializers. With ``--with-loss`` the eval graph is
-used instead (loss and logits; takes labels). The result is checked against
-the eval graph on a sample batch and the max difference of the logits printed.
+The inference model (:func:`inference_model`: the model's inputs only, its logits
+only, dropout off, no training ops) gets the checkpoint's parameters as
+initializers: the run's ``graphs/forward.onnx``; for BERT its inference graph
+(masked positions optional); for a graph with its own loss that graph without the
+loss, its metrics and the inputs only they read. With ``--with-loss`` the eval
+graph is used instead (loss and logits; takes labels). The result is checked
+against the eval graph on a sample batch and the max difference of its outputs
+printed.
 
 ``--format transformers`` writes a ``save_pretrained`` directory instead (:func:`export_transformers`).
 """
@@ -198,6 +202,27 @@ def kv_cache_model(manifest: dict, weights, where: str):
     return build_gpt2(cfg, weights(), kv_cache=True)
 
 
+def inference_model(graphs_dir: str, manifest: dict, where: str) -> onnx.ModelProto:
+    """The model's inputs only and its logits only (the weights follow): ``forward.onnx``; BERT's inference
+    graph (``masked_lm_positions`` optional: without them, the MLM logits at every position); a graph with
+    its own loss (``model.loss.output``) without that loss, its metrics and the inputs only they read."""
+    if manifest["model"].get("builtin") == "bert":
+        from .config import BertConfig
+        from .models.bert import build_bert
+        cfg = dataclasses.replace(BertConfig(**manifest["model"]["bert"]), hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+        return build_bert(cfg, {}, inference=True)
+    model = onnx.load(os.path.join(graphs_dir, "forward.onnx"))
+    loss = manifest.get("loss_output")
+    if not loss:
+        return model
+    keep = [o.name for o in model.graph.output if o.name != loss and not o.name.startswith(G.METRIC_PREFIX)]
+    if not keep:
+        raise UsageError(f"{where}: the model's outputs are its loss '{loss}' and metrics only: nothing to "
+                         f"export without them (--with-loss exports the loss)")
+    return G.keep_outputs(model, keep)
+
+
 def _logits_in_two_passes(session, ids: np.ndarray) -> np.ndarray:
     """An attention-cache graph's logits for ``ids``: the first half with no past, the rest after it."""
     past = [i for i in session.get_inputs() if i.name.startswith("past.")]
@@ -224,8 +249,12 @@ def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None,
 
     if kv_cache:
         model = kv_cache_model(manifest, dict, where=ckpt)      # the graph alone; the weights follow
+    elif with_loss:
+        model = onnx.load(os.path.join(graphs_dir, "eval.onnx"))
     else:
-        model = onnx.load(os.path.join(graphs_dir, "eval.onnx" if with_loss else "forward.onnx"))
+        model = inference_model(graphs_dir, manifest, where=ckpt)
+    read = G.reads(model.graph.node)
+    written = [t for t in tensors if t.name in read]       # what a graph without its loss still reads
     if opset is not None:
         current = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
         if opset != current:
@@ -236,7 +265,7 @@ def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None,
                 raise UsageError(f"--opset {opset}: cannot convert the model from opset {current}: {exc}") from None
     model.ir_version = min(model.ir_version, G.IR_VERSION)
     os.makedirs(os.path.dirname(os.path.abspath(output)) or ".", exist_ok=True)
-    save_with_weights(model, output, tensors)
+    save_with_weights(model, output, written)
     del model
     if not verify:
         return 0.0
@@ -246,22 +275,28 @@ def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None,
     so.log_severity_level = 3
     so.add_session_config_entry("session.disable_prepacking", "1")     # no packed second copy of the weights
     exported = ort.InferenceSession(output, so, providers=["CPUExecutionProvider"])
-    # the logits, or for a graph with its own loss that loss (the eval graph's ``loss``)
-    logits_name = manifest["logits"] or manifest.get("loss_output") or G.LOSS
-    ref_name = manifest["logits"] or G.LOSS
-    if with_loss:
-        logits_name = ref_name
+    names = ["logits"] if kv_cache else [o.name for o in exported.get_outputs()]
     if kv_cache:
-        ours = _logits_in_two_passes(exported, batch["input_ids"])
-    else:
-        ours = exported.run([logits_name], {n: v for n, v in batch.items()
-                                            if with_loss or n != manifest["labels"]})[0]
+        ours = [_logits_in_two_passes(exported, batch["input_ids"])]
+    else:       # what the model takes of the sample (optional inputs included: BERT's masked positions)
+        takes = {i.name for i in exported.get_inputs() + exported.get_overridable_initializers()}
+        ours = exported.run(names, {n: v for n, v in batch.items() if n in takes})
+        optional = {i.name for i in exported.get_overridable_initializers()} & set(batch)
+        if optional == {"masked_lm_positions"}:     # BERT without them: every position, compared at them
+            every = exported.run([names[0]], {n: v for n, v in batch.items() if n in takes - optional})[0]
+            ours.append(np.take_along_axis(every, batch["masked_lm_positions"][:, :, None], axis=1))
+            names.append(names[0])
     del exported                # one session at a time
-    ref_sess = ort.InferenceSession(os.path.join(graphs_dir, "eval.onnx"), so, providers=["CPUExecutionProvider"])
-    ref = ref_sess.run([ref_name], {**batch, **mapped_weights(tensors)})[0]
-    diff = float(np.abs(ours - ref).max())
+    ref_model = onnx.load(os.path.join(graphs_dir, "eval.onnx"))     # every exported output is one of its tensors
+    G.add_outputs(ref_model, sorted(set(names) - {o.name for o in ref_model.graph.output}))
+    ref_sess = ort.InferenceSession(ref_model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    del ref_model
+    unique = list(dict.fromkeys(names))
+    ref = dict(zip(unique, ref_sess.run(unique, {**batch, **mapped_weights(tensors)})))
+    diff = max(float(np.abs(np.asarray(o, np.float64) - ref[n]).max()) for n, o in zip(names, ours))
     echo(f"exported {output} from {ckpt}: max |logits - eval graph| = {diff:.3g} on a "
-         f"{'x'.join(map(str, batch[manifest['inputs'][0]].shape))} sample"
+         f"{'x'.join(map(str, batch[manifest['inputs'][0]].shape))} sample ({', '.join(unique)}"
+         f"{'; also without the masked positions, at them' if len(names) > len(unique) else ''})"
          f"{' (attention cache: half the sample, then the rest after it)' if kv_cache else ''}")
     if not diff <= 1e-4:
         raise TrainrunError(f"{output}: the exported model differs from the eval graph by {diff}")

@@ -6,6 +6,7 @@ is built in memory: the prompt is one full pass, each new token a pass over one 
 reads the keys and values of the earlier ones (``past.*``) and returns them extended (``present.*``).
 An .onnx file written with ``export --kv-cache`` is used the same way; any other .onnx with an
 ``input_ids`` input and a ``logits`` output is run over the whole window for every token.
+An empty prompt starts from the end-of-document token (unconditional samples).
 Sampling: greedy at temperature 0, else softmax(logits / T) restricted to the top-k, then to the
 smallest set of top-p probability; numpy's PCG64 seeded by ``--seed``: same seed, same text.
 """
@@ -119,7 +120,14 @@ def load_source(source: str, threads: int = 0) -> tuple[Decoder, str]:
     import onnx
     import onnxruntime as ort
     if os.path.isfile(source):
-        model = onnx.load(source, load_external_data=False)
+        try:
+            model = onnx.load(source, load_external_data=False)
+            why = "" if model.graph.node else "no graph"
+        except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and the like: not an ONNX file
+            why = f"{type(exc).__name__}: {exc}"
+        if why:
+            raise UsageError(f"{source}: not an ONNX model ({why}); SOURCE is an exported model.onnx, "
+                             f"a checkpoint directory or a run directory (its latest checkpoint)")
         wpe = [i for i in model.graph.initializer if i.name == "transformer.wpe.weight"]
         n_positions = wpe[0].dims[0] if wpe else 1 << 30
         del model
@@ -143,8 +151,11 @@ def run_generate(source: str, prompt: str, *, max_new_tokens: int, temperature: 
     decoder, run_dir = load_source(source)
     text = T.for_run(run_dir, tokenizer)
     ids = text.encode(prompt)
-    if not ids:
-        raise UsageError("--prompt: the prompt encodes to no tokens")
+    if not ids:       # unconditional samples: from the end-of-document token, as a new document starts
+        if text.eos_id is None:
+            raise UsageError(f"--prompt {prompt!r} encodes to no tokens, and the run's tokenizer has no "
+                             f"end-of-document token to start from: give a prompt")
+        ids = [text.eos_id]
     rng = np.random.default_rng(seed)
     texts = []
     for m in range(num_samples):

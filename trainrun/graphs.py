@@ -984,6 +984,37 @@ def select_outputs(model: onnx.ModelProto, patterns: list[str], protected=()) ->
     return sorted(chosen, key=order.__getitem__)
 
 
+def reads(nodes) -> set[str]:
+    """The tensor names ``nodes`` read, those of their subgraphs (If, Loop, Scan bodies) included."""
+    names = set()
+    for n in nodes:
+        names.update(n.input)
+        for a in n.attribute:
+            for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                names |= reads(g.node)
+    return names
+
+
+def keep_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    """``model`` (in place) with the outputs ``names`` only, the nodes they need and the graph inputs and
+    initializers those nodes read: e.g. without a loss, its metrics and the labels input only they read."""
+    needed, nodes = set(names), []
+    for n in reversed(model.graph.node):
+        if needed.intersection(n.output):
+            nodes.append(n)
+            needed |= reads([n])
+    graph = model.graph
+    parts = {"node": nodes[::-1], "output": [o for o in graph.output if o.name in names],
+             "input": [i for i in graph.input if i.name in needed],
+             "initializer": [t for t in graph.initializer if t.name in needed],
+             "value_info": [v for v in graph.value_info if v.name in {o for n in nodes for o in n.output}]}
+    for field, kept in parts.items():
+        kept = [copy.deepcopy(k) for k in kept]
+        graph.ClearField(field)
+        getattr(graph, field).extend(kept)
+    return model
+
+
 def add_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
     """Make the intermediate tensors ``names`` graph outputs too (type left to onnxruntime)."""
     for name in names:

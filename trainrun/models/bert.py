@@ -26,6 +26,12 @@ of the batch + mean NSP cross-entropy (transformers' ``loss``), the eval
 metrics ``metric/{mlm_accuracy,nsp_accuracy,mlm_loss,nsp_loss}/{sum,count}``,
 ``prediction_logits`` [batch, predictions, vocab] (the MLM logits at the
 masked positions) and ``seq_relationship_logits`` [batch, 2].
+
+The inference graph (``build_bert(..., inference=True)``, what ``trainrun export`` writes) takes the
+model's inputs only: ``input_ids``, ``segment_ids``, ``input_mask`` and, optionally,
+``masked_lm_positions`` (an initializer that is also a graph input: its default, no positions, gives
+the MLM logits at every position [batch, seq, vocab], as transformers' ``BertForPreTraining``
+returns them); outputs ``prediction_logits`` and ``seq_relationship_logits`` only.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from ..config import BertConfig
 from .gpt2 import IR_VERSION, MASK_VALUE, OPSET, _Graph
@@ -93,8 +99,9 @@ TIED = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weigh
         "cls.predictions.decoder.bias": "cls.predictions.bias"}
 
 
-def build_bert(cfg: BertConfig, weights: dict[str, np.ndarray]):
-    """The forward graph (see the module doc) with ``weights`` as initializers.
+def build_bert(cfg: BertConfig, weights: dict[str, np.ndarray], inference: bool = False):
+    """The forward graph (see the module doc) with ``weights`` as initializers; ``inference``: the
+    inference graph (the model's inputs, the logits only; masked positions optional).
 
     Dense layers run as Gemm on [batch*seq, width] (transB: the [out, in] weights as stored);
     the residual stream is [batch, seq, hidden] so that Dropout's input has the batch first.
@@ -184,19 +191,42 @@ def build_bert(cfg: BertConfig, weights: dict[str, np.ndarray]):
         h = layer_norm(g.op("Add", [dropout(o, "hidden"), h]), p + ".output.LayerNorm")
 
     # MLM head at the masked positions only: [B, P, E] -> [B*P, E] -> [B*P, V]
-    at = g.op("GatherND", [h, g.op("Unsqueeze", ["masked_lm_positions", "c_last"])], batch_dims=1)
+    if inference:     # every position [B, S, E] unless masked_lm_positions are given
+        at = g.op("If", [g.op("Greater", [g.op("Size", ["masked_lm_positions"]), "c_first"])],
+                  then_branch=_branch("masked", [
+                      helper.make_node("Unsqueeze", ["masked_lm_positions", "c_last"], ["mlm_positions"]),
+                      helper.make_node("GatherND", [h, "mlm_positions"], ["mlm_at_masked"], batch_dims=1)]),
+                  else_branch=_branch("every", [helper.make_node("Identity", [h], ["mlm_at_every"])]))
+    else:
+        at = g.op("GatherND", [h, g.op("Unsqueeze", ["masked_lm_positions", "c_last"])], batch_dims=1)
     t = layer_norm(gelu(dense(g.op("Reshape", [at, "c_2d"]), "cls.predictions.transform.dense"), "cls.predictions.act"),
                    "cls.predictions.transform.LayerNorm")
     logits2d = g.op("Gemm", [t, "bert.embeddings.word_embeddings.weight", "cls.predictions.bias"], transB=1)
-    labels = g.op("Reshape", ["masked_lm_ids", "c_last"])
-    plogits_shape = g.op("Concat", [g.op("Shape", ["masked_lm_ids"]), g.op("Shape", [logits2d], start=1)], axis=0)
+    labels = None if inference else g.op("Reshape", ["masked_lm_ids", "c_last"])
+    at_shape = g.op("Shape", [at], end=2) if inference else g.op("Shape", ["masked_lm_ids"])
+    plogits_shape = g.op("Concat", [at_shape, g.op("Shape", [logits2d], start=1)], axis=0)
     g.nodes.append(helper.make_node("Reshape", [logits2d, plogits_shape], [LOGITS], name="mlm_logits"))
-    mlm_loss = g.op("SoftmaxCrossEntropyLoss", [logits2d, labels], reduction="mean", ignore_index=IGNORE_ID)
 
-    # NSP head on the first ([CLS]) token
-    pooled = g.op("Tanh", [dense(g.op("Gather", [h, "c_first"], axis=1), "bert.pooler.dense")])
-    g.nodes.append(helper.make_node("Gemm", [pooled, "cls.seq_relationship.weight", "cls.seq_relationship.bias"],
-                                    [NSP_LOGITS], name="nsp_logits", transB=1))
+    def nsp_head():   # on the first ([CLS]) token
+        pooled = g.op("Tanh", [dense(g.op("Gather", [h, "c_first"], axis=1), "bert.pooler.dense")])
+        g.nodes.append(helper.make_node("Gemm", [pooled, "cls.seq_relationship.weight", "cls.seq_relationship.bias"],
+                                        [NSP_LOGITS], name="nsp_logits", transB=1))
+
+    def ids(name, dims):
+        return helper.make_tensor_value_info(name, TensorProto.INT64, dims)
+    graph_inputs = [ids("input_ids", ["batch", "seq"]), ids("segment_ids", ["batch", "seq"]),
+                    ids("input_mask", ["batch", "seq"]), ids("masked_lm_positions", ["batch", "predictions"])]
+    logits_outputs = [
+        helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT,
+                                      ["batch", "positions" if inference else "predictions", cfg.vocab_size]),
+        helper.make_tensor_value_info(NSP_LOGITS, TensorProto.FLOAT, ["batch", 2])]
+    if inference:
+        nsp_head()
+        g.inits.append(numpy_helper.from_array(np.zeros((1, 0), np.int64), "masked_lm_positions"))   # none
+        return _model(g, graph_inputs, logits_outputs)
+
+    mlm_loss = g.op("SoftmaxCrossEntropyLoss", [logits2d, labels], reduction="mean", ignore_index=IGNORE_ID)
+    nsp_head()
     nsp_loss = g.op("SoftmaxCrossEntropyLoss", [NSP_LOGITS, "next_sentence_labels"], reduction="mean")
     g.nodes.append(helper.make_node("Add", [mlm_loss, nsp_loss], [LOSS], name=LOSS))
 
@@ -217,18 +247,21 @@ def build_bert(cfg: BertConfig, weights: dict[str, np.ndarray]):
     metric("mlm_loss", g.op("Mul", [mlm_loss, n_used]), n_used)
     metric("nsp_loss", g.op("Mul", [nsp_loss, n_samples]), n_samples)
 
-    def ids(name, dims):
-        return helper.make_tensor_value_info(name, TensorProto.INT64, dims)
-    graph_inputs = [ids("input_ids", ["batch", "seq"]), ids("segment_ids", ["batch", "seq"]),
-                    ids("input_mask", ["batch", "seq"]), ids("masked_lm_positions", ["batch", "predictions"]),
-                    ids("masked_lm_ids", ["batch", "predictions"]), ids("next_sentence_labels", ["batch"])]
+    graph_inputs += [ids("masked_lm_ids", ["batch", "predictions"]), ids("next_sentence_labels", ["batch"])]
     scalar = [helper.make_tensor_value_info(n, TensorProto.FLOAT, []) for n in
               [LOSS] + [f"metric/{m}/{k}" for m in ("mlm_accuracy", "nsp_accuracy", "mlm_loss", "nsp_loss")
                         for k in ("sum", "count")]]
-    outputs = scalar + [
-        helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, ["batch", "predictions", cfg.vocab_size]),
-        helper.make_tensor_value_info(NSP_LOGITS, TensorProto.FLOAT, ["batch", 2])]
-    graph = helper.make_graph(g.nodes, "bert", inputs=graph_inputs, outputs=outputs, initializer=g.inits)
+    return _model(g, graph_inputs, scalar + logits_outputs)
+
+
+def _branch(name: str, nodes: list):
+    """A branch of the MLM head's If: its last node's output, [batch, positions, hidden]."""
+    out = helper.make_tensor_value_info(nodes[-1].output[0], TensorProto.FLOAT, ["batch", name, None])
+    return helper.make_graph(nodes, name, [], [out])
+
+
+def _model(g: _Graph, inputs: list, outputs: list):
+    graph = helper.make_graph(g.nodes, "bert", inputs=inputs, outputs=outputs, initializer=g.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="trainrun")
     model.ir_version = IR_VERSION
     return model
