@@ -169,7 +169,7 @@ def test_damaged_checkpoint_is_named(tmp_path, byte_dataset, damage):
         foreign = tmp_path / "run" / "checkpoints" / "3"
         shutil.copytree(other / "run/checkpoints/2", foreign)
         proc = run([TRAINRUN, "export", str(foreign), "--output", str(tmp_path / "m.onnx")], check=2)
-        assert "model.safetensors: tensor 'transformer.wte.weight' has shape (512, 64)" in proc.stderr
+        assert f"{foreign} was trained with other graphs than" in proc.stderr and "eval.onnx: sha256" in proc.stderr
         shutil.rmtree(foreign)
         # our run forced onto the other shape cannot load our tensors
         proc = mpirun(1, "resume", str(tmp_path / "run"), "--force", "--set", "model.gpt2.n_embd=64",

@@ -42,6 +42,7 @@ import json
 import os
 import shutil
 import struct
+import sys
 import threading
 
 import numpy as np
@@ -269,15 +270,69 @@ def read_state(ckpt: str) -> dict:
     return state
 
 
-def tensor_spans(path: str, names, shapes) -> tuple[int, list[tuple[int, int]]]:
-    """Where each of ``names`` (float32, ``shapes``) lies in a safetensors file: (start of the data section,
-    [(offset in the data section, bytes)]), from the header alone; clear errors on mismatch."""
+def _read_header(path: str) -> tuple[int, dict]:
+    """(start of the data section, the header) of a safetensors file."""
     try:
         with open(path, "rb") as fh:
             size = struct.unpack("<Q", fh.read(8))[0]
-            header = json.loads(fh.read(size))
+            return 8 + size, json.loads(fh.read(size))
     except (OSError, ValueError, struct.error) as exc:
         raise UsageError(f"{path}: not a readable safetensors file: {exc}") from None
+
+
+# the graphs a checkpoint's readers run (export, evaluate, generate): they follow from the model alone, while
+# the train and optimizer graphs also change with what a resume may change (micro-batch, precision, debug)
+MODEL_GRAPHS = ("forward.onnx", "eval.onnx")
+
+
+def check_checkpoint(ckpt: str, names, graphs: tuple[str, dict] | None = None, *, optimizer_states=None,
+                     forced: bool = False) -> None:
+    """What every reader of a checkpoint calls before it reads a tensor: ``ckpt`` against the graphs it
+    is to be used with. ``graphs``: (their directory, its manifest); a checkpoint whose state.json
+    records other sha256 for the model's graphs was trained with other graphs: a UsageError naming both.
+    ``names``: the tensors the graphs take (parameters, then model state); ``optimizer_states``: the
+    optimizer states to be read (None: optimizer.safetensors is not read). A tensor of the checkpoint
+    that none of them takes is a UsageError naming it; when the user ``forced`` a change of the model or
+    optimizer (``resume --force``), a warning listing what is dropped."""
+    if graphs is not None:
+        graphs_dir, manifest = graphs
+        saved = read_state(ckpt).get("graphs") or {}       # checkpoints before it recorded none
+        ours = manifest["files"]
+        differ = [f for f in MODEL_GRAPHS if f in saved and saved[f] != ours.get(f)]
+        if differ:
+            raise UsageError(
+                f"{ckpt} was trained with other graphs than {graphs_dir} holds (prepared again since?); "
+                f"prepare the graphs of its config again: `trainrun prepare --config {ckpt}/config.yaml "
+                f"--set run.output_dir={run_dir_of(ckpt)} --force`",
+                [f"{f}: sha256 {saved[f]} in {ckpt}/state.json, {ours.get(f)} in {graphs_dir}/manifest.json"
+                 for f in differ])
+    takes = set(names)
+    model = [k for k in _read_header(os.path.join(ckpt, "model.safetensors"))[1]
+             if k != "__metadata__" and k not in takes]
+    unused = [f"model.safetensors: {', '.join(model)}"] if model else []
+    path = os.path.join(ckpt, "optimizer.safetensors")
+    if optimizer_states is not None and os.path.exists(path):
+        keys = [k.partition("/") for k in _read_header(path)[1] if k != "__metadata__"]
+        dropped = [s + "/" + n for s, _, n in keys if s not in optimizer_states or n not in takes]
+        states = sorted({s for s, _, n in keys if s in optimizer_states})
+        moments = [f"{s}/{n}" for s in states for n in model]
+        if dropped and sorted(dropped) == sorted(moments):         # the moments of those parameters
+            unused.append(f"optimizer.safetensors: their {', '.join(states)}")
+        elif dropped:
+            unused.append(f"optimizer.safetensors: {', '.join(dropped)}")
+    if not unused:
+        return
+    if not forced:
+        raise UsageError(f"{ckpt}: holds tensors that the model does not take; the checkpoint is of another "
+                         f"model", unused)
+    print(f"trainrun: warning: resume --force: the model and optimizer take fewer tensors than {ckpt} holds; "
+          f"dropped:\n" + "\n".join(f"  - {u}" for u in unused), file=sys.stderr, flush=True)
+
+
+def tensor_spans(path: str, names, shapes) -> tuple[int, list[tuple[int, int]]]:
+    """Where each of ``names`` (float32, ``shapes``) lies in a safetensors file: (start of the data section,
+    [(offset in the data section, bytes)]), from the header alone; clear errors on mismatch."""
+    start, header = _read_header(path)
     spans = []
     for name, shape in zip(names, shapes):
         t = header.get(name)
@@ -288,7 +343,7 @@ def tensor_spans(path: str, names, shapes) -> tuple[int, list[tuple[int, int]]]:
                              f"model's is {tuple(shape)} (F32); the checkpoint is of another model")
         begin, end = t["data_offsets"]
         spans.append((begin, end - begin))
-    return 8 + size, spans
+    return start, spans
 
 
 def load_tensors_into(path: str, names, shapes, flat: np.ndarray, prefix: str = "") -> None:
@@ -541,15 +596,20 @@ class Checkpointer:
         self._settle()
 
     # -- restoring
-    def restore(self, ckpt: str, layout, params, state: dict, model_state=None, state_range=None) -> dict:
+    def restore(self, ckpt: str, layout, params, state: dict, model_state=None, state_range=None,
+                forced: bool = False) -> dict:
         """Fill ``params``, each optimizer ``state`` buffer and ``model_state`` ((layout, flat) or None)
         (numpy or cupy) from ``ckpt`` on every rank; return its state.json. Rank 0 verifies the checksums
-        first. ``state_range`` (lo, hi): the optimizer state buffers hold elements lo:hi of the flat
-        layout only (a ZeRO-1 part, :mod:`trainrun.zero`); by default all of it."""
+        and checks the tensors against the model first (:func:`check_checkpoint`; ``forced``: by
+        ``resume --force``, tensors no longer taken are dropped with a warning). ``state_range``
+        (lo, hi): the optimizer state buffers hold elements lo:hi of the flat layout only (a ZeRO-1 part,
+        :mod:`trainrun.zero`); by default all of it."""
         error, saved = None, None
         try:
             if self.rank == 0:
                 verify(ckpt)       # once; every rank then reads the verified files
+                check_checkpoint(ckpt, layout.names + (model_state[0].names if model_state else []),
+                                 optimizer_states=list(state), forced=forced)
         except TrainrunError as exc:
             error = exc
         self.comm.agree(error)

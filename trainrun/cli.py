@@ -78,7 +78,7 @@ def resume(run_dir, overrides, log_level, force):
     from .resume import resume_config
     from .runner import train as run_train
     cfg, ckpt = resume_config(run_dir, _with_log_level(overrides, log_level), force=force)
-    run_train(cfg, resume_from=ckpt)
+    run_train(cfg, resume_from=ckpt, force=force)
 
 
 @cli.command()
@@ -164,15 +164,30 @@ def evaluate(source, data, steps, batch, output):
               help="YAML config file.")
 @set_option
 @log_option
-def prepare(config_path, overrides, log_level):
+@click.option("--force", is_flag=True, help="Replace the graphs of a run directory that holds checkpoints "
+                                            "(they then no longer fit them).")
+def prepare(config_path, overrides, log_level, force):
     """Build the train, eval and optimizer graphs and initial weights into <output_dir>/graphs."""
+    from .checkpoint import complete_checkpoints
     from .graphs import prepare as run_prepare
+    from .lock import RunLock
     from .preflight import check
     cfg = C.load_config(config_path, _with_log_level(overrides, log_level))
     check(cfg, datasets=False)
-    out = run_prepare(cfg)
+    out = cfg.run.output_dir
+    lock = RunLock(out)
+    lock.acquire()        # not while a job trains there
+    try:
+        done = complete_checkpoints(os.path.join(out, "checkpoints"))
+        if done and not force:
+            raise UsageError(f"{out} holds checkpoints ({done[-1]} the latest), trained with its graphs: new graphs "
+                             f"would no longer fit them; `trainrun resume {out}` prepares what it needs, or "
+                             f"choose another run.output_dir (--force replaces the graphs anyway)")
+        graphs = run_prepare(cfg)
+    finally:
+        lock.release()
     if cfg.run.log_level != "warning":
-        click.echo(f"graphs written to {out}")
+        click.echo(f"graphs written to {graphs}")
 
 
 @cli.group("config")

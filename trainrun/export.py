@@ -62,11 +62,19 @@ class Weight:
                 left -= n
 
 
+def _model_tensors(ckpt: str, manifest: dict) -> tuple[FlatLayout, FlatLayout]:
+    """The layouts of the parameters and of the non-parameter state of the run's graphs (``manifest``),
+    once ``ckpt`` is checked against those graphs (:func:`checkpoint.check_checkpoint`)."""
+    layout = FlatLayout.from_manifest(manifest)
+    states = FlatLayout.from_manifest({"params": manifest.get("states", [])})
+    K.check_checkpoint(ckpt, layout.names + states.names, (os.path.join(K.run_dir_of(ckpt), "graphs"), manifest))
+    return layout, states
+
+
 def checkpoint_tensors(ckpt: str, manifest: dict) -> list[Weight]:
     """Where the parameters (then the non-parameter state) of a checkpoint lie in its model.safetensors."""
     path = os.path.join(ckpt, "model.safetensors")
-    layout = FlatLayout.from_manifest(manifest)
-    states = FlatLayout.from_manifest({"params": manifest.get("states", [])})
+    layout, states = _model_tensors(ckpt, manifest)
     names, shapes = layout.names + states.names, layout.shapes + states.shapes
     start, spans = K.tensor_spans(path, names, shapes)
     return [Weight(n, tuple(s), path, start + off, size) for n, s, (off, size) in zip(names, shapes, spans)]
@@ -178,11 +186,10 @@ def sample_batch(graphs_dir: str, manifest: dict, rng_seed: int = 0) -> dict[str
 def checkpoint_weights(ckpt: str, manifest: dict) -> dict[str, np.ndarray]:
     """The parameters (and the non-parameter state) of a verified checkpoint, by name."""
     K.verify(ckpt)
-    layout = FlatLayout.from_manifest(manifest)
+    layout, states = _model_tensors(ckpt, manifest)
     flat = np.empty(layout.total, np.float32)
     K.load_tensors_into(os.path.join(ckpt, "model.safetensors"), layout.names, layout.shapes, flat)
     weights = layout.unflatten(flat)
-    states = FlatLayout.from_manifest({"params": manifest.get("states", [])})
     if states.names:          # the model's non-parameter state (BatchNorm running stats), after the parameters
         held = np.empty(states.total, np.float32)
         K.load_tensors_into(os.path.join(ckpt, "model.safetensors"), states.names, states.shapes, held)

@@ -1,5 +1,5 @@
 """One job per run directory: rank 0 holds an exclusive lock on ``<run>/.lock`` for the life of
-``train`` and ``resume``.
+``train`` and ``resume``; ``prepare`` holds it while it writes the graphs.
 
 The lock is ``flock(2)`` on that file, so the kernel releases it when the holder dies, however it
 dies (on NFS, Linux emulates flock with the server's byte-range locks). The file names the holder

@@ -77,7 +77,8 @@ def return_freed_memory() -> None:
 
 
 class TrainingRunner:
-    def __init__(self, cfg: C.Config, comm, resume_from: str | None = None, lock: RunLock | None = None):
+    def __init__(self, cfg: C.Config, comm, resume_from: str | None = None, lock: RunLock | None = None,
+                 force: bool = False):
         self.cfg = cfg
         self.lock = lock
         self.resume_from = resume_from
@@ -106,7 +107,7 @@ class TrainingRunner:
         self.checkpoints = K.Checkpointer(self.out, comm, cfg.checkpoint.keep_last, log=self.log,
                                           keep_best=cfg.checkpoint.keep_best)
         if resume_from:
-            self._restore(resume_from)
+            self._restore(resume_from, force)
         self.metrics = Metrics(self.out, enabled=self.is_main, tensorboard=cfg.tensorboard.enabled,
                                quiet=cfg.run.log_level == "warning", total_steps=t.max_steps,
                                start_step=self.step)
@@ -227,11 +228,13 @@ class TrainingRunner:
             self.comm.allreduce_(state)
             state *= 1.0 / self.world
 
-    def _restore(self, ckpt: str) -> None:
-        """Parameters, optimizer state, step counters and the data position of ``ckpt``."""
+    def _restore(self, ckpt: str, force: bool = False) -> None:
+        """Parameters, optimizer state, step counters and the data position of ``ckpt`` (``force``:
+        ``resume --force``, tensors the model or optimizer no longer takes are dropped with a warning)."""
         eng = self.engine
         state = self.checkpoints.restore(ckpt, eng.layout, eng.params, self.shard.state,
-                                         (eng.state_layout, eng.state), state_range=(self.shard.lo, self.shard.hi))
+                                         (eng.state_layout, eng.state), state_range=(self.shard.lo, self.shard.hi),
+                                         forced=force)
         self.loader.load_state_dict(state["loader"])
         self.step, self.updates, self.skipped = state["step"], state["updates"], state["skipped_steps"]
         self.early_stopping.load_state_dict(state.get("early_stopping") or {})
@@ -512,7 +515,7 @@ class TrainingRunner:
                  f"time: {shares}")
 
 
-def train(cfg: C.Config, resume_from: str | None = None) -> dict:
+def train(cfg: C.Config, resume_from: str | None = None, force: bool = False) -> dict:
     """Train (or continue) on every rank. A failure on one rank ends the whole job
     at once (MPI abort) after printing its cause, so no peer waits in a collective."""
     if cfg.device == "cuda":
@@ -524,7 +527,7 @@ def train(cfg: C.Config, resume_from: str | None = None) -> dict:
     comm = make_communicator(cfg.distributed.backend, cfg.device, cfg.distributed.timeout_s)
     lock = RunLock(cfg.run.output_dir)
     try:
-        return TrainingRunner(cfg, comm, resume_from=resume_from, lock=lock).fit()
+        return TrainingRunner(cfg, comm, resume_from=resume_from, lock=lock, force=force).fit()
     except BaseException as exc:
         if comm.world_size > 1 and not getattr(exc, "collective", False):
             _report_and_abort(comm, exc, verbose=cfg.run.log_level == "verbose")
