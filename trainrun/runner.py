@@ -25,6 +25,7 @@ in float32 that is the same arithmetic.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -76,8 +77,10 @@ def return_freed_memory() -> None:
 
 
 class TrainingRunner:
-    def __init__(self, cfg: C.Config, comm, resume_from: str | None = None, lock: RunLock | None = None):
+    def __init__(self, cfg: C.Config, comm, resume_from: str | None = None, lock: RunLock | None = None,
+                 config_yaml: str | None = None):
         self.cfg = cfg
+        self.config_yaml = config_yaml or C.to_yaml(cfg)     # what the run directory and its checkpoints record
         self.lock = lock
         self.resume_from = resume_from
         self.comm = comm
@@ -134,7 +137,7 @@ class TrainingRunner:
                 K.cleanup(ckpt_dir, log=self.log)
                 os.makedirs(self.out, exist_ok=True)
                 with open(os.path.join(self.out, "config.yaml"), "w") as fh:
-                    fh.write(C.to_yaml(cfg))
+                    fh.write(self.config_yaml)
                 if not G.up_to_date(self.graphs_dir, cfg):
                     self.log(f"preparing graphs in {self.graphs_dir}")
                     G.prepare(cfg, self.graphs_dir)
@@ -477,7 +480,7 @@ class TrainingRunner:
         # of stage 1's optimizer state)
         buffers = {"params": self.engine.params, **self.shard.full_state()}
         model_state = (self.engine.state_layout, self.engine.state)
-        self.checkpoints.save(self.step, self.engine.layout, buffers, meta, C.to_yaml(cfg), model_state)
+        self.checkpoints.save(self.step, self.engine.layout, buffers, meta, self.config_yaml, model_state)
         self.timer.mark("checkpoint")
 
     # ------------------------------------------------------------------ start and end lines
@@ -520,9 +523,13 @@ class TrainingRunner:
                  f"time: {shares}")
 
 
-def train(cfg: C.Config, resume_from: str | None = None) -> dict:
+def train(cfg: C.Config, resume_from: str | None = None, log_level: str | None = None) -> dict:
     """Train (or continue) on every rank. A failure on one rank ends the whole job
-    at once (MPI abort) after printing its cause, so no peer waits in a collective."""
+    at once (MPI abort) after printing its cause, so no peer waits in a collective.
+    ``log_level`` (``--log-level``): this invocation's only; the run records its config's."""
+    recorded = C.to_yaml(cfg)
+    if log_level:
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, log_level=log_level))
     if cfg.device == "cuda":
         from .comm import cuda_device_count
         if cuda_device_count() == 0:
@@ -532,7 +539,7 @@ def train(cfg: C.Config, resume_from: str | None = None) -> dict:
     comm = make_communicator(cfg.distributed.backend, cfg.device, cfg.distributed.timeout_s)
     lock = RunLock(cfg.run.output_dir)
     try:
-        return TrainingRunner(cfg, comm, resume_from=resume_from, lock=lock).fit()
+        return TrainingRunner(cfg, comm, resume_from=resume_from, lock=lock, config_yaml=recorded).fit()
     except BaseException as exc:
         if comm.world_size > 1 and not getattr(exc, "collective", False):
             _report_and_abort(comm, exc, verbose=cfg.run.log_level == "verbose")
