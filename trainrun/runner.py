@@ -502,8 +502,9 @@ class TrainingRunner:
                                         f"node {node.mem.cross.rank} of {node.mem.cross.world_size}; one "
                                         f"{node.params.nbytes:,}-byte parameter buffer per node)" if node else "mpi"),
                      all_ranks=True)
-        else:   # one line per section; the whole file is <output_dir>/config.yaml
-            self.log("config (" + os.path.join(self.out, "config.yaml") + "):\n" + C.to_yaml_compact(cfg))
+        else:   # what differs from the defaults; the whole file is <output_dir>/config.yaml (devinfo prints it)
+            self.log(f"config (what differs from the defaults; all of it in {os.path.join(self.out, 'config.yaml')}):"
+                     f"\n{C.to_text_changed(cfg).rstrip()}")
         self.log(f"trainrun: {cfg.run.name} | {self.world} rank(s) x {self.threads} thread(s) | "
                  f"{n:,} parameters | global batch {self.global_batch} "
                  f"({cfg.train.micro_batch_size} x {self.accum} accum x {self.world} ranks) | "
