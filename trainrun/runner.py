@@ -178,6 +178,10 @@ class TrainingRunner:
         self.eval_ds = None
         if cfg.data.eval:
             self.eval_ds = open_dataset(cfg.data.eval, cfg.data.seq_len, vocab_size=vocab, n_positions=positions)
+        # token sequences: tokens/s besides samples/s; next-token cross-entropy: perplexity besides the loss
+        self.tokens = "input_ids" in self.train_ds.specs
+        loss = cfg.model.loss
+        self.perplexity = self.train_ds.kind == "tokens" and loss.output is None and loss.type == "cross_entropy"
         self.loader = TrainLoader(self.train_ds, micro_batch=cfg.train.micro_batch_size, accum=self.accum,
                                   rank=self.rank, world_size=self.world, seed=cfg.run.seed,
                                   shuffle=cfg.data.shuffle, prefetch=cfg.data.prefetch)
@@ -355,6 +359,8 @@ class TrainingRunner:
         total, count, *sums = self.comm.allreduce_scalars([total, count, *sums], op="sum")
         self.timer.mark("eval")
         result = G.eval_results(total / max(count, 1.0), dict(zip(names, sums)))
+        if not self.perplexity:
+            del result["perplexity"]
         return {f"eval_{k}": v for k, v in result.items()}
 
     # ------------------------------------------------------------------ the loop
@@ -384,9 +390,10 @@ class TrainingRunner:
                               os.path.join(self.out, "model.onnx"), echo=self.log)
         ran = self.step - first_step        # steps of this session (a resumed run started later)
         summary = {
-            "steps": ran, "final_step": self.step, "skipped_steps": self.skipped,
-            "tokens": ran * self.tokens_per_step, "time_s": round(elapsed, 3),
-            "tokens_per_sec": ran * self.tokens_per_step / max(elapsed, 1e-9),
+            "steps": ran, "final_step": self.step, "skipped_steps": self.skipped, "time_s": round(elapsed, 3),
+            "samples": ran * self.global_batch, "samples_per_sec": ran * self.global_batch / max(elapsed, 1e-9),
+            **({"tokens": ran * self.tokens_per_step,
+                "tokens_per_sec": ran * self.tokens_per_step / max(elapsed, 1e-9)} if self.tokens else {}),
             "final_loss": last.get("loss"), "final_eval_loss": eval_loss, "world_size": self.world,
             "phase_shares": {k: round(v, 4) for k, v in self.timer.shares().items()},
         }
@@ -406,12 +413,13 @@ class TrainingRunner:
             stop = last["stop"]
             if self.step % t.log_every == 0 or self.step == end or stop:
                 now = time.perf_counter()
-                tps = window_steps * self.tokens_per_step / (now - window_t)
+                sps = window_steps * self.global_batch / (now - window_t)
                 phase_ms = {k: round(1e3 * (v - phases.get(k, 0.0)) / window_steps, 3)
                             for k, v in self.timer.total.items() if v > phases.get(k, 0.0)}
                 window_t, window_steps, phases = now, 0, dict(self.timer.total)
                 self.metrics.log(self.step, {"loss": last["loss"], "lr": last["lr"],
-                                             "grad_norm": last["grad_norm"], "tokens_per_sec": tps,
+                                             "grad_norm": last["grad_norm"], "samples_per_sec": sps,
+                                             **({"tokens_per_sec": sps * self.cfg.data.seq_len} if self.tokens else {}),
                                              "skipped_steps": self.skipped, "phase_ms": phase_ms,
                                              **({"loss_scale": last["loss_scale"]} if self.scaler else {})})
                 self.timer.mark("log")
@@ -508,7 +516,8 @@ class TrainingRunner:
         self.log(f"trainrun: {cfg.run.name} | {self.world} rank(s) x {self.threads} thread(s) | "
                  f"{n:,} parameters | global batch {self.global_batch} "
                  f"({cfg.train.micro_batch_size} x {self.accum} accum x {self.world} ranks) | "
-                 f"{self.tokens_per_step:,} tokens/step | optimizer {cfg.optimizer.name} | "
+                 + (f"{self.tokens_per_step:,} tokens/step | " if self.tokens else "")
+                 + f"optimizer {cfg.optimizer.name} | "
                  f"{self.train_ds.num_samples:,} train samples")
 
     def _footer(self, s: dict) -> None:
@@ -519,8 +528,9 @@ class TrainingRunner:
         shares = ", ".join(f"{k} {v:.0%}" for k, v in sorted(s["phase_shares"].items(), key=lambda kv: -kv[1]))
         final_eval = f", eval loss {s['final_eval_loss']:.4f}" if s["final_eval_loss"] is not None else ""
         final = f"; final loss {s['final_loss']:.4f}" if s["final_loss"] is not None else ""
-        self.log(f"done: {s['steps']} steps, {s['tokens']:,} tokens in {fmt_duration(s['time_s'])} "
-                 f"({s['tokens_per_sec']:,.0f} tokens/s){final}{final_eval}; "
+        unit = "tokens" if self.tokens else "samples"
+        self.log(f"done: {s['steps']} steps, {s[unit]:,} {unit} in {fmt_duration(s['time_s'])} "
+                 f"({s[unit + '_per_sec']:,.{0 if self.tokens else 1}f} {unit}/s){final}{final_eval}; "
                  f"time: {shares}")
 
 

@@ -20,7 +20,8 @@ import sys
 import time
 
 _TB_NAMES = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
-             "tokens_per_sec": "train/tokens_per_sec", "eval_loss": "eval/loss",
+             "tokens_per_sec": "train/tokens_per_sec", "samples_per_sec": "train/samples_per_sec",
+             "eval_loss": "eval/loss",
              "eval_perplexity": "eval/perplexity", "skipped_steps": "train/skipped_steps",
              "loss_scale": "train/loss_scale"}
 
@@ -90,14 +91,15 @@ class Metrics:
             self._tensorboard(step, values)
         if "loss" in values:
             eta = self.eta(step)
+            rate = (f"{values['tokens_per_sec']:,.0f} tok/s" if "tokens_per_sec" in values
+                    else f"{values['samples_per_sec']:,.1f} samples/s")
             self.echo(f"step {step:>6}/{self.total} | loss {values['loss']:.4f} | lr {values['lr']:.2e} | "
-                      f"grad_norm {values['grad_norm']:.3f} | {values['tokens_per_sec']:,.0f} tok/s | "
+                      f"grad_norm {values['grad_norm']:.3f} | {rate} | "
                       f"eta {fmt_duration(eta) if math.isfinite(eta) else '?'}")
-        if "eval_loss" in values:
-            more = "".join(f" | {k[5:]} {v:.4f}" for k, v in values.items()
-                           if k.startswith("eval_") and k not in ("eval_loss", "eval_perplexity"))
-            self.echo(f"eval {step:>6} | loss {values['eval_loss']:.4f} | "
-                      f"perplexity {values['eval_perplexity']:.2f}{more}")
+        if "eval_loss" in values:     # perplexity where the runner gives it (next-token cross-entropy)
+            more = "".join(f" | {k[5:]} {v:.{2 if k == 'eval_perplexity' else 4}f}" for k, v in values.items()
+                           if k.startswith("eval_") and k != "eval_loss")
+            self.echo(f"eval {step:>6} | loss {values['eval_loss']:.4f}{more}")
 
     def _tensorboard(self, step: int, values: dict) -> None:
         from tensorboardX.proto.event_pb2 import Event
