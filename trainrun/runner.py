@@ -350,12 +350,20 @@ class TrainingRunner:
         self.sync_state()
         names = list(eng.eval_metrics)
         total, count, sums = 0.0, 0.0, [0.0] * len(names)
-        for batch in eval_batches(self.eval_ds, micro_batch=cfg.train.micro_batch_size, rank=self.rank,
-                                  world_size=self.world, steps=cfg.train.eval_steps * self.accum):
-            total += eng.evaluate(batch)
-            count += 1
-            for i, n in enumerate(names):
-                sums[i] += float(eng.eval_metrics[n])
+        error = None
+        try:
+            for batch in eval_batches(self.eval_ds, micro_batch=cfg.train.micro_batch_size, rank=self.rank,
+                                      world_size=self.world, steps=cfg.train.eval_steps * self.accum):
+                total += eng.evaluate(batch)
+                count += 1
+                for i, n in enumerate(names):
+                    sums[i] += float(eng.eval_metrics[n])
+        except TrainrunError as exc:
+            error = exc
+        except Exception as exc:  # noqa: BLE001 - a dataset or session that breaks mid-run, on any rank
+            error = TrainrunError(f"evaluation at step {self.step} on data.eval {cfg.data.eval}: "
+                                  f"{type(exc).__name__}: {exc}")
+        self.comm.agree(error)      # the same error on every rank: they commit a checkpoint together
         total, count, *sums = self.comm.allreduce_scalars([total, count, *sums], op="sum")
         self.timer.mark("eval")
         result = G.eval_results(total / max(count, 1.0), dict(zip(names, sums)))
@@ -373,6 +381,11 @@ class TrainingRunner:
         self.timer.restart()
         start, first_step = time.perf_counter(), self.step
         end = min(t.max_steps, t.stop_at) if t.stop_at else t.max_steps
+        if self.resume_from and self.step < end:
+            dropped = self.metrics.resume_at(self.step)
+            if dropped:
+                self.log(f"metrics.jsonl: {dropped} line(s) after step {self.step} removed (steps after the "
+                         f"checkpoint resumed from, trained again now); TensorBoard drops them too")
         try:
             with self.signals:
                 last, eval_loss = self._loop(end, start)
@@ -383,12 +396,16 @@ class TrainingRunner:
             self.loader.close()
             self.metrics.close()     # what was logged reaches metrics.jsonl, also on an error
         elapsed = time.perf_counter() - start
-        if self.is_main and self.checkpoints.saved_step == self.step:
+        ran = self.step - first_step        # steps of this session (a resumed run started later)
+        if not ran:
+            stop_at = f", train.stop_at {t.stop_at}" if t.stop_at else ""
+            self.log(f"nothing to train: the run is at step {self.step}, it ends at step {end} (train.max_steps "
+                     f"{t.max_steps}{stop_at}); {os.path.join(self.out, 'model.onnx')} not exported again")
+        elif self.is_main and self.checkpoints.saved_step == self.step:
             from .export import export_checkpoint
             self._release()      # the export reads the checkpoint: free what training held first
             export_checkpoint(os.path.join(self.out, "checkpoints", str(self.step)),
                               os.path.join(self.out, "model.onnx"), echo=self.log)
-        ran = self.step - first_step        # steps of this session (a resumed run started later)
         summary = {
             "steps": ran, "final_step": self.step, "skipped_steps": self.skipped, "time_s": round(elapsed, 3),
             "samples": ran * self.global_batch, "samples_per_sec": ran * self.global_batch / max(elapsed, 1e-9),
@@ -398,6 +415,9 @@ class TrainingRunner:
             "phase_shares": {k: round(v, 4) for k, v in self.timer.shares().items()},
         }
         self._footer(summary)
+        if ran and self.step == t.stop_at < t.max_steps and self.checkpoints.saved_step == self.step:
+            self.log(f"stopped at train.stop_at {t.stop_at} of train.max_steps {t.max_steps}; checkpoint "
+                     f"{os.path.join(self.out, 'checkpoints', str(self.step))} committed. {self._continue_hint()}")
         return summary
 
     def _loop(self, end: int, window_t: float) -> tuple[dict, float | None]:
@@ -428,7 +448,10 @@ class TrainingRunner:
             if self.eval_ds is not None and not stop and (
                     (t.eval_every and self.step % t.eval_every == 0) or self.step == end
                     or (checkpoint and self.cfg.checkpoint.keep_best)):     # keep_best ranks by eval loss
-                evaluated = self.evaluate()
+                try:
+                    evaluated = self.evaluate()
+                except TrainrunError as exc:     # raised on every rank (agreed): lose no trained step to it
+                    raise self._committed_first(exc)
                 eval_loss = step_eval = evaluated["eval_loss"]
                 self.metrics.log(self.step, evaluated)
                 self.timer.mark("log")
@@ -462,6 +485,21 @@ class TrainingRunner:
         self.shard = self.sampler = self.observe = None
         return_freed_memory()
 
+    def _continue_hint(self) -> str:
+        return f"Continue with `trainrun resume {self.out}`"
+
+    def _committed_first(self, exc: TrainrunError) -> TrainrunError:
+        """An error every rank raised after this step trained (an evaluation that failed): this step's
+        checkpoint committed first (not while updates are skipped: keep the good ones), then ``exc``."""
+        if not self.nonfinite_in_a_row:
+            self.save()
+        self.checkpoints.finish()
+        saved = self.checkpoints.saved_step
+        if saved is not None:
+            exc.message += (f"; checkpoint {os.path.join(self.out, 'checkpoints', str(saved))} committed first. "
+                            f"{self._continue_hint()} once the cause is fixed")
+        return exc
+
     def _stopped(self) -> None:
         """After a stop signal: the checkpoint of this step committed on every rank, then :class:`Stopped`."""
         self.checkpoints.finish()
@@ -469,8 +507,7 @@ class TrainingRunner:
         took = f" {time.monotonic() - self.signals.at:.1f} s after the signal" if sig else ""
         raise collective(Stopped(
             f"stopped by {sig or 'a signal to another rank'} after step {self.step}; checkpoint "
-            f"{os.path.join(self.out, 'checkpoints', str(self.step))} committed{took}. "
-            f"Continue with `trainrun resume {self.out}`"))
+            f"{os.path.join(self.out, 'checkpoints', str(self.step))} committed{took}. {self._continue_hint()}"))
 
     def save(self, eval_loss: float | None = None) -> None:
         """Checkpoint this step: the tensors written now, the rest in the background (every rank).

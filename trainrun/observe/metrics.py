@@ -33,6 +33,14 @@ def _tb_name(key: str) -> str | None:
     return "eval/" + key[5:] if key.startswith("eval_") else None
 
 
+def _step_of(line: str) -> int | None:
+    """The step of a metrics.jsonl line; None for a line cut short (a crash while it was written)."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def fmt_duration(seconds: float) -> str:
     seconds = int(max(0, seconds))
     h, rem = divmod(seconds, 3600)
@@ -109,6 +117,31 @@ class Metrics:
         scalars += [Summary.Value(tag=f"time/{k}_ms", simple_value=v) for k, v in values.get("phase_ms", {}).items()]
         if scalars:
             self._tb.write_event(Event(wall_time=time.time(), step=step, summary=Summary(value=scalars)))
+
+    def resume_at(self, step: int) -> int:
+        """A resumed run that trains again after ``step``: the lines of later steps (logged by a session
+        that ended before its next checkpoint, so those steps are trained again) leave metrics.jsonl, and
+        TensorBoard drops its events from step + 1 on (a SessionLog START there: its purge step), so every
+        step appears once. Returns the number of lines removed."""
+        if not self.enabled:
+            return 0
+        path = self._jsonl.name
+        self._jsonl.close()
+        with open(path) as fh:
+            lines = fh.readlines()
+        kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
+        if len(kept) < len(lines):
+            with open(path + ".tmp", "w") as fh:
+                fh.writelines(kept)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(path + ".tmp", path)     # whole or not at all
+        self._jsonl = open(path, "a", buffering=1)
+        if self._tb is not None:
+            from tensorboardX.proto.event_pb2 import Event, SessionLog
+            self._tb.write_event(Event(wall_time=time.time(), step=step + 1,
+                                       session_log=SessionLog(status=SessionLog.START)))
+        return len(lines) - len(kept)
 
     def text(self, step: int, tag: str, text: str) -> None:
         """A text summary in TensorBoard (its Text tab) under ``tag``."""
