@@ -494,10 +494,9 @@ class TrainingRunner:
         if not self.nonfinite_in_a_row:
             self.save()
         self.checkpoints.finish()
-        saved = self.checkpoints.saved_step
-        if saved is not None:
-            exc.message += (f"; checkpoint {os.path.join(self.out, 'checkpoints', str(saved))} committed first. "
-                            f"{self._continue_hint()} once the cause is fixed")
+        if self.checkpoints.saved_step == self.step:
+            exc.message += (f"; checkpoint {os.path.join(self.out, 'checkpoints', str(self.step))} committed "
+                            f"first. {self._continue_hint()} once the cause is fixed")
         return exc
 
     def _stopped(self) -> None:
