@@ -44,14 +44,20 @@ def test_train_subcommand_set_and_log_level(trained_proc):
 
 
 def test_resume_log_level(tmp_path, trained):
-    """The run was saved at devinfo; `resume --log-level warning` continues it quietly."""
+    """`--log-level devinfo` applies to the command given it only: the run's config keeps the file's level
+    (info), so `resume --log-level warning` continues quietly and a plain `resume` prints at info again."""
     copy = tmp_path / "run"
     shutil.copytree(trained, copy)
     shutil.rmtree(copy / "checkpoints" / "3")
-    assert "log_level: devinfo" in (copy / "checkpoints" / "2" / "config.yaml").read_text()
+    for config in (copy / "config.yaml", copy / "checkpoints" / "2" / "config.yaml"):
+        assert "log_level: info" in config.read_text()
     proc = run([TRAINRUN, "resume", str(copy), "--log-level", "warning"], check=0)
     assert proc.stdout == "" and "[I:onnxruntime" not in proc.stderr
     assert K.resolve_checkpoint(str(copy)) == str(copy / "checkpoints" / "3")    # it did train step 3
+    assert "log_level: info" in (copy / "checkpoints" / "3" / "config.yaml").read_text()
+    shutil.rmtree(copy / "checkpoints" / "3")
+    proc = run([TRAINRUN, "resume", str(copy)], check=0)
+    assert "step      3/3 | loss " in proc.stdout and "[rank 0]" not in proc.stdout, proc.stdout
 
 
 def test_prepare_log_level_verbose_shows_the_traceback(tmp_path, byte_dataset):

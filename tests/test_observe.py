@@ -111,6 +111,7 @@ def test_log_levels(twin_runs):
         assert f"[rank {r}] host " in out
         assert f"[rank {r}] step 5 | local loss " in out and f"[rank {r}] step 10 | local loss " in out
     assert "[rank 0] trainrun: t | 2 rank(s)" in out
+    assert "[rank 0] resolved config:" in out and "[rank 0]   bert:" in out       # devinfo: the whole config
     assert "[I:onnxruntime:rank 1 train," in loud.stderr             # onnxruntime's own info logs, per rank
 
 

@@ -198,3 +198,30 @@ def test_a_rank_stuck_in_a_step_ends_the_job_within_the_timeout(tmp_path, byte_d
     assert proc.returncode != 0
     assert "timed out on rank 0 of 2" in proc.stderr and "timeout_s=5" in proc.stderr, proc.stderr
     assert max(read_metrics(str(tmp_path / "run"))[0]) == 2
+
+
+def test_second_ctrl_c_while_the_tensors_are_written_exits_130(tmp_path, byte_dataset):
+    """Both Ctrl-Cs come while rank 0 writes step 6's tensors in the training thread (held there by fault
+    injection): the first asks for a stop, the second interrupts that save at once: exit 130 and
+    "interrupted", not exit 1 with "checkpoint at step 6 failed (rank 0: KeyboardInterrupt: )"; nothing of
+    step 6's checkpoint is left."""
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 100000, "checkpoint.every": 6})
+    ckpts = tmp_path / "run" / "checkpoints"
+    proc = subprocess.Popen([TRAINRUN, "--config", cfg], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, TRAINRUN_FAULT_STALL_TENSORS="6"))
+    try:
+        deadline = time.monotonic() + 120
+        while not (ckpts / f"{K.STAGING}6" / "model.safetensors").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "step 6's save not reached"
+            time.sleep(0.05)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert proc.poll() is None                  # the first one only asked for a stop
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert "trainrun: interrupted" in err and "KeyboardInterrupt" not in err and "Traceback" not in err, err
+    assert os.listdir(ckpts) == []

@@ -1,9 +1,11 @@
 """The TrainingRunner end to end, with real `mpirun` processes."""
 
 import glob
+import hashlib
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -13,6 +15,7 @@ import pytest
 
 from conftest import (MPIRUN, TRAINRUN, TRAINRUN_DATA, mpirun, rank_pids, read_metrics, run, synthetic_text_dir,
                       write_config)
+from trainrun import checkpoint as K
 
 
 def losses(run_dir, key="loss"):
@@ -60,42 +63,68 @@ def test_parameters_bitwise_identical_on_all_ranks_every_step(tmp_path, byte_dat
 
 def test_summary_metrics_and_tensorboard(tmp_path, byte_dataset):
     cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{
-        "train.max_steps": 10, "train.log_every": 5, "train.eval_every": 5, "tensorboard.enabled": True})
+        "train.max_steps": 10, "train.log_every": 5, "train.eval_every": 5, "tensorboard.enabled": True,
+        "train.sample_prompt": "def f(\n"})
     proc = mpirun(2, "--config", cfg)
     out = tmp_path / "run"
     train, evals = read_metrics(str(out))
     assert sorted(train) == [5, 10] and sorted(evals) == [5, 10]
     for row in train.values():
-        for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "elapsed_s"):
+        for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "samples_per_sec", "elapsed_s"):
             assert key in row
-        assert row["tokens_per_sec"] > 0
+        assert row["samples_per_sec"] > 0
+        assert row["tokens_per_sec"] == pytest.approx(row["samples_per_sec"] * 32, rel=1e-12)
         # mean ms per step of each phase since the last log
         assert {"data", "forward_backward", "allreduce", "norm", "optimizer"} <= set(row["phase_ms"])
         assert all(v > 0 for v in row["phase_ms"].values()), row["phase_ms"]
     assert "eval" not in train[5]["phase_ms"] and "eval" in train[10]["phase_ms"]   # step 5's eval: after its log
     assert evals[10]["eval_perplexity"] == pytest.approx(math.exp(evals[10]["eval_loss"]), rel=1e-6)
     assert "2 rank(s)" in proc.stdout and "global batch 8" in proc.stdout and "done: 10 steps" in proc.stdout
+    assert " tok/s | " in proc.stdout and " | perplexity " in proc.stdout           # a language model's numbers
+    # at info the config shows what differs from the defaults, one line per section, a newline kept in its line
+    config = proc.stdout.split("config (what differs from the defaults")[1].split("trainrun: t |")[0]
+    assert '  train: micro_batch_size=4, max_steps=10, eval_every=5, eval_steps=2, log_every=5, ' \
+           'sample_prompt="def f(\\n"\n' in config, config
+    assert "bert" not in config and "n_layer" not in config and "adamw" not in config      # defaults not shown
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 10 and set(summary["phase_shares"]) >= {"forward_backward", "allreduce", "optimizer"}
     tags = _tensorboard_tags(glob.glob(str(out / "tensorboard" / "events.*")))
-    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_sec", "eval/loss",
-            "eval/perplexity", "time/forward_backward_ms", "time/optimizer_ms"} <= tags
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_sec", "train/samples_per_sec",
+            "eval/loss", "eval/perplexity", "time/forward_backward_ms", "time/optimizer_ms"} <= tags
 
 
-def _tensorboard_tags(files):
-    """Scalar tags in TensorBoard event files (TFRecord framing: u64 length, u32 crc, data, u32 crc)."""
+def _tensorboard_events(files):
+    """The events of TensorBoard event files, file by file in the order written (TFRecord framing: u64 length,
+    u32 crc, data, u32 crc)."""
     import struct
     from tensorboardX.proto import event_pb2
-    tags = set()
-    for f in files:
+    for f in sorted(files):      # events.out.tfevents.<seconds>.<host>...: the order of creation
         data = open(f, "rb").read()
         i = 0
         while i < len(data):
             (n,) = struct.unpack("<Q", data[i:i + 8])
-            event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
-            tags |= {v.tag for v in event.summary.value}
+            yield event_pb2.Event.FromString(data[i + 12:i + 12 + n])
             i += 12 + n + 4
-    return tags
+
+
+def _tensorboard_tags(files):
+    """Scalar tags in TensorBoard event files."""
+    return {v.tag for event in _tensorboard_events(files) for v in event.summary.value}
+
+
+def _tensorboard_scalars(files):
+    """{tag: [step, ...]} as TensorBoard shows them: a SessionLog START at step s discards the events read
+    before it at steps >= s (tensorboard's EventAccumulator, the purge step of tensorboardX's writers)."""
+    from tensorboardX.proto.event_pb2 import SessionLog
+    seen = []
+    for event in _tensorboard_events(files):
+        if event.HasField("session_log") and event.session_log.status == SessionLog.START:
+            seen = [(tag, step) for tag, step in seen if step < event.step]
+        seen += [(v.tag, event.step) for v in event.summary.value]
+    out = {}
+    for tag, step in seen:
+        out.setdefault(tag, []).append(step)
+    return out
 
 
 def test_refuses_to_overwrite_a_run_with_checkpoints(tmp_path, byte_dataset):
@@ -186,3 +215,77 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, byte_dataset):
     ckpts = sorted(int(d) for d in os.listdir(tmp_path / "run" / "checkpoints") if d.isdigit())
     assert max(ckpts, default=0) == last - 7, ckpts
     assert os.path.exists(tmp_path / "run" / "checkpoints" / str(last - 7) / "COMMITTED")
+
+
+def test_an_evaluation_that_fails_commits_the_trained_steps_first(tmp_path, byte_dataset):
+    """A dataset that breaks at the evaluation, on one rank: rank 1's first eval sample holds a token id beyond
+    the vocabulary (the manifest's checksum updated to match, so start-up accepts the shard). With eval only at
+    the end, both ranks commit a checkpoint of the last trained step first; then the job exits 2 naming the
+    rank and the shard (rank 0 alone reports)."""
+    data = tmp_path / "data"
+    shutil.copytree(byte_dataset, data)
+    manifest = json.loads((data / "eval" / "manifest.json").read_text())
+    shard = data / "eval" / manifest["shards"][0]["file"]
+    tokens = np.fromfile(shard, manifest["dtype"])
+    tokens[4 * 32 + 5] = 65535          # sample 4: rank 1's first (micro-batch 4 x 2 ranks, seq_len 32)
+    tokens.tofile(shard)
+    manifest["shards"][0]["sha256"] = hashlib.sha256(shard.read_bytes()).hexdigest()
+    (data / "eval" / "manifest.json").write_text(json.dumps(manifest))
+    cfg = write_config(tmp_path / "c.yaml", str(data), **{"train.max_steps": 6})     # checkpoint.every 0
+    proc = mpirun(2, "--config", cfg, check=2, timeout=120)
+    run_dir = tmp_path / "run"
+    assert f"rank 1: {shard}: token id 65535 at token 133 is not below the model's vocab_size 512" in proc.stderr
+    assert f"checkpoint {run_dir / 'checkpoints' / '6'} committed first" in proc.stderr, proc.stderr
+    assert proc.stderr.count("token id 65535") == 1 and "Traceback" not in proc.stderr
+    ckpt = K.resolve_checkpoint(str(run_dir))
+    assert ckpt == str(run_dir / "checkpoints" / "6")
+    K.verify(ckpt)
+    assert max(read_metrics(str(run_dir))[0]) == 6
+
+
+def test_stop_at_prints_the_resume_command(tmp_path, byte_dataset):
+    """A run ended by train.stop_at says how to continue it, as a stop signal does."""
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 6, "train.stop_at": 3})
+    run_dir = tmp_path / "run"
+    proc = run([TRAINRUN, "--config", cfg], check=0)
+    assert f"stopped at train.stop_at 3 of train.max_steps 6; checkpoint {run_dir / 'checkpoints' / '3'} " \
+           f"committed. Continue with `trainrun resume {run_dir}`" in proc.stdout, proc.stdout
+
+
+def test_a_resume_with_nothing_to_train_keeps_the_model(tmp_path, byte_dataset):
+    """A resume from an older checkpoint with train.max_steps at that step trains nothing: it says so and
+    leaves model.onnx (of step 6) and metrics.jsonl as they are."""
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 6, "checkpoint.every": 3})
+    run_dir = tmp_path / "run"
+    run([TRAINRUN, "--config", cfg], check=0)
+    model, metrics = (run_dir / "model.onnx").read_bytes(), (run_dir / "metrics.jsonl").read_text()
+    proc = run([TRAINRUN, "resume", str(run_dir / "checkpoints" / "3"), "--set", "train.max_steps=3"], check=0)
+    assert f"nothing to train: the run is at step 3, it ends at step 3 (train.max_steps 3); " \
+           f"{run_dir / 'model.onnx'} not exported again" in proc.stdout, proc.stdout
+    assert (run_dir / "model.onnx").read_bytes() == model
+    assert (run_dir / "metrics.jsonl").read_text() == metrics
+
+
+def test_metrics_and_tensorboard_after_a_crash_hold_every_step_once(tmp_path, byte_dataset):
+    """A run that crashes at step 12 (step 8's checkpoint write hangs, so step 12's save gives up after
+    distributed.timeout_s) logged steps 5..12 after its last committed checkpoint, 4; resumed, it trains
+    them again. metrics.jsonl then holds every step once (the lost lines removed, the redone ones kept),
+    TensorBoard likewise (its purge step)."""
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{
+        "train.max_steps": 16, "checkpoint.every": 4, "train.eval_every": 5, "tensorboard.enabled": True,
+        "distributed.timeout_s": 3})
+    run_dir = tmp_path / "run"
+    proc = run([TRAINRUN, "--config", cfg], check=1, env={"TRAINRUN_FAULT_STALL_CHECKPOINT": "8"})
+    assert "the checkpoint write of step 8" in proc.stderr, proc.stderr
+    assert K.resolve_checkpoint(str(run_dir)) == str(run_dir / "checkpoints" / "4")
+    tb = glob.glob(str(run_dir / "tensorboard" / "events.*"))
+    assert _tensorboard_scalars(tb)["train/loss"] == list(range(1, 13))
+    proc = run([TRAINRUN, "resume", str(run_dir)], check=0)
+    assert "metrics.jsonl: 10 line(s) after step 4 removed" in proc.stdout, proc.stdout     # 8 steps, 2 evals
+    with open(run_dir / "metrics.jsonl") as fh:
+        rows = [json.loads(line) for line in fh]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 17))
+    assert [r["step"] for r in rows if "eval_loss" in r] == [5, 10, 15, 16]
+    scalars = _tensorboard_scalars(glob.glob(str(run_dir / "tensorboard" / "events.*")))
+    assert scalars["train/loss"] == list(range(1, 17))
+    assert scalars["eval/loss"] == [5, 10, 15, 16]

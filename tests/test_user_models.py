@@ -10,6 +10,7 @@ trainrun averages them over ranks before every checkpoint and evaluation (checkp
 every step) -- the reference does the same.
 """
 
+import glob
 import os
 import sys
 
@@ -21,6 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 from safetensors.numpy import load_file
 
 from conftest import ROOT, TRAINRUN, TRAINRUN_DATA, mpirun, read_metrics, run
+from test_runner import _tensorboard_tags
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import squeezenet_digits as SQ  # noqa: E402  (the model and data builder of the recipe)
@@ -396,12 +398,21 @@ def test_graph_with_its_own_loss_trains_on_two_ranks(tmp_path, tabular):
 @pytest.mark.parametrize("loss", ["mse", "l1"])
 def test_regression_trains_on_two_ranks_with_eval_mse_and_mae(tmp_path, tabular, loss):
     """mse / l1 against float targets (data.inputs maps the loss's labels input to the feature `target`):
-    the first loss and the final eval mse and mae equal NumPy's on the initial / final weights."""
+    the first loss and the final eval mse and mae equal NumPy's on the initial / final weights. A regression
+    gets samples/s and its eval metrics, no tokens/s nor perplexity (console, metrics.jsonl, TensorBoard)."""
     data, arrays = tabular
     w0 = mlp(tmp_path / "m.onnx", 3)
-    mpirun(2, "--config", small_run(tmp_path, {"loss": {"type": loss, "logits": "out"}}, data,
-                                    data={"inputs": {"labels": "target"}}, checkpoint={"every": 30}))
+    proc = mpirun(2, "--config", small_run(tmp_path, {"loss": {"type": loss, "logits": "out"}}, data,
+                                           data={"inputs": {"labels": "target"}}, checkpoint={"every": 30},
+                                           tensorboard={"enabled": True}))
     train, evals = read_metrics(str(tmp_path / "run"))
+    assert " samples/s | " in proc.stdout and " | mse " in proc.stdout and " | mae " in proc.stdout
+    assert "tok/s" not in proc.stdout and "tokens" not in proc.stdout and "perplexity" not in proc.stdout, proc.stdout
+    assert train[1]["samples_per_sec"] > 0 and "tokens_per_sec" not in train[1]
+    assert "eval_perplexity" not in evals[30]
+    tags = _tensorboard_tags(glob.glob(str(tmp_path / "run" / "tensorboard" / "events.*")))
+    assert {"train/samples_per_sec", "eval/loss", "eval/mse", "eval/mae"} <= tags
+    assert not {"train/tokens_per_sec", "eval/perplexity"} & tags
     err = np_forward(w0, arrays["train"]["x"][:16]) - arrays["train"]["target"][:16]
     per = err ** 2 if loss == "mse" else np.abs(err)
     assert train[1]["loss"] == pytest.approx((per[:8].mean() + per[8:].mean()) / 2, rel=1e-5)

@@ -409,6 +409,7 @@ class CheckpointWriter:
                                        [buffers["params"]] + ([model_state[1]] if sl else []), metadata, sync=False)
                 head = len(_header(names, shapes, metadata))
                 files.append(("model.safetensors", (head, head + 4 * layout.total)))
+                faults.stall("STALL_TENSORS", self.rank, step)
                 states = [k for k in buffers if k != "params"]
                 if states:
                     write_flat_safetensors(
@@ -418,6 +419,9 @@ class CheckpointWriter:
                     files.append(("optimizer.safetensors", None))
             else:
                 digest = params_digest(buffers["params"])
+        except KeyboardInterrupt:     # a second Ctrl-C while the tensors are written: interrupted (130), not
+            self.abandon()            # a failed checkpoint (exit 1); nothing of this one is left
+            raise
         except BaseException as exc:  # noqa: BLE001 - reported to every rank by status()
             self._error = exc
         finally:

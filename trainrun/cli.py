@@ -22,7 +22,7 @@ config_option = click.option("--config", "config_path", type=click.Path(dir_okay
 set_option = click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
                           help="Override a config value (repeatable), e.g. --set train.max_steps=50.")
 log_option = click.option("--log-level", type=click.Choice(LOG_LEVELS), default=None,
-                          help="Override run.log_level.")
+                          help="Log level of this command only (run.log_level stays as the config has it).")
 
 
 def _with_log_level(overrides, log_level):
@@ -64,8 +64,8 @@ def cli(ctx, config_path, overrides, log_level):
 def train(config_path, overrides, log_level):
     """Train from a config (under mpirun for several ranks)."""
     from .runner import train as run_train
-    cfg = C.load_config(config_path, _with_log_level(overrides, log_level), need_data=True)
-    run_train(cfg)
+    cfg = C.load_config(config_path, overrides, need_data=True)
+    run_train(cfg, log_level=log_level)
 
 
 @cli.command()
@@ -77,8 +77,8 @@ def resume(run_dir, overrides, log_level, force):
     """Continue a run from its latest complete checkpoint (or the named one)."""
     from .resume import resume_config
     from .runner import train as run_train
-    cfg, ckpt = resume_config(run_dir, _with_log_level(overrides, log_level), force=force)
-    run_train(cfg, resume_from=ckpt, force=force)
+    cfg, ckpt = resume_config(run_dir, list(overrides), force=force)
+    run_train(cfg, resume_from=ckpt, force=force, log_level=log_level)
 
 
 @cli.command()

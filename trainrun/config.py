@@ -13,6 +13,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import json
 import os
 import re
 import typing
@@ -745,12 +746,31 @@ def to_yaml(cfg, *, comments: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
-def to_yaml_compact(cfg) -> str:
-    """One line per top-level section, e.g. ``  train: {micro_batch_size: 8, ...}``."""
-    def flow(v):
-        text = yaml.safe_dump(v, default_flow_style=True, width=10_000, sort_keys=False)
-        return text.removesuffix("...\n").strip()
-    return "".join(f"  {k}: {flow(v)}\n" for k, v in to_dict(cfg).items())
+def changed_keys(a: dict, b: dict, prefix: str = "") -> list[str]:
+    """Dotted names of the leaves whose values differ between two :func:`to_dict` results."""
+    out = []
+    for k in a:
+        path = f"{prefix}{k}"
+        if isinstance(a[k], dict) and isinstance(b[k], dict) and a[k].keys() == b[k].keys():
+            out += changed_keys(a[k], b[k], path + ".")
+        elif a[k] != b[k]:
+            out.append(path)
+    return out
+
+
+def to_text_changed(cfg) -> str:
+    """What differs from the defaults, one line per section, each value as JSON (one line even for a
+    string holding a newline), e.g. ``  train: max_steps=50, sample_prompt="def f\\n"``."""
+    sections: dict[str, list[str]] = {}
+    mine = to_dict(cfg)
+    for key in changed_keys(to_dict(Config()), mine):
+        section, _, rest = key.partition(".")
+        value = mine
+        for part in key.split("."):
+            value = value[part]
+        value = json.dumps(value)
+        sections.setdefault(section, []).append(f"{rest}={value}" if rest else value)
+    return "".join(f"  {k}: {', '.join(v)}\n" for k, v in sections.items())
 
 
 def _yaml_commented(obj, indent: int, lines: list[str]) -> None:

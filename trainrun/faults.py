@@ -3,6 +3,8 @@ step (``STEP``, every rank) or a rank and a step (``RANK:STEP``). Read once at i
 
 * ``TRAINRUN_FAULT_STALL_CHECKPOINT``  the background write of that step's checkpoint hangs (after rank 0
                                        wrote its tensors), so a test can kill or time out a write;
+* ``TRAINRUN_FAULT_STALL_TENSORS``     rank 0's write of that step's tensors hangs in the training thread (after
+                                       model.safetensors), so a test can signal it mid-save;
 * ``TRAINRUN_FAULT_STALL_STEP``        the rank hangs at the start of that step (a stuck data read);
 * ``TRAINRUN_FAULT_NAN_GRAD``          the rank's gradient holds a NaN after that step's backward;
 * ``TRAINRUN_FAULT_SHARED_WINDOWS``    (step 0: set-up) the rank cannot allocate MPI shared-memory windows

@@ -39,7 +39,7 @@ def resume_config(path: str, overrides: list[str], force: bool = False) -> tuple
     if not any(o.split("=", 1)[0].strip() == "train.stop_at" for o in overrides) \
             and cfg.train.stop_at and cfg.train.stop_at <= state["step"]:
         saved.train.stop_at = cfg.train.stop_at = 0     # that stop was the saving session's; run on
-    changed = _changed_keys(C.to_dict(saved), C.to_dict(cfg))
+    changed = C.changed_keys(C.to_dict(saved), C.to_dict(cfg))
     unsafe = [k for k in changed if not k.startswith(SAFE_ON_RESUME)]
     if unsafe and not force:
         raise UsageError("resume: these keys change the model, optimizer or data and would not continue the "
@@ -55,13 +55,3 @@ def resume_config(path: str, overrides: list[str], force: bool = False) -> tuple
             f"(or --force)")
     return cfg, ckpt
 
-
-def _changed_keys(a: dict, b: dict, prefix: str = "") -> list[str]:
-    out = []
-    for k in a:
-        path = f"{prefix}{k}"
-        if isinstance(a[k], dict):
-            out += _changed_keys(a[k], b[k], path + ".")
-        elif a[k] != b[k]:
-            out.append(path)
-    return out

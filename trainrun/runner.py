@@ -25,6 +25,7 @@ in float32 that is the same arithmetic.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -78,8 +79,9 @@ def return_freed_memory() -> None:
 
 class TrainingRunner:
     def __init__(self, cfg: C.Config, comm, resume_from: str | None = None, lock: RunLock | None = None,
-                 force: bool = False):
+                 force: bool = False, config_yaml: str | None = None):
         self.cfg = cfg
+        self.config_yaml = config_yaml or C.to_yaml(cfg)     # what the run directory and its checkpoints record
         self.lock = lock
         self.resume_from = resume_from
         self.comm = comm
@@ -136,7 +138,7 @@ class TrainingRunner:
                 K.cleanup(ckpt_dir, log=self.log)
                 os.makedirs(self.out, exist_ok=True)
                 with open(os.path.join(self.out, "config.yaml"), "w") as fh:
-                    fh.write(C.to_yaml(cfg))
+                    fh.write(self.config_yaml)
                 if not G.up_to_date(self.graphs_dir, cfg):
                     self.log(f"preparing graphs in {self.graphs_dir}")
                     G.prepare(cfg, self.graphs_dir)
@@ -175,6 +177,10 @@ class TrainingRunner:
         except UsageError as exc:
             error = exc
         self.comm.agree(error)
+        # token sequences: tokens/s besides samples/s; next-token cross-entropy: perplexity besides the loss
+        self.tokens = "input_ids" in self.train_ds.specs
+        loss = cfg.model.loss
+        self.perplexity = self.train_ds.kind == "tokens" and loss.output is None and loss.type == "cross_entropy"
         self.loader = TrainLoader(self.train_ds, micro_batch=cfg.train.micro_batch_size, accum=self.accum,
                                   rank=self.rank, world_size=self.world, seed=cfg.run.seed,
                                   shuffle=cfg.data.shuffle, prefetch=cfg.data.prefetch)
@@ -338,15 +344,25 @@ class TrainingRunner:
         self.sync_state()
         names = list(eng.eval_metrics)
         total, count, sums = 0.0, 0.0, [0.0] * len(names)
-        for batch in eval_batches(self.eval_ds, micro_batch=cfg.train.micro_batch_size, rank=self.rank,
-                                  world_size=self.world, steps=cfg.train.eval_steps * self.accum):
-            total += eng.evaluate(batch)
-            count += 1
-            for i, n in enumerate(names):
-                sums[i] += float(eng.eval_metrics[n])
+        error = None
+        try:
+            for batch in eval_batches(self.eval_ds, micro_batch=cfg.train.micro_batch_size, rank=self.rank,
+                                      world_size=self.world, steps=cfg.train.eval_steps * self.accum):
+                total += eng.evaluate(batch)
+                count += 1
+                for i, n in enumerate(names):
+                    sums[i] += float(eng.eval_metrics[n])
+        except TrainrunError as exc:
+            error = exc
+        except Exception as exc:  # noqa: BLE001 - a dataset or session that breaks mid-run, on any rank
+            error = TrainrunError(f"evaluation at step {self.step} on data.eval {cfg.data.eval}: "
+                                  f"{type(exc).__name__}: {exc}")
+        self.comm.agree(error)      # the same error on every rank: they commit a checkpoint together
         total, count, *sums = self.comm.allreduce_scalars([total, count, *sums], op="sum")
         self.timer.mark("eval")
         result = G.eval_results(total / max(count, 1.0), dict(zip(names, sums)))
+        if not self.perplexity:
+            del result["perplexity"]
         return {f"eval_{k}": v for k, v in result.items()}
 
     # ------------------------------------------------------------------ the loop
@@ -359,6 +375,11 @@ class TrainingRunner:
         self.timer.restart()
         start, first_step = time.perf_counter(), self.step
         end = min(t.max_steps, t.stop_at) if t.stop_at else t.max_steps
+        if self.resume_from and self.step < end:
+            dropped = self.metrics.resume_at(self.step)
+            if dropped:
+                self.log(f"metrics.jsonl: {dropped} line(s) after step {self.step} removed (steps after the "
+                         f"checkpoint resumed from, trained again now); TensorBoard drops them too")
         try:
             with self.signals:
                 last, eval_loss = self._loop(end, start)
@@ -369,20 +390,28 @@ class TrainingRunner:
             self.loader.close()
             self.metrics.close()     # what was logged reaches metrics.jsonl, also on an error
         elapsed = time.perf_counter() - start
-        if self.is_main and self.checkpoints.saved_step == self.step:
+        ran = self.step - first_step        # steps of this session (a resumed run started later)
+        if not ran:
+            stop_at = f", train.stop_at {t.stop_at}" if t.stop_at else ""
+            self.log(f"nothing to train: the run is at step {self.step}, it ends at step {end} (train.max_steps "
+                     f"{t.max_steps}{stop_at}); {os.path.join(self.out, 'model.onnx')} not exported again")
+        elif self.is_main and self.checkpoints.saved_step == self.step:
             from .export import export_checkpoint
             self._release()      # the export reads the checkpoint: free what training held first
             export_checkpoint(os.path.join(self.out, "checkpoints", str(self.step)),
                               os.path.join(self.out, "model.onnx"), echo=self.log)
-        ran = self.step - first_step        # steps of this session (a resumed run started later)
         summary = {
-            "steps": ran, "final_step": self.step, "skipped_steps": self.skipped,
-            "tokens": ran * self.tokens_per_step, "time_s": round(elapsed, 3),
-            "tokens_per_sec": ran * self.tokens_per_step / max(elapsed, 1e-9),
+            "steps": ran, "final_step": self.step, "skipped_steps": self.skipped, "time_s": round(elapsed, 3),
+            "samples": ran * self.global_batch, "samples_per_sec": ran * self.global_batch / max(elapsed, 1e-9),
+            **({"tokens": ran * self.tokens_per_step,
+                "tokens_per_sec": ran * self.tokens_per_step / max(elapsed, 1e-9)} if self.tokens else {}),
             "final_loss": last.get("loss"), "final_eval_loss": eval_loss, "world_size": self.world,
             "phase_shares": {k: round(v, 4) for k, v in self.timer.shares().items()},
         }
         self._footer(summary)
+        if ran and self.step == t.stop_at < t.max_steps and self.checkpoints.saved_step == self.step:
+            self.log(f"stopped at train.stop_at {t.stop_at} of train.max_steps {t.max_steps}; checkpoint "
+                     f"{os.path.join(self.out, 'checkpoints', str(self.step))} committed. {self._continue_hint()}")
         return summary
 
     def _loop(self, end: int, window_t: float) -> tuple[dict, float | None]:
@@ -398,12 +427,13 @@ class TrainingRunner:
             stop = last["stop"]
             if self.step % t.log_every == 0 or self.step == end or stop:
                 now = time.perf_counter()
-                tps = window_steps * self.tokens_per_step / (now - window_t)
+                sps = window_steps * self.global_batch / (now - window_t)
                 phase_ms = {k: round(1e3 * (v - phases.get(k, 0.0)) / window_steps, 3)
                             for k, v in self.timer.total.items() if v > phases.get(k, 0.0)}
                 window_t, window_steps, phases = now, 0, dict(self.timer.total)
                 self.metrics.log(self.step, {"loss": last["loss"], "lr": last["lr"],
-                                             "grad_norm": last["grad_norm"], "tokens_per_sec": tps,
+                                             "grad_norm": last["grad_norm"], "samples_per_sec": sps,
+                                             **({"tokens_per_sec": sps * self.cfg.data.seq_len} if self.tokens else {}),
                                              "skipped_steps": self.skipped, "phase_ms": phase_ms,
                                              **({"loss_scale": last["loss_scale"]} if self.scaler else {})})
                 self.timer.mark("log")
@@ -412,7 +442,10 @@ class TrainingRunner:
             if self.eval_ds is not None and not stop and (
                     (t.eval_every and self.step % t.eval_every == 0) or self.step == end
                     or (checkpoint and self.cfg.checkpoint.keep_best)):     # keep_best ranks by eval loss
-                evaluated = self.evaluate()
+                try:
+                    evaluated = self.evaluate()
+                except TrainrunError as exc:     # raised on every rank (agreed): lose no trained step to it
+                    raise self._committed_first(exc)
                 eval_loss = step_eval = evaluated["eval_loss"]
                 self.metrics.log(self.step, evaluated)
                 self.timer.mark("log")
@@ -446,6 +479,20 @@ class TrainingRunner:
         self.shard = self.sampler = self.observe = None
         return_freed_memory()
 
+    def _continue_hint(self) -> str:
+        return f"Continue with `trainrun resume {self.out}`"
+
+    def _committed_first(self, exc: TrainrunError) -> TrainrunError:
+        """An error every rank raised after this step trained (an evaluation that failed): this step's
+        checkpoint committed first (not while updates are skipped: keep the good ones), then ``exc``."""
+        if not self.nonfinite_in_a_row:
+            self.save()
+        self.checkpoints.finish()
+        if self.checkpoints.saved_step == self.step:
+            exc.message += (f"; checkpoint {os.path.join(self.out, 'checkpoints', str(self.step))} committed "
+                            f"first. {self._continue_hint()} once the cause is fixed")
+        return exc
+
     def _stopped(self) -> None:
         """After a stop signal: the checkpoint of this step committed on every rank, then :class:`Stopped`."""
         self.checkpoints.finish()
@@ -453,8 +500,7 @@ class TrainingRunner:
         took = f" {time.monotonic() - self.signals.at:.1f} s after the signal" if sig else ""
         raise collective(Stopped(
             f"stopped by {sig or 'a signal to another rank'} after step {self.step}; checkpoint "
-            f"{os.path.join(self.out, 'checkpoints', str(self.step))} committed{took}. "
-            f"Continue with `trainrun resume {self.out}`"))
+            f"{os.path.join(self.out, 'checkpoints', str(self.step))} committed{took}. {self._continue_hint()}"))
 
     def save(self, eval_loss: float | None = None) -> None:
         """Checkpoint this step: the tensors written now, the rest in the background (every rank).
@@ -472,7 +518,7 @@ class TrainingRunner:
         # of stage 1's optimizer state)
         buffers = {"params": self.engine.params, **self.shard.full_state()}
         model_state = (self.engine.state_layout, self.engine.state)
-        self.checkpoints.save(self.step, self.engine.layout, buffers, meta, C.to_yaml(cfg), model_state)
+        self.checkpoints.save(self.step, self.engine.layout, buffers, meta, self.config_yaml, model_state)
         self.timer.mark("checkpoint")
 
     # ------------------------------------------------------------------ start and end lines
@@ -494,12 +540,14 @@ class TrainingRunner:
                                         f"node {node.mem.cross.rank} of {node.mem.cross.world_size}; one "
                                         f"{node.params.nbytes:,}-byte parameter buffer per node)" if node else "mpi"),
                      all_ranks=True)
-        else:   # one line per section; the whole file is <output_dir>/config.yaml
-            self.log("config (" + os.path.join(self.out, "config.yaml") + "):\n" + C.to_yaml_compact(cfg))
+        else:   # what differs from the defaults; the whole file is <output_dir>/config.yaml (devinfo prints it)
+            self.log(f"config (what differs from the defaults; all of it in {os.path.join(self.out, 'config.yaml')}):"
+                     f"\n{C.to_text_changed(cfg).rstrip()}")
         self.log(f"trainrun: {cfg.run.name} | {self.world} rank(s) x {self.threads} thread(s) | "
                  f"{n:,} parameters | global batch {self.global_batch} "
                  f"({cfg.train.micro_batch_size} x {self.accum} accum x {self.world} ranks) | "
-                 f"{self.tokens_per_step:,} tokens/step | optimizer {cfg.optimizer.name} | "
+                 + (f"{self.tokens_per_step:,} tokens/step | " if self.tokens else "")
+                 + f"optimizer {cfg.optimizer.name} | "
                  f"{self.train_ds.num_samples:,} train samples")
 
     def _footer(self, s: dict) -> None:
@@ -510,14 +558,20 @@ class TrainingRunner:
         shares = ", ".join(f"{k} {v:.0%}" for k, v in sorted(s["phase_shares"].items(), key=lambda kv: -kv[1]))
         final_eval = f", eval loss {s['final_eval_loss']:.4f}" if s["final_eval_loss"] is not None else ""
         final = f"; final loss {s['final_loss']:.4f}" if s["final_loss"] is not None else ""
-        self.log(f"done: {s['steps']} steps, {s['tokens']:,} tokens in {fmt_duration(s['time_s'])} "
-                 f"({s['tokens_per_sec']:,.0f} tokens/s){final}{final_eval}; "
+        unit = "tokens" if self.tokens else "samples"
+        self.log(f"done: {s['steps']} steps, {s[unit]:,} {unit} in {fmt_duration(s['time_s'])} "
+                 f"({s[unit + '_per_sec']:,.{0 if self.tokens else 1}f} {unit}/s){final}{final_eval}; "
                  f"time: {shares}")
 
 
-def train(cfg: C.Config, resume_from: str | None = None, force: bool = False) -> dict:
+def train(cfg: C.Config, resume_from: str | None = None, force: bool = False,
+          log_level: str | None = None) -> dict:
     """Train (or continue) on every rank. A failure on one rank ends the whole job
-    at once (MPI abort) after printing its cause, so no peer waits in a collective."""
+    at once (MPI abort) after printing its cause, so no peer waits in a collective.
+    ``log_level`` (``--log-level``): this invocation's only; the run records its config's."""
+    recorded = C.to_yaml(cfg)
+    if log_level:
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, log_level=log_level))
     if cfg.device == "cuda":
         from .comm import cuda_device_count
         if cuda_device_count() == 0:
@@ -527,7 +581,8 @@ def train(cfg: C.Config, resume_from: str | None = None, force: bool = False) ->
     comm = make_communicator(cfg.distributed.backend, cfg.device, cfg.distributed.timeout_s)
     lock = RunLock(cfg.run.output_dir)
     try:
-        return TrainingRunner(cfg, comm, resume_from=resume_from, lock=lock, force=force).fit()
+        return TrainingRunner(cfg, comm, resume_from=resume_from, lock=lock, force=force,
+                              config_yaml=recorded).fit()
     except BaseException as exc:
         if comm.world_size > 1 and not getattr(exc, "collective", False):
             _report_and_abort(comm, exc, verbose=cfg.run.log_level == "verbose")

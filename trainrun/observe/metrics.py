@@ -20,7 +20,8 @@ import sys
 import time
 
 _TB_NAMES = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
-             "tokens_per_sec": "train/tokens_per_sec", "eval_loss": "eval/loss",
+             "tokens_per_sec": "train/tokens_per_sec", "samples_per_sec": "train/samples_per_sec",
+             "eval_loss": "eval/loss",
              "eval_perplexity": "eval/perplexity", "skipped_steps": "train/skipped_steps",
              "loss_scale": "train/loss_scale"}
 
@@ -30,6 +31,14 @@ def _tb_name(key: str) -> str | None:
     if key in _TB_NAMES:
         return _TB_NAMES[key]
     return "eval/" + key[5:] if key.startswith("eval_") else None
+
+
+def _step_of(line: str) -> int | None:
+    """The step of a metrics.jsonl line; None for a line cut short (a crash while it was written)."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def fmt_duration(seconds: float) -> str:
@@ -90,14 +99,15 @@ class Metrics:
             self._tensorboard(step, values)
         if "loss" in values:
             eta = self.eta(step)
+            rate = (f"{values['tokens_per_sec']:,.0f} tok/s" if "tokens_per_sec" in values
+                    else f"{values['samples_per_sec']:,.1f} samples/s")
             self.echo(f"step {step:>6}/{self.total} | loss {values['loss']:.4f} | lr {values['lr']:.2e} | "
-                      f"grad_norm {values['grad_norm']:.3f} | {values['tokens_per_sec']:,.0f} tok/s | "
+                      f"grad_norm {values['grad_norm']:.3f} | {rate} | "
                       f"eta {fmt_duration(eta) if math.isfinite(eta) else '?'}")
-        if "eval_loss" in values:
-            more = "".join(f" | {k[5:]} {v:.4f}" for k, v in values.items()
-                           if k.startswith("eval_") and k not in ("eval_loss", "eval_perplexity"))
-            self.echo(f"eval {step:>6} | loss {values['eval_loss']:.4f} | "
-                      f"perplexity {values['eval_perplexity']:.2f}{more}")
+        if "eval_loss" in values:     # perplexity where the runner gives it (next-token cross-entropy)
+            more = "".join(f" | {k[5:]} {v:.{2 if k == 'eval_perplexity' else 4}f}" for k, v in values.items()
+                           if k.startswith("eval_") and k != "eval_loss")
+            self.echo(f"eval {step:>6} | loss {values['eval_loss']:.4f}{more}")
 
     def _tensorboard(self, step: int, values: dict) -> None:
         from tensorboardX.proto.event_pb2 import Event
@@ -107,6 +117,31 @@ class Metrics:
         scalars += [Summary.Value(tag=f"time/{k}_ms", simple_value=v) for k, v in values.get("phase_ms", {}).items()]
         if scalars:
             self._tb.write_event(Event(wall_time=time.time(), step=step, summary=Summary(value=scalars)))
+
+    def resume_at(self, step: int) -> int:
+        """A resumed run that trains again after ``step``: the lines of later steps (logged by a session
+        that ended before its next checkpoint, so those steps are trained again) leave metrics.jsonl, and
+        TensorBoard drops its events from step + 1 on (a SessionLog START there: its purge step), so every
+        step appears once. Returns the number of lines removed."""
+        if not self.enabled:
+            return 0
+        path = self._jsonl.name
+        self._jsonl.close()
+        with open(path) as fh:
+            lines = fh.readlines()
+        kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
+        if len(kept) < len(lines):
+            with open(path + ".tmp", "w") as fh:
+                fh.writelines(kept)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(path + ".tmp", path)     # whole or not at all
+        self._jsonl = open(path, "a", buffering=1)
+        if self._tb is not None:
+            from tensorboardX.proto.event_pb2 import Event, SessionLog
+            self._tb.write_event(Event(wall_time=time.time(), step=step + 1,
+                                       session_log=SessionLog(status=SessionLog.START)))
+        return len(lines) - len(kept)
 
     def text(self, step: int, tag: str, text: str) -> None:
         """A text summary in TensorBoard (its Text tab) under ``tag``."""
