@@ -393,8 +393,8 @@ def markdown_reference() -> str:
     lines = ["# Configuration reference", "",
              "Generated from the schema (the dataclasses of `trainrun/config.py`) by `make docs`; do not edit",
              "by hand. `trainrun config show --config FILE` prints the same texts as comments above the",
-             "resolved values; `--set key.path=value` overrides any key. Relative paths are resolved against",
-             "the config file's folder.", "", "Contents:", ""]
+             "resolved values; `--set key.path=value` overrides any key. Relative dataset, model and run",
+             "paths are resolved against the config file's folder.", "", "Contents:", ""]
     for prefix, _ in sections:
         name = prefix.rstrip(".") or "top-level keys"
         lines.append(f"- [`{name}`](#{anchor(prefix)})" if prefix else f"- [{name}](#{anchor(prefix)})")
