@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP_RUN  := $(VENV)/.installed-run
 STAMP_TEST := $(VENV)/.installed-test
 
-.PHONY: setup setup-test test test-gpu demo bench bench-124m clean
+.PHONY: setup setup-test test test-gpu demo bench bench-124m docs clean
 
 $(BIN)/python:
 	@test -n "$(PYTHON)" || { echo "trainrun needs Python 3.10-3.12 on PATH" >&2; exit 2; }
@@ -48,6 +48,10 @@ bench: $(STAMP_TEST)
 # issue 17's targets at GPT-2 124M alone (~10 min on 2 cores): its section of BENCHMARKS.md
 bench-124m: $(STAMP_TEST)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python scripts/bench.py --only gpt2-124m
+
+# docs/configuration.md from the config schema (tests/test_docs.py checks it is up to date)
+docs: $(STAMP_RUN)
+	$(BIN)/python scripts/gen_config_docs.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

@@ -56,7 +56,7 @@ def gpt2_tokenizer_json(texts, path, vocab_size):
 
 
 def test_gpt2_from_save_pretrained_fills_the_shape_and_starts_at_its_loss(tmp_path):
-    """The README walk-through: a pretrained GPT-2 directory and its own tokenizer.json (GPT-2's layout)
+    """docs/models.md's walk-through: a pretrained GPT-2 directory and its own tokenizer.json (GPT-2's layout)
     -> `trainrun-data tokens --tokenizer` -> `model.init_from`: the first loss is transformers'."""
     vocab = 320
     text = synthetic_text_dir(str(tmp_path / "text"), max_bytes=60_000)

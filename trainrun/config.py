@@ -366,6 +366,54 @@ def field_docs(cls) -> dict[str, str]:
     return docs
 
 
+def markdown_reference() -> str:
+    """docs/configuration.md: every key of the schema with its default, allowed values and docstring
+    (the texts ``trainrun config show`` prints); ``make docs`` writes it."""
+    sections: list[tuple[str, Any]] = []
+
+    def walk(obj, prefix):
+        sections.append((prefix, obj))
+        for f in dataclasses.fields(obj):
+            if dataclasses.is_dataclass(getattr(obj, f.name)):
+                walk(getattr(obj, f.name), f"{prefix}{f.name}.")
+
+    walk(Config(), "")
+
+    def flow(v):
+        return yaml.safe_dump(v, default_flow_style=True, width=10_000).removesuffix("...\n").strip()
+
+    def allowed(m):
+        parts = [", ".join(f"`{flow(c)}`" for c in m["choices"])] if "choices" in m else []
+        parts += [f"{op} {flow(m[k])}" for k, op in (("min", ">="), ("gt", ">"), ("max", "<=")) if k in m]
+        if "path" in m:
+            parts.append("an existing " + {"file": "file", "dir": "directory"}.get(m["path"], "path"))
+        return "; ".join(parts)
+
+    def anchor(prefix):
+        return prefix.rstrip(".").replace(".", "") or "top-level-keys"
+
+    lines = ["# Configuration reference", "",
+             "Generated from the schema (the dataclasses of `trainrun/config.py`) by `make docs`; do not edit",
+             "by hand. `trainrun config show --config FILE` prints the same texts as comments above the",
+             "resolved values; `--set key.path=value` overrides any key. Relative dataset, model and run",
+             "paths are resolved against the config file's folder.", "", "Contents:", ""]
+    for prefix, _ in sections:
+        name = prefix.rstrip(".") or "top-level keys"
+        lines.append(f"- [`{name}`](#{anchor(prefix)})" if prefix else f"- [{name}](#{anchor(prefix)})")
+    for prefix, obj in sections:
+        docs = field_docs(type(obj))
+        lines += ["", f"## `{prefix.rstrip('.')}`" if prefix else "## Top-level keys", "",
+                  "| key | default | allowed | meaning |", "|---|---|---|---|"]
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            doc = docs.get(f.name, "").replace("|", "\\|")
+            if dataclasses.is_dataclass(v):
+                lines.append(f"| `{prefix}{f.name}` | [section](#{anchor(prefix + f.name)}) | | {doc} |")
+            else:
+                lines.append(f"| `{prefix}{f.name}` | `{flow(v)}` | {allowed(f.metadata)} | {doc} |")
+    return "\n".join(lines) + "\n"
+
+
 def _hints(cls) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 

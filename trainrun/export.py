@@ -348,7 +348,7 @@ def _hf_tokenizer_files(family: str, text, max_length: int) -> dict[str, dict]:
 
 
 def export_transformers(checkpoint: str, output: str, *, tokenizer: str | None = None, echo=print) -> str:
-    """Write a transformers ``save_pretrained`` directory (see the README): config.json, model.safetensors
+    """Write a transformers ``save_pretrained`` directory (see docs/operations.md): config.json, model.safetensors
     (transformers' names; the tied heads are the tensors they are tied to), generation_config.json and
     the run's tokenizer. Staged beside ``output`` and moved into place at the end."""
     import json

@@ -570,7 +570,8 @@ def main() -> int:
     if args.only and set(args.only.split(",")) == {gpt2_124m.SECTION} and output.exists():
         output.write_text(report.splice_124m(output.read_text(), results))     # the rest of the file kept
     else:
-        output.write_text(report.render(results))
+        old = output.read_text() if output.exists() else ""
+        output.write_text(report.keep_by_hand(old, report.render(results)))     # the hand-kept part kept
     print(f"wrote {rel(args.output)} (raw results: {rel(work / 'results.json')})")
     return 0
 
