@@ -20,12 +20,14 @@ import os
 
 import numpy as np
 
-from . import checkpoint as K
 from . import config as C
 from . import graphs as G
+from . import rundir
 from .comm import make_communicator
 from .data import eval_batches, open_dataset
 from .errors import TrainrunError, UsageError
+from .export import checkpoint_weights
+from .sessions import session_options
 
 
 def _cores() -> int:
@@ -37,9 +39,8 @@ def run_evaluate(source: str, data: str, *, steps: int | None, batch: int | None
     """Evaluate; rank 0 prints the result, writes ``output`` and returns it (other ranks return None)."""
     import onnxruntime as ort
 
-    from .export import checkpoint_weights
-    ckpt = K.resolve_checkpoint(source)
-    run_dir = K.run_dir_of(ckpt)
+    ckpt = rundir.resolve_checkpoint(source)
+    run_dir = rundir.run_dir_of(ckpt)
     cfg = C.load_config(os.path.join(ckpt, "config.yaml"))
     comm = make_communicator("auto", "cpu", cfg.distributed.timeout_s)
     error, sess, weights, feeds, batches, micro = None, None, None, None, None, 1
@@ -60,9 +61,7 @@ def run_evaluate(source: str, data: str, *, steps: int | None, batch: int | None
             raise UsageError(f"--data {data}: lacks the features the model reads "
                              f"(its features: {', '.join(ds.specs)})", missing)
         weights = checkpoint_weights(ckpt, manifest)
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        so.intra_op_num_threads = max(1, _cores() // max(1, comm.local_size))
+        so = session_options(max(1, _cores() // max(1, comm.local_size)))
         sess = ort.InferenceSession(os.path.join(run_dir, "graphs", "eval.onnx"), so,
                                     providers=["CPUExecutionProvider"])
         batches = eval_batches(ds, micro_batch=micro, rank=comm.rank, world_size=comm.world_size, steps=steps)

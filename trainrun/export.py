@@ -11,16 +11,26 @@ the eval graph on a sample batch and the max difference of the logits printed.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import shutil
+import tempfile
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
+from safetensors.numpy import save_file
 
 from . import checkpoint as K
 from . import graphs as G
-from .engine import FlatLayout
+from . import pretrained, rundir
+from . import tokenizer as T
+from .config import BertConfig, GPT2Config
 from .errors import TrainrunError, UsageError
+from .flat import FlatLayout
+from .models.bert import sample_inputs
+from .models.gpt2 import build_gpt2
+from .sessions import session_options
 
 _EXTERNAL_DATA_BYTES = 1_800_000_000   # protobuf's 2 GB limit: larger models keep weights beside the .onnx
 _COPY_CHUNK = 16 << 20                 # bytes copied at a time from a checkpoint into the model file
@@ -155,8 +165,6 @@ def sample_batch(graphs_dir: str, manifest: dict, rng_seed: int = 0) -> dict[str
     """A small random batch for the data inputs and the labels of the eval graph (ids below the vocab)."""
     model = onnx.load(os.path.join(graphs_dir, "eval.onnx"), load_external_data=False)
     if manifest["model"].get("builtin") == "bert":      # positions, types and labels have their own ranges
-        from .config import BertConfig
-        from .models.bert import sample_inputs
         return sample_inputs(BertConfig(**manifest["model"]["bert"]), 4, 16, 3, np.random.default_rng(rng_seed))
     vocab = manifest["model"]["gpt2"]["vocab_size"] if manifest["model"].get("builtin") == "gpt2" else 2
     rng = np.random.default_rng(rng_seed)
@@ -188,8 +196,6 @@ def checkpoint_weights(ckpt: str, manifest: dict) -> dict[str, np.ndarray]:
 
 def kv_cache_model(manifest: dict, weights, where: str):
     """The GPT-2 inference graph with the attention cache (dropout off) holding ``weights()``."""
-    from .config import GPT2Config
-    from .models.gpt2 import build_gpt2
     if manifest["model"].get("builtin") != "gpt2":
         raise UsageError(f"{where}: the attention-cache graph is built for model.builtin gpt2 only "
                          f"(this run: {manifest['model'].get('builtin') or 'a user graph'}); "
@@ -216,8 +222,8 @@ def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None,
     """Write the inference model; return the max |logits difference| against the eval graph."""
     import onnxruntime as ort
 
-    ckpt = K.resolve_checkpoint(checkpoint)
-    graphs_dir = os.path.join(K.run_dir_of(ckpt), "graphs")
+    ckpt = rundir.resolve_checkpoint(checkpoint)
+    graphs_dir = os.path.join(rundir.run_dir_of(ckpt), "graphs")
     manifest = G.load_manifest(graphs_dir)
     K.verify(ckpt)
     tensors = checkpoint_tensors(ckpt, manifest)      # streamed from the file into the model: no copy held
@@ -242,9 +248,7 @@ def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None,
         return 0.0
 
     batch = sample_batch(graphs_dir, manifest)          # data inputs and labels
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    so.add_session_config_entry("session.disable_prepacking", "1")     # no packed second copy of the weights
+    so = session_options(prepacking=False)      # no packed second copy of the weights
     exported = ort.InferenceSession(output, so, providers=["CPUExecutionProvider"])
     # the logits, or for a graph with its own loss that loss (the eval graph's ``loss``)
     logits_name = manifest["logits"] or manifest.get("loss_output") or G.LOSS
@@ -307,17 +311,8 @@ def export_transformers(checkpoint: str, output: str, *, tokenizer: str | None =
     """Write a transformers ``save_pretrained`` directory (see the README): config.json, model.safetensors
     (transformers' names; the tied heads are the tensors they are tied to), generation_config.json and
     the run's tokenizer. Staged beside ``output`` and moved into place at the end."""
-    import json
-    import shutil
-    import tempfile
-
-    from safetensors.numpy import save_file
-
-    from . import pretrained
-    from . import tokenizer as T
-
-    ckpt = K.resolve_checkpoint(checkpoint)
-    run_dir = K.run_dir_of(ckpt)
+    ckpt = rundir.resolve_checkpoint(checkpoint)
+    run_dir = rundir.run_dir_of(ckpt)
     manifest = G.load_manifest(os.path.join(run_dir, "graphs"))
     family = manifest["model"].get("builtin")
     if family not in ARCHITECTURE:
