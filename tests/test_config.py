@@ -134,6 +134,15 @@ def test_cli_validate_and_show(tmp_path):
     assert "not valid YAML" in proc.stderr
 
 
+def test_config_show_describes_what_the_code_does():
+    """`config show` prints every key's documentation: the host optimizer kernel as what it is (fused loops
+    compiled by Numba, not chunked NumPy), the model section naming every built-in family."""
+    shown = run([TRAINRUN, "config", "show"], check=0).stdout
+    assert "host = the same rule as fused in-place loops compiled by Numba" in shown
+    assert "chunked" not in shown
+    assert "# The model: a built-in GPT-2 or BERT, or a user's forward ONNX." in shown
+
+
 def test_cli_help_lists_commands():
     """The contract's commands are registered: listed under "Commands:" and each with its own --help."""
     proc = run([TRAINRUN, "--help"], check=0)
