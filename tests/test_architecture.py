@@ -175,7 +175,7 @@ def test_the_checks_catch_a_violation(graph):
     for text in ("flat (layer 1) imports engine (layer 5)", "data imports onnxruntime",
                  "engine imports click", "engine imports torch", "config imports ['engine']"):
         assert text in found
-    assert ["engine", "flat"] in cycles(broken) or any({"engine", "flat"} <= set(c) for c in cycles(broken))
+    assert any({"engine", "flat"} <= set(c) for c in cycles(broken))
 
 
 def test_every_module_has_a_row_in_the_module_table(graph):
