@@ -149,7 +149,7 @@ class HostOptimizer:
     summed while it is in cache.
 
     ``norm_sums`` (LAMB only): the tensors are parts of tensors split over ranks
-    (ZeRO-1, :mod:`trainrun.zero`). It receives this rank's (parts, 2) float64
+    (ZeRO-1, :mod:`trainrun.update`). It receives this rank's (parts, 2) float64
     array of (||p||^2, ||d||^2) partial sums and returns the sums over the whole
     tensors (over every rank), from which each part takes its trust ratio.
     """

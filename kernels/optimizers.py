@@ -1,8 +1,8 @@
 """Optimizer update rules over flat buffers, written as symbolic math with :mod:`.sym`.
 
 This is the form that becomes the optimizer graph (ONNX, any execution
-provider). :mod:`.host` holds the same rules as chunked in-place NumPy for the
-CPU: two implementations of one semantics, held together by
+provider). :mod:`.host` holds the same rules as fused in-place loops (Numba) for
+the CPU: two implementations of one semantics, held together by
 tests/test_host_optim.py (every rule and mode, rtol 1e-6). Which one runs is
 decided once, by :func:`trainrun.optim.build`.
 

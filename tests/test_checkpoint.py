@@ -121,6 +121,7 @@ def test_interrupted_prune_leaves_nothing_that_looks_committed(tmp_path, byte_da
     a checkpoint with COMMITTED but without optimizer.safetensors) must not leave a damaged directory
     that still counts as committed. The delete is cut after its first file, as a signal would."""
     from trainrun import checkpoint as K
+    from trainrun import rundir
     cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 4, "checkpoint.every": 1,
                                                              "checkpoint.keep_last": 10})
     mpirun(1, "--config", cfg)
@@ -131,7 +132,7 @@ def test_interrupted_prune_leaves_nothing_that_looks_committed(tmp_path, byte_da
         """Stands for the signal that ends the process in the middle of the delete."""
 
     def rmtree_cut_short(path, ignore_errors=False):
-        victim = sorted(f for f in os.listdir(path) if f != K.COMMITTED)[0]
+        victim = sorted(f for f in os.listdir(path) if f != rundir.COMMITTED)[0]
         os.remove(os.path.join(path, victim))       # one file gone, COMMITTED (if still there) stays
         raise Cut
     monkeypatch.setattr(K.shutil, "rmtree", rmtree_cut_short)
@@ -139,11 +140,11 @@ def test_interrupted_prune_leaves_nothing_that_looks_committed(tmp_path, byte_da
     with pytest.raises(Cut):
         writer._prune()
     monkeypatch.undo()
-    for ckpt in K.complete_checkpoints(str(root)):   # whatever still counts as committed is intact
+    for ckpt in rundir.complete_checkpoints(str(root)):   # whatever still counts as committed is intact
         K.verify(ckpt)
     K.cleanup(str(root), log=lambda _: None)         # the next start removes what the cut delete left
     assert all(d.isdigit() for d in os.listdir(root)), os.listdir(root)
-    assert K.resolve_checkpoint(str(tmp_path / "run")) == str(root / "4")
+    assert rundir.resolve_checkpoint(str(tmp_path / "run")) == str(root / "4")
 
 
 @pytest.mark.parametrize("damage", ["flip", "missing", "other_model"])
@@ -238,7 +239,7 @@ def test_checkpoint_write_holds_its_step_without_a_copy_of_the_buffers(tmp_path)
 
     from safetensors.numpy import load_file
     from trainrun import checkpoint as K
-    from trainrun.engine import FlatLayout
+    from trainrun.flat import FlatLayout
     n = 2 << 20
     layout = FlatLayout(["a", "b"], [(n // 4, 2), (n // 2,)], [0, n // 2], n)
     rng = np.random.default_rng(0)

@@ -111,7 +111,7 @@ def test_a_checkpoint_tensor_the_model_does_not_take_is_an_error(tmp_path, train
     the buffers untouched (the same check as every reader's)."""
     from trainrun import checkpoint as K
     from trainrun.comm import make_communicator
-    from trainrun.engine import FlatLayout
+    from trainrun.flat import FlatLayout
     from trainrun.errors import UsageError
     run_dir, ckpt = _copy(trained, tmp_path)
     run([TRAINRUN, "prepare", "--config", os.path.join(ckpt, "config.yaml"), "--set", f"run.output_dir={run_dir}",

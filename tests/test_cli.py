@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import TRAINRUN, TRAINRUN_DATA, read_metrics, run, write_config
-from trainrun import checkpoint as K
+from trainrun import rundir
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def test_resume_log_level(tmp_path, trained):
         assert "log_level: info" in config.read_text()
     proc = run([TRAINRUN, "resume", str(copy), "--log-level", "warning"], check=0)
     assert proc.stdout == "" and "[I:onnxruntime" not in proc.stderr
-    assert K.resolve_checkpoint(str(copy)) == str(copy / "checkpoints" / "3")    # it did train step 3
+    assert rundir.resolve_checkpoint(str(copy)) == str(copy / "checkpoints" / "3")    # it did train step 3
     assert "log_level: info" in (copy / "checkpoints" / "3" / "config.yaml").read_text()
     shutil.rmtree(copy / "checkpoints" / "3")
     proc = run([TRAINRUN, "resume", str(copy)], check=0)
@@ -121,11 +121,11 @@ def _checkpoint_cases(tmp_path, trained):
     """(command, message) of the resume errors, on copies of the trained run."""
     none = tmp_path / "none"
     shutil.copytree(trained, none)
-    for c in glob.glob(str(none / "checkpoints" / "*" / K.COMMITTED)):
+    for c in glob.glob(str(none / "checkpoints" / "*" / rundir.COMMITTED)):
         os.remove(c)
     half = tmp_path / "half"
     shutil.copytree(trained, half)
-    os.remove(half / "checkpoints" / "3" / K.COMMITTED)
+    os.remove(half / "checkpoints" / "3" / rundir.COMMITTED)
     return {"no complete checkpoint": ([TRAINRUN, "resume", str(none)],
                                        f"{none}: no complete checkpoint under checkpoints/"),
             "checkpoint without COMMITTED": ([TRAINRUN, "resume", str(half / "checkpoints" / "3")],
@@ -199,4 +199,4 @@ def test_second_ctrl_c_during_the_save_exits_130_leaving_nothing_that_looks_comm
     assert "trainrun: interrupted" in err and "Traceback" not in err
     ckpts = tmp_path / "run" / "checkpoints"
     assert [d for d in os.listdir(ckpts) if d.isdigit()] == []      # no <step>/ directory
-    assert not glob.glob(str(ckpts / "*" / K.COMMITTED))
+    assert not glob.glob(str(ckpts / "*" / rundir.COMMITTED))

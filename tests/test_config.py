@@ -175,6 +175,15 @@ def test_a_model_too_large_for_memory_is_refused_before_allocating(tmp_path, byt
     assert not os.path.exists(tmp_path / "run")
 
 
+def test_config_show_describes_what_the_code_does():
+    """`config show` prints every key's documentation: the host optimizer kernel as what it is (fused loops
+    compiled by Numba, not chunked NumPy), the model section naming every built-in family."""
+    shown = run([TRAINRUN, "config", "show"], check=0).stdout
+    assert "host = the same rule as fused in-place loops compiled by Numba" in shown
+    assert "chunked" not in shown
+    assert "# The model: a built-in GPT-2 or BERT, or a user's forward ONNX." in shown
+
+
 def test_cli_help_lists_commands():
     """The contract's commands are registered: listed under "Commands:" and each with its own --help."""
     proc = run([TRAINRUN, "--help"], check=0)

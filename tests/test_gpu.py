@@ -70,6 +70,7 @@ def test_cuda_provider_is_active_and_libraries_come_from_the_gpu_extra(tmp_path,
     from trainrun import config as C
     from trainrun import cuda, graphs
     from trainrun.engine import Engine, EngineOptions
+    from trainrun.update import optimizer_for
     loaded = cuda.setup()
     for soname in ("libcudart.so.11.0", "libcublas.so.11", "libcudnn.so.8", "libnvrtc.so.11.2"):
         assert soname in loaded, (soname, loaded)
@@ -77,7 +78,8 @@ def test_cuda_provider_is_active_and_libraries_come_from_the_gpu_extra(tmp_path,
     cfg = C.load_config(write_config(tmp_path / "c.yaml", byte_dataset))
     out = graphs.prepare(cfg, str(tmp_path / "graphs"))
     shapes = {"input_ids": ((4, 32), np.int64), "labels": ((4, 32), np.int64)}
-    eng = Engine(out, EngineOptions(device="cuda"), shapes, shapes, cfg.optimizer)
+    eng = Engine(out, EngineOptions(device="cuda"), shapes, shapes)
+    optimizer_for(eng, cfg.optimizer)       # auto: the optimizer graph on the GPU
     for s in (eng.train_s, eng.eval_s, eng.opt_s):
         assert s.session.get_providers()[0] == "CUDAExecutionProvider"
 

@@ -213,7 +213,7 @@ def test_rejects_what_is_not_a_float32_numpy_buffer():
 def test_parts_of_the_buffer_update_as_the_whole(case):
     """ZeRO-1's shards: the flat buffer cut into 3 parts inside tensors (and one part inside a single
     tensor), one HostOptimizer per part over the tensor pieces it holds, run in 3 threads whose LAMB
-    norm_sums add up every part's per-tensor sums (as trainrun.zero does over ranks): the graph's update
+    norm_sums add up every part's per-tensor sums (as trainrun.update does over ranks): the graph's update
     of the whole buffer, to the same tolerances."""
     import threading
     cfg = OptimizerConfig(**CASES[case])

@@ -13,6 +13,7 @@ from safetensors.numpy import load_file
 
 from conftest import MPIRUN, TRAINRUN, mpirun, rank_pids, read_metrics, run, write_config
 from trainrun import checkpoint as K
+from trainrun import rundir
 from trainrun.stopping import STOPPED_EXIT
 
 
@@ -67,7 +68,7 @@ def test_signal_stops_every_rank_with_a_committed_checkpoint(tmp_path, byte_data
     train, _ = read_metrics(str(tmp_path / "run"))
     last = max(train)
     assert 5 <= last < 100000
-    ckpt = K.resolve_checkpoint(str(tmp_path / "run"))
+    ckpt = rundir.resolve_checkpoint(str(tmp_path / "run"))
     assert ckpt == str(tmp_path / "run" / "checkpoints" / str(last))
     K.verify(ckpt)
     named = sig if target == "mpirun" else "a signal to another rank"    # rank 0 did not receive it
@@ -135,7 +136,7 @@ def test_keep_best_and_export_best(tmp_path, byte_dataset):
     _, evals = read_metrics(str(tmp_path / "run"))
     assert sorted(evals) == list(range(2, 17, 2))     # keep_best: every checkpoint step evaluates
     best = sorted(evals, key=lambda s: (evals[s]["eval_loss"], -s))[:2]
-    kept = sorted(int(os.path.basename(c)) for c in K.complete_checkpoints(str(tmp_path / "run" / "checkpoints")))
+    kept = sorted(int(os.path.basename(c)) for c in rundir.complete_checkpoints(str(tmp_path / "run" / "checkpoints")))
     assert kept == sorted({16, *best}), (kept, best)
     for s in kept:
         state = K.read_state(str(tmp_path / "run" / "checkpoints" / str(s)))
@@ -156,7 +157,7 @@ def test_early_stopping_stops_with_a_checkpoint_and_resumes_its_state(tmp_path, 
     _, evals = read_metrics(str(tmp_path / "run"))
     assert sorted(evals) == [3, 6, 9]
     assert "early stopping at step 9" in proc.stdout
-    state = K.read_state(K.resolve_checkpoint(str(tmp_path / "run")))
+    state = K.read_state(rundir.resolve_checkpoint(str(tmp_path / "run")))
     assert state["step"] == 9 and state["early_stopping"]["evals_since_best"] == 2
     assert state["early_stopping"]["best_step"] == 3
     assert os.path.exists(tmp_path / "run" / "model.onnx")
@@ -172,7 +173,7 @@ def test_stuck_checkpoint_write_ends_the_job_within_the_timeout(tmp_path, byte_d
     proc = mpirun(2, "--config", cfg, env=env, check=1, timeout=120)
     assert "the checkpoint write of step 4" in proc.stderr and "did not finish within 5 s" in proc.stderr, \
         proc.stderr
-    assert K.complete_checkpoints(str(tmp_path / "run" / "checkpoints")) == []
+    assert rundir.complete_checkpoints(str(tmp_path / "run" / "checkpoints")) == []
 
 
 def test_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(tmp_path, byte_dataset):

@@ -112,6 +112,21 @@ def test_loss_scaler_state_resumes_exactly():
         assert (a.scale, a.good_steps) == (b.scale, b.good_steps)
 
 
+
+def test_loss_scaler_keeps_the_graph_input_at_its_scale():
+    """The scaler is the one place the loss scale lives: the train graph's ``loss_scale`` input (the engine's
+    buffer bound to it) holds the scaler's scale from the start, after every change and after a restore."""
+    bound = np.zeros((), np.float32)
+    s = LossScaler(growth_interval=2, graph_input=bound)
+    assert float(bound) == 2.0 ** 16
+    s.update(False)
+    assert float(bound) == s.scale == 2.0 ** 15
+    s.update(True)
+    s.update(True)
+    assert float(bound) == s.scale == 2.0 ** 16
+    s.load_state_dict({"scale": 8.0, "good_steps": 1})
+    assert float(bound) == 8.0
+
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_low_precision_on_cpu_is_a_config_error(tmp_path, byte_dataset, precision):
     cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.precision": precision})

@@ -15,6 +15,8 @@ from trainrun import graphs as G
 from trainrun.engine import Engine, EngineOptions
 from trainrun.errors import UsageError
 from trainrun.optim import state_names
+from trainrun.rundir import sha256_file
+from trainrun.update import optimizer_for
 
 from conftest import ROOT, TRAINRUN, run
 
@@ -28,7 +30,7 @@ def test_prepare_cli_writes_graphs(tmp_path):
         assert (g / f).exists(), f
     manifest = json.loads((g / "manifest.json").read_text())
     assert manifest["num_params"] == sum(int(np.prod(p["shape"])) for p in manifest["params"])
-    assert manifest["files"]["train.onnx"] == G.sha256_file(str(g / "train.onnx"))
+    assert manifest["files"]["train.onnx"] == sha256_file(str(g / "train.onnx"))
     train = onnx.load(str(g / "train.onnx"))
     names = {i.name for i in train.graph.input}
     assert {"input_ids", "labels", G.RESET, "transformer.wte.weight",
@@ -81,7 +83,8 @@ def test_user_torch_onnx_gpt2_prepares_and_trains(tmp_path, tiny_gpt2):
     manifest = G.load_manifest(graphs_dir)
     assert manifest["num_params"] == sum(p.numel() for p in hf.parameters())
     shapes = {"input_ids": ((batch, seq), np.int64), "labels": ((batch, seq), np.int64)}
-    eng = Engine(graphs_dir, EngineOptions(threads=2), shapes, shapes, cfg.optimizer)
+    eng = Engine(graphs_dir, EngineOptions(threads=2), shapes, shapes)
+    opt = optimizer_for(eng, cfg.optimizer)
     eng.load_weights()
     rng = np.random.default_rng(0)
     data = {"input_ids": rng.integers(0, 300, (batch, seq)), "labels": rng.integers(0, 300, (batch, seq))}
@@ -101,7 +104,7 @@ def test_user_torch_onnx_gpt2_prepares_and_trains(tmp_path, tiny_gpt2):
     losses = []
     for step in range(1, 31):
         losses.append(eng.forward_backward(data, accumulate=False))
-        eng.optimizer.step(lr=1e-2, t=step, grad_scale=1.0)
+        opt.step(lr=1e-2, t=step, grad_scale=1.0)
     assert losses[-1] < 0.5 * losses[0], losses
 
 
@@ -158,4 +161,4 @@ def test_static_shapes_fix_only_the_train_graph(tmp_path, tiny_gpt2):
     wrong = {"input_ids": ((2, 16), np.int64), "labels": ((2, 16), np.int64)}
     with pytest.raises(UsageError, match=r"train.onnx: the data does not fit the graph's inputs \(its train graph "
                                          r"was prepared for the micro-batch x length \[3, 16\]: prepare again"):
-        Engine(graphs_dir, EngineOptions(), wrong, wrong, cfg.optimizer)
+        Engine(graphs_dir, EngineOptions(), wrong, wrong)

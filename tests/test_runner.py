@@ -16,6 +16,7 @@ import pytest
 from conftest import (MPIRUN, TRAINRUN, TRAINRUN_DATA, mpirun, rank_pids, read_metrics, run, synthetic_text_dir,
                       write_config)
 from trainrun import checkpoint as K
+from trainrun import rundir
 
 
 def losses(run_dir, key="loss"):
@@ -237,7 +238,7 @@ def test_an_evaluation_that_fails_commits_the_trained_steps_first(tmp_path, byte
     assert f"rank 1: {shard}: token id 65535 at token 133 is not below the model's vocab_size 512" in proc.stderr
     assert f"checkpoint {run_dir / 'checkpoints' / '6'} committed first" in proc.stderr, proc.stderr
     assert proc.stderr.count("token id 65535") == 1 and "Traceback" not in proc.stderr
-    ckpt = K.resolve_checkpoint(str(run_dir))
+    ckpt = rundir.resolve_checkpoint(str(run_dir))
     assert ckpt == str(run_dir / "checkpoints" / "6")
     K.verify(ckpt)
     assert max(read_metrics(str(run_dir))[0]) == 6
@@ -277,7 +278,7 @@ def test_metrics_and_tensorboard_after_a_crash_hold_every_step_once(tmp_path, by
     run_dir = tmp_path / "run"
     proc = run([TRAINRUN, "--config", cfg], check=1, env={"TRAINRUN_FAULT_STALL_CHECKPOINT": "8"})
     assert "the checkpoint write of step 8" in proc.stderr, proc.stderr
-    assert K.resolve_checkpoint(str(run_dir)) == str(run_dir / "checkpoints" / "4")
+    assert rundir.resolve_checkpoint(str(run_dir)) == str(run_dir / "checkpoints" / "4")
     tb = glob.glob(str(run_dir / "tensorboard" / "events.*"))
     assert _tensorboard_scalars(tb)["train/loss"] == list(range(1, 13))
     proc = run([TRAINRUN, "resume", str(run_dir)], check=0)

@@ -16,7 +16,7 @@ Layout of ``<run>/checkpoints/<step>/``::
 
 Protocol. At a checkpoint step rank 0 writes the tensors into
 ``checkpoints/.staging-<step>/`` straight from the flat buffers (with ZeRO-1 the
-optimizer state is gathered on rank 0 first, :mod:`trainrun.zero`) and every
+optimizer state is gathered on rank 0 first, :mod:`trainrun.update`) and every
 other rank takes the digest of its parameters: the only time the step waits. The
 written data are then in the kernel's page cache, the snapshot that training may
 not change, so no copy of the state is kept in the process; a background thread
@@ -48,11 +48,10 @@ import threading
 import numpy as np
 
 from . import faults
-from .data import sha256_file
-from .engine import from_host, to_host
+from .flat import from_host, to_host
+from .rundir import COMMITTED, best_checkpoints, checkpoints_dir, complete_checkpoints, sha256_file
 from .errors import TrainrunError, UsageError, collective
 
-COMMITTED = "COMMITTED"
 STAGING = ".staging-"
 PRUNING = ".pruning-"
 FORMAT_VERSION = 1
@@ -172,55 +171,7 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-# --------------------------------------------------------------------------- finding checkpoints
-
-def _steps(ckpt_root: str) -> list[int]:
-    if not os.path.isdir(ckpt_root):
-        return []
-    return sorted(int(d) for d in os.listdir(ckpt_root) if d.isdigit())
-
-
-def complete_checkpoints(ckpt_root: str) -> list[str]:
-    """Committed checkpoint directories, oldest first."""
-    return [os.path.join(ckpt_root, str(s)) for s in _steps(ckpt_root)
-            if os.path.exists(os.path.join(ckpt_root, str(s), COMMITTED))]
-
-
-def resolve_checkpoint(path: str) -> str:
-    """A checkpoint directory from a run directory (latest complete one) or a checkpoint path."""
-    path = os.path.abspath(path)
-    if os.path.exists(os.path.join(path, COMMITTED)):
-        return path
-    if os.path.isdir(os.path.join(path, "checkpoints")):
-        done = complete_checkpoints(os.path.join(path, "checkpoints"))
-        if not done:
-            raise UsageError(f"{path}: no complete checkpoint under checkpoints/")
-        return done[-1]
-    if os.path.isdir(path) and os.path.exists(os.path.join(path, "state.json")):
-        raise UsageError(f"{path}: checkpoint is incomplete (no {COMMITTED} marker); "
-                         f"use an earlier one or the run directory")
-    raise UsageError(f"{path}: neither a run directory with checkpoints nor a checkpoint")
-
-
-def best_checkpoints(ckpt_root: str) -> list[str]:
-    """Committed checkpoints that recorded an eval loss (state.json ``eval_loss``), lowest loss first
-    (the later step first among equals)."""
-    ranked = []
-    for ckpt in complete_checkpoints(ckpt_root):
-        try:
-            with open(os.path.join(ckpt, "state.json")) as fh:
-                loss = json.load(fh).get("eval_loss")
-        except (OSError, ValueError):
-            continue
-        if loss is not None:
-            ranked.append((loss, -int(os.path.basename(ckpt)), ckpt))
-    return [c for _, _, c in sorted(ranked)]
-
-
-def run_dir_of(ckpt: str) -> str:
-    """The run directory holding a checkpoint (<run>/checkpoints/<step>)."""
-    return os.path.dirname(os.path.dirname(os.path.abspath(ckpt)))
-
+# --------------------------------------------------------------------------- start-up
 
 def cleanup(ckpt_root: str, log=print) -> None:
     """Start-up hygiene (rank 0): remove stale staging dirs, warn about incomplete checkpoints."""
@@ -375,7 +326,7 @@ class CheckpointWriter:
     """Background checkpoint writing for one rank; the runner drives the commit."""
 
     def __init__(self, run_dir: str, rank: int, world_size: int, keep_last: int, log=print, keep_best: int = 0):
-        self.root = os.path.join(run_dir, "checkpoints")
+        self.root = checkpoints_dir(run_dir)
         self.rank, self.world = rank, world_size
         self.keep_last, self.keep_best = keep_last, keep_best
         self.log = log
@@ -607,7 +558,7 @@ class Checkpointer:
         and checks the tensors against the model first (:func:`check_checkpoint`; ``forced``: by
         ``resume --force``, tensors no longer taken are dropped with a warning). ``state_range``
         (lo, hi): the optimizer state buffers hold elements lo:hi of the flat layout only (a ZeRO-1 part,
-        :mod:`trainrun.zero`); by default all of it."""
+        :mod:`trainrun.update`); by default all of it."""
         error, saved = None, None
         try:
             if self.rank == 0:

@@ -105,7 +105,7 @@ def export(checkpoint, output, fmt, kv_cache, tokenizer, opset, with_loss, best)
     if kv_cache and with_loss:
         raise UsageError("--kv-cache and --with-loss exclude each other")
     if best:
-        from .checkpoint import best_checkpoints
+        from .rundir import best_checkpoints
         ranked = best_checkpoints(os.path.join(checkpoint, "checkpoints"))
         if not ranked:
             raise UsageError(f"{checkpoint}: --best needs a run directory with checkpoints that recorded an "
@@ -168,7 +168,7 @@ def evaluate(source, data, steps, batch, output):
                                             "(they then no longer fit them).")
 def prepare(config_path, overrides, log_level, force):
     """Build the train, eval and optimizer graphs and initial weights into <output_dir>/graphs."""
-    from .checkpoint import complete_checkpoints
+    from .rundir import complete_checkpoints
     from .graphs import prepare as run_prepare
     from .lock import RunLock
     from .preflight import check

@@ -55,6 +55,7 @@ from typing import Any
 
 import numpy as np
 
+from . import cuda, faults
 from .errors import TrainrunError, UsageError, collective
 
 __all__ = [
@@ -117,7 +118,6 @@ def cuda_device_count() -> int:
     lists CUDAExecutionProvider on machines without any GPU.
     """
     try:
-        from . import cuda
         cuda.setup()        # CUDA's environment is read when the runtime initialises: set it first
         import cupy
 
@@ -587,7 +587,6 @@ class NodeMemory:
     """
 
     def __init__(self, world: MPICommunicator, ranks_per_node: int | None = None):
-        from . import faults
         MPI = self._MPI = world._MPI
         self.world, self.node, self.cross, self._windows = world, None, None, []
         world.barrier()     # Split_type is a blocking collective

@@ -280,7 +280,7 @@ class EngineConfig:
     """onnxruntime graph optimization level."""
     optimizer_kernel: str = opt("auto", choices=["auto", "graph", "host"])
     """Who runs the update: graph = graphs/optimizer.onnx in onnxruntime; host = the same rule as
-    chunked in-place NumPy (about one pass over memory, no full-size temporaries; cpu only);
+    fused in-place loops compiled by Numba (no full-size temporaries; cpu only);
     auto = host on cpu, graph on cuda."""
     static_shapes: bool = True
     """Build the train graph for the exact micro-batch: the data inputs' batch dim fixed to
@@ -323,7 +323,7 @@ class Config:
     run: RunConfig = opt(factory=RunConfig)
     """Run identity and logging."""
     model: ModelConfig = opt(factory=ModelConfig)
-    """The model: built-in GPT-2 or a user's forward ONNX."""
+    """The model: a built-in GPT-2 or BERT, or a user's forward ONNX."""
     data: DataConfig = opt(factory=DataConfig)
     """Datasets."""
     train: TrainConfig = opt(factory=TrainConfig)

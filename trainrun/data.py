@@ -33,7 +33,6 @@ the file or key.
 from __future__ import annotations
 
 import bisect
-import hashlib
 import json
 import mmap
 import os
@@ -45,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import TrainrunError, UsageError
+from .rundir import sha256_file
 
 MANIFEST = "manifest.json"
 TOKENS_FORMAT = "trainrun-tokens"
@@ -54,21 +54,13 @@ TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 TOKEN_FEATURES = ("input_ids", "labels")
 
 __all__ = ["open_dataset", "TrainLoader", "eval_batches", "check_train", "check_eval", "TokenDataset",
-           "TensorDataset", "token_dtype_name", "sha256_file", "outside", "MANIFEST", "TOKENS_FORMAT", "TENSORS_FORMAT",
+           "TensorDataset", "token_dtype_name", "outside", "MANIFEST", "TOKENS_FORMAT", "TENSORS_FORMAT",
            "FORMAT_VERSION"]
 
 
 def token_dtype_name(vocab_size: int) -> str:
     """The shard dtype for a vocabulary: uint16 when vocab_size < 65536, else uint32."""
     return "uint16" if vocab_size < 65536 else "uint32"
-
-
-def sha256_file(path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def outside(directory, name: str) -> str | None:

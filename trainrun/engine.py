@@ -12,9 +12,9 @@ input to the GPU when it is bound, not when the graph runs), and cupy's stream
 is synchronized before each run (onnxruntime computes on its own stream).
 See :class:`_Bound` and :mod:`trainrun.cuda`.
 
-``engine.optimizer`` (:func:`trainrun.optim.build`) updates the parameters in
-place and owns the optimizer state; when it runs a graph, the engine opens that
-session and hands it over to be bound.
+The optimizer is not the engine's: :mod:`trainrun.update` builds it over the
+engine's buffers; when it runs a graph, the engine opens that session
+(:meth:`Engine.attach_optimizer`) and hands it over to be bound.
 """
 
 from __future__ import annotations
@@ -23,19 +23,20 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
+import onnx
+from safetensors.numpy import load_file
 
+from . import cuda
 from . import graphs as G
-from . import optim
-from .config import OptimizerConfig
+from .dropout import DropoutMasks
 from .errors import TrainrunError, UsageError
+from .flat import FlatLayout, from_host, is_cupy, norm_sq
+from .sessions import session_options
 
-_NORM_CHUNK = 1 << 16
 _ORT_TYPES = {"tensor(float)": np.dtype(np.float32), "tensor(double)": np.dtype(np.float64),
               "tensor(float16)": np.dtype(np.float16), "tensor(int64)": np.dtype(np.int64),
               "tensor(int32)": np.dtype(np.int32), "tensor(int8)": np.dtype(np.int8),
               "tensor(uint8)": np.dtype(np.uint8), "tensor(bool)": np.dtype(bool)}
-_LEVELS = {"disabled": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
-           "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
 
 
 def check_inputs(session, path: str, batch: dict, feeds: dict, hint: str = "") -> None:
@@ -62,52 +63,6 @@ def check_inputs(session, path: str, batch: dict, feeds: dict, hint: str = "") -
 
 
 @dataclass
-class FlatLayout:
-    """Where each parameter lives in the flat buffers."""
-    names: list[str]
-    shapes: list[tuple[int, ...]]
-    offsets: list[int]
-    total: int
-
-    @classmethod
-    def from_manifest(cls, manifest: dict) -> "FlatLayout":
-        names, shapes, offsets, off = [], [], [], 0
-        for p in manifest["params"]:
-            names.append(p["name"])
-            shapes.append(tuple(p["shape"]))
-            offsets.append(off)
-            off += int(np.prod(p["shape"], dtype=np.int64))
-        return cls(names, shapes, offsets, off)
-
-    def view(self, flat: np.ndarray, i: int) -> np.ndarray:
-        n = int(np.prod(self.shapes[i], dtype=np.int64))
-        return flat[self.offsets[i]:self.offsets[i] + n].reshape(self.shapes[i])
-
-    def unflatten(self, flat: np.ndarray) -> dict[str, np.ndarray]:
-        return {n: self.view(flat, i) for i, n in enumerate(self.names)}
-
-
-def _is_cupy(arr) -> bool:
-    return type(arr).__module__.startswith("cupy")
-
-
-def to_host(buf, out: np.ndarray) -> None:
-    """Copy a numpy or cupy buffer into the host array ``out``."""
-    if _is_cupy(buf):
-        buf.get(out=out)
-    else:
-        np.copyto(out, buf)
-
-
-def from_host(buf, src: np.ndarray) -> None:
-    """Copy the host array ``src`` into a numpy or cupy buffer."""
-    if _is_cupy(buf):
-        buf.set(np.ascontiguousarray(src, dtype=buf.dtype))
-    else:
-        np.copyto(buf, src, casting="same_kind")
-
-
-@dataclass
 class EngineOptions:
     device: str = "cpu"           # "cpu" or "cuda"
     device_id: int = 0            # the GPU of this rank (its local rank)
@@ -118,37 +73,10 @@ class EngineOptions:
     profile_prefix: str | None = None
     optimized_dir: str | None = None   # debug.save_graphs: write each graph as onnxruntime optimized it
     log_id: str | None = None          # names this rank in onnxruntime's own log lines
-    optimizer_kernel: str = "auto"     # graph (optimizer.onnx), host (kernels/host.py) or auto (host on cpu)
     seed: int = 0                      # run.seed: the dropout masks' stream (trainrun/dropout.py)
     # the train graph's gradients written straight into the gradient buffer (graphs.direct_gradients):
     # for runs that never accumulate; forward_backward(accumulate=True) is then refused
     direct_gradients: bool = False
-
-
-def session_options(opts: EngineOptions, name: str = ""):
-    import onnxruntime as ort
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = max(1, opts.threads)
-    if name in ("eval", "optimizer"):
-        # short runs between train steps: a pool that keeps spinning after them steals the train
-        # session's cores (measured 1.48x end to end on gpt2-tiny with 1 rank x 2 threads)
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    so.inter_op_num_threads = 1
-    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    level = "basic" if opts.deterministic and opts.graph_optimization in ("extended", "all") \
-        else opts.graph_optimization
-    so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _LEVELS[level])
-    so.log_severity_level = opts.log_severity
-    if opts.deterministic:
-        so.use_deterministic_compute = True
-    if opts.profile_prefix:
-        so.enable_profiling = True
-        so.profile_file_prefix = opts.profile_prefix + (f"_{name}" if name else "")
-    if opts.optimized_dir and name:
-        so.optimized_model_filepath = os.path.join(opts.optimized_dir, f"{name}.onnx")
-    if opts.log_id:
-        so.logid = f"{opts.log_id} {name}".strip()
-    return so
 
 
 class _Bound:
@@ -161,16 +89,19 @@ class _Bound:
         providers = ["CPUExecutionProvider"]
         self.cuda = opts.device == "cuda"
         if self.cuda:
-            from . import cuda
             cuda.setup()        # the pip-installed CUDA 11 libraries, before the provider loads
             cuda_opts = {"device_id": opts.device_id}
             if opts.deterministic:      # fp32 MatMuls in fp32, not TF32 (the provider's default on Ampere+)
                 cuda_opts["use_tf32"] = 0
             providers = [("CUDAExecutionProvider", cuda_opts), "CPUExecutionProvider"]
         self.device_id = opts.device_id
+        # the eval and optimizer graphs run briefly between train steps: their pools do not spin after a run
+        so = session_options(max(1, opts.threads), name, graph_optimization=opts.graph_optimization,
+                             log_severity=opts.log_severity, deterministic=opts.deterministic,
+                             spinning=name not in ("eval", "optimizer"), profile_prefix=opts.profile_prefix,
+                             optimized_dir=opts.optimized_dir, log_id=opts.log_id)
         try:
-            self.session = ort.InferenceSession(path if model is None else model,
-                                                sess_options=session_options(opts, name),
+            self.session = ort.InferenceSession(path if model is None else model, sess_options=so,
                                                 providers=providers)
         except Exception as exc:  # noqa: BLE001
             raise TrainrunError(f"{path}: onnxruntime cannot load the {name} graph: "
@@ -186,7 +117,7 @@ class _Bound:
 
     def _where(self, arr):
         assert arr.flags.c_contiguous
-        if _is_cupy(arr):
+        if is_cupy(arr):
             return "cuda", self.device_id, arr.data.ptr
         return "cpu", 0, arr.ctypes.data
 
@@ -213,8 +144,7 @@ class _Bound:
 
     def run(self) -> None:
         if self.cuda:
-            from .cuda import synchronize
-            synchronize()       # cupy's writes to bound buffers (batches, weights) are done first
+            cuda.synchronize()       # cupy's writes to bound buffers (batches, weights) are done first
             # IOBinding::BindInput copies a bound tensor to the device its consumer runs on at BIND
             # time (utils::CopyOneInputAcrossDevices): a host scalar (lr, step, grad_scale) read on the
             # GPU would keep the value of its first bind forever. Binding again copies the current
@@ -229,7 +159,7 @@ class Engine:
     """The train, eval and optimizer sessions over shared flat buffers.
 
     ``buffers``: (params, grads) allocated by the caller (host arrays of the layout's size, e.g. views of
-    shared memory that several ranks' sessions bind to, :mod:`trainrun.zero`); by default the engine's own.
+    shared memory that several ranks' sessions bind to, :mod:`trainrun.update`); by default the engine's own.
 
     ``batch_shapes``: dataset feature -> (shape, dtype) of one micro-batch; ``feeds``: graph input ->
     the feature that feeds it (:func:`trainrun.graphs.feeds`, by default equal names and the labels
@@ -243,14 +173,13 @@ class Engine:
     """
 
     def __init__(self, graphs_dir: str, opts: EngineOptions, batch_shapes: dict, eval_batch_shapes: dict,
-                 optimizer: OptimizerConfig | None = None, feeds: dict | None = None, buffers: tuple | None = None):
+                 feeds: dict | None = None, buffers: tuple | None = None):
         self.dir = graphs_dir
         self.opts = opts
         self.manifest = G.load_manifest(graphs_dir)
         self.layout = FlatLayout.from_manifest(self.manifest)
         N = self.layout.total
         if opts.device == "cuda":       # big buffers and batches on the GPU; scalars stay on the host
-            from . import cuda
             cuda.setup()
             import cupy
             cupy.cuda.Device(opts.device_id).use()
@@ -261,7 +190,7 @@ class Engine:
         if buffers is None:
             self.params = xp.zeros(N, np.float32)
             self.grads = xp.zeros(N, np.float32)
-        else:       # allocated by the caller (host, e.g. in shared memory: trainrun.zero); bound as they are
+        else:       # allocated by the caller (host, e.g. in shared memory: trainrun.update); bound as they are
             self.params, self.grads = buffers
             for what, b in zip(("params", "grads"), buffers):
                 if not (isinstance(b, np.ndarray) and b.dtype == np.float32 and b.shape == (N,)
@@ -283,11 +212,7 @@ class Engine:
         self.masks = self._masks(self.manifest.get("dropout"), opts.seed)
 
         self.stats_outputs = list(self.manifest.get("stats_outputs", []))   # debug.tensors, see stats.py
-        self.optimizer = None       # forward/eval only (tests, export checks) without one
-        if optimizer is not None:
-            sizes = [int(np.prod(s, dtype=np.int64)) for s in self.layout.shapes]
-            self.optimizer = optim.build(optimizer, self.layout.names, sizes, self.params, self.grads, xp,
-                                         kernel=opts.optimizer_kernel)
+        self._graph_optimizer = None      # an optimizer that runs a graph (attach_optimizer)
         self.reopen(opts)
 
     def reopen(self, opts: EngineOptions) -> tuple:
@@ -299,7 +224,6 @@ class Engine:
         train = os.path.join(self.dir, "train.onnx")
         self.grad_outputs = None     # parameter -> its gradient output, with opts.direct_gradients
         if opts.direct_gradients:
-            import onnx
             model, self.grad_outputs = G.direct_gradients(onnx.load(train))
             self.train_s = _Bound(train, opts, "train", model.SerializeToString())
         else:
@@ -307,15 +231,25 @@ class Engine:
         self.eval_s = _Bound(os.path.join(self.dir, "eval.onnx"), opts, "eval")
         self.opt_s = None
         self._bind_all()
-        if self.optimizer is not None and self.optimizer.graph:
-            self.opt_s = _Bound(os.path.join(self.dir, self.optimizer.graph), opts, "optimizer")
-            self.optimizer.bind(self.opt_s)
+        if self._graph_optimizer is not None:
+            self._open_optimizer()
         return old
+
+    def attach_optimizer(self, optimizer) -> None:
+        """``optimizer`` (:func:`trainrun.optim.build`, built by :mod:`trainrun.update` over these buffers)
+        runs a graph: the engine opens its session with the engine's options (again on :meth:`reopen`) and
+        hands it over to be bound."""
+        self._graph_optimizer = optimizer
+        self._open_optimizer()
+
+    def _open_optimizer(self) -> None:
+        self.opt_s = _Bound(os.path.join(self.dir, self._graph_optimizer.graph), self.opts, "optimizer")
+        self._graph_optimizer.bind(self.opt_s)
 
     def restore(self, old: tuple) -> None:
         self.train_s, self.eval_s, self.opt_s, self.opts = old
         if self.opt_s is not None:
-            self.optimizer.bind(self.opt_s)
+            self._graph_optimizer.bind(self.opt_s)
 
     # ------------------------------------------------------------------ binding
     def _batch_buffers(self, shapes: dict) -> dict:
@@ -344,7 +278,6 @@ class Engine:
         """The dropout mask buffers (host; on the GPU a device twin of each, ``self.mask_dev``)."""
         if not spec:
             return None
-        from .dropout import DropoutMasks
         sizes = {}
         for sym, (name, axis) in spec["dims"].items():
             if name not in self.batch:
@@ -460,13 +393,12 @@ class Engine:
     def close(self) -> None:
         """Drop the sessions and every buffer (the end of a run: what follows, e.g. rank 0's export,
         then does not stack on top of them)."""
-        self.train_s = self.eval_s = self.opt_s = self.optimizer = None
+        self.train_s = self.eval_s = self.opt_s = self._graph_optimizer = None
         self.params = self.grads = self.state = self.state_next = self.masks = None
         self.batch, self.eval_batch = {}, {}
 
     def load_weights(self, path: str | None = None) -> None:
         """Fill the parameter buffer from a safetensors file (default: the initial weights)."""
-        from safetensors.numpy import load_file
         path = path or os.path.join(self.dir, "weights.safetensors")
         tensors = load_file(path)
         for layout, flat, i, name in [(L, f, i, n) for L, f in ((self.layout, self.params),
@@ -497,9 +429,4 @@ class Engine:
         if self.xp is not np:      # cupy reduces in a tree on the device
             return float(self.xp.dot(g, g))
         return norm_sq(g)
-
-
-def norm_sq(g: np.ndarray) -> float:
-    """Squared L2 norm of a flat float32 NumPy buffer: float32 dots of 64Ki-element chunks summed in float64."""
-    return sum(float(np.dot(c, c)) for c in (g[i:i + _NORM_CHUNK] for i in range(0, g.size, _NORM_CHUNK)))
 

@@ -22,13 +22,15 @@ import os
 
 import numpy as np
 
-from . import checkpoint as K
 from . import config as C
 from . import graphs as G
+from . import rundir
 from .comm import make_communicator
 from .data import eval_batches, open_dataset
 from .engine import check_inputs
 from .errors import TrainrunError, UsageError
+from .export import checkpoint_weights
+from .sessions import session_options
 
 
 def _cores() -> int:
@@ -40,9 +42,8 @@ def run_evaluate(source: str, data: str, *, steps: int | None, batch: int | None
     """Evaluate; rank 0 prints the result, writes ``output`` and returns it (other ranks return None)."""
     import onnxruntime as ort
 
-    from .export import checkpoint_weights
-    ckpt = K.resolve_checkpoint(source)
-    run_dir = K.run_dir_of(ckpt)
+    ckpt = rundir.resolve_checkpoint(source)
+    run_dir = rundir.run_dir_of(ckpt)
     cfg = C.load_config(os.path.join(ckpt, "config.yaml"))
     comm = make_communicator("auto", "cpu", cfg.distributed.timeout_s)
     error, sess, weights, feeds, batches, micro, left_out = None, None, None, None, None, 1, ""
@@ -63,9 +64,7 @@ def run_evaluate(source: str, data: str, *, steps: int | None, batch: int | None
             raise UsageError(f"--data {data}: lacks the features the model reads "
                              f"(its features: {', '.join(ds.specs)})", missing)
         weights = checkpoint_weights(ckpt, manifest)
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        so.intra_op_num_threads = max(1, _cores() // max(1, comm.local_size))
+        so = session_options(max(1, _cores() // max(1, comm.local_size)))
         eval_path = os.path.join(run_dir, "graphs", "eval.onnx")
         sess = ort.InferenceSession(eval_path, so, providers=["CPUExecutionProvider"])
         shaped = ds.new_batch(micro)        # the batch checked as training checks it at start-up

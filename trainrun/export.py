@@ -15,16 +15,26 @@ printed.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import shutil
+import tempfile
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
+from safetensors.numpy import save_file
 
 from . import checkpoint as K
 from . import graphs as G
-from .engine import FlatLayout
+from . import pretrained, rundir
+from . import tokenizer as T
+from .config import BertConfig, GPT2Config
 from .errors import TrainrunError, UsageError
+from .flat import FlatLayout
+from .models.bert import sample_inputs
+from .models.gpt2 import build_gpt2
+from .sessions import session_options
 
 _EXTERNAL_DATA_BYTES = 1_800_000_000   # protobuf's 2 GB limit: larger models keep weights beside the .onnx
 _COPY_CHUNK = 16 << 20                 # bytes copied at a time from a checkpoint into the model file
@@ -67,7 +77,7 @@ def _model_tensors(ckpt: str, manifest: dict) -> tuple[FlatLayout, FlatLayout]:
     once ``ckpt`` is checked against those graphs (:func:`checkpoint.check_checkpoint`)."""
     layout = FlatLayout.from_manifest(manifest)
     states = FlatLayout.from_manifest({"params": manifest.get("states", [])})
-    K.check_checkpoint(ckpt, layout.names + states.names, (os.path.join(K.run_dir_of(ckpt), "graphs"), manifest))
+    K.check_checkpoint(ckpt, layout.names + states.names, (os.path.join(rundir.run_dir_of(ckpt), "graphs"), manifest))
     return layout, states
 
 
@@ -167,8 +177,6 @@ def sample_batch(graphs_dir: str, manifest: dict, rng_seed: int = 0) -> dict[str
     """A small random batch for the data inputs and the labels of the eval graph (ids below the vocab)."""
     model = onnx.load(os.path.join(graphs_dir, "eval.onnx"), load_external_data=False)
     if manifest["model"].get("builtin") == "bert":      # positions, types and labels have their own ranges
-        from .config import BertConfig
-        from .models.bert import sample_inputs
         return sample_inputs(BertConfig(**manifest["model"]["bert"]), 4, 16, 3, np.random.default_rng(rng_seed))
     vocab = manifest["model"]["gpt2"]["vocab_size"] if manifest["model"].get("builtin") == "gpt2" else 2
     rng = np.random.default_rng(rng_seed)
@@ -199,8 +207,6 @@ def checkpoint_weights(ckpt: str, manifest: dict) -> dict[str, np.ndarray]:
 
 def kv_cache_model(manifest: dict, weights, where: str):
     """The GPT-2 inference graph with the attention cache (dropout off) holding ``weights()``."""
-    from .config import GPT2Config
-    from .models.gpt2 import build_gpt2
     if manifest["model"].get("builtin") != "gpt2":
         raise UsageError(f"{where}: the attention-cache graph is built for model.builtin gpt2 only "
                          f"(this run: {manifest['model'].get('builtin') or 'a user graph'}); "
@@ -248,8 +254,8 @@ def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None,
     """Write the inference model; return the max |logits difference| against the eval graph."""
     import onnxruntime as ort
 
-    ckpt = K.resolve_checkpoint(checkpoint)
-    graphs_dir = os.path.join(K.run_dir_of(ckpt), "graphs")
+    ckpt = rundir.resolve_checkpoint(checkpoint)
+    graphs_dir = os.path.join(rundir.run_dir_of(ckpt), "graphs")
     manifest = G.load_manifest(graphs_dir)
     K.verify(ckpt)
     tensors = checkpoint_tensors(ckpt, manifest)      # streamed from the file into the model: no copy held
@@ -278,9 +284,7 @@ def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None,
         return 0.0
 
     batch = sample_batch(graphs_dir, manifest)          # data inputs and labels
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    so.add_session_config_entry("session.disable_prepacking", "1")     # no packed second copy of the weights
+    so = session_options(prepacking=False)      # no packed second copy of the weights
     exported = ort.InferenceSession(output, so, providers=["CPUExecutionProvider"])
     names = ["logits"] if kv_cache else [o.name for o in exported.get_outputs()]
     if kv_cache:
@@ -351,17 +355,8 @@ def export_transformers(checkpoint: str, output: str, *, tokenizer: str | None =
     """Write a transformers ``save_pretrained`` directory (see docs/operations.md): config.json, model.safetensors
     (transformers' names; the tied heads are the tensors they are tied to), generation_config.json and
     the run's tokenizer. Staged beside ``output`` and moved into place at the end."""
-    import json
-    import shutil
-    import tempfile
-
-    from safetensors.numpy import save_file
-
-    from . import pretrained
-    from . import tokenizer as T
-
-    ckpt = K.resolve_checkpoint(checkpoint)
-    run_dir = K.run_dir_of(ckpt)
+    ckpt = rundir.resolve_checkpoint(checkpoint)
+    run_dir = rundir.run_dir_of(ckpt)
     manifest = G.load_manifest(os.path.join(run_dir, "graphs"))
     family = manifest["model"].get("builtin")
     if family not in ARCHITECTURE:

@@ -17,11 +17,16 @@ import os
 import sys
 
 import numpy as np
+import onnx
+from onnx import TensorProto, helper
 
-from . import checkpoint as K
 from . import graphs as G
+from . import rundir
+from . import tokenizer as T
 from .errors import UsageError
 from .export import checkpoint_weights, kv_cache_model
+from .flat import FlatLayout, to_host
+from .sessions import session_options
 
 
 class Decoder:
@@ -107,17 +112,8 @@ def generate(decoder: Decoder, prompt: list[int], max_new_tokens: int, rng: np.r
         logits = decoder.next(token)
 
 
-def session_options(threads: int = 0):
-    import onnxruntime as ort
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    so.intra_op_num_threads = threads
-    return so
-
-
 def load_source(source: str, threads: int = 0) -> tuple[Decoder, str]:
     """(decoder, the run directory: the .onnx file's directory) for a .onnx file, a checkpoint or a run directory."""
-    import onnx
     import onnxruntime as ort
     if os.path.isfile(source):
         try:
@@ -134,8 +130,8 @@ def load_source(source: str, threads: int = 0) -> tuple[Decoder, str]:
         sess = ort.InferenceSession(source, session_options(threads), providers=["CPUExecutionProvider"])
         run_dir = os.path.dirname(os.path.abspath(source))
         return Decoder(sess, n_positions), run_dir
-    ckpt = K.resolve_checkpoint(source)
-    run_dir = K.run_dir_of(ckpt)
+    ckpt = rundir.resolve_checkpoint(source)
+    run_dir = rundir.run_dir_of(ckpt)
     manifest = G.load_manifest(os.path.join(run_dir, "graphs"))
     model = kv_cache_model(manifest, lambda: checkpoint_weights(ckpt, manifest), where=ckpt)
     n_positions = next(i.dims[0] for i in model.graph.initializer if i.name == "transformer.wpe.weight")
@@ -147,7 +143,6 @@ def load_source(source: str, threads: int = 0) -> tuple[Decoder, str]:
 def run_generate(source: str, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
                  seed: int, num_samples: int, tokenizer: str | None, out=sys.stdout) -> list[str]:
     """The command: print each sample as its tokens come; return the texts."""
-    from . import tokenizer as T
     decoder, run_dir = load_source(source)
     text = T.for_run(run_dir, tokenizer)
     ids = text.encode(prompt)
@@ -190,8 +185,6 @@ class TrainingSampler:
 
     def __init__(self, manifest: dict, data_dir: str, prompt: str, threads: int):
         import onnxruntime as ort
-        from . import tokenizer as T
-        from .engine import FlatLayout
         self.text = T.for_data(data_dir)
         self.prompt = self.text.encode(prompt)
         if not self.prompt:
@@ -206,7 +199,6 @@ class TrainingSampler:
         self.decoder = Decoder(_WithWeights(self.session, self.layout.unflatten(self.host)), n_positions)
 
     def sample(self, params, seed: int, step: int) -> str:
-        from .engine import to_host
         to_host(params, self.host)
         new = generate(self.decoder, self.prompt, self.NEW_TOKENS, np.random.default_rng([seed, step]),
                        temperature=1.0, top_k=self.TOP_K, eos_id=self.text.eos_id)
@@ -214,7 +206,6 @@ class TrainingSampler:
 
 
 def onnx_inputs(layout) -> list:
-    from onnx import TensorProto, helper
     return [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(s)) for n, s in zip(layout.names, layout.shapes)]
 
 

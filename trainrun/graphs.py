@@ -1,6 +1,6 @@
 """``trainrun prepare``: the train, eval and optimizer graphs from a forward graph.
 
-Input: the built-in GPT-2 or a user's forward ONNX (data inputs -> logits).
+Input: a built-in GPT-2 or BERT, or a user's forward ONNX (data inputs -> logits).
 Output, in ``<output_dir>/graphs/``:
 
 * ``train.onnx``      data + labels + parameters + gradient buffers + ``lazy_reset_grad``
@@ -30,11 +30,17 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper, shape_inference
+
+from safetensors.numpy import save_file
 
 from .config import Config, to_dict
-from .data import outside, sha256_file
+from .data import outside
 from .errors import TrainrunError, UsageError
+from .models import bert, gpt2
+from .optim import build_optimizer_graph
+from .pretrained import load_into
+from .rundir import sha256_file
 
 IR_VERSION = 9
 LOSS = "loss"
@@ -79,14 +85,12 @@ class Forward:
 def forward_from_config(cfg: Config) -> Forward:
     m = cfg.model
     if m.builtin == "gpt2":
-        from .models.gpt2 import build_gpt2, init_weights
-        weights = _pretrained(init_weights(m.gpt2, cfg.run.seed), m)
-        model = build_gpt2(m.gpt2, weights)
+        weights = _pretrained(gpt2.init_weights(m.gpt2, cfg.run.seed), m)
+        model = gpt2.build_gpt2(m.gpt2, weights)
         inputs = ["input_ids"]
         return Forward(model=model, params=_trainable(list(weights), m.frozen, "gpt2"), inputs=inputs,
                        logits="logits", labels=m.loss.labels)
     if m.builtin == "bert":
-        from .models import bert
         weights = _pretrained(bert.init_weights(m.bert, cfg.run.seed), m)
         return Forward(model=bert.build_bert(m.bert, weights), params=_trainable(list(weights), m.frozen, "bert"),
                        inputs=list(bert.INPUTS), logits=bert.LOGITS, labels=None, loss=bert.LOSS)
@@ -124,7 +128,6 @@ def _pretrained(weights: dict, m) -> dict:
     """``weights`` replaced by model.init_from's, when given."""
     if not m.init_from:
         return weights
-    from .pretrained import load_into
     return load_into(weights, m.init_from, m.builtin)
 
 
@@ -184,7 +187,6 @@ def _value_dims(model, name):
         if vi.name == name and vi.type.tensor_type.HasField("shape"):
             return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
                     for d in vi.type.tensor_type.shape.dim]
-    from onnx import shape_inference
     try:
         inferred = shape_inference.infer_shapes(model)
     except Exception:  # noqa: BLE001 - an uninferable graph: the shape stays unknown
@@ -596,7 +598,6 @@ def _probe_shapes(model, inputs, tensors, source):
     by onnx shape inference at two sets of values of the data inputs' symbolic dims: a dim that
     follows symbol k's values is that symbol, one that stays put is a constant.
     Returns ({symbol: [input, axis]}, the batch dim (symbol or int), {tensor: (dims, elem_type)})."""
-    from onnx import shape_inference
     symbols: dict[str, list] = {}
     batch = None
     for vi in model.graph.input:
@@ -669,7 +670,6 @@ def cast_pass(model: onnx.ModelProto, precision: str) -> onnx.ModelProto:
     low = PRECISIONS[precision]
     if low is None:
         return model
-    from onnx import shape_inference
     suffix = {TensorProto.FLOAT16: "/fp16", TensorProto.BFLOAT16: "/bf16"}[low]
     inferred = shape_inference.infer_shapes(model)
     floats = {v.name for v in list(inferred.graph.value_info) + list(inferred.graph.input)
@@ -1032,10 +1032,6 @@ def _save(model: onnx.ModelProto, path: str) -> None:
 
 def prepare(cfg: Config, out_dir: str | None = None) -> str:
     """Write the three graphs, the forward graph, the initial weights and the manifest."""
-    from safetensors.numpy import save_file
-
-    from .optim import build_optimizer_graph
-
     out_dir = out_dir or os.path.join(cfg.run.output_dir, "graphs")
     os.makedirs(out_dir, exist_ok=True)
     fwd = forward_from_config(cfg)

@@ -6,7 +6,7 @@ buffers (``exp_avg`` ...) and returns an :class:`Optimizer` whose
 :meth:`Optimizer.step` does one update. Who computes it is decided there, once:
 
 * ``host`` (default on the CPU): :class:`trainrun.kernels.host.HostOptimizer`,
-  the rule as chunked in-place NumPy;
+  the rule as fused in-place loops over the buffers, compiled by Numba;
 * ``graph`` (default on CUDA): ``graphs/optimizer.onnx`` in onnxruntime, built
   by :func:`build_optimizer_graph` at prepare time from the symbolic rules of
   :mod:`trainrun.kernels.optimizers`; the engine hands it a session to bind.
@@ -109,7 +109,7 @@ def build(cfg: OptimizerConfig, names: list[str], sizes: list[int], params, grad
     ``xp`` is their array module (numpy, or cupy on the GPU). ``kernel``: host, graph or auto
     (host for numpy buffers, graph otherwise).
 
-    A shard (ZeRO-1, :mod:`trainrun.zero`): ``params``/``grads`` are views of one rank's part of
+    A shard (ZeRO-1, :mod:`trainrun.update`): ``params``/``grads`` are views of one rank's part of
     the flat buffers, ``names``/``sizes`` the parts of tensors it holds (a tensor may be cut at
     either end), and ``norm_sums`` combines LAMB's per-tensor sums of squares over the ranks (see
     :class:`trainrun.kernels.host.HostOptimizer`); host kernel only."""

@@ -19,7 +19,11 @@ import os
 
 import numpy as np
 
+from safetensors import SafetensorError
+from safetensors.numpy import load_file
+
 from .errors import UsageError
+from .rundir import resolve_checkpoint
 
 PREFIX = {"gpt2": "transformer.", "bert": "bert."}
 TIED = {"gpt2": {"lm_head.weight": "transformer.wte.weight"},
@@ -31,7 +35,6 @@ def _safetensors_file(path: str) -> str:
         return path
     if os.path.isfile(os.path.join(path, "model.safetensors")) and os.path.isfile(os.path.join(path, "config.json")):
         return os.path.join(path, "model.safetensors")
-    from .checkpoint import resolve_checkpoint
     try:
         return os.path.join(resolve_checkpoint(path), "model.safetensors")
     except UsageError:
@@ -77,8 +80,6 @@ def check(shapes: dict[str, tuple], path: str, family: str) -> list[str]:
 
 def load_into(weights: dict[str, np.ndarray], path: str, family: str) -> dict[str, np.ndarray]:
     """``weights`` (our names and shapes, freshly initialised) with every tensor ``path`` provides."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
     file = _safetensors_file(path)
     try:
         tensors = load_file(file)

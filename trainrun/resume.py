@@ -14,6 +14,7 @@ import os
 
 from . import checkpoint as K
 from . import config as C
+from . import rundir
 from .comm import detect_world
 from .errors import UsageError
 
@@ -29,8 +30,8 @@ SAFE_ON_RESUME = ("train.max_steps", "train.stop_at", "train.eval_every", "train
 def resume_config(path: str, overrides: list[str], force: bool = False) -> tuple[C.Config, str]:
     """(config, checkpoint directory) to continue the run holding ``path`` (a run directory,
     its latest complete checkpoint, or one checkpoint)."""
-    ckpt = K.resolve_checkpoint(path)
-    run_dir = K.run_dir_of(ckpt)
+    ckpt = rundir.resolve_checkpoint(path)
+    run_dir = rundir.run_dir_of(ckpt)
     saved_path = os.path.join(ckpt, "config.yaml")
     saved = C.load_config(saved_path)
     cfg = C.load_config(saved_path, overrides, need_data=True)

@@ -6,8 +6,8 @@ One step (:meth:`TrainingRunner.train_step`), in the order of ORT's C++ runner:
    accumulated in place in the flat gradient buffer;
 2. ``reduce``: ONE allreduce (sum) over the flat gradient buffer (with
    ``distributed.zero_stage: 1`` a reduce-scatter; with ``distributed.intra_node: shared`` each rank
-   first sums its slice of the node's gradients from shared memory: :mod:`trainrun.zero`);
-3. ``agree``: ONE small allreduce of scalars that carries the loss, the squared
+   first sums its slice of the node's gradients from shared memory: :mod:`trainrun.update`);
+3. ``step_scalars``: ONE small allreduce of scalars that carries the loss, the squared
    gradient norm (rank 0's, or each rank's part of it), and the background
    checkpoint's progress, so every rank takes the same decision (a non-finite
    norm: the step is skipped everywhere);
@@ -41,13 +41,16 @@ import onnxruntime  # noqa: F401
 from . import checkpoint as K
 from . import faults
 from . import preflight
-from . import zero
+from . import update
 from . import config as C
 from . import graphs as G
-from .comm import local_device, make_communicator
+from . import rundir
+from .comm import cuda_device_count, local_device, make_communicator
 from .data import TrainLoader, eval_batches
 from .engine import Engine, EngineOptions
 from .errors import TrainrunError, UsageError, collective
+from .export import export_checkpoint
+from .generate import TrainingSampler
 from .lock import RunLock
 from .observe import Observer, apply_log_level, engine_options
 from .observe.metrics import Metrics, fmt_duration
@@ -105,7 +108,7 @@ class TrainingRunner:
         self.nonfinite_in_a_row = 0
         self.signals = StopSignals()      # SIGTERM/SIGINT/SIGUSR1: stop after the step, with a checkpoint
         self.early_stopping = EarlyStopping(t.early_stopping.patience, t.early_stopping.min_delta)
-        self.scaler = make_scaler(cfg.train.precision)     # fp16: dynamic loss scaling; else None
+        self.scaler = make_scaler(self.engine)     # fp16: dynamic loss scaling; else None
         self.checkpoints = K.Checkpointer(self.out, comm, cfg.checkpoint.keep_last, log=self.log,
                                           keep_best=cfg.checkpoint.keep_best)
         if resume_from:
@@ -132,7 +135,7 @@ class TrainingRunner:
                 if self.lock:
                     self.lock.acquire()     # before anything is written: one job per run directory
                 ckpt_dir = os.path.join(self.out, "checkpoints")
-                if not self.resume_from and K.complete_checkpoints(ckpt_dir):
+                if not self.resume_from and rundir.complete_checkpoints(ckpt_dir):
                     raise UsageError(f"{self.out} already holds checkpoints; continue it with "
                                      f"`trainrun resume {self.out}` or choose another run.output_dir")
                 K.cleanup(ckpt_dir, log=self.log)
@@ -195,7 +198,6 @@ class TrainingRunner:
         device_id = local_device(self.comm.local_rank) if cfg.device == "cuda" else 0
         opts = EngineOptions(device=cfg.device, device_id=device_id, threads=threads,
                              graph_optimization=cfg.engine.graph_optimization,
-                             optimizer_kernel=cfg.engine.optimizer_kernel,
                              log_severity=_ORT_SEVERITY[cfg.run.log_level], deterministic=cfg.run.deterministic,
                              seed=cfg.run.seed, direct_gradients=self.accum == 1,
                              **engine_options(cfg, self.rank))
@@ -205,27 +207,25 @@ class TrainingRunner:
         try:     # the data checked against the graph's inputs: the same verdict on every rank
             feeds = G.feeds(self.manifest, cfg.data.inputs, shapes)
             # intra_node: shared: parameters and gradients in the node's shared memory (None: the mpi path)
-            node = zero.node_buffers(cfg, self.comm, self.manifest["num_params"])
-            stage = cfg.distributed.zero_stage     # partitioned: the optimizer over this rank's part only
-            self.engine = Engine(self.graphs_dir, opts, shapes, shapes,
-                                 None if stage or node else cfg.optimizer, feeds=feeds,
+            node = update.node_buffers(cfg, self.comm, self.manifest["num_params"])
+            self.engine = Engine(self.graphs_dir, opts, shapes, shapes, feeds=feeds,
                                  buffers=node.buffers if node else None)
             self.engine.load_weights()
-            self.shard = zero.build(stage, self.comm, self.engine, cfg.optimizer, node)
+            # the optimizer over the whole buffers, or (partitioned) over this rank's part only
+            self.shard = update.build(cfg, self.comm, self.engine, node)
         except UsageError as exc:
             error = exc
         self.comm.agree(error)
         error, self.sampler = None, None
         if cfg.train.sample_every and self.is_main:
             try:
-                from .generate import TrainingSampler
                 self.sampler = TrainingSampler(self.manifest, cfg.data.train, cfg.train.sample_prompt, threads)
             except UsageError as exc:
                 error = exc
         if cfg.train.sample_every:
             self.comm.agree(error)
 
-    def sync_state(self) -> None:
+    def average_model_state(self) -> None:
         """Model state that is not a parameter (BatchNorm running stats) is updated by each rank from its
         own batches: replace it by the mean over ranks (before eval, checkpoints and so export), so every
         rank evaluates and every checkpoint holds the statistics of all the data."""
@@ -256,15 +256,13 @@ class TrainingRunner:
         micro = self.loader.next_step()
         timer.mark("data")
         stats = self.observe.stats_step(self.step + 1)     # None unless debug.stats_every says so
-        if self.scaler:
-            self.engine.loss_scale[()] = self.scaler.scale
         loss_sum = self.forward_backward(micro, stats)
         if faults.hit("NAN_GRAD", self.rank, self.step + 1):
             self.engine.grads[0] = float("nan")
         timer.mark("forward_backward")
         self.shard.reduce()
         timer.mark("allreduce")
-        loss, grad_norm, finite, stop = self.agree(loss_sum)
+        loss, grad_norm, finite, stop = self.step_scalars(loss_sum)
         timer.mark("norm")
         self.step += 1
         lr = learning_rate(self.step, self.cfg.optimizer.lr, self.cfg.train.max_steps, self.cfg.lr_schedule)
@@ -306,7 +304,7 @@ class TrainingRunner:
         this makes it the mean."""
         return 1.0 / (self.accum * self.world * (self.scaler.scale if self.scaler else 1.0))
 
-    def agree(self, loss_sum: float) -> tuple[float, float, bool, bool]:
+    def step_scalars(self, loss_sum: float) -> tuple[float, float, bool, bool]:
         """(mean loss, gradient norm, finite on every rank, a stop signal reached some rank), from one
         allreduce of a few scalars that also carries the background checkpoint's progress."""
         ck_done, ck_failed = self.checkpoints.status()
@@ -341,7 +339,7 @@ class TrainingRunner:
         """``eval_loss``, ``eval_perplexity`` and ``eval_<name>`` of each metric of the eval graph,
         over ``eval_steps`` global batches; sums from every rank in one allreduce."""
         cfg, eng = self.cfg, self.engine
-        self.sync_state()
+        self.average_model_state()
         names = list(eng.eval_metrics)
         total, count, sums = 0.0, 0.0, [0.0] * len(names)
         error = None
@@ -396,7 +394,6 @@ class TrainingRunner:
             self.log(f"nothing to train: the run is at step {self.step}, it ends at step {end} (train.max_steps "
                      f"{t.max_steps}{stop_at}); {os.path.join(self.out, 'model.onnx')} not exported again")
         elif self.is_main and self.checkpoints.saved_step == self.step:
-            from .export import export_checkpoint
             self._release()      # the export reads the checkpoint: free what training held first
             export_checkpoint(os.path.join(self.out, "checkpoints", str(self.step)),
                               os.path.join(self.out, "model.onnx"), echo=self.log)
@@ -513,7 +510,7 @@ class TrainingRunner:
                 "world_size": self.world, "global_batch": self.global_batch, "seed": cfg.run.seed,
                 "graphs": self.manifest["files"], "eval_loss": eval_loss,
                 "early_stopping": self.early_stopping.state_dict()}
-        self.sync_state()
+        self.average_model_state()
         # rank 0 alone writes the tensors; the others hash their parameters (and take part in the gathers
         # of stage 1's optimizer state)
         buffers = {"params": self.engine.params, **self.shard.full_state()}
@@ -573,7 +570,6 @@ def train(cfg: C.Config, resume_from: str | None = None, force: bool = False,
     if log_level:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, log_level=log_level))
     if cfg.device == "cuda":
-        from .comm import cuda_device_count
         if cuda_device_count() == 0:
             raise UsageError("device: cuda, but no CUDA GPU is visible (checked with cupy; install the "
                              "`gpu` extra on a machine with a GPU, or set device: cpu)")

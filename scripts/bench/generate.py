@@ -17,7 +17,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from trainrun.config import GPT2Config  # noqa: E402
-from trainrun.generate import Decoder, generate, session_options  # noqa: E402
+from trainrun.generate import Decoder, generate  # noqa: E402
+from trainrun.sessions import session_options  # noqa: E402
 from trainrun.models.gpt2 import build_gpt2, init_weights  # noqa: E402
 
 GPT2_124M = dict(n_layer=12, n_head=12, n_embd=768, n_positions=1024, vocab_size=50257)

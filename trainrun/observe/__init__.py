@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import os
 
+from .profile import Profiler
+from .stats import StatsWriter
+
 PER_RANK_LEVELS = ("devinfo", "verbose")
 
 
@@ -59,11 +62,9 @@ class Observer:
         self.timer, self.log = timer, log
         self.profiler = None
         if cfg.profile.start_step:
-            from .profile import Profiler
             self.profiler = Profiler(cfg, rank, world_size, engine, timer)
         self.stats = None
         if cfg.debug.stats_every:
-            from .stats import StatsWriter
             self.stats = StatsWriter(os.path.join(cfg.run.output_dir, "stats"), rank, world_size,
                                      cfg.debug.stats_every, engine, engine.stats_outputs)
         self._last_totals: dict[str, float] = {}

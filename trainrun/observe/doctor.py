@@ -39,7 +39,10 @@ import time
 
 import numpy as np
 
+from .. import graphs as G
+from ..comm import make_communicator
 from ..errors import TrainrunError
+from ..rundir import sha256_file
 
 FULL_HASH_LIMIT = 64 << 20
 PIECE = 1 << 20
@@ -231,8 +234,6 @@ def _graph_files(cfg) -> dict:
     if not os.path.isfile(manifest_path):
         out["graphs"] = "not prepared"
         return out
-    from .. import graphs as G
-    from ..data import sha256_file
     try:
         manifest = G.load_manifest(gdir)
         for name, sha in manifest["files"].items():
@@ -249,7 +250,6 @@ def _graph_files(cfg) -> dict:
 def run_doctor(cfg=None, config_bytes: bytes = b"", overrides=(), size_mb: float = 64.0, iters: int = 5,
                echo=print) -> int:
     """Run every check on every rank; rank 0 prints the report. Returns the exit status."""
-    from ..comm import make_communicator
     device = cfg.device if cfg else "cpu"
     backend = cfg.distributed.backend if cfg else "auto"
     comm = make_communicator(backend, device, cfg.distributed.timeout_s if cfg else 120.0)

@@ -1,16 +1,17 @@
 """The reduce and update part of the step, replicated or partitioned over ranks (``distributed.zero_stage``,
-``distributed.intra_node``).
+``distributed.intra_node``), and the one owner of the optimizer on every path.
 
 :func:`build` returns the component the runner's step calls, in this order::
 
     reduce()          the gradients summed over ranks (each rank's part of them, when partitioned)
     norm_sq_part()    this rank's share of the squared gradient norm: the runner sums the
-                      shares in its per-step scalar allreduce (runner.agree)
+                      shares in its per-step scalar allreduce (runner.step_scalars)
     step(lr, t, gs)   the optimizer update (of this rank's part, when partitioned)
     gather()          every rank's updated part to every rank that reads it
 
-and holds the optimizer state (``state``: name -> flat buffer covering elements
-``lo:hi`` of the flat parameters) for checkpoints.
+and holds the optimizer (:func:`trainrun.optim.build`, over the whole flat buffers or this rank's part of
+them; the engine only opens its session when it runs a graph) and its state (``state``: name -> flat
+buffer covering elements ``lo:hi`` of the flat parameters) for checkpoints.
 
 * :class:`Replicated` (stage 0, ``intra_node: mpi`` or one rank per node): one allreduce of the flat
   gradient buffer, every rank runs the whole update on identical buffers. The norm is taken by rank 0
@@ -56,7 +57,7 @@ import numpy as np
 
 from . import optim
 from .comm import MPICommunicator, NodeMemory, SharedMemoryUnavailable, SingleProcess
-from .engine import FlatLayout, norm_sq
+from .flat import FlatLayout, norm_sq
 from .errors import UsageError
 
 RANKS_PER_NODE_ENV = "TRAINRUN_RANKS_PER_NODE"
@@ -70,13 +71,25 @@ def shard_counts(n: int, world_size: int) -> list[int]:
     return [base + (r < extra) for r in range(world_size)]
 
 
-def build(stage: int, comm, engine, cfg_optimizer, node: "NodeBuffers | None" = None):
-    """The reduce/update component for ``engine``'s flat buffers. Replicated (stage 0 without ``node``)
-    uses the engine's own optimizer (``engine.optimizer``); the others build one over this rank's part
-    (build the engine without an optimizer then: it would hold full-size moments)."""
+def build(cfg, comm, engine, node: "NodeBuffers | None" = None):
+    """The reduce/update component for ``engine``'s flat buffers, with the run's optimizer (``cfg.optimizer``):
+    over the whole buffers (stage 0 without ``node``: :class:`Replicated`, run by ``engine.optimizer_kernel``)
+    or over this rank's part of them (:class:`Partitioned`, the host kernel)."""
+    stage = cfg.distributed.zero_stage
     if stage == 0 and node is None:
-        return Replicated(comm, engine)
-    return Partitioned(stage, comm, engine, cfg_optimizer, node)
+        return Replicated(comm, engine, optimizer_for(engine, cfg.optimizer, cfg.engine.optimizer_kernel))
+    return Partitioned(stage, comm, engine, cfg.optimizer, node)
+
+
+def optimizer_for(engine, cfg_optimizer, kernel: str = "auto"):
+    """The optimizer over all of ``engine``'s flat parameters and gradients; one that runs a graph gets its
+    session from the engine."""
+    sizes = [int(np.prod(s, dtype=np.int64)) for s in engine.layout.shapes]
+    opt = optim.build(cfg_optimizer, engine.layout.names, sizes, engine.params, engine.grads, engine.xp,
+                      kernel=kernel)
+    if opt.graph:
+        engine.attach_optimizer(opt)
+    return opt
 
 
 class NodeBuffers:
@@ -148,9 +161,9 @@ class Replicated:
 
     sharded = False
 
-    def __init__(self, comm, engine):
+    def __init__(self, comm, engine, optimizer):
         self.comm, self.engine = comm, engine
-        self.optimizer = engine.optimizer
+        self.optimizer = optimizer
         self.state = self.optimizer.state
         self.lo, self.hi = 0, engine.layout.total
 
@@ -217,7 +230,7 @@ class Partitioned:
     def _sum_peers(self) -> float:
         """This rank's slice of the node: its own gradients plus every other local rank's, read from their
         buffers, chunk by chunk; returns the slice's squared norm, taken while each summed chunk is in cache
-        (float32 dots of the chunks summed in float64, like :func:`trainrun.engine.norm_sq`)."""
+        (float32 dots of the chunks summed in float64, like :func:`trainrun.flat.norm_sq`)."""
         own = self.peers[self.local.rank]
         others = [p for r, p in enumerate(self.peers) if r != self.local.rank]
         sq = 0.0

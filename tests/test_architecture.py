@@ -1,0 +1,209 @@
+"""docs/architecture.md against the code: every import of the package (those inside functions included),
+parsed with ``ast``, keeps the import rules; the layers have no import pointing up and no cycle; every
+module has a row in the module table; every function the step table names exists."""
+
+import ast
+import os
+import re
+
+import pytest
+
+from conftest import ROOT
+
+DOC = os.path.join(ROOT, "docs", "architecture.md")
+# where each installed package's files live (pyproject.toml's package-dir)
+PACKAGES = {"trainrun": "trainrun", "trainrun.kernels": "kernels", "trainrun.data_tools": "data_tools"}
+
+
+def modules() -> dict[str, str]:
+    """Module name (without the ``trainrun.`` prefix, a package by its own name) -> file path; empty files
+    (an empty ``__init__.py``) left out."""
+    found = {}
+    for package, folder in PACKAGES.items():
+        for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
+            for f in files:
+                if not f.endswith(".py"):
+                    continue
+                path = os.path.join(dirpath, f)
+                if os.path.getsize(path) == 0:      # an empty __init__.py
+                    continue
+                rel = os.path.relpath(path, os.path.join(ROOT, folder))[:-3].replace(os.sep, ".")
+                parts = package.split(".")[1:] + ([] if rel == "__init__" else rel.split("."))
+                if parts and parts[-1] == "__init__":
+                    parts = parts[:-1]
+                found[".".join(parts) or "trainrun"] = path
+    return found
+
+
+def imports(name: str, path: str, known) -> tuple[set[str], set[str]]:
+    """(trainrun modules imported, other top-level packages imported) by one module, anywhere in it."""
+    tree = ast.parse(open(path).read(), path)
+    is_package = path.endswith("__init__.py")
+    ours, others = set(), set()
+    here = ["trainrun"] + ([] if name == "trainrun" else name.split("."))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here if is_package else here[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module
+            targets = [f"{module}.{a.name}" for a in node.names] + [module]
+        else:
+            continue
+        for t in targets:
+            if not t.startswith("trainrun"):
+                others.add(t.split(".")[0])
+                continue
+            short = t[len("trainrun."):] if t != "trainrun" else "trainrun"
+            while short not in known and "." in short:
+                short = short.rsplit(".", 1)[0]
+            if short in known and short != name and (short != "trainrun" or t == "trainrun"):
+                ours.add(short)
+    return ours, others
+
+
+@pytest.fixture(scope="module")
+def graph():
+    found = modules()
+    return {m: imports(m, p, found) for m, p in found.items()}
+
+
+def layers(doc: str) -> dict[str, int]:
+    """The layer table of architecture.md: ``layer N  module module ...`` lines in its fenced block."""
+    block = doc.split("<!-- layers -->", 1)[1].split("```", 2)[1]
+    order = {}
+    for line in block.splitlines():
+        m = re.match(r"\s*layer (\d+)\s+(.*)", line)
+        if m:
+            for mod in m.group(2).split():
+                order[mod] = int(m.group(1))
+    return order
+
+
+def layer_of(module: str, order: dict[str, int]) -> int | None:
+    """The layer of ``module``: by its name, or by a ``package.*`` entry covering it."""
+    if module in order:
+        return order[module]
+    parts = module.split(".")
+    for i in range(len(parts), 0, -1):
+        if ".".join(parts[:i]) + ".*" in order:
+            return order[".".join(parts[:i]) + ".*"]
+    return None
+
+
+def violations(graph: dict, order: dict[str, int]) -> list[str]:
+    """Every broken import rule, named by importer and imported."""
+    bad = []
+    for mod, (ours, others) in sorted(graph.items()):
+        top = mod.split(".")[0]
+        if mod == "config" and ours - {"errors"}:
+            bad.append(f"config imports {sorted(ours - {'errors'})}: only errors")
+        if mod in ("data", "comm") and ("onnxruntime" in others or "engine" in ours):
+            bad.append(f"{mod} imports onnxruntime or the engine")
+        if top in ("models", "kernels") and ours & {"runner", "engine", "data", "update"}:
+            bad.append(f"{mod} knows the runner / engine / data: {sorted(ours & {'runner', 'engine', 'data', 'update'})}")
+        if top == "kernels" and ours - {"config"} - {m for m in graph if m.startswith("kernels.")}:
+            bad.append(f"{mod} imports {sorted(ours)}: kernels/ import only config and each other")
+        if top == "observe" and "runner" in ours:
+            bad.append(f"{mod} imports the runner")
+        if "click" in others and mod not in ("cli", "data_tools.cli"):
+            bad.append(f"{mod} imports click (only cli and data_tools.cli do)")
+        if "torch" in others:
+            bad.append(f"{mod} imports torch (only tests/ and scripts/ do)")
+        mine = layer_of(mod, order)
+        if mine is None:
+            bad.append(f"{mod} has no layer in docs/architecture.md")
+            continue
+        for other in sorted(ours):
+            theirs = layer_of(other, order)
+            if theirs is not None and theirs > mine:
+                bad.append(f"{mod} (layer {mine}) imports {other} (layer {theirs}): an import up the layers")
+    return bad
+
+
+def cycles(graph: dict) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v][0]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_imports_keep_the_rules_and_the_layers(graph):
+    doc = open(DOC).read()
+    assert violations(graph, layers(doc)) == []
+    assert cycles(graph) == []
+
+
+def test_the_checks_catch_a_violation(graph):
+    """Each kind of rule fails when broken: an import up the layers that closes a cycle, click outside the
+    command lines, onnxruntime in data, torch anywhere, a config that imports the engine."""
+    order = layers(open(DOC).read())
+    broken = {m: (set(ours), set(others)) for m, (ours, others) in graph.items()}
+    broken["flat"][0].add("engine")             # engine -> flat, so also a cycle
+    broken["data"][1].add("onnxruntime")
+    broken["engine"][1].update({"click", "torch"})
+    broken["config"][0].add("engine")
+    found = "\n".join(violations(broken, order))
+    for text in ("flat (layer 1) imports engine (layer 5)", "data imports onnxruntime",
+                 "engine imports click", "engine imports torch", "config imports ['engine']"):
+        assert text in found
+    assert any({"engine", "flat"} <= set(c) for c in cycles(broken))
+
+
+def test_every_module_has_a_row_in_the_module_table(graph):
+    """A row names the module's file (``flat.py``, ``models/gpt2.py``) or its folder (``observe/``)."""
+    doc = open(DOC).read()
+    table = doc.split("## Who owns what", 1)[1].split("\n## ", 1)[0]
+    named = set()
+    for line in table.splitlines():
+        if line.startswith("|"):
+            named.update(re.findall(r"`([\w/.]+)`", line.split("|")[1]))
+    missing = []
+    for mod, path in modules().items():
+        parts = mod.split(".")
+        file = "/".join(parts) + ("/" if path.endswith("__init__.py") else ".py")
+        folders = {"/".join(parts[:i]) + "/" for i in range(1, len(parts))} | \
+            ({file} if file.endswith("/") else set())
+        if mod == "trainrun" or not (file in named or named & folders):
+            missing.append(file)
+    assert missing == []
+
+
+def test_the_step_table_names_functions_that_exist():
+    doc = open(DOC).read()
+    table = doc.split("`TrainingRunner.train_step` reads in the step's order:", 1)[1].split("```", 2)[1]
+    called = set(re.findall(r"\.?(\w+)\(", table))
+    defined = set()
+    for path in modules().values():
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                defined.add(node.name)
+    assert called and called - defined == set()

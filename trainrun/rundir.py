@@ -1,0 +1,86 @@
+"""A run directory's layout, and finding its checkpoints::
+
+    <run>/config.yaml                 the resolved config of the run
+    <run>/graphs/                     the prepared graphs and their manifest.json (trainrun.graphs)
+    <run>/checkpoints/<step>/         committed checkpoints (trainrun.checkpoint), each with a COMMITTED marker
+    <run>/model.onnx                  the inference model exported at the end
+
+Files are identified by :func:`sha256_file` (the graphs in their manifest, a checkpoint's checksums).
+This module imports nothing of trainrun but errors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+from .errors import UsageError
+
+GRAPHS = "graphs"
+CHECKPOINTS = "checkpoints"
+COMMITTED = "COMMITTED"
+
+
+def sha256_file(path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def graphs_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, GRAPHS)
+
+
+def checkpoints_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, CHECKPOINTS)
+
+
+def _steps(ckpt_root: str) -> list[int]:
+    if not os.path.isdir(ckpt_root):
+        return []
+    return sorted(int(d) for d in os.listdir(ckpt_root) if d.isdigit())
+
+
+def complete_checkpoints(ckpt_root: str) -> list[str]:
+    """Committed checkpoint directories, oldest first."""
+    return [os.path.join(ckpt_root, str(s)) for s in _steps(ckpt_root)
+            if os.path.exists(os.path.join(ckpt_root, str(s), COMMITTED))]
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint directory from a run directory (latest complete one) or a checkpoint path."""
+    path = os.path.abspath(path)
+    if os.path.exists(os.path.join(path, COMMITTED)):
+        return path
+    if os.path.isdir(checkpoints_dir(path)):
+        done = complete_checkpoints(checkpoints_dir(path))
+        if not done:
+            raise UsageError(f"{path}: no complete checkpoint under checkpoints/")
+        return done[-1]
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, "state.json")):
+        raise UsageError(f"{path}: checkpoint is incomplete (no {COMMITTED} marker); "
+                         f"use an earlier one or the run directory")
+    raise UsageError(f"{path}: neither a run directory with checkpoints nor a checkpoint")
+
+
+def best_checkpoints(ckpt_root: str) -> list[str]:
+    """Committed checkpoints that recorded an eval loss (state.json ``eval_loss``), lowest loss first
+    (the later step first among equals)."""
+    ranked = []
+    for ckpt in complete_checkpoints(ckpt_root):
+        try:
+            with open(os.path.join(ckpt, "state.json")) as fh:
+                loss = json.load(fh).get("eval_loss")
+        except (OSError, ValueError):
+            continue
+        if loss is not None:
+            ranked.append((loss, -int(os.path.basename(ckpt)), ckpt))
+    return [c for _, _, c in sorted(ranked)]
+
+
+def run_dir_of(ckpt: str) -> str:
+    """The run directory holding a checkpoint (<run>/checkpoints/<step>)."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(ckpt)))
