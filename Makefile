@@ -29,14 +29,17 @@ test: $(STAMP_TEST)
 	$(BIN)/python -m pytest -q -m "not gpu" $(PYTEST_ARGS)
 
 # The GPU suite (tests/test_gpu.py and every test marked gpu): installs the gpu extra, from the index
-# or offline from a wheel directory (make test-gpu WHEELS=/path/to/wheels); skips without a GPU.
+# or offline from a wheel directory (make test-gpu WHEELS=/path/to/wheels). Refuses an onnxruntime
+# without the CUDA provider; fails (TRAINRUN_REQUIRE_GPU=1), not skips, where no GPU is visible.
 STAMP_GPU := $(VENV)/.installed-gpu
 $(STAMP_GPU): pyproject.toml $(STAMP_TEST)
 	$(BIN)/pip install -q $(if $(WHEELS),--no-index --find-links $(WHEELS)) -e '.[gpu,test]'
 	@touch $@
 
 test-gpu: $(STAMP_GPU)
-	CUDA_MODULE_LOADING=$${CUDA_MODULE_LOADING:-LAZY} CUDA_CACHE_MAXSIZE=$${CUDA_CACHE_MAXSIZE:-4294967296} \
+	@$(BIN)/python -c 'import sys; from trainrun.config import cuda_provider_problem; p = cuda_provider_problem(); \
+	    sys.exit(p and "make test-gpu: device: cuda " + p)'
+	TRAINRUN_REQUIRE_GPU=1 CUDA_MODULE_LOADING=$${CUDA_MODULE_LOADING:-LAZY} CUDA_CACHE_MAXSIZE=$${CUDA_CACHE_MAXSIZE:-4294967296} \
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q -rs -m gpu $(PYTEST_ARGS)
 
 demo: $(STAMP_RUN)

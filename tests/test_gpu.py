@@ -1,5 +1,6 @@
 """The CUDA path (``make test-gpu``; ``pytest -m gpu``). Every test skips, saying why, when no CUDA
-device is visible; ``make test`` deselects them (``-m "not gpu"``).
+device is visible, unless ``TRAINRUN_REQUIRE_GPU=1`` (``make test-gpu`` sets it): then collecting this
+file fails; ``make test`` deselects them (``-m "not gpu"``).
 
 Written before any GPU run (no GPU was at hand): each tolerance is argued from the arithmetic, not
 fitted to a machine. Common ground: fp32 everywhere with TF32 off (``run.deterministic: true`` makes
@@ -31,6 +32,8 @@ def _no_gpu_reason() -> str | None:
 
 
 REASON = _no_gpu_reason()
+if REASON is not None and os.environ.get("TRAINRUN_REQUIRE_GPU") == "1":   # make test-gpu sets it
+    raise RuntimeError(f"TRAINRUN_REQUIRE_GPU=1, but the GPU tests cannot run: {REASON}")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=str(REASON))]
 
 

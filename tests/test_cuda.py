@@ -1,0 +1,102 @@
+"""The CUDA path's checks that a CPU runs (``make test``): what trainrun says and refuses before any GPU
+work. The GPU itself is tests/test_gpu.py's (``make test-gpu``)."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, TRAINRUN, run, write_config
+
+
+def test_device_cuda_with_an_onnxruntime_lacking_the_cuda_provider_is_a_config_error(tmp_path, byte_dataset):
+    """On Python 3.12 PyPI has only the CPU build of onnxruntime-training 1.19.2: validation names
+    the wheel and the Python in use and says what to do (exit 2). The onnxruntime imported here is a
+    stand-in that lists the CPU provider only, as that build does."""
+    import onnxruntime
+    fake = tmp_path / "ort" / "onnxruntime"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("__version__ = '1.19.2'\n"
+                                      "def get_available_providers():\n    return ['CPUExecutionProvider']\n")
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset)
+    cmd = [TRAINRUN, "config", "validate", "--config", cfg, "--set", "device=cuda"]
+    proc = run(cmd, check=2, env={"PYTHONPATH": str(tmp_path / "ort")})
+    py = f"Python {sys.version_info[0]}.{sys.version_info[1]}"
+    for part in ("device:", "CUDAExecutionProvider", py, "it has CPUExecutionProvider", str(fake),
+                 "exists for Python 3.10 and 3.11 only", "PYTHON=python3.11"):
+        assert part in proc.stderr, (part, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    # the onnxruntime installed here: accepted exactly when its build has the CUDA provider
+    has_cuda = "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+    proc = run(cmd, check=0 if has_cuda else 2)
+    assert ("CUDAExecutionProvider" in proc.stderr) != has_cuda, proc.stderr
+
+
+def _broken_libcudart(tmp_path):
+    """A site directory whose nvidia-cuda-runtime-cu11 library is not a shared object."""
+    lib = tmp_path / "site" / "nvidia" / "cuda_runtime" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libcudart.so.11.0").write_bytes(b"not an ELF file\n")
+    return str(tmp_path / "site"), str(lib / "libcudart.so.11.0")
+
+
+def test_a_cuda_library_that_fails_to_load_is_reported_not_counted_as_no_gpu(tmp_path):
+    """cuda_device_count() reported 0 GPUs (every GPU test skipped, make test-gpu green) when a CUDA
+    library failed to load; setup() then returned its partial result on the next call."""
+    site, path = _broken_libcudart(tmp_path)
+    code = ("from trainrun import comm, cuda\n"
+            "from trainrun.errors import TrainrunError\n"
+            "for f in (comm.cuda_device_count, cuda.setup):\n"
+            "    try:\n        print('returned', f())\n"
+            "    except TrainrunError as e:\n        print('raised', e)\n")
+    proc = run([sys.executable, "-c", code], check=0, env={"PYTHONPATH": site})
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2, proc.stdout
+    for line in lines:           # both calls, the second one included
+        assert line.startswith(f"raised cannot load {path} (pip package nvidia-cuda-runtime-cu11)"), proc.stdout
+
+
+def test_make_test_gpu_fails_rather_than_skips_without_a_gpu(tmp_path):
+    """TRAINRUN_REQUIRE_GPU=1 (set by make test-gpu) turns "no GPU" from a skip of every GPU test
+    into a failure. No GPU is visible here (CUDA_VISIBLE_DEVICES empty hides any there is)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only", "-m", "gpu",
+           os.path.join(ROOT, "tests", "test_gpu.py")]
+    env = {"CUDA_VISIBLE_DEVICES": ""}
+    skipped = run(cmd, env=env, cwd=str(tmp_path))
+    assert skipped.returncode == 0, skipped.stdout + skipped.stderr
+    required = run(cmd, env={**env, "TRAINRUN_REQUIRE_GPU": "1"}, cwd=str(tmp_path))
+    assert required.returncode != 0
+    assert "TRAINRUN_REQUIRE_GPU=1, but the GPU tests cannot run" in required.stdout + required.stderr
+
+
+def test_a_session_that_falls_back_to_the_cpu_names_the_missing_provider_libraries(tmp_path):
+    """check_session on a real session that runs on the CPU provider: the error lists the libraries
+    the CUDA provider links that are not pip-installed (cuDNN among them), not cupy's NVRTC."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+    from trainrun import cuda
+    from trainrun.errors import TrainrunError
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    path = str(tmp_path / "m.onnx")
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    with pytest.raises(TrainrunError) as info:
+        cuda.check_session(session, path, "train")
+    msg = str(info.value)
+    loaded = cuda.setup()
+    provider = ["libcudart.so.11.0", "libcublasLt.so.11", "libcublas.so.11", "libcufft.so.10", "libcurand.so.10",
+                "libcudnn.so.8", "libcudnn_ops_infer.so.8"]
+    for soname in provider:
+        assert (soname in msg) == (soname not in loaded), (soname, msg)
+    assert "nvrtc" not in msg and "nccl" not in msg, msg
+
+
+def test_nccl_gather_refuses_rather_than_gathering_nothing():
+    """NCCLCommunicator.gather returned without gathering when counts was None."""
+    from trainrun.comm import NCCLCommunicator
+    with pytest.raises(NotImplementedError, match="gather runs on the mpi backend only"):
+        NCCLCommunicator.gather(None, np.zeros(2, np.float32), np.zeros(4, np.float32), None)
