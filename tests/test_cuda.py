@@ -100,3 +100,74 @@ def test_nccl_gather_refuses_rather_than_gathering_nothing():
     from trainrun.comm import NCCLCommunicator
     with pytest.raises(NotImplementedError, match="gather runs on the mpi backend only"):
         NCCLCommunicator.gather(None, np.zeros(2, np.float32), np.zeros(4, np.float32), None)
+
+
+# ----------------------------------------------------------------------------- the graphs for the CUDA provider
+
+def _cuda_config(tmp_path, model: str, precision: str) -> dict:
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import squeezenet_digits as SQ
+    import onnx
+    cfgs = {"gpt2": {"builtin": "gpt2", "gpt2": {"n_layer": 1, "n_head": 2, "n_embd": 32, "n_positions": 16,
+                                                 "vocab_size": 64}},
+            "bert": {"builtin": "bert", "bert": {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1,
+                                                 "num_attention_heads": 2, "intermediate_size": 64,
+                                                 "max_position_embeddings": 16}},
+            "squeezenet": {"builtin": None, "onnx": str(tmp_path / "squeezenet.onnx"),
+                           "loss": {"type": "cross_entropy", "logits": "logits", "labels": "labels"}}}
+    if model == "squeezenet" and not (tmp_path / "squeezenet.onnx").exists():
+        onnx.save(SQ.build(width=0.25, image_size=16, batchnorm=True), str(tmp_path / "squeezenet.onnx"))
+    return {"model": cfgs[model], "data": {"seq_len": 16}, "train": {"micro_batch_size": 2, "precision": precision},
+            "device": "cuda", "run": {"output_dir": str(tmp_path / f"{model}-{precision}")}}
+
+
+@pytest.mark.parametrize("model", ["gpt2", "bert", "squeezenet"])
+def test_cuda_graphs_have_a_kernel_for_every_op_and_keep_the_fp32_islands(tmp_path, model):
+    """prepare for device: cuda in fp32, fp16 and bf16 passes the kernel check, and in the saved train
+    graph (what onnxruntime's pre-training optimisation left) the fp32 ops and their gradients compute
+    in float32: onnxruntime's PropagateCastOps had moved attention Softmax and SoftmaxGrad to fp16, and
+    the bf16 GELU's SigmoidGrad has no bfloat16 kernel (the session could not be created)."""
+    import onnx
+    from trainrun import config as C
+    from trainrun import cuda_kernels as K
+    from trainrun import graphs as G
+    islands = G.FP32_OPS | {K.GRADIENTS[op] for op in G.FP32_OPS if op in K.GRADIENTS}
+    for precision in ("fp32", "fp16", "bf16"):
+        out = G.prepare(C.from_dict(_cuda_config(tmp_path, model, precision)))
+        typed = K.node_types(onnx.load(os.path.join(out, "train.onnx")))
+        missing = [(n.name, n.op_type, t) for n, t in typed if not K.has_kernel(n.op_type, t)]
+        assert not missing, (precision, missing)
+        ops = {(n.op_type, t) for n, t in typed}
+        low = {"fp32": "float", "fp16": "float16", "bf16": "bfloat16"}[precision]
+        assert any(t == low for _, t in ops), (precision, ops)          # it does compute in that type
+        if precision != "fp32":
+            assert not [(op, t) for op, t in ops if op in islands and t != "float"], (precision, ops)
+            if model != "squeezenet":
+                assert ("Softmax", "float") in ops and ("SoftmaxGrad_13", "float") in ops, ops
+        if model == "gpt2" and precision == "bf16":
+            assert ("SigmoidGrad", "float") in ops and ("SigmoidGrad", "bfloat16") not in ops, ops
+
+
+def test_prepare_for_cuda_refuses_an_op_without_a_kernel_for_its_type(tmp_path):
+    """A user model computing a Sigmoid in bfloat16 itself: its gradient, SigmoidGrad, has no bfloat16
+    kernel in the CUDA provider. prepare says so before writing graphs (exit 2), naming node, op and
+    type; the same model on the CPU prepares (the check is the CUDA provider's)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
+             helper.make_node("Cast", ["h"], ["hb"], to=TensorProto.BFLOAT16, name="to_bf16"),
+             helper.make_node("Sigmoid", ["hb"], ["sb"], name="gate"),
+             helper.make_node("Cast", ["sb"], ["logits"], to=TensorProto.FLOAT, name="to_fp32")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4])],
+                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", 3])],
+                          [numpy_helper.from_array(np.ones((4, 3), np.float32), "W")])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "user.onnx"))
+    import yaml
+    cfg = {"model": {"builtin": None, "onnx": "user.onnx", "inputs": ["x"]}, "run": {"output_dir": "run"},
+           "device": "cuda"}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    proc = run([TRAINRUN, "prepare", "--config", str(tmp_path / "c.yaml")], check=2)
+    assert "user.onnx: device: cuda, but onnxruntime-training 1.19.2's CUDA provider has no kernel" in proc.stderr
+    assert "train graph: node " in proc.stderr and "(SigmoidGrad, bfloat16)" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "graphs" / "train.onnx").exists()
+    run([TRAINRUN, "prepare", "--config", str(tmp_path / "c.yaml"), "--set", "device=cpu"], check=0)
