@@ -2,6 +2,7 @@
 work. The GPU itself is tests/test_gpu.py's (``make test-gpu``)."""
 
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -55,6 +56,19 @@ def test_a_cuda_library_that_fails_to_load_is_reported_not_counted_as_no_gpu(tmp
     assert len(lines) == 2, proc.stdout
     for line in lines:           # both calls, the second one included
         assert line.startswith(f"raised cannot load {path} (pip package nvidia-cuda-runtime-cu11)"), proc.stdout
+
+
+def test_cuda_setup_sets_the_jit_environment_itself():
+    """CUDA_MODULE_LOADING=LAZY and a 4 GiB CUDA_CACHE_MAXSIZE come from cuda.setup() (make test-gpu no
+    longer sets them, so the GPU suite runs with what trainrun sets); a value already set is kept."""
+    code = "import os; from trainrun import cuda; cuda.setup(); print(os.environ['CUDA_MODULE_LOADING'], " \
+           "os.environ['CUDA_CACHE_MAXSIZE'])"
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_MODULE_LOADING", "CUDA_CACHE_MAXSIZE")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["LAZY", str(4 << 30)]
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "CUDA_MODULE_LOADING": "EAGER"},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["EAGER", str(4 << 30)]
 
 
 def test_make_test_gpu_fails_rather_than_skips_without_a_gpu(tmp_path):

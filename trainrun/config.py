@@ -51,7 +51,9 @@ class RunConfig:
     log_level: str = opt("info", choices=["warning", "info", "devinfo", "verbose"])
     """warning: quiet; info: progress; devinfo: + ORT logs and every rank; verbose: + tracebacks."""
     deterministic: bool = False
-    """Bitwise-reproducible runs: no float-reordering graph rewrites, 1 thread (dropout stays on)."""
+    """Bitwise-reproducible runs: no float-reordering graph rewrites, 1 thread (dropout stays on); on
+    cuda also TF32 off. CUDA cannot promise bitwise: the tied embedding's gradient (ScatterElements add)
+    sums with atomic adds, whose order varies from run to run (a few float32 ulps per element)."""
 
 
 @dataclass
