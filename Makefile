@@ -42,9 +42,8 @@ $(STAMP_GPU): pyproject.toml
 	@touch $@
 
 test-gpu: $(STAMP_GPU)
-	@$(VENV_GPU)/bin/python -c 'import sys; from trainrun.config import cuda_provider_problem; p = cuda_provider_problem(); \
-	    p and sys.exit("make test-gpu: device: cuda " + p); \
-	    "torch" in sys.modules and sys.exit("make test-gpu: importing onnxruntime loads torch (uninstall it from $(VENV_GPU))")'
+	@$(VENV_GPU)/bin/python -c 'import sys; from trainrun.cuda import environment_problem; \
+	    p = environment_problem(); p and sys.exit("make test-gpu: " + p)'
 	TRAINRUN_REQUIRE_GPU=1 PATH=$(CURDIR)/$(VENV_GPU)/bin:$$PATH $(VENV_GPU)/bin/python -m pytest -q -rs -m gpu $(PYTEST_ARGS)
 
 demo: $(STAMP_RUN)

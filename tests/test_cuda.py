@@ -185,3 +185,31 @@ def test_prepare_for_cuda_refuses_an_op_without_a_kernel_for_its_type(tmp_path):
     assert "train graph: node " in proc.stderr and "(SigmoidGrad, bfloat16)" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "graphs" / "train.onnx").exists()
     run([TRAINRUN, "prepare", "--config", str(tmp_path / "c.yaml"), "--set", "device=cpu"], check=0)
+
+
+def test_the_gpu_environment_check_refuses_torch_beside_onnxruntime(tmp_path):
+    """make test-gpu's guard (cuda.environment_problem): in this venv, where torch is installed,
+    importing onnxruntime-training imports torch, and the guard says so; in the same packages without
+    torch (every site-packages entry but torch's, python -S) onnxruntime imports without it and the
+    guard passes (where the onnxruntime has the CUDA provider)."""
+    import sysconfig
+
+    import onnxruntime
+    code = "from trainrun.cuda import environment_problem; print(environment_problem())"
+    site = sysconfig.get_paths()["purelib"]
+    with_torch = run([sys.executable, "-c", code], check=0).stdout
+    has_cuda = "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+    if not has_cuda:
+        assert with_torch.startswith("device: cuda needs onnxruntime's CUDAExecutionProvider"), with_torch
+        return
+    if os.path.isdir(os.path.join(site, "torch")):
+        assert with_torch.startswith("importing onnxruntime imports torch"), with_torch
+    farm = tmp_path / "site"
+    farm.mkdir()
+    for name in os.listdir(site):
+        if not name.startswith("torch") and not name.endswith(".pth"):
+            os.symlink(os.path.join(site, name), farm / name)
+    env = {"PYTHONPATH": os.pathsep.join([ROOT, str(farm)])}
+    without = run([sys.executable, "-S", "-c", "import sys; " + code.replace("print(", "print('torch' in sys.modules, ")],
+                  check=0, env=env).stdout
+    assert without.split() == ["False", "None"], without

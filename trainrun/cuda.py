@@ -83,6 +83,22 @@ def setup() -> dict[str, str]:
     return _loaded
 
 
+def environment_problem() -> str | None:
+    """Why this Python cannot run ``device: cuda`` (``make test-gpu`` refuses it), or None: its
+    onnxruntime lacks the CUDA provider, or importing onnxruntime-training imports torch (it does
+    wherever torch is installed), whose own CUDA libraries would then load before :func:`setup`'s."""
+    import sys
+
+    from .config import cuda_provider_problem
+    problem = cuda_provider_problem()
+    if problem:
+        return "device: cuda " + problem
+    if "torch" in sys.modules:
+        return (f"importing onnxruntime imports torch ({sys.modules['torch'].__file__}), which loads CUDA "
+                f"libraries of its own: use a venv without torch (make test-gpu makes .venv-gpu)")
+    return None
+
+
 def check_session(session, path: str, name: str) -> None:
     """TrainrunError unless onnxruntime ``session`` (asked for CUDA) really runs on the CUDA provider.
 
