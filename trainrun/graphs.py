@@ -887,7 +887,8 @@ def _scatter_tied_gradients(model: onnx.ModelProto) -> onnx.ModelProto:
     zero tensor of the parameter's size, scatters dY into it (a mutex per element in onnxruntime 1.19),
     and the Sum reads both: three passes over a [50257, 768] tensor at GPT-2 124M. Here that pair
     becomes ScatterElements(other gradient, indices, dY, reduction add), which adds the looked-up rows'
-    gradients into the other gradient in place (serially, so repeated indices are summed exactly).
+    gradients into the other gradient in place (on the CPU serially, so repeated indices are summed in
+    the same order every run; on CUDA with atomic adds, whose order varies from run to run).
     When the other gradient is a Transpose's output (a tied LM head's, computed as [width, vocab]), the
     scatter goes into the Transpose's input, along axis 1, and the Transpose then writes the sum: with
     direct gradients (:func:`direct_gradients`) straight into the flat buffer, where a scatter into a
