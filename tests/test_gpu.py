@@ -289,3 +289,23 @@ def test_mixed_precision_loss_curve_close_to_fp32(tmp_path, byte_dataset, precis
     with open(os.path.join(low, "summary.json")) as fh:
         summary = json.load(fh)
     assert summary["final_step"] == 20 and summary["skipped_steps"] == 0, summary
+
+
+def test_fp16_overflow_skips_halves_and_resumes_the_scaler_on_cuda(tmp_path, byte_dataset):
+    """fp16 with a NaN in the gradient after step 5's backward (TRAINRUN_FAULT_NAN_GRAD, as an overflow
+    looks): step 5's update is skipped and the scale halved (2^16 -> 2^15); stop at 10 and resume to 20
+    against one run of 20 with the same fault: the scaler's state comes back exactly (the same scale at
+    every step), the curve within RERUN_RTOL."""
+    env = {"TRAINRUN_FAULT_NAN_GRAD": "5"}
+    fp16 = {"train.precision": "fp16"}
+    whole, proc = train_run(tmp_path, "whole", byte_dataset, env=env, device="cuda", **fp16)
+    assert "step 5: fp16 overflow, update skipped; loss scale now 32768" in proc.stdout + proc.stderr
+    parts, _ = train_run(tmp_path, "parts", byte_dataset, env=env, device="cuda", **fp16, **{"train.stop_at": 10})
+    run([TRAINRUN, "resume", parts], timeout=600, check=0)
+    scales = losses(whole, "loss_scale")
+    assert scales[3] == 2.0 ** 16 and (scales[5:] == 2.0 ** 15).all(), scales
+    np.testing.assert_array_equal(losses(parts, "loss_scale"), scales)
+    np.testing.assert_allclose(losses(parts), losses(whole), rtol=RERUN_RTOL)
+    with open(os.path.join(whole, "summary.json")) as fh:
+        assert json.load(fh)["skipped_steps"] == 1
+
