@@ -28,16 +28,23 @@ setup-test: $(STAMP_TEST)
 test: $(STAMP_TEST)
 	$(BIN)/python -m pytest -q -m "not gpu" $(PYTEST_ARGS)
 
-# The GPU suite (tests/test_gpu.py and every test marked gpu): installs the gpu extra, from the index
-# or offline from a wheel directory (make test-gpu WHEELS=/path/to/wheels); skips without a GPU.
-STAMP_GPU := $(VENV)/.installed-gpu
-$(STAMP_GPU): pyproject.toml $(STAMP_TEST)
-	$(BIN)/pip install -q $(if $(WHEELS),--no-index --find-links $(WHEELS)) -e '.[gpu,test]'
+# The GPU suite (tests/test_gpu.py and every test marked gpu) in its own venv, .venv-gpu: the gpu extra
+# and pytest only (no torch: with torch installed, importing onnxruntime-training imports it, and torch's
+# own CUDA libraries would load before trainrun's CUDA 11 ones). From the index, or offline from a wheel
+# directory (make test-gpu WHEELS=/path/to/wheels). Refuses an onnxruntime without the CUDA provider;
+# fails (TRAINRUN_REQUIRE_GPU=1), not skips, where no GPU is visible.
+VENV_GPU  := .venv-gpu
+STAMP_GPU := $(VENV_GPU)/.installed-gpu
+$(STAMP_GPU): pyproject.toml
+	@test -n "$(PYTHON)" || { echo "trainrun needs Python 3.10-3.12 on PATH" >&2; exit 2; }
+	test -x $(VENV_GPU)/bin/python || $(PYTHON) -m venv $(VENV_GPU)
+	$(VENV_GPU)/bin/pip install -q $(if $(WHEELS),--no-index --find-links $(WHEELS)) -e '.[gpu]' 'pytest>=8' 'pytest-timeout>=2.3'
 	@touch $@
 
 test-gpu: $(STAMP_GPU)
-	CUDA_MODULE_LOADING=$${CUDA_MODULE_LOADING:-LAZY} CUDA_CACHE_MAXSIZE=$${CUDA_CACHE_MAXSIZE:-4294967296} \
-	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q -rs -m gpu $(PYTEST_ARGS)
+	@$(VENV_GPU)/bin/python -c 'import sys; from trainrun.cuda import environment_problem; \
+	    p = environment_problem(); p and sys.exit("make test-gpu: " + p)'
+	TRAINRUN_REQUIRE_GPU=1 PATH=$(CURDIR)/$(VENV_GPU)/bin:$$PATH $(VENV_GPU)/bin/python -m pytest -q -rs -m gpu $(PYTEST_ARGS)
 
 demo: $(STAMP_RUN)
 	PATH=$(CURDIR)/$(BIN):$$PATH bash scripts/demo.sh
@@ -54,4 +61,4 @@ docs: $(STAMP_RUN)
 	$(BIN)/python scripts/gen_config_docs.py
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info
+	rm -rf $(VENV) $(VENV_GPU) runs build *.egg-info

@@ -210,8 +210,11 @@ def test_host_optimizer_kernel_needs_the_cpu(tmp_path):
         C.load_config(write(tmp_path, {"device": "cuda", "engine": {"optimizer_kernel": "host"}}))
     assert any(p.startswith("engine.optimizer_kernel: host runs on the CPU") for p in err.value.problems), \
         err.value.problems
-    cfg = C.load_config(write(tmp_path, {"device": "cuda", "engine": {"optimizer_kernel": "auto"}}))
-    assert cfg.engine.optimizer_kernel == "auto"
+    try:
+        cfg = C.load_config(write(tmp_path, {"device": "cuda", "engine": {"optimizer_kernel": "auto"}}))
+        assert cfg.engine.optimizer_kernel == "auto"
+    except UsageError as exc:   # an onnxruntime without the CUDA provider (Python 3.12): that is the only problem
+        assert [p.split(":")[0] for p in exc.problems] == ["device"] and C.cuda_provider_problem(), exc.problems
 
 
 def test_zero_stage_1_needs_the_cpu_mpi_and_the_host_kernel(tmp_path):

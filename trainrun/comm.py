@@ -112,17 +112,20 @@ def detect_world() -> tuple[int, int]:
 
 
 def cuda_device_count() -> int:
-    """Number of CUDA devices cupy can see; 0 when cupy or a driver is absent.
+    """Number of CUDA devices cupy can see; 0 when cupy is not installed or the CUDA runtime reports
+    no driver or no device. A CUDA library that fails to load raises (TrainrunError naming it).
 
     This asks the CUDA runtime, not onnxruntime: the onnxruntime-training wheel
     lists CUDAExecutionProvider on machines without any GPU.
     """
+    cuda.setup()            # CUDA's environment is read when the runtime initialises: set it first
     try:
-        cuda.setup()        # CUDA's environment is read when the runtime initialises: set it first
         import cupy
-
+    except ImportError:
+        return 0
+    try:
         return int(cupy.cuda.runtime.getDeviceCount())
-    except Exception:  # ImportError, CUDARuntimeError (no driver / no device), ...
+    except cupy.cuda.runtime.CUDARuntimeError:      # no driver, no device
         return 0
 
 
@@ -757,7 +760,8 @@ class NCCLCommunicator(Communicator):
         self._wait("allgather")
 
     def gather(self, chunk, out, counts, root: int = 0) -> None:
-        _no_counts("gather", counts)
+        raise NotImplementedError("gather runs on the mpi backend only (its user, distributed.zero_stage: 1, "
+                                  "needs it); the nccl backend has none")
 
     def broadcast_(self, buf, root: int = 0) -> None:
         buf = self._gpu(buf, "broadcast_ buffer")

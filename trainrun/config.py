@@ -51,7 +51,9 @@ class RunConfig:
     log_level: str = opt("info", choices=["warning", "info", "devinfo", "verbose"])
     """warning: quiet; info: progress; devinfo: + ORT logs and every rank; verbose: + tracebacks."""
     deterministic: bool = False
-    """Bitwise-reproducible runs: no float-reordering graph rewrites, 1 thread (dropout stays on)."""
+    """Bitwise-reproducible runs: no float-reordering graph rewrites, 1 thread (dropout stays on); on
+    cuda also TF32 off. CUDA cannot promise bitwise: the tied embedding's gradient (ScatterElements add)
+    sums with atomic adds, whose order varies from run to run (a few float32 ulps per element)."""
 
 
 @dataclass
@@ -599,6 +601,8 @@ def _semantic_checks(cfg: Config, problems: _Problems, base_dir: str, need_data:
                      f"(train.max_steps = {cfg.train.max_steps})")
     if cfg.device == "cpu" and cfg.distributed.backend == "nccl":
         problems.add("distributed.backend", "nccl needs device: cuda")
+    if cfg.device == "cuda" and (problem := cuda_provider_problem()):
+        problems.add("device", problem)
     if cfg.device == "cuda" and cfg.engine.optimizer_kernel == "host":
         problems.add("engine.optimizer_kernel", "host runs on the CPU; with device: cuda use graph or auto")
     if cfg.train.sample_every and cfg.model.builtin != "gpt2":
@@ -625,6 +629,27 @@ def _semantic_checks(cfg: Config, problems: _Problems, base_dir: str, need_data:
             problems.add(path, f"directory not found: {full}")
         elif kind == "any" and not os.path.exists(full):
             problems.add(path, f"not found: {full}")
+
+
+def cuda_provider_problem() -> str | None:
+    """Why this Python's onnxruntime cannot run ``device: cuda`` (its build lacks the CUDA provider),
+    or None. PyPI has onnxruntime-training 1.19.2's CUDA build for CPython 3.10 and 3.11 only: on
+    3.12 the package installed is the CPU-only build, whatever the extras."""
+    import sys
+    try:
+        import onnxruntime
+    except ImportError as exc:
+        return f"onnxruntime cannot be imported: {exc}"
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        return None
+    import importlib.metadata
+    wheel = ", ".join(importlib.metadata.packages_distributions().get("onnxruntime", ["?"]))
+    py = ".".join(map(str, sys.version_info[:2]))
+    return (f"needs onnxruntime's CUDAExecutionProvider, which the onnxruntime in use lacks ({wheel} "
+            f"{getattr(onnxruntime, '__version__', '?')} at {os.path.dirname(onnxruntime.__file__)}, "
+            f"Python {py}; it has {', '.join(onnxruntime.get_available_providers())}). onnxruntime-training "
+            f"1.19.2's CUDA build exists for Python 3.10 and 3.11 only: create the venv with one of those "
+            f"(make test-gpu PYTHON=python3.11) and install the gpu extra there, or use device: cpu")
 
 
 def _path_fields(obj, prefix=""):

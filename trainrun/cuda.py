@@ -40,6 +40,8 @@ LIBRARIES = (
                "libcudnn.so.8"]),
     ("nccl", ["libnccl.so.2"]),
 )
+# the packages of the libraries onnxruntime's CUDA provider links (NVRTC and NCCL are cupy's)
+PROVIDER_NEEDS = ("cuda_runtime", "cublas", "cudnn", "cufft", "curand")
 ENVIRONMENT = {"CUDA_MODULE_LOADING": "LAZY", "CUDA_CACHE_MAXSIZE": str(4 << 30)}
 
 _loaded: dict[str, str] | None = None
@@ -64,7 +66,7 @@ def setup() -> dict[str, str]:
         return _loaded
     for key, value in ENVIRONMENT.items():
         os.environ.setdefault(key, value)
-    _loaded = {}
+    loaded = {}
     roots = nvidia_dirs()
     for package, sonames in LIBRARIES:
         for soname in sonames:
@@ -76,8 +78,25 @@ def setup() -> dict[str, str]:
             except OSError as exc:
                 raise TrainrunError(f"cannot load {hits[0]} (pip package nvidia-{package.replace('_', '-')}-cu11): "
                                     f"{exc}") from None
-            _loaded[soname] = hits[0]
+            loaded[soname] = hits[0]
+    _loaded = loaded        # only once every library is in: a failed set-up fails again when called again
     return _loaded
+
+
+def environment_problem() -> str | None:
+    """Why this Python cannot run ``device: cuda`` (``make test-gpu`` refuses it), or None: its
+    onnxruntime lacks the CUDA provider, or importing onnxruntime-training imports torch (it does
+    wherever torch is installed), whose own CUDA libraries would then load before :func:`setup`'s."""
+    import sys
+
+    from .config import cuda_provider_problem
+    problem = cuda_provider_problem()
+    if problem:
+        return "device: cuda " + problem
+    if "torch" in sys.modules:
+        return (f"importing onnxruntime imports torch ({sys.modules['torch'].__file__}), which loads CUDA "
+                f"libraries of its own: use a venv without torch (make test-gpu makes .venv-gpu)")
+    return None
 
 
 def check_session(session, path: str, name: str) -> None:
@@ -88,7 +107,8 @@ def check_session(session, path: str, name: str) -> None:
     active = session.get_providers()
     if "CUDAExecutionProvider" not in active:
         loaded = setup()
-        missing = [so for _, sonames in LIBRARIES[:5] for so in sonames if so not in loaded]
+        missing = [so for package, sonames in LIBRARIES if package in PROVIDER_NEEDS
+                   for so in sonames if so not in loaded]
         raise TrainrunError(
             f"{path}: device: cuda, but onnxruntime runs the {name} graph on {', '.join(active)}: its CUDA "
             f"provider could not be loaded. It needs the CUDA 11.8 libraries (cudart 11, cublas 11, cudnn 8, "

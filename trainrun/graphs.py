@@ -34,6 +34,7 @@ from onnx import TensorProto, helper, numpy_helper, shape_inference
 
 from safetensors.numpy import save_file
 
+from . import cuda_kernels
 from .config import Config, to_dict
 from .data import outside
 from .errors import TrainrunError, UsageError
@@ -676,8 +677,8 @@ def cast_pass(model: onnx.ModelProto, precision: str) -> onnx.ModelProto:
               + list(inferred.graph.output) if v.type.tensor_type.elem_type == TensorProto.FLOAT}
     floats |= {t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT}
 
-    def keeps_fp32(n) -> bool:
-        return n.op_type in FP32_OPS
+    def keeps_fp32(n) -> bool:     # and the ops that, or whose gradient, lack a kernel in the compute type
+        return n.op_type in FP32_OPS or not cuda_kernels.computes_in(n.op_type, cuda_kernels.FLOATS[low])
     low_made = {n.output[i] for n in model.graph.node if not keeps_fp32(n) for i in range(len(n.output))
                 if n.output[i] in floats}
     casts, made = [], {}
@@ -723,6 +724,38 @@ def cast_pass(model: onnx.ModelProto, precision: str) -> onnx.ModelProto:
                                             name=f"cast{o.name}"))
     return _fresh(model, ordered, list(model.graph.input), list(model.graph.output),
                   list(model.graph.initializer))
+
+
+def restore_fp32(train: onnx.ModelProto, precision: str) -> onnx.ModelProto:
+    """The train graph with :data:`FP32_OPS` and their gradients computing in float32 again where
+    onnxruntime's pre-training optimisation moved them to the compute type (its PropagateCastOps
+    drops fp16 Cast -> Softmax -> Cast): Casts around each such node, as :func:`cast_pass` put them."""
+    low = PRECISIONS[precision]
+    if low is None:
+        return train
+    ops = FP32_OPS | {cuda_kernels.GRADIENTS[op] for op in FP32_OPS if op in cuda_kernels.GRADIENTS}
+    types = cuda_kernels.tensor_types(train)
+    wrong = {n.name for n, dtype in cuda_kernels.node_types(train, types)
+             if n.op_type in ops and dtype == cuda_kernels.FLOATS[low]}
+    if not wrong:
+        return train
+    nodes = []
+    for n in train.graph.node:
+        if n.name not in wrong:
+            nodes.append(n)
+            continue
+        n = copy.deepcopy(n)
+        for i, t in enumerate(n.input):
+            if types.get(t) == low:
+                nodes.append(helper.make_node("Cast", [t], [f"{t}/fp32/{n.name}"], to=TensorProto.FLOAT,
+                                              name=f"cast{t}/fp32/{n.name}"))
+                n.input[i] = f"{t}/fp32/{n.name}"
+        outs = [o for o in n.output if types.get(o) == low]
+        n.output[:] = [f"{o}/fp32" if o in outs else o for o in n.output]
+        nodes.append(n)
+        nodes += [helper.make_node("Cast", [f"{o}/fp32"], [o], to=low, name=f"cast{o}") for o in outs]
+    return _fresh(train, nodes, list(train.graph.input), list(train.graph.output), list(train.graph.initializer),
+                  train.graph.value_info)
 
 
 LOSS_SCALE = "loss_scale"
@@ -854,7 +887,8 @@ def _scatter_tied_gradients(model: onnx.ModelProto) -> onnx.ModelProto:
     zero tensor of the parameter's size, scatters dY into it (a mutex per element in onnxruntime 1.19),
     and the Sum reads both: three passes over a [50257, 768] tensor at GPT-2 124M. Here that pair
     becomes ScatterElements(other gradient, indices, dY, reduction add), which adds the looked-up rows'
-    gradients into the other gradient in place (serially, so repeated indices are summed exactly).
+    gradients into the other gradient in place (on the CPU serially, so repeated indices are summed in
+    the same order every run; on CUDA with atomic adds, whose order varies from run to run).
     When the other gradient is a Transpose's output (a tied LM head's, computed as [width, vocab]), the
     scatter goes into the Transpose's input, along axis 1, and the Transpose then writes the sum: with
     direct gradients (:func:`direct_gradients`) straight into the flat buffer, where a scatter into a
@@ -1055,7 +1089,8 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
     classes = _num_classes(fwd) if fwd.loss is None and fwd.loss_type == "cross_entropy" else None
     # the built-in models' losses are over vocabularies; a user model's when its classes are that many
     split = split_cross_entropy if cfg.model.builtin or (classes or 0) >= SPLIT_MIN_CLASSES else (lambda m: m)
-    train = split(build_train_graph(loss_model, fwd.params, source, keep=list(states.values())))
+    train = split(restore_fp32(build_train_graph(loss_model, fwd.params, source, keep=list(states.values())),
+                               build["precision"]))
     stats_outputs = []
     if build["stats_tensors"]:      # debug.stats_every > 0: chosen tensors become outputs
         stats_outputs = select_outputs(train, cfg.debug.tensors)
@@ -1065,6 +1100,8 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
     forward = batchnorm_inference(dropout_off(_params_to_inputs(fwd.model, graph_inputs), source))
     _drop_outputs(forward, set(states.values()))
     optimizer = build_optimizer_graph(cfg.optimizer, shapes)
+    if cfg.device == "cuda":
+        cuda_kernels.check({"train": train, "eval": evalg}, source)
 
     files = {"train": train, "eval": evalg, "forward": forward, "optimizer": optimizer}
     for name, model in files.items():

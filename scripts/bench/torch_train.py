@@ -74,7 +74,7 @@ def main() -> int:
         local = int(os.environ.get("LOCAL_RANK", os.environ.get("MPI_LOCALRANKID", rank)))
         dev = torch.device("cuda", local % torch.cuda.device_count())
         torch.cuda.set_device(dev)
-        torch.backends.cuda.matmul.allow_tf32 = False      # trainrun's deterministic mode: fp32 MatMuls
+        torch.backends.cuda.matmul.allow_tf32 = True       # as onnxruntime's CUDA provider (use_tf32 1) on Ampere+
     if world > 1:
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     torch.manual_seed(args.seed)
