@@ -49,7 +49,7 @@ import numpy as np
 
 from . import faults
 from .flat import from_host, to_host
-from .rundir import COMMITTED, best_checkpoints, checkpoints_dir, complete_checkpoints, sha256_file
+from .rundir import COMMITTED, best_checkpoints, checkpoints_dir, complete_checkpoints, run_dir_of, sha256_file
 from .errors import TrainrunError, UsageError, collective
 
 STAGING = ".staging-"
