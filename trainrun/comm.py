@@ -571,6 +571,19 @@ _ALIGN = 64     # bytes: each rank's segment of a window starts on a cache line
 SHM_DIR = "/dev/shm"     # where MPICH maps shared windows from (a tmpfs file)
 
 
+def split_nodes(world: MPICommunicator, ranks_per_node: int | None = None) -> tuple[MPIGroup, int]:
+    """This rank's node as training groups ranks (a collective): the ranks sharing memory
+    (``MPI_COMM_TYPE_SHARED``, ordered by world rank), or, with ``ranks_per_node`` K, pretend nodes of K
+    consecutive world ranks inside them; and how many ranks share this machine (pretend nodes or not)."""
+    world.barrier()     # Split_type is a blocking collective
+    shared = MPIGroup(world, world._comm.Split_type(world._MPI.COMM_TYPE_SHARED, key=world.rank), "node")
+    if not ranks_per_node:
+        return shared, shared.world_size
+    node = shared.split(world.rank // ranks_per_node, "node")
+    shared.close()
+    return node, shared.world_size
+
+
 class NodeMemory:
     """The ranks of this node with MPI-3 shared memory between them (``distributed.intra_node: shared``).
 
@@ -588,16 +601,9 @@ class NodeMemory:
 
     def __init__(self, world: MPICommunicator, ranks_per_node: int | None = None):
         from . import faults
-        MPI = self._MPI = world._MPI
+        self._MPI = world._MPI
         self.world, self.node, self.cross, self._windows = world, None, None, []
-        world.barrier()     # Split_type is a blocking collective
-        shared = MPIGroup(world, world._comm.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank), "node")
-        self._machine_ranks = shared.world_size      # the ranks on this machine (pretend nodes or not)
-        if ranks_per_node:
-            self.node = shared.split(world.rank // ranks_per_node, "node")
-            shared.close()
-        else:
-            self.node = shared
+        self.node, self._machine_ranks = split_nodes(world, ranks_per_node)
         self.cross = world.split(self.node.rank, "cross-node")
         sizes = world.allgather_object([self.node.world_size, faults.hit("SHARED_WINDOWS", world.rank, 0)])
         if len({n for n, _ in sizes}) != 1:
