@@ -805,8 +805,24 @@ def _no_counts(op: str, counts) -> None:
                                   f"backend only")
 
 
+UCX_SHM_MIN = 64 << 20     # bytes free in /dev/shm below which UCX's posix transport is left out
+
+
+def _ucx_transports(shm: str = SHM_DIR) -> None:
+    """Before MPI_Init: with less than :data:`UCX_SHM_MIN` free in ``shm`` (a small container or node
+    tmpfs), ``UCX_TLS=^posix`` unless the user set UCX_TLS. MPICH's UCX posix shared-memory transport can
+    crash MPI_Init with SIGSEGV there (seen at 16-18 MB), before trainrun could say why; without it UCX
+    takes its other transports, and ``distributed.intra_node: shared`` its documented fallback."""
+    if "UCX_TLS" in os.environ or not os.path.isdir(shm):
+        return
+    st = os.statvfs(shm)
+    if st.f_bavail * st.f_frsize < UCX_SHM_MIN:
+        os.environ["UCX_TLS"] = "^posix"
+
+
 def _import_mpi():
     """Import mpi4py.MPI (which initialises MPI) and return the module."""
+    _ucx_transports()
     try:
         from mpi4py import MPI
     except ImportError as e:
@@ -830,6 +846,15 @@ def _import_nccl():
     return cupy, nccl
 
 
+def _check_srun(world_size: int) -> None:
+    """UsageError when srun started several tasks that are not one MPI job (srun without ``--mpi=pmi2``
+    where SLURM's MpiDefault is none): each would train alone, with another global batch."""
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")      # set by srun for its tasks, not in a batch script
+    if world_size == 1 and tasks.isdigit() and int(tasks) > 1:
+        raise UsageError(f"srun started {tasks} tasks (SLURM_STEP_NUM_TASKS) but MPI sees one rank in each: "
+                         f"launch with `srun --mpi=pmi2` (or mpirun inside the allocation) so that they form one job")
+
+
 BACKENDS = ("auto", "none", "mpi", "nccl")
 DEVICES = ("cpu", "cuda")
 
@@ -850,6 +875,7 @@ def make_communicator(backend: str = "auto", device: str = "cpu", timeout_s: flo
     if not timeout_s > 0:
         raise UsageError(f"collective timeout must be > 0 seconds, got {timeout_s}")
     _, world_size = detect_world()
+    _check_srun(world_size)
     if backend == "auto":
         backend = ("nccl" if device == "cuda" else "mpi") if world_size > 1 else "none"
     if backend == "none":
