@@ -147,7 +147,7 @@ rate() {  # tbf on each node's eth0 egress (no netem in every kernel: rates, not
 }
 
 cluster_mpirun() {
-    nsenter --target "$(holder login)" --net --uts --mount --wd="$PWD" -- \
+    exec nsenter --target "$(holder login)" --net --uts --mount --wd="$PWD" -- \
         "$MPIRUN" -launcher ssh -launcher-exec "$D/node-ssh" "$@"
 }
 
