@@ -122,7 +122,7 @@ while True:
 
 down() {  # holders by PID (each takes its PID namespace's processes along), then the namespaces made here
     local f n
-    [ -d "$N_DIR" ] || { echo "down: nothing to remove"; return 0; }
+    [ -d "$N_DIR" ] || { rm -f "$D/node-ssh"; rmdir "$D" 2>/dev/null || true; echo "down: nothing to remove"; return 0; }
     for f in "$N_DIR"/*.pid "$N_DIR"/*.unshare; do
         [ -e "$f" ] && kill -KILL "$(cat "$f")" 2>/dev/null || true
     done
@@ -134,7 +134,8 @@ down() {  # holders by PID (each takes its PID namespace's processes along), the
     if [ -e "$N_DIR/run-netns" ] && [ -z "$(ip netns list)" ]; then
         umount /run/netns 2>/dev/null || true; rmdir /run/netns 2>/dev/null || true
     fi
-    rm -rf "$N_DIR"
+    rm -rf "$N_DIR" "$D/node-ssh"
+    rmdir "$D" 2>/dev/null || true
     echo "down: removed"
 }
 
@@ -153,7 +154,7 @@ cluster_mpirun() {
 
 cmd=${1:-}; shift || true
 case "$cmd" in
-    up) trap 'down >/dev/null' ERR INT TERM; up "$@"; trap - ERR INT TERM ;;
+    up) trap 'down >/dev/null' ERR; trap 'down >/dev/null; exit 130' INT TERM; up "$@"; trap - ERR INT TERM ;;
     down) down ;;
     rate) rate "$1" ;;
     shm) node_exec "$1" mount -o "remount,size=$2" /dev/shm ;;
