@@ -180,7 +180,7 @@ def measure_bandwidth(comm, device: str, size_mb: float, iters: int) -> tuple[st
     return "PASS", _bandwidth_text(n, t, comm.world_size, iters)
 
 
-def split_nodes(comm):
+def _node_group(comm):
     """This rank's node group as training makes it (``comm.split_nodes``), or None on one rank or without
     MPI."""
     from ..comm import MPICommunicator, split_nodes
@@ -300,7 +300,7 @@ def run_doctor(cfg=None, config_bytes: bytes = b"", overrides=(), size_mb: float
     comm = make_communicator(backend, device, cfg.distributed.timeout_s if cfg else 120.0)
     node = None
     try:
-        node = split_nodes(comm)
+        node = _node_group(comm)
         mine = _facts(comm, device)
         mine["node"] = node.allgather_object(comm.rank)[0] if node else 0     # the node's first world rank
         facts = comm.allgather_object(mine)
