@@ -463,3 +463,19 @@ def test_nccl_collectives_on_gpu(tmp_path):
     rc, out, _ = run_ranks(tmp_path, nprocs, NCCL_SCRIPT, timeout=120)
     assert rc == 0, out
     assert [d["rank"] for d in results(tmp_path)] == list(range(nprocs)), out
+
+
+def test_srun_without_pmi2_is_a_usage_error_naming_it(tmp_path):
+    """srun's tasks without an MPI plugin (SLURM's MpiDefault=none) are N one-rank MPI worlds: each would
+    train alone with another global batch. SLURM_STEP_NUM_TASKS > 1 (srun's, not the batch script's) in a
+    world of one rank: exit 2 saying --mpi=pmi2, before MPI starts. A batch script's single rank is left be."""
+    code = "from trainrun.comm import make_communicator; print(make_communicator().world_size)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "MV2_", "SLURM_"))}
+    trainrun = os.path.join(os.path.dirname(sys.executable), "trainrun")
+    srun = subprocess.run([trainrun, "doctor"], capture_output=True, text=True, timeout=60,
+                          env=dict(env, SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2", SLURM_PROCID="1"))
+    assert srun.returncode == 2 and "`srun --mpi=pmi2`" in srun.stderr, srun.stderr
+    assert "srun started 2 tasks (SLURM_STEP_NUM_TASKS) but MPI sees one rank in each" in srun.stderr
+    batch = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                           env=dict(env, SLURM_NTASKS="2"))
+    assert batch.returncode == 0 and batch.stdout.strip() == "1", batch.stderr

@@ -258,8 +258,8 @@ def test_doctor_passes_on_two_ranks(tmp_path, byte_dataset):
     out = proc.stdout
     assert "(median of 3)" in out                                                # --iters
     assert any(line.split()[:3] == ["PASS", "data.eval", f"{train}:"] for line in out.splitlines()), out  # --set
-    assert "trainrun doctor: 2 rank(s) on 1 host(s)" in out and "MPI library: MPICH" in out
-    assert ": 2)" in out.splitlines()[0]                       # ranks per host
+    assert out.splitlines()[0].startswith("trainrun doctor: 2 rank(s) on 1 node(s) (")     # training's nodes
+    assert out.splitlines()[0].endswith(": rank(s) 0, 1)") and "MPI library: MPICH" in out
     assert not glob.glob(str(tmp_path / "run" / ".doctor-*"))   # the probe file is removed
     assert "onnxruntime 1.19.2" in out and "CPUExecutionProvider" in out
     for check in ("versions", "allreduce", "bandwidth", "config", "run_dir", "data.train", "data.eval"):

@@ -3,15 +3,18 @@ early stopping, a stuck checkpoint write. Real `mpirun` jobs, real signals, real
 
 import json
 import os
+import re
 import signal
 import subprocess
+import sys
+import textwrap
 import time
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import MPIRUN, TRAINRUN, mpirun, rank_pids, read_metrics, run, write_config
+from conftest import MPIRUN, ROOT, TRAINRUN, mpirun, rank_pids, read_metrics, run, write_config
 from trainrun import checkpoint as K
 from trainrun import rundir
 from trainrun.stopping import STOPPED_EXIT
@@ -226,3 +229,38 @@ def test_second_ctrl_c_while_the_tensors_are_written_exits_130(tmp_path, byte_da
     assert proc.returncode == 130, (proc.returncode, err)
     assert "trainrun: interrupted" in err and "KeyboardInterrupt" not in err and "Traceback" not in err, err
     assert os.listdir(ckpts) == []
+
+
+@pytest.mark.parametrize("sig", ["USR1", "TERM"])
+def test_the_documented_slurm_script_requeues_after_the_warning_or_sigterm(tmp_path, sig):
+    """docs/distributed.md's batch script, run by a real bash: srun replaced by a stand-in that stops with
+    75 on USR1 or TERM, scontrol by one that records its arguments. SLURM's --signal=B:USR1 warning and
+    its SIGTERM at the time limit (to the batch shell) both end in 75 and a requeue of the job."""
+    text = open(os.path.join(ROOT, "docs", "distributed.md")).read()
+    script = re.search(r"```bash\n(#!/bin/bash\n#SBATCH .*?)```", text, re.S).group(1)
+    assert "srun --mpi=pmi2 .venv/bin/trainrun" in script and "scontrol requeue" in script
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(textwrap.dedent(f"""\
+        #!{sys.executable}
+        import signal, sys, time
+        signal.signal(signal.SIGUSR1, lambda *a: sys.exit(75))
+        signal.signal(signal.SIGTERM, lambda *a: sys.exit(75))
+        open("{tmp_path / 'started'}", "w").close()
+        time.sleep(120)
+        sys.exit(0)
+        """))
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'scontrol'}\n")
+    for tool in ("srun", "scontrol"):
+        os.chmod(bin_dir / tool, 0o755)
+    (tmp_path / "job.sh").write_text(script)
+    proc = subprocess.Popen(["bash", str(tmp_path / "job.sh")], cwd=tmp_path, env=dict(
+        os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="42"))
+    for _ in range(100):
+        if (tmp_path / "started").exists():
+            break
+        time.sleep(0.1)
+    time.sleep(0.3)     # the trap is set right after the launcher starts
+    proc.send_signal(getattr(signal, f"SIG{sig}"))
+    assert proc.wait(timeout=30) == 75
+    assert (tmp_path / "scontrol").read_text().split() == ["requeue", "42"]

@@ -574,6 +574,19 @@ _ALIGN = 64     # bytes: each rank's segment of a window starts on a cache line
 SHM_DIR = "/dev/shm"     # where MPICH maps shared windows from (a tmpfs file)
 
 
+def split_nodes(world: MPICommunicator, ranks_per_node: int | None = None) -> tuple[MPIGroup, int]:
+    """This rank's node as training groups ranks (a collective): the ranks sharing memory
+    (``MPI_COMM_TYPE_SHARED``, ordered by world rank), or, with ``ranks_per_node`` K, pretend nodes of K
+    consecutive world ranks inside them; and how many ranks share this machine (pretend nodes or not)."""
+    world.barrier()     # Split_type is a blocking collective
+    shared = MPIGroup(world, world._comm.Split_type(world._MPI.COMM_TYPE_SHARED, key=world.rank), "node")
+    if not ranks_per_node:
+        return shared, shared.world_size
+    node = shared.split(world.rank // ranks_per_node, "node")
+    shared.close()
+    return node, shared.world_size
+
+
 class NodeMemory:
     """The ranks of this node with MPI-3 shared memory between them (``distributed.intra_node: shared``).
 
@@ -590,16 +603,9 @@ class NodeMemory:
     """
 
     def __init__(self, world: MPICommunicator, ranks_per_node: int | None = None):
-        MPI = self._MPI = world._MPI
+        self._MPI = world._MPI
         self.world, self.node, self.cross, self._windows = world, None, None, []
-        world.barrier()     # Split_type is a blocking collective
-        shared = MPIGroup(world, world._comm.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank), "node")
-        self._machine_ranks = shared.world_size      # the ranks on this machine (pretend nodes or not)
-        if ranks_per_node:
-            self.node = shared.split(world.rank // ranks_per_node, "node")
-            shared.close()
-        else:
-            self.node = shared
+        self.node, self._machine_ranks = split_nodes(world, ranks_per_node)
         self.cross = world.split(self.node.rank, "cross-node")
         sizes = world.allgather_object([self.node.world_size, faults.hit("SHARED_WINDOWS", world.rank, 0)])
         if len({n for n, _ in sizes}) != 1:
@@ -802,8 +808,24 @@ def _no_counts(op: str, counts) -> None:
                                   f"backend only")
 
 
+UCX_SHM_MIN = 64 << 20     # bytes free in /dev/shm below which UCX's posix transport is left out
+
+
+def _ucx_transports(shm: str = SHM_DIR) -> None:
+    """Before MPI_Init: with less than :data:`UCX_SHM_MIN` free in ``shm`` (a small container or node
+    tmpfs), ``UCX_TLS=^posix`` unless the user set UCX_TLS. MPICH's UCX posix shared-memory transport can
+    crash MPI_Init with SIGSEGV there (seen at 16-18 MB), before trainrun could say why; without it UCX
+    takes its other transports, and ``distributed.intra_node: shared`` its documented fallback."""
+    if "UCX_TLS" in os.environ or not os.path.isdir(shm):
+        return
+    st = os.statvfs(shm)
+    if st.f_bavail * st.f_frsize < UCX_SHM_MIN:
+        os.environ["UCX_TLS"] = "^posix"
+
+
 def _import_mpi():
     """Import mpi4py.MPI (which initialises MPI) and return the module."""
+    _ucx_transports()
     try:
         from mpi4py import MPI
     except ImportError as e:
@@ -827,6 +849,15 @@ def _import_nccl():
     return cupy, nccl
 
 
+def _check_srun(world_size: int) -> None:
+    """UsageError when srun started several tasks that are not one MPI job (srun without ``--mpi=pmi2``
+    where SLURM's MpiDefault is none): each would train alone, with another global batch."""
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")      # set by srun for its tasks, not in a batch script
+    if world_size == 1 and tasks.isdigit() and int(tasks) > 1:
+        raise UsageError(f"srun started {tasks} tasks (SLURM_STEP_NUM_TASKS) but MPI sees one rank in each: "
+                         f"launch with `srun --mpi=pmi2` (or mpirun inside the allocation) so that they form one job")
+
+
 BACKENDS = ("auto", "none", "mpi", "nccl")
 DEVICES = ("cpu", "cuda")
 
@@ -847,6 +878,7 @@ def make_communicator(backend: str = "auto", device: str = "cpu", timeout_s: flo
     if not timeout_s > 0:
         raise UsageError(f"collective timeout must be > 0 seconds, got {timeout_s}")
     _, world_size = detect_world()
+    _check_srun(world_size)
     if backend == "auto":
         backend = ("nccl" if device == "cuda" else "mpi") if world_size > 1 else "none"
     if backend == "none":

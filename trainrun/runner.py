@@ -155,9 +155,16 @@ class TrainingRunner:
             manifest = G.load_manifest(self.graphs_dir)
             mine = {"config": _config_hash(self.cfg), "graphs": manifest["files"], "host": platform.node()}
         except UsageError as exc:
-            mine = {"config": _config_hash(self.cfg), "graphs": None, "error": exc.message}
+            mine = {"config": _config_hash(self.cfg), "graphs": None, "error": exc.message, "host": platform.node()}
         everyone = self.comm.allgather_object(mine)
         ref = everyone[0]
+        blind = [r for r, other in enumerate(everyone) if other.get("graphs") is None]
+        if blind and ref.get("graphs") is not None:     # rank 0 prepared them: the others see another directory
+            hosts = sorted({everyone[r]["host"] for r in blind})
+            raise collective(UsageError(
+                f"run.output_dir {self.out} is not shared: host(s) {', '.join(hosts)} (rank(s) "
+                f"{', '.join(map(str, blind))}) cannot see the graphs rank 0 prepared there; the run directory "
+                f"must be the same shared filesystem path on every host (`trainrun doctor` checks it)"))
         for r, other in enumerate(everyone):   # every rank sees the same list: the error is collective
             if other.get("graphs") is None:
                 raise collective(UsageError(f"rank {r} cannot read the prepared graphs: {other.get('error')}"))

@@ -11,6 +11,11 @@ table. Then the checks, each PASS, FAIL or SKIP:
 * ``bandwidth``  allreduce time of a ``--size-mb`` buffer (the slowest rank's
                  median of ``--iters``), as algorithm bandwidth (bytes/time)
                  and bus bandwidth (x 2(n-1)/n, as nccl-tests report it);
+                 over several nodes also ``intra-node`` (each node's ranks
+                 among themselves, every node at once) and ``inter-node`` (one
+                 rank per node: the link between the nodes) apart. Nodes are
+                 training's (MPI's shared-memory nodes, or
+                 ``TRAINRUN_RANKS_PER_NODE``'s pretend ones), not hostnames;
 * ``config``     every rank read the same config file bytes and ``--set``;
 * ``run_dir``    with --config: a file rank 0 writes into run.output_dir is read by
                  every rank (checkpoints are committed by rank 0 from every
@@ -149,26 +154,66 @@ def check_allreduce(comm, device: str, n: int = 1 << 20) -> tuple[str, str]:
     return "PASS", f"sum of known values over {w} rank(s) ({n:,} float32 and 2 float64 scalars, {comm.backend})"
 
 
-def measure_bandwidth(comm, device: str, size_mb: float, iters: int) -> tuple[str, str]:
-    if comm.world_size == 1:
-        return "SKIP", "one rank: nothing to measure"
-    xp = _xp(comm, device)
-    n = max(1, int(size_mb * (1 << 20)) // 4)
+def _allreduce_time(comm, xp, n: int, iters: int) -> float:
+    """This rank's median time of ``iters`` allreduces of ``n`` float32 over ``comm`` (after two warm-up rounds)."""
     buf = xp.ones(n, np.float32)
     times = []
-    for i in range(iters + 2):          # two warm-up rounds
+    for i in range(iters + 2):
         comm.barrier()
         t0 = time.perf_counter()
         comm.allreduce_(buf)
         dt = time.perf_counter() - t0
         if i >= 2:
             times.append(dt)
-    t = comm.allreduce_scalars([statistics.median(times)], op="max")[0]
-    w = comm.world_size
+    return statistics.median(times)
+
+
+def _bandwidth_text(n: int, t: float, w: int, iters: int) -> str:
     algbw = n * 4 / t / 1e9
     busbw = algbw * 2 * (w - 1) / w
-    return "PASS", (f"allreduce of {n * 4 / 2**20:.0f} MiB: {t * 1e3:.2f} ms, algbw {algbw:.2f} GB/s, "
-                    f"busbw {busbw:.2f} GB/s (median of {iters})")
+    return (f"allreduce of {n * 4 / 2**20:.0f} MiB over {w} rank(s): {t * 1e3:.2f} ms, algbw {algbw:.2f} GB/s, "
+            f"busbw {busbw:.2f} GB/s (median of {iters})")
+
+
+def measure_bandwidth(comm, device: str, size_mb: float, iters: int) -> tuple[str, str]:
+    if comm.world_size == 1:
+        return "SKIP", "one rank: nothing to measure"
+    n = max(1, int(size_mb * (1 << 20)) // 4)
+    t = comm.allreduce_scalars([_allreduce_time(comm, _xp(comm, device), n, iters)], op="max")[0]
+    return "PASS", _bandwidth_text(n, t, comm.world_size, iters)
+
+
+def _node_group(comm):
+    """This rank's node group as training makes it (``comm.split_nodes``), or None on one rank or without
+    MPI."""
+    from ..comm import MPICommunicator, split_nodes
+    from ..update import ranks_per_node
+    if not isinstance(comm, MPICommunicator) or comm.world_size == 1:
+        return None
+    return split_nodes(comm, ranks_per_node(comm.world_size))[0]
+
+
+def measure_node_bandwidth(comm, node, size_mb: float, iters: int) -> list[tuple[str, str, str]]:
+    """``intra-node`` (every node's ranks at once; the slowest node) and ``inter-node`` (node rank 0 of
+    every node) bandwidth, where there are several nodes (and, for intra-node, several ranks on one)."""
+    leaders = comm.allgather_object(node.rank == 0).count(True)
+    if leaders < 2:
+        return []
+    n = max(1, int(size_mb * (1 << 20)) // 4)
+    checks = []
+    sizes = comm.allgather_object(node.world_size)
+    if max(sizes) > 1:
+        t = _allreduce_time(node, np, n, iters) if node.world_size > 1 else 0.0
+        t = comm.allreduce_scalars([t], op="max")[0]
+        checks.append(("intra-node", "PASS", _bandwidth_text(n, t, max(sizes), iters) + " on each node"))
+    cross = comm.split(node.rank, "cross-node")
+    try:
+        t = _allreduce_time(cross, np, n, iters) if node.rank == 0 else 0.0
+        t = comm.allreduce_scalars([t], op="max")[0]
+    finally:
+        cross.close()
+    checks.append(("inter-node", "PASS", _bandwidth_text(n, t, leaders, iters) + ", one rank per node"))
+    return checks
 
 
 def check_run_dir(comm, run_dir: str) -> tuple[str, str]:
@@ -253,8 +298,12 @@ def run_doctor(cfg=None, config_bytes: bytes = b"", overrides=(), size_mb: float
     device = cfg.device if cfg else "cpu"
     backend = cfg.distributed.backend if cfg else "auto"
     comm = make_communicator(backend, device, cfg.distributed.timeout_s if cfg else 120.0)
+    node = None
     try:
-        facts = comm.allgather_object(_facts(comm, device))
+        node = _node_group(comm)
+        mine = _facts(comm, device)
+        mine["node"] = node.allgather_object(comm.rank)[0] if node else 0     # the node's first world rank
+        facts = comm.allgather_object(mine)
         checks = []
         keys = ("ort", "trainrun", "python")
         checks.append(("versions", *_same("versions", [{k: f[k] for k in keys} for f in facts],
@@ -262,6 +311,8 @@ def run_doctor(cfg=None, config_bytes: bytes = b"", overrides=(), size_mb: float
                                                                  if a[k] != b[k]))))
         checks.append(("allreduce", *check_allreduce(comm, device)))
         checks.append(("bandwidth", *measure_bandwidth(comm, device, size_mb, iters)))
+        if node is not None:
+            checks += measure_node_bandwidth(comm, node, size_mb, iters)
         if cfg is not None:
             mine = hashlib.sha256(config_bytes + "\0".join(overrides).encode()).hexdigest()[:16]
             checks.append(("config", *_same("config", comm.allgather_object(mine),
@@ -283,6 +334,8 @@ def run_doctor(cfg=None, config_bytes: bytes = b"", overrides=(), size_mb: float
             checks.append(("graphs", status, text))
         comm.barrier()
     finally:
+        if node is not None:
+            node.close()
         comm.close()
 
     failed = [name for name, status, _ in checks if status == "FAIL"]
@@ -295,11 +348,11 @@ def run_doctor(cfg=None, config_bytes: bytes = b"", overrides=(), size_mb: float
 
 
 def _report(facts: list[dict], checks: list[tuple], world: int) -> str:
-    hosts = sorted({f["host"] for f in facts})
+    nodes = sorted({f["node"] for f in facts})
     f0 = facts[0]
-    per_host = ", ".join(f"{h}: {sum(f['host'] == h for f in facts)}" for h in hosts)
-    lines = [f"trainrun doctor: {world} rank(s) on {len(hosts)} host(s): {', '.join(hosts)} (ranks per host: "
-             f"{per_host})",
+    per_node = "; ".join(f"{facts[n]['host']}: rank(s) {', '.join(str(f['rank']) for f in facts if f['node'] == n)}"
+                         for n in nodes)
+    lines = [f"trainrun doctor: {world} rank(s) on {len(nodes)} node(s) ({per_node})",
              f"MPI library: {f0['mpi']}",
              f"onnxruntime {f0['ort']} (providers: {', '.join(f0['providers'])}); trainrun {f0['trainrun']}; "
              f"Python {f0['python']} ({sys.executable})", ""]

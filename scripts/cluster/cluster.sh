@@ -1,0 +1,164 @@
+#!/usr/bin/env bash
+# A pretend cluster of N nodes on one Linux machine (root), for trainrun's multi-node tests.
+#
+# Node nK is a network namespace (eth0 = 10.77.0.K/24) plus a holder process (PID 1 of fresh UTS,
+# mount, IPC and PID namespaces: hostname nK, its own /dev/shm tmpfs and /etc/hosts), pinned to its own
+# core(s). The nodes meet on a bridge in a namespace of its own; "login" (10.77.0.254) is where mpirun
+# runs, launching across the nodes through hydra's ssh launcher with `ssh` replaced by `node-ssh`
+# (nsenter into the node, pinned to its cores). The rest of the filesystem (/tmp, the checkout, the
+# venv) is the machine's: the cluster's shared filesystem. Addresses exist only inside the namespaces
+# made here; the machine's own network is never touched.
+#
+#   cluster.sh up [N]            build N nodes (default 2); idempotent (an old cluster is taken down first)
+#   cluster.sh down              remove everything `up` made (holders by PID, then its namespaces); safe to repeat
+#   cluster.sh rate RATE|off     tc tbf on every node's link (e.g. 1gbit)
+#   cluster.sh shm NODE SIZE     resize NODE's /dev/shm (e.g. n2 16m)
+#   cluster.sh exec NODE CMD...  run CMD on NODE
+#   cluster.sh mpirun ARGS...    the venv's mpirun on login, across the nodes (e.g. -hosts n1,n2 -ppn 1 ...)
+#
+# TRAINRUN_CLUSTER_DIR (default /tmp/trainrun-cluster) holds its state; TRAINRUN_CLUSTER_PREFIX (default
+# trc) prefixes its namespace names, so that two checkouts' clusters do not meet. SHM_SIZE (default 256m)
+# is each node's /dev/shm.
+set -euo pipefail
+
+D=${TRAINRUN_CLUSTER_DIR:-/tmp/trainrun-cluster}
+P=${TRAINRUN_CLUSTER_PREFIX:-trc}
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+MPIRUN=${MPIRUN:-$ROOT/.venv/bin/mpirun}
+SUBNET=10.77.0
+SHM_SIZE=${SHM_SIZE:-256m}
+N_DIR=$D/nodes
+
+die() { echo "cluster.sh: $*" >&2; exit 1; }
+holder() { cat "$N_DIR/$1.pid" 2>/dev/null || die "no node $1 (cluster.sh up first)"; }
+
+node_exec() {  # node_exec NODE CMD...: CMD in every namespace of NODE, on NODE's cores
+    local n=$1; shift
+    taskset -c "$(cat "$N_DIR/$n.cpus")" \
+        nsenter --target "$(holder "$n")" --net --uts --mount --ipc --pid --wd="$PWD" -- "$@"
+}
+
+write_node_ssh() {  # hydra's "ssh": node-ssh [ssh options] HOST COMMAND... -> COMMAND on HOST, as sshd would
+    cat > "$D/node-ssh" <<EOF
+#!/usr/bin/env bash
+while [ \$# -gt 0 ]; do
+    case "\$1" in
+        -[bcDEeFIiJLlmOoPpQRSWw]) shift 2 ;;
+        -*) shift ;;
+        *) break ;;
+    esac
+done
+host=\$1; shift
+pid=\$(cat "$N_DIR/\$host.pid" 2>/dev/null) || { echo "ssh: Could not resolve hostname \$host" >&2; exit 255; }
+exec taskset -c "\$(cat "$N_DIR/\$host.cpus")" nsenter --target "\$pid" --net --uts --mount --ipc --pid --wd=/ -- \\
+    env -i HOME=/root USER=root LOGNAME=root SHELL=/bin/sh PATH=/usr/local/bin:/usr/bin:/bin /bin/sh -c "\$*"
+EOF
+    chmod +x "$D/node-ssh"
+}
+
+add_netns() { ip netns add "$1" && echo "$1" >> "$N_DIR/netns"; }
+
+wait_for() {  # wait_for PID HOSTNAME: until PID is in its namespaces (hostname, /etc/hosts, /dev/shm mounted)
+    local i
+    for i in $(seq 100); do
+        if [ "$(nsenter -t "$1" -u hostname 2>/dev/null)" = "$2" ] && grep -q " /etc/hosts " "/proc/$1/mounts"; then
+            return 0
+        fi
+        sleep 0.1
+    done
+    return 1
+}
+
+up() {
+    local count=${1:-2} cores i n pid child
+    down >/dev/null
+    cores=$(nproc)
+    mkdir -p "$N_DIR"
+    write_node_ssh
+    [ -e /run/netns ] || touch "$N_DIR/run-netns"          # `ip netns add` creates /run/netns: remove it on down
+    { echo "127.0.0.1 localhost"; for i in $(seq 1 "$count"); do echo "$SUBNET.$i n$i"; done
+      echo "$SUBNET.254 login"; } > "$N_DIR/hosts"
+    add_netns "$P-sw"
+    ip -n "$P-sw" link add br0 type bridge
+    ip -n "$P-sw" link set br0 up
+    for i in $(seq 1 "$count") login; do
+        n=n$i; [ "$i" = login ] && n=login
+        add_netns "$P-$n"
+        ip -n "$P-sw" link add "$n" type veth peer name eth0 netns "$P-$n"
+        ip -n "$P-sw" link set "$n" master br0 up
+        ip -n "$P-$n" addr add "$SUBNET.$([ "$n" = login ] && echo 254 || echo "$i")/24" dev eth0
+        ip -n "$P-$n" link set eth0 up
+        ip -n "$P-$n" link set lo up
+    done
+    for i in $(seq 1 "$count"); do
+        n=n$i
+        echo "$(( (i - 1) % cores ))" > "$N_DIR/$n.cpus"     # one core per node (shared when nodes > cores)
+        taskset -c "$(cat "$N_DIR/$n.cpus")" ip netns exec "$P-$n" \
+            unshare --uts --mount --ipc --pid --fork --kill-child --mount-proc --propagation private \
+            sh -c "hostname $n && mount -t tmpfs -o size=$SHM_SIZE,mode=1777 tmpfs /dev/shm &&
+                   mount --bind $N_DIR/hosts /etc/hosts && exec python3 -c 'import os, time
+while True:
+    try: os.wait()
+    except ChildProcessError: time.sleep(0.5)'" >"$N_DIR/$n.log" 2>&1 &
+        pid=$!
+        echo "$pid" > "$N_DIR/$n.unshare"
+        child=
+        for _ in $(seq 100); do       # the process to enter: unshare's child, PID 1 of the node
+            child=$(cat "/proc/$pid/task/$pid/children" 2>/dev/null | awk '{print $1}')
+            [ -n "$child" ] && wait_for "$child" "$n" && grep -q " /dev/shm tmpfs" "/proc/$child/mounts" && break
+            child=; sleep 0.1
+        done
+        [ -n "$child" ] || die "node $n did not come up: $(cat "$N_DIR/$n.log")"
+        echo "$child" > "$N_DIR/$n.pid"
+    done
+    ip netns exec "$P-login" unshare --uts --mount --propagation private \
+        sh -c "hostname login && mount --bind $N_DIR/hosts /etc/hosts && exec sleep infinity" >/dev/null 2>&1 &
+    pid=$!
+    echo "$pid" > "$N_DIR/login.pid"
+    wait_for "$pid" login || die "login did not come up"
+    echo "$count" > "$N_DIR/count"
+    echo "up: n1..n$count and login, /dev/shm $SHM_SIZE each, node nK on core (K-1) mod $cores"
+}
+
+down() {  # holders by PID (each takes its PID namespace's processes along), then the namespaces made here
+    local f n
+    [ -d "$N_DIR" ] || { rm -f "$D/node-ssh"; rmdir "$D" 2>/dev/null || true; echo "down: nothing to remove"; return 0; }
+    for f in "$N_DIR"/*.pid "$N_DIR"/*.unshare; do
+        [ -e "$f" ] && kill -KILL "$(cat "$f")" 2>/dev/null || true
+    done
+    if [ -e "$N_DIR/netns" ]; then
+        while read -r n; do
+            for _ in $(seq 20); do ip netns del "$n" 2>/dev/null && break; sleep 0.1; done
+        done < "$N_DIR/netns"
+    fi
+    if [ -e "$N_DIR/run-netns" ] && [ -z "$(ip netns list)" ]; then
+        umount /run/netns 2>/dev/null || true; rmdir /run/netns 2>/dev/null || true
+    fi
+    rm -rf "$N_DIR" "$D/node-ssh"
+    rmdir "$D" 2>/dev/null || true
+    echo "down: removed"
+}
+
+rate() {  # tbf on each node's eth0 egress (no netem in every kernel: rates, not delays)
+    local i
+    for i in $(seq 1 "$(cat "$N_DIR/count")"); do
+        tc -n "$P-n$i" qdisc del dev eth0 root 2>/dev/null || true
+        [ "$1" = off ] || tc -n "$P-n$i" qdisc add dev eth0 root tbf rate "$1" burst 1mb latency 50ms
+    done
+}
+
+cluster_mpirun() {
+    exec nsenter --target "$(holder login)" --net --uts --mount --wd="$PWD" -- \
+        "$MPIRUN" -launcher ssh -launcher-exec "$D/node-ssh" "$@"
+}
+
+cmd=${1:-}; shift || true
+case "$cmd" in
+    up) trap 'down >/dev/null' ERR; trap 'down >/dev/null; exit 130' INT TERM; up "$@"; trap - ERR INT TERM ;;
+    down) down ;;
+    rate) rate "$1" ;;
+    shm) node_exec "$1" mount -o "remount,size=$2" /dev/shm ;;
+    exec) node_exec "$@" ;;
+    mpirun) cluster_mpirun "$@" ;;
+    *) sed -n '2,22p' "$0" >&2; exit 2 ;;
+esac

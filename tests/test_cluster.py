@@ -1,0 +1,166 @@
+"""Across nodes for real: trainrun on the pretend cluster of tests/cluster.py (2 nodes, each its own
+hostname, /dev/shm, network and core; /tmp the shared filesystem). `make test-cluster` runs these; they
+are not in `make test`. 2 nodes x 1 rank where a run trains many steps (2 cores in all), 2 x 2 where the
+ranks of one node matter (doctor, shared memory)."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from cluster import cluster  # noqa: F401  (the fixture)
+from conftest import MPIRUN, TRAINRUN, rank_pids, read_metrics, run, write_config
+
+pytestmark = pytest.mark.cluster
+
+
+def _lines(out: str, first: str) -> list[str]:
+    return [line for line in out.splitlines() if line.split()[:2] == ["PASS", first]]
+
+
+def test_doctor_groups_ranks_by_node_and_measures_the_link_apart(cluster, tmp_path, byte_dataset):
+    """2 x 2 ranks: nodes are training's (MPI's shared-memory nodes), also when both nodes carry one
+    hostname; the inter-node busbw (one rank per node) is reported apart from the intra-node one."""
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset)
+    out = cluster.mpirun(2, "doctor", "--config", cfg, "--size-mb", "1", "--iters", "2").stdout
+    assert out.splitlines()[0] == "trainrun doctor: 4 rank(s) on 2 node(s) (n1: rank(s) 0, 1; n2: rank(s) 2, 3)"
+    assert "over 2 rank(s)" in _lines(out, "intra-node")[0] and "on each node" in _lines(out, "intra-node")[0]
+    assert "busbw" in _lines(out, "inter-node")[0] and "one rank per node" in _lines(out, "inter-node")[0]
+    assert _lines(out, "run_dir") and _lines(out, "data.train"), out
+    try:
+        for node in cluster.nodes:
+            cluster.sh("exec", node, "hostname", "node")
+        out = cluster.mpirun(1, "doctor", "--size-mb", "1", "--iters", "1").stdout
+    finally:
+        for node in cluster.nodes:
+            cluster.sh("exec", node, "hostname", node)
+    assert out.splitlines()[0] == "trainrun doctor: 2 rank(s) on 2 node(s) (node: rank(s) 0; node: rank(s) 1)"
+    assert _lines(out, "inter-node"), out
+
+
+def test_two_nodes_train_as_one_node_and_resume_across_node_counts(cluster, tmp_path, byte_dataset):
+    """ZeRO-1, deterministic mode: 2 nodes x 1 rank for steps 1-4, 1 node x 2 ranks for 5-8, 2 nodes again
+    for 9-12, each resuming the last one's checkpoint, give bit for bit the losses and final weights of
+    12 steps on 1 node x 2 ranks."""
+    sets = {"train.max_steps": 12, "checkpoint.every": 4, "distributed.zero_stage": 1, "run.deterministic": True}
+    ref = write_config(tmp_path / "ref.yaml", byte_dataset, **sets, **{"run.output_dir": str(tmp_path / "ref")})
+    run([MPIRUN, "-np", "2", TRAINRUN, "--config", ref], check=0)
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **sets)
+    out = str(tmp_path / "run")
+    cluster.mpirun(1, "--config", cfg, "--set", "train.stop_at=4")
+    run([MPIRUN, "-np", "2", TRAINRUN, "resume", out, "--set", "train.stop_at=8"], check=0)
+    cluster.mpirun(1, "resume", out)
+    want, got = read_metrics(str(tmp_path / "ref"))[0], read_metrics(out)[0]
+    assert sorted(got) == sorted(want) == list(range(1, 13))
+    assert [got[s]["loss"] for s in got] == [want[s]["loss"] for s in want]
+    a = load_file(str(tmp_path / "ref" / "checkpoints" / "12" / "model.safetensors"))
+    b = load_file(os.path.join(out, "checkpoints", "12", "model.safetensors"))
+    assert all(np.array_equal(a[k], b[k]) for k in a) and a.keys() == b.keys()
+
+
+def _shared_maps(pid: int) -> dict:
+    maps = {}
+    for line in open(f"/proc/{pid}/maps"):
+        f = line.split()
+        if len(f) >= 6 and f[1][3] == "s" and f[5].startswith("/dev/shm/mpich_shm"):     # MPICH's shared windows
+            lo, hi = (int(x, 16) for x in f[0].split("-"))
+            maps[(f[3], f[4], " ".join(f[5:]))] = hi - lo
+    return maps
+
+
+def test_parameters_once_per_node_and_a_rank_killed_on_the_other_node(cluster, tmp_path, byte_dataset):
+    """2 x 2 ranks, intra_node shared: each node's two ranks map the same shared pages (>= 3 x 4 bytes a
+    parameter: parameters once, two gradient buffers) of MPICH's windows in its /dev/shm, the nodes none in
+    common. Rank 3 (on n2, not mpirun's node), hung at step 4, is SIGKILLed: the job ends well within
+    distributed.timeout_s and the committed checkpoints 1 and 2 are complete."""
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{
+        "train.max_steps": 6, "checkpoint.every": 1, "distributed.timeout_s": 120})
+    run([TRAINRUN, "prepare", "--config", cfg], check=0)
+    log = tmp_path / "log"
+    proc = cluster.popen(2, "--config", cfg, "--log-level", "devinfo", log=log,
+                         env={"TRAINRUN_FAULT_STALL_STEP": "3:4"})
+    try:
+        ckpts, pids = tmp_path / "run" / "checkpoints", {}
+        for _ in range(300):
+            pids = rank_pids(str(tmp_path))
+            if len(pids) == 4 and (ckpts / "2" / "COMMITTED").exists():
+                break
+            time.sleep(0.5)
+        assert len(pids) == 4 and (ckpts / "2" / "COMMITTED").exists(), log.read_text()
+        n = json.load(open(tmp_path / "run" / "graphs" / "manifest.json"))["num_params"]
+        maps = {r: _shared_maps(pid) for r, pid in pids.items()}
+        for a, b in ((0, 1), (2, 3)):
+            assert sum(maps[a][k] for k in set(maps[a]) & set(maps[b])) >= 3 * 4 * n, (a, b)
+        assert maps[0] and maps[2] and not set(maps[0]) & set(maps[2])      # two /dev/shm: two copies
+        text = log.read_text()
+        assert "[rank 0] intra-node: shared (node rank 0 of 2, node 0 of 2;" in text
+        assert "[rank 3] intra-node: shared (node rank 1 of 2, node 1 of 2;" in text
+        t0 = time.monotonic()
+        os.kill(pids[3], signal.SIGKILL)
+        proc.wait(timeout=120)
+        assert proc.returncode != 0 and time.monotonic() - t0 < 60, log.read_text()
+    finally:
+        for pid in rank_pids(str(tmp_path)).values():
+            os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for step in ("1", "2"):
+        assert (ckpts / step / "COMMITTED").exists()
+        assert load_file(str(ckpts / step / "model.safetensors")).keys()
+        assert load_file(str(ckpts / step / "optimizer.safetensors")).keys()
+    # nothing half-written counts: the newest committed checkpoint resumes (on one rank, the same global batch)
+    proc = run([TRAINRUN, "resume", str(tmp_path / "run"), "--set", "train.max_steps=3",
+                "--set", "train.gradient_accumulation_steps=4"], check=0)
+    assert "resumed" in proc.stdout
+
+
+def test_sigterm_to_mpirun_stops_with_75_and_resumes_across_the_nodes(cluster, tmp_path, byte_dataset):
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 100000})
+    run([TRAINRUN, "prepare", "--config", cfg], check=0)
+    log = tmp_path / "log"
+    proc = cluster.popen(1, "--config", cfg, log=log)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    for _ in range(240):
+        if metrics.exists() and metrics.read_text().count("\n") >= 3:
+            break
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 75, log.read_text()
+    step = max(read_metrics(str(tmp_path / "run"))[0])
+    assert (tmp_path / "run" / "checkpoints" / str(step) / "COMMITTED").exists()
+    out = cluster.mpirun(1, "resume", str(tmp_path / "run"), "--set", f"train.max_steps={step + 2}").stdout
+    assert f"checkpoints/{step} at step {step} (saved by 2 rank(s)" in out, out
+    assert max(read_metrics(str(tmp_path / "run"))[0]) == step + 2
+
+
+def test_a_run_directory_not_shared_names_the_hosts_that_cannot_see_it(cluster, tmp_path, byte_dataset):
+    """A tmpfs over the run directory's parent on n2 only: rank 1's host sees another directory."""
+    private = tmp_path / "private"
+    private.mkdir()
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"run.output_dir": str(private / "run")})
+    cluster.sh("exec", "n2", "mount", "-t", "tmpfs", "tmpfs", str(private))
+    try:
+        proc = cluster.mpirun(1, "--config", cfg, check=2)
+    finally:
+        cluster.sh("exec", "n2", "umount", str(private))
+    assert (f"run.output_dir {private / 'run'} is not shared: host(s) n2 (rank(s) 1) cannot see the graphs "
+            f"rank 0 prepared there") in proc.stderr, proc.stderr
+
+
+def test_a_small_dev_shm_on_one_node_falls_back_instead_of_crashing(cluster, tmp_path, byte_dataset):
+    """n2's /dev/shm at 16 MB (where UCX's posix transport made MPI_Init segfault): trainrun leaves that
+    transport out there, and intra_node: shared falls back to mpi with its warning."""
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 2})
+    cluster.sh("shm", "n2", "16m")
+    try:
+        proc = cluster.mpirun(2, "--config", cfg, check=0)
+    finally:
+        cluster.sh("shm", "n2", os.environ.get("SHM_SIZE", "256m"))
+    assert "falling back to intra_node: mpi" in proc.stderr and "/dev/shm has" in proc.stderr, proc.stderr
+    assert max(read_metrics(str(tmp_path / "run"))[0]) == 2
