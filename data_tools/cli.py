@@ -411,12 +411,12 @@ def bert(inputs, more_inputs, output, tokenizer_path, train_wordpiece, seq_len, 
     vocab = Vocab(tokenizer, where)
     with_template(tokenizer, vocab)
     splits = {}
-    for split, refs in parts.items():
+    for part, refs in parts.items():
         if refs:
-            docs = documents(texts(split), tokenizer)
+            docs = documents(texts(part), tokenizer)
             if not docs:
-                raise UsageError(f"--input: the {split} documents ({files[refs[0][0]]} ...) hold no text")
-            splits[split] = docs
+                raise UsageError(f"--input: the {part} documents ({files[refs[0][0]]} ...) hold no text")
+            splits[part] = docs
     out = Path(output)
     _prepare_output(out, ["train", "eval", "tokenizer.json"], overwrite)
     summary = []
