@@ -22,7 +22,7 @@ import numpy as np
 from trainrun.data import MANIFEST, open_dataset
 from trainrun.errors import TrainrunError, UsageError
 
-from .corpus import DEFAULT_EXCLUDE, DEFAULT_INCLUDE, Corpus, find_files, read_documents, read_text, split_eval
+from .corpus import DEFAULT_EXCLUDE, DEFAULT_INCLUDE, Corpus, find_files, read_documents
 from .encode import EOS_TOKEN
 from .writers import TensorShardWriter, TokenShardWriter
 
@@ -75,10 +75,26 @@ def _text_inputs(command):
     """--input PATH..., positional PATHs and --output DIR: the text-corpus commands' common options."""
     for option in reversed([
             click.option("--input", "inputs", multiple=True, metavar="PATH",
-                         help="Text file, directory (walked) or glob ('**' recursive); repeatable."),
+                         help="Text file, record file (.jsonl, .jsonl.gz, .parquet, .arrow), directory (walked; "
+                              "one written by datasets' save_to_disk: its records) or glob ('**' recursive); "
+                              "repeatable."),
             click.argument("more_inputs", nargs=-1, metavar="[PATH]..."),
             click.option("--output", required=True, type=click.Path(file_okay=False),
                          help="Dataset directory to create.")]):
+        command = option(command)
+    return command
+
+
+def _record_inputs(command):
+    """--text-field, --skip-bad, --split: how the text-corpus commands read records."""
+    for option in reversed([
+            click.option("--text-field", default="text", show_default=True,
+                         help="The field (.jsonl, .jsonl.gz) or column (.parquet, .arrow, a datasets folder) "
+                              "holding each record's text."),
+            click.option("--skip-bad", is_flag=True,
+                         help="Skip records that are not JSON or lack a string --text-field, and the unreadable "
+                              "rest of a truncated file (counted) instead of stopping."),
+            click.option("--split", help="The split to read of a DatasetDict folder (datasets' save_to_disk).")]):
         command = option(command)
     return command
 
@@ -100,21 +116,17 @@ def _text_inputs(command):
               help="File and directory names skipped in directories.")
 @click.option("--workers", type=click.IntRange(min=1),
               help="Tokenizer processes (default: one per core, one per 4 MB of text at most).")
-@click.option("--text-field", default="text", show_default=True,
-              help="The field (.jsonl, .jsonl.gz) or column (.parquet) holding each record's text.")
-@click.option("--skip-bad", is_flag=True,
-              help="Skip records that are not JSON or lack a string --text-field, and the unreadable rest of a "
-                   "truncated .gz (counted) instead of stopping.")
+@_record_inputs
 @click.option("--overwrite", is_flag=True, help="Replace a dataset already in --output.")
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def tokens(inputs, more_inputs, output, tokenizer_path, train_bpe, use_bytes, eos, eval_fraction, shard_size,
-           include, exclude, workers, text_field, skip_bad, overwrite, progress):
+           include, exclude, workers, text_field, skip_bad, split, overwrite, progress):
     """Tokenize text into token shards: DIR/train, DIR/eval, DIR/tokenizer.json.
 
-    Each text file is a document; each record of a .jsonl, .jsonl.gz or .parquet
-    file (its --text-field) is one. Every document is followed by the
-    end-of-document token. The same input and options give the same bytes,
-    whatever the number of workers.
+    Each text file is a document; each record of a .jsonl, .jsonl.gz, .parquet or
+    .arrow file or of a datasets save_to_disk folder (its --text-field) is one.
+    Every document is followed by the end-of-document token. The same input and
+    options give the same bytes, whatever the number of workers.
     """
     from tqdm import tqdm
     if sum([tokenizer_path is not None, train_bpe is not None, use_bytes]) != 1:
@@ -124,16 +136,12 @@ def tokens(inputs, more_inputs, output, tokenizer_path, train_bpe, use_bytes, eo
         raise UsageError("--input: give at least one file, directory or glob")
     shard_tokens = _size(shard_size)
     t0 = time.perf_counter()
-    files = find_files(inputs, include, exclude)
+    files = find_files(inputs, include, exclude, split)
     scan = tqdm(total=sum(p.stat().st_size for p in files), unit="B", unit_scale=True, desc="reading",
                 disable=not progress)
     corpus = Corpus(files, text_field, skip_bad, progress=scan.update)
     scan.close()
     train_docs, eval_docs = corpus.split(eval_fraction)
-    skipped = f"{corpus.bad} bad record(s) skipped (the first: {corpus.first_bad})" if corpus.bad else ""
-    if not len(train_docs):
-        raise UsageError(f"--input: the {len(files)} file(s) found "
-                         + (f"hold no good document: {skipped}" if skipped else "are all empty"))
     out = Path(output)
     _prepare_output(out, ["train", "eval", "tokenizer.json"], overwrite)
     encoder = _make_encoder(tokenizer_path, train_bpe, eos, corpus, train_docs, progress)
@@ -157,7 +165,7 @@ def tokens(inputs, more_inputs, output, tokenizer_path, train_bpe, use_bytes, eo
     bar.close()
     t2 = time.perf_counter()
     click.echo(f"{out}: {len(files)} files, {len(corpus)} documents ({corpus.empty} empty skipped"
-               f"{', ' + skipped if skipped else ''}), "
+               f"{', ' + corpus.skipped if corpus.bad else ''}), "
                f"{total / 1e6:.1f} MB of text")
     for line in summary:
         click.echo("  " + line)
@@ -362,21 +370,25 @@ def _read_array(path: str) -> np.ndarray:
               help="Probability of a shorter target length.")
 @click.option("--seed", type=click.IntRange(min=0), default=12345, show_default=True)
 @click.option("--eval-fraction", type=float, default=0.01, show_default=True,
-              help="Fraction of files (by content hash) for DIR/eval; 0 for none.")
+              help="Fraction of documents (files, records; by content hash) for DIR/eval; 0 for none.")
 @click.option("--samples-per-file", type=click.IntRange(min=1), default=10000, show_default=True)
 @click.option("--include", multiple=True, default=DEFAULT_INCLUDE, show_default=True,
               help="File name patterns taken from directories.")
 @click.option("--exclude", multiple=True, default=DEFAULT_EXCLUDE, show_default=True,
               help="File and directory names skipped in directories.")
+@_record_inputs
 @click.option("--overwrite", is_flag=True, help="Replace a dataset already in --output.")
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def bert(inputs, more_inputs, output, tokenizer_path, train_wordpiece, seq_len, max_predictions, masked_lm_prob,
-         dupe_factor, short_seq_prob, seed, eval_fraction, samples_per_file, include, exclude, overwrite, progress):
+         dupe_factor, short_seq_prob, seed, eval_fraction, samples_per_file, include, exclude, text_field, skip_bad,
+         split, overwrite, progress):
     """BERT pre-training samples (masked LM + next sentence) in ONNX Runtime's .pb layout:
     DIR/train, DIR/eval, DIR/tokenizer.json.
 
     Input as Google's create_pretraining_data.py reads it: one sentence per line, a blank
-    line between documents. Same input and options, same bytes.
+    line between documents; each text file, and each record's --text-field (of a .jsonl,
+    .jsonl.gz, .parquet or .arrow file or a datasets save_to_disk folder), as such a file.
+    Same input and options, same bytes.
     """
     from .bert import Vocab, documents, instances, train_wordpiece as train, with_template
     from .encode import load_tokenizer
@@ -385,26 +397,26 @@ def bert(inputs, more_inputs, output, tokenizer_path, train_wordpiece, seq_len, 
     inputs = list(inputs) + list(more_inputs)
     if not inputs:
         raise UsageError("--input: give at least one file, directory or glob")
-    files = find_files(inputs, include, exclude)
-    train_files, eval_files, empty = split_eval(files, eval_fraction)
-    if not train_files:
-        raise UsageError(f"--input: the {len(files)} file(s) found are all empty")
+    files = find_files(inputs, include, exclude, split)
+    corpus = Corpus(files, text_field, skip_bad)
+    parts = dict(zip(("train", "eval"), (corpus.refs(docs) for docs in corpus.split(eval_fraction))))
+    texts = lambda part: read_documents(files, parts[part], text_field)    # noqa: E731
     if tokenizer_path:
         tokenizer, where = load_tokenizer(tokenizer_path), f"--tokenizer {tokenizer_path}"
     else:
-        tokenizer = train(lambda: map(read_text, train_files), train_wordpiece, progress, length=len(train_files))
+        tokenizer = train(lambda: texts("train"), train_wordpiece, progress, length=len(parts["train"]))
         where = "--train-wordpiece"
     tokenizer.no_truncation()
     tokenizer.no_padding()
     vocab = Vocab(tokenizer, where)
     with_template(tokenizer, vocab)
     splits = {}
-    for split, split_files in (("train", train_files), ("eval", eval_files)):
-        if split_files:
-            docs = documents((read_text(p) for p in split_files), tokenizer)
+    for part, refs in parts.items():
+        if refs:
+            docs = documents(texts(part), tokenizer)
             if not docs:
-                raise UsageError(f"--input: the {split} files ({split_files[0]} ...) hold no text")
-            splits[split] = docs
+                raise UsageError(f"--input: the {part} documents ({files[refs[0][0]]} ...) hold no text")
+            splits[part] = docs
     out = Path(output)
     _prepare_output(out, ["train", "eval", "tokenizer.json"], overwrite)
     summary = []
@@ -424,7 +436,8 @@ def bert(inputs, more_inputs, output, tokenizer_path, train_wordpiece, seq_len, 
         (Path(tmp) / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
         for name in ["tokenizer.json", *splits]:
             os.replace(Path(tmp) / name, out / name)
-    click.echo(f"{out}: {len(files)} files ({empty} empty skipped)")
+    click.echo(f"{out}: {len(files)} files ({len(corpus)} texts, {corpus.empty} empty skipped"
+               f"{', ' + corpus.skipped if corpus.bad else ''})")
     for line in summary:
         click.echo("  " + line)
     click.echo(f"  tokenizer: vocab_size {vocab.size} ([PAD] 0, [CLS] {vocab.cls}, [SEP] {vocab.sep}, "

@@ -18,26 +18,75 @@ DEFAULT_INCLUDE = ("*.txt", "*.md", "*.rst", "*.py")
 DEFAULT_EXCLUDE = ("__pycache__", "site-packages", "dist-packages", ".*")
 
 
-def find_files(inputs, include=DEFAULT_INCLUDE, exclude=DEFAULT_EXCLUDE) -> list[Path]:
+def find_files(inputs, include=DEFAULT_INCLUDE, exclude=DEFAULT_EXCLUDE, split=None) -> list[Path]:
     """Files named by ``inputs``: files as given, directories walked (file names matching
-    ``include``, skipping names matching ``exclude``), glob patterns (``**`` recursive) expanded.
-    Sorted by path, duplicates removed."""
+    ``include``, skipping names matching ``exclude``), glob patterns (``**`` recursive) expanded;
+    a folder of Hugging Face ``datasets``' ``save_to_disk``: its Arrow files (of the split ``split``
+    of a DatasetDict, :func:`hf_dataset_files`). Sorted by path, duplicates removed."""
     found: set[str] = set()
+    taken_split = False
     for item in inputs:
         if glob.has_magic(item):
             matches = [m for m in glob.glob(item, recursive=True) if os.path.isfile(m)]
             if not matches:
                 raise UsageError(f"--input {item}: the pattern matches no files")
             found.update(matches)
+        elif os.path.isdir(item) and (data := hf_dataset_files(item, split)) is not None:
+            found.update(data)
+            taken_split = taken_split or os.path.isfile(os.path.join(item, "dataset_dict.json"))
         elif os.path.isdir(item):
             found.update(_walk(item, include, exclude))
         elif os.path.isfile(item):
             found.add(item)
         else:
             raise UsageError(f"--input {item}: no such file or directory")
+    if split is not None and not taken_split:
+        raise UsageError(f"--split {split}: no --input is a DatasetDict folder (datasets' save_to_disk of splits)")
     if not found:
         raise UsageError(f"--input {' '.join(inputs)}: no files matching --include {' '.join(include)}")
     return [Path(p) for p in sorted(found)]
+
+
+def hf_dataset_files(folder: str, split: str | None) -> list[str] | None:
+    """The Arrow files of a folder written by ``datasets``' ``save_to_disk`` (its ``state.json`` lists them);
+    of a DatasetDict folder (``dataset_dict.json``), those of its split ``split`` (of its one split without
+    ``split``). None for any other folder."""
+    import json
+    root = Path(folder)
+    plain = lambda name: isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name  # noqa: E731
+
+    def read(name):
+        try:
+            return json.loads((root / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--input {folder}: {name} is not readable JSON ({exc})") from None
+    if (root / "dataset_dict.json").is_file():
+        splits = read("dataset_dict.json")
+        splits = splits.get("splits") if isinstance(splits, dict) else None
+        if not isinstance(splits, list) or not splits or not all(map(plain, splits)):
+            raise UsageError(f"--input {folder}: dataset_dict.json names no splits (a 'splits' list of folders)")
+        if split is None and len(splits) > 1:
+            raise UsageError(f"--input {folder}: a DatasetDict of the splits {', '.join(splits)}; "
+                             f"choose one with --split")
+        if split is not None and split not in splits:
+            raise UsageError(f"--split {split}: --input {folder} has the splits {', '.join(splits)}")
+        files = hf_dataset_files(str(root / (split or splits[0])), None)
+        if files is None:
+            raise UsageError(f"--input {folder}: its split {split or splits[0]} has no state.json")
+        return files
+    if not (root / "state.json").is_file():
+        return None
+    state = read("state.json")
+    try:
+        names = [d["filename"] for d in state["_data_files"]]
+    except (TypeError, KeyError):
+        names = []
+    if not names or not all(plain(n) and n.endswith(".arrow") for n in names):
+        raise UsageError(f"--input {folder}: state.json lists no Arrow files of the folder ('_data_files')")
+    missing = [n for n in names if not (root / n).is_file()]
+    if missing:
+        raise UsageError(f"--input {folder}: state.json lists {', '.join(missing)}, not in the folder")
+    return [str(root / n) for n in names]
 
 
 def _walk(root: str, include, exclude):
@@ -53,31 +102,8 @@ def read_text(path: Path) -> str:
     return path.read_bytes().decode("utf-8", errors="replace")
 
 
-def split_eval(files: list[Path], fraction: float) -> tuple[list[Path], list[Path], int]:
-    """(train files, eval files, number of empty files skipped).
-
-    Eval takes ``ceil(fraction * documents)`` documents: those with the smallest
-    sha256 of their content, so the split depends on neither paths nor order.
-    """
-    if not 0 <= fraction < 1:
-        raise UsageError(f"--eval-fraction {fraction}: must be in [0, 1)")
-    keys, empty = {}, 0
-    for path in files:
-        data = path.read_bytes()
-        if data:
-            keys[path] = (hashlib.sha256(data).digest(), str(path))
-        else:
-            empty += 1
-    docs = [p for p in files if p in keys]
-    n_eval = math.ceil(fraction * len(docs))
-    if docs and n_eval >= len(docs):
-        raise UsageError(f"--eval-fraction {fraction}: {len(docs)} document(s) leave none to train on")
-    chosen = set(sorted(docs, key=keys.__getitem__)[:n_eval])
-    return [p for p in docs if p not in chosen], [p for p in docs if p in chosen], empty
-
-
-# ------------------------------------------------------------------ records: .jsonl, .jsonl.gz, .parquet
-RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
+# ------------------------------------------------------------------ records: .jsonl, .jsonl.gz, .parquet, .arrow
+RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet", ".arrow")
 
 
 def is_records(path: Path) -> bool:
@@ -117,11 +143,18 @@ def _jsonl_records(path: Path, field: str, bad):
                                       f"({type(exc).__name__}: {exc})")
 
 
-def _parquet_file(path: Path):
+def _pyarrow(path: Path):
     try:
-        import pyarrow.parquet as pq
+        import pyarrow
     except ImportError:
-        raise UsageError(f"--input {path}: reading .parquet needs pyarrow: pip install 'trainrun[parquet]'") from None
+        raise UsageError(f"--input {path}: reading {path.suffix} files needs pyarrow: "
+                         f"pip install 'trainrun[parquet]'") from None
+    return pyarrow
+
+
+def _parquet_file(path: Path):
+    _pyarrow(path)
+    import pyarrow.parquet as pq
     try:
         return pq.ParquetFile(path)
     except Exception as exc:  # noqa: BLE001 - pyarrow's errors are of several types
@@ -131,22 +164,54 @@ def _parquet_file(path: Path):
 def _parquet_records(path: Path, field: str, bad):
     """(row index in the file, text) of each good row; ``bad`` names row group and row of the others."""
     pf = _parquet_file(path)
-    if field not in pf.schema_arrow.names:
-        raise UsageError(f"--input {path}: no column '{field}' (its columns: {', '.join(pf.schema_arrow.names)}); "
+    chunks = ((lambda r, _, g=g: f"row group {g}, row {r}", pf.read_row_group(g, columns=[field]).column(0))
+              for g in range(pf.num_row_groups))
+    return _column_records(path, field, pf.schema_arrow.names, chunks, bad)
+
+
+def _arrow_records(path: Path, field: str, bad):
+    """(row index in the file, text) of each good row of an Arrow IPC file, in the file layout or the
+    stream layout ``datasets`` writes (memory-mapped, this one column read); ``bad`` names the row."""
+    pa = _pyarrow(path)
+    try:
+        source = pa.memory_map(str(path))
+        layout = pa.ipc.open_file if source.read(6) == b"ARROW1" else pa.ipc.open_stream
+        source.seek(0)
+        reader = layout(source)
+    except Exception as exc:  # noqa: BLE001 - pyarrow's errors are of several types
+        raise UsageError(f"--input {path}: not a readable Arrow IPC file ({exc})") from None
+    batches = (reader.get_batch(b) for b in range(reader.num_record_batches)) if layout is pa.ipc.open_file \
+        else reader
+    chunks = ((lambda _, i: f"row {i}", batch.column(field)) for batch in batches)
+    return _column_records(path, field, reader.schema.names, chunks, bad)
+
+
+def _column_records(path: Path, field: str, names, chunks, bad):
+    """(row index in the file, text) of each string of column ``field`` in ``chunks``: (where(row in the
+    chunk, row in the file), column) pairs; ``bad`` for the other values, and once where the file cannot be
+    read on (the rows before count)."""
+    if field not in names:
+        raise UsageError(f"--input {path}: no column '{field}' (its columns: {', '.join(names)}); "
                          f"choose one with --text-field")
     first = 0
-    for g in range(pf.num_row_groups):
-        values = pf.read_row_group(g, columns=[field]).column(0).to_pylist()
-        for r, value in enumerate(values):
-            if isinstance(value, str):
-                yield first + r, value
-            else:
-                bad(f"{path}: row group {g}, row {r}", f"column '{field}' is {type(value).__name__}, not a string")
-        first += len(values)
+    try:
+        for where, column in chunks:
+            values = column.to_pylist()
+            for r, value in enumerate(values):
+                if isinstance(value, str):
+                    yield first + r, value
+                else:
+                    bad(f"{path}: {where(r, first + r)}", f"column '{field}' is {type(value).__name__}, not a string")
+            first += len(values)
+    except (OSError, ValueError) as exc:     # pyarrow's ArrowInvalid / ArrowIOError: cut short, corrupt
+        bad(f"{path}: row {first}", f"unreadable from here on, the file is truncated or corrupt "
+                                    f"({type(exc).__name__}: {exc})")
 
 
 def records(path: Path, field: str, bad):
-    return (_parquet_records if path.name.endswith(".parquet") else _jsonl_records)(path, field, bad)
+    if path.name.endswith(".parquet"):
+        return _parquet_records(path, field, bad)
+    return (_arrow_records if path.name.endswith(".arrow") else _jsonl_records)(path, field, bad)
 
 
 class Corpus:
@@ -194,12 +259,20 @@ class Corpus:
     def __len__(self) -> int:
         return len(self.key)
 
+    @property
+    def skipped(self) -> str:
+        """'' or what ``skip_bad`` skipped: how many records, the first named."""
+        return f"{self.bad} bad record(s) skipped (the first: {self.first_bad})" if self.bad else ""
+
     def split(self, fraction: float):
         """(train, eval) document indices: eval the ``ceil(fraction * documents)`` documents of smallest
-        hash (ties in file order), as :func:`split_eval`: independent of paths, order and file kind."""
+        hash (ties in file order): independent of paths, order and file kind."""
         import numpy as np
         if not 0 <= fraction < 1:
             raise UsageError(f"--eval-fraction {fraction}: must be in [0, 1)")
+        if not len(self):
+            raise UsageError(f"--input: the {len(self.files)} file(s) found "
+                             + (f"hold no good document: {self.skipped}" if self.bad else "are all empty"))
         n_eval = math.ceil(fraction * len(self))
         if len(self) and n_eval >= len(self):
             raise UsageError(f"--eval-fraction {fraction}: {len(self)} document(s) leave none to train on")
