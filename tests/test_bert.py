@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trainrun import config as C
-from trainrun import graphs as G
+from trainrun.graphs.manifest import prepare
 from trainrun.engine import Engine, EngineOptions
 from trainrun.models.bert import INPUTS, TIED, build_bert, init_weights, param_count, sample_inputs
 
@@ -114,7 +114,7 @@ def make_engine(tmp_path, shape, batch, seq, preds, **bert_over):
                                                              "attention_probs_dropout_prob": 0.0, **bert_over}},
                        "data": {"seq_len": seq}, "train": {"micro_batch_size": batch},
                        "run": {"output_dir": str(tmp_path), "seed": 3}, "optimizer": {"name": "sgd"}})
-    graphs_dir = G.prepare(cfg)
+    graphs_dir = prepare(cfg)
     dims = {"input_ids": (seq,), "segment_ids": (seq,), "input_mask": (seq,), "masked_lm_positions": (preds,),
             "masked_lm_ids": (preds,), "next_sentence_labels": ()}
     shapes = {k: ((batch, *dims[k]), np.int64) for k in INPUTS}

@@ -144,10 +144,11 @@ def test_cuda_graphs_have_a_kernel_for_every_op_and_keep_the_fp32_islands(tmp_pa
     import onnx
     from trainrun import config as C
     from trainrun import cuda_kernels as K
-    from trainrun import graphs as G
-    islands = G.FP32_OPS | {K.GRADIENTS[op] for op in G.FP32_OPS if op in K.GRADIENTS}
+    from trainrun.graphs.casts import FP32_OPS
+    from trainrun.graphs.manifest import prepare
+    islands = FP32_OPS | {K.GRADIENTS[op] for op in FP32_OPS if op in K.GRADIENTS}
     for precision in ("fp32", "fp16", "bf16"):
-        out = G.prepare(C.from_dict(_cuda_config(tmp_path, model, precision)))
+        out = prepare(C.from_dict(_cuda_config(tmp_path, model, precision)))
         typed = K.node_types(onnx.load(os.path.join(out, "train.onnx")))
         missing = [(n.name, n.op_type, t) for n, t in typed if not K.has_kernel(n.op_type, t)]
         assert not missing, (precision, missing)

@@ -13,7 +13,9 @@ import torch
 from conftest import assert_matches_torch, hf_gpt2, mpirun, read_metrics, write_config
 
 from trainrun import config as C
-from trainrun import graphs as G
+from trainrun.graphs.dropout_nodes import dropout_masks
+from trainrun.graphs.manifest import load_manifest, prepare
+from trainrun.graphs.names import MASK_PREFIX
 from trainrun.engine import Engine, EngineOptions
 from trainrun.models.gpt2 import build_gpt2, init_weights
 
@@ -25,7 +27,7 @@ def make_engine(tmp_path, p, batch, seq, **over):
                        "train": {"micro_batch_size": batch}, "run": {"output_dir": str(tmp_path), "seed": 3},
                        "optimizer": {"name": "sgd"}, **over})
     shapes = {"input_ids": ((batch, seq), np.int64), "labels": ((batch, seq), np.int64)}
-    eng = Engine(G.prepare(cfg), EngineOptions(threads=2, seed=3), shapes, shapes)
+    eng = Engine(prepare(cfg), EngineOptions(threads=2, seed=3), shapes, shapes)
     eng.load_weights()
     return eng
 
@@ -46,7 +48,7 @@ def test_masks_drop_the_ratio_and_scale_the_rest(tmp_path, p):
     eng.forward_backward(random_batch(np.random.default_rng(0), 8, 64), accumulate=False, position=40)
     out = eng.extra_train_outputs()
     x, y = out[first.input[0]], out[first.output[0]]
-    mask = eng.masks.buffers[G.MASK_PREFIX + first.name]
+    mask = eng.masks.buffers[MASK_PREFIX + first.name]
     assert mask.shape == x.shape == (8, 64, 64)
     np.testing.assert_array_equal(y, x * mask)                      # one float32 product, as NumPy's
     keep = mask != 0
@@ -135,7 +137,7 @@ def digests(run_dir, step, world=2):
 def no_dropout(path):
     model = onnx.load(path)
     return not [n for n in model.graph.node if n.op_type == "Dropout"] and \
-        not [i for i in model.graph.input if i.name.startswith(G.MASK_PREFIX)]
+        not [i for i in model.graph.input if i.name.startswith(MASK_PREFIX)]
 
 
 @pytest.mark.parametrize("p", [0.1, 0.2])
@@ -150,7 +152,7 @@ def test_dropout_trains_evaluates_and_exports_on_two_ranks(tmp_path, byte_datase
     graphs = os.path.join(run_dir, "graphs")
     train_graph = onnx.load(os.path.join(graphs, "train.onnx"))
     assert not [n for n in train_graph.graph.node if n.op_type == "Dropout"]
-    assert len([i for i in train_graph.graph.input if i.name.startswith(G.MASK_PREFIX)]) == 7
+    assert len([i for i in train_graph.graph.input if i.name.startswith(MASK_PREFIX)]) == 7
     for f in ("graphs/eval.onnx", "graphs/forward.onnx", "model.onnx"):
         assert no_dropout(os.path.join(run_dir, f)), f
 
@@ -205,8 +207,8 @@ def test_a_users_onnx_dropouts_become_masks(tmp_path):
     cfg = C.from_dict({"model": {"builtin": None, "onnx": str(tmp_path / "user.onnx"), "inputs": ["input_ids"]},
                        "run": {"output_dir": str(tmp_path / "run")}, "data": {"seq_len": seq},
                        "train": {"micro_batch_size": batch}, "optimizer": {"name": "sgd"}})
-    graphs = G.prepare(cfg)
-    spec = G.load_manifest(graphs)["dropout"]
+    graphs = prepare(cfg)
+    spec = load_manifest(graphs)["dropout"]
     assert [(m["shape"], m["ratio"]) for m in spec["masks"]] == [(["batch", seq, 64], 0.1)] * 5
     assert spec["dims"] == {"batch": ["input_ids", 0]}
     for f in ("eval.onnx", "forward.onnx"):
@@ -235,4 +237,4 @@ def test_unresolvable_mask_shape_is_a_usage_error(tmp_path):
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m.ir_version = 9
     with pytest.raises(UsageError, match="Dropout node 'my_dropout'.*cannot be determined"):
-        G.dropout_masks(m, ["x", "shape"], "user.onnx")
+        dropout_masks(m, ["x", "shape"], "user.onnx")

@@ -26,7 +26,8 @@ def reference_model(ckpt, external: bool, path):
     """onnx.save of forward.onnx with the checkpoint's tensors as initializers (what export wrote before
     it streamed): numpy arrays from safetensors, numpy_helper.from_array, onnx.save."""
     from safetensors.numpy import load_file
-    from trainrun.graphs import IR_VERSION, load_manifest
+    from trainrun.graphs.manifest import load_manifest
+    from trainrun.graphs.onnx_edit import IR_VERSION
     loaded = load_file(str(ckpt / "model.safetensors"))
     order = [p["name"] for p in load_manifest(str(ckpt.parent.parent / "graphs"))["params"]]
     assert sorted(order) == sorted(loaded)

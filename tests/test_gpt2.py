@@ -7,7 +7,10 @@ import pytest
 import torch
 
 from trainrun import config as C
-from trainrun import graphs as G
+from trainrun.graphs.gradients import build_train_graph, direct_gradients
+from trainrun.graphs.losses import _cross_entropy_grad_by_exp
+from trainrun.graphs.manifest import prepare
+from trainrun.graphs.names import GRAD_SUFFIX, LOSS, RESET
 from trainrun.engine import Engine, EngineOptions
 from trainrun.errors import TrainrunError
 from trainrun.models.gpt2 import build_gpt2, init_weights, param_count
@@ -52,7 +55,7 @@ def test_initialisation_is_seeded_and_gpt2_like():
 def make_engine(tmp_path, shape, batch, seq, **cfg_over):
     cfg = C.from_dict({"model": {"gpt2": shape}, "data": {"seq_len": seq}, "train": {"micro_batch_size": batch},
                        "run": {"output_dir": str(tmp_path), "seed": 3}, **cfg_over})
-    graphs_dir = G.prepare(cfg)
+    graphs_dir = prepare(cfg)
     shapes = {"input_ids": ((batch, seq), np.int64), "labels": ((batch, seq), np.int64)}
     eng = Engine(graphs_dir, EngineOptions(threads=2), shapes, shapes)
     eng.load_weights()
@@ -80,14 +83,14 @@ def test_train_graph_gradients_match_torch(tmp_path, tiny_gpt2):
 
 def test_direct_gradients_write_the_accumulators_bits(tmp_path, tiny_gpt2):
     """Without accumulation the engine runs the train graph with its gradients as outputs bound to the
-    flat buffer (graphs.direct_gradients): the same loss and the same gradient bits as the graph with
+    flat buffer (graphs.gradients.direct_gradients): the same loss and the same gradient bits as the graph with
     InPlaceAccumulatorV2, stale buffer content overwritten, and accumulation refused."""
     acc = make_engine(tmp_path, tiny_gpt2, batch=2, seq=32)
     shapes = {"input_ids": ((2, 32), np.int64), "labels": ((2, 32), np.int64)}
     direct = Engine(acc.dir, EngineOptions(threads=1, direct_gradients=True), shapes, shapes)
     acc.reopen(EngineOptions(threads=1))
     direct.params[:] = acc.params
-    assert G.RESET not in direct.train_s.input_names and not direct.flags
+    assert RESET not in direct.train_s.input_names and not direct.flags
     rng = np.random.default_rng(4)
     batch = {"input_ids": rng.integers(0, 300, (2, 32)), "labels": rng.integers(0, 300, (2, 32))}
     acc.grads[:] = 5.0
@@ -108,7 +111,7 @@ def test_eval_graph_matches_train_loss(tmp_path, tiny_gpt2):
 @pytest.mark.parametrize("reduction,ignore_index,rank", [("mean", 2, 2), ("sum", None, 2), ("mean", None, 3),
                                                          ("sum", 1, 3)])
 def test_cross_entropy_gradient_by_exp_matches_numpy(reduction, ignore_index, rank):
-    """graphs._cross_entropy_grad_by_exp in every form it takes (mean or sum, with or without
+    """graphs.losses._cross_entropy_grad_by_exp in every form it takes (mean or sum, with or without
     ignore_index, class axis 1 of a 2-D or 3-D input) against the float64 NumPy gradient of
     softmax cross-entropy, and against onnxruntime's own SoftmaxCrossEntropyLossGrad."""
     n, d, k, c = 6, 3, 4, 37
@@ -124,22 +127,22 @@ def test_cross_entropy_gradient_by_exp_matches_numpy(reduction, ignore_index, ra
         nodes.append(onnx.helper.make_node("Transpose", ["z"], ["logits"], perm=[0, 2, 1]))
     else:
         nodes[0].output[0] = "logits"
-    nodes.append(onnx.helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "labels"], [G.LOSS, "log_prob"], **attrs))
+    nodes.append(onnx.helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "labels"], [LOSS, "log_prob"], **attrs))
     f32, i64 = onnx.TensorProto.FLOAT, onnx.TensorProto.INT64
     graph = onnx.helper.make_graph(nodes, "ce", [onnx.helper.make_tensor_value_info("x", f32, list(x.shape)),
                                                  onnx.helper.make_tensor_value_info("w", f32, [k, c]),
                                                  onnx.helper.make_tensor_value_info("labels", i64, list(labels.shape))],
-                                   [onnx.helper.make_tensor_value_info(G.LOSS, f32, [])])
+                                   [onnx.helper.make_tensor_value_info(LOSS, f32, [])])
     loss_model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
     loss_model.ir_version = 8
-    train = G.build_train_graph(loss_model, ["w"], "test")
+    train = build_train_graph(loss_model, ["w"], "test")
     plain = onnx.ModelProto()
     plain.CopyFrom(train)
-    G._cross_entropy_grad_by_exp(train)
+    _cross_entropy_grad_by_exp(train)
     assert "SoftmaxCrossEntropyLossGrad" not in {m.op_type for m in train.graph.node}
 
-    def run(model):      # w's gradient as an output (graphs.direct_gradients)
-        direct, outputs = G.direct_gradients(model)
+    def run(model):      # w's gradient as an output (graphs.gradients.direct_gradients)
+        direct, outputs = direct_gradients(model)
         sess = ort.InferenceSession(direct.SerializeToString(), providers=["CPUExecutionProvider"])
         return sess.run([outputs["w"]], {"x": x, "w": w, "labels": labels})[0].astype(np.float64)
 
@@ -158,7 +161,7 @@ def test_cross_entropy_gradient_by_exp_matches_numpy(reduction, ignore_index, ra
 
 @pytest.mark.parametrize("head,axis", [("Gemm", 0), ("Transpose", 1)])
 def test_tied_embedding_gradient_matches_numpy(head, axis):
-    """graphs._scatter_tied_gradients on both of its paths: a head whose gradient is the embedding's shape
+    """graphs.gradients._scatter_tied_gradients on both of its paths: a head whose gradient is the embedding's shape
     (Gemm(h, E, transB=1): rows scattered into it along axis 0) and a head through a Transpose
     (MatMul(h, Transpose(E)): scattered into the Transpose's input along axis 1), repeated ids, against
     the float64 NumPy gradient."""
@@ -174,16 +177,16 @@ def test_tied_embedding_gradient_matches_numpy(head, axis):
         heads = [onnx.helper.make_node("Transpose", ["E"], ["Et"], perm=[1, 0]),
                  onnx.helper.make_node("MatMul", ["h", "Et"], ["logits"])]
     loss = [onnx.helper.make_node("Mul", ["logits", "W"], ["lw"]),
-            onnx.helper.make_node("ReduceSum", ["lw"], [G.LOSS], keepdims=0)]
+            onnx.helper.make_node("ReduceSum", ["lw"], [LOSS], keepdims=0)]
     f32 = onnx.TensorProto.FLOAT
     graph = onnx.helper.make_graph([h, *heads, *loss], "tied",
                                    [onnx.helper.make_tensor_value_info("E", f32, [v, d]),
                                     onnx.helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [n])],
-                                   [onnx.helper.make_tensor_value_info(G.LOSS, f32, [])],
+                                   [onnx.helper.make_tensor_value_info(LOSS, f32, [])],
                                    initializer=[onnx.numpy_helper.from_array(w, "W")])
     loss_model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
     loss_model.ir_version = 8
-    train, outputs = G.direct_gradients(G.build_train_graph(loss_model, ["E"], "test"))
+    train, outputs = direct_gradients(build_train_graph(loss_model, ["E"], "test"))
     scatters = [m for m in train.graph.node if m.op_type == "ScatterElements"]
     assert [a.i for m in scatters for a in m.attribute if a.name == "axis"] == [axis]
     assert "GatherGrad" not in {m.op_type for m in train.graph.node}
@@ -197,10 +200,10 @@ def test_tied_embedding_gradient_matches_numpy(head, axis):
 
 def test_vocabulary_sized_loss_and_tied_gradient_match_transformers(tmp_path):
     """The cross-entropy as LogSoftmax + NegativeLogLikelihoodLoss, its gradient from Exp(log_prob), the
-    tied embedding's gradient added by ScatterElements (graphs.split_cross_entropy,
-    graphs._cross_entropy_grad_by_exp, graphs._scatter_tied_gradients), every
+    tied embedding's gradient added by ScatterElements (graphs.losses.split_cross_entropy,
+    graphs.losses._cross_entropy_grad_by_exp, graphs.gradients._scatter_tied_gradients), every
     weight gradient a MatMul over a transposed input, no Gemm with transA
-    (graphs._untransposed_weight_gradients), against transformers' GPT-2 in float64: a vocabulary far
+    (graphs.gradients._untransposed_weight_gradients), against transformers' GPT-2 in float64: a vocabulary far
     larger than the model, repeated tokens (the scatter must sum them), labels ignored by a non-default
     ignore_index, 2 threads; the loss and every gradient within 1e-5."""
     ignore_index = 0
@@ -209,14 +212,14 @@ def test_vocabulary_sized_loss_and_tied_gradient_match_transformers(tmp_path):
     cfg = C.from_dict({"model": {"gpt2": shape, "loss": {"ignore_index": ignore_index}},
                        "data": {"seq_len": seq}, "train": {"micro_batch_size": batch},
                        "run": {"output_dir": str(tmp_path), "seed": 4}, "optimizer": {"name": "sgd"}})
-    graphs_dir = G.prepare(cfg)
+    graphs_dir = prepare(cfg)
     nodes = onnx.load(f"{graphs_dir}/train.onnx").graph.node
     ops = {n.op_type for n in nodes}
     assert {"LogSoftmax", "NegativeLogLikelihoodLoss", "ScatterElements"} <= ops
     assert not ops & {"SoftmaxCrossEntropyLoss", "SoftmaxCrossEntropyLossGrad", "GatherGrad"}
     assert not [n.name for n in nodes if n.op_type == "Gemm" and any(a.name == "transA" and a.i for a in n.attribute)]
     producer = {o: n for n in nodes for o in n.output}      # the tied head's gradient scattered into before
-    assert producer["transformer.wte.weight" + G.GRAD_SUFFIX].op_type == "Transpose"    # its Transpose
+    assert producer["transformer.wte.weight" + GRAD_SUFFIX].op_type == "Transpose"    # its Transpose
     shapes = {"input_ids": ((batch, seq), np.int64), "labels": ((batch, seq), np.int64)}
     eng = Engine(graphs_dir, EngineOptions(threads=2), shapes, shapes)
     eng.load_weights()

@@ -72,14 +72,15 @@ def test_cuda_provider_is_active_and_libraries_come_from_the_gpu_extra(tmp_path,
     """trainrun.cuda loads the pip-installed CUDA 11 libraries by path; each session runs on the
     CUDA provider (not a silent CPU fallback)."""
     from trainrun import config as C
-    from trainrun import cuda, graphs
+    from trainrun import cuda
+    from trainrun.graphs.manifest import prepare
     from trainrun.engine import Engine, EngineOptions
     from trainrun.update import optimizer_for
     loaded = cuda.setup()
     for soname in ("libcudart.so.11.0", "libcublas.so.11", "libcudnn.so.8", "libnvrtc.so.11.2"):
         assert soname in loaded, (soname, loaded)
     cfg = C.load_config(write_config(tmp_path / "c.yaml", byte_dataset))
-    out = graphs.prepare(cfg, str(tmp_path / "graphs"))
+    out = prepare(cfg, str(tmp_path / "graphs"))
     shapes = {"input_ids": ((4, 32), np.int64), "labels": ((4, 32), np.int64)}
     eng = Engine(out, EngineOptions(device="cuda"), shapes, shapes)
     optimizer_for(eng, cfg.optimizer)       # auto: the optimizer graph on the GPU

@@ -109,8 +109,8 @@ def test_bert_from_a_base_model_file_and_from_pretraining_weights(tmp_path):
     def prepared(init_from, **bert):
         cfg = C.from_dict({"model": {"builtin": "bert", "init_from": str(init_from), **({"bert": bert} if bert else {})},
                            "data": {"seq_len": 16}, "run": {"output_dir": str(tmp_path / "run"), "seed": 4}})
-        from trainrun import graphs as G
-        G.prepare(cfg)
+        from trainrun.graphs.manifest import prepare
+        prepare(cfg)
         return cfg, load_file(str(tmp_path / "run" / "graphs" / "weights.safetensors"))
 
     cfg, ours = prepared(tmp_path / "pre")

@@ -14,7 +14,8 @@ import pytest
 from conftest import MPIRUN, ROOT, TRAINRUN, mpirun, read_metrics, run, write_config
 
 from trainrun import config as C
-from trainrun import graphs as G
+from trainrun.graphs.manifest import load_manifest, prepare
+from trainrun.graphs.names import ACC_OUT_SUFFIX, LOSS, MASK_PREFIX
 from trainrun.errors import UsageError
 
 STEPS = 10
@@ -57,7 +58,7 @@ def test_deterministic_runs_are_bitwise_identical(twin_runs):
     # dropout is on, from trainrun's masks: no Dropout node, a mask input per Dropout
     train = onnx.load(os.path.join(a, "graphs", "train.onnx")).graph
     assert not [n for n in train.node if n.op_type == "Dropout"]
-    assert len([i for i in train.input if i.name.startswith(G.MASK_PREFIX)]) == 7
+    assert len([i for i in train.input if i.name.startswith(MASK_PREFIX)]) == 7
     proc = run([TRAINRUN, "compare", a, b, "--rtol", "0"], check=0)
     assert "no divergence" in proc.stdout
     # --max-rows: 10 steps, at most 8 rows (steps and "..."): the first ones, the last, a gap
@@ -75,7 +76,7 @@ def test_statistics_per_step_and_rank(twin_runs):
     names = list(r0[0]["tensors"])
     acts = [n for n in names if n.startswith("act/")]
     assert acts[-1] == "act/logits" and len(acts) == 1 + 5          # 2 blocks x ln_1/ln_2 + ln_f, in graph order
-    manifest = G.load_manifest(os.path.join(run_dir, "graphs"))
+    manifest = load_manifest(os.path.join(run_dir, "graphs"))
     params = [p["name"] for p in manifest["params"]]
     assert [n for n in names if n.startswith("grad/")] == [f"grad/{p}" for p in params]
     assert [n for n in names if n.startswith("param/")] == [f"param/{p}" for p in params]
@@ -153,17 +154,17 @@ def test_compare_usage_errors(twin_runs, tmp_path):
 def test_statistics_off_adds_nothing_and_bad_patterns_are_named(tmp_path, byte_dataset):
     cfg = C.load_config(write_config(tmp_path / "c.yaml", byte_dataset, **{
         "debug.tensors": ["logits"], "run.output_dir": str(tmp_path / "off")}))
-    G.prepare(cfg)
+    prepare(cfg)
     outputs = [o.name for o in onnx.load(str(tmp_path / "off" / "graphs" / "train.onnx")).graph.output]
-    assert outputs == [G.LOSS] + [p["name"] + G.ACC_OUT_SUFFIX
-                                  for p in G.load_manifest(str(tmp_path / "off" / "graphs"))["params"]]
+    assert outputs == [LOSS] + [p["name"] + ACC_OUT_SUFFIX
+                                  for p in load_manifest(str(tmp_path / "off" / "graphs"))["params"]]
     cfg.debug.stats_every, cfg.run.output_dir = 3, str(tmp_path / "on")
-    G.prepare(cfg)
+    prepare(cfg)
     on = [o.name for o in onnx.load(str(tmp_path / "on" / "graphs" / "train.onnx")).graph.output]
     assert on == outputs + ["logits"]
     cfg.debug.tensors = ["logits", "no_such_tensor*"]
     with pytest.raises(UsageError) as err:
-        G.prepare(cfg)
+        prepare(cfg)
     assert "debug.tensors" in err.value.message and "'no_such_tensor*'" in err.value.message
     with pytest.raises(UsageError) as err:
         C.load_config(str(tmp_path / "c.yaml"), ["profile.start_step=21"])

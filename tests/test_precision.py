@@ -12,7 +12,13 @@ from onnx import TensorProto, numpy_helper
 
 from conftest import TRAINRUN, run, write_config
 from trainrun import config as C
-from trainrun import graphs as G
+from trainrun.graphs.casts import cast_pass, FP32_OPS, scale_loss
+from trainrun.graphs.dropout_nodes import dropout_masks
+from trainrun.graphs.forward import forward_from_config
+from trainrun.graphs.gradients import build_train_graph
+from trainrun.graphs.losses import with_loss
+from trainrun.graphs.names import BUFFER_SUFFIX
+from trainrun.graphs.onnx_edit import params_to_inputs
 from trainrun.precision import LossScaler
 
 
@@ -20,10 +26,10 @@ def loss_graph(precision, shape):
     cfg = C.Config()
     for k, v in shape.items():
         setattr(cfg.model.gpt2, k, v)
-    fwd = G.forward_from_config(cfg)
-    model = G._params_to_inputs(G.with_loss(fwd, -100, keep_logits=False), fwd.params)
-    model, _ = G.dropout_masks(model, fwd.inputs, "gpt2")
-    return fwd, G.scale_loss(G.cast_pass(model, precision), precision)
+    fwd = forward_from_config(cfg)
+    model = params_to_inputs(with_loss(fwd, -100, keep_logits=False), fwd.params)
+    model, _ = dropout_masks(model, fwd.inputs, "gpt2")
+    return fwd, scale_loss(cast_pass(model, precision), precision)
 
 
 def test_fp32_graph_is_untouched(tiny_gpt2):
@@ -44,7 +50,7 @@ def test_cast_after_each_parameter_fp32_islands_and_fp32_gradients(tiny_gpt2, pr
     for p in fwd.params:
         users = by_input[p]
         # a parameter feeds fp32 ops (LayerNorm) directly, everything else through its Cast
-        assert all(u.op_type in G.FP32_OPS or (u.op_type == "Cast" and casts[p] == elem) for u in users), p
+        assert all(u.op_type in FP32_OPS or (u.op_type == "Cast" and casts[p] == elem) for u in users), p
     inferred = onnx.shape_inference.infer_shapes(model)
     types = {v.name: v.type.tensor_type.elem_type for v in inferred.graph.value_info}
     for n in model.graph.node:
@@ -53,10 +59,10 @@ def test_cast_after_each_parameter_fp32_islands_and_fp32_gradients(tiny_gpt2, pr
         if n.op_type == "MatMul":
             assert types[n.output[0]] == elem, n.name
     assert ("loss_scale" in {i.name for i in model.graph.input}) == (precision == "fp16")
-    train = G.build_train_graph(model, fwd.params, "gpt2")
+    train = build_train_graph(model, fwd.params, "gpt2")
     ins = {i.name: i.type.tensor_type.elem_type for i in train.graph.input}
     for p in fwd.params:       # the master parameters and their gradient buffers stay float32
-        assert ins[p] == ins[p + G.BUFFER_SUFFIX] == TensorProto.FLOAT
+        assert ins[p] == ins[p + BUFFER_SUFFIX] == TensorProto.FLOAT
 
 
 def test_fp16_forward_on_cpu_close_to_fp32(tiny_gpt2):

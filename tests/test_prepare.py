@@ -11,7 +11,8 @@ import yaml
 from onnx import TensorProto, helper, numpy_helper
 
 from trainrun import config as C
-from trainrun import graphs as G
+from trainrun.graphs.manifest import load_manifest, prepare, up_to_date
+from trainrun.graphs.names import BUFFER_SUFFIX, RESET
 from trainrun.engine import Engine, EngineOptions
 from trainrun.errors import UsageError
 from trainrun.optim import state_names
@@ -33,8 +34,8 @@ def test_prepare_cli_writes_graphs(tmp_path):
     assert manifest["files"]["train.onnx"] == sha256_file(str(g / "train.onnx"))
     train = onnx.load(str(g / "train.onnx"))
     names = {i.name for i in train.graph.input}
-    assert {"input_ids", "labels", G.RESET, "transformer.wte.weight",
-            "transformer.wte.weight" + G.BUFFER_SUFFIX} <= names
+    assert {"input_ids", "labels", RESET, "transformer.wte.weight",
+            "transformer.wte.weight" + BUFFER_SUFFIX} <= names
     assert not train.graph.initializer or all(t.name not in names for t in train.graph.initializer)
     assert train.ir_version <= 10
     ops = {n.op_type for n in train.graph.node}
@@ -44,10 +45,10 @@ def test_prepare_cli_writes_graphs(tmp_path):
     # graphs are reused while the config matches; a manifest from before dropout masks (no "dropout"
     # entry: its graphs ran onnxruntime's Dropout, at ratio 0 under run.deterministic) is prepared again
     cfg = C.load_config(os.path.join(ROOT, "configs", "gpt2-tiny.yaml"), [f"run.output_dir={out}"])
-    assert G.up_to_date(str(g), cfg)
+    assert up_to_date(str(g), cfg)
     for key in ("dropout", "graph_version"):    # graphs of an older trainrun's surgery
         (g / "manifest.json").write_text(json.dumps({k: v for k, v in manifest.items() if k != key}))
-        assert not G.up_to_date(str(g), cfg), key
+        assert not up_to_date(str(g), cfg), key
 
 
 def export_user_gpt2(path, shape, seq, pdrop=0.0):
@@ -79,8 +80,8 @@ def test_user_torch_onnx_gpt2_prepares_and_trains(tmp_path, tiny_gpt2):
                        "optimizer": {"name": "adamw", "lr": 1e-2},
                        "run": {"output_dir": str(tmp_path / "run")}, "data": {"seq_len": seq},
                        "train": {"micro_batch_size": batch}})
-    graphs_dir = G.prepare(cfg)
-    manifest = G.load_manifest(graphs_dir)
+    graphs_dir = prepare(cfg)
+    manifest = load_manifest(graphs_dir)
     assert manifest["num_params"] == sum(p.numel() for p in hf.parameters())
     shapes = {"input_ids": ((batch, seq), np.int64), "labels": ((batch, seq), np.int64)}
     eng = Engine(graphs_dir, EngineOptions(threads=2), shapes, shapes)
@@ -149,8 +150,8 @@ def test_bad_user_graphs_are_named(tmp_path, case, expected):
 def test_static_shapes_fix_only_the_train_graph(tmp_path, tiny_gpt2):
     cfg = C.from_dict({"model": {"gpt2": tiny_gpt2}, "data": {"seq_len": 16}, "train": {"micro_batch_size": 3},
                        "run": {"output_dir": str(tmp_path / "run")}})
-    graphs_dir = G.prepare(cfg)
-    assert G.load_manifest(graphs_dir)["build"]["static_shape"] == [3, 16]
+    graphs_dir = prepare(cfg)
+    assert load_manifest(graphs_dir)["build"]["static_shape"] == [3, 16]
 
     def dims(name, tensor):
         graph = onnx.load(os.path.join(graphs_dir, f"{name}.onnx")).graph

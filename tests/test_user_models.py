@@ -431,7 +431,8 @@ def test_cross_entropy_layouts_weights_and_accuracy_match_pytorch(tmp_path, layo
     eval graph's loss against torch's cross_entropy(weight, ignore_index), its top-1/top-5 sums against
     NumPy's over the counted labels; a label out of range is a named UsageError at the batch."""
     import torch
-    from trainrun import config as C, graphs as G
+    from trainrun import config as C
+    from trainrun.graphs.manifest import prepare
     from trainrun.engine import Engine, EngineOptions
     from trainrun.errors import UsageError
     C_, S = 7, 5
@@ -451,7 +452,7 @@ def test_cross_entropy_layouts_weights_and_accuracy_match_pytorch(tmp_path, layo
     cfg = C.from_dict({"model": {"builtin": None, "onnx": str(tmp_path / "m.onnx"),
                                  "loss": {"class_axis": axis, "weights": weights, "ignore_index": -1}},
                        "train": {"micro_batch_size": 4}, "run": {"output_dir": str(tmp_path / "run")}})
-    graphs = G.prepare(cfg)
+    graphs = prepare(cfg)
     shapes = {"x": ((4, S, 3), np.float32), "labels": ((4, S), np.int64)}
     eng = Engine(graphs, EngineOptions(threads=1), shapes, shapes)
     eng.load_weights()

@@ -169,7 +169,7 @@ def evaluate(source, data, steps, batch, output):
 def prepare(config_path, overrides, log_level, force):
     """Build the train, eval and optimizer graphs and initial weights into <output_dir>/graphs."""
     from .rundir import complete_checkpoints
-    from .graphs import prepare as run_prepare
+    from .graphs.manifest import prepare as run_prepare
     from .lock import RunLock
     from .preflight import check
     cfg = C.load_config(config_path, _with_log_level(overrides, log_level))

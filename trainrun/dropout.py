@@ -1,6 +1,6 @@
 """Dropout masks from trainrun's own random stream.
 
-The train graph takes each Dropout's mask as an input (:func:`trainrun.graphs.dropout_masks`);
+The train graph takes each Dropout's mask as an input (:func:`trainrun.graphs.dropout_nodes.dropout_masks`);
 :class:`DropoutMasks` fills those buffers for one micro-batch as a pure function of
 (``run.seed``, global sample position): sample ``j`` of a micro-batch whose first sample has
 global position ``P`` draws all its masks, in the manifest's order, from one SFC64 stream keyed

@@ -27,7 +27,10 @@ import onnx
 from safetensors.numpy import load_file
 
 from . import cuda
-from . import graphs as G
+from . import feeding
+from .graphs.gradients import direct_gradients
+from .graphs.manifest import load_manifest
+from .graphs.names import ACC_OUT_SUFFIX, BUFFER_SUFFIX, LOSS, MASK_PREFIX, METRIC_PREFIX, RESET
 from .dropout import DropoutMasks
 from .errors import TrainrunError, UsageError
 from .flat import FlatLayout, from_host, is_cupy, norm_sq
@@ -74,7 +77,7 @@ class EngineOptions:
     optimized_dir: str | None = None   # debug.save_graphs: write each graph as onnxruntime optimized it
     log_id: str | None = None          # names this rank in onnxruntime's own log lines
     seed: int = 0                      # run.seed: the dropout masks' stream (trainrun/dropout.py)
-    # the train graph's gradients written straight into the gradient buffer (graphs.direct_gradients):
+    # the train graph's gradients written straight into the gradient buffer (graphs.gradients.direct_gradients):
     # for runs that never accumulate; forward_backward(accumulate=True) is then refused
     direct_gradients: bool = False
 
@@ -162,7 +165,7 @@ class Engine:
     shared memory that several ranks' sessions bind to, :mod:`trainrun.update`); by default the engine's own.
 
     ``batch_shapes``: dataset feature -> (shape, dtype) of one micro-batch; ``feeds``: graph input ->
-    the feature that feeds it (:func:`trainrun.graphs.feeds`, by default equal names and the labels
+    the feature that feeds it (:func:`trainrun.feeding.feeds`, by default equal names and the labels
     input from the feature ``labels``). The engine owns one buffer per fed graph input, checked at
     start-up against the graph's declared type and dims; :meth:`set_batch` copies a batch into them.
 
@@ -176,7 +179,7 @@ class Engine:
                  feeds: dict | None = None, buffers: tuple | None = None):
         self.dir = graphs_dir
         self.opts = opts
-        self.manifest = G.load_manifest(graphs_dir)
+        self.manifest = load_manifest(graphs_dir)
         self.layout = FlatLayout.from_manifest(self.manifest)
         N = self.layout.total
         if opts.device == "cuda":       # big buffers and batches on the GPU; scalars stay on the host
@@ -202,7 +205,7 @@ class Engine:
         self.reset = np.ones(1, bool)
         # fp16 train graph: its loss (and so every gradient) is multiplied by this input (precision.py)
         self.loss_scale = np.ones((), np.float32) if self.manifest.get("loss_scale") else None
-        self.feeds = G.feeds(self.manifest, {}, batch_shapes) if feeds is None else dict(feeds)
+        self.feeds = feeding.feeds(self.manifest, {}, batch_shapes) if feeds is None else dict(feeds)
         self.batch = self._batch_buffers(batch_shapes)
         self.eval_batch = self._batch_buffers(eval_batch_shapes)
         self.state_layout = FlatLayout.from_manifest({"params": self.manifest.get("states", [])})
@@ -224,7 +227,7 @@ class Engine:
         train = os.path.join(self.dir, "train.onnx")
         self.grad_outputs = None     # parameter -> its gradient output, with opts.direct_gradients
         if opts.direct_gradients:
-            model, self.grad_outputs = G.direct_gradients(onnx.load(train))
+            model, self.grad_outputs = direct_gradients(onnx.load(train))
             self.train_s = _Bound(train, opts, "train", model.SerializeToString())
         else:
             self.train_s = _Bound(train, opts, "train")
@@ -298,9 +301,9 @@ class Engine:
         for name, arr in (self.mask_dev if self.masks else {}).items():
             t.check_shape(name, arr.shape)
             t.bind_in(name, arr)
-        known = set(L.names) | set(S.names) | set(self.batch) | {G.RESET, self.manifest.get("loss_scale")}
+        known = set(L.names) | set(S.names) | set(self.batch) | {RESET, self.manifest.get("loss_scale")}
         missing = [n for n in t.input_names if n not in known
-                   and not n.startswith(G.MASK_PREFIX) and not n.endswith(G.BUFFER_SUFFIX)]
+                   and not n.startswith(MASK_PREFIX) and not n.endswith(BUFFER_SUFFIX)]
         if missing:
             raise UsageError(f"graph input(s) neither parameters nor fed by a dataset feature: {', '.join(missing)} "
                              f"(feed each with data.inputs: {{INPUT: FEATURE}})")
@@ -318,23 +321,23 @@ class Engine:
             if self.grad_outputs:
                 t.bind_out(self.grad_outputs[name], g)
                 continue
-            t.bind_in(name + G.BUFFER_SUFFIX, g)
+            t.bind_in(name + BUFFER_SUFFIX, g)
             flag = np.zeros(1, bool)
             self.flags.append(flag)
-            t.bind_out(name + G.ACC_OUT_SUFFIX, flag)
+            t.bind_out(name + ACC_OUT_SUFFIX, flag)
         if not self.grad_outputs:
-            t.bind_in(G.RESET, self.reset)
+            t.bind_in(RESET, self.reset)
         if self.loss_scale is not None:
             t.bind_in(self.manifest["loss_scale"], self.loss_scale)
-        t.bind_out(G.LOSS, self.loss)
+        t.bind_out(LOSS, self.loss)
         for name in self.stats_outputs:     # onnxruntime allocates them, on the device, each run
             t.binding.bind_output(name, *(("cpu", 0) if self.xp is np else ("cuda", t.device_id)))
-        e.bind_out(G.LOSS, self.eval_loss)
+        e.bind_out(LOSS, self.eval_loss)
         # eval metrics (metric/<name>/sum|count, float32 scalars) to host scalars; the logits stay unbound:
         # onnxruntime then never copies them out (they are only an output for `export --with-loss`)
         self.eval_metrics = {}
         for out in e.session.get_outputs():
-            if out.name.startswith(G.METRIC_PREFIX):
+            if out.name.startswith(METRIC_PREFIX):
                 if out.type != "tensor(float)" or any(d not in (1,) for d in (out.shape or [])):
                     raise UsageError(f"{e.path}: eval-metric output '{out.name}' must be a float32 scalar "
                                      f"(it is {out.type} of shape {out.shape})")

@@ -23,7 +23,9 @@ import os
 import numpy as np
 
 from . import config as C
-from . import graphs as G
+from . import feeding
+from .graphs.manifest import load_manifest
+from .graphs.names import LOSS, METRIC_PREFIX
 from . import rundir
 from .comm import make_communicator
 from .data import eval_batches, open_dataset
@@ -53,12 +55,12 @@ def run_evaluate(source: str, data: str, *, steps: int | None, batch: int | None
             raise UsageError(f"--batch {per_step}: samples per step over all ranks; must be a multiple of the "
                              f"{comm.world_size} ranks")
         micro = per_step // comm.world_size
-        manifest = G.load_manifest(os.path.join(run_dir, "graphs"))
+        manifest = load_manifest(os.path.join(run_dir, "graphs"))
         g, b = cfg.model.gpt2, cfg.model.bert
         vocab, positions = {"gpt2": (g.vocab_size, g.n_positions),
                             "bert": (b.vocab_size, b.max_position_embeddings)}.get(cfg.model.builtin, (None, None))
         ds = open_dataset(data, cfg.data.seq_len, vocab_size=vocab, n_positions=positions)
-        feeds = G.feeds(manifest, cfg.data.inputs, ds.specs)
+        feeds = feeding.feeds(manifest, cfg.data.inputs, ds.specs)
         missing = [f"graph input '{i}' <- feature '{f}'" for i, f in feeds.items() if f not in ds.specs]
         if missing:
             raise UsageError(f"--data {data}: lacks the features the model reads "
@@ -79,8 +81,8 @@ def run_evaluate(source: str, data: str, *, steps: int | None, batch: int | None
     except TrainrunError as exc:
         error = exc
     comm.agree(error)
-    metrics = [o.name for o in sess.get_outputs() if o.name.startswith(G.METRIC_PREFIX)]
-    names = [G.LOSS, *metrics]
+    metrics = [o.name for o in sess.get_outputs() if o.name.startswith(METRIC_PREFIX)]
+    names = [LOSS, *metrics]
     total = np.zeros(len(names) + 1, np.float64)       # the sums (the loss weighed by the batch's samples), samples
     for item in batches:
         out = sess.run(names, {**weights, **{i: item[f] for i, f in feeds.items()}})
@@ -89,7 +91,7 @@ def run_evaluate(source: str, data: str, *, steps: int | None, batch: int | None
         total[-1] += n
     total = comm.allreduce_scalars(list(total), op="sum")
     samples = int(total[-1])
-    result = G.eval_results(total[0] / (samples / micro), dict(zip(metrics, total[1:-1])))
+    result = feeding.eval_results(total[0] / (samples / micro), dict(zip(metrics, total[1:-1])))
     result.update({"checkpoint": ckpt, "data": os.path.abspath(data), "samples": samples,
                    "dataset_samples": ds.num_samples, "batch": micro * comm.world_size, "world_size": comm.world_size})
     comm.close()

@@ -26,7 +26,10 @@ from onnx import numpy_helper
 from safetensors.numpy import save_file
 
 from . import checkpoint as K
-from . import graphs as G
+from .graphs.gradients import add_outputs, keep_outputs, reads
+from .graphs.manifest import load_manifest
+from .graphs.names import METRIC_PREFIX
+from .graphs.onnx_edit import IR_VERSION
 from . import pretrained, rundir
 from . import tokenizer as T
 from .config import BertConfig, GPT2Config
@@ -229,11 +232,11 @@ def inference_model(graphs_dir: str, manifest: dict, where: str) -> onnx.ModelPr
     loss = manifest.get("loss_output")
     if not loss:
         return model
-    keep = [o.name for o in model.graph.output if o.name != loss and not o.name.startswith(G.METRIC_PREFIX)]
+    keep = [o.name for o in model.graph.output if o.name != loss and not o.name.startswith(METRIC_PREFIX)]
     if not keep:
         raise UsageError(f"{where}: the model's outputs are its loss '{loss}' and metrics only: nothing to "
                          f"export without them (--with-loss exports the loss)")
-    return G.keep_outputs(model, keep)
+    return keep_outputs(model, keep)
 
 
 def _logits_in_two_passes(session, ids: np.ndarray) -> np.ndarray:
@@ -256,7 +259,7 @@ def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None,
 
     ckpt = rundir.resolve_checkpoint(checkpoint)
     graphs_dir = os.path.join(rundir.run_dir_of(ckpt), "graphs")
-    manifest = G.load_manifest(graphs_dir)
+    manifest = load_manifest(graphs_dir)
     K.verify(ckpt)
     tensors = checkpoint_tensors(ckpt, manifest)      # streamed from the file into the model: no copy held
 
@@ -266,7 +269,7 @@ def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None,
         model = onnx.load(os.path.join(graphs_dir, "eval.onnx"))
     else:
         model = inference_model(graphs_dir, manifest, where=ckpt)
-    read = G.reads(model.graph.node)
+    read = reads(model.graph.node)
     written = [t for t in tensors if t.name in read]       # what a graph without its loss still reads
     if opset is not None:
         current = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
@@ -276,7 +279,7 @@ def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None,
                 model = version_converter.convert_version(model, opset)
             except Exception as exc:  # noqa: BLE001
                 raise UsageError(f"--opset {opset}: cannot convert the model from opset {current}: {exc}") from None
-    model.ir_version = min(model.ir_version, G.IR_VERSION)
+    model.ir_version = min(model.ir_version, IR_VERSION)
     os.makedirs(os.path.dirname(os.path.abspath(output)) or ".", exist_ok=True)
     save_with_weights(model, output, written)
     del model
@@ -299,7 +302,7 @@ def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None,
             names.append(names[0])
     del exported                # one session at a time
     ref_model = onnx.load(os.path.join(graphs_dir, "eval.onnx"))     # every exported output is one of its tensors
-    G.add_outputs(ref_model, sorted(set(names) - {o.name for o in ref_model.graph.output}))
+    add_outputs(ref_model, sorted(set(names) - {o.name for o in ref_model.graph.output}))
     ref_sess = ort.InferenceSession(ref_model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     del ref_model
     unique = list(dict.fromkeys(names))
@@ -357,7 +360,7 @@ def export_transformers(checkpoint: str, output: str, *, tokenizer: str | None =
     the run's tokenizer. Staged beside ``output`` and moved into place at the end."""
     ckpt = rundir.resolve_checkpoint(checkpoint)
     run_dir = rundir.run_dir_of(ckpt)
-    manifest = G.load_manifest(os.path.join(run_dir, "graphs"))
+    manifest = load_manifest(os.path.join(run_dir, "graphs"))
     family = manifest["model"].get("builtin")
     if family not in ARCHITECTURE:
         raise UsageError(f"--format transformers: {ckpt} is not a built-in gpt2 or bert model "

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from . import graphs as G
+from .graphs.manifest import load_manifest
 from . import rundir
 from . import tokenizer as T
 from .errors import UsageError
@@ -132,7 +132,7 @@ def load_source(source: str, threads: int = 0) -> tuple[Decoder, str]:
         return Decoder(sess, n_positions), run_dir
     ckpt = rundir.resolve_checkpoint(source)
     run_dir = rundir.run_dir_of(ckpt)
-    manifest = G.load_manifest(os.path.join(run_dir, "graphs"))
+    manifest = load_manifest(os.path.join(run_dir, "graphs"))
     model = kv_cache_model(manifest, lambda: checkpoint_weights(ckpt, manifest), where=ckpt)
     n_positions = next(i.dims[0] for i in model.graph.initializer if i.name == "transformer.wpe.weight")
     sess = ort.InferenceSession(model.SerializeToString(), session_options(threads),

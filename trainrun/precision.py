@@ -1,7 +1,7 @@
 """Dynamic loss scaling for ``train.precision: fp16`` (bf16 and fp32 need none).
 
 The fp16 train graph multiplies its loss by the float32 input ``loss_scale``
-(:func:`trainrun.graphs.scale_loss`), so every gradient comes out multiplied by
+(:func:`trainrun.graphs.casts.scale_loss`), so every gradient comes out multiplied by
 it; the runner divides it out where it already scales the gradients (the
 optimizer's ``grad_scale``, the logged norm and loss), so unscaling costs no pass.
 Whether a run scales its loss is read from its graphs (the manifest's ``loss_scale``

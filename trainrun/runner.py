@@ -43,7 +43,8 @@ from . import faults
 from . import preflight
 from . import update
 from . import config as C
-from . import graphs as G
+from . import feeding
+from .graphs.manifest import load_manifest, prepare, up_to_date
 from . import rundir
 from .comm import cuda_device_count, local_device, make_communicator
 from .data import TrainLoader, eval_batches
@@ -142,9 +143,9 @@ class TrainingRunner:
                 os.makedirs(self.out, exist_ok=True)
                 with open(os.path.join(self.out, "config.yaml"), "w") as fh:
                     fh.write(self.config_yaml)
-                if not G.up_to_date(self.graphs_dir, cfg):
+                if not up_to_date(self.graphs_dir, cfg):
                     self.log(f"preparing graphs in {self.graphs_dir}")
-                    G.prepare(cfg, self.graphs_dir)
+                    prepare(cfg, self.graphs_dir)
                     return_freed_memory()     # the model built in memory: not kept for the whole run
             except TrainrunError as exc:
                 error = exc
@@ -152,7 +153,7 @@ class TrainingRunner:
 
     def _check_same_everywhere(self) -> None:
         try:
-            manifest = G.load_manifest(self.graphs_dir)
+            manifest = load_manifest(self.graphs_dir)
             mine = {"config": _config_hash(self.cfg), "graphs": manifest["files"], "host": platform.node()}
         except UsageError as exc:
             mine = {"config": _config_hash(self.cfg), "graphs": None, "error": exc.message, "host": platform.node()}
@@ -212,7 +213,7 @@ class TrainingRunner:
         shapes = {name: ((mb, *shape), dtype) for name, (shape, dtype) in self.train_ds.specs.items()}
         error = None
         try:     # the data checked against the graph's inputs: the same verdict on every rank
-            feeds = G.feeds(self.manifest, cfg.data.inputs, shapes)
+            feeds = feeding.feeds(self.manifest, cfg.data.inputs, shapes)
             # intra_node: shared: parameters and gradients in the node's shared memory (None: the mpi path)
             node = update.node_buffers(cfg, self.comm, self.manifest["num_params"])
             self.engine = Engine(self.graphs_dir, opts, shapes, shapes, feeds=feeds,
@@ -365,7 +366,7 @@ class TrainingRunner:
         self.comm.agree(error)      # the same error on every rank: they commit a checkpoint together
         total, count, *sums = self.comm.allreduce_scalars([total, count, *sums], op="sum")
         self.timer.mark("eval")
-        result = G.eval_results(total / max(count, 1.0), dict(zip(names, sums)))
+        result = feeding.eval_results(total / max(count, 1.0), dict(zip(names, sums)))
         if not self.perplexity:
             del result["perplexity"]
         return {f"eval_{k}": v for k, v in result.items()}

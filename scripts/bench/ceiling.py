@@ -78,7 +78,7 @@ class TrainGraphLoop:
                  batch_index: int = 0):
         from trainrun.data import open_dataset
         from trainrun.engine import Engine, EngineOptions
-        from trainrun.graphs import load_manifest
+        from trainrun.graphs.manifest import load_manifest
         manifest = load_manifest(graphs)
         static = (manifest.get("build") or {}).get("static_shape")
         if static and list(static) != [micro_batch, seq_len]:

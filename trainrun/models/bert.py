@@ -106,7 +106,7 @@ def build_bert(cfg: BertConfig, weights: dict[str, np.ndarray], inference: bool 
     Dense layers run as Gemm on [batch*seq, width] (transB: the [out, in] weights as stored);
     the residual stream is [batch, seq, hidden] so that Dropout's input has the batch first.
     Dropout nodes carry ``training_mode`` (true) as their third input; the train graph turns them
-    into products with mask inputs (graphs.dropout_masks), the eval and inference graphs into Identity.
+    into products with mask inputs (graphs.dropout_nodes.dropout_masks), the eval and inference graphs into Identity.
     """
     E, H = cfg.hidden_size, cfg.num_attention_heads
     D = E // H

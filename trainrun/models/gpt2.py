@@ -86,7 +86,7 @@ def build_gpt2(cfg: GPT2Config, weights: dict[str, np.ndarray], kv_cache: bool =
     Dropout nodes (when cfg.dropout > 0; transformers' placement: embeddings,
     attention probabilities, after each c_proj) carry ``training_mode`` as their
     third input, the constant ``dropout_training`` (true); the train graph turns
-    them into products with mask inputs (graphs.dropout_masks), the eval and
+    them into products with mask inputs (graphs.dropout_nodes.dropout_masks), the eval and
     inference graphs into Identity.
     """
     E, H = cfg.n_embd, cfg.n_head

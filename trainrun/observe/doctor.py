@@ -44,7 +44,7 @@ import time
 
 import numpy as np
 
-from .. import graphs as G
+from ..graphs.manifest import load_manifest
 from ..comm import make_communicator
 from ..errors import TrainrunError
 from ..rundir import sha256_file
@@ -280,7 +280,7 @@ def _graph_files(cfg) -> dict:
         out["graphs"] = "not prepared"
         return out
     try:
-        manifest = G.load_manifest(gdir)
+        manifest = load_manifest(gdir)
         for name, sha in manifest["files"].items():
             actual = sha256_file(os.path.join(gdir, name))
             if actual != sha:

@@ -10,7 +10,7 @@ line to ``<output_dir>/stats/rank-<r>/stats.jsonl``::
                  "grad/transformer.wte.weight": {...}, "param/transformer.wte.weight": {...}}}
 
 * ``act/<name>``: a train-graph tensor chosen by ``debug.tensors`` (made a graph
-  output at prepare time, :func:`trainrun.graphs.add_outputs`), over all micro-batches of the
+  output at prepare time, :func:`trainrun.graphs.gradients.add_outputs`), over all micro-batches of the
   step on this rank (merged exactly, Chan et al.);
 * ``grad/<param>``: the gradient the optimizer receives, i.e. the mean over
   ranks and micro-batches after the allreduce, before clipping (the same on

@@ -1,0 +1,268 @@
+"""The train graph: gradients from onnxruntime's gradient builder, accumulated in place (or written
+straight into the flat buffer, :func:`direct_gradients`), and its rewrites (tied embedding gradients,
+weight gradients without transA); chosen intermediate tensors as outputs (``debug.tensors``)."""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import re
+
+import onnx
+from onnx import TensorProto, helper
+
+from ..errors import TrainrunError, UsageError
+from .names import ACC_OUT_SUFFIX, BUFFER_SUFFIX, GRAD_SUFFIX, LOSS, RESET
+from .onnx_edit import const, fresh, opset
+
+def build_train_graph(loss_model: onnx.ModelProto, params: list[str], source: str, keep=()) -> onnx.ModelProto:
+    """Gradients of ``loss`` w.r.t. ``params`` (already graph inputs), accumulated in place; the outputs
+    ``keep`` (e.g. BatchNormalization's updated running stats) stay outputs."""
+    import onnxruntime as ort
+    from onnxruntime.capi._pybind_state import GradientGraphBuilder, get_optimized_model
+
+    ort.set_default_logger_severity(3)    # errors only: the builder's warnings are not the user's
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    wanted = set(params)
+    try:
+        optimized = get_optimized_model(loss_model.SerializeToString(), wanted, options)
+        builder = GradientGraphBuilder(optimized, {LOSS}, wanted, LOSS, options)
+        builder.build()
+        grad_model = onnx.load_from_string(builder.get_model())
+    except Exception as exc:  # noqa: BLE001 - the builder raises RuntimeError/Fail with the op at fault
+        raise UsageError(f"{source}: onnxruntime's gradient builder cannot differentiate this graph: "
+                         f"{_builder_reason(str(exc))}") from None
+
+    outputs = {o.name: o for o in grad_model.graph.output}
+    missing = [p for p in params if p + GRAD_SUFFIX not in outputs]
+    if missing:
+        raise UsageError(f"{source}: the loss does not depend on these parameters (freeze them with "
+                         f"model.frozen): {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}")
+
+    nodes = list(_untransposed_weight_gradients(_scatter_tied_gradients(grad_model)).graph.node)
+    new_inputs = list(grad_model.graph.input)
+    new_outputs = [outputs[LOSS]] + [outputs[k] for k in keep]
+    for p in params:
+        grad = outputs[p + GRAD_SUFFIX]
+        buf = p + BUFFER_SUFFIX
+        nodes.append(helper.make_node("InPlaceAccumulatorV2", [buf, grad.name, RESET], [p + ACC_OUT_SUFFIX],
+                                      name=f"accumulate/{p}", domain="com.microsoft"))
+        buf_vi = copy.deepcopy(grad)
+        buf_vi.name = buf
+        new_inputs.append(buf_vi)
+        new_outputs.append(helper.make_tensor_value_info(p + ACC_OUT_SUFFIX, TensorProto.BOOL, [1]))
+    new_inputs.append(helper.make_tensor_value_info(RESET, TensorProto.BOOL, [1]))
+    # the builder's value_info kept: without it onnxruntime 1.19 crashes (SIGSEGV) creating a session over
+    # MaxPoolGrad, whose forward MaxPool's added Indices output then has no type
+    model = fresh(grad_model, nodes, new_inputs, new_outputs, list(grad_model.graph.initializer),
+                   grad_model.graph.value_info)
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return model
+
+
+def direct_gradients(train: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, str]]:
+    """``train`` (a :func:`build_train_graph` graph) without its accumulators, for runs that never
+    accumulate (``train.gradient_accumulation_steps`` 1): each parameter's gradient becomes a graph
+    output, which the engine binds to the parameter's view of the flat gradient buffer, so the kernel
+    that computes it writes it there. With InPlaceAccumulatorV2 every gradient is first written into
+    onnxruntime's arena and then copied into the buffer (~2.5% of a GPT-2 124M forward/backward).
+    Returns (the graph, parameter -> its gradient output). The bits are the same: a reset accumulator
+    copies its value."""
+    model = onnx.ModelProto()
+    model.CopyFrom(train)
+    g = model.graph
+    acc = [n for n in g.node if n.op_type == "InPlaceAccumulatorV2" and n.input[0].endswith(BUFFER_SUFFIX)]
+    if not acc:
+        raise TrainrunError("the train graph has no gradient accumulators (not built by trainrun prepare?)")
+    buffers = {i.name: i for i in g.input if i.name.endswith(BUFFER_SUFFIX)}
+    outputs, dropped = {}, {n.output[0] for n in acc}
+    for n in acc:
+        g.node.remove(n)
+        param = n.input[0][:-len(BUFFER_SUFFIX)]
+        out = copy.deepcopy(buffers[n.input[0]])     # the buffer's type and shape = the gradient's
+        out.name = outputs[param] = n.input[1]
+        g.output.append(out)
+    kept = [i for i in g.input if i.name not in buffers and i.name != RESET]
+    del g.input[:]
+    g.input.extend(kept)
+    kept = [o for o in g.output if o.name not in dropped]
+    del g.output[:]
+    g.output.extend(kept)
+    return model, outputs
+
+
+def _scatter_tied_gradients(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A parameter read by a Gather (an embedding) and by other ops (a tied LM head) gets from the
+    gradient builder Sum(its other gradient, GatherGrad(shape, indices, dY)): GatherGrad writes a dense
+    zero tensor of the parameter's size, scatters dY into it (a mutex per element in onnxruntime 1.19),
+    and the Sum reads both: three passes over a [50257, 768] tensor at GPT-2 124M. Here that pair
+    becomes ScatterElements(other gradient, indices, dY, reduction add), which adds the looked-up rows'
+    gradients into the other gradient in place (on the CPU serially, so repeated indices are summed in
+    the same order every run; on CUDA with atomic adds, whose order varies from run to run).
+    When the other gradient is a Transpose's output (a tied LM head's, computed as [width, vocab]), the
+    scatter goes into the Transpose's input, along axis 1, and the Transpose then writes the sum: with
+    direct gradients (:func:`direct_gradients`) straight into the flat buffer, where a scatter into a
+    bound output first copies its input there (65 ms a step at GPT-2 124M); the same adds in the same
+    order per element. Only float32 2-D parameters (graph inputs), from opset 16 (ScatterElements'
+    reduction); returns ``model``, changed in place."""
+    if opset(model) < 16:
+        return model
+    nodes = list(model.graph.node)
+    producer = {o: n for n in nodes for o in n.output}
+    uses: dict[str, int] = {}
+    for n in nodes:
+        for i in n.input:
+            uses[i] = uses.get(i, 0) + 1
+    params = {i.name for i in model.graph.input if i.type.tensor_type.elem_type == TensorProto.FLOAT
+              and len(i.type.tensor_type.shape.dim) == 2}
+    replace, dropped = {}, set()
+    for n in nodes:
+        if n.op_type != "Sum" or len(n.input) != 2:
+            continue
+        for k, name in enumerate(n.input):
+            gg = producer.get(name)
+            shape = producer.get(gg.input[0]) if gg is not None and gg.op_type == "GatherGrad" else None
+            if shape is None or shape.op_type != "Shape" or shape.input[0] not in params or uses[name] != 1 \
+                    or any(a.name == "axis" and a.i != 0 for a in gg.attribute):
+                continue
+            b, (_, indices, d_rows), other = n.name or n.output[0], gg.input, n.input[1 - k]
+            rows = [const(b + "/all", [-1]), const(b + "/start", [1]), const(b + "/big", [2**62]),
+                    helper.make_node("Slice", [gg.input[0], b + "/start", b + "/big"], [b + "/width"],
+                                     name=b + "/width"),
+                    helper.make_node("Concat", [b + "/all", b + "/width"], [b + "/rows_shape"], axis=0,
+                                     name=b + "/rows_shape"),                                  # [-1, width]
+                    helper.make_node("Reshape", [d_rows, b + "/rows_shape"], [b + "/rows"], name=b + "/rows")]
+            tp = producer.get(other)
+            # the other gradient a Transpose's output (a tied LM head's): scatter along axis 1 of its input
+            transposed = tp is not None and tp.op_type == "Transpose" and uses[other] == 1 \
+                and [list(a.ints) for a in tp.attribute if a.name == "perm"] in ([[1, 0]], [])
+            if transposed:
+                rows.append(helper.make_node("Transpose", [b + "/rows"], [b + "/rows_t"], perm=[1, 0],
+                                             name=b + "/rows_t"))
+                dropped.add(id(tp))
+            updates, axis = (b + "/rows_t", 1) if transposed else (b + "/rows", 0)
+            target, out = (tp.input[0], [b + "/sum_t"]) if transposed else (other, list(n.output))
+            replace[id(n)] = rows + [
+                const(b + "/ids_shape", [1, -1] if transposed else [-1, 1]),
+                helper.make_node("Reshape", [indices, b + "/ids_shape"], [b + "/indices"], name=b + "/indices"),
+                helper.make_node("Shape", [updates], [b + "/rows_size"], name=b + "/rows_size"),
+                helper.make_node("Expand", [b + "/indices", b + "/rows_size"], [b + "/where"], name=b + "/where"),
+                helper.make_node("ScatterElements", [target, b + "/where", updates], out, axis=axis,
+                                 reduction="add", name=b)]
+            if transposed:
+                replace[id(n)].append(helper.make_node("Transpose", out, list(n.output), perm=[1, 0], name=b + "/sum"))
+            dropped.add(id(gg))
+            break
+    if not replace:
+        return model
+    out = []
+    for n in nodes:
+        if id(n) not in dropped:
+            out.extend(replace.get(id(n), [n]))
+    del model.graph.node[:]
+    model.graph.node.extend(out)
+    return model
+
+
+def _untransposed_weight_gradients(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The gradient builder writes a MatMul's weight gradient as Gemm(X, dY, transA=1) = X^T dY, and
+    onnxruntime's GemmTransposeFusion turns the tied LM head's Gemm + Transpose into Gemm(dY, X,
+    transA=1) over the [tokens, vocab] dY. MLAS runs a transposed A by transposing it again, panel
+    by panel, for every block of output columns: at GPT-2 124M the head's [50257, 768] gradient took
+    1.45x the forward's multiply of the same size (332 vs 231 ms), the layers' weight gradients
+    1.2x theirs. Here X is transposed once (Reshape [K, 1, M], Transpose [M, K, 1], Reshape [M, K]:
+    a shape onnxruntime's MatmulTransposeFusion does not fold back into a transA) and multiplied by
+    a plain MatMul; the same products in the same order. Only Gemm(X, Y) with transA=1, transB=0,
+    alpha=1 and no C; returns ``model``, changed in place."""
+    nodes, out, changed = list(model.graph.node), [], False
+    for n in nodes:
+        a = {x.name: helper.get_attribute_value(x) for x in n.attribute}
+        if n.op_type != "Gemm" or n.domain not in ("", "ai.onnx") or len([i for i in n.input if i]) != 2 \
+                or a.get("transA", 0) != 1 or a.get("transB", 0) != 0 or a.get("alpha", 1.0) != 1.0:
+            out.append(n)
+            continue
+        b, (x, y) = n.name or n.output[0], n.input[:2]
+        out += [const(b + "/k1m", [0, 1, -1]), const(b + "/mk", [0, -1]),
+                helper.make_node("Reshape", [x, b + "/k1m"], [b + "/x3"], name=b + "/x3"),
+                helper.make_node("Transpose", [b + "/x3"], [b + "/xt3"], perm=[2, 0, 1], name=b + "/xt3"),
+                helper.make_node("Reshape", [b + "/xt3", b + "/mk"], [b + "/xt"], name=b + "/xt"),
+                helper.make_node("MatMul", [b + "/xt", y], list(n.output), name=b)]
+        changed = True
+    if changed:
+        del model.graph.node[:]
+        model.graph.node.extend(out)
+    return model
+
+
+def _builder_reason(text: str) -> str:
+    """The useful part of a gradient-builder exception (drop the C++ location and signature)."""
+    m = re.search(r"has not been registered: (\S+) for node\s*(\S*)", text)
+    if m:
+        node = f" (node '{m.group(2)}')" if m.group(2) else ""
+        return (f"operator {m.group(1)}{node} has no gradient; freeze the parameters that feed it "
+                f"(model.frozen) or express it with differentiable operators")
+    text = text.strip().splitlines()[-1]
+    return text.split(" was false. ")[-1].split("] ")[-1]
+
+
+def select_outputs(model: onnx.ModelProto, patterns: list[str], protected=()) -> list[str]:
+    """Names of node outputs of ``model`` matching any fnmatch pattern, in graph order.
+
+    Raises a UsageError naming ``debug.tensors`` for a pattern that matches nothing."""
+    existing = {o.name for o in model.graph.output} | set(protected)
+    candidates = [o for n in model.graph.node for o in n.output if o and o not in existing]
+    chosen, unmatched = [], []
+    for pat in patterns:
+        hits = [c for c in candidates if fnmatch.fnmatchcase(c, pat)]
+        if not hits:
+            unmatched.append(pat)
+        chosen += [h for h in hits if h not in chosen]
+    if unmatched:
+        some = ", ".join(c for c in candidates[:40] if "/" not in c)
+        raise UsageError("debug.tensors: no tensor of the train graph matches "
+                         + ", ".join(repr(p) for p in unmatched),
+                         [f"tensor names of the train graph include: {some} ...",
+                          "list them all: python -c \"import onnx,sys; print(*[o for n in onnx.load(sys.argv[1])"
+                          ".graph.node for o in n.output])\" RUN/graphs/train.onnx"])
+    order = {c: i for i, c in enumerate(candidates)}
+    return sorted(chosen, key=order.__getitem__)
+
+
+def reads(nodes) -> set[str]:
+    """The tensor names ``nodes`` read, those of their subgraphs (If, Loop, Scan bodies) included."""
+    names = set()
+    for n in nodes:
+        names.update(n.input)
+        for a in n.attribute:
+            for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                names |= reads(g.node)
+    return names
+
+
+def keep_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    """``model`` (in place) with the outputs ``names`` only, the nodes they need and the graph inputs and
+    initializers those nodes read: e.g. without a loss, its metrics and the labels input only they read."""
+    needed, nodes = set(names), []
+    for n in reversed(model.graph.node):
+        if needed.intersection(n.output):
+            nodes.append(n)
+            needed |= reads([n])
+    graph = model.graph
+    parts = {"node": nodes[::-1], "output": [o for o in graph.output if o.name in names],
+             "input": [i for i in graph.input if i.name in needed],
+             "initializer": [t for t in graph.initializer if t.name in needed],
+             "value_info": [v for v in graph.value_info if v.name in {o for n in nodes for o in n.output}]}
+    for field, kept in parts.items():
+        kept = [copy.deepcopy(k) for k in kept]
+        graph.ClearField(field)
+        getattr(graph, field).extend(kept)
+    return model
+
+
+def add_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    """Make the intermediate tensors ``names`` graph outputs too (type left to onnxruntime)."""
+    for name in names:
+        model.graph.output.append(helper.make_empty_tensor_value_info(name))
+    return model

@@ -1,0 +1,189 @@
+"""``prepare``: the graphs, initial weights and manifest written to a run's ``graphs/`` folder; the
+manifest read back (:func:`load_manifest`) and compared with a config (:func:`up_to_date`)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+from safetensors.numpy import save_file
+
+from .. import cuda_kernels
+from ..config import Config, to_dict
+from ..errors import UsageError
+from ..optim import build_optimizer_graph
+from ..rundir import sha256_file
+from .casts import cast_pass, restore_fp32, scale_loss
+from .dropout_nodes import dropout_masks, dropout_off
+from .forward import batchnorm_inference, drop_outputs, forward_from_config, num_classes
+from .gradients import add_outputs, build_train_graph, select_outputs
+from .losses import SPLIT_MIN_CLASSES, metric_outputs, split_cross_entropy, with_loss
+from .names import LOSS, LOSS_SCALE, metric_names
+from .onnx_edit import params_to_inputs
+
+FORMAT_VERSION = 1
+
+
+# what trainrun's graph surgery produces from the same config; graphs prepared by an older version
+# (a manifest with a lower or no ``graph_version``) are prepared again. 2: the cross-entropy split into
+# LogSoftmax + NegativeLogLikelihoodLoss, tied embedding gradients added by ScatterElements; 3: weight
+# gradients by MatMul over an explicitly transposed input (no Gemm transA); 4: the cross-entropy's gradient
+# from Exp(log_prob) (_cross_entropy_grad_by_exp); 5: a tied head's gradient scattered into before its
+# Transpose
+GRAPH_VERSION = 5
+
+
+def build_options(cfg: Config) -> dict:
+    """What besides the model and optimizer shapes the graphs: recorded in the manifest."""
+    stats = list(cfg.debug.tensors) if cfg.debug.stats_every > 0 else []
+    return {"deterministic": cfg.run.deterministic, "stats_tensors": stats, "precision": cfg.train.precision,
+            "static_shape": [cfg.train.micro_batch_size, cfg.data.seq_len] if cfg.engine.static_shapes else None}
+
+
+# manifests written before a build option existed
+DEFAULT_BUILD = {"deterministic": False, "stats_tensors": [], "static_shape": None, "precision": "fp32"}
+
+
+def fix_dims(model: onnx.ModelProto, inputs: list[str], micro_batch: int, seq_len: int | None) -> onnx.ModelProto:
+    """Fix, in place, the symbolic dims of ``model``'s data ``inputs``: dim 0 (the batch) to
+    ``micro_batch``, dim 1 to ``seq_len`` when given; dims of the same names elsewhere (labels,
+    outputs) too. Returns ``model``."""
+    sizes: dict[str, int] = {}
+    for vi in model.graph.input:
+        if vi.name in inputs:
+            dims = vi.type.tensor_type.shape.dim
+            for i, size in ((0, micro_batch), (1, seq_len)):
+                if size is not None and len(dims) > i and dims[i].dim_param:
+                    sizes.setdefault(dims[i].dim_param, size)
+    for vi in list(model.graph.input) + list(model.graph.output):
+        for d in vi.type.tensor_type.shape.dim:
+            if d.dim_param in sizes:
+                d.dim_value = sizes[d.dim_param]     # (clears dim_param: a oneof)
+    return model
+
+
+def _save(model: onnx.ModelProto, path: str) -> None:
+    tmp = path + ".tmp"
+    onnx.save(model, tmp)
+    os.replace(tmp, path)
+
+
+def prepare(cfg: Config, out_dir: str | None = None) -> str:
+    """Write the three graphs, the forward graph, the initial weights and the manifest."""
+    out_dir = out_dir or os.path.join(cfg.run.output_dir, "graphs")
+    os.makedirs(out_dir, exist_ok=True)
+    fwd = forward_from_config(cfg)
+    source = cfg.model.onnx or cfg.model.builtin
+    inits = {t.name: t for t in fwd.model.graph.initializer}
+    states = dict(fwd.states or {})
+    weights = {p: numpy_helper.to_array(inits[p]) for p in fwd.params + list(states)}
+    shapes = [(p, tuple(int(d) for d in inits[p].dims)) for p in fwd.params]
+    graph_inputs = fwd.params + list(states)       # parameters, then state: inputs of every graph
+
+    build = build_options(cfg)
+    static = build["static_shape"]
+
+    loss_model = params_to_inputs(with_loss(fwd, cfg.model.loss.ignore_index, keep_logits=False), graph_inputs)
+    loss_model.graph.output.extend(helper.make_tensor_value_info(out, inits[st].data_type, list(inits[st].dims))
+                                   for st, out in states.items())     # the state's updates
+    loss_model, dropout = dropout_masks(loss_model, fwd.inputs, source)
+    loss_model = scale_loss(cast_pass(loss_model, build["precision"]), build["precision"])
+    if static:   # the train graph for the micro-batch's shape; eval and forward (export) stay symbolic
+        fix_dims(loss_model, fwd.inputs, static[0], static[1] if cfg.model.builtin == "gpt2" else None)
+    classes = num_classes(fwd) if fwd.loss is None and fwd.loss_type == "cross_entropy" else None
+    # the built-in models' losses are over vocabularies; a user model's when its classes are that many
+    split = split_cross_entropy if cfg.model.builtin or (classes or 0) >= SPLIT_MIN_CLASSES else (lambda m: m)
+    train = split(restore_fp32(build_train_graph(loss_model, fwd.params, source, keep=list(states.values())),
+                               build["precision"]))
+    stats_outputs = []
+    if build["stats_tensors"]:      # debug.stats_every > 0: chosen tensors become outputs
+        stats_outputs = select_outputs(train, cfg.debug.tensors)
+        add_outputs(train, stats_outputs)
+    evalg = split(batchnorm_inference(dropout_off(params_to_inputs(
+        with_loss(fwd, cfg.model.loss.ignore_index, keep_logits=True, metrics=True), graph_inputs), source)))
+    forward = batchnorm_inference(dropout_off(params_to_inputs(fwd.model, graph_inputs), source))
+    drop_outputs(forward, set(states.values()))
+    optimizer = build_optimizer_graph(cfg.optimizer, shapes)
+    if cfg.device == "cuda":
+        cuda_kernels.check({"train": train, "eval": evalg}, source)
+
+    files = {"train": train, "eval": evalg, "forward": forward, "optimizer": optimizer}
+    for name, model in files.items():
+        _save(model, os.path.join(out_dir, f"{name}.onnx"))
+    tmp = os.path.join(out_dir, "weights.safetensors.tmp")
+    save_file(weights, tmp)
+    os.replace(tmp, os.path.join(out_dir, "weights.safetensors"))
+
+    import onnxruntime
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "graph_version": GRAPH_VERSION,
+        "params": [{"name": n, "shape": list(s)} for n, s in shapes],
+        "num_params": int(sum(int(np.prod(s)) for _, s in shapes)),
+        "inputs": fwd.inputs,
+        "labels": fwd.labels,
+        "logits": fwd.logits,
+        "loss": LOSS,
+        "loss_output": fwd.loss,
+        # cross_entropy: labels must be below C (or ignore_index), checked per batch by the engine
+        "classes": classes,
+        "ignore_index": cfg.model.loss.ignore_index,
+        "states": [{"name": n, "shape": [int(d) for d in inits[n].dims], "output": o} for n, o in states.items()],
+        "metrics": metric_names(metric_outputs(evalg)),
+        "model": to_dict(cfg.model),
+        "optimizer": to_dict(cfg.optimizer),
+        "build": build,
+        "stats_outputs": stats_outputs,
+        "dropout": dropout,
+        "loss_scale": LOSS_SCALE if build["precision"] == "fp16" else None,
+        "files": {f"{n}.onnx": sha256_file(os.path.join(out_dir, f"{n}.onnx")) for n in files}
+                 | {"weights.safetensors": sha256_file(os.path.join(out_dir, "weights.safetensors"))},
+        "onnxruntime": onnxruntime.__version__,
+        "onnx": onnx.__version__,
+    }
+    tmp = os.path.join(out_dir, "manifest.json.tmp")
+    with open(tmp, "w") as fh:
+        json.dump(manifest, fh, indent=1)
+    os.replace(tmp, os.path.join(out_dir, "manifest.json"))
+    return out_dir
+
+
+def load_manifest(graphs_dir: str) -> dict:
+    path = os.path.join(graphs_dir, "manifest.json")
+    try:
+        with open(path) as fh:
+            manifest = json.load(fh)
+    except FileNotFoundError:
+        raise UsageError(f"{path}: not found (run `trainrun prepare` first)") from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{path}: not valid JSON: {exc}") from None
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise UsageError(f"{path}: format_version {manifest.get('format_version')} "
+                         f"(this trainrun reads {FORMAT_VERSION})")
+    return manifest
+
+
+# optimizer fields that are inputs of the optimizer graph (or the runner's), not baked into it
+_NOT_BAKED = ("lr", "max_grad_norm")
+
+
+def up_to_date(graphs_dir: str, cfg: Config) -> bool:
+    """Whether ``graphs_dir`` holds the graphs ``cfg`` would prepare (same graph version and model, baked
+    optimizer fields and build options, every file present)."""
+    try:
+        manifest = load_manifest(graphs_dir)
+    except UsageError:
+        return False
+
+    def baked(d):
+        return {k: v for k, v in d.items() if k not in _NOT_BAKED}
+    # "dropout" (masks as inputs) is in every manifest since dropout became trainrun's own stream; graphs
+    # from before it ran Dropout in onnxruntime (ratio 0 under run.deterministic): prepare them again
+    return "dropout" in manifest and manifest.get("graph_version") == GRAPH_VERSION \
+        and manifest["model"] == to_dict(cfg.model) \
+        and baked(manifest["optimizer"]) == baked(to_dict(cfg.optimizer)) \
+        and {**DEFAULT_BUILD, **manifest.get("build", {})} == build_options(cfg) \
+        and all(os.path.exists(os.path.join(graphs_dir, f)) for f in manifest["files"])

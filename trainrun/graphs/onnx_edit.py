@@ -1,0 +1,53 @@
+"""Small ONNX editing helpers every step of ``prepare`` shares: a new model from parts, parameters as
+inputs, constants, the opset, a tensor's dims."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper, shape_inference
+
+IR_VERSION = 9
+
+
+def fresh(model: onnx.ModelProto, nodes, inputs, outputs, initializers, value_info=()) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, model.graph.name or "graph", inputs, outputs, initializers,
+                              value_info=list(value_info))
+    out = helper.make_model(graph, opset_imports=list(model.opset_import), producer_name="trainrun")
+    out.ir_version = IR_VERSION
+    return out
+
+
+def params_to_inputs(model: onnx.ModelProto, params: list[str]) -> onnx.ModelProto:
+    """Move the parameter initializers to graph inputs (in ``params`` order)."""
+    inits = {t.name: t for t in model.graph.initializer}
+    keep = [t for t in model.graph.initializer if t.name not in set(params)]
+    data_inputs = [i for i in model.graph.input if i.name not in inits]
+    param_inputs = [helper.make_tensor_value_info(p, inits[p].data_type, list(inits[p].dims)) for p in params]
+    return fresh(model, list(model.graph.node), data_inputs + param_inputs, list(model.graph.output), keep)
+
+
+def const(name, value, dtype=np.int64):
+    return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(value, dtype)),
+                            name=name + "_c")
+
+
+def opset(model) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
+
+
+def value_dims(model, name):
+    """Dims (ints, or symbols/None) of tensor ``name`` as declared or inferred by onnx; None if unknown."""
+    for vi in list(model.graph.output) + list(model.graph.value_info):
+        if vi.name == name and vi.type.tensor_type.HasField("shape"):
+            return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                    for d in vi.type.tensor_type.shape.dim]
+    try:
+        inferred = shape_inference.infer_shapes(model)
+    except Exception:  # noqa: BLE001 - an uninferable graph: the shape stays unknown
+        return None
+    for vi in list(inferred.graph.output) + list(inferred.graph.value_info):
+        if vi.name == name and vi.type.tensor_type.HasField("shape"):
+            return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                    for d in vi.type.tensor_type.shape.dim]
+    return None
