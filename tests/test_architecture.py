@@ -207,3 +207,55 @@ def test_the_step_table_names_functions_that_exist():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 defined.add(node.name)
     assert called and called - defined == set()
+
+
+# where a model family may be named outside trainrun/models/: config.py's schema holds the built-in
+# families' YAML sections (config imports nothing of trainrun; docs/architecture.md says why), and
+# data_tools/ makes each family's datasets (``trainrun-data bert``)
+FAMILY_NAMES = re.compile(r"gpt-?2|bert", re.IGNORECASE)
+
+
+def family_names(path: str) -> list[str]:
+    """Where the code of ``path`` names a model family: string literals (docstrings aside) and
+    identifiers (names, attributes, imported names), as ``line: text``."""
+    tree = ast.parse(open(path).read(), path)
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                  if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            text = node.value
+        elif isinstance(node, ast.Name):
+            text = node.id
+        elif isinstance(node, ast.Attribute):
+            text = node.attr
+        elif isinstance(node, ast.alias):
+            text = f"{node.name} as {node.asname}" if node.asname else node.name
+        elif isinstance(node, ast.ImportFrom):
+            text = node.module or ""
+        else:
+            continue
+        if FAMILY_NAMES.search(text):
+            found.append(f"{getattr(node, 'lineno', '?')}: {text[:80]!r}")
+    return found
+
+
+def test_no_module_outside_models_names_a_model_family():
+    """A model family is one place: trainrun/models/<family>.py registers everything trainrun knows of
+    it (trainrun/models/registry.py); every other module asks the registry."""
+    named = {}
+    for mod, path in modules().items():
+        if mod == "config" or mod.split(".")[0] in ("models", "data_tools"):
+            continue
+        if found := family_names(path):
+            named[mod] = found
+    assert named == {}
+
+
+def test_the_family_check_catches_a_family_name(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text('"""A GPT-2 docstring is fine."""\nfrom .models.gpt2 import build\n'
+                   'def f(cfg):\n    return cfg.model.bert if cfg.model.builtin == "bert" else None\n')
+    found = family_names(str(bad))
+    assert any("models.gpt2" in f for f in found) and sum("bert" in f for f in found) == 2, found

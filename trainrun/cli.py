@@ -86,9 +86,11 @@ def resume(run_dir, overrides, log_level, force):
 @click.option("--output", "-o", required=True, type=click.Path(),
               help="Output ONNX file (--format onnx) or directory (--format transformers).")
 @click.option("--format", "fmt", type=click.Choice(["onnx", "transformers"]), default="onnx", show_default=True,
-              help="onnx: an inference model; transformers: a save_pretrained directory (gpt2, bert).")
+              help="onnx: an inference model; transformers: a save_pretrained directory (a built-in model "
+                   "family with a transformers class).")
 @click.option("--kv-cache", is_flag=True,
-              help="GPT-2: an inference graph with past/present keys and values (for trainrun generate).")
+              help="A language model (a family that generates text): an inference graph with past/present "
+                   "keys and values (for trainrun generate).")
 @click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False),
               help="--format transformers: this tokenizer.json instead of the run's.")
 @click.option("--opset", type=int, default=None, help="Target opset (default: the graph's).")

@@ -18,7 +18,7 @@ import os
 import re
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import yaml
 
@@ -76,6 +76,16 @@ class GPT2Config:
     initializer_range: float = opt(0.02, gt=0.0)
     """Std of the normal initialisation (residual projections scaled by 1/sqrt(2 n_layer))."""
 
+    # the fields of a transformers config.json that fix the shape (model.init_from)
+    CONFIG_JSON_SHAPE: ClassVar[tuple] = ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size",
+                                          "layer_norm_epsilon")
+    POSITIONS: ClassVar[str] = "n_positions"      # the field that is the longest sequence
+
+    def problems(self) -> list[tuple[str, str]]:
+        if self.n_head and self.n_embd % self.n_head:
+            return [("n_head", f"must divide n_embd ({self.n_embd}), got {self.n_head}")]
+        return []
+
 
 @dataclass
 class BertConfig:
@@ -104,6 +114,18 @@ class BertConfig:
     initializer_range: float = opt(0.02, gt=0.0)
     """Std of the normal initialisation of weights and embeddings."""
 
+    # the fields of a transformers config.json that fix the shape (model.init_from)
+    CONFIG_JSON_SHAPE: ClassVar[tuple] = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                          "intermediate_size", "max_position_embeddings", "type_vocab_size",
+                                          "hidden_act", "layer_norm_eps")
+    POSITIONS: ClassVar[str] = "max_position_embeddings"      # the field that is the longest sequence
+
+    def problems(self) -> list[tuple[str, str]]:
+        if self.num_attention_heads and self.hidden_size % self.num_attention_heads:
+            return [("num_attention_heads",
+                     f"must divide hidden_size ({self.hidden_size}), got {self.num_attention_heads}")]
+        return []
+
 
 @dataclass
 class LossConfig:
@@ -126,9 +148,32 @@ class LossConfig:
     """cross_entropy: one weight per class (empty: all 1); the mean is weighted as PyTorch's."""
 
 
+# model.builtin's values: a family's name is that of its section below (the built-in families' sections
+# are part of the schema here; trainrun.models.registry adds a family defined elsewhere with
+# add_family_section). What a family is beyond its section lives in trainrun/models/.
+FAMILIES: dict[str, type] = {"gpt2": GPT2Config, "bert": BertConfig}
+_BUILTIN_CHOICES = [*FAMILIES, None]
+_ADDED: dict[str, type] = {}        # sections of families added with add_family_section
+
+
+def positions(section) -> int:
+    """The longest sequence a family's section covers."""
+    return getattr(section, section.POSITIONS)
+
+
+def add_family_section(name: str, section: type) -> None:
+    """Make ``model.builtin: <name>`` valid, with ``section`` (a dataclass: ``vocab_size``,
+    ``POSITIONS``, ``problems()``, ``CONFIG_JSON_SHAPE``) as ``model.<name>``."""
+    if FAMILIES.get(name, section) is not section:
+        raise ValueError(f"model.{name}: a section of another class exists already")
+    if name not in FAMILIES:
+        FAMILIES[name] = _ADDED[name] = section
+        _BUILTIN_CHOICES.insert(len(_BUILTIN_CHOICES) - 1, name)
+
+
 @dataclass
 class ModelConfig:
-    builtin: Optional[str] = opt("gpt2", choices=["gpt2", "bert", None])
+    builtin: Optional[str] = opt("gpt2", choices=_BUILTIN_CHOICES)
     """Built-in model to build (null when `onnx` names a forward graph)."""
     gpt2: GPT2Config = opt(factory=GPT2Config)
     """Shape of the built-in GPT-2."""
@@ -147,6 +192,15 @@ class ModelConfig:
     """Start the built-in model from these weights: a transformers save_pretrained directory (config.json +
     model.safetensors; its shape fields must match model.<builtin>, or fill it when the config gives no
     such section), a .safetensors file, or a trainrun run/checkpoint directory (weights only)."""
+
+    def __post_init__(self):
+        for name, section in _ADDED.items():     # an added family's section (not a dataclass field)
+            if not isinstance(getattr(self, name, None), section):
+                setattr(self, name, section())
+
+    def family_section(self):
+        """The section of ``builtin`` (None for a user's model.onnx)."""
+        return getattr(self, self.builtin) if self.builtin else None
 
 
 @dataclass
@@ -521,8 +575,12 @@ def _build(cls, data: dict, prefix: str, problems: _Problems):
     hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
+    added = {}
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else str(key)
+        if cls is ModelConfig and key in _ADDED:
+            added[key] = _coerce(value, _ADDED[key], path, problems)
+            continue
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
@@ -536,7 +594,10 @@ def _build(cls, data: dict, prefix: str, problems: _Problems):
         elif len(problems) == before:
             _check_constraints(fields[key], v, path, problems)
             kwargs[key] = v
-    return cls(**kwargs)
+    out = cls(**kwargs)
+    for key, section in added.items():
+        setattr(out, key, section)
+    return out
 
 
 # --------------------------------------------------------------------------- cross-field checks
@@ -544,17 +605,17 @@ def _build(cls, data: dict, prefix: str, problems: _Problems):
 def _semantic_checks(cfg: Config, problems: _Problems, base_dir: str, need_data: bool) -> None:
     m = cfg.model
     if m.builtin is None and m.onnx is None:
-        problems.add("model", "set either model.builtin (gpt2, bert) or model.onnx (a forward graph)")
+        problems.add("model", f"set either model.builtin ({', '.join(FAMILIES)}) or model.onnx (a forward graph)")
     if m.builtin is not None and m.onnx is not None:
         problems.add("model", "model.builtin and model.onnx are exclusive; set model.builtin: null "
                      "to train model.onnx")
-    if m.builtin == "gpt2":
-        g = m.gpt2
-        if g.n_head and g.n_embd % g.n_head:
-            problems.add("model.gpt2.n_head", f"must divide n_embd ({g.n_embd}), got {g.n_head}")
-        if cfg.data.seq_len > g.n_positions:
+    section = m.family_section() if m.builtin in FAMILIES else None
+    if section is not None:
+        for key, problem in section.problems():
+            problems.add(f"model.{m.builtin}.{key}", problem)
+        if cfg.data.seq_len > positions(section):
             problems.add("data.seq_len", f"{cfg.data.seq_len} is longer than the model's positions "
-                         f"(model.gpt2.n_positions = {g.n_positions})")
+                         f"(model.{m.builtin}.{section.POSITIONS} = {positions(section)})")
     loss = m.loss
     if loss.output is not None and m.builtin is not None:
         problems.add("model.loss.output", f"the built-in {m.builtin} has no loss output; only for model.onnx")
@@ -562,16 +623,9 @@ def _semantic_checks(cfg: Config, problems: _Problems, base_dir: str, need_data:
         problems.add("model.loss.type", f"the built-in {m.builtin} trains with cross_entropy over its last axis")
     if loss.weights and loss.type != "cross_entropy":
         problems.add("model.loss.weights", f"class weights need type cross_entropy, not {loss.type}")
-    if m.builtin == "bert":
-        b = m.bert
-        if b.num_attention_heads and b.hidden_size % b.num_attention_heads:
-            problems.add("model.bert.num_attention_heads",
-                         f"must divide hidden_size ({b.hidden_size}), got {b.num_attention_heads}")
-        if cfg.data.seq_len > b.max_position_embeddings:
-            problems.add("data.seq_len", f"{cfg.data.seq_len} is longer than the model's positions "
-                         f"(model.bert.max_position_embeddings = {b.max_position_embeddings})")
     if m.init_from and m.builtin is None:
-        problems.add("model.init_from", "starts a built-in model (gpt2, bert); a model.onnx holds its own weights")
+        problems.add("model.init_from", f"starts a built-in model ({', '.join(FAMILIES)}); a model.onnx holds its "
+                     f"own weights")
     o = cfg.optimizer
     if len(o.betas) != 2:
         problems.add("optimizer.betas", f"expected two values [beta1, beta2], got {o.betas}")
@@ -605,8 +659,6 @@ def _semantic_checks(cfg: Config, problems: _Problems, base_dir: str, need_data:
         problems.add("device", problem)
     if cfg.device == "cuda" and cfg.engine.optimizer_kernel == "host":
         problems.add("engine.optimizer_kernel", "host runs on the CPU; with device: cuda use graph or auto")
-    if cfg.train.sample_every and cfg.model.builtin != "gpt2":
-        problems.add("train.sample_every", "samples need model.builtin gpt2")
     if need_data and cfg.train.early_stopping.patience and not cfg.data.eval:
         problems.add("train.early_stopping.patience", "stops on eval loss: needs data.eval")
     if need_data and cfg.checkpoint.keep_best and not cfg.data.eval:
@@ -667,18 +719,11 @@ def resolve_path(value: str, base_dir: str) -> str:
     return value if os.path.isabs(value) else os.path.normpath(os.path.join(base_dir, value))
 
 
-# the fields of a transformers config.json that fix a built-in model's shape (same names in model.<builtin>)
-SHAPE_FIELDS = {"gpt2": ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size", "layer_norm_epsilon"),
-                "bert": ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                         "intermediate_size", "max_position_embeddings", "type_vocab_size", "hidden_act",
-                         "layer_norm_eps")}
-
-
 def _init_from_shape(cfg: Config, data: dict, base_dir: str, problems: _Problems) -> None:
     """model.init_from's config.json against model.<builtin>: fill the section when the config gives
     none, else every shape field must agree."""
     m = cfg.model
-    if not m.init_from or m.builtin not in SHAPE_FIELDS:
+    if not m.init_from or m.builtin not in FAMILIES:
         return
     file = os.path.join(resolve_path(m.init_from, base_dir), "config.json")
     if not os.path.isfile(file):
@@ -691,9 +736,9 @@ def _init_from_shape(cfg: Config, data: dict, base_dir: str, problems: _Problems
     except (OSError, ValueError, AssertionError) as exc:
         problems.add("model.init_from", f"{file}: not a JSON object ({exc})")
         return
-    section = getattr(m, m.builtin)
+    section = m.family_section()
     given = isinstance(data.get("model"), dict) and data["model"].get(m.builtin) is not None
-    for key in SHAPE_FIELDS[m.builtin]:
+    for key in section.CONFIG_JSON_SHAPE:
         if key not in source:
             continue
         if not given:
@@ -807,7 +852,11 @@ def get(obj, dotted: str):
 
 
 def to_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)
+    out = dataclasses.asdict(cfg)
+    model, d = (cfg.model, out["model"]) if isinstance(cfg, Config) else (cfg, out)
+    if isinstance(model, ModelConfig):     # the sections of added families
+        d.update({name: dataclasses.asdict(getattr(model, name)) for name in _ADDED})
+    return out
 
 
 def to_yaml(cfg, *, comments: bool = False) -> str:

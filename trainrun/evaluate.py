@@ -32,6 +32,7 @@ from .data import eval_batches, open_dataset
 from .engine import check_inputs
 from .errors import TrainrunError, UsageError
 from .export import checkpoint_weights
+from .models import registry
 from .sessions import session_options
 
 
@@ -56,9 +57,7 @@ def run_evaluate(source: str, data: str, *, steps: int | None, batch: int | None
                              f"{comm.world_size} ranks")
         micro = per_step // comm.world_size
         manifest = load_manifest(os.path.join(run_dir, "graphs"))
-        g, b = cfg.model.gpt2, cfg.model.bert
-        vocab, positions = {"gpt2": (g.vocab_size, g.n_positions),
-                            "bert": (b.vocab_size, b.max_position_embeddings)}.get(cfg.model.builtin, (None, None))
+        vocab, positions = registry.vocab_and_positions(cfg.model)
         ds = open_dataset(data, cfg.data.seq_len, vocab_size=vocab, n_positions=positions)
         feeds = feeding.feeds(manifest, cfg.data.inputs, ds.specs)
         missing = [f"graph input '{i}' <- feature '{f}'" for i, f in feeds.items() if f not in ds.specs]

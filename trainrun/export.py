@@ -2,8 +2,8 @@
 
 The inference model (:func:`inference_model`: the model's inputs only, its logits
 only, dropout off, no training ops) gets the checkpoint's parameters as
-initializers: the run's ``graphs/forward.onnx``; for BERT its inference graph
-(masked positions optional); for a graph with its own loss that graph without the
+initializers: the run's ``graphs/forward.onnx``, or the inference graph its model family builds
+(a BERT's: masked positions optional); for a graph with its own loss that graph without the
 loss, its metrics and the inputs only they read. With ``--with-loss`` the eval
 graph is used instead (loss and logits; takes labels). The result is checked
 against the eval graph on a sample batch and the max difference of its outputs
@@ -30,13 +30,12 @@ from .graphs.gradients import add_outputs, keep_outputs, reads
 from .graphs.manifest import load_manifest
 from .graphs.names import METRIC_PREFIX
 from .graphs.onnx_edit import IR_VERSION
-from . import pretrained, rundir
+from . import config as C
+from . import rundir
 from . import tokenizer as T
-from .config import BertConfig, GPT2Config
 from .errors import TrainrunError, UsageError
 from .flat import FlatLayout
-from .models.bert import sample_inputs
-from .models.gpt2 import build_gpt2
+from .models import registry
 from .sessions import session_options
 
 _EXTERNAL_DATA_BYTES = 1_800_000_000   # protobuf's 2 GB limit: larger models keep weights beside the .onnx
@@ -179,10 +178,11 @@ def save_with_weights(model: onnx.ModelProto, path: str, weights: list[Weight]) 
 def sample_batch(graphs_dir: str, manifest: dict, rng_seed: int = 0) -> dict[str, np.ndarray]:
     """A small random batch for the data inputs and the labels of the eval graph (ids below the vocab)."""
     model = onnx.load(os.path.join(graphs_dir, "eval.onnx"), load_external_data=False)
-    if manifest["model"].get("builtin") == "bert":      # positions, types and labels have their own ranges
-        return sample_inputs(BertConfig(**manifest["model"]["bert"]), 4, 16, 3, np.random.default_rng(rng_seed))
-    vocab = manifest["model"]["gpt2"]["vocab_size"] if manifest["model"].get("builtin") == "gpt2" else 2
+    family = registry.of_manifest(manifest)
     rng = np.random.default_rng(rng_seed)
+    if family is not None and family.sample_batch is not None:     # inputs with ranges of their own
+        return family.sample_batch(family.shape_of(manifest), rng)
+    vocab = family.shape_of(manifest).vocab_size if family is not None else 2
     batch = {}
     for i in model.graph.input:
         if i.name not in manifest["inputs"] and i.name != manifest["labels"]:
@@ -209,25 +209,23 @@ def checkpoint_weights(ckpt: str, manifest: dict) -> dict[str, np.ndarray]:
 
 
 def kv_cache_model(manifest: dict, weights, where: str):
-    """The GPT-2 inference graph with the attention cache (dropout off) holding ``weights()``."""
-    if manifest["model"].get("builtin") != "gpt2":
-        raise UsageError(f"{where}: the attention-cache graph is built for model.builtin gpt2 only "
-                         f"(this run: {manifest['model'].get('builtin') or 'a user graph'}); "
-                         f"export it and pass the .onnx file")
-    cfg = dataclasses.replace(GPT2Config(**manifest["model"]["gpt2"]), dropout=0.0)
-    return build_gpt2(cfg, weights(), kv_cache=True)
+    """The model family's inference graph with the attention cache (dropout off) holding ``weights()``."""
+    family = registry.of_manifest(manifest)
+    if family is None or family.kv_cache is None:
+        raise UsageError(f"{where}: the attention-cache graph is built for model.builtin "
+                         f"{' or '.join(registry.generating())} only (this run: "
+                         f"{manifest['model'].get('builtin') or 'a user graph'}); export it and pass the .onnx file")
+    return family.kv_cache(family.without_dropout(family.shape_of(manifest)), weights())
 
 
 def inference_model(graphs_dir: str, manifest: dict, where: str) -> onnx.ModelProto:
-    """The model's inputs only and its logits only (the weights follow): ``forward.onnx``; BERT's inference
-    graph (``masked_lm_positions`` optional: without them, the MLM logits at every position); a graph with
-    its own loss (``model.loss.output``) without that loss, its metrics and the inputs only they read."""
-    if manifest["model"].get("builtin") == "bert":
-        from .config import BertConfig
-        from .models.bert import build_bert
-        cfg = dataclasses.replace(BertConfig(**manifest["model"]["bert"]), hidden_dropout_prob=0.0,
-                                  attention_probs_dropout_prob=0.0)
-        return build_bert(cfg, {}, inference=True)
+    """The model's inputs only and its logits only (the weights follow): ``forward.onnx``; the inference
+    graph of a model family that builds one (BERT's: ``masked_lm_positions`` optional, without them the
+    MLM logits at every position); a graph with its own loss (``model.loss.output``) without that loss,
+    its metrics and the inputs only they read."""
+    family = registry.of_manifest(manifest)
+    if family is not None and family.inference is not None:
+        return family.inference(family.without_dropout(family.shape_of(manifest)))
     model = onnx.load(os.path.join(graphs_dir, "forward.onnx"))
     loss = manifest.get("loss_output")
     if not loss:
@@ -317,41 +315,22 @@ def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None,
     return diff
 
 
-# --format transformers: what save_pretrained writes, from the run's values
-ARCHITECTURE = {"gpt2": "GPT2LMHeadModel", "bert": "BertForPreTraining"}
-BERT_SPECIAL = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
-                "mask_token": "[MASK]"}
-
-
-def _hf_config(family: str, shape: dict, eos_id: int | None) -> tuple[dict, dict]:
-    """(config.json, generation_config.json) of the family's transformers config with the run's values."""
-    if family == "gpt2":
-        config = {"n_layer": shape["n_layer"], "n_head": shape["n_head"], "n_embd": shape["n_embd"],
-                  "n_positions": shape["n_positions"], "vocab_size": shape["vocab_size"], "n_inner": None,
-                  "activation_function": "gelu_new", "layer_norm_epsilon": shape["layer_norm_epsilon"],
-                  "resid_pdrop": shape["dropout"], "embd_pdrop": shape["dropout"], "attn_pdrop": shape["dropout"],
-                  "initializer_range": shape["initializer_range"], "tie_word_embeddings": True}
-        ids = {"bos_token_id": eos_id, "eos_token_id": eos_id} if eos_id is not None else {}
-    else:
-        config = {**shape, "pad_token_id": 0, "tie_word_embeddings": True}
-        ids = {"pad_token_id": 0}
-    config = {"architectures": [ARCHITECTURE[family]], "model_type": family, **config, **ids,
-              "torch_dtype": "float32"}
-    return config, {**ids, "_from_model_config": True}
-
-
-def _hf_tokenizer_files(family: str, text, max_length: int) -> dict[str, dict]:
-    """tokenizer_config.json and special_tokens_map.json for the run's tokenizer.json."""
-    if family == "bert":
-        special = dict(BERT_SPECIAL)
-    else:
+def _hf_files(family, section, text, eos_id: int | None) -> dict[str, dict]:
+    """config.json and generation_config.json with the run's values; with a tokenizer (``text``),
+    tokenizer_config.json and special_tokens_map.json for the run's tokenizer.json."""
+    hf = family.transformers
+    config, ids = hf.config(section, eos_id)
+    files = {"config.json": {"architectures": [hf.architecture], "model_type": hf.model_type, **config, **ids,
+                             "torch_dtype": "float32"},
+             "generation_config.json": {**ids, "_from_model_config": True}}
+    if text is not None and text.tokenizer is not None:
         eos = text.tokenizer.id_to_token(text.eos_id) if text.eos_id is not None else None
-        special = {"bos_token": eos, "eos_token": eos, "unk_token": eos} if eos else {}
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
-              "clean_up_tokenization_spaces": False, **special}
-    if family == "bert":          # the segment ids of a pair, as BertForPreTraining was trained on them
-        config["model_input_names"] = ["input_ids", "token_type_ids", "attention_mask"]
-    return {"tokenizer_config.json": config, "special_tokens_map.json": special}
+        special, more = hf.tokenizer(eos)
+        files["tokenizer_config.json"] = {"tokenizer_class": "PreTrainedTokenizerFast",
+                                          "model_max_length": C.positions(section),
+                                          "clean_up_tokenization_spaces": False, **special, **more}
+        files["special_tokens_map.json"] = special
+    return files
 
 
 def export_transformers(checkpoint: str, output: str, *, tokenizer: str | None = None, echo=print) -> str:
@@ -361,14 +340,15 @@ def export_transformers(checkpoint: str, output: str, *, tokenizer: str | None =
     ckpt = rundir.resolve_checkpoint(checkpoint)
     run_dir = rundir.run_dir_of(ckpt)
     manifest = load_manifest(os.path.join(run_dir, "graphs"))
-    family = manifest["model"].get("builtin")
-    if family not in ARCHITECTURE:
-        raise UsageError(f"--format transformers: {ckpt} is not a built-in gpt2 or bert model "
-                         f"(a user graph has no transformers class; export it as onnx)")
+    family = registry.of_manifest(manifest)
+    if family is None or family.transformers is None:
+        raise UsageError(f"--format transformers: {ckpt} is "
+                         + (f"a {family.name} model, a family with no transformers class" if family else
+                            "a user graph, which has no transformers class") + "; export it as onnx")
     if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
         raise UsageError(f"--output {output} already exists and is not an empty directory")
     weights = checkpoint_weights(ckpt, manifest)
-    for tied, source in pretrained.TIED[family].items():       # as GPT2LMHeadModel/BertForPreTraining hold them
+    for tied, source in family.transformers.tied.items():       # as the transformers class holds them
         weights[tied] = weights[source]
     try:
         text = T.for_run(run_dir, tokenizer)
@@ -377,19 +357,14 @@ def export_transformers(checkpoint: str, output: str, *, tokenizer: str | None =
         echo(f"note: no tokenizer files written: {exc.message}")
     if text is not None and text.tokenizer is None:
         echo("note: no tokenizer files written: the run's data are raw bytes (no tokenizer.json)")
-    shape = manifest["model"][family]
-    eos_id = text.eos_id if text is not None else None
-    config, generation = _hf_config(family, shape, eos_id)
+    files = _hf_files(family, family.shape_of(manifest), text, text.eos_id if text is not None else None)
     parent = os.path.dirname(os.path.abspath(output))
     os.makedirs(parent, exist_ok=True)
     stage = tempfile.mkdtemp(prefix=".export-", dir=parent)
     try:
         save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, os.path.join(stage, "model.safetensors"),
                   metadata={"format": "pt"})
-        files = {"config.json": config, "generation_config.json": generation}
         if text is not None and text.tokenizer is not None:
-            max_length = shape["n_positions"] if family == "gpt2" else shape["max_position_embeddings"]
-            files.update(_hf_tokenizer_files(family, text, max_length))
             shutil.copyfile(text.path, os.path.join(stage, "tokenizer.json"))
         for name, obj in files.items():
             with open(os.path.join(stage, name), "w") as fh:
@@ -401,5 +376,5 @@ def export_transformers(checkpoint: str, output: str, *, tokenizer: str | None =
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-    echo(f"exported {output} ({ARCHITECTURE[family]}, {', '.join(sorted(os.listdir(output)))}) from {ckpt}")
+    echo(f"exported {output} ({family.transformers.architecture}, {', '.join(sorted(os.listdir(output)))}) from {ckpt}")
     return output

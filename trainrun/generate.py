@@ -1,8 +1,8 @@
-"""``trainrun generate``: text from a GPT-2 with plain onnxruntime, one new token per pass.
+"""``trainrun generate``: text from a language model (a model family with an attention-cache graph,
+:attr:`~trainrun.models.registry.Family.kv_cache`: GPT-2) with plain onnxruntime, one new token per pass.
 
 The source is an exported model.onnx, a checkpoint or a run directory (its latest committed
-checkpoint). From a checkpoint the attention-cache graph (``models.gpt2.build_gpt2(kv_cache=True)``)
-is built in memory: the prompt is one full pass, each new token a pass over one position that
+checkpoint). From a checkpoint the attention-cache graph is built in memory: the prompt is one full pass, each new token a pass over one position that
 reads the keys and values of the earlier ones (``past.*``) and returns them extended (``present.*``).
 An .onnx file written with ``export --kv-cache`` is used the same way; any other .onnx with an
 ``input_ids`` input and a ``logits`` output is run over the whole window for every token.
@@ -21,11 +21,13 @@ import onnx
 from onnx import TensorProto, helper
 
 from .graphs.manifest import load_manifest
+from . import config as C
 from . import rundir
 from . import tokenizer as T
 from .errors import UsageError
 from .export import checkpoint_weights, kv_cache_model
 from .flat import FlatLayout, to_host
+from .models import registry
 from .sessions import session_options
 
 
@@ -124,7 +126,7 @@ def load_source(source: str, threads: int = 0) -> tuple[Decoder, str]:
         if why:
             raise UsageError(f"{source}: not an ONNX model ({why}); SOURCE is an exported model.onnx, "
                              f"a checkpoint directory or a run directory (its latest checkpoint)")
-        wpe = [i for i in model.graph.initializer if i.name == "transformer.wpe.weight"]
+        wpe = [i for i in model.graph.initializer if i.name in registry.positions_tensors()]
         n_positions = wpe[0].dims[0] if wpe else 1 << 30
         del model
         sess = ort.InferenceSession(source, session_options(threads), providers=["CPUExecutionProvider"])
@@ -134,7 +136,7 @@ def load_source(source: str, threads: int = 0) -> tuple[Decoder, str]:
     run_dir = rundir.run_dir_of(ckpt)
     manifest = load_manifest(os.path.join(run_dir, "graphs"))
     model = kv_cache_model(manifest, lambda: checkpoint_weights(ckpt, manifest), where=ckpt)
-    n_positions = next(i.dims[0] for i in model.graph.initializer if i.name == "transformer.wpe.weight")
+    n_positions = C.positions(registry.of_manifest(manifest).shape_of(manifest))
     sess = ort.InferenceSession(model.SerializeToString(), session_options(threads),
                                 providers=["CPUExecutionProvider"])
     return Decoder(sess, n_positions), run_dir
@@ -192,7 +194,7 @@ class TrainingSampler:
         self.layout = FlatLayout.from_manifest(manifest)
         model = kv_cache_model(manifest, lambda: {}, where="train.sample_every")
         model.graph.input.extend(onnx_inputs(self.layout))
-        n_positions = self.layout.shapes[self.layout.names.index("transformer.wpe.weight")][0]
+        n_positions = C.positions(registry.of_manifest(manifest).shape_of(manifest))
         self.session = ort.InferenceSession(model.SerializeToString(), session_options(threads),
                                             providers=["CPUExecutionProvider"])
         self.host = np.empty(self.layout.total, np.float32)

@@ -22,12 +22,15 @@ from . import config as C
 from . import data as D
 from . import pretrained
 from .errors import UsageError
+from .models import registry
 
 
 def check(cfg: C.Config, world_size: int = 1, datasets: bool = True):
     """Raise :class:`UsageError` listing every problem; return the opened (train, eval) datasets (None
     where not given, or ``datasets`` False), each checked against ``world_size`` ranks' batches."""
     problems: list[str] = []
+    if cfg.train.sample_every and (cfg.model.builtin is None or registry.of(cfg.model).kv_cache is None):
+        problems.append(f"train.sample_every: samples need model.builtin {' or '.join(registry.generating())}")
     specs = param_specs(cfg.model)
     if specs is not None:
         shapes = {name: shape for name, (shape, _) in specs.items()}
@@ -43,20 +46,13 @@ def check(cfg: C.Config, world_size: int = 1, datasets: bool = True):
 
 def param_specs(m: C.ModelConfig) -> dict | None:
     """The built-in model's {parameter: (shape, initialisation)}; None for a model.onnx."""
-    if m.builtin == "gpt2":
-        from .models.gpt2 import param_specs as specs
-        return specs(m.gpt2)
-    if m.builtin == "bert":
-        from .models.bert import param_specs as specs
-        return specs(m.bert)
-    return None
+    family = registry.of(m)
+    return family.param_specs(family.shape(m)) if family else None
 
 
 def _datasets(cfg: C.Config, world_size: int, problems: list[str]):
     d, t = cfg.data, cfg.train
-    g, b = cfg.model.gpt2, cfg.model.bert
-    vocab, positions = {"gpt2": (g.vocab_size, g.n_positions),
-                        "bert": (b.vocab_size, b.max_position_embeddings)}.get(cfg.model.builtin, (None, None))
+    vocab, positions = registry.vocab_and_positions(cfg.model)
     opened = {}
     for key, path in (("train", d.train), ("eval", d.eval)):
         if not path:

@@ -3,11 +3,10 @@
 Sources: a transformers ``save_pretrained`` directory (config.json + model.safetensors), a bare
 ``.safetensors`` file, or a trainrun run/checkpoint directory (its model.safetensors; weights only,
 the optimizer starts fresh). Tensor names are transformers': with or without the family's prefix
-(``transformer.`` for GPT-2's GPT2Model vs GPT2LMHeadModel, ``bert.`` for BertModel vs
-BertForPreTraining); the tied heads (``lm_head.weight``, ``cls.predictions.decoder.*``) are the
-embedding (and bias) they are tied to. Every shape is checked. Parameters a file does not hold keep
-their fresh initialisation only when they are heads the source model may lack (``cls.*`` of a
-BertModel); any other missing parameter is an error. Tensors of the file that are no parameter here
+(the base model's, e.g. GPT2Model's vs GPT2LMHeadModel's); the tied heads are the embedding (and bias)
+they are tied to (the family's :class:`~trainrun.models.registry.Transformers`). Every shape is checked.
+Parameters a file does not hold keep their fresh initialisation only when they are heads the source
+model may lack (the family's ``optional`` prefixes); any other missing parameter is an error. Tensors of the file that are no parameter here
 (buffers such as ``attn.bias`` or ``position_ids``) are ignored.
 
 The config side (config.json's shape fields against ``model.<family>``) is config._init_from_shape.
@@ -23,13 +22,11 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file
 
 from .errors import UsageError
+from .models import registry
 from .rundir import resolve_checkpoint
 
-PREFIX = {"gpt2": "transformer.", "bert": "bert."}
-TIED = {"gpt2": {"lm_head.weight": "transformer.wte.weight"},
-        "bert": {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
-                 "cls.predictions.decoder.bias": "cls.predictions.bias"}}
-OPTIONAL = {"gpt2": (), "bert": ("cls.",)}      # heads a base model's file does not hold
+
+
 def _safetensors_file(path: str) -> str:
     if os.path.isfile(path):
         return path
@@ -46,17 +43,18 @@ def _safetensors_file(path: str) -> str:
 def _fit(shapes: dict[str, tuple], tensors: dict[str, tuple], file: str, family: str) -> tuple[dict, list[str]]:
     """The file's tensors (name -> shape) that fill the model's parameters (name -> shape): ({our name:
     the file's name}, problems: a shape that differs, parameters the file holds no tensor for)."""
-    prefix = PREFIX[family]
+    hf = registry.get(family).transformers        # None: the names are the model's own
+    prefix, tied, optional = (hf.prefix, hf.tied, hf.optional) if hf else ("", {}, ())
     found: dict[str, str] = {}
     for name in tensors:
-        ours = TIED[family].get(name, name)
-        if ours not in shapes and prefix + ours in shapes:
+        ours = tied.get(name, name)
+        if prefix and ours not in shapes and prefix + ours in shapes:
             ours = prefix + ours
         if ours in shapes and (ours not in found or name == ours):   # the tensor itself wins over its tied twin
             found[ours] = name
     problems = [f"'{name}' is {list(tensors[name])} in {file}, the model's '{ours}' is {list(shapes[ours])}"
                 for ours, name in found.items() if tuple(tensors[name]) != tuple(shapes[ours])]
-    missing = [n for n in shapes if n not in found and not n.startswith(OPTIONAL[family])]
+    missing = [n for n in shapes if n not in found and not (optional and n.startswith(optional))]
     if missing:
         problems.append(f"{file} holds no tensor for {len(missing)} parameter(s) of the model: "
                         f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")

@@ -15,7 +15,7 @@ from onnx import TensorProto
 from ..config import Config
 from ..data import outside
 from ..errors import UsageError
-from ..models import bert, gpt2
+from ..models import registry
 from ..pretrained import load_into
 from .onnx_edit import value_dims
 
@@ -36,20 +36,14 @@ class Forward:
 
 def forward_from_config(cfg: Config) -> Forward:
     m = cfg.model
-    if m.builtin == "gpt2":
-        weights = _pretrained(gpt2.init_weights(m.gpt2, cfg.run.seed), m)
-        model = gpt2.build_gpt2(m.gpt2, weights)
-        inputs = ["input_ids"]
-        return Forward(model=model, params=_trainable(list(weights), m.frozen, "gpt2"), inputs=inputs,
-                       logits="logits", labels=m.loss.labels)
-    if m.builtin == "bert":
-        weights = _pretrained(bert.init_weights(m.bert, cfg.run.seed), m)
-        return Forward(model=bert.build_bert(m.bert, weights), params=_trainable(list(weights), m.frozen, "bert"),
-                       inputs=list(bert.INPUTS), logits=bert.LOGITS, labels=None, loss=bert.LOSS)
-    else:
-        model = _load_user_onnx(m.onnx)
-        inputs = list(m.inputs)
-    return _check_forward(model, inputs, m.loss, m.frozen, source=m.onnx or "gpt2")
+    family = registry.of(m)
+    if family is None:
+        return _check_forward(_load_user_onnx(m.onnx), list(m.inputs), m.loss, m.frozen, source=m.onnx)
+    section = family.shape(m)
+    weights = _pretrained(family.init_weights(section, cfg.run.seed), m)
+    return Forward(model=family.build(section, weights), params=_trainable(list(weights), m.frozen, family.name),
+                   inputs=list(family.inputs), logits=family.logits,
+                   labels=None if family.loss else m.loss.labels, loss=family.loss)
 
 
 def _load_user_onnx(path: str) -> onnx.ModelProto:

@@ -14,6 +14,7 @@ from safetensors.numpy import save_file
 from .. import cuda_kernels
 from ..config import Config, to_dict
 from ..errors import UsageError
+from ..models import registry
 from ..optim import build_optimizer_graph
 from ..rundir import sha256_file
 from .casts import cast_pass, restore_fp32, scale_loss
@@ -92,7 +93,8 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
     loss_model, dropout = dropout_masks(loss_model, fwd.inputs, source)
     loss_model = scale_loss(cast_pass(loss_model, build["precision"]), build["precision"])
     if static:   # the train graph for the micro-batch's shape; eval and forward (export) stay symbolic
-        fix_dims(loss_model, fwd.inputs, static[0], static[1] if cfg.model.builtin == "gpt2" else None)
+        family = registry.of(cfg.model)
+        fix_dims(loss_model, fwd.inputs, static[0], static[1] if family and family.sequence_inputs else None)
     classes = num_classes(fwd) if fwd.loss is None and fwd.loss_type == "cross_entropy" else None
     # the built-in models' losses are over vocabularies; a user model's when its classes are that many
     split = split_cross_entropy if cfg.model.builtin or (classes or 0) >= SPLIT_MIN_CLASSES else (lambda m: m)

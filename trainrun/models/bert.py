@@ -36,13 +36,15 @@ returns them); outputs ``prediction_logits`` and ``seq_relationship_logits`` onl
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 from ..config import BertConfig
-from .gpt2 import IR_VERSION, MASK_VALUE, OPSET, _Graph
+from .onnx_builder import MASK_VALUE, Graph
+from .registry import Family, Transformers, register
 
 INPUTS = ["input_ids", "segment_ids", "input_mask", "masked_lm_positions", "masked_lm_ids",
           "next_sentence_labels"]
@@ -110,7 +112,7 @@ def build_bert(cfg: BertConfig, weights: dict[str, np.ndarray], inference: bool 
     """
     E, H = cfg.hidden_size, cfg.num_attention_heads
     D = E // H
-    g = _Graph()
+    g = Graph()
     for name, value in weights.items():
         g.const(name, value)
     g.const("c_zero1", np.array([0], np.int64))
@@ -223,7 +225,7 @@ def build_bert(cfg: BertConfig, weights: dict[str, np.ndarray], inference: bool 
     if inference:
         nsp_head()
         g.inits.append(numpy_helper.from_array(np.zeros((1, 0), np.int64), "masked_lm_positions"))   # none
-        return _model(g, graph_inputs, logits_outputs)
+        return g.model("bert", graph_inputs, logits_outputs)
 
     mlm_loss = g.op("SoftmaxCrossEntropyLoss", [logits2d, labels], reduction="mean", ignore_index=IGNORE_ID)
     nsp_head()
@@ -251,20 +253,13 @@ def build_bert(cfg: BertConfig, weights: dict[str, np.ndarray], inference: bool 
     scalar = [helper.make_tensor_value_info(n, TensorProto.FLOAT, []) for n in
               [LOSS] + [f"metric/{m}/{k}" for m in ("mlm_accuracy", "nsp_accuracy", "mlm_loss", "nsp_loss")
                         for k in ("sum", "count")]]
-    return _model(g, graph_inputs, scalar + logits_outputs)
+    return g.model("bert", graph_inputs, scalar + logits_outputs)
 
 
 def _branch(name: str, nodes: list):
     """A branch of the MLM head's If: its last node's output, [batch, positions, hidden]."""
     out = helper.make_tensor_value_info(nodes[-1].output[0], TensorProto.FLOAT, ["batch", name, None])
     return helper.make_graph(nodes, name, [], [out])
-
-
-def _model(g: _Graph, inputs: list, outputs: list):
-    graph = helper.make_graph(g.nodes, "bert", inputs=inputs, outputs=outputs, initializer=g.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="trainrun")
-    model.ir_version = IR_VERSION
-    return model
 
 
 def param_count(cfg: BertConfig) -> int:
@@ -292,3 +287,28 @@ def sample_inputs(cfg: BertConfig, batch: int, seq: int, predictions: int, rng) 
         out["masked_lm_positions"][b][~keep] = 0
         out["masked_lm_ids"][b][~keep] = IGNORE_ID
     return {k: v.astype(np.int64) for k, v in out.items()}
+
+
+BERT_SPECIAL = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
+                "mask_token": "[MASK]"}
+
+
+def _transformers_config(cfg: BertConfig, eos_id: int | None) -> tuple[dict, dict]:
+    """(config.json's values: the section's, which are transformers' names, the token ids config.json and
+    generation_config.json both hold)."""
+    return {**dataclasses.asdict(cfg), "pad_token_id": 0, "tie_word_embeddings": True}, {"pad_token_id": 0}
+
+
+def _transformers_tokenizer(eos: str | None) -> tuple[dict, dict]:
+    """(WordPiece's special tokens; the segment ids of a pair, as BertForPreTraining was trained on them)."""
+    return dict(BERT_SPECIAL), {"model_input_names": ["input_ids", "token_type_ids", "attention_mask"]}
+
+
+FAMILY = register(Family(
+    name="bert", section=BertConfig, build=build_bert, init_weights=init_weights, param_specs=param_specs,
+    inputs=tuple(INPUTS), logits=LOGITS, loss=LOSS, sequence_inputs=False,
+    sample_batch=lambda cfg, rng: sample_inputs(cfg, 4, 16, 3, rng),
+    inference=lambda cfg: build_bert(cfg, {}, inference=True),
+    dropout_fields=("hidden_dropout_prob", "attention_probs_dropout_prob"),
+    transformers=Transformers(architecture="BertForPreTraining", model_type="bert", prefix="bert.", tied=TIED,
+                              optional=("cls.",), config=_transformers_config, tokenizer=_transformers_tokenizer)))

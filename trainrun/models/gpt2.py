@@ -13,34 +13,11 @@ import math
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from ..config import GPT2Config
-
-OPSET = 17
-IR_VERSION = 9
-MASK_VALUE = -1e9
-
-
-class _Graph:
-    """A minimal node emitter: unique names, initializers, nodes."""
-
-    def __init__(self):
-        self.nodes: list[onnx.NodeProto] = []
-        self.inits: list[onnx.TensorProto] = []
-        self._n = 0
-
-    def const(self, name: str, value) -> str:
-        self.inits.append(numpy_helper.from_array(np.asarray(value), name))
-        return name
-
-    def op(self, op_type: str, inputs: list[str], n_out: int = 1, domain: str = "", **attrs):
-        self._n += 1
-        base = f"{op_type}_{self._n}"
-        outs = [f"{base}_out{i}" if n_out > 1 else base for i in range(n_out)]
-        self.nodes.append(helper.make_node(op_type, inputs, outs, name=base, domain=domain, **attrs))
-        return outs if n_out > 1 else outs[0]
-
+from .onnx_builder import MASK_VALUE, Graph
+from .registry import Family, Transformers, register
 
 def param_specs(cfg: GPT2Config) -> dict[str, tuple[tuple[int, ...], str]]:
     """Every parameter's shape and initialisation (``normal``, ``proj``: the residual projections'
@@ -91,7 +68,7 @@ def build_gpt2(cfg: GPT2Config, weights: dict[str, np.ndarray], kv_cache: bool =
     """
     E, H = cfg.n_embd, cfg.n_head
     D = E // H
-    g = _Graph()
+    g = Graph()
     for name, value in weights.items():
         g.const(name, value)
 
@@ -185,11 +162,7 @@ def build_gpt2(cfg: GPT2Config, weights: dict[str, np.ndarray], kv_cache: bool =
                                                         ["batch", H, "past", D]))
             outputs.append(helper.make_tensor_value_info(f"present.{i}.{name}", TensorProto.FLOAT,
                                                          ["batch", H, "past_seq", D]))
-    graph = helper.make_graph(g.nodes, "gpt2", inputs=inputs, outputs=outputs, initializer=g.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
-                              producer_name="trainrun")
-    model.ir_version = IR_VERSION
-    return model
+    return g.model("gpt2", inputs, outputs)
 
 
 def param_count(cfg: GPT2Config) -> int:
@@ -197,3 +170,27 @@ def param_count(cfg: GPT2Config) -> int:
     E, L = cfg.n_embd, cfg.n_layer
     per_layer = 12 * E * E + 13 * E
     return (cfg.vocab_size + cfg.n_positions) * E + L * per_layer + 2 * E
+
+
+def _transformers_config(cfg: GPT2Config, eos_id: int | None) -> tuple[dict, dict]:
+    """(config.json's values, the token ids config.json and generation_config.json both hold)."""
+    config = {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd, "n_positions": cfg.n_positions,
+              "vocab_size": cfg.vocab_size, "n_inner": None, "activation_function": "gelu_new",
+              "layer_norm_epsilon": cfg.layer_norm_epsilon, "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout,
+              "attn_pdrop": cfg.dropout, "initializer_range": cfg.initializer_range, "tie_word_embeddings": True}
+    return config, ({"bos_token_id": eos_id, "eos_token_id": eos_id} if eos_id is not None else {})
+
+
+def _transformers_tokenizer(eos: str | None) -> tuple[dict, dict]:
+    """(special tokens: the end-of-document token for all three, more tokenizer_config.json keys)."""
+    return ({"bos_token": eos, "eos_token": eos, "unk_token": eos} if eos else {}), {}
+
+
+FAMILY = register(Family(
+    name="gpt2", section=GPT2Config, build=build_gpt2, init_weights=init_weights, param_specs=param_specs,
+    inputs=("input_ids",), logits="logits", sequence_inputs=True,
+    kv_cache=lambda cfg, weights: build_gpt2(cfg, weights, kv_cache=True),
+    positions_tensor="transformer.wpe.weight", dropout_fields=("dropout",),
+    transformers=Transformers(architecture="GPT2LMHeadModel", model_type="gpt2", prefix="transformer.",
+                              tied={"lm_head.weight": "transformer.wte.weight"},
+                              config=_transformers_config, tokenizer=_transformers_tokenizer)))

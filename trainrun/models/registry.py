@@ -1,0 +1,149 @@
+"""Model families: everything trainrun knows of a built-in model, one :class:`Family` per family, so that
+no other module names one. A family's module (``models/<family>.py``) builds its :class:`Family` and
+calls :func:`register`; the rest of trainrun asks the registry: ``prepare`` for the forward graph and
+the initial weights (:func:`of`), ``preflight`` / ``evaluate`` for the shapes the data must fit
+(:func:`vocab_and_positions`), ``model.init_from`` and ``export --format transformers`` for the
+transformers names (:class:`Transformers`), ``export`` and ``generate`` for the graphs they build
+from a run's manifest (:func:`of_manifest`).
+
+The family's YAML section (``model.<name>``) is a dataclass: the built-in ones are part of the
+schema in :mod:`trainrun.config` (which imports nothing of trainrun, so that the schema, ``config
+show`` and the generated reference load no ONNX); a family defined elsewhere (a test's, a plug-in's)
+passes its own dataclass to :func:`register`, which adds it to the schema
+(:func:`trainrun.config.add_family_section`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from .. import config as C
+from ..errors import UsageError
+
+
+@dataclass(frozen=True)
+class Transformers:
+    """A family's transformers counterpart: what ``model.init_from`` reads and ``export --format
+    transformers`` writes."""
+    architecture: str
+    """config.json's ``architectures[0]``: the class ``from_pretrained`` builds."""
+    model_type: str
+    """config.json's ``model_type``."""
+    prefix: str
+    """The base model's prefix of the tensor names (a file of the base model holds them without it)."""
+    tied: dict[str, str]
+    """{head tensor: the parameter it is tied to}: written as a copy, read as the parameter."""
+    optional: tuple[str, ...] = ()
+    """Name prefixes of heads a base model's file may lack (they keep their fresh initialisation)."""
+    config: Callable[[Any, Optional[int]], tuple[dict, dict]] = None
+    """(section, the tokenizer's end-of-document id or None) -> (config.json, generation_config.json)."""
+    tokenizer: Callable[[Optional[str]], tuple[dict, dict]] = None
+    """(the end-of-document token or None) -> (special_tokens_map.json, more tokenizer_config.json keys)."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family (``model.builtin: <name>``)."""
+    name: str
+    section: type
+    """The dataclass of its config section ``model.<name>``: its shape and defaults. It has a
+    ``vocab_size``, ``POSITIONS`` (the name of its field that is the longest sequence), its own checks in
+    ``problems()`` and ``CONFIG_JSON_SHAPE`` (the fields of a transformers config.json that fix it)."""
+    build: Callable[[Any, dict], Any]
+    """(section, weights) -> the training forward graph, the weights as initializers."""
+    init_weights: Callable[[Any, int], dict]
+    """(section, run.seed) -> {parameter: float32 array}, in the graph's order."""
+    param_specs: Callable[[Any], dict]
+    """(section) -> {parameter: (shape, initialisation)}: the model's size without allocating it."""
+    inputs: tuple[str, ...]
+    """The forward graph's data inputs."""
+    logits: str
+    """Its logits output."""
+    loss: Optional[str] = None
+    """An output that already is the scalar loss; None: cross-entropy of the logits (classes last)
+    against ``model.loss.labels``."""
+    sequence_inputs: bool = True
+    """Dim 1 of every data input is the sequence: ``engine.static_shapes`` fixes it to data.seq_len."""
+    sample_batch: Optional[Callable[[Any, Any], dict]] = None
+    """(section, numpy Generator) -> a valid batch of the eval graph's inputs (export's check); None:
+    each integer input drawn below the vocabulary."""
+    inference: Optional[Callable[[Any], Any]] = None
+    """(section) -> the inference graph export writes (dropout off, no weights: they follow), when
+    it is not the prepared forward graph."""
+    kv_cache: Optional[Callable[[Any, dict], Any]] = None
+    """(section, weights) -> the attention-cache graph of ``generate`` and ``train.sample_every``;
+    None: the family does not generate text."""
+    positions_tensor: Optional[str] = None
+    """The parameter whose first dim is the positions (generate's window in an exported model)."""
+    transformers: Optional[Transformers] = None
+    """Its transformers class; None: ``export --format transformers`` and ``model.init_from`` of a
+    transformers folder are refused for it."""
+    dropout_fields: tuple[str, ...] = ()
+    """The section's dropout probabilities (set to 0 for the inference and attention-cache graphs)."""
+
+    def shape(self, model: C.ModelConfig):
+        """This family's section of ``model`` (a ModelConfig)."""
+        return getattr(model, self.name)
+
+    def shape_of(self, manifest: dict):
+        """The section a run's graphs were prepared with, from its manifest."""
+        return self.section(**manifest["model"].get(self.name, {}))
+
+    def without_dropout(self, section):
+        return dataclasses.replace(section, **{f: 0.0 for f in self.dropout_fields})
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    """Add ``family`` (``model.builtin: <family.name>``, its section ``model.<family.name>``)."""
+    if family.name in _FAMILIES and _FAMILIES[family.name] is not family:
+        raise ValueError(f"model family {family.name!r} is registered already")
+    C.add_family_section(family.name, family.section)
+    _FAMILIES[family.name] = family
+    return family
+
+
+def names() -> list[str]:
+    return list(_FAMILIES)
+
+
+def get(name: str) -> Family:
+    try:
+        return _FAMILIES[name]
+    except KeyError:
+        raise UsageError(f"model.builtin: {name!r} is not a model family (families: "
+                         f"{', '.join(_FAMILIES)})") from None
+
+
+def of(model: C.ModelConfig) -> Family | None:
+    """The family of ``model.builtin``; None for a user's ``model.onnx``."""
+    return get(model.builtin) if model.builtin else None
+
+
+def of_manifest(manifest: dict) -> Family | None:
+    """The family a run's graphs were prepared from; None for a user's graph."""
+    name = manifest["model"].get("builtin")
+    return get(name) if name else None
+
+
+def vocab_and_positions(model: C.ModelConfig) -> tuple[int | None, int | None]:
+    """(vocabulary size, longest sequence) the data must fit; (None, None) for a user's graph."""
+    family = of(model)
+    if family is None:
+        return None, None
+    section = family.shape(model)
+    return section.vocab_size, C.positions(section)
+
+
+def positions_tensors() -> set[str]:
+    """The parameters whose first dim is a family's positions (an exported model's window)."""
+    return {f.positions_tensor for f in _FAMILIES.values() if f.positions_tensor}
+
+
+def generating() -> list[str]:
+    """The families that generate text (they have an attention-cache graph)."""
+    return [n for n, f in _FAMILIES.items() if f.kv_cache is not None]
