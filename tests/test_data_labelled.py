@@ -139,8 +139,12 @@ def test_regression_ids_and_label_names(tmp_path, tokenizer):
     m = _manifest(tmp_path / "ids" / "train")
     assert m["num_labels"] == 5 and m["id2label"]["4"] == "LABEL_4"
     assert [int(s["labels"]) for s in R.tensor_samples(str(tmp_path / "ids" / "train"))] == [i % 4 + 1 for i in range(12)]
-    _labelled([tmp_path / "i.jsonl"], tmp_path / "ids-reg", tokenizer, *one, "--label-field", "stars", "--regression")
-    assert _manifest(tmp_path / "ids-reg" / "train")["num_labels"] == 1
+    proc = _labelled([tmp_path / "i.jsonl"], tmp_path / "ids", tokenizer, *one, "--label-field", "stars", "--regression",
+                     check=2)
+    assert "already holds train, tokenizer.json; pass --overwrite" in proc.stderr
+    _labelled([tmp_path / "i.jsonl"], tmp_path / "ids", tokenizer, *one, "--label-field", "stars", "--regression",
+              "--overwrite")
+    assert _manifest(tmp_path / "ids" / "train")["num_labels"] == 1
     # --label-names: the order of the ids, names and ids both taken
     _write_jsonl(tmp_path / "n.jsonl", [dict(r, label=r["label"] if i % 2 else NAMES.index(r["label"]))
                                         for i, r in enumerate(rows)])
