@@ -211,3 +211,27 @@ def test_bad_input_is_named_and_nothing_is_written(tmp_path, tokenizer):
                          check=2)
         assert message in proc.stderr, (name, proc.stderr)
         assert not (out / "train").exists() and not (out / "tokenizer.json").exists()
+
+
+def test_the_chatterbot_topics_recipe_data(tmp_path):
+    """scripts/chatterbot_topics.py: the statements of chatterbot-corpus (a test dependency) by topic,
+    each statement under one topic, the same file twice; `labelled` turns it into 6 classes."""
+    from trainrun.data_tools.bert import train_wordpiece
+    script = os.path.join(ROOT, "scripts", "chatterbot_topics.py")
+    for name in ("a.csv", "b.csv"):
+        out = run([sys.executable, script, "--output", str(tmp_path / name)], check=0).stdout
+    assert (tmp_path / "a.csv").read_bytes() == (tmp_path / "b.csv").read_bytes()
+    with open(tmp_path / "a.csv", newline="", encoding="utf-8") as fh:
+        rows = list(csv.DictReader(fh))
+    topics = {}
+    for r in rows:
+        topics.setdefault(r["text"], set()).add(r["label"])
+    assert all(len(t) == 1 for t in topics.values()) and len(topics) == len(rows) > 1000
+    counts = {t: sum(r["label"] == t for r in rows) for t in {r["label"] for r in rows}}
+    assert min(counts.values()) >= 100 and len(counts) >= 5 and "tech_support" not in counts, out  # 20 statements x 105
+    train_wordpiece(lambda: [r["text"] for r in rows], 800, False).save(str(tmp_path / "tok.json"))
+    _labelled([tmp_path / "a.csv"], tmp_path / "topics", str(tmp_path / "tok.json"), "--text-field", "text",
+              "--label-field", "label", "--eval-fraction", "0.2")
+    m = _manifest(tmp_path / "topics" / "train")
+    assert m["id2label"] == {str(i): t for i, t in enumerate(sorted(counts))}
+    assert m["num_samples"] + _manifest(tmp_path / "topics" / "eval")["num_samples"] == len(rows)
