@@ -183,6 +183,22 @@ def test_token_classification_labels_first_subtokens_as_transformers_examples(tm
             previous = w
         assert s["input_ids"].tolist() == enc["input_ids"] and s["labels"].tolist() == want
     assert split_subtokens > 0
+    # a datasets folder of word lists and ClassLabel tag ids: the names (in the ClassLabel's order) from its
+    # dataset_info.json, the same sub-tokens labelled
+    import datasets
+    features = datasets.Features({"tokens": datasets.Sequence(datasets.Value("string")),
+                                  "ner": datasets.Sequence(datasets.ClassLabel(names=tags))})
+    as_lists = [{"tokens": r["tokens"] if isinstance(r["tokens"], list) else r["tokens"].split(),
+                 "ner": [tags.index(t) for t in (r["ner"] if isinstance(r["ner"], list) else r["ner"].split())]}
+                for r in rows]
+    datasets.Dataset.from_list(as_lists, features=features).save_to_disk(str(tmp_path / "hf"))
+    _labelled([tmp_path / "hf"], tmp_path / "ner-hf", tokenizer, "--task", "token_classification",
+              "--text-field", "tokens", "--label-field", "ner", "--eval-fraction", "0")
+    assert _manifest(tmp_path / "ner-hf" / "train")["id2label"] == {"0": "O", "1": "B-X", "2": "I-X"}
+    relabel = np.array([tags.index(n) for n in sorted(tags)])         # sorted-name ids -> ClassLabel ids
+    for s, t in zip(samples, R.tensor_samples(str(tmp_path / "ner-hf" / "train"))):
+        assert (t["input_ids"] == s["input_ids"]).all()
+        assert t["labels"].tolist() == [-100 if v == -100 else int(relabel[v]) for v in s["labels"]]
 
 
 def test_bad_input_is_named_and_nothing_is_written(tmp_path, tokenizer):
