@@ -378,17 +378,17 @@ class TrainingRunner:
         if self.is_main and self.cfg.data.train:     # set-up passed: generate and export find the tokenizer here
             record_tokenizer(self.cfg.data.train, self.out)
         self._header()
+        self._start_trackers()       # before the clocks: a W&B run takes seconds to start
         self.comm.barrier()          # start the clocks together: set-up time differs between ranks
         self.timer.restart()
         start, first_step = time.perf_counter(), self.step
         end = min(t.max_steps, t.stop_at) if t.stop_at else t.max_steps
-        if self.resume_from and self.step < end:
-            dropped = self.metrics.resume_at(self.step)
-            if dropped:
-                self.log(f"metrics.jsonl: {dropped} line(s) after step {self.step} removed (steps after the "
-                         f"checkpoint resumed from, trained again now); TensorBoard drops them too")
         try:
-            self._start_trackers()
+            if self.resume_from and self.step < end:
+                dropped = self.metrics.resume_at(self.step)
+                if dropped:
+                    self.log(f"metrics.jsonl: {dropped} line(s) after step {self.step} removed (steps after the "
+                             f"checkpoint resumed from, trained again now); TensorBoard drops them too")
             with self.signals:
                 last, eval_loss = self._loop(end, start)
             self.observe.close()

@@ -57,6 +57,8 @@ class _Mlflow:
                  echo):
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
+        if uri.startswith("file:"):     # asked for by name: MLflow 3 keeps its file store, in maintenance mode,
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")     # behind this opt-in
         self.client = MlflowClient(tracking_uri=uri)
         self.resumed = run_id is not None
         if run_id is None:
@@ -94,9 +96,8 @@ class _Wandb:
         self.resumed = run_id is not None
         self.run = wandb.init(
             project=project, name=run_name, id=run_id, resume="allow" if run_id else None, mode=mode,
-            dir=None if os.environ.get("WANDB_DIR") else output_dir,
+            dir=None if os.environ.get("WANDB_DIR") else output_dir, config=params, allow_val_change=True,
             settings=wandb.Settings(console="off", silent=True))
-        self.run.config.update(params, allow_val_change=True)
         # x axis: the training step, logged with each line (a resumed run logs the steps after its
         # checkpoint again, which W&B's own step counter, strictly increasing, would drop)
         self.run.define_metric("step")
