@@ -170,3 +170,25 @@ def test_a_missing_tracker_library_or_store_is_a_usage_error(tmp_path, byte_data
     proc = mpirun(2, "--config", cfg, "--set", f"logging.mlflow.tracking_uri=file://{tmp_path}/afile/store",
                   check=2)
     assert proc.stderr.count("logging.mlflow: cannot start the tracker run") == 1, proc.stderr
+
+
+def test_the_tracker_runs_end_as_the_run_ended(tmp_path):
+    """Exit 75 (stopped by a signal, resumable): MLflow KILLED, W&B marked preempting, then a failure:
+    FAILED; the same Trackers the runner uses, over real stores."""
+    from trainrun import config as C
+    from trainrun.observe.trackers import Trackers
+    statuses = []
+    for code in (75, 1):
+        cfg = C.load_config(None, [f"run.output_dir={tmp_path / 'run'}", f"logging.mlflow.tracking_uri={tmp_path / 'st'}",
+                                   "logging.wandb.project=p", "logging.wandb.mode=offline"])
+        os.makedirs(cfg.run.output_dir, exist_ok=True)
+        lines = []
+        t = Trackers(cfg, cfg.run.output_dir, resumed=code == 1, echo=lines.append)
+        t.log(1, {"train/loss": 2.5})
+        t.close(code)
+        client = mlflow.tracking.MlflowClient(f"file://{tmp_path / 'st'}")
+        (only,) = client.search_runs([client.get_experiment_by_name("run").experiment_id])
+        statuses.append(only.info.status)
+        assert [m.value for m in client.get_metric_history(only.info.run_id, "train/loss")] == [2.5] * (len(statuses))
+        assert lines[0].startswith("continuing mlflow run" if code == 1 else "logging to mlflow run"), lines
+    assert statuses == ["KILLED", "FAILED"]
