@@ -227,3 +227,18 @@ def test_zero_stage_1_needs_the_cpu_mpi_and_the_host_kernel(tmp_path):
         assert [p for p in err.value.problems if p.startswith(f"{key}: ") and text in p], err.value.problems
         assert C.load_config(write(tmp_path, data)).distributed.zero_stage == 0     # fine with stage 0
     assert C.load_config(write(tmp_path, {"distributed": {"zero_stage": 1}})).distributed.zero_stage == 1
+
+
+def test_tracker_keys_resolve_a_plain_store_path_and_refuse_a_bad_mode(tmp_path, monkeypatch):
+    (tmp_path / "conf").mkdir()
+    path = write(tmp_path / "conf", {"logging": {"mlflow": {"tracking_uri": "mlruns"}}})
+    monkeypatch.chdir(tmp_path)
+    assert C.load_config(path).logging.mlflow.tracking_uri == str(tmp_path / "conf" / "mlruns")   # the file's folder
+    assert C.load_config(path, ["logging.mlflow.tracking_uri=st"]).logging.mlflow.tracking_uri == str(tmp_path / "st")
+    for uri in ("http://host:5000", "file:///abs/mlruns", "sqlite:///m.db", "databricks"):   # URIs as they are
+        assert C.load_config(path, [f"logging.mlflow.tracking_uri={uri}"]).logging.mlflow.tracking_uri == uri
+    assert C.load_config(None).logging.wandb.project is None and C.load_config(None).logging.mlflow.tracking_uri is None
+    with pytest.raises(UsageError) as err:
+        C.load_config(path, ["logging.wandb.mode=disabled", "logging.mlflow.experiment=[a]"])
+    assert "logging.wandb.mode: 'disabled' is not one of: online, offline" in err.value.problems
+    assert any(p.startswith("logging.mlflow.experiment: expected a string") for p in err.value.problems)

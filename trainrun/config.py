@@ -298,6 +298,35 @@ class TensorBoardConfig:
 
 
 @dataclass
+class MlflowConfig:
+    tracking_uri: Optional[str] = None
+    """MLflow tracking URI: a server (http://host:5000), a database (sqlite:///FILE) or a local file
+    store (file:///DIR, or a plain path, relative to the config file's folder); null: MLflow off. Rank 0
+    logs the TensorBoard scalars (train/loss, eval/loss, time/<phase>_ms, ...) and the resolved config
+    as parameters. Needs the trackers extra (pip install 'trainrun[trackers]')."""
+    experiment: Optional[str] = None
+    """MLflow experiment (made if missing); null: run.name."""
+
+
+@dataclass
+class WandbConfig:
+    project: Optional[str] = None
+    """Weights & Biases project; null: W&B off. Rank 0 logs the TensorBoard scalars and the resolved
+    config; the run's files go to <output_dir>/wandb (or $WANDB_DIR). Needs the trackers extra."""
+    mode: str = opt("online", choices=["online", "offline"])
+    """online: send as it runs (needs `wandb login` or WANDB_API_KEY); offline: no network, the run
+    stays in its folder for a later `wandb sync`."""
+
+
+@dataclass
+class LoggingConfig:
+    mlflow: MlflowConfig = opt(factory=MlflowConfig)
+    """MLflow tracking (off unless tracking_uri is set)."""
+    wandb: WandbConfig = opt(factory=WandbConfig)
+    """Weights & Biases tracking (off unless project is set)."""
+
+
+@dataclass
 class ProfileConfig:
     start_step: int = opt(0, min=0)
     """First step run under onnxruntime's per-operator profiler, on every rank (0: profiling off)."""
@@ -344,6 +373,9 @@ class Config:
     """Where the graphs run."""
     tensorboard: TensorBoardConfig = opt(factory=TensorBoardConfig)
     """TensorBoard logging."""
+    logging: LoggingConfig = opt(factory=LoggingConfig)
+    """Experiment trackers beside TensorBoard: MLflow, Weights & Biases (rank 0; a resumed run continues
+    the same tracker run)."""
     profile: ProfileConfig = opt(factory=ProfileConfig)
     """Per-operator profiling of chosen steps (trainrun profile summarize)."""
     debug: DebugConfig = opt(factory=DebugConfig)
@@ -727,6 +759,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         keys, value = parse_override(text)
         if ".".join(keys) in path_keys and isinstance(value, str) and value:
             value = os.path.abspath(os.path.expanduser(value))
+        if ".".join(keys) == "logging.mlflow.tracking_uri" and isinstance(value, str) and _is_local_path(value):
+            value = os.path.abspath(os.path.expanduser(value))
         node = data
         for k in keys[:-1]:
             if not isinstance(node.get(k), dict):
@@ -791,6 +825,13 @@ def absolutize(cfg: Config, base_dir: str) -> None:
         if value is not None:
             _set(cfg, dotted, resolve_path(value, base_dir))
     cfg.run.output_dir = resolve_path(cfg.run.output_dir, base_dir)
+    if cfg.logging.mlflow.tracking_uri and _is_local_path(cfg.logging.mlflow.tracking_uri):
+        cfg.logging.mlflow.tracking_uri = resolve_path(cfg.logging.mlflow.tracking_uri, base_dir)
+
+
+def _is_local_path(uri: str) -> bool:
+    """A tracking URI that names a folder by a plain path (no scheme such as file:, http:, sqlite:)."""
+    return ":" not in uri and uri != "databricks"
 
 
 def _set(obj, dotted: str, value) -> None:

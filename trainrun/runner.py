@@ -55,6 +55,7 @@ from .lock import RunLock
 from .observe import Observer, apply_log_level, engine_options
 from .observe.metrics import Metrics, fmt_duration
 from .observe.timer import PhaseTimer
+from .observe.trackers import Trackers, check_installed
 from .precision import make_scaler
 from .stopping import EarlyStopping, StopSignals, Stopped
 from .tokenizer import record as record_tokenizer
@@ -132,6 +133,7 @@ class TrainingRunner:
         error = None
         if self.is_main:
             try:
+                check_installed(cfg)        # logging.mlflow / logging.wandb set: their library is there
                 if self.lock:
                     self.lock.acquire()     # before anything is written: one job per run directory
                 ckpt_dir = os.path.join(self.out, "checkpoints")
@@ -376,21 +378,25 @@ class TrainingRunner:
         if self.is_main and self.cfg.data.train:     # set-up passed: generate and export find the tokenizer here
             record_tokenizer(self.cfg.data.train, self.out)
         self._header()
+        self._start_trackers()       # before the clocks: a W&B run takes seconds to start
         self.comm.barrier()          # start the clocks together: set-up time differs between ranks
         self.timer.restart()
         start, first_step = time.perf_counter(), self.step
         end = min(t.max_steps, t.stop_at) if t.stop_at else t.max_steps
-        if self.resume_from and self.step < end:
-            dropped = self.metrics.resume_at(self.step)
-            if dropped:
-                self.log(f"metrics.jsonl: {dropped} line(s) after step {self.step} removed (steps after the "
-                         f"checkpoint resumed from, trained again now); TensorBoard drops them too")
         try:
+            if self.resume_from and self.step < end:
+                dropped = self.metrics.resume_at(self.step)
+                if dropped:
+                    self.log(f"metrics.jsonl: {dropped} line(s) after step {self.step} removed (steps after the "
+                             f"checkpoint resumed from, trained again now); TensorBoard drops them too")
             with self.signals:
                 last, eval_loss = self._loop(end, start)
             self.observe.close()
             self.checkpoints.finish()
             self.shard.close()      # shared memory freed by every rank (collective), before rank 0 exports
+        except BaseException as exc:     # the tracker runs end as stopped (resumable) or failed
+            self.metrics.close(exit_code=getattr(exc, "exit_code", 1))
+            raise
         finally:
             self.loader.close()
             self.metrics.close()     # what was logged reaches metrics.jsonl, also on an error
@@ -417,6 +423,17 @@ class TrainingRunner:
             self.log(f"stopped at train.stop_at {t.stop_at} of train.max_steps {t.max_steps}; checkpoint "
                      f"{os.path.join(self.out, 'checkpoints', str(self.step))} committed. {self._continue_hint()}")
         return summary
+
+    def _start_trackers(self) -> None:
+        """MLflow / W&B runs (rank 0; a resumed run continues its own): one that cannot start stops every
+        rank before the first step."""
+        error = None
+        if self.is_main:
+            try:
+                self.metrics.trackers = Trackers(self.cfg, self.out, resumed=bool(self.resume_from), echo=self.log)
+            except UsageError as exc:
+                error = exc
+        self.comm.agree(error)
 
     def _loop(self, end: int, window_t: float) -> tuple[dict, float | None]:
         """Steps until ``end``, early stopping or a stop signal; (last step's result, last eval loss)."""

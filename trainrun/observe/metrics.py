@@ -1,4 +1,5 @@
-"""Where numbers go: the console (with a progress bar), metrics.jsonl and TensorBoard.
+"""Where numbers go: the console (with a progress bar), metrics.jsonl, TensorBoard and the experiment
+trackers (:mod:`.trackers`: MLflow, W&B; the TensorBoard scalars under the same names).
 
 Only rank 0 writes. Every ``log`` call appends one JSON object to
 ``metrics.jsonl`` and the matching scalars (``train/loss`` ...) to TensorBoard
@@ -50,7 +51,7 @@ def fmt_duration(seconds: float) -> str:
 
 class Metrics:
     def __init__(self, output_dir: str, *, enabled: bool, tensorboard: bool, quiet: bool,
-                 total_steps: int, start_step: int = 0):
+                 total_steps: int, start_step: int = 0, trackers=None):
         self.enabled = enabled
         self.quiet = quiet or not enabled
         self.total = total_steps
@@ -59,6 +60,7 @@ class Metrics:
         self._jsonl = None
         self._tb = None
         self._bar = None
+        self.trackers = trackers      # a .trackers.Trackers (rank 0) or None
         if not enabled:
             return
         self._jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a", buffering=1)
@@ -95,8 +97,12 @@ class Metrics:
             return
         record = {"step": step, **values, "elapsed_s": round(time.perf_counter() - self.t0, 3)}
         self._jsonl.write(json.dumps(record) + "\n")
-        if self._tb is not None:
-            self._tensorboard(step, values)
+        if self._tb is not None or self.trackers is not None:
+            scalars = self.scalars(values)
+            if self._tb is not None and scalars:
+                self._tensorboard(step, scalars)
+            if self.trackers is not None and scalars:
+                self.trackers.log(step, scalars)
         if "loss" in values:
             eta = self.eta(step)
             rate = (f"{values['tokens_per_sec']:,.0f} tok/s" if "tokens_per_sec" in values
@@ -109,14 +115,18 @@ class Metrics:
                            if k.startswith("eval_") and k != "eval_loss")
             self.echo(f"eval {step:>6} | loss {values['eval_loss']:.4f}{more}")
 
-    def _tensorboard(self, step: int, values: dict) -> None:
+    @staticmethod
+    def scalars(values: dict) -> dict[str, float]:
+        """The logged values by TensorBoard tag (train/loss, eval/loss, time/<phase>_ms ...): finite only."""
+        out = {_tb_name(k): v for k, v in values.items() if _tb_name(k) and v is not None and math.isfinite(v)}
+        out.update({f"time/{k}_ms": v for k, v in values.get("phase_ms", {}).items()})
+        return out
+
+    def _tensorboard(self, step: int, scalars: dict[str, float]) -> None:
         from tensorboardX.proto.event_pb2 import Event
         from tensorboardX.proto.summary_pb2 import Summary
-        scalars = [Summary.Value(tag=_tb_name(k), simple_value=v) for k, v in values.items()
-                   if _tb_name(k) and v is not None and math.isfinite(v)]
-        scalars += [Summary.Value(tag=f"time/{k}_ms", simple_value=v) for k, v in values.get("phase_ms", {}).items()]
-        if scalars:
-            self._tb.write_event(Event(wall_time=time.time(), step=step, summary=Summary(value=scalars)))
+        self._tb.write_event(Event(wall_time=time.time(), step=step, summary=Summary(
+            value=[Summary.Value(tag=k, simple_value=v) for k, v in scalars.items()])))
 
     def resume_at(self, step: int) -> int:
         """A resumed run that trains again after ``step``: the lines of later steps (logged by a session
@@ -151,8 +161,12 @@ class Metrics:
             self._tb.write_event(Event(wall_time=time.time(), step=step, summary=text_summary(tag, text)))
             self._tb.flush()
 
-    def close(self) -> None:
-        """Flush and close the files. Idempotent."""
+    def close(self, exit_code: int = 0) -> None:
+        """Flush and close the files, end the tracker runs with the run's exit code (0: finished; 75:
+        stopped by a signal, resumable; else failed). Idempotent."""
+        if self.trackers is not None:
+            self.trackers.close(exit_code)
+            self.trackers = None
         if self._bar is not None:
             self._bar.close()
             self._bar = None
