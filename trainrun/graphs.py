@@ -39,7 +39,7 @@ from .config import Config, to_dict
 from .data import outside
 from .errors import TrainrunError, UsageError
 from .models import bert, gpt2
-from .optim import build_optimizer_graph
+from .optim import build_optimizer_graph, check_groups, layer_depths
 from .pretrained import load_into
 from .rundir import sha256_file
 
@@ -294,13 +294,17 @@ def eval_results(loss: float, sums: dict[str, float]) -> dict[str, float]:
     for name in metric_names(list(sums)):
         c = sums[f"{METRIC_PREFIX}{name}/count"]
         result[name] = sums[f"{METRIC_PREFIX}{name}/sum"] / c if c else float("nan")
+    if "ce" in result:      # a label-smoothed loss: perplexity from the plain cross-entropy
+        result["perplexity"] = math.exp(min(result["ce"], 80.0))
     return result
 
 
-def with_loss(fwd: Forward, ignore_index: int, keep_logits: bool, metrics: bool = False) -> onnx.ModelProto:
+def with_loss(fwd: Forward, ignore_index: int, keep_logits: bool, metrics: bool = False,
+              label_smoothing: float = 0.0) -> onnx.ModelProto:
     """Forward graph + scalar ``loss``: the graph's own loss output (``fwd.loss``), cross-entropy
-    (SoftmaxCrossEntropyLoss over the class axis), mse or l1. ``metrics``: keep the graph's eval-metric
-    outputs and add the loss type's (accuracy and top-5 accuracy; mse and mae)."""
+    (SoftmaxCrossEntropyLoss over the class axis; smoothed with ``label_smoothing``), mse or l1.
+    ``metrics``: keep the graph's eval-metric outputs and add the loss type's (accuracy and top-5
+    accuracy, and the plain cross-entropy ``ce`` when smoothed; mse and mae)."""
     model = copy.deepcopy(fwd.model)
     inputs = list(model.graph.input)
     outputs = [helper.make_tensor_value_info(LOSS, TensorProto.FLOAT, [])]
@@ -309,7 +313,7 @@ def with_loss(fwd: Forward, ignore_index: int, keep_logits: bool, metrics: bool 
     else:
         dims = _value_dims(model, fwd.logits)
         if fwd.loss_type == "cross_entropy":
-            loss_nodes, metric_nodes = _cross_entropy(model, fwd, ignore_index, _num_classes(fwd))
+            loss_nodes, metric_nodes = _cross_entropy(model, fwd, ignore_index, _num_classes(fwd), label_smoothing)
             elem = TensorProto.INT64
             labels_shape = None if dims is None else [d for i, d in enumerate(dims)
                                                      if i != fwd.class_axis % len(dims)]
@@ -338,10 +342,12 @@ def _opset(model) -> int:
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
 
 
-def _cross_entropy(model, fwd: Forward, ignore_index: int, classes: int | None) -> tuple[list, list]:
+def _cross_entropy(model, fwd: Forward, ignore_index: int, classes: int | None,
+                   smoothing: float = 0.0) -> tuple[list, list]:
     """(loss nodes, metric nodes). Loss: SoftmaxCrossEntropyLoss (mean, ``ignore_index``, class weights)
-    -> ``loss``; classes last: logits reshaped [N, C], labels [N] first. Metrics over the labels that are
-    not ``ignore_index``: top-1 accuracy (ArgMax) and, when 5 <= C <= TOP5_MAX_CLASSES, top-5 (TopK)."""
+    -> ``loss``, or with label ``smoothing`` > 0 :func:`_smoothed_cross_entropy`; classes last: logits
+    reshaped [N, C], labels [N] first. Metrics over the labels that are not ``ignore_index``: top-1
+    accuracy (ArgMax) and, when 5 <= C <= TOP5_MAX_CLASSES, top-5 (TopK)."""
     nodes = []
     if fwd.class_axis == -1:
         nodes += [
@@ -365,12 +371,17 @@ def _cross_entropy(model, fwd: Forward, ignore_index: int, classes: int | None) 
     if fwd.class_weights:
         nodes.append(_const("loss_class_weights", fwd.class_weights, np.float32))
         sce_in.append("loss_class_weights")
-    # over [N, C, d...] onnxruntime's gradient of SoftmaxCrossEntropyLoss needs its optional log_prob output
-    sce_out = [LOSS] if fwd.class_axis == -1 else [LOSS, "loss_log_prob"]
-    nodes.append(helper.make_node("SoftmaxCrossEntropyLoss", sce_in, sce_out, reduction="mean",
-                                  ignore_index=ignore_index, name="loss_sce"))
+    if smoothing:
+        loss_nodes, m = _smoothed_cross_entropy(model, fwd, scores, labels, ignore_index, smoothing)
+        nodes += loss_nodes
+    else:
+        # over [N, C, d...] onnxruntime's gradient of SoftmaxCrossEntropyLoss needs its optional log_prob output
+        sce_out = [LOSS] if fwd.class_axis == -1 else [LOSS, "loss_log_prob"]
+        nodes.append(helper.make_node("SoftmaxCrossEntropyLoss", sce_in, sce_out, reduction="mean",
+                                      ignore_index=ignore_index, name="loss_sce"))
+        m = []
     # metrics: correct predictions and counted labels (float32 sums)
-    m = [_const("acc_ignore", ignore_index),
+    m += [_const("acc_ignore", ignore_index),
          helper.make_node("Equal", [labels, "acc_ignore"], ["acc_ignored"], name="acc_ignored"),
          helper.make_node("Not", ["acc_ignored"], ["acc_valid"], name="acc_valid"),
          helper.make_node("Cast", ["acc_valid"], ["acc_valid_f"], to=TensorProto.FLOAT, name="acc_valid_f"),
@@ -398,6 +409,67 @@ def _cross_entropy(model, fwd: Forward, ignore_index: int, classes: int | None) 
               helper.make_node("Identity", [f"{METRIC_PREFIX}accuracy/count"],
                                [f"{METRIC_PREFIX}top5_accuracy/count"], name="top5_count")]
     return nodes, m
+
+
+def _smoothed_cross_entropy(model, fwd: Forward, scores: str, labels: str, ignore_index: int,
+                            s: float) -> tuple[list, list]:
+    """(loss nodes, metric nodes): torch.nn.functional.cross_entropy(label_smoothing=s), reduction mean,
+    from LogSoftmax over axis 1 in operators that onnxruntime differentiates (no SoftmaxCrossEntropyLoss,
+    so split_cross_entropy leaves it alone). With lp = log_softmax, w the class weights (all 1 without),
+    over the rows whose label is not ``ignore_index``:
+
+        loss = ((1 - s) * sum_i -w[y_i] lp[i, y_i] + s / C * sum_i sum_c -w[c] lp[i, c]) / sum_i w[y_i]
+
+    The metric ``ce`` (sum and count) is the plain, unsmoothed cross-entropy: eval's perplexity."""
+    if _opset(model) < 13:
+        raise UsageError(f"model.loss.label_smoothing: the forward graph is opset {_opset(model)}; the smoothed "
+                         f"loss needs opset >= 13 (re-export the model with a newer opset)")
+    p = "loss_smooth/"
+
+    def node(op, inputs, out, **kw):
+        return helper.make_node(op, inputs, [p + out], name=p + out, **kw)
+    nodes = [node("LogSoftmax", [scores], "log_prob", axis=1),
+             _const(p + "ignore", ignore_index), _const(p + "zero", 0), _const(p + "axis1", [1]),
+             _const(p + "one", [1]), _const(p + "keep", 1.0 - s, np.float32), _const(p + "s", s, np.float32),
+             node("Equal", [labels, p + "ignore"], "ignored"),
+             node("Not", [p + "ignored"], "valid"),
+             node("Cast", [p + "valid"], "valid_f", to=TensorProto.FLOAT),
+             node("Where", [p + "valid", labels, p + "zero"], "index"),
+             node("Unsqueeze", [p + "index", p + "axis1"], "index1"),
+             node("GatherElements", [p + "log_prob", p + "index1"], "picked1", axis=1),
+             node("ReduceSum", [p + "picked1", p + "axis1"], "picked", keepdims=0)]
+    lp, row_w = p + "log_prob", p + "valid_f"
+    if fwd.class_weights:
+        dims = _value_dims(model, fwd.logits)
+        rank = 2 if fwd.class_axis == -1 else (len(dims) if dims is not None else None)
+        if rank is None:
+            raise UsageError(f"model.loss.label_smoothing with model.loss.weights over class axis 1: the rank of "
+                             f"{fwd.logits!r} is not known from the graph")
+        nodes += [_const(p + "weights", fwd.class_weights, np.float32),      # [C], and [C, 1, ...] to broadcast
+                  _const(p + "weights_b", np.reshape(fwd.class_weights, [-1] + [1] * (rank - 2)), np.float32),
+                  node("Gather", [p + "weights", p + "index"], "label_w"),
+                  node("Mul", [p + "label_w", p + "valid_f"], "row_w"),
+                  node("Mul", [lp, p + "weights_b"], "weighted")]
+        lp, row_w = p + "weighted", p + "row_w"
+    nodes += [node("ReduceSum", [lp, p + "axis1"], "class_sum", keepdims=0),
+              node("Mul", [p + "picked", row_w], "nll_terms"),
+              node("Mul", [p + "class_sum", p + "valid_f"], "smooth_terms"),
+              node("ReduceSum", [p + "nll_terms"], "nll_neg", keepdims=0),
+              node("Neg", [p + "nll_neg"], "nll"),
+              node("ReduceSum", [p + "smooth_terms"], "smooth_neg", keepdims=0),
+              node("ReduceSum", [row_w], "count", keepdims=0),
+              node("Shape", [p + "log_prob"], "shape"),
+              node("Gather", [p + "shape", p + "one"], "classes_i"),
+              node("Cast", [p + "classes_i"], "classes_f", to=TensorProto.FLOAT),
+              node("Div", [p + "s", p + "classes_f"], "per_class1"),
+              node("ReduceSum", [p + "per_class1"], "per_class", keepdims=0),
+              node("Mul", [p + "keep", p + "nll"], "nll_part"),
+              node("Mul", [p + "per_class", p + "smooth_neg"], "smooth_part_neg"),
+              node("Sub", [p + "nll_part", p + "smooth_part_neg"], "total"),
+              helper.make_node("Div", [p + "total", p + "count"], [LOSS], name=p + "loss")]
+    metrics = [helper.make_node("Identity", [p + "nll"], [f"{METRIC_PREFIX}ce/sum"], name=p + "ce_sum"),
+               helper.make_node("Identity", [p + "count"], [f"{METRIC_PREFIX}ce/count"], name=p + "ce_count")]
+    return nodes, metrics
 
 
 # prepare splits the cross-entropy of a user model from this many classes on (a vocabulary): below it the
@@ -1069,6 +1141,7 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
     out_dir = out_dir or os.path.join(cfg.run.output_dir, "graphs")
     os.makedirs(out_dir, exist_ok=True)
     fwd = forward_from_config(cfg)
+    check_groups(cfg.optimizer, fwd.params)
     source = cfg.model.onnx or cfg.model.builtin
     inits = {t.name: t for t in fwd.model.graph.initializer}
     states = dict(fwd.states or {})
@@ -1079,7 +1152,8 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
     build = build_options(cfg)
     static = build["static_shape"]
 
-    loss_model = _params_to_inputs(with_loss(fwd, cfg.model.loss.ignore_index, keep_logits=False), graph_inputs)
+    loss_model = _params_to_inputs(with_loss(fwd, cfg.model.loss.ignore_index, keep_logits=False,
+                                                  label_smoothing=cfg.model.loss.label_smoothing), graph_inputs)
     loss_model.graph.output.extend(helper.make_tensor_value_info(out, inits[st].data_type, list(inits[st].dims))
                                    for st, out in states.items())     # the state's updates
     loss_model, dropout = dropout_masks(loss_model, fwd.inputs, source)
@@ -1096,10 +1170,11 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
         stats_outputs = select_outputs(train, cfg.debug.tensors)
         add_outputs(train, stats_outputs)
     evalg = split(batchnorm_inference(dropout_off(_params_to_inputs(
-        with_loss(fwd, cfg.model.loss.ignore_index, keep_logits=True, metrics=True), graph_inputs), source)))
+        with_loss(fwd, cfg.model.loss.ignore_index, keep_logits=True, metrics=True,
+                  label_smoothing=cfg.model.loss.label_smoothing), graph_inputs), source)))
     forward = batchnorm_inference(dropout_off(_params_to_inputs(fwd.model, graph_inputs), source))
     _drop_outputs(forward, set(states.values()))
-    optimizer = build_optimizer_graph(cfg.optimizer, shapes)
+    optimizer = build_optimizer_graph(cfg.optimizer, shapes, layer_depths(cfg.model, fwd.params))
     if cfg.device == "cuda":
         cuda_kernels.check({"train": train, "eval": evalg}, source)
 
