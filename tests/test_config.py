@@ -250,6 +250,9 @@ def test_parameter_groups_and_label_smoothing_are_checked(tmp_path, byte_dataset
         "model.frozen": ["transformer.wpe.*"], "optimizer.layer_decay": 0.7})
     err = run([TRAINRUN, "config", "validate", "--config", cfg], check=2).stderr
     assert "optimizer.groups[1].params: 'h.*' matches no trainable parameter" in err and "groups[0]" not in err
+    shown = yaml.safe_load(run([TRAINRUN, "config", "show", "--config", cfg], check=0).stdout)   # commented YAML
+    assert shown["optimizer"]["groups"] == [{"params": "transformer.h.*", "lr_scale": 0.5, "weight_decay": None},
+                                            {"params": "h.*", "lr_scale": 1.0, "weight_decay": None}]
     frozen = run([TRAINRUN, "--config", cfg, "--set", "optimizer.groups=[{params: transformer.h.*}, "
                   "{params: transformer.wpe.*}]"], check=2)
     assert "optimizer.groups[1].params: 'transformer.wpe.*' matches no trainable parameter" in frozen.stderr

@@ -898,7 +898,9 @@ def _yaml_commented(obj, indent: int, lines: list[str]) -> None:
             lines.append(f"{pad}{f.name}:")
             _yaml_commented(v, indent + 1, lines)
         else:
-            dumped = yaml.safe_dump({f.name: v}, default_flow_style=True, sort_keys=False).strip()
+            if isinstance(v, list):     # a list of sections (optimizer.groups): plain mappings
+                v = [dataclasses.asdict(x) if dataclasses.is_dataclass(x) else x for x in v]
+            dumped = yaml.safe_dump({f.name: v}, default_flow_style=True, sort_keys=False, width=10_000).strip()
             if dumped.startswith("{") and dumped.endswith("}"):
                 dumped = dumped[1:-1]
             lines.append(f"{pad}{dumped}")
