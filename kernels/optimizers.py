@@ -220,13 +220,14 @@ def adamw(u: Update, b1: float, b2: float, eps: float, eps_mode: str = "torch",
     m, v = _moments(u, u.grad, b1, b2)
     step = u.times_lr(adam_direction(u, m, v, b1, b2, eps, eps_mode, bias_correction))
     p = u.params
-    keep = u.by_lr_decay(lambda lr, wd: 1 - lr * wd)     # each tensor's lr decays it (torch's groups)
     if not any(u.weight_decay):
-        p = p - step
-    elif eps_mode == "torch":
-        p = u.scale_per_tensor(p, keep) - step
+        return p - step, {"exp_avg": m, "exp_avg_sq": v}
+    def keep():     # 1 - lr*wd per tensor: each tensor's own lr decays it (torch's param groups)
+        return u.by_lr_decay(lambda lr, wd: 1 - lr * wd)
+    if eps_mode == "torch":
+        p = u.scale_per_tensor(p, keep()) - step
     else:
-        p = u.scale_per_tensor(p - step, keep)
+        p = u.scale_per_tensor(p - step, keep())
     return p, {"exp_avg": m, "exp_avg_sq": v}
 
 

@@ -379,6 +379,29 @@ def test_tensor_settings_first_match_per_key_then_no_decay_then_layer_decay():
         (1.0, 0.1), (1.0, 0.0), (1.0, 0.0), (1.0, 0.1), (1.0, 0.1), (1.0, 0.1)]
 
 
+def test_layer_depths_come_from_the_model_family():
+    """layer_decay's exponents for the built-in families' own parameter names: embeddings L + 1, block i
+    L - i, the rest (final LayerNorm, pooler, heads) 0; none for a model.onnx."""
+    from trainrun.config import ModelConfig
+    from trainrun.models import bert, gpt2
+    from trainrun.optim import layer_depths
+    m = ModelConfig(builtin="gpt2")
+    m.gpt2.n_layer = 3
+    depths = layer_depths(m, list(gpt2.param_specs(m.gpt2)))
+    assert {n: d for n, d in depths.items() if not n.startswith("transformer.h.")} == {
+        "transformer.wte.weight": 4, "transformer.wpe.weight": 4, "transformer.ln_f.weight": 0,
+        "transformer.ln_f.bias": 0}
+    assert {d for n, d in depths.items() if n.startswith("transformer.h.0.")} == {3}
+    assert {d for n, d in depths.items() if n.startswith("transformer.h.2.")} == {1}
+    m = ModelConfig(builtin="bert")
+    depths = layer_depths(m, list(bert.param_specs(m.bert)))       # 2 layers
+    assert depths["bert.embeddings.LayerNorm.weight"] == depths["bert.embeddings.word_embeddings.weight"] == 3
+    assert depths["bert.encoder.layer.0.attention.self.query.weight"] == 2
+    assert depths["bert.encoder.layer.1.output.dense.bias"] == 1
+    assert depths["bert.pooler.dense.weight"] == depths["cls.predictions.bias"] == 0
+    assert layer_depths(ModelConfig(builtin=None), ["w"]) is None
+
+
 @pytest.mark.parametrize("case", ["sgd_nesterov_l2", "adam_ort_eps_no_bias_correction", "adamw_torch_eps",
                                   "adamw_ort_eps", "lamb", "lamb_no_bias_correction"])
 def test_groups_match_numpy_reference(case):

@@ -153,7 +153,7 @@ def test_groups_and_layer_decay_train_alike_on_stage_0_and_zero_1(tmp_path, byte
         cfg = write_config(tmp_path / f"{name}.yaml", byte_dataset, **{
             "run.output_dir": str(tmp_path / name), "train.max_steps": 10, "train.micro_batch_size": 2,
             "model.gpt2.n_positions": 64, "distributed.zero_stage": stage, "optimizer": GROUPS,
-            "lr_schedule": {"name": "constant"}, "checkpoint": {"every": 1, "keep_last": 10}})
+            "lr_schedule": {"name": "constant"}, "checkpoint": {"every": stage, "keep_last": 10}})
         mpirun(2, "--config", cfg)
         runs[stage] = read_metrics(str(tmp_path / name))[0]
     assert sorted(runs[1]) == sorted(runs[0]) == list(range(1, 11))
