@@ -128,7 +128,7 @@ class LossConfig:
     """cross_entropy, in [0, 1): the target is (1 - s) on the label plus s / C spread over the C classes,
     as torch.nn.functional.cross_entropy(label_smoothing=s) (with class weights and ignore_index too). The
     train loss and the eval `loss` are the smoothed loss (as HF Trainer reports); eval `perplexity`
-    (model.builtin gpt2) comes from the plain cross-entropy, `eval_ce`."""
+    (model.builtin gpt2) comes from the plain cross-entropy, `eval_ce`. train.precision fp32 only."""
 
 
 @dataclass

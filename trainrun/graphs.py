@@ -413,33 +413,58 @@ def _cross_entropy(model, fwd: Forward, ignore_index: int, classes: int | None,
 
 def _smoothed_cross_entropy(model, fwd: Forward, scores: str, labels: str, ignore_index: int,
                             s: float) -> tuple[list, list]:
-    """(loss nodes, metric nodes): torch.nn.functional.cross_entropy(label_smoothing=s), reduction mean,
-    from LogSoftmax over axis 1 in operators that onnxruntime differentiates (no SoftmaxCrossEntropyLoss,
-    so split_cross_entropy leaves it alone). With lp = log_softmax, w the class weights (all 1 without),
-    over the rows whose label is not ``ignore_index``:
+    """(loss nodes, metric nodes): torch.nn.functional.cross_entropy(label_smoothing=s), reduction mean.
+    With z the logits, lse_i = log sum_c exp z_ic, w the class weights, W = sum_c w_c, over the rows i whose
+    label y_i is not ``ignore_index``, torch's loss is
 
-        loss = ((1 - s) * sum_i -w[y_i] lp[i, y_i] + s / C * sum_i sum_c -w[c] lp[i, c]) / sum_i w[y_i]
+        ((1 - s) sum_i w_yi (lse_i - z_iy) + s / C sum_i sum_c w_c (lse_i - z_ic)) / sum_i w_yi.
 
-    The metric ``ce`` (sum and count) is the plain, unsmoothed cross-entropy: eval's perplexity."""
+    Without weights that is the plain cross-entropy plus a term linear in z,
+    ``CE + s * sum_i (z_iy - mean_c z_ic) / count``: the plain loss stays the SoftmaxCrossEntropyLoss
+    that split_cross_entropy makes cheap (its gradient by Exp), and the smoothing costs a gather and a
+    sum over the classes. With weights, lse's sum comes from a second, unweighted SoftmaxCrossEntropyLoss
+    (sum of lse_i - z_iy). The metric ``ce`` (sum and count) is the plain cross-entropy: eval's perplexity."""
     if _opset(model) < 13:
         raise UsageError(f"model.loss.label_smoothing: the forward graph is opset {_opset(model)}; the smoothed "
                          f"loss needs opset >= 13 (re-export the model with a newer opset)")
     p = "loss_smooth/"
+    weighted = bool(fwd.class_weights)
 
     def node(op, inputs, out, **kw):
         return helper.make_node(op, inputs, [p + out], name=p + out, **kw)
-    nodes = [node("LogSoftmax", [scores], "log_prob", axis=1),
-             _const(p + "ignore", ignore_index), _const(p + "zero", 0), _const(p + "axis1", [1]),
-             _const(p + "one", [1]), _const(p + "keep", 1.0 - s, np.float32), _const(p + "s", s, np.float32),
+
+    def sce(inputs, out, reduction):     # over [N, C, d...] onnxruntime's gradient needs the log_prob output
+        outs = [p + out] + ([p + out + "_log_prob"] if fwd.class_axis != -1 else [])
+        return helper.make_node("SoftmaxCrossEntropyLoss", inputs, outs, reduction=reduction,
+                                ignore_index=ignore_index, name=p + out)
+    nodes = [_const(p + "ignore", ignore_index), _const(p + "zero", 0), _const(p + "axis1", [1]),
+             _const(p + "one", [1]), _const(p + "s", s, np.float32),
              node("Equal", [labels, p + "ignore"], "ignored"),
              node("Not", [p + "ignored"], "valid"),
              node("Cast", [p + "valid"], "valid_f", to=TensorProto.FLOAT),
              node("Where", [p + "valid", labels, p + "zero"], "index"),
              node("Unsqueeze", [p + "index", p + "axis1"], "index1"),
-             node("GatherElements", [p + "log_prob", p + "index1"], "picked1", axis=1),
-             node("ReduceSum", [p + "picked1", p + "axis1"], "picked", keepdims=0)]
-    lp, row_w = p + "log_prob", p + "valid_f"
-    if fwd.class_weights:
+             node("GatherElements", [scores, p + "index1"], "picked1", axis=1),
+             node("ReduceSum", [p + "picked1", p + "axis1"], "picked", keepdims=0),
+             node("Mul", [p + "picked", p + "valid_f"], "picked_valid"),
+             node("ReduceSum", [p + "picked_valid"], "picked_sum", keepdims=0),        # sum_i z_iy
+             node("Shape", [scores], "shape"),
+             node("Gather", [p + "shape", p + "one"], "classes_i"),
+             node("Cast", [p + "classes_i"], "classes_f1", to=TensorProto.FLOAT),
+             node("ReduceSum", [p + "classes_f1"], "classes_f", keepdims=0),
+             node("Div", [p + "s", p + "classes_f"], "per_class")]                  # s / C
+    if not weighted:
+        nodes += [sce([scores, labels], "ce", "mean"),
+                  node("ReduceSum", [p + "valid_f"], "count", keepdims=0),
+                  node("ReduceSum", [scores, p + "axis1"], "class_sum", keepdims=0),
+                  node("Mul", [p + "class_sum", p + "valid_f"], "class_sum_valid"),
+                  node("ReduceSum", [p + "class_sum_valid"], "z_sum", keepdims=0),     # sum_i sum_c z_ic
+                  node("Mul", [p + "z_sum", p + "per_class"], "z_part"),
+                  node("Mul", [p + "picked_sum", p + "s"], "y_part"),
+                  node("Sub", [p + "y_part", p + "z_part"], "linear"),
+                  node("Div", [p + "linear", p + "count"], "linear_mean"),
+                  helper.make_node("Add", [p + "ce", p + "linear_mean"], [LOSS], name=p + "loss")]
+    else:
         dims = _value_dims(model, fwd.logits)
         rank = 2 if fwd.class_axis == -1 else (len(dims) if dims is not None else None)
         if rank is None:
@@ -447,27 +472,26 @@ def _smoothed_cross_entropy(model, fwd: Forward, scores: str, labels: str, ignor
                              f"{fwd.logits!r} is not known from the graph")
         nodes += [_const(p + "weights", fwd.class_weights, np.float32),      # [C], and [C, 1, ...] to broadcast
                   _const(p + "weights_b", np.reshape(fwd.class_weights, [-1] + [1] * (rank - 2)), np.float32),
+                  _const(p + "weights_sum", float(np.sum(fwd.class_weights, dtype=np.float64)), np.float32),
+                  _const(p + "keep", 1.0 - s, np.float32),
+                  sce([scores, labels, p + "weights"], "ce", "mean"),
+                  sce([scores, labels], "nll_sum", "sum"),                          # sum_i lse_i - z_iy
                   node("Gather", [p + "weights", p + "index"], "label_w"),
                   node("Mul", [p + "label_w", p + "valid_f"], "row_w"),
-                  node("Mul", [lp, p + "weights_b"], "weighted")]
-        lp, row_w = p + "weighted", p + "row_w"
-    nodes += [node("ReduceSum", [lp, p + "axis1"], "class_sum", keepdims=0),
-              node("Mul", [p + "picked", row_w], "nll_terms"),
-              node("Mul", [p + "class_sum", p + "valid_f"], "smooth_terms"),
-              node("ReduceSum", [p + "nll_terms"], "nll_neg", keepdims=0),
-              node("Neg", [p + "nll_neg"], "nll"),
-              node("ReduceSum", [p + "smooth_terms"], "smooth_neg", keepdims=0),
-              node("ReduceSum", [row_w], "count", keepdims=0),
-              node("Shape", [p + "log_prob"], "shape"),
-              node("Gather", [p + "shape", p + "one"], "classes_i"),
-              node("Cast", [p + "classes_i"], "classes_f", to=TensorProto.FLOAT),
-              node("Div", [p + "s", p + "classes_f"], "per_class1"),
-              node("ReduceSum", [p + "per_class1"], "per_class", keepdims=0),
-              node("Mul", [p + "keep", p + "nll"], "nll_part"),
-              node("Mul", [p + "per_class", p + "smooth_neg"], "smooth_part_neg"),
-              node("Sub", [p + "nll_part", p + "smooth_part_neg"], "total"),
-              helper.make_node("Div", [p + "total", p + "count"], [LOSS], name=p + "loss")]
-    metrics = [helper.make_node("Identity", [p + "nll"], [f"{METRIC_PREFIX}ce/sum"], name=p + "ce_sum"),
+                  node("ReduceSum", [p + "row_w"], "count", keepdims=0),            # sum_i w_yi
+                  node("Mul", [scores, p + "weights_b"], "weighted"),
+                  node("ReduceSum", [p + "weighted", p + "axis1"], "class_sum", keepdims=0),
+                  node("Mul", [p + "class_sum", p + "valid_f"], "class_sum_valid"),
+                  node("ReduceSum", [p + "class_sum_valid"], "z_sum", keepdims=0),  # sum_i sum_c w_c z_ic
+                  node("Add", [p + "nll_sum", p + "picked_sum"], "lse_sum"),
+                  node("Mul", [p + "lse_sum", p + "weights_sum"], "lse_w"),
+                  node("Sub", [p + "lse_w", p + "z_sum"], "smooth"),
+                  node("Mul", [p + "smooth", p + "per_class"], "smooth_part"),
+                  node("Div", [p + "smooth_part", p + "count"], "smooth_mean"),
+                  node("Mul", [p + "ce", p + "keep"], "ce_part"),
+                  helper.make_node("Add", [p + "ce_part", p + "smooth_mean"], [LOSS], name=p + "loss")]
+    nodes.append(node("Mul", [p + "ce", p + "count"], "ce_sum"))
+    metrics = [helper.make_node("Identity", [p + "ce_sum"], [f"{METRIC_PREFIX}ce/sum"], name=p + "ce_sum_out"),
                helper.make_node("Identity", [p + "count"], [f"{METRIC_PREFIX}ce/count"], name=p + "ce_count")]
     return nodes, metrics
 
