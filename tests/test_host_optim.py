@@ -128,7 +128,8 @@ def test_matches_the_optimizer_graph(case):
 
 # groups over LAYOUT: the h.0 block at 0.7x the lr, wpe with its own decay, every bias decayed;
 # layer decay 0.6 over depths (wte and wpe 2, h.0.* 1, head and gain 0)
-GROUPS = [ParamGroupConfig(params="h.0.*", lr_scale=0.7), ParamGroupConfig(params="wpe", lr_scale=1.5, weight_decay=0.4),
+GROUPS = [ParamGroupConfig(params="h.0.*", lr_scale=0.7),
+          ParamGroupConfig(params="wpe", lr_scale=1.5, weight_decay=0.4),
           ParamGroupConfig(params="*bias", weight_decay=0.2)]
 DEPTHS = {"wte": 2, "wpe": 2, **{n: 1 for n in NAMES if n.startswith("h.0.")}}
 

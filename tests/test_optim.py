@@ -356,7 +356,8 @@ def test_matches_torch_optim_over_20_steps(kind):
 # *bias group below, for its lr; its decay comes from the *bias group, the first that sets one), wte at
 # twice the lr with its own decay, every bias decayed 0.3 (over no_decay's *bias), gain left alone;
 # layer decay 0.5 over depths (wte 3, h.0.* 2, head 0): the lr scale is the group's times 0.5 ** depth
-GROUPS = [ParamGroupConfig(params="h.0.*", lr_scale=0.5), ParamGroupConfig(params="wte", lr_scale=2.0, weight_decay=0.02),
+GROUPS = [ParamGroupConfig(params="h.0.*", lr_scale=0.5),
+          ParamGroupConfig(params="wte", lr_scale=2.0, weight_decay=0.02),
           ParamGroupConfig(params="*bias", lr_scale=3.0, weight_decay=0.3)]
 DEPTHS = {"wte": 3, "h.0.attn.weight": 2, "h.0.attn.bias": 2, "h.0.ln_1.weight": 2}
 # name -> (lr scale, weight decay) as the rule above gives them, written out by hand

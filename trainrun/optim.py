@@ -23,8 +23,8 @@ row-major. Hyper-parameters other than lr are constants of the graph. Each
 tensor's lr scale and weight decay come from ``cfg.groups``, ``cfg.no_decay``
 and ``cfg.layer_decay`` (:func:`trainrun.kernels.optimizers.tensor_settings`;
 the layer of a built-in model's parameter from its family, :func:`layer_depths`):
-a tensor's learning rate is the ``lr`` input times its scale. ``eps_mode`` applies to adam and adamw; LAMB always uses ORT's
-m_hat / (sqrt(v_hat) + eps). Every input is declared even where a rule does not
+a tensor's learning rate is the ``lr`` input times its scale. ``eps_mode``
+applies to adam and adamw; LAMB always uses ORT's m_hat / (sqrt(v_hat) + eps). Every input is declared even where a rule does not
 read it (``step`` for SGD or without bias correction). Only standard ONNX
 operators (opset 17) are used, so the graph runs on any execution provider, and
 it is safe to bind each ``X_out`` to the same buffer as ``X`` (see
