@@ -124,6 +124,11 @@ class LossConfig:
     labels [N] or [N, S]); 1: ONNX's SoftmaxCrossEntropyLoss layout [N, C, d1, ...] (labels [N, d1, ...])."""
     weights: list[float] = opt(factory=list)
     """cross_entropy: one weight per class (empty: all 1); the mean is weighted as PyTorch's."""
+    label_smoothing: float = opt(0.0, min=0.0)
+    """cross_entropy, in [0, 1): the target is (1 - s) on the label plus s / C spread over the C classes,
+    as torch.nn.functional.cross_entropy(label_smoothing=s) (with class weights and ignore_index too). The
+    train loss and the eval `loss` are the smoothed loss (as HF Trainer reports); eval `perplexity`
+    (model.builtin gpt2) comes from the plain cross-entropy, `eval_ce`. train.precision fp32 only."""
 
 
 @dataclass
@@ -205,6 +210,16 @@ class TrainConfig:
 
 
 @dataclass
+class ParamGroupConfig:
+    params: str = ""
+    """Parameter name pattern (fnmatch, case-sensitive) of the group."""
+    lr_scale: float = opt(1.0, gt=0.0)
+    """The group's learning rate is optimizer.lr (as scheduled) times this."""
+    weight_decay: Optional[float] = opt(None, min=0.0)
+    """The group's weight decay (null: optimizer.weight_decay, or 0 where a no_decay pattern matches)."""
+
+
+@dataclass
 class OptimizerConfig:
     name: str = opt("adamw", choices=["adam", "adamw", "lamb", "sgd"])
     """Update rule: adam (L2 in the gradient), adamw (decoupled decay), lamb (ORT's), sgd (momentum)."""
@@ -231,7 +246,17 @@ class OptimizerConfig:
     max_grad_norm: float = opt(1.0, min=0.0)
     """Clip the global gradient L2 norm to this (0: no clipping)."""
     no_decay: list[str] = opt(factory=lambda: ["*bias", "*ln_*", "*LayerNorm*", "*layernorm*", "*norm*"])
-    """Parameter name patterns (fnmatch) excluded from weight decay."""
+    """Parameter name patterns (fnmatch) excluded from weight decay (groups of weight_decay 0 after
+    optimizer.groups)."""
+    groups: list[ParamGroupConfig] = opt(factory=list)
+    """Parameter groups, each `{params: PATTERN, lr_scale: 1.0, weight_decay: null}`: for each key, the
+    first group whose pattern matches a parameter's name and sets the key decides it (then no_decay,
+    then optimizer.weight_decay); every pattern must match some trainable parameter. In every optimizer
+    (lr scales LAMB's trust-ratio step) and with ZeRO-1; see docs/models.md."""
+    layer_decay: float = opt(1.0, gt=0.0, max=1.0)
+    """Layer-wise learning-rate decay (built-in models): the lr of a parameter is also scaled by
+    layer_decay ** (L - i) in block i of L, layer_decay ** (L + 1) in the embeddings, 1 in the head and
+    final norm (1.0: off)."""
 
 
 @dataclass
@@ -592,6 +617,15 @@ def _semantic_checks(cfg: Config, problems: _Problems, base_dir: str, need_data:
         problems.add("model.loss.output", f"the built-in {m.builtin} has no loss output; only for model.onnx")
     if m.builtin is not None and (loss.type != "cross_entropy" or loss.class_axis != -1):
         problems.add("model.loss.type", f"the built-in {m.builtin} trains with cross_entropy over its last axis")
+    if loss.label_smoothing >= 1.0:
+        problems.add("model.loss.label_smoothing", f"must be < 1, got {loss.label_smoothing}")
+    elif loss.label_smoothing and (loss.type != "cross_entropy" or loss.output is not None
+                                   or m.builtin == "bert"):
+        problems.add("model.loss.label_smoothing", "smooths the cross_entropy trainrun builds from the logits "
+                     "(not mse/l1, a model.loss.output, nor the built-in bert's own pre-training loss)")
+    if loss.label_smoothing and cfg.train.precision != "fp32":
+        problems.add("model.loss.label_smoothing", f"runs with train.precision fp32 only (the smoothed loss's "
+                     f"sums over the classes are not kept in float32 under {cfg.train.precision})")
     if loss.weights and loss.type != "cross_entropy":
         problems.add("model.loss.weights", f"class weights need type cross_entropy, not {loss.type}")
     if m.builtin == "bert":
@@ -613,6 +647,12 @@ def _semantic_checks(cfg: Config, problems: _Problems, base_dir: str, need_data:
                 problems.add(f"optimizer.betas[{i}]", f"must be in [0, 1), got {b}")
     if o.ratio_min > o.ratio_max:
         problems.add("optimizer.ratio_min", f"{o.ratio_min} exceeds optimizer.ratio_max ({o.ratio_max})")
+    for i, g in enumerate(o.groups):
+        if not g.params:
+            problems.add(f"optimizer.groups[{i}].params", "a parameter name pattern is required")
+    if o.layer_decay != 1.0 and m.builtin is None:
+        problems.add("optimizer.layer_decay", "reads each parameter's layer from a built-in model's names "
+                     "(model.builtin gpt2 or bert); for model.onnx use optimizer.groups")
     if o.nesterov and o.momentum == 0:
         problems.add("optimizer.nesterov", "needs optimizer.momentum > 0")
     s = cfg.lr_schedule
@@ -899,7 +939,9 @@ def _yaml_commented(obj, indent: int, lines: list[str]) -> None:
             lines.append(f"{pad}{f.name}:")
             _yaml_commented(v, indent + 1, lines)
         else:
-            dumped = yaml.safe_dump({f.name: v}, default_flow_style=True, sort_keys=False).strip()
+            if isinstance(v, list):     # a list of sections (optimizer.groups): plain mappings
+                v = [dataclasses.asdict(x) if dataclasses.is_dataclass(x) else x for x in v]
+            dumped = yaml.safe_dump({f.name: v}, default_flow_style=True, sort_keys=False, width=10_000).strip()
             if dumped.startswith("{") and dumped.endswith("}"):
                 dumped = dumped[1:-1]
             lines.append(f"{pad}{dumped}")

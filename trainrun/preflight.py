@@ -9,12 +9,14 @@ gathers the checks of the modules that own those files into one :class:`~trainru
   batch, an evaluation's batch), the same features;
 * ``model.init_from`` (:mod:`trainrun.pretrained`): its tensors' names and shapes against the model's,
   from the .safetensors header alone;
+* ``optimizer.groups`` (built-in models): each pattern matches a trainable parameter;
 * memory: the parameters, their gradients and the optimizer's moments (float32) of one rank against
   the machine's physical memory, from the model's shapes (``models.*.param_specs``), nothing allocated.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import os
 
@@ -32,6 +34,9 @@ def check(cfg: C.Config, world_size: int = 1, datasets: bool = True):
     if specs is not None:
         shapes = {name: shape for name, (shape, _) in specs.items()}
         problems += _memory(cfg, shapes, world_size)
+        from .optim import group_problems
+        problems += group_problems(cfg.optimizer, [n for n in shapes if not any(
+            fnmatch.fnmatchcase(n, p) for p in cfg.model.frozen)])
         if cfg.model.init_from:
             problems += [f"model.init_from: {p}" for p in pretrained.check(shapes, cfg.model.init_from,
                                                                              cfg.model.builtin)]
