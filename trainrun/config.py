@@ -714,7 +714,7 @@ def _semantic_checks(cfg: Config, problems: _Problems, base_dir: str, need_data:
 
 def _eval_checks(cfg: Config, problems: _Problems) -> None:
     """data.eval's set names; the metrics early stopping and keep_best watch name one of its sets (the
-    metric itself is checked against the eval graph's at start-up: :func:`check_eval_metric`)."""
+    metric itself is checked against the eval graph's at start-up: :func:`eval_metric_problems`)."""
     d = cfg.data
     if isinstance(d.eval, dict):
         if not d.eval:
@@ -749,14 +749,16 @@ def watched_metric(cfg: Config, key: str) -> str:
     return get(cfg, key) or eval_key(next(iter(cfg.data.eval_sets()), None), "loss")
 
 
-def check_eval_metric(cfg: Config, key: str, metrics: list[str]) -> Optional[str]:
-    """The problem with ``key``'s metric when the evaluations log ``metrics`` (loss, perplexity, accuracy,
-    ...), or None."""
-    found = _eval_set_of(cfg.data, watched_metric(cfg, key))
-    if found and found[1] not in metrics:
-        return (f"{key}: {watched_metric(cfg, key)!r}: the evaluations log no {found[1]!r} (they log "
-                + ", ".join(eval_key(found[0], m) for m in metrics) + ")")
-    return None
+def eval_metric_problems(cfg: Config, metrics: list[str]) -> list[str]:
+    """The problems of train.early_stopping.metric and checkpoint.best_metric when the evaluations log
+    ``metrics`` (loss, perplexity, accuracy, ...) for each set of data.eval (none without data.eval)."""
+    problems = []
+    for key in ("train.early_stopping.metric", "checkpoint.best_metric") if cfg.data.eval else ():
+        found = _eval_set_of(cfg.data, watched_metric(cfg, key))
+        if found and found[1] not in metrics:
+            problems.append(f"{key}: {watched_metric(cfg, key)!r}: the evaluations log no {found[1]!r} (they "
+                            "log " + ", ".join(eval_key(found[0], m) for m in metrics) + ")")
+    return problems
 
 
 def greater_is_better(metric: str) -> bool:

@@ -218,12 +218,10 @@ class TrainingRunner:
         error = None
         try:     # the data checked against the graph's inputs: the same verdict on every rank
             feeds = G.feeds(self.manifest, cfg.data.inputs, shapes)
-            if self.eval_sets:     # the metrics early stopping and keep_best watch: among the evaluations'
-                logged = ["loss", *(["perplexity"] if self.perplexity else []), *self.manifest["metrics"]]
-                problems = [p for key in ("train.early_stopping.metric", "checkpoint.best_metric")
-                            if (p := C.check_eval_metric(cfg, key, logged))]
-                if problems:
-                    raise UsageError(f"{len(problems)} problem(s) in the configuration", problems)
+            # the metrics early stopping and keep_best watch: among those the evaluations log
+            logged = ["loss", *(["perplexity"] if self.perplexity else []), *self.manifest["metrics"]]
+            if problems := C.eval_metric_problems(cfg, logged):
+                raise UsageError(f"{len(problems)} problem(s) in the configuration", problems)
             # intra_node: shared: parameters and gradients in the node's shared memory (None: the mpi path)
             node = update.node_buffers(cfg, self.comm, self.manifest["num_params"])
             self.engine = Engine(self.graphs_dir, opts, shapes, shapes, feeds=feeds,
