@@ -4,9 +4,9 @@
 gathers the checks of the modules that own those files into one :class:`~trainrun.errors.UsageError`
 (exit 2) listing every problem, each naming its key and file:
 
-* ``data.train`` / ``data.eval`` (:mod:`trainrun.data`): readable, token ids below the model's
-  vocabulary, sequences within its positions, at least one batch each (a training step's global
-  batch, an evaluation's batch), the same features;
+* ``data.train`` / ``data.eval`` (each named set ``data.eval.<NAME>``) (:mod:`trainrun.data`):
+  readable, token ids below the model's vocabulary, sequences within its positions, at least one batch
+  each (a training step's global batch, an evaluation's batch), the same features;
 * ``model.init_from`` (:mod:`trainrun.pretrained`): its tensors' names and shapes against the model's,
   from the .safetensors header alone;
 * ``optimizer.groups`` (built-in models): each pattern matches a trainable parameter;
@@ -27,8 +27,9 @@ from .errors import UsageError
 
 
 def check(cfg: C.Config, world_size: int = 1, datasets: bool = True):
-    """Raise :class:`UsageError` listing every problem; return the opened (train, eval) datasets (None
-    where not given, or ``datasets`` False), each checked against ``world_size`` ranks' batches."""
+    """Raise :class:`UsageError` listing every problem; return the opened train dataset (None when not
+    given, or ``datasets`` False) and the eval sets {name: dataset} (the name None for a single
+    data.eval), each checked against ``world_size`` ranks' batches."""
     problems: list[str] = []
     specs = param_specs(cfg.model)
     if specs is not None:
@@ -40,7 +41,7 @@ def check(cfg: C.Config, world_size: int = 1, datasets: bool = True):
         if cfg.model.init_from:
             problems += [f"model.init_from: {p}" for p in pretrained.check(shapes, cfg.model.init_from,
                                                                              cfg.model.builtin)]
-    found = _datasets(cfg, world_size, problems) if datasets else (None, None)
+    found = _datasets(cfg, world_size, problems) if datasets else (None, {})
     if problems:
         raise UsageError(f"{len(problems)} problem(s) in the files the configuration names", problems)
     return found
@@ -62,23 +63,27 @@ def _datasets(cfg: C.Config, world_size: int, problems: list[str]):
     g, b = cfg.model.gpt2, cfg.model.bert
     vocab, positions = {"gpt2": (g.vocab_size, g.n_positions),
                         "bert": (b.vocab_size, b.max_position_embeddings)}.get(cfg.model.builtin, (None, None))
+    sets = {("train", None): d.train} if d.train else {}
+    sets.update({("eval", name): path for name, path in d.eval_sets().items()})
     opened = {}
-    for key, path in (("train", d.train), ("eval", d.eval)):
-        if not path:
-            continue
+    for (part, name), path in sets.items():
+        key = f"data.{part}" + (f".{name}" if name is not None else "")
         try:
             ds = D.open_dataset(path, d.seq_len, vocab_size=vocab, n_positions=positions)
-            if key == "train":
+            if part == "train":
                 D.check_train(ds, t.micro_batch_size, t.gradient_accumulation_steps, world_size)
             else:
                 D.check_eval(ds, t.micro_batch_size, world_size)
-            opened[key] = ds
+            opened[part, name] = ds
         except UsageError as exc:
-            problems += [f"data.{key}: {exc.message}", *(f"data.{key}: {p}" for p in exc.problems)]
-    train, eval_ = opened.get("train"), opened.get("eval")
-    if train is not None and eval_ is not None and eval_.specs != train.specs:
-        problems.append(f"data.eval: {d.eval} has features {_features(eval_)}, data.train {_features(train)}")
-    return train, eval_
+            problems += [f"{key}: {exc.message}", *(f"{key}: {p}" for p in exc.problems)]
+    train = opened.pop(("train", None), None)
+    evals = {name: ds for (_, name), ds in opened.items()}
+    for name, ds in evals.items():
+        if train is not None and ds.specs != train.specs:
+            key = "data.eval" + (f".{name}" if name is not None else "")
+            problems.append(f"{key}: {sets['eval', name]} has features {_features(ds)}, data.train {_features(train)}")
+    return train, evals
 
 
 def _features(ds) -> str:
