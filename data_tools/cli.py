@@ -444,6 +444,104 @@ def bert(inputs, more_inputs, output, tokenizer_path, train_wordpiece, seq_len, 
                f"[MASK] {vocab.mask}); seq_len {seq_len}, max_predictions {max_predictions}")
 
 
+# ---------------------------------------------------------------------- labelled
+@main.command()
+@click.option("--input", "inputs", multiple=True, required=True, metavar="PATH",
+              help="A .csv (header row), .jsonl, .jsonl.gz, .parquet or .arrow file, a datasets save_to_disk "
+                   "folder, a directory (walked) or glob; repeatable.")
+@click.option("--eval-input", "eval_inputs", multiple=True, metavar="PATH",
+              help="The eval rows, as --input (then --eval-fraction is not used); repeatable.")
+@click.option("--output", required=True, type=click.Path(file_okay=False), help="Dataset directory to create.")
+@click.option("--text-field", required=True, help="The column / field of the text (token classification: "
+                                                  "of the words, a string or a list).")
+@click.option("--text-pair-field", help="The column / field of the second text of a pair.")
+@click.option("--label-field", required=True, help="The column / field of the label (token classification: "
+                                                   "one per word, a string or a list).")
+@click.option("--tokenizer", "tokenizer_path", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="A BERT WordPiece tokenizer.json ([PAD] = 0, [CLS], [SEP]).")
+@click.option("--seq-len", type=click.IntRange(min=4), default=128, show_default=True,
+              help="Tokens per sample (longer texts truncated, longest first).")
+@click.option("--task", type=click.Choice(("sequence_classification", "token_classification")),
+              default="sequence_classification", show_default=True)
+@click.option("--regression", is_flag=True, help="The labels are numbers to predict (num_labels 1), even when "
+                                                 "all are whole.")
+@click.option("--label-names", metavar="A,B,...", help="The label names in id order (default: sorted, or "
+                                                        "a datasets ClassLabel's).")
+@click.option("--eval-fraction", type=float, default=0.1, show_default=True,
+              help="Fraction of the rows (by hash of their text) for DIR/eval without --eval-input; 0 for none.")
+@click.option("--split", help="The split to read of a DatasetDict folder given to --input.")
+@click.option("--eval-split", help="The split to read of a DatasetDict folder given to --eval-input.")
+@click.option("--overwrite", is_flag=True, help="Replace a dataset already in --output.")
+def labelled(inputs, eval_inputs, output, text_field, text_pair_field, label_field, tokenizer_path, seq_len, task,
+             regression, label_names, eval_fraction, split, eval_split, overwrite):
+    """Labelled text as fine-tuning samples (.pb): DIR/train, DIR/eval, DIR/tokenizer.json.
+
+    Each row gives input_ids, segment_ids, input_mask and labels ([CLS] text [SEP]
+    (pair [SEP]), truncated longest-first, padded with 0). The label map is saved in
+    the manifests (id2label, label2id, num_labels, problem_type).
+    """
+    import hashlib
+    from .bert import Vocab, with_template
+    from .encode import load_tokenizer
+    from .labelled import Labels, class_label_names, encode, label_values, prepare_rows, read_rows
+    if task == "token_classification" and (text_pair_field or regression):
+        raise UsageError("--task token_classification: takes neither --text-pair-field nor --regression")
+    if regression and label_names:
+        raise UsageError("--regression: takes no --label-names")
+    fields = [text_field, *([text_pair_field] if text_pair_field else []), label_field]
+    include = ("*.csv", "*.jsonl", "*.jsonl.gz", "*.parquet", "*.arrow")
+    files = {"train": find_files(list(inputs), include, DEFAULT_EXCLUDE, split)}
+    if eval_inputs:
+        files["eval"] = find_files(list(eval_inputs), include, DEFAULT_EXCLUDE, eval_split)
+    elif eval_split:
+        raise UsageError("--eval-split: needs --eval-input")
+    rows = {part: prepare_rows((r for f in fs for r in read_rows(f, fields)), task, bool(text_pair_field), fields)
+            for part, fs in files.items()}
+    if not rows["train"]:
+        raise UsageError(f"--input: {len(files['train'])} file(s) with no row")
+    if not eval_inputs:
+        if not 0 <= eval_fraction < 1:
+            raise UsageError(f"--eval-fraction {eval_fraction}: must be in [0, 1)")
+        keys = [hashlib.sha256(json.dumps(r[1:3], ensure_ascii=False).encode()).digest()[:8] for r in rows["train"]]
+        chosen = set(sorted(range(len(keys)), key=keys.__getitem__)[:int(np.ceil(eval_fraction * len(keys)))])
+        if len(chosen) == len(keys):
+            raise UsageError(f"--eval-fraction {eval_fraction}: {len(keys)} row(s) leave none to train on")
+        rows = {"train": [r for i, r in enumerate(rows["train"]) if i not in chosen],
+                "eval": [r for i, r in enumerate(rows["train"]) if i in chosen]}
+    names = label_names.split(",") if label_names else class_label_names(
+        [f for fs in files.values() for f in fs], label_field)
+    labels = Labels([v for part in rows.values() for v in label_values(part, task)], label_field, regression,
+                    names)
+    tokenizer = load_tokenizer(tokenizer_path)
+    vocab = Vocab(tokenizer, f"--tokenizer {tokenizer_path}")
+    tokenizer.no_padding()
+    with_template(tokenizer, vocab)
+    tokenizer.enable_truncation(max_length=seq_len, strategy="longest_first")
+    out = Path(output)
+    _prepare_output(out, ["train", "eval", "tokenizer.json"], overwrite)
+    summary = []
+    with tempfile.TemporaryDirectory(dir=out, prefix=".labelled-") as tmp:    # nothing half-written in out
+        for part, part_rows in rows.items():
+            if not part_rows:
+                continue
+            writer = TensorShardWriter(Path(tmp) / part, 10000)
+            for sample in encode(part_rows, tokenizer, labels, task, seq_len, bool(text_pair_field)):
+                writer.add(sample)
+            m = writer.close(tokenizer_file="../tokenizer.json", vocab_size=vocab.size, seq_len=seq_len, task=task,
+                             text_field=text_field, text_pair_field=text_pair_field, label_field=label_field,
+                             **labels.manifest())
+            summary.append(f"{part}: {m['num_samples']:,} samples in {len(m['files'])} file(s)")
+        tokenizer.no_truncation()
+        (Path(tmp) / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
+        for name in ["tokenizer.json", *[p for p in rows if rows[p]]]:
+            os.replace(Path(tmp) / name, out / name)
+    n_files = sum(map(len, files.values()))
+    kind = {"float": "regression", "ids": "label ids", "names": "label names"}[labels.kind]
+    click.echo(f"{out}: {n_files} file(s), {task}, {labels.num_labels} label(s) ({kind}), seq_len {seq_len}")
+    for line in summary:
+        click.echo("  " + line)
+
+
 # ---------------------------------------------------------------------- inspect
 @main.command()
 @click.argument("directory", type=click.Path())

@@ -111,7 +111,7 @@ def is_records(path: Path) -> bool:
     return path.name.endswith(RECORD_SUFFIXES)
 
 
-def _open_lines(path: Path):
+def open_lines(path: Path):
     import gzip
     return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
 
@@ -122,7 +122,7 @@ def _jsonl_records(path: Path, field: str, bad):
     import json
     import zlib
     line = 0
-    with _open_lines(path) as fh:
+    with open_lines(path) as fh:
         try:
             for line, raw in enumerate(fh, 1):
                 if not raw.strip():
@@ -152,7 +152,7 @@ def _pyarrow(path: Path):
     return pyarrow
 
 
-def _parquet_file(path: Path):
+def parquet_file(path: Path):
     _pyarrow(path)
     import pyarrow.parquet as pq
     try:
@@ -163,15 +163,15 @@ def _parquet_file(path: Path):
 
 def _parquet_records(path: Path, field: str, bad):
     """(row index in the file, text) of each good row; ``bad`` names row group and row of the others."""
-    pf = _parquet_file(path)
+    pf = parquet_file(path)
     chunks = ((lambda r, _, g=g: f"row group {g}, row {r}", pf.read_row_group(g, columns=[field]).column(0))
               for g in range(pf.num_row_groups))
     return _column_records(path, field, pf.schema_arrow.names, chunks, bad)
 
 
-def _arrow_records(path: Path, field: str, bad):
-    """(row index in the file, text) of each good row of an Arrow IPC file, in the file layout or the
-    stream layout ``datasets`` writes (memory-mapped, this one column read); ``bad`` names the row."""
+def arrow_batches(path: Path):
+    """(column names, record batches) of an Arrow IPC file, in the file layout or the stream layout
+    ``datasets`` writes (memory-mapped)."""
     pa = _pyarrow(path)
     try:
         source = pa.memory_map(str(path))
@@ -182,8 +182,15 @@ def _arrow_records(path: Path, field: str, bad):
         raise UsageError(f"--input {path}: not a readable Arrow IPC file ({exc})") from None
     batches = (reader.get_batch(b) for b in range(reader.num_record_batches)) if layout is pa.ipc.open_file \
         else reader
+    return reader.schema.names, batches
+
+
+def _arrow_records(path: Path, field: str, bad):
+    """(row index in the file, text) of each good row of an Arrow IPC file (:func:`arrow_batches`, this one
+    column read); ``bad`` names the row."""
+    names, batches = arrow_batches(path)
     chunks = ((lambda _, i: f"row {i}", batch.column(field)) for batch in batches)
-    return _column_records(path, field, reader.schema.names, chunks, bad)
+    return _column_records(path, field, names, chunks, bad)
 
 
 def _column_records(path: Path, field: str, names, chunks, bad):

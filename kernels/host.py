@@ -37,7 +37,7 @@ import numpy as np
 
 from trainrun.config import OptimizerConfig
 
-from .optimizers import state_names, weight_decays
+from .optimizers import state_names, tensor_settings
 
 _F32 = np.float32
 
@@ -127,7 +127,9 @@ class HostOptimizer:
     ``cfg`` picks the rule and its hyper-parameters (``cfg.lr`` is not used: the
     scheduled lr is an argument of :meth:`step`); ``sizes`` are the element
     counts of the parameter tensors in flat-buffer order and ``names`` their
-    names (for ``cfg.no_decay``). The semantics are those of the optimizer
+    names (for ``cfg.groups`` and ``cfg.no_decay``; ``depths`` for
+    ``cfg.layer_decay``, see :func:`.optimizers.tensor_settings`): each tensor's
+    learning rate is ``lr`` times its lr scale. The semantics are those of the optimizer
     graph of :func:`trainrun.optim.build_optimizer_graph` for the same
     arguments (see :mod:`trainrun.kernels.optimizers`):
 
@@ -142,8 +144,8 @@ class HostOptimizer:
       sums ||p||^2 and ||d||^2, the second recomputes d from the new m, v (the
       same arithmetic, so the same d) and applies it.
 
-    Each run of consecutive tensors that share one weight decay (each tensor
-    for LAMB) is one call of a compiled loop that writes params and state in
+    Each run of consecutive tensors that share one weight decay and lr scale
+    (each tensor for LAMB) is one call of a compiled loop that writes params and state in
     place. ``chunk`` (LAMB only) is how many elements of a tensor the first pass
     takes at a time: their direction goes to a preallocated chunk buffer and is
     summed while it is in cache.
@@ -155,7 +157,7 @@ class HostOptimizer:
     """
 
     def __init__(self, cfg: OptimizerConfig, sizes: list[int], names: list[str], chunk: int = 1 << 16,
-                 norm_sums=None):
+                 norm_sums=None, depths: dict | None = None):
         sizes = [int(n) for n in sizes]
         names = list(names)
         if not sizes:
@@ -173,20 +175,21 @@ class HostOptimizer:
         self.states = state_names(cfg)  # also rejects an unknown rule
         self.sizes, self.names, self.chunk = sizes, names, chunk
         self.numel = sum(sizes)
-        self.weight_decay = weight_decays(cfg, names)
+        settings = tensor_settings(cfg, names, depths)      # (lr scale, weight decay) per tensor
+        self.weight_decay = [wd for _, wd in settings]
         self.b1, self.b2 = (float(b) for b in cfg.betas) if cfg.name != "sgd" else (0.0, 0.0)
 
         bounds = np.cumsum([0] + sizes).tolist()
-        if cfg.name == "lamb":  # per tensor: (chunks of the tensor, wd)
-            self.tensors = [(self._cut(a, b), wd) for a, b, wd in zip(bounds, bounds[1:], self.weight_decay)]
+        if cfg.name == "lamb":  # per tensor: (chunks of the tensor, wd, lr scale)
+            self.tensors = [(self._cut(a, b), wd, s) for a, b, (s, wd) in zip(bounds, bounds[1:], settings)]
             self.tmp = np.empty(min(chunk, self.numel), _F32)   # the direction of one chunk
-        else:  # runs [a, b, wd] of consecutive tensors with the same decay
+        else:  # runs [a, b, wd, lr scale] of consecutive tensors with the same decay and lr scale
             self.runs: list[list] = []
-            for a, b, wd in zip(bounds, bounds[1:], self.weight_decay):
-                if self.runs and self.runs[-1][2] == wd:
+            for a, b, (s, wd) in zip(bounds, bounds[1:], settings):
+                if self.runs and self.runs[-1][2:] == [wd, s]:
                     self.runs[-1][1] = b
                 else:
-                    self.runs.append([a, b, wd])
+                    self.runs.append([a, b, wd, s])
 
     def _cut(self, a: int, b: int) -> list[tuple[int, int]]:
         return [(s, min(b, s + self.chunk)) for s in range(a, b, self.chunk)]
@@ -227,12 +230,13 @@ class HostOptimizer:
 
     def _sgd(self, p, g, buf, lr, gs) -> None:
         mu = float(self.cfg.momentum)
-        for a, b, wd in self.runs:
+        for a, b, wd, s in self.runs:
+            lr_i = lr * s if s != 1.0 else lr
             a_wd = _F32(wd / gs)
             if not mu:      # the graph keeps gs*lr as one coefficient
-                _sgd(p[a:b], g[a:b], a_wd, bool(wd), _F32(gs * lr))
+                _sgd(p[a:b], g[a:b], a_wd, bool(wd), _F32(gs * lr_i))
             else:
-                _sgd_momentum(p[a:b], g[a:b], buf[a:b], a_wd, bool(wd), _F32(gs), _F32(mu), _F32(lr),
+                _sgd_momentum(p[a:b], g[a:b], buf[a:b], a_wd, bool(wd), _F32(gs), _F32(mu), _F32(lr_i),
                               bool(self.cfg.nesterov))
 
     def _direction_scalars(self, t, gs, eps_mode):
@@ -251,8 +255,9 @@ class HostOptimizer:
     def _adam(self, p, g, m, v, lr, t, gs, decoupled: bool) -> None:
         c1, c2, e, c = self._direction_scalars(t, gs, self.cfg.eps_mode)
         before = self.cfg.eps_mode == "torch"       # AdamW: decay before the step (torch) or after (ort)
-        args = (_F32(self.b1), _F32(c1), _F32(self.b2), _F32(c2), _F32(e), _F32(c * lr))
-        for a, b, wd in self.runs:
+        args = (_F32(self.b1), _F32(c1), _F32(self.b2), _F32(c2), _F32(e))
+        for a, b, wd, s in self.runs:
+            lr_i = lr * s if s != 1.0 else lr
             if not wd:
                 decay = _NO_DECAY
             elif not decoupled:
@@ -260,23 +265,23 @@ class HostOptimizer:
             else:
                 decay = _DECOUPLED_BEFORE if before else _DECOUPLED_AFTER
             # adam: L2 decay in the gradient, grads + (wd/gs)*p; adamw: p *= 1 - lr*wd
-            _adam(p[a:b], g[a:b], m[a:b], v[a:b], *args, _F32(wd / gs), _F32(1 - lr * wd), decay)
+            _adam(p[a:b], g[a:b], m[a:b], v[a:b], *args, _F32(c * lr_i), _F32(wd / gs), _F32(1 - lr_i * wd), decay)
 
     def _lamb(self, p, g, m, v, lr, t, gs) -> None:
         c = self._direction_scalars(t, gs, "torch")[3]  # LAMB: always torch's eps form
         scalars = self._lamb_scalars(t, gs)
         if self.norm_sums is None:  # tensor by tensor: both passes while the tensor is in cache
-            for chunks, wd in self.tensors:
+            for chunks, wd, s in self.tensors:
                 p_sq, d_sq = self._lamb_sums(p, g, m, v, chunks, wd, c, scalars)
-                self._lamb_apply(p, m, v, chunks, wd, c, self._trust(lr, c, p_sq, d_sq), scalars)
+                self._lamb_apply(p, m, v, chunks, wd, c, self._trust(lr * s, c, p_sq, d_sq), scalars)
             return
         # the tensors are parts of tensors split over ranks: every first pass, then the sums of the
         # whole tensors (norm_sums), then every second pass
-        sums = np.array([self._lamb_sums(p, g, m, v, chunks, wd, c, scalars) for chunks, wd in self.tensors],
+        sums = np.array([self._lamb_sums(p, g, m, v, chunks, wd, c, scalars) for chunks, wd, _ in self.tensors],
                         np.float64).reshape(len(self.tensors), 2)
         sums = self.norm_sums(sums)
-        for (chunks, wd), (p_sq, d_sq) in zip(self.tensors, sums):
-            self._lamb_apply(p, m, v, chunks, wd, c, self._trust(lr, c, float(p_sq), float(d_sq)), scalars)
+        for (chunks, wd, s), (p_sq, d_sq) in zip(self.tensors, sums):
+            self._lamb_apply(p, m, v, chunks, wd, c, self._trust(lr * s, c, float(p_sq), float(d_sq)), scalars)
 
     def _lamb_scalars(self, t, gs):
         c1, c2, e, _ = self._direction_scalars(t, gs, "torch")

@@ -36,10 +36,31 @@ def state_names(cfg: OptimizerConfig) -> list[str]:
     raise ValueError(f"unknown optimizer {cfg.name!r}")
 
 
+def tensor_settings(cfg: OptimizerConfig, names: list[str], depths: dict | None = None) -> list[tuple]:
+    """Each parameter's ``(lr_scale, weight_decay)``, resolved from its name.
+
+    For each of the two, the first of ``cfg.groups`` whose ``params`` pattern (fnmatch, case-sensitive)
+    matches the name and that sets it decides; otherwise weight decay is 0 where a ``cfg.no_decay``
+    pattern matches (the same as groups ``{weight_decay: 0}`` after the user's), else
+    ``cfg.weight_decay``, and the lr scale 1. ``depths`` (name -> how many layers lie above the
+    parameter, from the model family; missing: 0) multiplies the lr scale by ``cfg.layer_decay ** depth``.
+    """
+    out = []
+    for n in names:
+        groups = [g for g in cfg.groups if fnmatch.fnmatchcase(n, g.params)]
+        scale = next((g.lr_scale for g in groups), 1.0)
+        wd = next((g.weight_decay for g in groups if g.weight_decay is not None), None)
+        if wd is None:
+            wd = 0.0 if any(fnmatch.fnmatchcase(n, pat) for pat in cfg.no_decay) else cfg.weight_decay
+        if cfg.layer_decay != 1.0 and depths:
+            scale *= cfg.layer_decay ** depths.get(n, 0)
+        out.append((float(scale), float(wd)))
+    return out
+
+
 def weight_decays(cfg: OptimizerConfig, names: list[str]) -> list[float]:
-    """Each parameter's weight decay: 0 when its name matches a no_decay pattern."""
-    return [0.0 if any(fnmatch.fnmatchcase(n, pat) for pat in cfg.no_decay) else float(cfg.weight_decay)
-            for n in names]
+    """Each parameter's weight decay (see :func:`tensor_settings`)."""
+    return [wd for _, wd in tensor_settings(cfg, names)]
 
 
 @dataclass
@@ -49,7 +70,9 @@ class Update:
     ``params``, ``grads`` and ``state`` are flat float32 tensors holding the
     parameter tensors back to back (``sizes``, in order); ``lr``, ``t`` (the
     1-based step number) and ``grad_scale`` are float64 scalars;
-    ``weight_decay`` holds each tensor's decay coefficient.
+    ``weight_decay`` holds each tensor's decay coefficient and ``lr_scale``
+    each tensor's factor of ``lr`` (parameter groups, layer-wise decay; all 1
+    leaves the graph as without groups).
     """
 
     params: Sym
@@ -60,6 +83,23 @@ class Update:
     grad_scale: Sym
     sizes: list
     weight_decay: list
+    lr_scale: list | None = None
+
+    def __post_init__(self):
+        if self.lr_scale is None:
+            self.lr_scale = [1.0] * len(self.sizes)
+        # one Sym per distinct scale: tensors of equal scale share it (scale_per_tensor sees them equal)
+        lrs = {s: self.lr if s == 1.0 else self.lr * s for s in dict.fromkeys(self.lr_scale)}
+        self.lrs = [lrs[s] for s in self.lr_scale]
+
+    @property
+    def scaled_lr(self) -> bool:
+        """Whether the tensors' learning rates differ from ``lr``."""
+        return any(s != 1.0 for s in self.lr_scale)
+
+    def times_lr(self, x: Sym) -> Sym:
+        """``x`` times each tensor's learning rate (``lr * x`` without groups)."""
+        return self.scale_per_tensor(x, self.lrs) if self.scaled_lr else self.lr * x
 
     @property
     def grad(self) -> Sym:
@@ -70,6 +110,15 @@ class Update:
         """``fn(wd)`` for each tensor's weight decay wd (``fn`` runs once per distinct wd)."""
         values = {wd: fn(wd) for wd in dict.fromkeys(self.weight_decay)}
         return [values[wd] for wd in self.weight_decay]
+
+    def by_lr_decay(self, fn) -> list:
+        """``fn(lr_i, wd)`` for each tensor's learning rate and weight decay (once per distinct pair)."""
+        pairs = list(zip(self.lr_scale, self.weight_decay))
+        values = {}
+        for (s, wd), lr in zip(pairs, self.lrs):
+            if (s, wd) not in values:
+                values[(s, wd)] = fn(lr, wd)
+        return [values[p] for p in pairs]
 
     def scale_per_tensor(self, x: Sym, values: list) -> Sym:
         """``x`` with tensor i's part multiplied by the scalar ``values[i]``.
@@ -150,14 +199,14 @@ def sgd(u: Update, momentum: float = 0.0, nesterov: bool = False):
     if momentum:
         buf = new["momentum"] = momentum * u.state["momentum"] + g
         g = g + momentum * buf if nesterov else buf
-    return u.params - u.lr * g, new
+    return u.params - u.times_lr(g), new
 
 
 def adam(u: Update, b1: float, b2: float, eps: float, eps_mode: str = "torch",
          bias_correction: bool = True):
     """Adam with L2 weight decay added to the gradient (torch.optim.Adam; ORT weight_decay_mode 0)."""
     m, v = _moments(u, _l2_grad(u), b1, b2)
-    step = u.lr * adam_direction(u, m, v, b1, b2, eps, eps_mode, bias_correction)
+    step = u.times_lr(adam_direction(u, m, v, b1, b2, eps, eps_mode, bias_correction))
     return u.params - step, {"exp_avg": m, "exp_avg_sq": v}
 
 
@@ -169,14 +218,16 @@ def adamw(u: Update, b1: float, b2: float, eps: float, eps_mode: str = "torch",
     ort (HF, ORT adam_mode 1): the Adam step, then p = p * (1 - lr*wd).
     """
     m, v = _moments(u, u.grad, b1, b2)
-    step = u.lr * adam_direction(u, m, v, b1, b2, eps, eps_mode, bias_correction)
+    step = u.times_lr(adam_direction(u, m, v, b1, b2, eps, eps_mode, bias_correction))
     p = u.params
     if not any(u.weight_decay):
-        p = p - step
-    elif eps_mode == "torch":
-        p = u.scale_per_tensor(p, u.by_decay(lambda wd: 1 - u.lr * wd)) - step
+        return p - step, {"exp_avg": m, "exp_avg_sq": v}
+    def keep():     # 1 - lr*wd per tensor: each tensor's own lr decays it (torch's param groups)
+        return u.by_lr_decay(lambda lr, wd: 1 - lr * wd)
+    if eps_mode == "torch":
+        p = u.scale_per_tensor(p, keep()) - step
     else:
-        p = u.scale_per_tensor(p - step, u.by_decay(lambda wd: 1 - u.lr * wd))
+        p = u.scale_per_tensor(p - step, keep())
     return p, {"exp_avg": m, "exp_avg_sq": v}
 
 
@@ -194,8 +245,8 @@ def lamb(u: Update, b1: float, b2: float, eps: float, ratio_min: float = 0.0,
     if any(u.weight_decay):  # d = c * (q + (wd / c) * p): c stays pending, one pass less
         d = c * (q + u.scale_per_tensor(u.params, u.by_decay(lambda wd: wd / c)))
     ratios = []
-    for p, d_i in zip(u.pieces(u.params), u.pieces(d)):
+    for p, d_i, lr in zip(u.pieces(u.params), u.pieces(d), u.lrs):
         p_norm, d_norm = sqrt(sum_squares(p)), sqrt(sum_squares(d_i))
-        trust = u.lr * clip(p_norm / d_norm, ratio_min, ratio_max)
-        ratios.append(where((p_norm > 0) & (d_norm > 0), trust, u.lr))
+        trust = lr * clip(p_norm / d_norm, ratio_min, ratio_max)
+        ratios.append(where((p_norm > 0) & (d_norm > 0), trust, lr))
     return u.params - u.scale_per_tensor(d, ratios), {"exp_avg": m, "exp_avg_sq": v}

@@ -81,7 +81,6 @@ def main(argv=None) -> int:
     if g.dropout > 0:
         print(f"torch_stats.py: warning: the run used dropout {g.dropout}; the reference runs without",
               file=sys.stderr)
-    steps = args.steps or cfg.train.max_steps
     every = args.every or cfg.debug.stats_every or 1
 
     weights = load_file(os.path.join(args.run_dir, "graphs", "weights.safetensors"))
@@ -137,6 +136,9 @@ def main(argv=None) -> int:
     world = json.load(open(meta)).get("world_size", 1) if os.path.isfile(meta) else 1
     accum = cfg.train.gradient_accumulation_steps
     mb = cfg.train.micro_batch_size * world          # a step's samples, in accum micro-batches
+    from trainrun.data import open_dataset
+    total = cfg.train.total_steps(open_dataset(cfg.data.train, cfg.data.seq_len).num_samples, mb * accum)
+    steps = args.steps or total
     batches = R.global_batches(cfg.data.train, cfg.data.seq_len, mb * accum, cfg.run.seed, cfg.data.shuffle)
     s = cfg.lr_schedule
     out_dir = os.path.join(args.output, "stats", "rank-0")
@@ -151,7 +153,7 @@ def main(argv=None) -> int:
             due = step % every == 0
             collecting[0] = due
             acts.clear()
-            lr = R.learning_rate(step, o.lr, cfg.train.max_steps, s.name, s.warmup_steps, s.min_lr, s.power)
+            lr = R.learning_rate(step, o.lr, total, s.name, s.warmup_steps, s.min_lr, s.power)
             for group in opt.param_groups:
                 group["lr"] = lr
             opt.zero_grad()

@@ -227,3 +227,55 @@ def test_zero_stage_1_needs_the_cpu_mpi_and_the_host_kernel(tmp_path):
         assert [p for p in err.value.problems if p.startswith(f"{key}: ") and text in p], err.value.problems
         assert C.load_config(write(tmp_path, data)).distributed.zero_stage == 0     # fine with stage 0
     assert C.load_config(write(tmp_path, {"distributed": {"zero_stage": 1}})).distributed.zero_stage == 1
+
+
+def test_tracker_keys_resolve_a_plain_store_path_and_refuse_a_bad_mode(tmp_path, monkeypatch):
+    (tmp_path / "conf").mkdir()
+    path = write(tmp_path / "conf", {"logging": {"mlflow": {"tracking_uri": "mlruns"}}})
+    monkeypatch.chdir(tmp_path)
+    assert C.load_config(path).logging.mlflow.tracking_uri == str(tmp_path / "conf" / "mlruns")   # the file's folder
+    assert C.load_config(path, ["logging.mlflow.tracking_uri=st"]).logging.mlflow.tracking_uri == str(tmp_path / "st")
+    for uri in ("http://host:5000", "file:///abs/mlruns", "sqlite:///m.db", "databricks"):   # URIs as they are
+        assert C.load_config(path, [f"logging.mlflow.tracking_uri={uri}"]).logging.mlflow.tracking_uri == uri
+    assert C.load_config(None).logging.wandb.project is None and C.load_config(None).logging.mlflow.tracking_uri is None
+    with pytest.raises(UsageError) as err:
+        C.load_config(path, ["logging.wandb.mode=disabled", "logging.mlflow.experiment=[a]"])
+    assert "logging.wandb.mode: 'disabled' is not one of: online, offline" in err.value.problems
+    assert any(p.startswith("logging.mlflow.experiment: expected a string") for p in err.value.problems)
+
+
+def test_parameter_groups_and_label_smoothing_are_checked(tmp_path, byte_dataset):
+    """optimizer.groups, layer_decay and model.loss.label_smoothing: bad values exit 2 naming the key; a
+    pattern that matches no trainable parameter is found by `config validate` and by training before
+    anything is written."""
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{
+        "optimizer.groups": [{"params": "transformer.h.*", "lr_scale": 0.0}, {"params": "*", "weight_decay": -1}],
+        "optimizer.layer_decay": 1.5, "model.loss.label_smoothing": 1.0})
+    err = run([TRAINRUN, "config", "validate", "--config", cfg], check=2).stderr
+    for line in ("optimizer.groups[0].lr_scale: must be > 0.0, got 0.0", "optimizer.groups[1].weight_decay: must be "
+                 ">= 0.0, got -1.0", "optimizer.layer_decay: must be <= 1.0, got 1.5",
+                 "model.loss.label_smoothing: must be < 1, got 1.0"):
+        assert line in err, err
+    assert "Traceback" not in err
+    err = run([TRAINRUN, "config", "validate", "--config", cfg, "--set", "optimizer.groups=[{lr_scale: 2}]",
+               "--set", "optimizer.layer_decay=0.5", "--set", "model.loss.label_smoothing=0.1"], check=2).stderr
+    assert "1 problem(s)" in err and "optimizer.groups[0].params: a parameter name pattern is required" in err, err
+    cfg = write_config(tmp_path / "d.yaml", byte_dataset, **{
+        "optimizer.groups": [{"params": "transformer.h.*", "lr_scale": 0.5}, {"params": "h.*"}],
+        "model.frozen": ["transformer.wpe.*"], "optimizer.layer_decay": 0.7})
+    err = run([TRAINRUN, "config", "validate", "--config", cfg], check=2).stderr
+    assert "optimizer.groups[1].params: 'h.*' matches no trainable parameter" in err and "groups[0]" not in err
+    shown = yaml.safe_load(run([TRAINRUN, "config", "show", "--config", cfg], check=0).stdout)   # commented YAML
+    assert shown["optimizer"]["groups"] == [{"params": "transformer.h.*", "lr_scale": 0.5, "weight_decay": None},
+                                            {"params": "h.*", "lr_scale": 1.0, "weight_decay": None}]
+    frozen = run([TRAINRUN, "--config", cfg, "--set", "optimizer.groups=[{params: transformer.h.*}, "
+                  "{params: transformer.wpe.*}]"], check=2)
+    assert "optimizer.groups[1].params: 'transformer.wpe.*' matches no trainable parameter" in frozen.stderr
+    assert not os.path.exists(tmp_path / "run" / "checkpoints")
+    onnx_model = write_config(tmp_path / "e.yaml", byte_dataset, **{
+        "model.builtin": "bert", "optimizer.layer_decay": 0.9, "model.loss.label_smoothing": 0.1})
+    err = run([TRAINRUN, "config", "validate", "--config", onnx_model], check=2).stderr
+    assert "model.loss.label_smoothing: smooths the cross_entropy trainrun builds" in err
+    err = run([TRAINRUN, "config", "validate", "--config", cfg, "--set", "model.builtin=null", "--set",
+               f"model.onnx={cfg}"], check=2).stderr
+    assert "optimizer.layer_decay: reads each parameter's layer from a built-in model's names" in err

@@ -18,7 +18,7 @@ import pytest
 import onnxruntime as ort
 
 from test_optim import initial_params, random_grads, reference_run, to_flat
-from trainrun.config import OptimizerConfig
+from trainrun.config import OptimizerConfig, ParamGroupConfig
 from trainrun.kernels import host
 from trainrun.optim import build_optimizer_graph, state_names
 
@@ -69,9 +69,9 @@ CASES = {
 EXACT_STATES = {"adamw", "lamb"}  # m, v do not see the params: plain Mul/Add, bit-identical
 
 
-def run_graph(cfg, params, grads, schedule, grad_scale):
+def run_graph(cfg, params, grads, schedule, grad_scale, depths=None):
     """The optimizer graph, fed with plain sess.run; returns (params, {state: array})."""
-    model = build_optimizer_graph(cfg, LAYOUT)
+    model = build_optimizer_graph(cfg, LAYOUT, depths)
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1
     sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
@@ -85,8 +85,8 @@ def run_graph(cfg, params, grads, schedule, grad_scale):
     return p, st
 
 
-def run_host(cfg, params, grads, schedule, grad_scale, chunk=CHUNK):
-    opt = host.HostOptimizer(cfg, SIZES, NAMES, chunk=chunk)
+def run_host(cfg, params, grads, schedule, grad_scale, chunk=CHUNK, depths=None):
+    opt = host.HostOptimizer(cfg, SIZES, NAMES, chunk=chunk, depths=depths)
     p, st = params.copy(), {s: np.zeros_like(params) for s in state_names(cfg)}
     for t, (g, lr) in enumerate(zip(grads, schedule), start=1):
         opt.step(p, g, st, lr, t, grad_scale)
@@ -100,10 +100,10 @@ def start(seed, scales=None, zero=()):
     return params, grads
 
 
-def assert_agree(cfg, params, grads, grad_scale, chunk=CHUNK):
+def assert_agree(cfg, params, grads, grad_scale, chunk=CHUNK, depths=None):
     flat, flat_grads = to_flat(params), [to_flat(g) for g in grads]
-    want_p, want_st = run_graph(cfg, flat, flat_grads, SCHEDULE, grad_scale)
-    got_p, got_st = run_host(cfg, flat, flat_grads, SCHEDULE, grad_scale, chunk)
+    want_p, want_st = run_graph(cfg, flat, flat_grads, SCHEDULE, grad_scale, depths)
+    got_p, got_st = run_host(cfg, flat, flat_grads, SCHEDULE, grad_scale, chunk, depths)
     assert np.abs(want_p - flat).max() > 1e-2  # the steps moved the params
     assert set(got_st) == set(want_st) == set(state_names(cfg))
     if cfg.name == "sgd":
@@ -124,6 +124,29 @@ def test_matches_the_optimizer_graph(case):
     params, grads = start(0)
     assert len(set(host.HostOptimizer(cfg, SIZES, NAMES).weight_decay)) == (2 if cfg.weight_decay else 1)
     assert_agree(cfg, params, grads, grad_scale=0.7)
+
+
+# groups over LAYOUT: the h.0 block at 0.7x the lr, wpe with its own decay, every bias decayed;
+# layer decay 0.6 over depths (wte and wpe 2, h.0.* 1, head and gain 0)
+GROUPS = [ParamGroupConfig(params="h.0.*", lr_scale=0.7),
+          ParamGroupConfig(params="wpe", lr_scale=1.5, weight_decay=0.4),
+          ParamGroupConfig(params="*bias", weight_decay=0.2)]
+DEPTHS = {"wte": 2, "wpe": 2, **{n: 1 for n in NAMES if n.startswith("h.0.")}}
+
+
+@pytest.mark.parametrize("case", ["sgd_l2", "sgd_nesterov_l2", "adam_torch_l2", "adam_ort_l2", "adamw_torch",
+                                  "adamw_ort", "lamb", "lamb_no_bias_correction"])
+def test_groups_and_layer_decay_match_the_optimizer_graph(case):
+    """Per-tensor lr scales and decays (optimizer.groups, layer_decay): host loops and graph agree, to the
+    same tolerances as without groups; the runs of tensors split where the scales differ."""
+    cfg = OptimizerConfig(**CASES[case], groups=GROUPS, layer_decay=0.6)
+    opt = host.HostOptimizer(cfg, SIZES, NAMES, depths=DEPTHS)
+    if cfg.name != "lamb":
+        assert len(opt.runs) >= 5
+    params, grads = start(6)
+    got_p, _ = assert_agree(cfg, params, grads, grad_scale=0.7, depths=DEPTHS)
+    plain_p, _ = run_host(OptimizerConfig(**CASES[case]), to_flat(params), [to_flat(g) for g in grads], SCHEDULE, 0.7)
+    assert np.abs(got_p - plain_p).max() > 1e-3
 
 
 @pytest.mark.parametrize("grad_scale", [1.0, 0.03, 4.0])
@@ -209,17 +232,20 @@ def test_rejects_what_is_not_a_float32_numpy_buffer():
         host.HostOptimizer(cfg, [3, 0], ["a", "b"])
 
 
-@pytest.mark.parametrize("case", ["lamb", "lamb_no_decay_no_bias_correction", "adamw_torch", "sgd_momentum_l2"])
+@pytest.mark.parametrize("case", ["lamb", "lamb_no_decay_no_bias_correction", "adamw_torch", "sgd_momentum_l2",
+                                  "lamb+groups", "adamw_torch+groups"])
 def test_parts_of_the_buffer_update_as_the_whole(case):
     """ZeRO-1's shards: the flat buffer cut into 3 parts inside tensors (and one part inside a single
     tensor), one HostOptimizer per part over the tensor pieces it holds, run in 3 threads whose LAMB
     norm_sums add up every part's per-tensor sums (as trainrun.update does over ranks): the graph's update
     of the whole buffer, to the same tolerances."""
     import threading
-    cfg = OptimizerConfig(**CASES[case])
+    name, _, grouped = case.partition("+")
+    cfg = OptimizerConfig(**CASES[name], **(dict(groups=GROUPS, layer_decay=0.6) if grouped else {}))
+    depths = DEPTHS if grouped else None
     params, grads = start(3)
     flat, flat_grads = to_flat(params), [to_flat(g) for g in grads]
-    want_p, want_st = run_graph(cfg, flat, flat_grads, SCHEDULE, 0.7)
+    want_p, want_st = run_graph(cfg, flat, flat_grads, SCHEDULE, 0.7, depths)
     bounds = np.cumsum([0] + SIZES)
     cuts = [0, 1600, 1700, bounds[-1]]        # wpe is 1517:1764: cut twice, the middle part inside it
     assert any(a < c < b for a, b in zip(bounds, bounds[1:]) for c in cuts[1:-1])
@@ -244,7 +270,7 @@ def test_parts_of_the_buffer_update_as_the_whole(case):
             return total
 
         opt = host.HostOptimizer(cfg, [n for _, n in pieces], [NAMES[i] for i in ids], chunk=CHUNK,
-                                 norm_sums=norm_sums if cfg.name == "lamb" else None)
+                                 norm_sums=norm_sums if cfg.name == "lamb" else None, depths=depths)
         try:
             for t, (g, lr) in enumerate(zip(flat_grads, SCHEDULE), start=1):
                 opt.step(p[lo:hi], g[lo:hi].copy(), {s: v[lo:hi] for s, v in st.items()}, lr, t, 0.7)

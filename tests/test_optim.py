@@ -13,7 +13,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from trainrun.config import OptimizerConfig
+from trainrun.config import OptimizerConfig, ParamGroupConfig
+from trainrun.kernels.optimizers import tensor_settings
 from trainrun.kernels.sym import inplace_conflicts
 from trainrun.optim import build_optimizer_graph, inplace_aliases, state_names, weight_decays
 
@@ -148,16 +149,18 @@ def ref_lamb(cfg, p, g, st, lr, t, wd, log):
 REFERENCE = {"sgd": ref_sgd, "adam": ref_adam, "adamw": ref_adamw, "lamb": ref_lamb}
 
 
-def reference_run(cfg, params, grads_per_step, schedule, grad_scale):
-    """Float64 reference over several steps; returns (params, state) as flat arrays and a log."""
+def reference_run(cfg, params, grads_per_step, schedule, grad_scale, groups=None):
+    """Float64 reference over several steps; returns (params, state) as flat arrays and a log.
+    ``groups``: name -> (lr scale, weight decay), written out by the caller (default: lr scale 1 and
+    the no_decay rule)."""
     params = {k: v.astype(np.float64) for k, v in params.items()}
     state = {name: {s: np.zeros(np.shape(value)) for s in state_names(cfg)} for name, value in params.items()}
     log = []
     for t, (grads, lr) in enumerate(zip(grads_per_step, schedule), start=1):
         for name in params:
             g = grads[name].astype(np.float64) * grad_scale
-            params[name] = REFERENCE[cfg.name](cfg, params[name], g, state[name], lr, t,
-                                               decay_of(cfg, name), log)
+            scale, wd = groups[name] if groups else (1.0, decay_of(cfg, name))
+            params[name] = REFERENCE[cfg.name](cfg, params[name], g, state[name], lr * scale, t, wd, log)
     flat_state = {s: to_flat({n: state[n][s] for n in params}) for s in state_names(cfg)}
     return to_flat(params), flat_state, log
 
@@ -167,8 +170,8 @@ def random_grads(rng, steps, layout=PARAMS, zero=()):
              for name, shape in layout} for _ in range(steps)]
 
 
-def graph_run(cfg, params, grads_per_step, schedule, grad_scale):
-    model = build_optimizer_graph(cfg, layout_of(params))
+def graph_run(cfg, params, grads_per_step, schedule, grad_scale, depths=None):
+    model = build_optimizer_graph(cfg, layout_of(params), depths)
     run = InPlace(model, to_flat(params), cfg)
     for t, (grads, lr) in enumerate(zip(grads_per_step, schedule), start=1):
         run.step(to_flat(grads), lr, t, grad_scale)
@@ -345,6 +348,115 @@ def test_matches_torch_optim_over_20_steps(kind):
     if kind.startswith("adam"):
         torch_m = to_flat({n: opt.state[t]["exp_avg"].numpy() for n, t in tensors.items()})
         np.testing.assert_allclose(got["exp_avg"], torch_m, rtol=1e-6, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- parameter groups
+
+# groups over PARAMS: h.0.* at half the lr (the first match decides: h.0.attn.bias is in it, not in the
+# *bias group below, for its lr; its decay comes from the *bias group, the first that sets one), wte at
+# twice the lr with its own decay, every bias decayed 0.3 (over no_decay's *bias), gain left alone;
+# layer decay 0.5 over depths (wte 3, h.0.* 2, head 0): the lr scale is the group's times 0.5 ** depth
+GROUPS = [ParamGroupConfig(params="h.0.*", lr_scale=0.5),
+          ParamGroupConfig(params="wte", lr_scale=2.0, weight_decay=0.02),
+          ParamGroupConfig(params="*bias", lr_scale=3.0, weight_decay=0.3)]
+DEPTHS = {"wte": 3, "h.0.attn.weight": 2, "h.0.attn.bias": 2, "h.0.ln_1.weight": 2}
+# name -> (lr scale, weight decay) as the rule above gives them, written out by hand
+EXPECTED_GROUPS = {"h.0.attn.weight": (0.5 * 0.25, 0.1), "h.0.attn.bias": (0.5 * 0.25, 0.3),
+                   "h.0.ln_1.weight": (0.5 * 0.25, 0.0), "wte": (2.0 * 0.125, 0.02), "head.weight": (1.0, 0.1),
+                   "gain": (1.0, 0.0)}
+
+
+def groups_cfg(**kw):
+    return OptimizerConfig(lr=LR_TRAP, weight_decay=0.1, no_decay=["*bias", "*ln_*", "gain"], groups=GROUPS,
+                           layer_decay=0.5, **kw)
+
+
+def test_tensor_settings_first_match_per_key_then_no_decay_then_layer_decay():
+    names = [n for n, _ in PARAMS]
+    assert tensor_settings(groups_cfg(), names, DEPTHS) == [EXPECTED_GROUPS[n] for n in names]
+    # without depths layer_decay has nothing to scale; without groups: the no_decay rule, scale 1
+    assert tensor_settings(groups_cfg(), ["head.weight", "wte"]) == [(1.0, 0.1), (2.0, 0.02)]
+    assert tensor_settings(OptimizerConfig(weight_decay=0.1), names) == [
+        (1.0, 0.1), (1.0, 0.0), (1.0, 0.0), (1.0, 0.1), (1.0, 0.1), (1.0, 0.1)]
+
+
+def test_layer_depths_come_from_the_model_family():
+    """layer_decay's exponents for the built-in families' own parameter names: embeddings L + 1, block i
+    L - i, the rest (final LayerNorm, pooler, heads) 0; none for a model.onnx."""
+    from trainrun.config import ModelConfig
+    from trainrun.models import bert, gpt2
+    from trainrun.models.registry import layer_depths
+    m = ModelConfig(builtin="gpt2")
+    m.gpt2.n_layer = 3
+    depths = layer_depths(m, list(gpt2.param_specs(m.gpt2)))
+    assert {n: d for n, d in depths.items() if not n.startswith("transformer.h.")} == {
+        "transformer.wte.weight": 4, "transformer.wpe.weight": 4, "transformer.ln_f.weight": 0,
+        "transformer.ln_f.bias": 0}
+    assert {d for n, d in depths.items() if n.startswith("transformer.h.0.")} == {3}
+    assert {d for n, d in depths.items() if n.startswith("transformer.h.2.")} == {1}
+    m = ModelConfig(builtin="bert")
+    depths = layer_depths(m, list(bert.param_specs(m.bert)))       # 2 layers
+    assert depths["bert.embeddings.LayerNorm.weight"] == depths["bert.embeddings.word_embeddings.weight"] == 3
+    assert depths["bert.encoder.layer.0.attention.self.query.weight"] == 2
+    assert depths["bert.encoder.layer.1.output.dense.bias"] == 1
+    assert depths["bert.pooler.dense.weight"] == depths["cls.predictions.bias"] == 0
+    assert layer_depths(ModelConfig(builtin=None), ["w"]) is None
+
+
+@pytest.mark.parametrize("case", ["sgd_nesterov_l2", "adam_ort_eps_no_bias_correction", "adamw_torch_eps",
+                                  "adamw_ort_eps", "lamb", "lamb_no_bias_correction"])
+def test_groups_match_numpy_reference(case):
+    """Every rule with per-tensor lr scales and decays (LAMB: the trust ratio's step scaled) against the
+    float64 reference fed the hand-written table."""
+    cfg = groups_cfg(**{k: v for k, v in CASES[case].items() if k != "weight_decay"})
+    rng = np.random.default_rng(8)
+    params, grads = initial_params(rng), random_grads(rng, 5)
+    schedule = [0.05, 0.03, 0.02, 0.04, 0.01]
+    expected, expected_state, _ = reference_run(cfg, params, grads, schedule, 0.7, EXPECTED_GROUPS)
+    got = graph_run(cfg, params, grads, schedule, 0.7, DEPTHS)
+    plain, _, _ = reference_run(cfg, params, grads, schedule, 0.7)
+    assert np.abs(expected - plain).max() > 1e-3       # the groups changed the update
+    np.testing.assert_allclose(got["params"], expected, rtol=1e-6, atol=1e-6)
+    for s, value in expected_state.items():
+        np.testing.assert_allclose(got[s], value, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adam", "sgd", "sgd_nesterov"])
+def test_groups_match_torch_param_groups(kind):
+    """torch.optim with one param group per tensor (lr = the scheduled lr times its scale, its weight
+    decay), 10 steps: the optimizer graph with optimizer.groups and layer_decay, to 1e-6."""
+    torch = pytest.importorskip("torch")
+    optim_cls, kwargs, base = _torch_case(kind)
+    cfg = groups_cfg(**{k: getattr(base, k) for k in ("name", "betas", "eps", "momentum", "nesterov")})
+    rng = np.random.default_rng(9)
+    params, grads = initial_params(rng), random_grads(rng, 10)
+    schedule = [0.01 * (1 + math.cos(i / 3)) + 1e-3 for i in range(10)]
+    tensors = {name: torch.nn.Parameter(torch.from_numpy(params[name].copy())) for name, _ in PARAMS}
+    opt = optim_cls([{"params": [tensors[n]], "weight_decay": EXPECTED_GROUPS[n][1], "scale": EXPECTED_GROUPS[n][0]}
+                     for n, _ in PARAMS], lr=schedule[0], **kwargs)
+    for step_grads, lr in zip(grads, schedule):
+        for group in opt.param_groups:
+            group["lr"] = lr * group["scale"]
+        for name, _ in PARAMS:
+            tensors[name].grad = torch.from_numpy(np.asarray(step_grads[name] * np.float32(0.8)))
+        opt.step()
+    expected = to_flat({n: t.detach().numpy() for n, t in tensors.items()})
+    got = graph_run(cfg, params, grads, schedule, 0.8, DEPTHS)
+    np.testing.assert_allclose(got["params"], expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["adamw", "adam", "sgd", "lamb"])
+def test_groups_cost_no_extra_pass(name):
+    """Per-tensor learning rates ride on the per-tensor column the decays already use: no full-size pass
+    more than mixed decays alone, no N-element Expand/Concat; all scales 1 builds today's graph."""
+    n = sum(math.prod(s) for _, s in PARAMS8)
+    mixed = full_size_ops(build_optimizer_graph(OptimizerConfig(name=name, weight_decay=0.1), PARAMS8), n)
+    cfg = OptimizerConfig(name=name, weight_decay=0.1, groups=[ParamGroupConfig(params="h.*", lr_scale=0.3)])
+    grouped = full_size_ops(build_optimizer_graph(cfg, PARAMS8), n)
+    assert len(grouped) == len(mixed) and not {"Expand", "Concat"} & set(grouped)
+    ones = OptimizerConfig(name=name, weight_decay=0.1, groups=[ParamGroupConfig(params="h.*", lr_scale=1.0)])
+    assert build_optimizer_graph(ones, PARAMS8) == build_optimizer_graph(OptimizerConfig(name=name, weight_decay=0.1),
+                                                                          PARAMS8)
 
 
 # ----------------------------------------------------------------------------- in place and graph shape

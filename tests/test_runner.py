@@ -290,3 +290,18 @@ def test_metrics_and_tensorboard_after_a_crash_hold_every_step_once(tmp_path, by
     scalars = _tensorboard_scalars(glob.glob(str(run_dir / "tensorboard" / "events.*")))
     assert scalars["train/loss"] == list(range(1, 17))
     assert scalars["eval/loss"] == [5, 10, 15, 16]
+
+
+def test_label_smoothing_trains_and_reports_plain_perplexity(tmp_path, byte_dataset):
+    """model.loss.label_smoothing 0.1 on the built-in GPT-2, 2 ranks: the train and eval losses are the
+    smoothed loss (above the plain cross-entropy once the model is confident), eval_ce is the plain one
+    and perplexity its exp; the run learns."""
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{
+        "train.max_steps": 20, "train.eval_every": 10, "model.loss.label_smoothing": 0.1})
+    mpirun(2, "--config", cfg)
+    train, evals = read_metrics(str(tmp_path / "run"))
+    assert sorted(evals) == [10, 20]
+    for row in evals.values():
+        assert row["eval_perplexity"] == pytest.approx(math.exp(row["eval_ce"]), rel=1e-6)
+        assert row["eval_loss"] > row["eval_ce"] + 0.05, row
+    assert train[20]["loss"] < train[1]["loss"] - 0.5

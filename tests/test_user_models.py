@@ -477,6 +477,65 @@ def test_cross_entropy_layouts_weights_and_accuracy_match_pytorch(tmp_path, layo
         eng.forward_backward({"x": x, "labels": y}, accumulate=False)
 
 
+@pytest.mark.parametrize("case", ["axis1_weights", "last_weights", "vocab_split"])
+def test_label_smoothing_matches_torch(tmp_path, case):
+    """model.loss.label_smoothing against torch.nn.functional.cross_entropy(label_smoothing=...) in float64,
+    with ignore_index: class axis 1 and -1 with class weights, and 1100 classes (past SPLIT_MIN_CLASSES,
+    where prepare rewrites the cross-entropy and its gradient into their cheap forms). The train graph's
+    loss and gradient, the eval graph's loss and its ``ce`` metric (the unsmoothed cross-entropy)."""
+    import torch
+    from trainrun import config as C
+    from trainrun.engine import Engine, EngineOptions
+    from trainrun.feeding import eval_results
+    from trainrun.graphs.manifest import prepare
+    C_, S, s = (1100, 3, 0.1) if case == "vocab_split" else (7, 5, 0.2)
+    axis = 1 if case == "axis1_weights" else -1
+    rng = np.random.default_rng(4)
+    wt = rng.normal(0, 3, (3, C_)).astype(np.float32)   # confident logits: smoothing matters
+    perm = [0, 2, 1] if axis == 1 else [0, 1, 2]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Transpose", ["h"], ["logits"], perm=perm)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", S, 3])],
+                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT,
+                                                         ["b", C_, S] if axis == 1 else ["b", S, C_])],
+                          [numpy_helper.from_array(wt, "w")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.save(m, str(tmp_path / "m.onnx"))
+    weights = [] if case == "vocab_split" else [0.5, 1.0, 2.0, 1.5, 1.0, 0.25, 3.0]
+    cfg = C.from_dict({"model": {"builtin": None, "onnx": str(tmp_path / "m.onnx"),
+                                 "loss": {"class_axis": axis, "weights": weights, "ignore_index": -1,
+                                          "label_smoothing": s}},
+                       "train": {"micro_batch_size": 4}, "run": {"output_dir": str(tmp_path / "run")}})
+    graphs = prepare(cfg)
+    train = onnx.load(os.path.join(graphs, "train.onnx"))
+    ops = {n.op_type for n in train.graph.node}
+    if case == "vocab_split":   # the cheap forms of the plain loss and its gradient serve the smoothed loss too
+        assert "LogSoftmax" in ops and not {"SoftmaxCrossEntropyLoss", "SoftmaxCrossEntropyLossGrad"} & ops, ops
+    shapes = {"x": ((4, S, 3), np.float32), "labels": ((4, S), np.int64)}
+    eng = Engine(graphs, EngineOptions(threads=1), shapes, shapes)
+    eng.load_weights()
+    x = rng.normal(0, 1, (4, S, 3)).astype(np.float32)
+    y = rng.integers(0, C_, (4, S))
+    y[0, 1] = y[2, 2] = -1
+    w = torch.tensor(wt.astype(np.float64), requires_grad=True)
+    logits = (torch.tensor(x.astype(np.float64)) @ w).reshape(-1, C_)
+    kw = dict(weight=torch.tensor(weights, dtype=torch.float64) if weights else None, ignore_index=-1)
+    ref = torch.nn.functional.cross_entropy(logits, torch.tensor(y).reshape(-1), label_smoothing=s, **kw)
+    ref.backward()
+    plain = torch.nn.functional.cross_entropy(logits, torch.tensor(y).reshape(-1), **kw).item()
+    assert abs(ref.item() - plain) > 1e-3 * plain       # smoothing changes the loss
+
+    loss = eng.forward_backward({"x": x, "labels": y}, accumulate=False)
+    assert loss == pytest.approx(ref.item(), rel=1e-5)
+    grad = eng.layout.unflatten(eng.grads)["w"]
+    assert np.abs(grad - w.grad.numpy()).max() <= 1e-5 * np.abs(w.grad.numpy()).max()
+    assert eng.evaluate({"x": x, "labels": y}) == pytest.approx(ref.item(), rel=1e-5)
+    ce = float(eng.eval_metrics["metric/ce/sum"]) / float(eng.eval_metrics["metric/ce/count"])
+    assert ce == pytest.approx(plain, rel=1e-5)
+    result = eval_results(loss, {k: float(v) for k, v in eng.eval_metrics.items()})
+    assert result["perplexity"] == pytest.approx(np.exp(plain), rel=1e-5)
+
+
 BAD = {
     # case: (model section, data section, feature arrays replaced, world, expected message parts)
     "feature_dtype": ({}, {}, {"x": lambda a: a["x"].astype(np.float64)}, 2,

@@ -122,3 +122,55 @@ def test_optimizer_state_is_split_over_ranks(tmp_path, byte_dataset):
     assert [h[1:3] for h in held[1]] == [(0, held[1][1][1]), (held[1][1][1], held[1][2][1]), (held[1][2][1], n)]
     for r, lo, hi, _, nbytes in held[1]:
         assert abs((hi - lo) - n / 3) <= 1 and nbytes == 8 * (hi - lo)
+
+
+# the second block at half the lr, the position embedding decayed 2.0 (its rows past data.seq_len get no
+# gradient: their step 1 is the decay alone); layer decay 0.8 over the 2 blocks
+GROUPS = {"name": "adamw", "lr": 3e-3, "weight_decay": 0.1, "max_grad_norm": 1.0, "layer_decay": 0.8,
+          "groups": [{"params": "transformer.h.1.*", "lr_scale": 0.5},
+                     {"params": "transformer.wpe.*", "weight_decay": 2.0}]}
+
+
+def _group_of(name):
+    """(lr, weight decay) of a parameter of the 2-block GPT-2 under GROUPS, by the documented rule written
+    out here: embeddings 0.8 ** 3, block i 0.8 ** (2 - i), ln_f 1; no_decay's defaults take biases and
+    LayerNorms out of the decay."""
+    depth = 3 if name.startswith(("transformer.wte.", "transformer.wpe.")) else \
+        2 - int(name.split(".")[2]) if name.startswith("transformer.h.") else 0
+    lr = 3e-3 * (0.5 if name.startswith("transformer.h.1.") else 1.0) * 0.8 ** depth
+    wd = 2.0 if name.startswith("transformer.wpe.") else 0.0 if ("bias" in name or ".ln_" in name) else 0.1
+    return lr, wd
+
+
+def test_groups_and_layer_decay_train_alike_on_stage_0_and_zero_1(tmp_path, byte_dataset):
+    """optimizer.groups and layer_decay in real runs on 2 ranks: ZeRO-1 (parts cut inside tensors, the
+    host kernel per part) loses as stage 0 does over 10 steps (1e-6), and its first update of each tensor
+    is AdamW's at that tensor's own lr and decay: p1 = p0 (1 - lr wd) - lr m/(sqrt(v) + eps), whose
+    largest step is lr where |g| >> eps, and exactly the decay on wpe's rows that see no gradient."""
+    runs = {}
+    for stage in (0, 1):
+        name = f"groups{stage}"
+        cfg = write_config(tmp_path / f"{name}.yaml", byte_dataset, **{
+            "run.output_dir": str(tmp_path / name), "train.max_steps": 10, "train.micro_batch_size": 2,
+            "model.gpt2.n_positions": 64, "distributed.zero_stage": stage, "optimizer": GROUPS,
+            "lr_schedule": {"name": "constant"}, "checkpoint": {"every": stage, "keep_last": 10}})
+        mpirun(2, "--config", cfg)
+        runs[stage] = read_metrics(str(tmp_path / name))[0]
+    assert sorted(runs[1]) == sorted(runs[0]) == list(range(1, 11))
+    for s in runs[0]:
+        assert abs(runs[1][s]["loss"] - runs[0][s]["loss"]) <= 1e-6, s
+    assert runs[1][1]["lr"] == pytest.approx(3e-3, rel=1e-6)
+
+    p0 = load_file(str(tmp_path / "groups1" / "graphs" / "weights.safetensors"))
+    p1 = load_file(str(tmp_path / "groups1" / "checkpoints" / "1" / "model.safetensors"))
+    lrs = set()
+    for name, before in p0.items():
+        lr, wd = _group_of(name)
+        step = p1[name].astype(np.float64) - before * (1 - lr * wd)
+        assert abs(np.abs(step).max() / lr - 1) < 2e-2, (name, np.abs(step).max(), lr)
+        lrs.add(round(lr, 9))
+    assert len(lrs) == 4        # 3e-3 x 0.8^3 (embeddings), x 0.8^2 (h.0), x 0.5 x 0.8 (h.1), x 1 (ln_f)
+    unseen = slice(32, 64)      # positions past data.seq_len: no gradient, the decay alone
+    lr, wd = _group_of("transformer.wpe.weight")
+    wpe0, wpe1 = p0["transformer.wpe.weight"][unseen], p1["transformer.wpe.weight"][unseen]
+    np.testing.assert_allclose(wpe1, wpe0 * (1 - lr * wd), rtol=1e-6)

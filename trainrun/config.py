@@ -14,11 +14,12 @@ import dataclasses
 import difflib
 import inspect
 import json
+import math
 import os
 import re
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Optional, Union
 
 import yaml
 
@@ -146,6 +147,11 @@ class LossConfig:
     labels [N] or [N, S]); 1: ONNX's SoftmaxCrossEntropyLoss layout [N, C, d1, ...] (labels [N, d1, ...])."""
     weights: list[float] = opt(factory=list)
     """cross_entropy: one weight per class (empty: all 1); the mean is weighted as PyTorch's."""
+    label_smoothing: float = opt(0.0, min=0.0)
+    """cross_entropy, in [0, 1): the target is (1 - s) on the label plus s / C spread over the C classes,
+    as torch.nn.functional.cross_entropy(label_smoothing=s) (with class weights and ignore_index too). The
+    train loss and the eval `loss` are the smoothed loss (as HF Trainer reports); eval `perplexity`
+    (model.builtin gpt2) comes from the plain cross-entropy, `eval_ce`. train.precision fp32 only."""
 
 
 # model.builtin's values: a family's name is that of its section below (the built-in families' sections
@@ -207,8 +213,10 @@ class ModelConfig:
 class DataConfig:
     train: Optional[str] = opt(None, path="dir")
     """Training dataset directory (trainrun-data output)."""
-    eval: Optional[str] = opt(None, path="dir")
-    """Evaluation dataset directory (optional)."""
+    eval: Union[str, dict[str, str], None] = opt(None, path="dir")
+    """Evaluation dataset directory (optional), or several named ones `{NAME: DIR, ...}`: each evaluated at
+    every evaluation, its metrics logged as `eval_<NAME>_<metric>` (TensorBoard `eval/<NAME>/<metric>`);
+    a single directory logs `eval_<metric>` (`eval/<metric>`). Names: letters, digits, `_`, `-`."""
     seq_len: int = opt(128, min=1)
     """Tokens per sample (inputs; labels are the next tokens)."""
     shuffle: bool = True
@@ -219,13 +227,53 @@ class DataConfig:
     """{graph input: dataset feature} for the inputs not fed by the feature of their own name (the loss's
     labels input defaults to the feature `labels`); checked against the graph at start-up."""
 
+    def eval_sets(self) -> dict[Optional[str], str]:
+        """{name: directory} of the eval sets; the name None for a single unnamed data.eval."""
+        if not self.eval:
+            return {}
+        return dict(self.eval) if isinstance(self.eval, dict) else {None: self.eval}
+
+
+def eval_key(name: Optional[str], metric: str) -> str:
+    """The metrics key of an eval set's metric: `eval_<metric>`, or `eval_<name>_<metric>` for a named set."""
+    return f"eval_{metric}" if name is None else f"eval_{name}_{metric}"
+
+
+EVAL_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+
+DEFAULT_MAX_STEPS = 100
+
+
+def parse_duration(value) -> float:
+    """Seconds of a number or an "HH:MM:SS" (or "MM:SS") string; ValueError unless positive."""
+    if isinstance(value, str) and ":" in value:
+        parts = value.split(":")
+        if len(parts) > 3 or not all(re.fullmatch(r"\d+(\.\d*)?", p.strip()) for p in parts):
+            raise ValueError(f"expected seconds or \"HH:MM:SS\", got {value!r}")
+        seconds = 0.0
+        for p in parts:
+            seconds = seconds * 60 + float(p)
+    else:
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"expected seconds or \"HH:MM:SS\", got {value!r}") from None
+    if not seconds > 0 or not math.isfinite(seconds):
+        raise ValueError(f"must be a time > 0, got {value!r}")
+    return seconds
+
 
 @dataclass
 class EarlyStoppingConfig:
     patience: int = opt(0, min=0)
     """Stop (with a checkpoint) after this many evaluations in a row without improvement (0: never)."""
     min_delta: float = opt(0.0, min=0.0)
-    """An eval loss must beat the best by more than this to count as an improvement."""
+    """The metric must beat the best by more than this to count as an improvement."""
+    metric: Optional[str] = None
+    """The eval metric watched, as metrics.jsonl names it: `eval_loss`, `eval_accuracy`, ... or with named
+    eval sets `eval_<NAME>_<metric>` (null: the loss of data.eval, or of its first named set). Lower is
+    better for a loss, perplexity, mse or mae; higher for the others (accuracy, f1, ...)."""
 
 
 @dataclass
@@ -234,8 +282,18 @@ class TrainConfig:
     """Samples per rank per forward/backward."""
     gradient_accumulation_steps: int = opt(1, min=1)
     """Micro-batches accumulated (in place) before each update."""
-    max_steps: int = opt(100, min=1)
-    """Optimizer steps to train (the LR schedule spans them)."""
+    max_steps: Optional[int] = opt(None, min=1)
+    """Optimizer steps to train (the LR schedule spans them). Null: train.max_epochs's steps, or 100 when
+    that is not set either; given with train.max_epochs, max_steps wins (as in HF Trainer)."""
+    max_epochs: float = opt(0.0, min=0.0)
+    """Passes over the train set (an epoch: data.train's samples, over all ranks; fractions allowed),
+    resolved at start-up to ceil(max_epochs x train samples / global batch) steps, which the LR schedule
+    spans (0: train.max_steps decides)."""
+    max_time: Union[float, str, None] = None
+    """Wall-clock limit of this session (seconds, or "HH:MM:SS"), counted from its start-up: once past it,
+    every rank stops after the same step with a checkpoint and the job exits 75 (stopped, resumable), as
+    on SIGTERM; `trainrun resume` continues, with the limit counted again (null: no limit). Leave time for
+    the last step and its checkpoint under a scheduler's limit."""
     stop_at: int = opt(0, min=0)
     """Stop early at this step, with a checkpoint, without changing the schedule (0: run to max_steps);
     for time-limited jobs that `resume` later."""
@@ -256,6 +314,28 @@ class TrainConfig:
     """Compute type of the train graph: fp32; fp16 or bf16 (float32 master parameters, a Cast after each
     in the graph; LayerNorm, Softmax and the loss in fp32; fp16 with dynamic loss scaling). fp16/bf16
     need device: cuda (onnxruntime's CPU provider lacks their training kernels)."""
+
+    def total_steps(self, train_samples: int, global_batch: int) -> int:
+        """The step the run ends at: max_steps, else max_epochs's steps over ``train_samples``, else 100."""
+        if self.max_steps:
+            return self.max_steps
+        if self.max_epochs:
+            return max(1, math.ceil(self.max_epochs * train_samples / global_batch - 1e-9))
+        return DEFAULT_MAX_STEPS
+
+    def max_time_s(self) -> Optional[float]:
+        """train.max_time in seconds (None: no limit); a bad value raises ValueError."""
+        return None if self.max_time is None else parse_duration(self.max_time)
+
+
+@dataclass
+class ParamGroupConfig:
+    params: str = ""
+    """Parameter name pattern (fnmatch, case-sensitive) of the group."""
+    lr_scale: float = opt(1.0, gt=0.0)
+    """The group's learning rate is optimizer.lr (as scheduled) times this."""
+    weight_decay: Optional[float] = opt(None, min=0.0)
+    """The group's weight decay (null: optimizer.weight_decay, or 0 where a no_decay pattern matches)."""
 
 
 @dataclass
@@ -285,7 +365,17 @@ class OptimizerConfig:
     max_grad_norm: float = opt(1.0, min=0.0)
     """Clip the global gradient L2 norm to this (0: no clipping)."""
     no_decay: list[str] = opt(factory=lambda: ["*bias", "*ln_*", "*LayerNorm*", "*layernorm*", "*norm*"])
-    """Parameter name patterns (fnmatch) excluded from weight decay."""
+    """Parameter name patterns (fnmatch) excluded from weight decay (groups of weight_decay 0 after
+    optimizer.groups)."""
+    groups: list[ParamGroupConfig] = opt(factory=list)
+    """Parameter groups, each `{params: PATTERN, lr_scale: 1.0, weight_decay: null}`: for each key, the
+    first group whose pattern matches a parameter's name and sets the key decides it (then no_decay,
+    then optimizer.weight_decay); every pattern must match some trainable parameter. In every optimizer
+    (lr scales LAMB's trust-ratio step) and with ZeRO-1; see docs/models.md."""
+    layer_decay: float = opt(1.0, gt=0.0, max=1.0)
+    """Layer-wise learning-rate decay (built-in models): the lr of a parameter is also scaled by
+    layer_decay ** (L - i) in block i of L, layer_decay ** (L + 1) in the embeddings, 1 in the head and
+    final norm (1.0: off)."""
 
 
 @dataclass
@@ -307,8 +397,11 @@ class CheckpointConfig:
     keep_last: int = opt(3, min=1)
     """Complete checkpoints kept (older ones deleted after a newer one is committed)."""
     keep_best: int = opt(0, min=0)
-    """Also keep the K checkpoints of lowest eval loss (never pruned by keep_last); checkpoint steps
-    then evaluate too. `trainrun export RUN --best` exports the best."""
+    """Also keep the K best checkpoints by checkpoint.best_metric (never pruned by keep_last); checkpoint
+    steps then evaluate too. `trainrun export RUN --best` exports the best."""
+    best_metric: Optional[str] = None
+    """The eval metric keep_best ranks by, named as train.early_stopping.metric (null: the loss of
+    data.eval, or of its first named set)."""
 
 
 @dataclass
@@ -349,6 +442,35 @@ class EngineConfig:
 class TensorBoardConfig:
     enabled: bool = True
     """Write tensorboardX event files under <output_dir>/tensorboard (rank 0)."""
+
+
+@dataclass
+class MlflowConfig:
+    tracking_uri: Optional[str] = None
+    """MLflow tracking URI: a server (http://host:5000), a database (sqlite:///FILE) or a local file
+    store (file:///DIR, or a plain path, relative to the config file's folder); null: MLflow off. Rank 0
+    logs the TensorBoard scalars (train/loss, eval/loss, time/<phase>_ms, ...) and the resolved config
+    as parameters. Needs the trackers extra (pip install 'trainrun[trackers]')."""
+    experiment: Optional[str] = None
+    """MLflow experiment (made if missing); null: run.name."""
+
+
+@dataclass
+class WandbConfig:
+    project: Optional[str] = None
+    """Weights & Biases project; null: W&B off. Rank 0 logs the TensorBoard scalars and the resolved
+    config; the run's files go to <output_dir>/wandb (or $WANDB_DIR). Needs the trackers extra."""
+    mode: str = opt("online", choices=["online", "offline"])
+    """online: send as it runs (needs `wandb login` or WANDB_API_KEY); offline: no network, the run
+    stays in its folder for a later `wandb sync`."""
+
+
+@dataclass
+class LoggingConfig:
+    mlflow: MlflowConfig = opt(factory=MlflowConfig)
+    """MLflow tracking (off unless tracking_uri is set)."""
+    wandb: WandbConfig = opt(factory=WandbConfig)
+    """Weights & Biases tracking (off unless project is set)."""
 
 
 @dataclass
@@ -398,6 +520,9 @@ class Config:
     """Where the graphs run."""
     tensorboard: TensorBoardConfig = opt(factory=TensorBoardConfig)
     """TensorBoard logging."""
+    logging: LoggingConfig = opt(factory=LoggingConfig)
+    """Experiment trackers beside TensorBoard: MLflow, Weights & Biases (rank 0; a resumed run continues
+    the same tracker run)."""
     profile: ProfileConfig = opt(factory=ProfileConfig)
     """Per-operator profiling of chosen steps (trainrun profile summarize)."""
     debug: DebugConfig = opt(factory=DebugConfig)
@@ -485,7 +610,7 @@ def _type_name(tp) -> str:
     origin = typing.get_origin(tp)
     if origin is typing.Union:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return f"{_type_name(args[0])} or null"
+        return " or ".join(_type_name(a) for a in args) + " or null"
     if origin is list:
         return f"list of {_type_name(typing.get_args(tp)[0])}"
     if origin is dict:
@@ -499,8 +624,15 @@ def _coerce(value, tp, path: str, problems: _Problems):
     if origin is typing.Union:
         if value is None:
             return None
-        inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
-        return _coerce(value, inner, path, problems)
+        arms = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(arms) > 1:     # the arm of the value's own kind: a mapping, a string, a number
+            kinds = {dict: dict, str: str, int: (int, float), float: (int, float)}
+            arms = [a for a in arms if isinstance(value, kinds[typing.get_origin(a) or a])
+                    and not isinstance(value, bool)]
+            if not arms:
+                problems.add(path, f"expected a {_type_name(tp)}, got {value!r}")
+                return None
+        return _coerce(value, arms[0], path, problems)
     if origin is list:
         if not isinstance(value, list):
             problems.add(path, f"expected a {_type_name(tp)}, got {value!r}")
@@ -621,6 +753,14 @@ def _semantic_checks(cfg: Config, problems: _Problems, base_dir: str, need_data:
         problems.add("model.loss.output", f"the built-in {m.builtin} has no loss output; only for model.onnx")
     if m.builtin is not None and (loss.type != "cross_entropy" or loss.class_axis != -1):
         problems.add("model.loss.type", f"the built-in {m.builtin} trains with cross_entropy over its last axis")
+    if loss.label_smoothing >= 1.0:
+        problems.add("model.loss.label_smoothing", f"must be < 1, got {loss.label_smoothing}")
+    elif loss.label_smoothing and (loss.type != "cross_entropy" or loss.output is not None):
+        problems.add("model.loss.label_smoothing", "smooths the cross_entropy trainrun builds from the logits "
+                     "(not mse/l1 nor a model.loss.output)")
+    if loss.label_smoothing and cfg.train.precision != "fp32":
+        problems.add("model.loss.label_smoothing", f"runs with train.precision fp32 only (the smoothed loss's "
+                     f"sums over the classes are not kept in float32 under {cfg.train.precision})")
     if loss.weights and loss.type != "cross_entropy":
         problems.add("model.loss.weights", f"class weights need type cross_entropy, not {loss.type}")
     if m.init_from and m.builtin is None:
@@ -635,6 +775,12 @@ def _semantic_checks(cfg: Config, problems: _Problems, base_dir: str, need_data:
                 problems.add(f"optimizer.betas[{i}]", f"must be in [0, 1), got {b}")
     if o.ratio_min > o.ratio_max:
         problems.add("optimizer.ratio_min", f"{o.ratio_min} exceeds optimizer.ratio_max ({o.ratio_max})")
+    for i, g in enumerate(o.groups):
+        if not g.params:
+            problems.add(f"optimizer.groups[{i}].params", "a parameter name pattern is required")
+    if o.layer_decay != 1.0 and m.builtin is None:
+        problems.add("optimizer.layer_decay", f"reads each parameter's layer from a built-in model's names "
+                     f"(model.builtin {' or '.join(FAMILIES)}); for model.onnx use optimizer.groups")
     if o.nesterov and o.momentum == 0:
         problems.add("optimizer.nesterov", "needs optimizer.momentum > 0")
     s = cfg.lr_schedule
@@ -650,9 +796,15 @@ def _semantic_checks(cfg: Config, problems: _Problems, base_dir: str, need_data:
         if cfg.debug.stats_every:
             problems.add("debug.stats_every", "needs distributed.zero_stage: 0 (with 1 no rank holds the whole "
                          "reduced gradient)")
-    if cfg.profile.start_step > cfg.train.max_steps:
+    t = cfg.train
+    if t.max_steps and cfg.profile.start_step > t.max_steps:
         problems.add("profile.start_step", f"{cfg.profile.start_step} is after the last step "
-                     f"(train.max_steps = {cfg.train.max_steps})")
+                     f"(train.max_steps = {t.max_steps})")
+    try:
+        t.max_time_s()
+    except ValueError as exc:
+        problems.add("train.max_time", str(exc))
+    _eval_checks(cfg, problems)
     if cfg.device == "cpu" and cfg.distributed.backend == "nccl":
         problems.add("distributed.backend", "nccl needs device: cuda")
     if cfg.device == "cuda" and (problem := cuda_provider_problem()):
@@ -660,9 +812,9 @@ def _semantic_checks(cfg: Config, problems: _Problems, base_dir: str, need_data:
     if cfg.device == "cuda" and cfg.engine.optimizer_kernel == "host":
         problems.add("engine.optimizer_kernel", "host runs on the CPU; with device: cuda use graph or auto")
     if need_data and cfg.train.early_stopping.patience and not cfg.data.eval:
-        problems.add("train.early_stopping.patience", "stops on eval loss: needs data.eval")
+        problems.add("train.early_stopping.patience", "stops on an eval metric: needs data.eval")
     if need_data and cfg.checkpoint.keep_best and not cfg.data.eval:
-        problems.add("checkpoint.keep_best", "ranks checkpoints by eval loss: needs data.eval")
+        problems.add("checkpoint.keep_best", "ranks checkpoints by an eval metric: needs data.eval")
     if cfg.device == "cpu" and cfg.train.precision != "fp32":
         problems.add("train.precision", f"{cfg.train.precision} needs device: cuda; onnxruntime-training "
                      f"1.19.2's CPU provider cannot run a {cfg.train.precision} train graph ("
@@ -681,6 +833,60 @@ def _semantic_checks(cfg: Config, problems: _Problems, base_dir: str, need_data:
             problems.add(path, f"directory not found: {full}")
         elif kind == "any" and not os.path.exists(full):
             problems.add(path, f"not found: {full}")
+
+
+def _eval_checks(cfg: Config, problems: _Problems) -> None:
+    """data.eval's set names; the metrics early stopping and keep_best watch name one of its sets (the
+    metric itself is checked against the eval graph's at start-up: :func:`eval_metric_problems`)."""
+    d = cfg.data
+    if isinstance(d.eval, dict):
+        if not d.eval:
+            problems.add("data.eval", "names no eval set (leave it out, or give {NAME: DIR, ...})")
+        for name in d.eval:
+            if not EVAL_NAME.fullmatch(str(name)):
+                problems.add(f"data.eval.{name}", "a set name is letters, digits, `_` and `-` (it becomes part "
+                             "of the metric names eval_<NAME>_<metric>)")
+            elif any(other != name and str(other).startswith(f"{name}_") for other in d.eval):
+                problems.add(f"data.eval.{name}", "is the start of another set's name and `_`: their metric "
+                             "names could not be told apart")
+    for key in ("train.early_stopping.metric", "checkpoint.best_metric"):
+        metric = get(cfg, key)
+        if metric is not None and d.eval and _eval_set_of(d, metric) is False:
+            sets = ", ".join(f"eval_{n}_<metric>" for n in d.eval) if isinstance(d.eval, dict) else "eval_<metric>"
+            problems.add(key, f"{metric!r} is not a metric of data.eval's set(s): expected {sets}, e.g. "
+                         f"{eval_key(next(iter(d.eval_sets())), 'loss')}")
+
+
+def _eval_set_of(d: DataConfig, metric: str):
+    """(set name, metric) of a metrics key of data.eval's sets; False when it names none."""
+    for name in sorted(d.eval_sets(), key=lambda n: -len(n or "")):
+        prefix = eval_key(name, "")
+        if metric.startswith(prefix) and len(metric) > len(prefix):
+            return name, metric[len(prefix):]
+    return False
+
+
+def watched_metric(cfg: Config, key: str) -> str:
+    """The metrics key train.early_stopping.metric or checkpoint.best_metric (``key``) names: the loss of
+    data.eval's (first) set when null."""
+    return get(cfg, key) or eval_key(next(iter(cfg.data.eval_sets()), None), "loss")
+
+
+def eval_metric_problems(cfg: Config, metrics: list[str]) -> list[str]:
+    """The problems of train.early_stopping.metric and checkpoint.best_metric when the evaluations log
+    ``metrics`` (loss, perplexity, accuracy, ...) for each set of data.eval (none without data.eval)."""
+    problems = []
+    for key in ("train.early_stopping.metric", "checkpoint.best_metric") if cfg.data.eval else ():
+        found = _eval_set_of(cfg.data, watched_metric(cfg, key))
+        if found and found[1] not in metrics:
+            problems.append(f"{key}: {watched_metric(cfg, key)!r}: the evaluations log no {found[1]!r} (they "
+                            "log " + ", ".join(eval_key(found[0], m) for m in metrics) + ")")
+    return problems
+
+
+def greater_is_better(metric: str) -> bool:
+    """Whether a higher value of an eval metric is better: not for a loss, perplexity, mse or mae."""
+    return not metric.endswith(("loss", "perplexity", "mse", "mae"))
 
 
 def cuda_provider_problem() -> str | None:
@@ -710,6 +916,9 @@ def _path_fields(obj, prefix=""):
         p = f"{prefix}.{f.name}" if prefix else f.name
         if dataclasses.is_dataclass(v):
             yield from _path_fields(v, p)
+        elif "path" in f.metadata and isinstance(v, dict):     # named paths (data.eval: {NAME: DIR})
+            for name, one in v.items():
+                yield f"{p}.{name}", one, f.metadata["path"]
         elif "path" in f.metadata:
             yield p, v, f.metadata["path"]
 
@@ -770,7 +979,10 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     path_keys = {dotted for dotted, _, _ in _path_fields(Config())} | {"run.output_dir"}
     for text in overrides:
         keys, value = parse_override(text)
-        if ".".join(keys) in path_keys and isinstance(value, str) and value:
+        named = ".".join(keys[:-1]) in path_keys      # data.eval.NAME=DIR
+        if (".".join(keys) in path_keys or named) and isinstance(value, str) and value:
+            value = os.path.abspath(os.path.expanduser(value))
+        if ".".join(keys) == "logging.mlflow.tracking_uri" and isinstance(value, str) and _is_local_path(value):
             value = os.path.abspath(os.path.expanduser(value))
         node = data
         for k in keys[:-1]:
@@ -836,18 +1048,28 @@ def absolutize(cfg: Config, base_dir: str) -> None:
         if value is not None:
             _set(cfg, dotted, resolve_path(value, base_dir))
     cfg.run.output_dir = resolve_path(cfg.run.output_dir, base_dir)
+    if cfg.logging.mlflow.tracking_uri and _is_local_path(cfg.logging.mlflow.tracking_uri):
+        cfg.logging.mlflow.tracking_uri = resolve_path(cfg.logging.mlflow.tracking_uri, base_dir)
+
+
+def _is_local_path(uri: str) -> bool:
+    """A tracking URI that names a folder by a plain path (no scheme such as file:, http:, sqlite:)."""
+    return ":" not in uri and uri != "databricks"
 
 
 def _set(obj, dotted: str, value) -> None:
     *parents, last = dotted.split(".")
     for p in parents:
-        obj = getattr(obj, p)
-    setattr(obj, last, value)
+        obj = obj[p] if isinstance(obj, dict) else getattr(obj, p)
+    if isinstance(obj, dict):
+        obj[last] = value
+    else:
+        setattr(obj, last, value)
 
 
 def get(obj, dotted: str):
     for p in dotted.split("."):
-        obj = getattr(obj, p)
+        obj = obj[p] if isinstance(obj, dict) else getattr(obj, p)
     return obj
 
 
@@ -907,7 +1129,9 @@ def _yaml_commented(obj, indent: int, lines: list[str]) -> None:
             lines.append(f"{pad}{f.name}:")
             _yaml_commented(v, indent + 1, lines)
         else:
-            dumped = yaml.safe_dump({f.name: v}, default_flow_style=True, sort_keys=False).strip()
+            if isinstance(v, list):     # a list of sections (optimizer.groups): plain mappings
+                v = [dataclasses.asdict(x) if dataclasses.is_dataclass(x) else x for x in v]
+            dumped = yaml.safe_dump({f.name: v}, default_flow_style=True, sort_keys=False, width=10_000).strip()
             if dumped.startswith("{") and dumped.endswith("}"):
                 dumped = dumped[1:-1]
             lines.append(f"{pad}{dumped}")

@@ -31,4 +31,6 @@ def eval_results(loss: float, sums: dict[str, float]) -> dict[str, float]:
     for name in metric_names(list(sums)):
         c = sums[f"{METRIC_PREFIX}{name}/count"]
         result[name] = sums[f"{METRIC_PREFIX}{name}/sum"] / c if c else float("nan")
+    if "ce" in result:      # a label-smoothed loss: perplexity from the plain cross-entropy
+        result["perplexity"] = math.exp(min(result["ce"], 80.0))
     return result

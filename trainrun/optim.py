@@ -19,10 +19,13 @@ Optimizer graph interface (N = total number of parameter elements)::
     outputs  params_out f32[N], <state>_out f32[N] for each state
 
 The flat layout is the given parameters back to back, each flattened
-row-major. Hyper-parameters other than lr are constants of the graph; weight
-decay is 0 for parameters matching a ``cfg.no_decay`` pattern (fnmatch,
-case-sensitive). ``eps_mode`` applies to adam and adamw; LAMB always uses ORT's
-m_hat / (sqrt(v_hat) + eps). Every input is declared even where a rule does not
+row-major. Hyper-parameters other than lr are constants of the graph. Each
+tensor's lr scale and weight decay come from ``cfg.groups``, ``cfg.no_decay``
+and ``cfg.layer_decay`` (:func:`trainrun.kernels.optimizers.tensor_settings`;
+the layer of a built-in model's parameter from its family,
+:func:`trainrun.models.registry.layer_depths`):
+a tensor's learning rate is the ``lr`` input times its scale. ``eps_mode``
+applies to adam and adamw; LAMB always uses ORT's m_hat / (sqrt(v_hat) + eps). Every input is declared even where a rule does not
 read it (``step`` for SGD or without bias correction). Only standard ONNX
 operators (opset 17) are used, so the graph runs on any execution provider, and
 it is safe to bind each ``X_out`` to the same buffer as ``X`` (see
@@ -33,14 +36,16 @@ gradients are not finite.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 
 import numpy as np
 import onnx
 
 from trainrun.config import OptimizerConfig
+from trainrun.errors import UsageError
 from trainrun.kernels import optimizers as rules
-from trainrun.kernels.optimizers import state_names, weight_decays
+from trainrun.kernels.optimizers import state_names, tensor_settings, weight_decays  # noqa: F401
 from trainrun.kernels.sym import DOUBLE, FLOAT, INT64, GraphBuilder, inplace_conflicts
 
 GRAPH = "optimizer.onnx"
@@ -61,11 +66,26 @@ class Optimizer:
         raise NotImplementedError
 
 
+def group_problems(cfg: OptimizerConfig, names: list[str]) -> list[str]:
+    """One line per ``optimizer.groups`` pattern that matches none of the trainable ``names``."""
+    return [f"optimizer.groups[{i}].params: {g.params!r} matches no trainable parameter"
+            for i, g in enumerate(cfg.groups) if not any(fnmatch.fnmatchcase(n, g.params) for n in names)]
+
+
+def check_groups(cfg: OptimizerConfig, names: list[str]) -> None:
+    """A UsageError naming each ``optimizer.groups`` pattern that matches none of the trainable ``names``."""
+    unmatched = group_problems(cfg, names)
+    if unmatched:
+        shown = ", ".join(names[:6]) + (" ..." if len(names) > 6 else "")
+        raise UsageError(f"{len(unmatched)} parameter group(s) match nothing (the parameters: {shown})",
+                         unmatched)
+
+
 class _Host(Optimizer):
-    def __init__(self, cfg, params, grads, xp, sizes, names, norm_sums=None):
+    def __init__(self, cfg, params, grads, xp, sizes, names, norm_sums=None, depths=None):
         super().__init__(cfg, params, grads, xp)
         from trainrun.kernels.host import HostOptimizer
-        self.kernel = HostOptimizer(cfg, sizes, names, norm_sums=norm_sums)
+        self.kernel = HostOptimizer(cfg, sizes, names, norm_sums=norm_sums, depths=depths)
 
     def step(self, lr, t, grad_scale):
         self.kernel.step(self.params, self.grads, self.state, lr, t, grad_scale)
@@ -104,10 +124,11 @@ class _Graph(Optimizer):
 
 
 def build(cfg: OptimizerConfig, names: list[str], sizes: list[int], params, grads, xp=np, *,
-          kernel: str = "auto", norm_sums=None) -> Optimizer:
+          kernel: str = "auto", norm_sums=None, depths: dict | None = None) -> Optimizer:
     """The optimizer of ``cfg`` over flat ``params``/``grads`` laid out as ``names``/``sizes``;
     ``xp`` is their array module (numpy, or cupy on the GPU). ``kernel``: host, graph or auto
-    (host for numpy buffers, graph otherwise).
+    (host for numpy buffers, graph otherwise; the graph was built by :func:`build_optimizer_graph`
+    with the same ``depths``: :func:`trainrun.models.registry.layer_depths`).
 
     A shard (ZeRO-1, :mod:`trainrun.update`): ``params``/``grads`` are views of one rank's part of
     the flat buffers, ``names``/``sizes`` the parts of tensors it holds (a tensor may be cut at
@@ -117,7 +138,7 @@ def build(cfg: OptimizerConfig, names: list[str], sizes: list[int], params, grad
     if kernel == "host" or (kernel == "auto" and on_host):
         if not on_host:     # config validation refuses it first; this guards other callers
             raise ValueError("the host optimizer kernel runs on the CPU; the buffers are on the GPU")
-        return _Host(cfg, params, grads, xp, sizes, names, norm_sums)
+        return _Host(cfg, params, grads, xp, sizes, names, norm_sums, depths)
     if norm_sums is not None:
         raise ValueError("a sharded optimizer (norm_sums) runs on the host kernel only")
     return _Graph(cfg, params, grads, xp)
@@ -128,8 +149,10 @@ def inplace_aliases(cfg: OptimizerConfig) -> dict[str, str]:
     return {name: f"{name}_out" for name in ["params", *state_names(cfg)]}
 
 
-def build_optimizer_graph(cfg: OptimizerConfig, params: list[tuple[str, tuple[int, ...]]]) -> onnx.ModelProto:
-    """The optimizer graph for ``params`` (name, shape) in flat-buffer order."""
+def build_optimizer_graph(cfg: OptimizerConfig, params: list[tuple[str, tuple[int, ...]]],
+                          depths: dict | None = None) -> onnx.ModelProto:
+    """The optimizer graph for ``params`` (name, shape) in flat-buffer order; ``depths``: the layer
+    of each (:func:`trainrun.models.registry.layer_depths`) for ``cfg.layer_decay``."""
     if not params:
         raise ValueError("no parameters to optimize")
     sizes = [math.prod(shape) for _, shape in params]
@@ -139,13 +162,14 @@ def build_optimizer_graph(cfg: OptimizerConfig, params: list[tuple[str, tuple[in
     states = state_names(cfg)
     n = sum(sizes)
 
+    settings = tensor_settings(cfg, [name for name, _ in params], depths)
     b = GraphBuilder(f"trainrun_{cfg.name}")
     flat = {name: b.input(name, FLOAT, [n]) for name in ["params", "grads", *states]}
     update = rules.Update(
         params=flat["params"], grads=flat["grads"], state={s: flat[s] for s in states},
         lr=b.input("lr", FLOAT).cast(DOUBLE), t=b.input("step", INT64).cast(DOUBLE),
         grad_scale=b.input("grad_scale", FLOAT).cast(DOUBLE),
-        sizes=sizes, weight_decay=weight_decays(cfg, [name for name, _ in params]))
+        sizes=sizes, weight_decay=[wd for _, wd in settings], lr_scale=[s for s, _ in settings])
 
     b1, b2 = cfg.betas
     if cfg.name == "sgd":

@@ -4,17 +4,19 @@
 gathers the checks of the modules that own those files into one :class:`~trainrun.errors.UsageError`
 (exit 2) listing every problem, each naming its key and file:
 
-* ``data.train`` / ``data.eval`` (:mod:`trainrun.data`): readable, token ids below the model's
-  vocabulary, sequences within its positions, at least one batch each (a training step's global
-  batch, an evaluation's batch), the same features;
+* ``data.train`` / ``data.eval`` (each named set ``data.eval.<NAME>``) (:mod:`trainrun.data`):
+  readable, token ids below the model's vocabulary, sequences within its positions, at least one batch
+  each (a training step's global batch, an evaluation's batch), the same features;
 * ``model.init_from`` (:mod:`trainrun.pretrained`): its tensors' names and shapes against the model's,
   from the .safetensors header alone;
+* ``optimizer.groups`` (built-in models): each pattern matches a trainable parameter;
 * memory: the parameters, their gradients and the optimizer's moments (float32) of one rank against
   the machine's physical memory, from the model's shapes (``models.*.param_specs``), nothing allocated.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import os
 
@@ -26,19 +28,30 @@ from .models import registry
 
 
 def check(cfg: C.Config, world_size: int = 1, datasets: bool = True):
-    """Raise :class:`UsageError` listing every problem; return the opened (train, eval) datasets (None
-    where not given, or ``datasets`` False), each checked against ``world_size`` ranks' batches."""
+    """Raise :class:`UsageError` listing every problem; return the opened train dataset (None when not
+    given, or ``datasets`` False) and the eval sets {name: dataset} (the name None for a single
+    data.eval), each checked against ``world_size`` ranks' batches."""
     problems: list[str] = []
-    if cfg.train.sample_every and (cfg.model.builtin is None or registry.of(cfg.model).kv_cache is None):
+    family = registry.of(cfg.model)
+    if cfg.train.sample_every and (family is None or family.kv_cache is None):
         problems.append(f"train.sample_every: samples need model.builtin {' or '.join(registry.generating())}")
+    if family is not None and family.loss is not None and cfg.model.loss.label_smoothing:
+        problems.append(f"model.loss.label_smoothing: smooths the cross_entropy trainrun builds from the logits, "
+                        f"not the built-in {family.name}'s own loss ({family.loss})")
+    if family is not None and family.layers_above is None and cfg.optimizer.layer_decay != 1.0:
+        problems.append(f"optimizer.layer_decay: the built-in {family.name} does not say the layer of its "
+                        f"parameters; use optimizer.groups")
     specs = param_specs(cfg.model)
     if specs is not None:
         shapes = {name: shape for name, (shape, _) in specs.items()}
         problems += _memory(cfg, shapes, world_size)
+        from .optim import group_problems
+        problems += group_problems(cfg.optimizer, [n for n in shapes if not any(
+            fnmatch.fnmatchcase(n, p) for p in cfg.model.frozen)])
         if cfg.model.init_from:
             problems += [f"model.init_from: {p}" for p in pretrained.check(shapes, cfg.model.init_from,
                                                                              cfg.model.builtin)]
-    found = _datasets(cfg, world_size, problems) if datasets else (None, None)
+    found = _datasets(cfg, world_size, problems) if datasets else (None, {})
     if problems:
         raise UsageError(f"{len(problems)} problem(s) in the files the configuration names", problems)
     return found
@@ -53,23 +66,27 @@ def param_specs(m: C.ModelConfig) -> dict | None:
 def _datasets(cfg: C.Config, world_size: int, problems: list[str]):
     d, t = cfg.data, cfg.train
     vocab, positions = registry.vocab_and_positions(cfg.model)
+    sets = {("train", None): d.train} if d.train else {}
+    sets.update({("eval", name): path for name, path in d.eval_sets().items()})
     opened = {}
-    for key, path in (("train", d.train), ("eval", d.eval)):
-        if not path:
-            continue
+    for (part, name), path in sets.items():
+        key = f"data.{part}" + (f".{name}" if name is not None else "")
         try:
             ds = D.open_dataset(path, d.seq_len, vocab_size=vocab, n_positions=positions)
-            if key == "train":
+            if part == "train":
                 D.check_train(ds, t.micro_batch_size, t.gradient_accumulation_steps, world_size)
             else:
                 D.check_eval(ds, t.micro_batch_size, world_size)
-            opened[key] = ds
+            opened[part, name] = ds
         except UsageError as exc:
-            problems += [f"data.{key}: {exc.message}", *(f"data.{key}: {p}" for p in exc.problems)]
-    train, eval_ = opened.get("train"), opened.get("eval")
-    if train is not None and eval_ is not None and eval_.specs != train.specs:
-        problems.append(f"data.eval: {d.eval} has features {_features(eval_)}, data.train {_features(train)}")
-    return train, eval_
+            problems += [f"{key}: {exc.message}", *(f"{key}: {p}" for p in exc.problems)]
+    train = opened.pop(("train", None), None)
+    evals = {name: ds for (_, name), ds in opened.items()}
+    for name, ds in evals.items():
+        if train is not None and ds.specs != train.specs:
+            key = "data.eval" + (f".{name}" if name is not None else "")
+            problems.append(f"{key}: {sets['eval', name]} has features {_features(ds)}, data.train {_features(train)}")
+    return train, evals
 
 
 def _features(ds) -> str:

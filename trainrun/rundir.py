@@ -67,17 +67,20 @@ def resolve_checkpoint(path: str) -> str:
 
 
 def best_checkpoints(ckpt_root: str) -> list[str]:
-    """Committed checkpoints that recorded an eval loss (state.json ``eval_loss``), lowest loss first
-    (the later step first among equals)."""
+    """Committed checkpoints that recorded the metric checkpoint.best_metric names (state.json
+    ``best_metric``: name, value, greater_is_better; older ones: ``eval_loss``), best first (the later
+    step first among equals)."""
     ranked = []
     for ckpt in complete_checkpoints(ckpt_root):
         try:
             with open(os.path.join(ckpt, "state.json")) as fh:
-                loss = json.load(fh).get("eval_loss")
+                state = json.load(fh)
         except (OSError, ValueError):
             continue
-        if loss is not None:
-            ranked.append((loss, -int(os.path.basename(ckpt)), ckpt))
+        best = state.get("best_metric") or {"value": state.get("eval_loss"), "greater_is_better": False}
+        if best.get("value") is not None:
+            value = -best["value"] if best.get("greater_is_better") else best["value"]
+            ranked.append((value, -int(os.path.basename(ckpt)), ckpt))
     return [c for _, _, c in sorted(ranked)]
 
 

@@ -56,6 +56,7 @@ from .lock import RunLock
 from .observe import Observer, apply_log_level, engine_options
 from .observe.metrics import Metrics, fmt_duration
 from .observe.timer import PhaseTimer
+from .observe.trackers import Trackers, check_installed
 from .precision import make_scaler
 from .stopping import EarlyStopping, StopSignals, Stopped
 from .tokenizer import record as record_tokenizer
@@ -84,6 +85,7 @@ def return_freed_memory() -> None:
 class TrainingRunner:
     def __init__(self, cfg: C.Config, comm, resume_from: str | None = None, lock: RunLock | None = None,
                  force: bool = False, config_yaml: str | None = None):
+        self.started = time.monotonic()      # train.max_time counts from here
         self.cfg = cfg
         self.config_yaml = config_yaml or C.to_yaml(cfg)     # what the run directory and its checkpoints record
         self.lock = lock
@@ -107,16 +109,18 @@ class TrainingRunner:
         self.updates = 0           # successful updates: the optimizer's own step count
         self.skipped = 0
         self.nonfinite_in_a_row = 0
-        self.signals = StopSignals()      # SIGTERM/SIGINT/SIGUSR1: stop after the step, with a checkpoint
-        self.early_stopping = EarlyStopping(t.early_stopping.patience, t.early_stopping.min_delta)
+        # SIGTERM/SIGINT/SIGUSR1 or train.max_time: stop after the step, with a checkpoint
+        self.signals = StopSignals(t.max_time_s(), started=self.started)
+        self.early_stopping = EarlyStopping(t.early_stopping.patience, t.early_stopping.min_delta,
+                                            C.watched_metric(cfg, "train.early_stopping.metric"))
         self.scaler = make_scaler(self.engine)     # fp16: dynamic loss scaling; else None
         self.checkpoints = K.Checkpointer(self.out, comm, cfg.checkpoint.keep_last, log=self.log,
                                           keep_best=cfg.checkpoint.keep_best)
         if resume_from:
             self._restore(resume_from, force)
         self.metrics = Metrics(self.out, enabled=self.is_main, tensorboard=cfg.tensorboard.enabled,
-                               quiet=cfg.run.log_level == "warning", total_steps=t.max_steps,
-                               start_step=self.step)
+                               quiet=cfg.run.log_level == "warning", total_steps=self.total_steps,
+                               start_step=self.step, eval_sets=list(self.eval_sets))
         self.timer = PhaseTimer()
         # profiling, statistics, per-rank logs: off unless configured
         self.observe = Observer(cfg, self.rank, self.world, self.engine, self.timer, self.log)
@@ -133,6 +137,7 @@ class TrainingRunner:
         error = None
         if self.is_main:
             try:
+                check_installed(cfg)        # logging.mlflow / logging.wandb set: their library is there
                 if self.lock:
                     self.lock.acquire()     # before anything is written: one job per run directory
                 ckpt_dir = os.path.join(self.out, "checkpoints")
@@ -184,10 +189,12 @@ class TrainingRunner:
         cfg = self.cfg
         error = None
         try:
-            self.train_ds, self.eval_ds = preflight.check(cfg, self.world)
+            self.train_ds, self.eval_sets = preflight.check(cfg, self.world)
         except UsageError as exc:
             error = exc
         self.comm.agree(error)
+        # the step the run ends at: train.max_steps, or train.max_epochs over this dataset and global batch
+        self.total_steps = cfg.train.total_steps(self.train_ds.num_samples, self.global_batch)
         # token sequences: tokens/s besides samples/s; next-token cross-entropy: perplexity besides the loss
         self.tokens = "input_ids" in self.train_ds.specs
         loss = cfg.model.loss
@@ -214,6 +221,10 @@ class TrainingRunner:
         error = None
         try:     # the data checked against the graph's inputs: the same verdict on every rank
             feeds = feeding.feeds(self.manifest, cfg.data.inputs, shapes)
+            # the metrics early stopping and keep_best watch: among those the evaluations log
+            logged = ["loss", *(["perplexity"] if self.perplexity else []), *self.manifest["metrics"]]
+            if problems := C.eval_metric_problems(cfg, logged):
+                raise UsageError(f"{len(problems)} problem(s) in the configuration", problems)
             # intra_node: shared: parameters and gradients in the node's shared memory (None: the mpi path)
             node = update.node_buffers(cfg, self.comm, self.manifest["num_params"])
             self.engine = Engine(self.graphs_dir, opts, shapes, shapes, feeds=feeds,
@@ -273,7 +284,7 @@ class TrainingRunner:
         loss, grad_norm, finite, stop = self.step_scalars(loss_sum)
         timer.mark("norm")
         self.step += 1
-        lr = learning_rate(self.step, self.cfg.optimizer.lr, self.cfg.train.max_steps, self.cfg.lr_schedule)
+        lr = learning_rate(self.step, self.cfg.optimizer.lr, self.total_steps, self.cfg.lr_schedule)
         scale = self.grad_scale()
         result = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "local_loss": loss_sum / self.accum,
                   "stop": stop}
@@ -344,15 +355,21 @@ class TrainingRunner:
         self.log(f"step {self.step}: non-finite gradients on some rank, update skipped ({self.skipped} so far)")
 
     def evaluate(self) -> dict:
-        """``eval_loss``, ``eval_perplexity`` and ``eval_<name>`` of each metric of the eval graph,
-        over ``eval_steps`` global batches; sums from every rank in one allreduce."""
-        cfg, eng = self.cfg, self.engine
+        """Every eval set's metrics (:meth:`evaluate_set`), named ``eval_<metric>`` for a single data.eval,
+        ``eval_<NAME>_<metric>`` for named sets."""
         self.average_model_state()
+        return {C.eval_key(name, k): v for name, ds in self.eval_sets.items()
+                for k, v in self.evaluate_set(name, ds).items()}
+
+    def evaluate_set(self, name: str | None, ds) -> dict:
+        """``loss``, ``perplexity`` and each metric of the eval graph on one eval set, over ``eval_steps``
+        global batches; sums from every rank in one allreduce."""
+        cfg, eng = self.cfg, self.engine
         names = list(eng.eval_metrics)
         total, count, sums = 0.0, 0.0, [0.0] * len(names)
         error = None
         try:
-            for batch in eval_batches(self.eval_ds, micro_batch=cfg.train.micro_batch_size, rank=self.rank,
+            for batch in eval_batches(ds, micro_batch=cfg.train.micro_batch_size, rank=self.rank,
                                       world_size=self.world, steps=cfg.train.eval_steps * self.accum):
                 total += eng.evaluate(batch)
                 count += 1
@@ -361,7 +378,8 @@ class TrainingRunner:
         except TrainrunError as exc:
             error = exc
         except Exception as exc:  # noqa: BLE001 - a dataset or session that breaks mid-run, on any rank
-            error = TrainrunError(f"evaluation at step {self.step} on data.eval {cfg.data.eval}: "
+            key = "data.eval" + (f".{name}" if name is not None else "")
+            error = TrainrunError(f"evaluation at step {self.step} on {key} {self.cfg.data.eval_sets()[name]}: "
                                   f"{type(exc).__name__}: {exc}")
         self.comm.agree(error)      # the same error on every rank: they commit a checkpoint together
         total, count, *sums = self.comm.allreduce_scalars([total, count, *sums], op="sum")
@@ -369,7 +387,7 @@ class TrainingRunner:
         result = feeding.eval_results(total / max(count, 1.0), dict(zip(names, sums)))
         if not self.perplexity:
             del result["perplexity"]
-        return {f"eval_{k}": v for k, v in result.items()}
+        return result
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
@@ -377,21 +395,25 @@ class TrainingRunner:
         if self.is_main and self.cfg.data.train:     # set-up passed: generate and export find the tokenizer here
             record_tokenizer(self.cfg.data.train, self.out)
         self._header()
+        self._start_trackers()       # before the clocks: a W&B run takes seconds to start
         self.comm.barrier()          # start the clocks together: set-up time differs between ranks
         self.timer.restart()
         start, first_step = time.perf_counter(), self.step
-        end = min(t.max_steps, t.stop_at) if t.stop_at else t.max_steps
-        if self.resume_from and self.step < end:
-            dropped = self.metrics.resume_at(self.step)
-            if dropped:
-                self.log(f"metrics.jsonl: {dropped} line(s) after step {self.step} removed (steps after the "
-                         f"checkpoint resumed from, trained again now); TensorBoard drops them too")
+        end = min(self.total_steps, t.stop_at) if t.stop_at else self.total_steps
         try:
+            if self.resume_from and self.step < end:
+                dropped = self.metrics.resume_at(self.step)
+                if dropped:
+                    self.log(f"metrics.jsonl: {dropped} line(s) after step {self.step} removed (steps after the "
+                             f"checkpoint resumed from, trained again now); TensorBoard drops them too")
             with self.signals:
-                last, eval_loss = self._loop(end, start)
+                last, evaluated = self._loop(end, start)
             self.observe.close()
             self.checkpoints.finish()
             self.shard.close()      # shared memory freed by every rank (collective), before rank 0 exports
+        except BaseException as exc:     # the tracker runs end as stopped (resumable) or failed
+            self.metrics.close(exit_code=getattr(exc, "exit_code", 1))
+            raise
         finally:
             self.loader.close()
             self.metrics.close()     # what was logged reaches metrics.jsonl, also on an error
@@ -399,8 +421,8 @@ class TrainingRunner:
         ran = self.step - first_step        # steps of this session (a resumed run started later)
         if not ran:
             stop_at = f", train.stop_at {t.stop_at}" if t.stop_at else ""
-            self.log(f"nothing to train: the run is at step {self.step}, it ends at step {end} (train.max_steps "
-                     f"{t.max_steps}{stop_at}); {os.path.join(self.out, 'model.onnx')} not exported again")
+            self.log(f"nothing to train: the run is at step {self.step}, it ends at step {end} ({self._length()}"
+                     f"{stop_at}); {os.path.join(self.out, 'model.onnx')} not exported again")
         elif self.is_main and self.checkpoints.saved_step == self.step:
             self._release()      # the export reads the checkpoint: free what training held first
             export_checkpoint(os.path.join(self.out, "checkpoints", str(self.step)),
@@ -410,19 +432,42 @@ class TrainingRunner:
             "samples": ran * self.global_batch, "samples_per_sec": ran * self.global_batch / max(elapsed, 1e-9),
             **({"tokens": ran * self.tokens_per_step,
                 "tokens_per_sec": ran * self.tokens_per_step / max(elapsed, 1e-9)} if self.tokens else {}),
-            "final_loss": last.get("loss"), "final_eval_loss": eval_loss, "world_size": self.world,
+            "final_loss": last.get("loss"), "final_eval_loss": self._first_eval_loss(evaluated),
+            **({"final_eval": evaluated} if evaluated else {}), "world_size": self.world,
             "phase_shares": {k: round(v, 4) for k, v in self.timer.shares().items()},
         }
         self._footer(summary)
-        if ran and self.step == t.stop_at < t.max_steps and self.checkpoints.saved_step == self.step:
-            self.log(f"stopped at train.stop_at {t.stop_at} of train.max_steps {t.max_steps}; checkpoint "
+        if ran and self.step == t.stop_at < self.total_steps and self.checkpoints.saved_step == self.step:
+            self.log(f"stopped at train.stop_at {t.stop_at} of {self._length()}; checkpoint "
                      f"{os.path.join(self.out, 'checkpoints', str(self.step))} committed. {self._continue_hint()}")
         return summary
 
-    def _loop(self, end: int, window_t: float) -> tuple[dict, float | None]:
-        """Steps until ``end``, early stopping or a stop signal; (last step's result, last eval loss)."""
+    def _start_trackers(self) -> None:
+        """MLflow / W&B runs (rank 0; a resumed run continues its own): one that cannot start stops every
+        rank before the first step."""
+        error = None
+        if self.is_main:
+            try:
+                self.metrics.trackers = Trackers(self.cfg, self.out, resumed=bool(self.resume_from), echo=self.log)
+            except UsageError as exc:
+                error = exc
+        self.comm.agree(error)
+
+    def _length(self) -> str:
+        """How long the run is, as the config says it: ``train.max_steps N`` or ``train.max_epochs E: N steps``."""
+        t = self.cfg.train
+        if t.max_epochs and not t.max_steps:
+            return f"train.max_epochs {t.max_epochs:g}: {self.total_steps} steps"
+        return f"train.max_steps {self.total_steps}"
+
+    def _first_eval_loss(self, evaluated: dict | None) -> float | None:
+        """The loss of data.eval, or of its first named set."""
+        return evaluated.get(C.eval_key(next(iter(self.eval_sets), None), "loss")) if evaluated else None
+
+    def _loop(self, end: int, window_t: float) -> tuple[dict, dict | None]:
+        """Steps until ``end``, early stopping or a stop signal; (last step's result, last evaluation)."""
         t, every = self.cfg.train, self.cfg.checkpoint.every
-        last, eval_loss, window_steps = {}, None, 0
+        last, last_eval, window_steps = {}, None, 0
         phases = dict(self.timer.total)     # phase totals at the last log: phase_ms is the mean since then
         while self.step < end:
             self.observe.step_begin(self.step + 1)
@@ -444,17 +489,17 @@ class TrainingRunner:
                 self.timer.mark("log")
             checkpoint = (every and self.step % every == 0) or self.step == end or stop
             step_eval, early = None, False
-            if self.eval_ds is not None and not stop and (
+            if self.eval_sets and not stop and (
                     (t.eval_every and self.step % t.eval_every == 0) or self.step == end
                     or (checkpoint and self.cfg.checkpoint.keep_best)):     # keep_best ranks by eval loss
                 try:
                     evaluated = self.evaluate()
                 except TrainrunError as exc:     # raised on every rank (agreed): lose no trained step to it
                     raise self._committed_first(exc)
-                eval_loss = step_eval = evaluated["eval_loss"]
+                last_eval = step_eval = evaluated
                 self.metrics.log(self.step, evaluated)
                 self.timer.mark("log")
-                early = self.early_stopping.update(self.step, eval_loss)
+                early = self.early_stopping.update(self.step, evaluated)
             if (checkpoint or early) and (stop or not self.nonfinite_in_a_row):
                 # not while updates are being skipped: keep_last keeps good ones
                 self.save(step_eval)
@@ -466,7 +511,7 @@ class TrainingRunner:
             if early:
                 self.log(f"early stopping at step {self.step}: {self.early_stopping.describe()}")
                 break
-        return last, eval_loss
+        return last, last_eval
 
     def _sample(self) -> None:
         """train.sample_every (rank 0): a sample to the log and TensorBoard (text, tag ``samples``)."""
@@ -501,22 +546,29 @@ class TrainingRunner:
     def _stopped(self) -> None:
         """After a stop signal: the checkpoint of this step committed on every rank, then :class:`Stopped`."""
         self.checkpoints.finish()
+        self.signals.flag()         # train.max_time: this rank's clock may pass it only now
         sig = self.signals.received
-        took = f" {time.monotonic() - self.signals.at:.1f} s after the signal" if sig else ""
+        what = "the limit" if sig and sig.startswith("train.max_time") else "the signal"
+        took = f" {time.monotonic() - self.signals.at:.1f} s after {what}" if sig else ""
         raise collective(Stopped(
             f"stopped by {sig or 'a signal to another rank'} after step {self.step}; checkpoint "
             f"{os.path.join(self.out, 'checkpoints', str(self.step))} committed{took}. {self._continue_hint()}"))
 
-    def save(self, eval_loss: float | None = None) -> None:
+    def save(self, evaluated: dict | None = None) -> None:
         """Checkpoint this step: the tensors written now, the rest in the background (every rank).
-        ``eval_loss``: this step's, recorded in state.json (checkpoint.keep_best ranks by it)."""
+        ``evaluated``: this step's eval metrics, recorded in state.json (checkpoint.keep_best ranks by
+        checkpoint.best_metric's)."""
         cfg = self.cfg
+        best = C.watched_metric(cfg, "checkpoint.best_metric")
         meta = {"updates": self.updates, "skipped_steps": self.skipped, "loader": self.loader.state_dict(),
                 "loss_scaler": self.scaler.state_dict() if self.scaler else None,
-                "lr_schedule": {"step": self.step, "lr": learning_rate(self.step, cfg.optimizer.lr,
-                                                                       cfg.train.max_steps, cfg.lr_schedule)},
+                "lr_schedule": {"step": self.step, "total_steps": self.total_steps,
+                                "lr": learning_rate(self.step, cfg.optimizer.lr, self.total_steps, cfg.lr_schedule)},
                 "world_size": self.world, "global_batch": self.global_batch, "seed": cfg.run.seed,
-                "graphs": self.manifest["files"], "eval_loss": eval_loss,
+                "graphs": self.manifest["files"], "eval_loss": self._first_eval_loss(evaluated),
+                "eval": evaluated, "best_metric": {"name": best, "value": evaluated[best],
+                                                   "greater_is_better": C.greater_is_better(best)}
+                if evaluated and best in evaluated else None,
                 "early_stopping": self.early_stopping.state_dict()}
         self.average_model_state()
         # rank 0 alone writes the tensors; the others hash their parameters (and take part in the gathers
@@ -553,7 +605,7 @@ class TrainingRunner:
                  f"({cfg.train.micro_batch_size} x {self.accum} accum x {self.world} ranks) | "
                  + (f"{self.tokens_per_step:,} tokens/step | " if self.tokens else "")
                  + f"optimizer {cfg.optimizer.name} | "
-                 f"{self.train_ds.num_samples:,} train samples")
+                 f"{self.train_ds.num_samples:,} train samples | {self._length()}")
 
     def _footer(self, s: dict) -> None:
         if not self.is_main:

@@ -1,6 +1,9 @@
-"""When a run stops before max_steps: on a signal (:class:`StopSignals`) or on eval loss (:class:`EarlyStopping`).
+"""When a run stops before its last step: on a signal or train.max_time (:class:`StopSignals`), or on an
+eval metric (:class:`EarlyStopping`).
 
-SIGTERM, SIGINT or SIGUSR1 end the run after the current step, with a checkpoint.
+SIGTERM, SIGINT or SIGUSR1 end the run after the current step, with a checkpoint; so does
+``train.max_time``: each rank compares its own clock with the limit and raises the same flag a signal
+raises, so the ranks agree on the step through the same allreduce.
 
 Clusters stop jobs by signal: SLURM sends SIGTERM to every task at the time limit or on preemption
 (then SIGKILL after KillWait, 30 s by default), ``--signal=USR1@120`` warns ahead, Kubernetes sends
@@ -20,6 +23,7 @@ import signal
 import threading
 import time
 
+from .config import greater_is_better
 from .errors import TrainrunError
 
 STOPPED_EXIT = 75       # sysexits.h EX_TEMPFAIL: "temporary failure, retry later": resumable
@@ -35,11 +39,14 @@ class Stopped(TrainrunError):
 
 
 class StopSignals:
-    """Notes the first stop signal; installed for the life of the training loop (main thread only)."""
+    """Notes the first stop signal; installed for the life of the training loop (main thread only).
+    ``max_time``: seconds from ``started`` (a ``time.monotonic()``) after which :meth:`flag` raises too."""
 
-    def __init__(self):
-        self.received: str | None = None    # the signal's name, e.g. "SIGTERM"
+    def __init__(self, max_time: float | None = None, started: float | None = None):
+        self.received: str | None = None    # the signal's name, e.g. "SIGTERM", or "train.max_time ..."
         self.at: float | None = None         # time.monotonic() when it arrived
+        self.deadline = None if max_time is None else (started or time.monotonic()) + max_time
+        self.max_time = max_time
         self._old: dict = {}
 
     def __enter__(self) -> "StopSignals":
@@ -60,36 +67,52 @@ class StopSignals:
             raise KeyboardInterrupt
 
     def flag(self) -> float:
-        """1.0 once a signal arrived on this rank (summed over ranks by the runner)."""
+        """1.0 once a signal arrived on this rank, or its clock passed train.max_time (summed over ranks by
+        the runner)."""
+        if self.received is None and self.deadline is not None and time.monotonic() >= self.deadline:
+            self.received, self.at = f"train.max_time ({_hms(self.max_time)})", self.deadline
         return 0.0 if self.received is None else 1.0
+
+
+def _hms(seconds: float) -> str:
+    m, s = divmod(seconds, 60)
+    return f"{int(m // 60)}:{int(m % 60):02d}:{s:05.2f}".rstrip("0").rstrip(".")
 
 
 class EarlyStopping:
     """``train.early_stopping``: stop once ``patience`` evaluations in a row did not improve the best
-    eval loss by more than ``min_delta`` (patience 0: never). Its state is saved in checkpoints."""
+    value of ``metric`` (a metrics key, e.g. ``eval_loss``, ``eval_val_accuracy``) by more than
+    ``min_delta`` (patience 0: never); lower is better for a loss, higher for an accuracy
+    (:func:`trainrun.config.greater_is_better`). Its state is saved in checkpoints."""
 
-    def __init__(self, patience: int, min_delta: float):
-        self.patience, self.min_delta = patience, min_delta
+    def __init__(self, patience: int, min_delta: float, metric: str = "eval_loss"):
+        self.patience, self.min_delta, self.metric = patience, min_delta, metric
+        self.sign = -1.0 if greater_is_better(metric) else 1.0     # compares sign * value: lower is better
         self.best: float | None = None
         self.best_step: int | None = None
         self.evals_since_best = 0
 
-    def update(self, step: int, eval_loss: float) -> bool:
-        """Note an evaluation; True when the run should stop now."""
-        if self.best is None or eval_loss < self.best - self.min_delta:
-            self.best, self.best_step, self.evals_since_best = eval_loss, step, 0
+    def update(self, step: int, evaluated: dict) -> bool:
+        """Note an evaluation (its metrics); True when the run should stop now."""
+        value = evaluated[self.metric]
+        if self.best is None or self.sign * value < self.sign * self.best - self.min_delta:
+            self.best, self.best_step, self.evals_since_best = value, step, 0
         else:
             self.evals_since_best += 1
         return self.patience > 0 and self.evals_since_best >= self.patience
 
     def describe(self) -> str:
-        return (f"eval loss did not improve by more than {self.min_delta:g} in {self.evals_since_best} "
+        return (f"{self.metric} did not improve by more than {self.min_delta:g} in {self.evals_since_best} "
                 f"evaluations (best {self.best:.4f} at step {self.best_step})")
 
     def state_dict(self) -> dict:
-        return {"best_eval_loss": self.best, "best_step": self.best_step,
+        return {"metric": self.metric, "best": self.best, "best_step": self.best_step,
                 "evals_since_best": self.evals_since_best}
 
     def load_state_dict(self, state: dict) -> None:
-        self.best, self.best_step = state.get("best_eval_loss"), state.get("best_step")
+        """A checkpoint's state; one that watched another metric (changed on resume) starts afresh."""
+        if state.get("metric", "eval_loss") != self.metric:
+            return
+        self.best = state.get("best", state.get("best_eval_loss"))
+        self.best_step = state.get("best_step")
         self.evals_since_best = state.get("evals_since_best", 0)

@@ -58,6 +58,7 @@ import numpy as np
 from . import optim
 from .comm import MPICommunicator, NodeMemory, SharedMemoryUnavailable, SingleProcess
 from .flat import FlatLayout, norm_sq
+from .models import registry
 from .errors import UsageError
 
 RANKS_PER_NODE_ENV = "TRAINRUN_RANKS_PER_NODE"
@@ -76,17 +77,19 @@ def build(cfg, comm, engine, node: "NodeBuffers | None" = None):
     over the whole buffers (stage 0 without ``node``: :class:`Replicated`, run by ``engine.optimizer_kernel``)
     or over this rank's part of them (:class:`Partitioned`, the host kernel)."""
     stage = cfg.distributed.zero_stage
+    depths = registry.layer_depths(cfg.model, engine.layout.names)
     if stage == 0 and node is None:
-        return Replicated(comm, engine, optimizer_for(engine, cfg.optimizer, cfg.engine.optimizer_kernel))
-    return Partitioned(stage, comm, engine, cfg.optimizer, node)
+        return Replicated(comm, engine, optimizer_for(engine, cfg.optimizer, cfg.engine.optimizer_kernel, depths))
+    return Partitioned(stage, comm, engine, cfg.optimizer, node, depths)
 
 
-def optimizer_for(engine, cfg_optimizer, kernel: str = "auto"):
-    """The optimizer over all of ``engine``'s flat parameters and gradients; one that runs a graph gets its
+def optimizer_for(engine, cfg_optimizer, kernel: str = "auto", depths: dict | None = None):
+    """The optimizer over all of ``engine``'s flat parameters and gradients (``depths``: each parameter's
+    layer for ``layer_decay``, :func:`trainrun.models.registry.layer_depths`); one that runs a graph gets its
     session from the engine."""
     sizes = [int(np.prod(s, dtype=np.int64)) for s in engine.layout.shapes]
     opt = optim.build(cfg_optimizer, engine.layout.names, sizes, engine.params, engine.grads, engine.xp,
-                      kernel=kernel)
+                      kernel=kernel, depths=depths)
     if opt.graph:
         engine.attach_optimizer(opt)
     return opt
@@ -144,7 +147,7 @@ def node_buffers(cfg, comm, n: int) -> NodeBuffers | None:
         return None
 
 
-def _part_optimizer(cfg_optimizer, layout: FlatLayout, lo: int, hi: int, params, grad, norm_sums):
+def _part_optimizer(cfg_optimizer, layout: FlatLayout, lo: int, hi: int, params, grad, norm_sums, depths=None):
     """The host optimizer over elements ``lo:hi`` of the flat layout (``params`` and ``grad`` of that size),
     with the indices of the tensors it touches (for LAMB's per-tensor sums)."""
     bounds = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) for s in layout.shapes]).tolist()
@@ -152,7 +155,8 @@ def _part_optimizer(cfg_optimizer, layout: FlatLayout, lo: int, hi: int, params,
              for i, (name, a, b) in enumerate(zip(layout.names, bounds, bounds[1:])) if a < hi and b > lo]
     tensor_ids = np.array([i for *_, i in parts], np.int64)
     opt = optim.build(cfg_optimizer, [p[0] for p in parts], [p[1] for p in parts], params, grad, np,
-                      kernel="host", norm_sums=norm_sums if cfg_optimizer.name == "lamb" else None)
+                      kernel="host", norm_sums=norm_sums if cfg_optimizer.name == "lamb" else None,
+                      depths=depths)
     return opt, tensor_ids
 
 
@@ -193,7 +197,7 @@ class Partitioned:
 
     sharded = True
 
-    def __init__(self, stage: int, comm, engine, cfg_optimizer, node: NodeBuffers | None):
+    def __init__(self, stage: int, comm, engine, cfg_optimizer, node: NodeBuffers | None, depths=None):
         self.comm, self.engine, self.node = comm, engine, node
         layout = engine.layout
         n = layout.total
@@ -223,7 +227,7 @@ class Partitioned:
         self._sums = np.zeros((len(layout.names), 2), np.float64)
         self.optimizer, self.tensor_ids = _part_optimizer(cfg_optimizer, layout, self.lo, self.hi,
                                                           engine.params[self.lo:self.hi], self.grad,
-                                                          self._norm_sums)
+                                                          self._norm_sums, depths)
         self.state = self.optimizer.state
         self._norm_sq = None     # the squared norm of this rank's reduced part, when reduce() took it
 

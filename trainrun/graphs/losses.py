@@ -10,6 +10,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from .forward import Forward, num_classes
+from ..errors import UsageError
 from .names import LOSS, METRIC_PREFIX
 from .onnx_edit import const, fresh, opset, value_dims
 
@@ -24,10 +25,12 @@ TOP5_MAX_CLASSES = 4096
 SPLIT_MIN_CLASSES = 1024
 
 
-def with_loss(fwd: Forward, ignore_index: int, keep_logits: bool, metrics: bool = False) -> onnx.ModelProto:
+def with_loss(fwd: Forward, ignore_index: int, keep_logits: bool, metrics: bool = False,
+              label_smoothing: float = 0.0) -> onnx.ModelProto:
     """Forward graph + scalar ``loss``: the graph's own loss output (``fwd.loss``), cross-entropy
-    (SoftmaxCrossEntropyLoss over the class axis), mse or l1. ``metrics``: keep the graph's eval-metric
-    outputs and add the loss type's (accuracy and top-5 accuracy; mse and mae)."""
+    (SoftmaxCrossEntropyLoss over the class axis; smoothed with ``label_smoothing``), mse or l1.
+    ``metrics``: keep the graph's eval-metric outputs and add the loss type's (accuracy and top-5
+    accuracy, and the plain cross-entropy ``ce`` when smoothed; mse and mae)."""
     model = copy.deepcopy(fwd.model)
     inputs = list(model.graph.input)
     outputs = [helper.make_tensor_value_info(LOSS, TensorProto.FLOAT, [])]
@@ -36,7 +39,7 @@ def with_loss(fwd: Forward, ignore_index: int, keep_logits: bool, metrics: bool 
     else:
         dims = value_dims(model, fwd.logits)
         if fwd.loss_type == "cross_entropy":
-            loss_nodes, metric_nodes = _cross_entropy(model, fwd, ignore_index, num_classes(fwd))
+            loss_nodes, metric_nodes = _cross_entropy(model, fwd, ignore_index, num_classes(fwd), label_smoothing)
             elem = TensorProto.INT64
             labels_shape = None if dims is None else [d for i, d in enumerate(dims)
                                                      if i != fwd.class_axis % len(dims)]
@@ -56,10 +59,12 @@ def with_loss(fwd: Forward, ignore_index: int, keep_logits: bool, metrics: bool 
     return fresh(model, nodes, inputs, outputs, list(model.graph.initializer))
 
 
-def _cross_entropy(model, fwd: Forward, ignore_index: int, classes: int | None) -> tuple[list, list]:
+def _cross_entropy(model, fwd: Forward, ignore_index: int, classes: int | None,
+                   smoothing: float = 0.0) -> tuple[list, list]:
     """(loss nodes, metric nodes). Loss: SoftmaxCrossEntropyLoss (mean, ``ignore_index``, class weights)
-    -> ``loss``; classes last: logits reshaped [N, C], labels [N] first. Metrics over the labels that are
-    not ``ignore_index``: top-1 accuracy (ArgMax) and, when 5 <= C <= TOP5_MAX_CLASSES, top-5 (TopK)."""
+    -> ``loss``, or with label ``smoothing`` > 0 :func:`_smoothed_cross_entropy`; classes last: logits
+    reshaped [N, C], labels [N] first. Metrics over the labels that are not ``ignore_index``: top-1
+    accuracy (ArgMax) and, when 5 <= C <= TOP5_MAX_CLASSES, top-5 (TopK)."""
     nodes = []
     if fwd.class_axis == -1:
         nodes += [
@@ -83,12 +88,17 @@ def _cross_entropy(model, fwd: Forward, ignore_index: int, classes: int | None) 
     if fwd.class_weights:
         nodes.append(const("loss_class_weights", fwd.class_weights, np.float32))
         sce_in.append("loss_class_weights")
-    # over [N, C, d...] onnxruntime's gradient of SoftmaxCrossEntropyLoss needs its optional log_prob output
-    sce_out = [LOSS] if fwd.class_axis == -1 else [LOSS, "loss_log_prob"]
-    nodes.append(helper.make_node("SoftmaxCrossEntropyLoss", sce_in, sce_out, reduction="mean",
-                                  ignore_index=ignore_index, name="loss_sce"))
+    if smoothing:
+        loss_nodes, m = _smoothed_cross_entropy(model, fwd, scores, labels, ignore_index, smoothing)
+        nodes += loss_nodes
+    else:
+        # over [N, C, d...] onnxruntime's gradient of SoftmaxCrossEntropyLoss needs its optional log_prob output
+        sce_out = [LOSS] if fwd.class_axis == -1 else [LOSS, "loss_log_prob"]
+        nodes.append(helper.make_node("SoftmaxCrossEntropyLoss", sce_in, sce_out, reduction="mean",
+                                      ignore_index=ignore_index, name="loss_sce"))
+        m = []
     # metrics: correct predictions and counted labels (float32 sums)
-    m = [const("acc_ignore", ignore_index),
+    m += [const("acc_ignore", ignore_index),
          helper.make_node("Equal", [labels, "acc_ignore"], ["acc_ignored"], name="acc_ignored"),
          helper.make_node("Not", ["acc_ignored"], ["acc_valid"], name="acc_valid"),
          helper.make_node("Cast", ["acc_valid"], ["acc_valid_f"], to=TensorProto.FLOAT, name="acc_valid_f"),
@@ -116,6 +126,91 @@ def _cross_entropy(model, fwd: Forward, ignore_index: int, classes: int | None) 
               helper.make_node("Identity", [f"{METRIC_PREFIX}accuracy/count"],
                                [f"{METRIC_PREFIX}top5_accuracy/count"], name="top5_count")]
     return nodes, m
+
+
+def _smoothed_cross_entropy(model, fwd: Forward, scores: str, labels: str, ignore_index: int,
+                            s: float) -> tuple[list, list]:
+    """(loss nodes, metric nodes): torch.nn.functional.cross_entropy(label_smoothing=s), reduction mean.
+    With z the logits, lse_i = log sum_c exp z_ic, w the class weights, W = sum_c w_c, over the rows i whose
+    label y_i is not ``ignore_index``, torch's loss is
+
+        ((1 - s) sum_i w_yi (lse_i - z_iy) + s / C sum_i sum_c w_c (lse_i - z_ic)) / sum_i w_yi.
+
+    Without weights that is the plain cross-entropy plus a term linear in z,
+    ``CE + s * sum_i (z_iy - mean_c z_ic) / count``: the plain loss stays the SoftmaxCrossEntropyLoss
+    that split_cross_entropy makes cheap (its gradient by Exp), and the smoothing costs a gather and a
+    sum over the classes. With weights, lse's sum comes from a second, unweighted SoftmaxCrossEntropyLoss
+    (sum of lse_i - z_iy). The metric ``ce`` (sum and count) is the plain cross-entropy: eval's perplexity."""
+    if opset(model) < 13:
+        raise UsageError(f"model.loss.label_smoothing: the forward graph is opset {opset(model)}; the smoothed "
+                         f"loss needs opset >= 13 (re-export the model with a newer opset)")
+    p = "loss_smooth/"
+    weighted = bool(fwd.class_weights)
+
+    def node(op, inputs, out, **kw):
+        return helper.make_node(op, inputs, [p + out], name=p + out, **kw)
+
+    def sce(inputs, out, reduction):     # over [N, C, d...] onnxruntime's gradient needs the log_prob output
+        outs = [p + out] + ([p + out + "_log_prob"] if fwd.class_axis != -1 else [])
+        return helper.make_node("SoftmaxCrossEntropyLoss", inputs, outs, reduction=reduction,
+                                ignore_index=ignore_index, name=p + out)
+    nodes = [const(p + "ignore", ignore_index), const(p + "zero", 0), const(p + "axis1", [1]),
+             const(p + "one", [1]), const(p + "s", s, np.float32),
+             node("Equal", [labels, p + "ignore"], "ignored"),
+             node("Not", [p + "ignored"], "valid"),
+             node("Cast", [p + "valid"], "valid_f", to=TensorProto.FLOAT),
+             node("Where", [p + "valid", labels, p + "zero"], "index"),
+             node("Unsqueeze", [p + "index", p + "axis1"], "index1"),
+             node("GatherElements", [scores, p + "index1"], "picked1", axis=1),
+             node("ReduceSum", [p + "picked1", p + "axis1"], "picked", keepdims=0),
+             node("Mul", [p + "picked", p + "valid_f"], "picked_valid"),
+             node("ReduceSum", [p + "picked_valid"], "picked_sum", keepdims=0),        # sum_i z_iy
+             node("Shape", [scores], "shape"),
+             node("Gather", [p + "shape", p + "one"], "classes_i"),
+             node("Cast", [p + "classes_i"], "classes_f1", to=TensorProto.FLOAT),
+             node("ReduceSum", [p + "classes_f1"], "classes_f", keepdims=0),
+             node("Div", [p + "s", p + "classes_f"], "per_class")]                  # s / C
+    if not weighted:
+        nodes += [sce([scores, labels], "ce", "mean"),
+                  node("ReduceSum", [p + "valid_f"], "count", keepdims=0),
+                  node("ReduceSum", [scores, p + "axis1"], "class_sum", keepdims=0),
+                  node("Mul", [p + "class_sum", p + "valid_f"], "class_sum_valid"),
+                  node("ReduceSum", [p + "class_sum_valid"], "z_sum", keepdims=0),     # sum_i sum_c z_ic
+                  node("Mul", [p + "z_sum", p + "per_class"], "z_part"),
+                  node("Mul", [p + "picked_sum", p + "s"], "y_part"),
+                  node("Sub", [p + "y_part", p + "z_part"], "linear"),
+                  node("Div", [p + "linear", p + "count"], "linear_mean"),
+                  helper.make_node("Add", [p + "ce", p + "linear_mean"], [LOSS], name=p + "loss")]
+    else:
+        dims = value_dims(model, fwd.logits)
+        rank = 2 if fwd.class_axis == -1 else (len(dims) if dims is not None else None)
+        if rank is None:
+            raise UsageError(f"model.loss.label_smoothing with model.loss.weights over class axis 1: the rank of "
+                             f"{fwd.logits!r} is not known from the graph")
+        nodes += [const(p + "weights", fwd.class_weights, np.float32),      # [C], and [C, 1, ...] to broadcast
+                  const(p + "weights_b", np.reshape(fwd.class_weights, [-1] + [1] * (rank - 2)), np.float32),
+                  const(p + "weights_sum", float(np.sum(fwd.class_weights, dtype=np.float64)), np.float32),
+                  const(p + "keep", 1.0 - s, np.float32),
+                  sce([scores, labels, p + "weights"], "ce", "mean"),
+                  sce([scores, labels], "nll_sum", "sum"),                          # sum_i lse_i - z_iy
+                  node("Gather", [p + "weights", p + "index"], "label_w"),
+                  node("Mul", [p + "label_w", p + "valid_f"], "row_w"),
+                  node("ReduceSum", [p + "row_w"], "count", keepdims=0),            # sum_i w_yi
+                  node("Mul", [scores, p + "weights_b"], "weighted"),
+                  node("ReduceSum", [p + "weighted", p + "axis1"], "class_sum", keepdims=0),
+                  node("Mul", [p + "class_sum", p + "valid_f"], "class_sum_valid"),
+                  node("ReduceSum", [p + "class_sum_valid"], "z_sum", keepdims=0),  # sum_i sum_c w_c z_ic
+                  node("Add", [p + "nll_sum", p + "picked_sum"], "lse_sum"),
+                  node("Mul", [p + "lse_sum", p + "weights_sum"], "lse_w"),
+                  node("Sub", [p + "lse_w", p + "z_sum"], "smooth"),
+                  node("Mul", [p + "smooth", p + "per_class"], "smooth_part"),
+                  node("Div", [p + "smooth_part", p + "count"], "smooth_mean"),
+                  node("Mul", [p + "ce", p + "keep"], "ce_part"),
+                  helper.make_node("Add", [p + "ce_part", p + "smooth_mean"], [LOSS], name=p + "loss")]
+    nodes.append(node("Mul", [p + "ce", p + "count"], "ce_sum"))
+    metrics = [helper.make_node("Identity", [p + "ce_sum"], [f"{METRIC_PREFIX}ce/sum"], name=p + "ce_sum_out"),
+               helper.make_node("Identity", [p + "count"], [f"{METRIC_PREFIX}ce/count"], name=p + "ce_count")]
+    return nodes, metrics
 
 
 def _regression(fwd: Forward) -> tuple[list, list]:

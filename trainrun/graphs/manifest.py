@@ -15,7 +15,7 @@ from .. import cuda_kernels
 from ..config import Config, to_dict
 from ..errors import UsageError
 from ..models import registry
-from ..optim import build_optimizer_graph
+from ..optim import build_optimizer_graph, check_groups
 from ..rundir import sha256_file
 from .casts import cast_pass, restore_fp32, scale_loss
 from .dropout_nodes import dropout_masks, dropout_off
@@ -77,6 +77,7 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
     out_dir = out_dir or os.path.join(cfg.run.output_dir, "graphs")
     os.makedirs(out_dir, exist_ok=True)
     fwd = forward_from_config(cfg)
+    check_groups(cfg.optimizer, fwd.params)
     source = cfg.model.onnx or cfg.model.builtin
     inits = {t.name: t for t in fwd.model.graph.initializer}
     states = dict(fwd.states or {})
@@ -87,7 +88,8 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
     build = build_options(cfg)
     static = build["static_shape"]
 
-    loss_model = params_to_inputs(with_loss(fwd, cfg.model.loss.ignore_index, keep_logits=False), graph_inputs)
+    loss_model = params_to_inputs(with_loss(fwd, cfg.model.loss.ignore_index, keep_logits=False,
+                                            label_smoothing=cfg.model.loss.label_smoothing), graph_inputs)
     loss_model.graph.output.extend(helper.make_tensor_value_info(out, inits[st].data_type, list(inits[st].dims))
                                    for st, out in states.items())     # the state's updates
     loss_model, dropout = dropout_masks(loss_model, fwd.inputs, source)
@@ -105,10 +107,11 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
         stats_outputs = select_outputs(train, cfg.debug.tensors)
         add_outputs(train, stats_outputs)
     evalg = split(batchnorm_inference(dropout_off(params_to_inputs(
-        with_loss(fwd, cfg.model.loss.ignore_index, keep_logits=True, metrics=True), graph_inputs), source)))
+        with_loss(fwd, cfg.model.loss.ignore_index, keep_logits=True, metrics=True,
+                  label_smoothing=cfg.model.loss.label_smoothing), graph_inputs), source)))
     forward = batchnorm_inference(dropout_off(params_to_inputs(fwd.model, graph_inputs), source))
     drop_outputs(forward, set(states.values()))
-    optimizer = build_optimizer_graph(cfg.optimizer, shapes)
+    optimizer = build_optimizer_graph(cfg.optimizer, shapes, registry.layer_depths(cfg.model, fwd.params))
     if cfg.device == "cuda":
         cuda_kernels.check({"train": train, "eval": evalg}, source)
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
@@ -79,6 +80,16 @@ def param_specs(cfg: BertConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     s["cls.predictions.bias"] = ((V,), "zeros")
     s["cls.seq_relationship.weight"], s["cls.seq_relationship.bias"] = ((2, E), "normal"), ((2,), "zeros")
     return s
+
+
+def layers_above(cfg: BertConfig, name: str) -> int:
+    """How many layers lie above parameter ``name`` (``optimizer.layer_decay``'s exponent): the
+    embeddings (and their LayerNorm) num_hidden_layers + 1, encoder layer i (0-based) num_hidden_layers - i,
+    the pooler and the heads 0."""
+    if name.startswith("bert.embeddings."):
+        return cfg.num_hidden_layers + 1
+    m = re.match(r"bert\.encoder\.layer\.(\d+)\.", name)
+    return cfg.num_hidden_layers - int(m.group(1)) if m else 0
 
 
 def init_weights(cfg: BertConfig, seed: int) -> dict[str, np.ndarray]:
@@ -307,6 +318,7 @@ def _transformers_tokenizer(eos: str | None) -> tuple[dict, dict]:
 FAMILY = register(Family(
     name="bert", section=BertConfig, build=build_bert, init_weights=init_weights, param_specs=param_specs,
     inputs=tuple(INPUTS), logits=LOGITS, loss=LOSS, sequence_inputs=False,
+    layers_above=layers_above,
     sample_batch=lambda cfg, rng: sample_inputs(cfg, 4, 16, 3, rng),
     inference=lambda cfg: build_bert(cfg, {}, inference=True),
     dropout_fields=("hidden_dropout_prob", "attention_probs_dropout_prob"),

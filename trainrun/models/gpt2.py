@@ -10,6 +10,7 @@ No torch needed.
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import onnx
@@ -35,6 +36,16 @@ def param_specs(cfg: GPT2Config) -> dict[str, tuple[tuple[int, ...], str]]:
         s[p + "mlp.c_proj.weight"], s[p + "mlp.c_proj.bias"] = ((4 * E, E), "proj"), ((E,), "zeros")
     s["transformer.ln_f.weight"], s["transformer.ln_f.bias"] = ((E,), "ones"), ((E,), "zeros")
     return s
+
+
+def layers_above(cfg: GPT2Config, name: str) -> int:
+    """How many layers lie above parameter ``name`` (``optimizer.layer_decay``'s exponent): the
+    embeddings (wte, tied to the head, and wpe) n_layer + 1, block i (0-based) n_layer - i, the final
+    LayerNorm and any head 0."""
+    if name.startswith("transformer.wte.") or name.startswith("transformer.wpe."):
+        return cfg.n_layer + 1
+    m = re.match(r"transformer\.h\.(\d+)\.", name)
+    return cfg.n_layer - int(m.group(1)) if m else 0
 
 
 def init_weights(cfg: GPT2Config, seed: int) -> dict[str, np.ndarray]:
@@ -191,6 +202,7 @@ FAMILY = register(Family(
     inputs=("input_ids",), logits="logits", sequence_inputs=True,
     kv_cache=lambda cfg, weights: build_gpt2(cfg, weights, kv_cache=True),
     positions_tensor="transformer.wpe.weight", dropout_fields=("dropout",),
+    layers_above=layers_above,
     transformers=Transformers(architecture="GPT2LMHeadModel", model_type="gpt2", prefix="transformer.",
                               tied={"lm_head.weight": "transformer.wte.weight"},
                               config=_transformers_config, tokenizer=_transformers_tokenizer)))

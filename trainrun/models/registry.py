@@ -4,7 +4,7 @@ calls :func:`register`; the rest of trainrun asks the registry: ``prepare`` for 
 the initial weights (:func:`of`), ``preflight`` / ``evaluate`` for the shapes the data must fit
 (:func:`vocab_and_positions`), ``model.init_from`` and ``export --format transformers`` for the
 transformers names (:class:`Transformers`), ``export`` and ``generate`` for the graphs they build
-from a run's manifest (:func:`of_manifest`).
+from a run's manifest (:func:`of_manifest`), the optimizer each parameter's layer (:func:`layer_depths`).
 
 The family's YAML section (``model.<name>``) is a dataclass: the built-in ones are part of the
 schema in :mod:`trainrun.config` (which imports nothing of trainrun, so that the schema, ``config
@@ -82,6 +82,9 @@ class Family:
     transformers folder are refused for it."""
     dropout_fields: tuple[str, ...] = ()
     """The section's dropout probabilities (set to 0 for the inference and attention-cache graphs)."""
+    layers_above: Optional[Callable[[Any, str], int]] = None
+    """(section, parameter name) -> how many layers lie above it (``optimizer.layer_decay``'s exponent);
+    None: the family does not say (``optimizer.layer_decay`` is refused for it)."""
 
     def shape(self, model: C.ModelConfig):
         """This family's section of ``model`` (a ModelConfig)."""
@@ -137,6 +140,17 @@ def vocab_and_positions(model: C.ModelConfig) -> tuple[int | None, int | None]:
         return None, None
     section = family.shape(model)
     return section.vocab_size, C.positions(section)
+
+
+def layer_depths(model: C.ModelConfig, names: list[str]) -> dict[str, int] | None:
+    """``optimizer.layer_decay``'s exponent of each parameter of a built-in model (the layers above it,
+    from its family's ``layers_above``); None for a user's graph (config validation refuses layer_decay
+    there) or a family that does not say (preflight refuses it)."""
+    family = of(model)
+    if family is None or family.layers_above is None:
+        return None
+    section = family.shape(model)
+    return {n: family.layers_above(section, n) for n in names}
 
 
 def positions_tensors() -> set[str]:

@@ -318,8 +318,10 @@ def run_doctor(cfg=None, config_bytes: bytes = b"", overrides=(), size_mb: float
             checks.append(("config", *_same("config", comm.allgather_object(mine),
                                              lambda a, b: f"config file or --set differ (sha256 {b} vs {a})")))
             checks.append(("run_dir", *check_run_dir(comm, cfg.run.output_dir)))
-            for key in ("train", "eval"):
-                path = getattr(cfg.data, key)
+            named = cfg.data.eval if isinstance(cfg.data.eval, dict) else {}
+            sets = [("train", cfg.data.train)] + ([(f"eval.{n}", p) for n, p in named.items()] if named
+                                                    else [("eval", cfg.data.eval)])
+            for key, path in sets:
                 if not path:
                     checks.append((f"data.{key}", "SKIP", "not configured"))
                     continue

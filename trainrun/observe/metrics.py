@@ -1,4 +1,5 @@
-"""Where numbers go: the console (with a progress bar), metrics.jsonl and TensorBoard.
+"""Where numbers go: the console (with a progress bar), metrics.jsonl, TensorBoard and the experiment
+trackers (:mod:`.trackers`: MLflow, W&B; the TensorBoard scalars under the same names).
 
 Only rank 0 writes. Every ``log`` call appends one JSON object to
 ``metrics.jsonl`` and the matching scalars (``train/loss`` ...) to TensorBoard
@@ -26,11 +27,27 @@ _TB_NAMES = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_no
              "loss_scale": "train/loss_scale"}
 
 
-def _tb_name(key: str) -> str | None:
-    """TensorBoard tag of a metrics key: the fixed names above; ``eval_<metric>`` -> ``eval/<metric>``."""
-    if key in _TB_NAMES:
+def _tb_name(key: str, eval_sets=(None,)) -> str | None:
+    """TensorBoard tag of a metrics key: the fixed names above; ``eval_<metric>`` -> ``eval/<metric>``;
+    with named eval sets ``eval_<NAME>_<metric>`` -> ``eval/<NAME>/<metric>``."""
+    if key in _TB_NAMES and None in eval_sets:
         return _TB_NAMES[key]
-    return "eval/" + key[5:] if key.startswith("eval_") else None
+    if key in _TB_NAMES and not key.startswith("eval_"):
+        return _TB_NAMES[key]
+    found = _eval_split(key, eval_sets)
+    if found is None:
+        return None
+    name, metric = found
+    return f"eval/{metric}" if name is None else f"eval/{name}/{metric}"
+
+
+def _eval_split(key: str, eval_sets) -> tuple | None:
+    """(set name, metric) of an eval metrics key (the longest set name that fits), or None."""
+    for name in sorted(eval_sets, key=lambda n: -len(n or "")):
+        prefix = "eval_" if name is None else f"eval_{name}_"
+        if key.startswith(prefix) and len(key) > len(prefix):
+            return name, key[len(prefix):]
+    return None
 
 
 def _step_of(line: str) -> int | None:
@@ -50,8 +67,9 @@ def fmt_duration(seconds: float) -> str:
 
 class Metrics:
     def __init__(self, output_dir: str, *, enabled: bool, tensorboard: bool, quiet: bool,
-                 total_steps: int, start_step: int = 0):
+                 total_steps: int, start_step: int = 0, eval_sets=(None,), trackers=None):
         self.enabled = enabled
+        self.eval_sets = list(eval_sets) or [None]     # data.eval's set names (None: a single unnamed set)
         self.quiet = quiet or not enabled
         self.total = total_steps
         self.t0 = time.perf_counter()
@@ -59,6 +77,7 @@ class Metrics:
         self._jsonl = None
         self._tb = None
         self._bar = None
+        self.trackers = trackers      # a .trackers.Trackers (rank 0) or None
         if not enabled:
             return
         self._jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a", buffering=1)
@@ -95,8 +114,12 @@ class Metrics:
             return
         record = {"step": step, **values, "elapsed_s": round(time.perf_counter() - self.t0, 3)}
         self._jsonl.write(json.dumps(record) + "\n")
-        if self._tb is not None:
-            self._tensorboard(step, values)
+        if self._tb is not None or self.trackers is not None:
+            scalars = self.scalars(values)
+            if self._tb is not None and scalars:
+                self._tensorboard(step, scalars)
+            if self.trackers is not None and scalars:
+                self.trackers.log(step, scalars)
         if "loss" in values:
             eta = self.eta(step)
             rate = (f"{values['tokens_per_sec']:,.0f} tok/s" if "tokens_per_sec" in values
@@ -104,19 +127,28 @@ class Metrics:
             self.echo(f"step {step:>6}/{self.total} | loss {values['loss']:.4f} | lr {values['lr']:.2e} | "
                       f"grad_norm {values['grad_norm']:.3f} | {rate} | "
                       f"eta {fmt_duration(eta) if math.isfinite(eta) else '?'}")
-        if "eval_loss" in values:     # perplexity where the runner gives it (next-token cross-entropy)
-            more = "".join(f" | {k[5:]} {v:.{2 if k == 'eval_perplexity' else 4}f}" for k, v in values.items()
-                           if k.startswith("eval_") and k != "eval_loss")
-            self.echo(f"eval {step:>6} | loss {values['eval_loss']:.4f}{more}")
+        evals: dict = {}      # per eval set: its metrics (perplexity where the runner gives it)
+        for k, v in values.items():
+            if (found := _eval_split(k, self.eval_sets)) is not None:
+                evals.setdefault(found[0], {})[found[1]] = v
+        for name, got in evals.items():
+            more = "".join(f" | {m} {v:.{2 if m == 'perplexity' else 4}f}" for m, v in got.items() if m != "loss")
+            self.echo(f"eval{' ' + name if name else ''} {step:>6} | loss {got.get('loss', float('nan')):.4f}{more}")
 
-    def _tensorboard(self, step: int, values: dict) -> None:
+    def scalars(self, values: dict) -> dict[str, float]:
+        """The logged values by TensorBoard tag (train/loss, eval/loss, eval/<set>/loss, time/<phase>_ms ...):
+        finite only."""
+        tags = {k: _tb_name(k, self.eval_sets) for k in values}
+        out = {tags[k]: v for k, v in values.items()
+               if tags[k] and isinstance(v, (int, float)) and math.isfinite(v)}
+        out.update({f"time/{k}_ms": v for k, v in values.get("phase_ms", {}).items()})
+        return out
+
+    def _tensorboard(self, step: int, scalars: dict[str, float]) -> None:
         from tensorboardX.proto.event_pb2 import Event
         from tensorboardX.proto.summary_pb2 import Summary
-        scalars = [Summary.Value(tag=_tb_name(k), simple_value=v) for k, v in values.items()
-                   if _tb_name(k) and v is not None and math.isfinite(v)]
-        scalars += [Summary.Value(tag=f"time/{k}_ms", simple_value=v) for k, v in values.get("phase_ms", {}).items()]
-        if scalars:
-            self._tb.write_event(Event(wall_time=time.time(), step=step, summary=Summary(value=scalars)))
+        self._tb.write_event(Event(wall_time=time.time(), step=step, summary=Summary(
+            value=[Summary.Value(tag=k, simple_value=v) for k, v in scalars.items()])))
 
     def resume_at(self, step: int) -> int:
         """A resumed run that trains again after ``step``: the lines of later steps (logged by a session
@@ -151,8 +183,12 @@ class Metrics:
             self._tb.write_event(Event(wall_time=time.time(), step=step, summary=text_summary(tag, text)))
             self._tb.flush()
 
-    def close(self) -> None:
-        """Flush and close the files. Idempotent."""
+    def close(self, exit_code: int = 0) -> None:
+        """Flush and close the files, end the tracker runs with the run's exit code (0: finished; 75:
+        stopped by a signal, resumable; else failed). Idempotent."""
+        if self.trackers is not None:
+            self.trackers.close(exit_code)
+            self.trackers = None
         if self._bar is not None:
             self._bar.close()
             self._bar = None
