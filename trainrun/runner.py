@@ -411,6 +411,8 @@ class TrainingRunner:
                 "tokens_per_sec": ran * self.tokens_per_step / max(elapsed, 1e-9)} if self.tokens else {}),
             "final_loss": last.get("loss"), "final_eval_loss": eval_loss, "world_size": self.world,
             "phase_shares": {k: round(v, 4) for k, v in self.timer.shares().items()},
+            # bytes this rank sent for the gradient reduction, per step (trainrun.wire: fp32 or bf16 on the wire)
+            "wire_bytes_per_step": self.shard.wire.sent_bytes // ran if ran else 0,
         }
         self._footer(summary)
         if ran and self.step == t.stop_at < t.max_steps and self.checkpoints.saved_step == self.step:
