@@ -39,7 +39,8 @@ def test_rounding_is_torchs_round_to_nearest_even():
     assert np.isnan(back[nan]).all() and nan.sum() == 5
     assert np.array_equal(back[~nan], torch_bf16(x)[~nan])
     from_bf16(got, back, add=True)
-    assert np.array_equal(back[~nan], 2 * torch_bf16(x)[~nan])
+    with np.errstate(over="ignore"):
+        assert np.array_equal(back[~nan], 2 * torch_bf16(x)[~nan])
 
 
 REDUCE = '''
@@ -76,7 +77,7 @@ comm.close()
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_bf16_reduction_is_fp32_sums_of_bf16_rounded_values(tmp_path, nprocs):
     """Every rank ends with the same bits: bf16(fp32 sum in rank order of bf16(g_r)) (PyTorch's roundings), so
-    within (2^-8 + P 2^-23) sum_r |g_r| of the exact (float64) sum, for each element; reduce_scatter leaves
+    within (2^-7 + P 2^-23) sum_r |g_r| of the exact (float64) sum, for each element; reduce_scatter leaves
     the fp32 sum (one rounding fewer); half the bytes of fp32 on the wire."""
     rc, out, _ = run_ranks(tmp_path, nprocs, REDUCE, timeout=60)
     assert rc == 0, out
@@ -90,7 +91,7 @@ def test_bf16_reduction_is_fp32_sums_of_bf16_rounded_values(tmp_path, nprocs):
     for r in range(nprocs):
         got = np.load(tmp_path / f"allreduce.{r}.npy")
         assert np.array_equal(got, want), r
-        assert np.all(np.abs(got - exact) <= (2.0 ** -8 + nprocs * 2.0 ** -23) * mag)
+        assert np.all(np.abs(got - exact) <= (2.0 ** -7 + nprocs * 2.0 ** -23) * mag)
     # not a no-op: the rounding is seen (fp32 sums of these values differ from the bf16 result)
     assert np.count_nonzero(want != sum(g[1:], g[0])) > len(want) // 2
     rep = results(tmp_path)
@@ -100,7 +101,7 @@ def test_bf16_reduction_is_fp32_sums_of_bf16_rounded_values(tmp_path, nprocs):
         part = np.load(tmp_path / f"scatter.{r}.npy")
         assert np.array_equal(part, acc[offs[r]:offs[r + 1]]), r
         assert np.all(np.abs(part - exact[offs[r]:offs[r + 1]])
-                      <= (2.0 ** -9 + nprocs * 2.0 ** -23) * mag[offs[r]:offs[r + 1]])
+                      <= (2.0 ** -8 + nprocs * 2.0 ** -23) * mag[offs[r]:offs[r + 1]])
         n = len(g[0])
         # what each rank handed MPI: its parts for the others (alltoallv, both calls), its part to every other
         # rank (allgatherv, allreduce_ only); bf16 = 2 bytes an element
@@ -121,7 +122,7 @@ def _train(tmp_path, data, name, dtype, **extra):
 def test_tiny_gpt2_trains_with_bf16_on_the_wire_as_with_fp32(tmp_path, byte_dataset, stage):
     """2 ranks, 60 steps, each rank a node of its own (TRAINRUN_RANKS_PER_NODE=1, so the gradients cross the
     wire: stage 0 an allreduce, stage 1 ZeRO-1's reduce-scatter): bf16's losses follow fp32's (a relative
-    gradient error of 2^-8 moves AdamW's steps by about that much, far below the loss's fall), the bytes per
+    gradient error of 2^-8 to 2^-7 moves AdamW's steps by about that much, far below the loss's fall), the bytes per
     step are half."""
     extra = {"distributed.zero_stage": stage}
     ref, ref_sum = _train(tmp_path, byte_dataset, "fp32", "fp32", **extra)
