@@ -131,7 +131,8 @@ def test_tiny_gpt2_trains_with_bf16_on_the_wire_as_with_fp32(tmp_path, byte_data
     assert got[1]["loss"] == ref[1]["loss"]         # the same start: only the reduction differs
     assert any(got[s]["grad_norm"] != ref[s]["grad_norm"] for s in ref)     # and it did differ
     for s in ref:
-        assert abs(got[s]["loss"] - ref[s]["loss"]) <= 0.02 * ref[s]["loss"], (s, got[s], ref[s])
+        # measured here: 1.3e-4 (stage 0) and 1.7e-4 (stage 1) at most; the loss falls by 44% meanwhile
+        assert abs(got[s]["loss"] - ref[s]["loss"]) <= 2e-3 * ref[s]["loss"], (s, got[s], ref[s])
     assert ref[60]["loss"] < 0.8 * ref[1]["loss"]        # it trained
     assert ref_sum["wire_bytes_per_step"] > 0
     assert got_sum["wire_bytes_per_step"] * 2 == ref_sum["wire_bytes_per_step"]

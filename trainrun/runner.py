@@ -388,6 +388,7 @@ class TrainingRunner:
         try:
             with self.signals:
                 last, eval_loss = self._loop(end, start)
+            wire_bytes = self.shard.wire.sent_bytes     # the gradients' bytes on the wire (trainrun.wire)
             self.observe.close()
             self.checkpoints.finish()
             self.shard.close()      # shared memory freed by every rank (collective), before rank 0 exports
@@ -412,7 +413,7 @@ class TrainingRunner:
             "final_loss": last.get("loss"), "final_eval_loss": eval_loss, "world_size": self.world,
             "phase_shares": {k: round(v, 4) for k, v in self.timer.shares().items()},
             # bytes this rank sent for the gradient reduction, per step (trainrun.wire: fp32 or bf16 on the wire)
-            "wire_bytes_per_step": self.shard.wire.sent_bytes // ran if ran else 0,
+            "wire_bytes_per_step": wire_bytes // ran if ran else 0,
         }
         self._footer(summary)
         if ran and self.step == t.stop_at < t.max_steps and self.checkpoints.saved_step == self.step:
