@@ -46,30 +46,38 @@ wire, nothing to halve, it stays float32; across nodes the slice goes through th
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 __all__ = ["REDUCE_DTYPES", "make", "FP32", "BF16", "to_bf16", "from_bf16"]
 
 REDUCE_DTYPES = ("fp32", "bf16")
 _CHUNK = 1 << 16       # elements per conversion chunk: the uint32 temporaries stay in cache
-_QNAN = np.uint16(0x7FC0)
 
 
 def to_bf16(x: np.ndarray, out: np.ndarray) -> None:
-    """``out`` (uint16, bfloat16 bits) = ``x`` (float32) rounded to nearest even; NaN stays NaN, inf inf."""
-    u = x.view(np.uint32)
-    t = np.empty(min(_CHUNK, x.size), np.uint32)
-    for i in range(0, x.size, _CHUNK):
-        ui, ti = u[i:i + _CHUNK], t[:min(_CHUNK, x.size - i)]
-        np.right_shift(ui, 16, out=ti)
-        np.bitwise_and(ti, 1, out=ti)
-        ti += 0x7FFF
-        ti += ui            # wraps only for NaN bit patterns, fixed below
-        ti >>= 16
-        out[i:i + ti.size] = ti
-        nan = np.isnan(x[i:i + ti.size])
-        if nan.any():
-            out[i:i + ti.size][nan] = _QNAN
+    """``out`` (uint16, bfloat16 bits) = ``x`` (float32) rounded to nearest even; NaN stays NaN, inf inf.
+    One compiled pass (Numba; numpy's five passes over uint32 temporaries took 20x longer)."""
+    _kernel()(x.view(np.uint32), out)
+
+
+@functools.cache
+def _kernel():
+    """The compiled rounding loop; Numba imported and the kernel compiled (or loaded from its cache) on the
+    bf16 path's first use only."""
+    import numba
+
+    @numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
+    def round_bits(u, out):
+        for i in range(u.size):
+            x = u[i]
+            if (x & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):      # NaN: a quiet NaN (adding would wrap)
+                out[i] = np.uint16(0x7FC0)
+            else:       # + 0x7FFF + the lowest kept bit, truncated: round to nearest, ties to even
+                out[i] = np.uint16((x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1)))
+                                   >> np.uint32(16))
+    return round_bits
 
 
 def from_bf16(b: np.ndarray, out: np.ndarray, add: bool = False) -> None:
