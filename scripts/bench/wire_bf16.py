@@ -13,6 +13,14 @@ path, the one reduce_dtype changes), three runs of ``--steps`` steps from the sa
   same training with the gradients summed in another order, a float32-rounding perturbation. Its distance
   from ``fp32`` is the floor any perturbation reaches once training's chaos amplifies it.
 
+With ``--allreduce SIZES`` (run under mpirun, e.g. across the pretend cluster's nodes at a link rate), it
+times instead ``trainrun.wire``'s fp32 and bf16 allreduce of float32 buffers of those sizes (e.g. 11.2M, the
+mid model's gradients), interleaved, medians of ``--iters``:
+
+    scripts/cluster/cluster.sh up 2 && scripts/cluster/cluster.sh rate 1gbit
+    scripts/cluster/cluster.sh mpirun -hosts n1,n2 -ppn 1 -np 2 .venv/bin/python \
+        scripts/bench/wire_bf16.py --allreduce 11.2M
+
 Per run: loss every step, eval loss at every 250 steps and the end, ``wire_bytes_per_step``. Printed: the
 largest per-step and the mean |loss difference| against fp32, of raw losses and of 50-step window means, the
 eval losses. Writes WORK/wire_bf16.json and a markdown table for BENCHMARKS.md's by-hand section.
@@ -67,12 +75,53 @@ def cpu_model() -> str:
         return platform.processor() or "?"
 
 
+def time_allreduce(sizes: list[int], iters: int) -> None:
+    """Under mpirun: fp32 and bf16 allreduce_ of each size, interleaved; rank 0 prints medians."""
+    import time
+
+    sys.path.insert(0, str(ROOT))
+    from trainrun import wire
+    from trainrun.comm import make_communicator
+
+    comm = make_communicator("mpi", timeout_s=600)
+    reducers = {d: wire.make(comm, d) for d in wire.REDUCE_DTYPES}
+    for n in sizes:
+        buf = np.random.default_rng(comm.rank).standard_normal(n).astype(np.float32)
+        times = {d: [] for d in reducers}
+        for i in range(iters + 1):
+            for d, r in reducers.items():
+                comm.barrier()
+                t = time.perf_counter()
+                r.allreduce_(buf)
+                if i:       # the first round warms up (the compiled rounding, the scratch buffers)
+                    times[d].append(time.perf_counter() - t)
+                buf[...] = np.random.default_rng(comm.rank).standard_normal(n).astype(np.float32)
+        if comm.rank == 0:
+            med = {d: float(np.median(v)) for d, v in times.items()}
+            sent = {d: r.sent_bytes // (iters + 1) for d, r in reducers.items()}
+            print(f"{comm.world_size} ranks, {n:,} floats: " + ", ".join(
+                f"{d} {1e3 * med[d]:.1f} ms ({sent[d]:,} bytes sent)" for d in med)
+                + f"; bf16/fp32 time {med['bf16'] / med['fp32']:.2f}", flush=True)
+        for r in reducers.values():
+            r.sent_bytes = 0
+    comm.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", required=True, help="a trainrun-data tokens directory (train/ and eval/) of vocab 1024")
+    ap.add_argument("--data", help="a trainrun-data tokens directory (train/ and eval/) of vocab 1024")
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--work", default=str(ROOT / "runs" / "bench-wire"))
+    ap.add_argument("--allreduce", help="comma-separated buffer sizes (K/M suffixes): time the allreduce only")
+    ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args()
+    if args.allreduce:
+        scale = {"K": 10**3, "M": 10**6}
+        time_allreduce([int(float(x[:-1]) * scale[x[-1]]) if x[-1] in scale else int(x)
+                        for x in args.allreduce.split(",")], args.iters)
+        return
+    if not args.data:
+        ap.error("--data is required for the loss curves")
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     data = str(Path(args.data).resolve())
