@@ -3,7 +3,7 @@
 :func:`make` returns the reducer :mod:`trainrun.update` runs its inter-rank gradient collectives through:
 
 * :class:`FP32`: the communicator's own collectives (MPI's allreduce / reduce-scatter, NCCL's), float32 on the
-  wire, bit for bit what trainrun did before this option existed.
+  wire.
 * :class:`BF16`: the same sums with half the bytes on the wire, in two phases trainrun runs itself over MPI:
 
   1. every rank rounds its float32 buffer to bfloat16 (round to nearest even, NaN kept NaN) and sends part r
@@ -20,10 +20,11 @@
 
       |r - S| <= (2u + (P-1) 2**-24 (1 + u)^2) * sum_i |g_i|   (about 2**-7 * sum_i |g_i|)
 
-  whatever ``P`` is (``reduce_scatter``: ``u + ...``, about ``2**-8 * sum_i |g_i|``). Every element is rounded the same number of times,
-  on every MPI algorithm, and the result depends on the ranks' values alone, not on which rank sums it.
-  (bfloat16 keeps float32's exponent range: no overflow that float32 would not have; values below
-  2**-126 lose their absolute precision, not their relative one, beyond 2**-133.)
+  whatever ``P`` is (``reduce_scatter``: ``u + ...``, about ``2**-8 * sum_i |g_i|``). Every element is
+  rounded the same number of times on every MPI algorithm, and the result depends on the ranks' values
+  alone, not on which rank sums it.
+  (bfloat16 keeps float32's exponent range: no overflow that float32 would not have. Below 2**-126 both are
+  subnormal and the bound holds with an absolute term of half bfloat16's smallest step, 2**-134, per rounding.)
 
   The alternative, an MPI user-defined reduction on bf16 buffers (``MPI.Op.Create`` summing in float32 and
   rounding each partial sum back to bf16 at every hop) sends the same bytes but rounds a partial sum at every
