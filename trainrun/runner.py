@@ -407,6 +407,7 @@ class TrainingRunner:
                              f"checkpoint resumed from, trained again now); TensorBoard drops them too")
             with self.signals:
                 last, evaluated = self._loop(end, start)
+            wire_bytes = self.shard.wire.sent_bytes     # the gradients' bytes on the wire (trainrun.wire)
             self.observe.close()
             self.checkpoints.finish()
             self.shard.close()      # shared memory freed by every rank (collective), before rank 0 exports
@@ -434,6 +435,8 @@ class TrainingRunner:
             "final_loss": last.get("loss"), "final_eval_loss": self._first_eval_loss(evaluated),
             **({"final_eval": evaluated} if evaluated else {}), "world_size": self.world,
             "phase_shares": {k: round(v, 4) for k, v in self.timer.shares().items()},
+            # bytes this rank sent for the gradient reduction, per step (trainrun.wire: fp32 or bf16 on the wire)
+            "wire_bytes_per_step": wire_bytes // ran if ran else 0,
         }
         self._footer(summary)
         if ran and self.step == t.stop_at < self.total_steps and self.checkpoints.saved_step == self.step:
