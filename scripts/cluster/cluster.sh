@@ -17,9 +17,11 @@
 #   cluster.sh mpirun ARGS...    the venv's mpirun on login, across the nodes (e.g. -hosts n1,n2 -ppn 1 ...)
 #   cluster.sh slurm-up          a real SLURM on the nodes (Debian's slurm-wlm, started by hand, no systemd):
 #                                munged with a socket of its own, slurmctld on login, slurmd on each node;
-#                                partition "nodes"; task/affinity; KillWait KILL_WAIT (default 10) s; a
+#                                partition "nodes"; task/affinity; KillWait KILL_WAIT (default 30 s, SLURM's); a
 #                                requeued job waits CRED_EXPIRE (default 10) s. `down` stops it too
 #   cluster.sh slurm CMD...      a SLURM client command (sbatch, squeue, scontrol, srun...) on login
+#   cluster.sh install-slurm     as root, apt-get install slurmctld slurmd slurm-client munge where missing;
+#                                elsewhere says why not (and exits 0: the SLURM tests then skip saying so)
 #
 # TRAINRUN_CLUSTER_DIR (default /tmp/trainrun-cluster) holds its state; TRAINRUN_CLUSTER_PREFIX (default
 # trc) prefixes its namespace names, so that two checkouts' clusters do not meet. SHM_SIZE (default 256m)
@@ -36,7 +38,7 @@ N_DIR=$D/nodes
 
 S=$D/slurm
 CRED_EXPIRE=${CRED_EXPIRE:-10}
-KILL_WAIT=${KILL_WAIT:-10}
+KILL_WAIT=${KILL_WAIT:-30}
 
 die() { echo "cluster.sh: $*" >&2; exit 1; }
 holder() { cat "$N_DIR/$1.pid" 2>/dev/null || die "no node $1 (cluster.sh up first)"; }
@@ -255,6 +257,24 @@ slurm_down() {  # slurmctld and munged by PID (slurmd and the jobs' processes en
     echo "slurm-down: stopped"
 }
 
+install_slurm() {
+    local t missing=
+    for t in munged slurmctld slurmd sbatch; do
+        command -v "$t" >/dev/null || [ -x "/usr/sbin/$t" ] || missing="$missing $t"
+    done
+    [ -z "$missing" ] && return 0
+    if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+        echo "install-slurm: SLURM missing ($missing) and not root with apt-get: the SLURM tests will skip"
+        return 0
+    fi
+    echo "install-slurm: apt-get install slurmctld slurmd slurm-client munge"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null ||
+        { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null; } ||
+        echo "install-slurm: apt-get failed: the SLURM tests will skip (or fail under TRAINRUN_REQUIRE_CLUSTER=1)"
+    return 0
+}
+
 slurm_client() {  # a SLURM client command on login
     [ -e "$S/slurm.conf" ] || die "no SLURM (cluster.sh slurm-up first)"
     SLURM_CONF=$S/slurm.conf nsenter --target "$(holder login)" --net --uts --mount --wd="$PWD" -- "$@"
@@ -276,5 +296,6 @@ case "$cmd" in
     slurm-up) slurm_up ;;
     slurm-down) slurm_down ;;
     slurm) slurm_client "$@" ;;
-    *) sed -n '2,26p' "$0" >&2; exit 2 ;;
+    install-slurm) install_slurm ;;
+    *) sed -n '2,28p' "$0" >&2; exit 2 ;;
 esac

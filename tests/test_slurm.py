@@ -1,0 +1,122 @@
+"""Under a real SLURM (Debian's slurm-wlm) on the pretend cluster of tests/cluster.py: slurmctld on login,
+slurmd on n1 and n2, task/affinity binding each task to its cores. `make test-cluster` runs these.
+
+The batch script tested is docs/distributed.md's, as written: sbatch's command line sets the size (2 ranks:
+2 cores in all), a 1-minute time limit (SLURM's least) and a short warning; the run directory and
+the config are the test's. The first job waits at step 4 until the signal (TRAINRUN_FAULT_WAIT_SIGNAL), so
+that it is still running at its time limit however fast the steps are; the requeued job resumes from step 4.
+"""
+
+import os
+import re
+import time
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from cluster import cluster, slurm  # noqa: F401  (the fixtures)
+from conftest import MPIRUN, ROOT, TRAINRUN, read_metrics, run, write_config
+
+pytestmark = pytest.mark.cluster
+
+STEPS, STOP = 8, 4
+SETS = {"train.max_steps": STEPS, "run.deterministic": True}
+
+
+def readme_script() -> str:
+    text = open(os.path.join(ROOT, "docs", "distributed.md")).read()
+    return text.split("\n## SLURM\n", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+
+
+def _batch_script(tmp_path, cfg: str, *, warning: bool, launcher: str | None = None) -> str:
+    script = readme_script()
+    subs = [("RUN=runs/gpt2", f"RUN={tmp_path / 'run'}"), ("--config gpt2.yaml", f"--config {cfg}"),
+            (".venv/bin/trainrun", TRAINRUN)]
+    if not warning:
+        subs.append(("#SBATCH --signal=B:USR1@120", "#"))
+    if launcher:
+        subs.append(("srun --mpi=pmi2 ", launcher + " "))
+    for old, new in subs:
+        assert script.count(old) == 1, (old, script)
+        script = script.replace(old, new)
+    path = tmp_path / "job.sh"
+    path.write_text(script)
+    return str(path)
+
+
+def _wait_job(slurm, job: str, timeout: float) -> dict:
+    """Until the job has left the queue (ended for good, not requeued); its scontrol record."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if not slurm.slurm("squeue", "-h", "-j", job, "-o", "%T").stdout.strip():
+            break
+        time.sleep(2)
+    else:
+        slurm.slurm("scancel", job, check=None)
+        pytest.fail(f"job {job} still queued after {timeout} s")
+    out = slurm.slurm("scontrol", "show", "job", job).stdout
+    return dict(re.findall(r"(\w+)=(\S+)", out))
+
+
+def _reference(tmp_path, byte_dataset) -> str:
+    ref = write_config(tmp_path / "ref.yaml", byte_dataset, **SETS, **{"run.output_dir": str(tmp_path / "ref")})
+    run([MPIRUN, "-np", "2", TRAINRUN, "--config", ref], check=0)
+    return str(tmp_path / "ref")
+
+
+CASES = {   # name: (nodes, ranks per node, launcher in place of `srun --mpi=pmi2`, the --signal warning)
+    "warning": (1, 2, None, True),
+    "sigterm": (1, 2, None, False),
+    "mpirun": (2, 1, f"{MPIRUN} -np $SLURM_NTASKS", True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_documented_batch_script_requeues_and_resumes_to_the_uninterrupted_weights(
+        slurm, tmp_path, byte_dataset, case):
+    """warning: `srun --mpi=pmi2`, --signal=B:USR1@30 on a 1-minute limit (USR1 to the batch shell, forwarded
+    by its trap); sigterm: the script without --signal, only SLURM's SIGTERM at the time limit; mpirun: MPICH's
+    `mpirun -np $SLURM_NTASKS` for `srun --mpi=pmi2` (hydra starts its proxies with srun) on 2 nodes x 1 rank.
+    Each: checkpoint at step 4 -> exit 75 -> scontrol requeue -> the job starts again -> resume -> step 8
+    done, the losses and final weights bit for bit those of 8 steps uninterrupted (deterministic mode).
+    srun --mpi=pmi2 runs on one node: across nodes the pip MPICH's PMI messages break SLURM 22.05's pmi2
+    plugin (docs/distributed.md#slurm)."""
+    nodes, ppn, launcher, warning = CASES[case]
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **SETS)
+    script = _batch_script(tmp_path, cfg, warning=warning, launcher=launcher)
+    log = tmp_path / "job.out"
+    options = [f"--nodes={nodes}", f"--ntasks-per-node={ppn}", f"--time={2 if warning else 1}", f"--output={log}", f"--chdir={tmp_path}"]
+    if warning:
+        options.append("--signal=B:USR1@30")
+    job = slurm.slurm("sbatch", "--parsable", *options, script,
+                      env={"TRAINRUN_FAULT_WAIT_SIGNAL": str(STOP)}).stdout.strip().split(";")[0]
+    ref = _reference(tmp_path, byte_dataset)
+    record = _wait_job(slurm, job, timeout=240)
+    text = log.read_text()
+    assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", (record, text)
+    signal_name = "SIGUSR1" if warning else "SIGTERM"
+    assert f"stopped by {signal_name} after step {STOP}" in text, text
+    assert f"resumed from {tmp_path / 'run' / 'checkpoints' / str(STOP)} at step {STOP}" in text, text
+    want, got = read_metrics(ref)[0], read_metrics(str(tmp_path / "run"))[0]
+    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
+    assert [got[s]["loss"] for s in got] == [want[s]["loss"] for s in want]
+    a = load_file(os.path.join(ref, "checkpoints", str(STEPS), "model.safetensors"))
+    b = load_file(str(tmp_path / "run" / "checkpoints" / str(STEPS) / "model.safetensors"))
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("tasks,cpus", [(2, 1), (1, 2)])
+def test_threads_per_rank_are_the_cores_slurm_bound_to_it(slurm, tmp_path, byte_dataset, tasks, cpus):
+    """engine.threads 0 under SLURM's task/affinity: each task's mask is already its own (-c cores,
+    disjoint), so a rank's threads are its mask's cores, not those divided again by the ranks on the node."""
+    shape = ["--mpi=pmi2", "--nodes=1", f"--ntasks={tasks}", f"--cpus-per-task={cpus}", "--time=1"]
+    masks = slurm.slurm("srun", *shape, "grep", "Cpus_allowed_list", "/proc/self/status").stdout.split()
+    masks = [m for m in masks if m[0].isdigit()]
+    cores = [len(os.sched_getaffinity(0) & set(range(int(m.split("-")[0]), int(m.split("-")[-1]) + 1)))
+             for m in [x for m in masks for x in m.split(",")]]
+    assert len(masks) == tasks and all(c == cpus for c in cores), masks
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 1, "engine.threads": 0})
+    out = slurm.slurm("srun", *shape, TRAINRUN, "--config", cfg, "--log-level", "devinfo", timeout=120).stdout
+    threads = re.findall(r"local rank \d of (\d+) \| device cpu \| (\d+) thread\(s\)", out)
+    assert threads == [(str(tasks), str(cpus))] * tasks, out
