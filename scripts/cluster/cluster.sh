@@ -17,7 +17,7 @@
 #   cluster.sh mpirun ARGS...    the venv's mpirun on login, across the nodes (e.g. -hosts n1,n2 -ppn 1 ...)
 #   cluster.sh slurm-up          a real SLURM on the nodes (Debian's slurm-wlm, started by hand, no systemd):
 #                                munged with a socket of its own, slurmctld on login, slurmd on each node;
-#                                partition "nodes"; task/affinity; KillWait KILL_WAIT (default 30 s, SLURM's); a
+#                                partition "nodes" (jobs share cores); task/affinity; KillWait KILL_WAIT (default 30 s, SLURM's); a
 #                                requeued job waits CRED_EXPIRE (default 10) s. `down` stops it too
 #   cluster.sh slurm CMD...      a SLURM client command (sbatch, squeue, scontrol, srun...) on login
 #   cluster.sh install-slurm     as root, apt-get install slurmctld slurmd slurm-client munge where missing;
@@ -196,7 +196,8 @@ EOF
     for i in $(seq 1 "$count"); do
         echo "NodeName=n$i NodeAddr=$SUBNET.$i CPUs=$(nproc) RealMemory=1000 State=UNKNOWN"
     done
-    echo "PartitionName=nodes Nodes=n[1-$count] Default=YES MaxTime=INFINITE State=UP"
+    # jobs may share cores (up to 3 a core): a test's jobs that wait for their time limit run side by side
+    echo "PartitionName=nodes Nodes=n[1-$count] Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:3"
 }
 
 slurm_up() {  # munged, slurmctld on login, slurmd on each node, each in the foreground of a background job
