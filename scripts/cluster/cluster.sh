@@ -17,8 +17,9 @@
 #   cluster.sh mpirun ARGS...    the venv's mpirun on login, across the nodes (e.g. -hosts n1,n2 -ppn 1 ...)
 #   cluster.sh slurm-up          a real SLURM on the nodes (Debian's slurm-wlm, started by hand, no systemd):
 #                                munged with a socket of its own, slurmctld on login, slurmd on each node;
-#                                partition "nodes" (jobs share cores); task/affinity; KillWait KILL_WAIT (default 30 s, SLURM's); a
-#                                requeued job waits CRED_EXPIRE (default 10) s. `down` stops it too
+#                                partition "nodes" (jobs share cores); task/affinity; KillWait KILL_WAIT
+#                                (default 30 s, SLURM's); a requeued job waits CRED_EXPIRE (default 10) s.
+#                                `down` stops it too
 #   cluster.sh slurm CMD...      a SLURM client command (sbatch, squeue, scontrol, srun...) on login
 #   cluster.sh install-slurm     as root, apt-get install slurmctld slurmd slurm-client munge where missing;
 #                                elsewhere says why not (and exits 0: the SLURM tests then skip saying so)
@@ -298,5 +299,5 @@ case "$cmd" in
     slurm-down) slurm_down ;;
     slurm) slurm_client "$@" ;;
     install-slurm) install_slurm ;;
-    *) sed -n '2,28p' "$0" >&2; exit 2 ;;
+    *) sed -n '2,29p' "$0" >&2; exit 2 ;;
 esac
