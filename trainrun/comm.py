@@ -144,6 +144,36 @@ def local_device(local_rank: int) -> int:
     return local_rank % n
 
 
+def machine_id() -> str:
+    """This kernel's boot id (the CPUs that processes with the same one see are the same CPUs); the host
+    name where there is none."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+def affinity() -> list[int]:
+    """The CPUs this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def cpu_share(mine: list[int], peers: list[list[int]]) -> int:
+    """Threads for a rank with affinity ``mine`` among ``peers`` (the masks of the ranks on its machine, its
+    own included): each of its CPUs counted 1/k, k the ranks whose mask holds it, at least 1. Ranks launched
+    unbound (one mask for all) get cores / ranks; ranks a launcher bound to CPUs of their own (SLURM's
+    task/affinity, mpirun's -bind-to) keep all of theirs, not a part of them divided again."""
+    holders: dict[int, int] = {}
+    for mask in peers:
+        for c in set(mask):
+            holders[c] = holders.get(c, 0) + 1
+    share = sum(1 / max(1, holders.get(c, 1)) for c in set(mine))
+    return max(1, int(share + 1e-9))
+
+
 def _check_buffer(buf: Any, what: str) -> None:
     """A contiguous 1-D array of a supported dtype (numpy or cupy), else ValueError."""
     if getattr(buf, "ndim", None) != 1 or not getattr(getattr(buf, "flags", None), "c_contiguous", False):

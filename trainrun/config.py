@@ -374,7 +374,8 @@ class DistributedConfig:
 @dataclass
 class EngineConfig:
     threads: int = opt(0, min=0)
-    """Intra-op threads per rank (0: cores / local ranks)."""
+    """Intra-op threads per rank (0: the rank's share of the cores it may run on: cores / local ranks when
+    the ranks share them, all of its own when the launcher bound each rank to cores of its own)."""
     graph_optimization: str = opt("all", choices=["disabled", "basic", "extended", "all"])
     """onnxruntime graph optimization level."""
     optimizer_kernel: str = opt("auto", choices=["auto", "graph", "host"])

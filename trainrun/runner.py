@@ -45,7 +45,7 @@ from . import update
 from . import config as C
 from . import graphs as G
 from . import rundir
-from .comm import cuda_device_count, local_device, make_communicator
+from .comm import affinity, cpu_share, cuda_device_count, local_device, machine_id, make_communicator
 from .data import TrainLoader, eval_batches
 from .engine import Engine, EngineOptions
 from .errors import TrainrunError, UsageError, collective
@@ -204,10 +204,13 @@ class TrainingRunner:
 
     def _build_engine(self) -> None:
         cfg = self.cfg
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        threads = cfg.engine.threads or max(1, cores // max(1, self.comm.local_size))
+        threads = cfg.engine.threads
         if cfg.run.deterministic:
             threads = 1
+        elif not threads:   # this rank's share of its CPUs among the ranks of its machine (every rank asks)
+            here, mask = machine_id(), affinity()
+            peers = [m for key, m in self.comm.allgather_object([here, mask]) if key == here]
+            threads = cpu_share(mask, peers)
         self.threads = threads
         device_id = local_device(self.comm.local_rank) if cfg.device == "cuda" else 0
         opts = EngineOptions(device=cfg.device, device_id=device_id, threads=threads,
@@ -271,6 +274,7 @@ class TrainingRunner:
     def train_step(self) -> dict:
         timer = self.timer
         faults.stall("STALL_STEP", self.rank, self.step + 1)
+        faults.wait_until("WAIT_SIGNAL", self.rank, self.step + 1, lambda: self.signals.received is not None)
         micro = self.loader.next_step()
         timer.mark("data")
         stats = self.observe.stats_step(self.step + 1)     # None unless debug.stats_every says so
