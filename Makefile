@@ -28,10 +28,13 @@ setup-test: $(STAMP_TEST)
 test: $(STAMP_TEST)
 	$(BIN)/python -m pytest -q -m "not gpu and not cluster" $(PYTEST_ARGS)
 
-# The multi-node suite (tests/test_cluster.py) on 2 pretend nodes (scripts/cluster/cluster.sh, root only):
-# skipped where namespaces cannot be made, failed then under TRAINRUN_REQUIRE_CLUSTER=1 (.ci/run sets it)
+# The multi-node suite (tests/test_cluster.py) on 2 pretend nodes (scripts/cluster/cluster.sh, root only) and
+# under a real SLURM on them (tests/test_slurm.py; as root, SLURM and munge are installed with apt-get when
+# missing): skipped where namespaces cannot be made or SLURM is missing, failed then under
+# TRAINRUN_REQUIRE_CLUSTER=1 (.ci/run sets it)
 test-cluster: $(STAMP_TEST)
-	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q -rs -m cluster tests/test_cluster.py $(PYTEST_ARGS)
+	scripts/cluster/cluster.sh install-slurm
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q -rs -m cluster tests/test_cluster.py tests/test_slurm.py $(PYTEST_ARGS)
 
 # The GPU suite (tests/test_gpu.py and every test marked gpu) in its own venv, .venv-gpu: the gpu extra
 # and pytest only (no torch: with torch installed, importing onnxruntime-training imports it, and torch's

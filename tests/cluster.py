@@ -1,7 +1,9 @@
 """The pretend cluster of scripts/cluster/cluster.sh as a session fixture, for the tests marked ``cluster``
 (`make test-cluster`): two nodes n1, n2 (network namespaces joined by a bridge, each with its own hostname,
 /dev/shm and /etc/hosts, pinned to its own core), mpirun launched across them from a "login" namespace.
-Where namespaces cannot be made the tests skip saying why, or fail under TRAINRUN_REQUIRE_CLUSTER=1."""
+Where namespaces cannot be made the tests skip saying why, or fail under TRAINRUN_REQUIRE_CLUSTER=1.
+The ``slurm`` fixture adds a real SLURM on those nodes (``cluster.sh slurm-up``); where SLURM is not
+installed (`make test-cluster` installs it as root with apt-get) its tests skip or fail the same way."""
 
 import hashlib
 import os
@@ -33,11 +35,32 @@ def why_not() -> str | None:
     return None
 
 
+SLURM_TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "srun")
+
+
+def slurm_why_not() -> str | None:
+    missing = [t for t in SLURM_TOOLS if not shutil.which(t) and not os.path.exists(f"/usr/sbin/{t}")]
+    if missing:
+        return (f"SLURM is not installed (no {', '.join(missing)}; `make test-cluster` installs Debian's "
+                f"slurm-wlm and munge as root: scripts/cluster/cluster.sh install-slurm)")
+    return None
+
+
+def _skip_or_fail(reason: str):
+    if os.environ.get("TRAINRUN_REQUIRE_CLUSTER") == "1":
+        pytest.fail(f"TRAINRUN_REQUIRE_CLUSTER=1 but {reason}")
+    pytest.skip(reason)
+
+
 class Cluster:
     nodes = [f"n{i}" for i in range(1, NODES + 1)]
 
     def sh(self, *args, check=0, timeout=120):
         return run([CLUSTER_SH, *args], check=check, timeout=timeout, env=ENV)
+
+    def slurm(self, *args, check=0, timeout=60, env=None):
+        """A SLURM client command (sbatch, squeue, scontrol...) on login (sbatch: the job gets ``env``)."""
+        return run([CLUSTER_SH, "slurm", *args], check=check, timeout=timeout, env={**ENV, **(env or {})})
 
     def mpirun_cmd(self, ppn: int, *args, nodes=None, genv=()):
         """The command line of ``trainrun ARGS`` on ``ppn`` ranks on each of ``nodes`` (default all)."""
@@ -60,12 +83,23 @@ class Cluster:
 def cluster():
     reason = why_not()
     if reason:
-        if os.environ.get("TRAINRUN_REQUIRE_CLUSTER") == "1":
-            pytest.fail(f"TRAINRUN_REQUIRE_CLUSTER=1 but {reason}")
-        pytest.skip(reason)
+        _skip_or_fail(reason)
     c = Cluster()
     c.sh("up", str(NODES))
     try:
         yield c
     finally:
         c.sh("down")
+
+
+@pytest.fixture(scope="session")
+def slurm(cluster):
+    """The cluster with slurmctld on login and slurmd on every node (partition "nodes")."""
+    reason = slurm_why_not()
+    if reason:
+        _skip_or_fail(reason)
+    cluster.sh("slurm-up", check=0)
+    try:
+        yield cluster
+    finally:
+        cluster.sh("slurm-down")

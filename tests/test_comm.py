@@ -479,3 +479,16 @@ def test_srun_without_pmi2_is_a_usage_error_naming_it(tmp_path):
     batch = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                            env=dict(env, SLURM_NTASKS="2"))
     assert batch.returncode == 0 and batch.stdout.strip() == "1", batch.stderr
+
+
+def test_cpu_share_divides_shared_cores_and_keeps_a_bound_ranks_own():
+    """engine.threads 0: ranks launched unbound (one mask) share its cores; ranks a launcher bound to cores of
+    their own (SLURM's task/affinity) keep them all, not divided again by the ranks on the machine."""
+    eight = list(range(8))
+    assert C.cpu_share(eight, [eight, eight]) == 4                       # mpirun, unbound: 8 cores / 2 ranks
+    assert C.cpu_share(eight[:4], [eight[:4], eight[4:]]) == 4            # srun: 4 cores bound to each rank
+    assert C.cpu_share([0, 1], [[0, 1], [2, 3], [4, 5], [6, 7]]) == 2
+    assert C.cpu_share([0, 1, 2], [[0, 1, 2], [2, 3]]) == 2               # one core shared: half of it
+    assert C.cpu_share([0], [[0], [0], [0]]) == 1                         # oversubscribed: at least 1
+    assert C.cpu_share(C.affinity(), [C.affinity()]) == len(os.sched_getaffinity(0))
+    assert C.machine_id() == C.machine_id() != ""

@@ -79,7 +79,8 @@ WORLD_ENV_VARS = (
     ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"),
 )
 
-SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int64))
+SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int64),
+                    np.dtype(np.uint16))      # uint16: bfloat16 bits (trainrun.wire), moved, never reduced
 SCALAR_OPS = ("sum", "max", "min")
 
 # Polling of an in-flight collective: Test() back to back for the first
@@ -143,13 +144,43 @@ def local_device(local_rank: int) -> int:
     return local_rank % n
 
 
+def machine_id() -> str:
+    """This kernel's boot id (the CPUs that processes with the same one see are the same CPUs); the host
+    name where there is none."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+def affinity() -> list[int]:
+    """The CPUs this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def cpu_share(mine: list[int], peers: list[list[int]]) -> int:
+    """Threads for a rank with affinity ``mine`` among ``peers`` (the masks of the ranks on its machine, its
+    own included): each of its CPUs counted 1/k, k the ranks whose mask holds it, at least 1. Ranks launched
+    unbound (one mask for all) get cores / ranks; ranks a launcher bound to CPUs of their own (SLURM's
+    task/affinity, mpirun's -bind-to) keep all of theirs, not a part of them divided again."""
+    holders: dict[int, int] = {}
+    for mask in peers:
+        for c in set(mask):
+            holders[c] = holders.get(c, 0) + 1
+    share = sum(1 / max(1, holders.get(c, 1)) for c in set(mine))
+    return max(1, int(share + 1e-9))
+
+
 def _check_buffer(buf: Any, what: str) -> None:
     """A contiguous 1-D array of a supported dtype (numpy or cupy), else ValueError."""
     if getattr(buf, "ndim", None) != 1 or not getattr(getattr(buf, "flags", None), "c_contiguous", False):
         raise ValueError(f"{what} must be a contiguous 1-D array, got {type(buf).__name__} "
                          f"with shape {getattr(buf, 'shape', None)}")
     if np.dtype(buf.dtype) not in SUPPORTED_DTYPES:
-        raise ValueError(f"{what} has dtype {buf.dtype}; supported: float32, float64, int64")
+        raise ValueError(f"{what} has dtype {buf.dtype}; supported: float32, float64, int64, uint16")
 
 
 def _check_shapes(op: str, src: Any, out: Any, world_size: int, counts=None, rank: int = 0) -> None:
@@ -247,6 +278,12 @@ class Communicator:
         at its offset): then it is gathered in place, without a copy."""
         raise NotImplementedError
 
+    def alltoall(self, send, recv, counts) -> None:
+        """Part r of ``send`` (laid out as ``counts``, one element count per rank) goes to rank r; ``recv``
+        (size ``counts[rank] * world_size``) receives every rank's part ``rank``, in rank order. Moves bytes
+        only (any supported dtype, uint16 included): :mod:`trainrun.wire`'s bf16 reduction runs on it."""
+        raise NotImplementedError
+
     def gather(self, chunk, out, counts, root: int = 0) -> None:
         """Rank ``root``'s ``out`` (size ``sum(counts)``) receives every rank's ``chunk`` (size
         ``counts[rank]``) in rank order; ``out`` is ignored (may be None) on the other ranks."""
@@ -331,6 +368,11 @@ class SingleProcess(Communicator):
         _check_shapes("allgather", chunk, out, 1, counts)
         if not _same_memory(chunk, out):
             out[...] = chunk
+
+    def alltoall(self, send, recv, counts) -> None:
+        if list(counts) != [send.size] or recv.size != send.size:
+            raise ValueError(f"alltoall: sizes {send.size}, {recv.size} do not match counts {list(counts)}")
+        recv[...] = send
 
     def gather(self, chunk, out, counts, root: int = 0) -> None:
         if root != 0:
@@ -477,6 +519,17 @@ class MPICommunicator(Communicator):
             return
         self._staged("allgather", lambda c, o: self._wait(self._comm.Iallgather(c, o), "allgather", (c, o)),
                      (chunk, out), (0,), (1,))
+
+    def alltoall(self, send, recv, counts) -> None:
+        s, r = self._np(send, "alltoall input"), self._np(recv, "alltoall output")
+        me, p = self.rank, self.world_size
+        if len(counts) != p or s.size != sum(counts) or r.size != counts[me] * p or s.dtype != r.dtype:
+            raise ValueError(f"alltoall: sizes {s.size} (send), {r.size} (receive) do not match counts "
+                             f"{list(counts)} at rank {me}")
+        k = int(counts[me])
+        send_spec = [s, (list(counts), _displacements(counts))]
+        recv_spec = [r, ([k] * p, [k * i for i in range(p)])]
+        self._wait(self._comm.Ialltoallv(send_spec, recv_spec), "alltoall", (s, r))
 
     def gather(self, chunk, out, counts, root: int = 0) -> None:
         if not 0 <= root < self.world_size:
@@ -710,6 +763,7 @@ class NCCLCommunicator(Communicator):
         self._comm = nccl.NcclCommunicator(self.world_size, tuple(int(x) for x in uid), self.rank)
         self._dtypes = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float64): nccl.NCCL_FLOAT64,
                         np.dtype(np.int64): nccl.NCCL_INT64}
+        self._bf16, self._to_bf16 = {}, None      # allreduce_bf16_'s uint16 twins and kernels, made on first use
 
     def _gpu(self, buf, what: str):
         _check_buffer(buf, what)
@@ -748,6 +802,33 @@ class NCCLCommunicator(Communicator):
         self._comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, self._dtypes[np.dtype(buf.dtype)],
                              self._nccl.NCCL_SUM, self._stream())
         self._wait("allreduce_")
+
+    def allreduce_bf16_(self, buf) -> None:
+        """In place, a float32 ``buf``: the SUM over ranks with bfloat16 on the wire (``distributed.reduce_dtype:
+        bf16``): rounded to bf16 (nearest even, NaN kept) on the GPU into a kept uint16 twin, NCCL's own bf16
+        allreduce on it (``ncclBfloat16``, NCCL >= 2.10: float32 arithmetic within a hop, a bf16 rounding between
+        hops), widened back into ``buf``. cupy has no bfloat16 dtype: the bits travel as uint16 and NCCL is told
+        the datatype by its enum. Written from NCCL's and cupy's documentation; the suite has no GPUs to run it."""
+        buf = self._gpu(buf, "allreduce_bf16_ buffer")
+        if np.dtype(buf.dtype) != np.float32:
+            raise ValueError(f"allreduce_bf16_ takes a float32 buffer, got {buf.dtype}")
+        cp = self._cupy
+        if self._to_bf16 is None:
+            self._to_bf16 = cp.ElementwiseKernel(
+                "uint32 u", "uint16 b",
+                "b = ((u & 0x7fffffffu) > 0x7f800000u) ? (unsigned short)0x7fc0"
+                " : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)", "trainrun_to_bf16")
+            self._from_bf16 = cp.ElementwiseKernel("uint16 b", "uint32 u", "u = ((unsigned int)b) << 16",
+                                                   "trainrun_from_bf16")
+        key = (buf.data.ptr, buf.size)
+        if key not in self._bf16:
+            self._bf16[key] = cp.empty(buf.size, cp.uint16)
+        half, bits = self._bf16[key], buf.view(cp.uint32)
+        self._to_bf16(bits, half)
+        self._comm.allReduce(half.data.ptr, half.data.ptr, half.size, getattr(self._nccl, "NCCL_BFLOAT16", 9),
+                             self._nccl.NCCL_SUM, self._stream())     # ncclBfloat16 = 9 in nccl.h
+        self._from_bf16(half, bits)
+        self._wait("allreduce_bf16_")
 
     def reduce_scatter(self, buf, out, counts=None) -> None:
         _no_counts("reduce_scatter", counts)

@@ -419,12 +419,17 @@ class DistributedConfig:
     gradients reduced over MPI."""
     timeout_s: float = opt(300.0, gt=0.0)
     """A collective that takes longer fails the run instead of hanging."""
+    reduce_dtype: str = opt("fp32", choices=["fp32", "bf16"])
+    """The gradients' type on the wire between ranks: fp32, or bf16 (half the bytes; rounded to nearest even,
+    summed in fp32; the sums, the optimizer and the master weights stay fp32; each reduced element within
+    about 2^-7 of the sum of the ranks' magnitudes). Not the intra-node shared-memory sum (no wire: fp32)."""
 
 
 @dataclass
 class EngineConfig:
     threads: int = opt(0, min=0)
-    """Intra-op threads per rank (0: cores / local ranks)."""
+    """Intra-op threads per rank (0: the rank's share of the cores it may run on: cores / local ranks when
+    the ranks share them, all of its own when the launcher bound each rank to cores of its own)."""
     graph_optimization: str = opt("all", choices=["disabled", "basic", "extended", "all"])
     """onnxruntime graph optimization level."""
     optimizer_kernel: str = opt("auto", choices=["auto", "graph", "host"])

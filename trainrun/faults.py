@@ -6,6 +6,8 @@ step (``STEP``, every rank) or a rank and a step (``RANK:STEP``). Read once at i
 * ``TRAINRUN_FAULT_STALL_TENSORS``     rank 0's write of that step's tensors hangs in the training thread (after
                                        model.safetensors), so a test can signal it mid-save;
 * ``TRAINRUN_FAULT_STALL_STEP``        the rank hangs at the start of that step (a stuck data read);
+* ``TRAINRUN_FAULT_WAIT_SIGNAL``       the rank waits at the start of that step until a stop signal arrives
+                                       (a job still running at its time limit, however fast the steps);
 * ``TRAINRUN_FAULT_NAN_GRAD``          the rank's gradient holds a NaN after that step's backward;
 * ``TRAINRUN_FAULT_SHARED_WINDOWS``    (step 0: set-up) the rank cannot allocate MPI shared-memory windows
                                        (``distributed.intra_node: shared`` falls back to mpi).
@@ -30,3 +32,11 @@ def hit(name: str, rank: int, step: int) -> bool:
 def stall(name: str, rank: int, step: int) -> None:
     if hit(name, rank, step):
         time.sleep(3600)
+
+
+def wait_until(name: str, rank: int, step: int, done) -> None:
+    """At the fault's step: wait until ``done()`` (at most an hour)."""
+    if hit(name, rank, step):
+        end = time.monotonic() + 3600
+        while not done() and time.monotonic() < end:
+            time.sleep(0.05)

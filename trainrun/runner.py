@@ -46,7 +46,7 @@ from . import config as C
 from . import feeding
 from .graphs.manifest import load_manifest, prepare, up_to_date
 from . import rundir
-from .comm import cuda_device_count, local_device, make_communicator
+from .comm import affinity, cpu_share, cuda_device_count, local_device, machine_id, make_communicator
 from .data import TrainLoader, eval_batches
 from .engine import Engine, EngineOptions
 from .errors import TrainrunError, UsageError, collective
@@ -205,10 +205,13 @@ class TrainingRunner:
 
     def _build_engine(self) -> None:
         cfg = self.cfg
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        threads = cfg.engine.threads or max(1, cores // max(1, self.comm.local_size))
+        threads = cfg.engine.threads
         if cfg.run.deterministic:
             threads = 1
+        elif not threads:   # this rank's share of its CPUs among the ranks of its machine (every rank asks)
+            here, mask = machine_id(), affinity()
+            peers = [m for key, m in self.comm.allgather_object([here, mask]) if key == here]
+            threads = cpu_share(mask, peers)
         self.threads = threads
         device_id = local_device(self.comm.local_rank) if cfg.device == "cuda" else 0
         opts = EngineOptions(device=cfg.device, device_id=device_id, threads=threads,
@@ -272,6 +275,7 @@ class TrainingRunner:
     def train_step(self) -> dict:
         timer = self.timer
         faults.stall("STALL_STEP", self.rank, self.step + 1)
+        faults.wait_until("WAIT_SIGNAL", self.rank, self.step + 1, lambda: self.signals.received is not None)
         micro = self.loader.next_step()
         timer.mark("data")
         stats = self.observe.stats_step(self.step + 1)     # None unless debug.stats_every says so
@@ -408,6 +412,7 @@ class TrainingRunner:
                              f"checkpoint resumed from, trained again now); TensorBoard drops them too")
             with self.signals:
                 last, evaluated = self._loop(end, start)
+            wire_bytes = self.shard.wire.sent_bytes     # the gradients' bytes on the wire (trainrun.wire)
             self.observe.close()
             self.checkpoints.finish()
             self.shard.close()      # shared memory freed by every rank (collective), before rank 0 exports
@@ -435,6 +440,8 @@ class TrainingRunner:
             "final_loss": last.get("loss"), "final_eval_loss": self._first_eval_loss(evaluated),
             **({"final_eval": evaluated} if evaluated else {}), "world_size": self.world,
             "phase_shares": {k: round(v, 4) for k, v in self.timer.shares().items()},
+            # bytes this rank sent for the gradient reduction, per step (trainrun.wire: fp32 or bf16 on the wire)
+            "wire_bytes_per_step": wire_bytes // ran if ran else 0,
         }
         self._footer(summary)
         if ran and self.step == t.stop_at < self.total_steps and self.checkpoints.saved_step == self.step:

@@ -40,6 +40,10 @@ buffer covering elements ``lo:hi`` of the flat parameters) for checkpoints.
   ``norm_sums``). AdamW, Adam and SGD are elementwise: a part's update is bit for bit that part of the
   replicated update.
 
+Every inter-rank gradient collective goes through ``wire`` (:func:`trainrun.wire.make`,
+``distributed.reduce_dtype``): float32 on the wire, or bfloat16 summed in float32; the node's shared-memory
+sum reads memory, not a wire, and stays float32.
+
 Checkpoints keep full tensors by name: :meth:`Partitioned.full_state` gathers the moment parts on rank 0
 for a save, one state at a time as it is written, and a restore reads the full tensors and keeps ``lo:hi``
 (so any stage on any number of ranks, shared or not, resumes any checkpoint). Partitioned updates run on
@@ -55,7 +59,7 @@ import sys
 
 import numpy as np
 
-from . import optim
+from . import optim, wire
 from .comm import MPICommunicator, NodeMemory, SharedMemoryUnavailable, SingleProcess
 from .flat import FlatLayout, norm_sq
 from .models import registry
@@ -79,8 +83,9 @@ def build(cfg, comm, engine, node: "NodeBuffers | None" = None):
     stage = cfg.distributed.zero_stage
     depths = registry.layer_depths(cfg.model, engine.layout.names)
     if stage == 0 and node is None:
-        return Replicated(comm, engine, optimizer_for(engine, cfg.optimizer, cfg.engine.optimizer_kernel, depths))
-    return Partitioned(stage, comm, engine, cfg.optimizer, node, depths)
+        return Replicated(comm, engine, optimizer_for(engine, cfg.optimizer, cfg.engine.optimizer_kernel, depths),
+                          cfg.distributed.reduce_dtype)
+    return Partitioned(stage, comm, engine, cfg.optimizer, node, cfg.distributed.reduce_dtype, depths)
 
 
 def optimizer_for(engine, cfg_optimizer, kernel: str = "auto", depths: dict | None = None):
@@ -165,14 +170,15 @@ class Replicated:
 
     sharded = False
 
-    def __init__(self, comm, engine, optimizer):
+    def __init__(self, comm, engine, optimizer, reduce_dtype: str = "fp32"):
         self.comm, self.engine = comm, engine
+        self.wire = wire.make(comm, reduce_dtype)
         self.optimizer = optimizer
         self.state = self.optimizer.state
         self.lo, self.hi = 0, engine.layout.total
 
     def reduce(self) -> None:
-        self.comm.allreduce_(self.engine.grads)
+        self.wire.allreduce_(self.engine.grads)
 
     def norm_sq_part(self) -> float:
         return self.engine.grad_norm_sq() if self.comm.rank == 0 else 0.0
@@ -197,7 +203,8 @@ class Partitioned:
 
     sharded = True
 
-    def __init__(self, stage: int, comm, engine, cfg_optimizer, node: NodeBuffers | None, depths=None):
+    def __init__(self, stage: int, comm, engine, cfg_optimizer, node: NodeBuffers | None,
+                 reduce_dtype: str = "fp32", depths=None):
         self.comm, self.engine, self.node = comm, engine, node
         layout = engine.layout
         n = layout.total
@@ -205,6 +212,7 @@ class Partitioned:
             self.local, self.cross, self.peers = SingleProcess(comm.timeout_s), comm, [engine.grads]
         else:
             self.local, self.cross, self.peers = node.mem.node, node.mem.cross, node.grads
+        self.wire = wire.make(self.cross, reduce_dtype)     # the inter-node part; the node's sum stays fp32
         parts = self.local.world_size * (self.cross.world_size if stage else 1)
         if n < parts:
             raise UsageError(f"distributed.zero_stage: {stage} needs at least one parameter per part "
@@ -256,9 +264,9 @@ class Partitioned:
                 self._norm_sq = sq
         slice_ = self.engine.grads[self.a:self.b]
         if self.cross_counts:
-            self.cross.reduce_scatter(slice_, self.grad, self.cross_counts)
+            self.wire.reduce_scatter(slice_, self.grad, self.cross_counts)
         elif self.cross.world_size > 1:
-            self.cross.allreduce_(slice_)
+            self.wire.allreduce_(slice_)
 
     def norm_sq_part(self) -> float:
         if self._norm_sq is not None:

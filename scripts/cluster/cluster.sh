@@ -15,6 +15,14 @@
 #   cluster.sh shm NODE SIZE     resize NODE's /dev/shm (e.g. n2 16m)
 #   cluster.sh exec NODE CMD...  run CMD on NODE
 #   cluster.sh mpirun ARGS...    the venv's mpirun on login, across the nodes (e.g. -hosts n1,n2 -ppn 1 ...)
+#   cluster.sh slurm-up          a real SLURM on the nodes (Debian's slurm-wlm, started by hand, no systemd):
+#                                munged with a socket of its own, slurmctld on login, slurmd on each node;
+#                                partition "nodes" (jobs share cores); task/affinity; KillWait KILL_WAIT
+#                                (default 30 s, SLURM's); a requeued job waits CRED_EXPIRE (default 10) s.
+#                                `down` stops it too
+#   cluster.sh slurm CMD...      a SLURM client command (sbatch, squeue, scontrol, srun...) on login
+#   cluster.sh install-slurm     as root, apt-get install slurmctld slurmd slurm-client munge where missing;
+#                                elsewhere says why not (and exits 0: the SLURM tests then skip saying so)
 #
 # TRAINRUN_CLUSTER_DIR (default /tmp/trainrun-cluster) holds its state; TRAINRUN_CLUSTER_PREFIX (default
 # trc) prefixes its namespace names, so that two checkouts' clusters do not meet. SHM_SIZE (default 256m)
@@ -28,6 +36,10 @@ MPIRUN=${MPIRUN:-$ROOT/.venv/bin/mpirun}
 SUBNET=10.77.0
 SHM_SIZE=${SHM_SIZE:-256m}
 N_DIR=$D/nodes
+
+S=$D/slurm
+CRED_EXPIRE=${CRED_EXPIRE:-10}
+KILL_WAIT=${KILL_WAIT:-30}
 
 die() { echo "cluster.sh: $*" >&2; exit 1; }
 holder() { cat "$N_DIR/$1.pid" 2>/dev/null || die "no node $1 (cluster.sh up first)"; }
@@ -122,6 +134,7 @@ while True:
 
 down() {  # holders by PID (each takes its PID namespace's processes along), then the namespaces made here
     local f n
+    slurm_down >/dev/null
     [ -d "$N_DIR" ] || { rm -f "$D/node-ssh"; rmdir "$D" 2>/dev/null || true; echo "down: nothing to remove"; return 0; }
     for f in "$N_DIR"/*.pid "$N_DIR"/*.unshare; do
         [ -e "$f" ] && kill -KILL "$(cat "$f")" 2>/dev/null || true
@@ -147,6 +160,128 @@ rate() {  # tbf on each node's eth0 egress (no netem in every kernel: rates, not
     done
 }
 
+slurm_conf() {  # the cluster's slurm.conf: the controller on login, nodes n1..nN at their addresses
+    local count=$1 i
+    cat <<EOF
+ClusterName=trainrun
+SlurmctldHost=login($SUBNET.254)
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+# cred_expire is also how long a requeued job waits before it may start again (SLURM's default: 120 s)
+AuthInfo=socket=$S/munge/socket,cred_expire=$CRED_EXPIRE
+StateSaveLocation=$S/state
+SlurmdSpoolDir=$S/spool/%n
+SlurmctldPidFile=$S/slurmctld.pidfile
+SlurmdPidFile=$S/slurmd-%n.pidfile
+SlurmctldLogFile=$S/slurmctld.log
+SlurmdLogFile=$S/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/affinity
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/filetxt
+JobCompLoc=$S/jobcomp.txt
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+MpiDefault=none
+ReturnToService=2
+KillWait=$KILL_WAIT
+OverTimeLimit=0
+MinJobAge=600
+EOF
+    for i in $(seq 1 "$count"); do
+        echo "NodeName=n$i NodeAddr=$SUBNET.$i CPUs=$(nproc) RealMemory=1000 State=UNKNOWN"
+    done
+    # jobs may share cores (up to 3 a core): a test's jobs that wait for their time limit run side by side
+    echo "PartitionName=nodes Nodes=n[1-$count] Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:3"
+}
+
+slurm_up() {  # munged, slurmctld on login, slurmd on each node, each in the foreground of a background job
+    local count i t
+    count=$(cat "$N_DIR/count" 2>/dev/null) || die "no cluster (cluster.sh up first)"
+    for t in munged slurmctld slurmd sbatch squeue scontrol srun; do
+        command -v "$t" >/dev/null || [ -x "/usr/sbin/$t" ] || die "SLURM needs $t (apt-get install slurmctld slurmd slurm-client munge)"
+    done
+    slurm_down >/dev/null
+    mkdir -p "$S/state" "$S/spool" "$S/munge"
+    chown munge: "$S/munge"; chmod 755 "$S/munge"
+    slurm_conf "$count" > "$S/slurm.conf"
+    # munged as the munge user with a socket of its own (the machine's munged, if any, is left alone); the
+    # cluster's filesystem is shared, so the nodes reach it by path
+    setsid runuser -u munge -- /usr/sbin/munged --foreground --socket="$S/munge/socket" \
+        --pid-file="$S/munge/pid" --log-file="$S/munge/log" --seed-file="$S/munge/seed" \
+        --key-file=/etc/munge/munge.key >"$S/munged.out" 2>&1 &
+    echo $! > "$S/munged.pid"
+    for t in $(seq 50); do [ -S "$S/munge/socket" ] && break; sleep 0.1; done
+    [ -S "$S/munge/socket" ] || die "munged did not start: $(cat "$S/munged.out" "$S/munge/log" 2>/dev/null)"
+    setsid nsenter --target "$(holder login)" --net --uts --mount -- \
+        /usr/sbin/slurmctld -D -i -f "$S/slurm.conf" >"$S/slurmctld.out" 2>&1 &
+    echo $! > "$S/slurmctld.pid"
+    # slurmd needs the cgroup hierarchies, which the node's /sys (its network namespace's sysfs) lacks:
+    # the machine's v1 controllers mounted again inside the node's mount namespace (they go with it)
+    for i in $(seq 1 "$count"); do
+        mkdir -p "$S/spool/n$i"
+        setsid taskset -c "$(cat "$N_DIR/n$i.cpus")" \
+            nsenter --target "$(holder "n$i")" --net --uts --mount --ipc --pid --wd=/ -- sh -c '
+                mountpoint -q /sys/fs/cgroup || mount -t tmpfs -o mode=755 cgroup /sys/fs/cgroup || exit 1
+                for c in cpuset memory freezer devices cpu cpuacct pids; do
+                    mountpoint -q /sys/fs/cgroup/$c || { mkdir -p /sys/fs/cgroup/$c && mount -t cgroup -o $c cgroup /sys/fs/cgroup/$c; } || exit 1
+                done
+                mountpoint -q /sys/fs/cgroup/systemd || { mkdir -p /sys/fs/cgroup/systemd &&
+                    mount -t cgroup -o none,name=systemd cgroup /sys/fs/cgroup/systemd; } || exit 1
+                exec /usr/sbin/slurmd -D -f "$0" -N "$1"' "$S/slurm.conf" "n$i" >"$S/slurmd-n$i.out" 2>&1 &
+    done
+    for t in $(seq 100); do
+        [ "$(slurm_client sinfo -h -N -o '%N %T' 2>/dev/null | grep -c ' idle$')" = "$count" ] && break
+        sleep 0.3
+    done
+    [ "$(slurm_client sinfo -h -N -o '%N %T' 2>/dev/null | grep -c ' idle$')" = "$count" ] ||
+        die "SLURM did not come up: $(slurm_client sinfo -N 2>&1; tail -n 5 "$S"/*.log)"
+    echo "slurm-up: slurmctld on login, slurmd on n1..n$count (partition nodes), conf $S/slurm.conf"
+}
+
+slurm_down() {  # slurmctld and munged by PID (slurmd and the jobs' processes end with their node's holder)
+    local f
+    [ -d "$S" ] || { echo "slurm-down: nothing to stop"; return 0; }
+    for f in "$S"/slurmctld.pid "$S"/munged.pid; do
+        [ -e "$f" ] && kill -TERM "$(cat "$f")" 2>/dev/null || true
+    done
+    sleep 0.5
+    for f in "$S"/slurmctld.pid "$S"/munged.pid; do
+        [ -e "$f" ] && kill -KILL "$(cat "$f")" 2>/dev/null || true
+    done
+    rm -rf "$S"
+    echo "slurm-down: stopped"
+}
+
+install_slurm() {
+    local t missing=
+    for t in munged slurmctld slurmd sbatch; do
+        command -v "$t" >/dev/null || [ -x "/usr/sbin/$t" ] || missing="$missing $t"
+    done
+    [ -z "$missing" ] && return 0
+    if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+        echo "install-slurm: SLURM missing ($missing) and not root with apt-get: the SLURM tests will skip"
+        return 0
+    fi
+    echo "install-slurm: apt-get install slurmctld slurmd slurm-client munge"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null ||
+        { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null; } ||
+        echo "install-slurm: apt-get failed: the SLURM tests will skip (or fail under TRAINRUN_REQUIRE_CLUSTER=1)"
+    return 0
+}
+
+slurm_client() {  # a SLURM client command on login
+    [ -e "$S/slurm.conf" ] || die "no SLURM (cluster.sh slurm-up first)"
+    SLURM_CONF=$S/slurm.conf nsenter --target "$(holder login)" --net --uts --mount --wd="$PWD" -- "$@"
+}
+
 cluster_mpirun() {
     exec nsenter --target "$(holder login)" --net --uts --mount --wd="$PWD" -- \
         "$MPIRUN" -launcher ssh -launcher-exec "$D/node-ssh" "$@"
@@ -160,5 +295,9 @@ case "$cmd" in
     shm) node_exec "$1" mount -o "remount,size=$2" /dev/shm ;;
     exec) node_exec "$@" ;;
     mpirun) cluster_mpirun "$@" ;;
-    *) sed -n '2,22p' "$0" >&2; exit 2 ;;
+    slurm-up) slurm_up ;;
+    slurm-down) slurm_down ;;
+    slurm) slurm_client "$@" ;;
+    install-slurm) install_slurm ;;
+    *) sed -n '2,29p' "$0" >&2; exit 2 ;;
 esac
