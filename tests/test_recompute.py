@@ -27,21 +27,24 @@ BERT_DIMS = {"input_ids": "seq", "segment_ids": "seq", "input_mask": "seq", "mas
              "masked_lm_ids": "preds", "next_sentence_labels": None}
 
 
-def engine(out, model, recompute, batch, seq, shapes, optimized_dir=None):
+def engine(out, model, recompute, batch, seq, shapes, optimized_dir=None, direct=False):
     cfg = C.from_dict({"model": model, "data": {"seq_len": seq}, "train": {"micro_batch_size": batch,
                        "recompute": recompute}, "run": {"output_dir": str(out), "seed": 3},
                        "optimizer": {"name": "sgd"}})
-    eng = Engine(G.prepare(cfg), EngineOptions(threads=2, seed=3, optimized_dir=optimized_dir), shapes, shapes)
+    opts = EngineOptions(threads=2, seed=3, optimized_dir=optimized_dir, direct_gradients=direct)
+    eng = Engine(G.prepare(cfg), opts, shapes, shapes)
     eng.load_weights()
     return cfg, eng
 
 
-def assert_same_gradients(tmp_path, model, batch_of, shapes, batch, seq, layers):
+def assert_same_gradients(tmp_path, model, batch_of, shapes, batch, seq, layers, direct):
+    """``direct``: the train graph without accumulators (gradients as outputs), as runs without
+    accumulation open it."""
     grads, losses = {}, {}
     for mode in ("none", "blocks"):
         opt_dir = tmp_path / f"optimized-{mode}"
         opt_dir.mkdir()
-        cfg, eng = engine(tmp_path / mode, model, mode, batch, seq, shapes, optimized_dir=str(opt_dir))
+        cfg, eng = engine(tmp_path / mode, model, mode, batch, seq, shapes, str(opt_dir), direct)
         losses[mode] = eng.forward_backward(batch_of(cfg), accumulate=False, position=7)
         grads[mode] = eng.grads.copy()
         written = onnx.load(os.path.join(tmp_path / mode, "graphs", "train.onnx"))
@@ -61,7 +64,7 @@ def test_gpt2_gradients_equal_without_recomputation(tmp_path):
     shapes = {"input_ids": ((4, 32), np.int64), "labels": ((4, 32), np.int64)}
     rng = np.random.default_rng(0)
     batch = {"input_ids": rng.integers(0, 300, (4, 32)), "labels": rng.integers(0, 300, (4, 32))}
-    assert_same_gradients(tmp_path, {"gpt2": GPT2}, lambda cfg: batch, shapes, 4, 32, GPT2["n_layer"])
+    assert_same_gradients(tmp_path, {"gpt2": GPT2}, lambda cfg: batch, shapes, 4, 32, GPT2["n_layer"], True)
 
 
 def test_bert_gradients_equal_without_recomputation(tmp_path):
@@ -69,7 +72,7 @@ def test_bert_gradients_equal_without_recomputation(tmp_path):
     shapes = {k: ((4, dims[d]) if d else (4,), np.int64) for k, d in BERT_DIMS.items()}
     assert_same_gradients(tmp_path, {"builtin": "bert", "bert": BERT},
                           lambda cfg: sample_inputs(cfg.model.bert, 4, 32, 5, np.random.default_rng(1)),
-                          shapes, 4, 32, BERT["num_hidden_layers"])
+                          shapes, 4, 32, BERT["num_hidden_layers"], False)
 
 
 _PEAK = r"""

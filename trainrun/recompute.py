@@ -6,10 +6,13 @@ forward pass to its backward consumer: for GPT-2 the attention scores and probab
 nodes are duplicated for the backward pass: the backward consumers read the duplicates' outputs, so the
 forward pass keeps only each block's output (the next block's input) and the originals inside a block
 are freed as soon as the forward pass is done with them. The duplicates of block ``i`` sit, in the
-node list, just before the first backward node that reads them; the train session runs nodes in that
-order (``sessions.session_options(recompute=True)``: priority-based order, no common-subexpression
-elimination, which would merge each duplicate back into its original). Dropout is a product with a
-mask input (``graphs.dropout_masks``), so the recomputed values equal the originals.
+node list, just before the first backward node that reads them, and read the block's inputs through
+``Where(gate, x, x)`` (= x) whose scalar ``gate`` is taken from a gradient that node reads: they cannot
+run before the backward pass reaches the block. The train session runs nodes in list order
+(``sessions.session_options(recompute=True)``: priority-based order) without common-subexpression
+elimination, which would merge each duplicate back into its original (``sessions.disabled_optimizers``).
+Dropout is a product with a mask input (``graphs.dropout_masks``), so the recomputed values equal the
+originals: measured, the gradients are the same bits.
 
 Why not onnxruntime-training's own memory optimizer (session config
 ``optimization.memory_optimizer_config``): in 1.19 it only acts on graphs split by a ``YieldOp``
