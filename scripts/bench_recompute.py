@@ -54,13 +54,16 @@ for mode in a["modes"]:
 rng = np.random.default_rng(0)
 batch = {k: rng.integers(0, a["vocab"], (B, S)) for k in shapes}
 times = {m: [] for m in engines}
+cpu = {m: [] for m in engines}       # the process's CPU time: less sensitive than wall time to other jobs
 for i in range(a["steps"] + 1):       # the first step of each: warm-up
     for mode, eng in engines.items():
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         eng.forward_backward(batch, accumulate=False)
         times[mode].append(time.perf_counter() - t)
+        cpu[mode].append(time.process_time() - c)
 print(json.dumps({"peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                  "step_s": {m: float(np.median(t[1:])) for m, t in times.items()}}))
+                  "step_s": {m: float(np.median(t[1:])) for m, t in times.items()},
+                  "cpu_s": {m: float(np.median(t[1:])) for m, t in cpu.items()}}))
 """
 
 
@@ -116,24 +119,26 @@ def main() -> None:
             if args.paired and not err:   # both in one process, steps alternating: the same load for both
                 r, err = child(_TRAIN, spec, args.timeout)
                 if r:
-                    paired[batch] = r["step_s"]
-                print(f"paired b={batch}: {err or r['step_s']}", file=sys.stderr)
+                    paired[batch] = r
+                print(f"paired b={batch}: {err or r}", file=sys.stderr)
 
     print(f"GPT-2 {args.n_layer} layers, d {args.n_embd}, {args.n_head} heads, vocab {args.vocab}, seq {args.seq}; "
           f"{args.threads} threads; CPU: {cpu_model()}; median of {args.steps} forward/backward steps\n")
     print("| micro-batch | recompute | peak RSS (MB) | s/step | ms/token | time/token vs none |"
-          + (" paired s/step | paired vs none |" if paired else ""))
-    print("|---|---|---|---|---|---|" + ("---|---|" if paired else ""))
+          + (" paired s/step | paired vs none | paired CPU s/step | paired CPU vs none |" if paired else ""))
+    print("|---|---|---|---|---|---|" + ("---|---|---|---|" if paired else ""))
     base = {b: s for m, b, _, s in rows if m == "none" and s}
     for mode, batch, peak, step in rows:
         if peak is None:
-            print(f"| {batch} | {mode} | failed | | | |" + (" | |" if paired else ""))
+            print(f"| {batch} | {mode} | failed | | | |" + (" | | | |" if paired else ""))
             continue
         ratio = f"{step / base[batch]:.2f}x" if batch in base else ""
         line = f"| {batch} | {mode} | {peak:.0f} | {step:.2f} | {1000 * step / (batch * args.seq):.3f} | {ratio} |"
         if paired:
-            p = paired.get(batch, {})
-            line += (f" {p[mode]:.2f} | {p[mode] / p['none']:.2f}x |" if mode in p and "none" in p else " | |")
+            p = paired.get(batch, {"step_s": {}, "cpu_s": {}})
+            for k in ("step_s", "cpu_s"):
+                v = p[k]
+                line += f" {v[mode]:.2f} | {v[mode] / v['none']:.2f}x |" if mode in v and "none" in v else " | |"
         print(line)
     cap = args.cap_gb * 1024
     largest = {m: max([b for mm, b, p, _ in rows if mm == m and p is not None and p <= cap], default=0)
