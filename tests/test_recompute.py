@@ -107,21 +107,33 @@ def test_recomputation_lowers_the_peak_memory_of_a_step(tmp_path):
 
 
 def test_real_run_with_recomputation_follows_the_same_losses(tmp_path, byte_dataset):
-    """`mpirun -np 2` with train.recompute blocks (and gradient accumulation: the accumulator graph) against
-    the same run without: the same losses step by step, to float32 rounding."""
-    losses = {}
-    for mode in ("none", "blocks"):
-        (tmp_path / mode).mkdir()
-        cfg = write_config(tmp_path / mode / "c.yaml", byte_dataset, **{
-            "run.output_dir": str(tmp_path / mode / "run"), "train.recompute": mode, "train.max_steps": 6,
-            "train.gradient_accumulation_steps": 2, "model.gpt2.dropout": 0.1})
+    """`mpirun -np 2` with train.recompute blocks (gradient accumulation: the accumulator graph; dropout)
+    against the same run without: the same losses step by step; and a run without recomputation stopped at
+    step 3 and resumed with `--set train.recompute=blocks` (a key resume may change: the graphs are prepared
+    again) goes on with the same losses too."""
+    def run(name, **over):
+        (tmp_path / name).mkdir()
+        cfg = write_config(tmp_path / name / "c.yaml", byte_dataset, **{
+            "run.output_dir": str(tmp_path / name / "run"), "train.max_steps": 6, "checkpoint.every": 3,
+            "train.gradient_accumulation_steps": 2, "model.gpt2.dropout": 0.1, **over})
         mpirun(2, "--config", cfg)
-        train, _ = read_metrics(str(tmp_path / mode / "run"))
-        losses[mode] = [train[s]["loss"] for s in sorted(train)]
-        with open(tmp_path / mode / "run" / "graphs" / "manifest.json") as fh:
-            assert json.load(fh)["build"]["recompute"] == mode
-    assert len(losses["blocks"]) == 6
-    np.testing.assert_allclose(losses["blocks"], losses["none"], rtol=1e-5)
+        return str(tmp_path / name / "run")
+
+    def losses(run_dir):
+        train, _ = read_metrics(run_dir)
+        with open(os.path.join(run_dir, "graphs", "manifest.json")) as fh:
+            return [train[s]["loss"] for s in sorted(train)], json.load(fh)["build"]["recompute"]
+
+    ref, built = losses(run("none", **{"train.recompute": "none"}))
+    assert len(ref) == 6 and built == "none"
+    got, built = losses(run("blocks", **{"train.recompute": "blocks"}))
+    assert built == "blocks"
+    np.testing.assert_allclose(got, ref, rtol=1e-5)
+    switched = run("switched", **{"train.recompute": "none", "train.stop_at": 3})
+    mpirun(2, "resume", switched, "--set", "train.stop_at=0", "--set", "train.recompute=blocks")
+    got, built = losses(switched)
+    assert built == "blocks"
+    np.testing.assert_allclose(got, ref, rtol=1e-5)
 
 
 def test_a_model_without_numbered_blocks_is_refused():
