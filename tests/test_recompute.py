@@ -141,3 +141,21 @@ def test_a_model_without_numbered_blocks_is_refused():
     graph = onnx.helper.make_graph([onnx.helper.make_node("Mul", ["x", "w"], ["loss"])], "g", [x], [])
     with pytest.raises(UsageError, match="train.recompute blocks needs repeated blocks"):
         recompute_blocks(onnx.helper.make_model(graph), ["w", "head.weight"], "loss", "user.onnx")
+
+
+def test_a_random_op_inside_a_block_is_not_drawn_again():
+    """A block with a RandomUniformLike (a user model's own noise): the block's other activations are
+    recomputed, the noise is kept (the backward reads the one drawn in the forward pass)."""
+    h = onnx.helper
+    nodes = [h.make_node("MatMul", ["x", "blk.0.w"], ["a"]), h.make_node("Mul", ["a", "a"], ["a2"]),
+             h.make_node("RandomUniformLike", ["a"], ["noise"]), h.make_node("Mul", ["a2", "noise"], ["b"]),
+             h.make_node("MatMul", ["b", "blk.1.w"], ["c"]), h.make_node("ReduceSum", ["c"], ["loss"], keepdims=0),
+             # a stand-in backward: reads the block-0 activations a2 and noise
+             h.make_node("Mul", ["a2", "loss"], ["ga"]), h.make_node("Mul", ["noise", "ga"], ["gn"])]
+    vi = [h.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [2, 2]) for n in ("x", "blk.0.w", "blk.1.w")]
+    model = h.make_model(h.make_graph(nodes, "g", vi, [h.make_tensor_value_info("gn", onnx.TensorProto.FLOAT, None)]))
+    out = recompute_blocks(model, ["blk.0.w", "blk.1.w"], "loss", "user.onnx")
+    dups = [n.op_type for n in out.graph.node if n.name.endswith(SUFFIX)]
+    assert "Mul" in dups and "RandomUniformLike" not in dups
+    reads = {n.output[0]: list(n.input) for n in out.graph.node}
+    assert reads["ga"][0] == "a2" + SUFFIX and reads["gn"][0] == "noise"

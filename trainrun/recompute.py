@@ -41,6 +41,8 @@ SUFFIX = "/recompute"
 _FLAT, _ZERO = "recompute/c_flat", "recompute/c_zero"
 _INDEXED = re.compile(r"^(.*?)\.(\d+)\.")
 _INF = float("inf")
+_RANDOM = {"Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
+           "Bernoulli", "BitmaskDropout", "BiasDropout"}
 
 
 def block_of_params(params: list[str]) -> dict[str, int]:
@@ -92,7 +94,8 @@ def recompute_blocks(train: onnx.ModelProto, params: list[str], loss: str, sourc
         own = [blocks[t] for t in nodes[k].input if t in blocks]
         after = [hi[c] for o in nodes[k].output for c in consumers[o] if c in forward]
         hi[k] = min(own + after, default=_INF)
-    block = {k: lo[k] for k in forward if lo[k] >= 0 and hi[k] < _INF}
+    # random ops are not run twice (another draw): their outputs are kept like the block's inputs
+    block = {k: lo[k] for k in forward if lo[k] >= 0 and hi[k] < _INF and nodes[k].op_type not in _RANDOM}
 
     # a block's outputs read by forward nodes outside it (the next block's input) stay as they are
     kept = {o for k, b in block.items() for o in nodes[k].output
