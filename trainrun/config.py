@@ -314,6 +314,11 @@ class TrainConfig:
     """Compute type of the train graph: fp32; fp16 or bf16 (float32 master parameters, a Cast after each
     in the graph; LayerNorm, Softmax and the loss in fp32; fp16 with dynamic loss scaling). fp16/bf16
     need device: cuda (onnxruntime's CPU provider lacks their training kernels)."""
+    recompute: str = opt("none", choices=["none", "blocks"])
+    """Activation recomputation: blocks = each transformer block's forward runs again in the backward pass,
+    so only the blocks' inputs are kept between the passes (less memory for a larger micro-batch, about
+    one more forward pass of time; the same gradients). Blocks are found from the parameter names
+    PREFIX.<i>.… (the built-in models'; a user model's when its parameters are so named)."""
 
     def total_steps(self, train_samples: int, global_batch: int) -> int:
         """The step the run ends at: max_steps, else max_epochs's steps over ``train_samples``, else 100."""

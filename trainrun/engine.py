@@ -34,7 +34,7 @@ from .graphs.names import ACC_OUT_SUFFIX, BUFFER_SUFFIX, LOSS, MASK_PREFIX, METR
 from .dropout import DropoutMasks
 from .errors import TrainrunError, UsageError
 from .flat import FlatLayout, from_host, is_cupy, norm_sq
-from .sessions import session_options
+from .sessions import disabled_optimizers, session_options
 
 _ORT_TYPES = {"tensor(float)": np.dtype(np.float32), "tensor(double)": np.dtype(np.float64),
               "tensor(float16)": np.dtype(np.float16), "tensor(int64)": np.dtype(np.int64),
@@ -86,8 +86,10 @@ class _Bound:
     """One session with its IOBinding; inputs/outputs bound by pointer to numpy (host)
     or cupy (GPU) arrays."""
 
-    def __init__(self, path: str, opts: EngineOptions, name: str, model: bytes | None = None):
-        """``model``: the graph as serialized bytes, when it differs from the file at ``path``."""
+    def __init__(self, path: str, opts: EngineOptions, name: str, model: bytes | None = None,
+                 recompute: bool = False):
+        """``model``: the graph as serialized bytes, when it differs from the file at ``path``;
+        ``recompute``: the graph has recomputed blocks (train.recompute)."""
         import onnxruntime as ort
         providers = ["CPUExecutionProvider"]
         self.cuda = opts.device == "cuda"
@@ -102,10 +104,11 @@ class _Bound:
         so = session_options(max(1, opts.threads), name, graph_optimization=opts.graph_optimization,
                              log_severity=opts.log_severity, deterministic=opts.deterministic,
                              spinning=name not in ("eval", "optimizer"), profile_prefix=opts.profile_prefix,
-                             optimized_dir=opts.optimized_dir, log_id=opts.log_id)
+                             optimized_dir=opts.optimized_dir, log_id=opts.log_id, recompute=recompute)
         try:
             self.session = ort.InferenceSession(path if model is None else model, sess_options=so,
-                                                providers=providers)
+                                                providers=providers,
+                                                disabled_optimizers=disabled_optimizers(recompute))
         except Exception as exc:  # noqa: BLE001
             raise TrainrunError(f"{path}: onnxruntime cannot load the {name} graph: "
                                 f"{str(exc).strip().splitlines()[0]}") from None
@@ -226,11 +229,12 @@ class Engine:
         self.opts = opts
         train = os.path.join(self.dir, "train.onnx")
         self.grad_outputs = None     # parameter -> its gradient output, with opts.direct_gradients
+        recompute = self.manifest.get("build", {}).get("recompute", "none") == "blocks"
         if opts.direct_gradients:
             model, self.grad_outputs = direct_gradients(onnx.load(train))
-            self.train_s = _Bound(train, opts, "train", model.SerializeToString())
+            self.train_s = _Bound(train, opts, "train", model.SerializeToString(), recompute=recompute)
         else:
-            self.train_s = _Bound(train, opts, "train")
+            self.train_s = _Bound(train, opts, "train", recompute=recompute)
         self.eval_s = _Bound(os.path.join(self.dir, "eval.onnx"), opts, "eval")
         self.opt_s = None
         self._bind_all()

@@ -21,6 +21,7 @@ from .errors import UsageError
 # keys `resume --set` may change without --force (prefix match)
 SAFE_ON_RESUME = ("train.max_steps", "train.max_epochs", "train.max_time", "train.stop_at", "train.eval_every", "train.eval_steps", "train.log_every",
                   "train.micro_batch_size", "train.gradient_accumulation_steps", "train.early_stopping", "checkpoint.",
+                  "train.recompute",
                   "optimizer.lr", "optimizer.max_grad_norm", "lr_schedule.", "run.log_level", "engine.",
                   "tensorboard.", "data.prefetch", "data.eval", "distributed.timeout_s", "distributed.backend",
                   "distributed.zero_stage", "distributed.intra_node",

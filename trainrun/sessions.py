@@ -17,14 +17,18 @@ _LEVELS = {"disabled": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
 def session_options(threads: int = 0, name: str = "", *, graph_optimization: str = "all", log_severity: int = 3,
                     deterministic: bool = False, spinning: bool = True, prepacking: bool = True,
                     profile_prefix: str | None = None, optimized_dir: str | None = None,
-                    log_id: str | None = None):
+                    log_id: str | None = None, recompute: bool = False):
     """Options of one session. ``threads``: intra-op threads (0: onnxruntime's choice, one per core);
     operators run one after the other (``inter_op`` 1). ``name`` names the graph in the profile's and the
     optimized graph's file names and in onnxruntime's log lines. ``spinning`` False: the thread pool does
     not keep spinning after a run (for short runs between train steps: measured 1.48x end to end on
     gpt2-tiny with 1 rank x 2 threads when the eval and optimizer sessions' pools spun); ``prepacking``
     False: no packed second copy of the weights (a check that runs once). ``deterministic`` caps the graph
-    optimizations at basic (the fusions above it change the arithmetic) and asks for deterministic kernels."""
+    optimizations at basic (the fusions above it change the arithmetic) and asks for deterministic kernels.
+    ``recompute``: a train graph with recomputed blocks (trainrun/recompute.py): its nodes run in the
+    order of the graph's node list (priority-based order; equal priorities go by node index), so each
+    block is recomputed when the backward pass reaches it; open it with
+    ``disabled_optimizers=disabled_optimizers(True)``."""
     import onnxruntime as ort
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
@@ -44,6 +48,18 @@ def session_options(threads: int = 0, name: str = "", *, graph_optimization: str
         so.profile_file_prefix = profile_prefix + (f"_{name}" if name else "")
     if optimized_dir and name:
         so.optimized_model_filepath = os.path.join(optimized_dir, f"{name}.onnx")
+    if recompute:
+        so.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     if log_id:
         so.logid = f"{log_id} {name}".strip()
     return so
+
+
+def disabled_optimizers(recompute: bool = False) -> list[str] | None:
+    """The onnxruntime graph transformers a session must not run (InferenceSession's
+    ``disabled_optimizers``). A train graph with recomputed blocks: common-subexpression elimination
+    would merge each recomputed node back into its original, and SkipLayerNormFusion turns a recomputed
+    Add + LayerNormalization (the Add's only reader) into a SkipLayerNormalization whose CPU kernel does
+    not write the Mean/InvStdDev outputs the LayerNormalization gradient reads (1.19.2: "Missing Input").
+    (The session config key ``optimization.disable_specified_optimizers`` is not read by 1.19.2.)"""
+    return ["CommonSubexpressionElimination", "SkipLayerNormFusion"] if recompute else None

@@ -16,6 +16,7 @@ from ..config import Config, to_dict
 from ..errors import UsageError
 from ..models import registry
 from ..optim import build_optimizer_graph, check_groups
+from ..recompute import recompute_blocks
 from ..rundir import sha256_file
 from .casts import cast_pass, restore_fp32, scale_loss
 from .dropout_nodes import dropout_masks, dropout_off
@@ -41,11 +42,13 @@ def build_options(cfg: Config) -> dict:
     """What besides the model and optimizer shapes the graphs: recorded in the manifest."""
     stats = list(cfg.debug.tensors) if cfg.debug.stats_every > 0 else []
     return {"deterministic": cfg.run.deterministic, "stats_tensors": stats, "precision": cfg.train.precision,
-            "static_shape": [cfg.train.micro_batch_size, cfg.data.seq_len] if cfg.engine.static_shapes else None}
+            "static_shape": [cfg.train.micro_batch_size, cfg.data.seq_len] if cfg.engine.static_shapes else None,
+            "recompute": cfg.train.recompute}
 
 
 # manifests written before a build option existed
-DEFAULT_BUILD = {"deterministic": False, "stats_tensors": [], "static_shape": None, "precision": "fp32"}
+DEFAULT_BUILD = {"deterministic": False, "stats_tensors": [], "static_shape": None, "precision": "fp32",
+                 "recompute": "none"}
 
 
 def fix_dims(model: onnx.ModelProto, inputs: list[str], micro_batch: int, seq_len: int | None) -> onnx.ModelProto:
@@ -102,6 +105,8 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
     split = split_cross_entropy if cfg.model.builtin or (classes or 0) >= SPLIT_MIN_CLASSES else (lambda m: m)
     train = split(restore_fp32(build_train_graph(loss_model, fwd.params, source, keep=list(states.values())),
                                build["precision"]))
+    if build["recompute"] == "blocks":
+        train = recompute_blocks(train, fwd.params, LOSS, source, outputs_kept=list(states.values()))
     stats_outputs = []
     if build["stats_tensors"]:      # debug.stats_every > 0: chosen tensors become outputs
         stats_outputs = select_outputs(train, cfg.debug.tensors)
