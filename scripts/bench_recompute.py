@@ -27,14 +27,15 @@ import tempfile
 
 _PREPARE = r"""
 import json, sys
-from trainrun import config as C, graphs as G
+from trainrun import config as C
+from trainrun.graphs.manifest import prepare
 a = json.loads(sys.argv[1])
 for mode in a["modes"]:
     cfg = C.from_dict({"model": {"gpt2": {"n_layer": a["n_layer"], "n_head": a["n_head"], "n_embd": a["n_embd"],
                        "n_positions": a["seq"], "vocab_size": a["vocab"], "dropout": 0.0}},
                        "data": {"seq_len": a["seq"]}, "train": {"micro_batch_size": a["batch"], "recompute": mode},
                        "run": {"output_dir": a["out"] + "/" + mode}})
-    G.prepare(cfg)
+    prepare(cfg)
 """
 
 # train: the engines of the given modes (graphs prepared by _PREPARE), steps alternating between them

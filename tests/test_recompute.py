@@ -14,7 +14,7 @@ import pytest
 from conftest import mpirun, read_metrics, write_config
 
 from trainrun import config as C
-from trainrun import graphs as G
+from trainrun.graphs.manifest import prepare
 from trainrun.engine import Engine, EngineOptions
 from trainrun.errors import UsageError
 from trainrun.models.bert import sample_inputs
@@ -32,7 +32,7 @@ def engine(out, model, recompute, batch, seq, shapes, optimized_dir=None, direct
                        "recompute": recompute}, "run": {"output_dir": str(out), "seed": 3},
                        "optimizer": {"name": "sgd"}})
     opts = EngineOptions(threads=2, seed=3, optimized_dir=optimized_dir, direct_gradients=direct)
-    eng = Engine(G.prepare(cfg), opts, shapes, shapes)
+    eng = Engine(prepare(cfg), opts, shapes, shapes)
     eng.load_weights()
     return cfg, eng
 
@@ -77,14 +77,15 @@ def test_bert_gradients_equal_without_recomputation(tmp_path):
 
 _PEAK = r"""
 import resource, sys, numpy as np
-from trainrun import config as C, graphs as G
+from trainrun import config as C
+from trainrun.graphs.manifest import prepare
 from trainrun.engine import Engine, EngineOptions
 out, mode = sys.argv[1], sys.argv[2]
 cfg = C.from_dict({"model": {"gpt2": {"n_layer": 8, "n_head": 8, "n_embd": 64, "n_positions": 256,
                    "vocab_size": 256}}, "data": {"seq_len": 256}, "train": {"micro_batch_size": 4, "recompute": mode},
                    "run": {"output_dir": out}})
 shapes = {"input_ids": ((4, 256), np.int64), "labels": ((4, 256), np.int64)}
-eng = Engine(G.prepare(cfg), EngineOptions(threads=1), shapes, shapes)
+eng = Engine(prepare(cfg), EngineOptions(threads=1), shapes, shapes)
 eng.load_weights()
 rng = np.random.default_rng(0)
 batch = {k: rng.integers(0, 256, (4, 256)) for k in shapes}
