@@ -43,7 +43,7 @@ def _safetensors_file(path: str) -> str:
 def _fit(shapes: dict[str, tuple], tensors: dict[str, tuple], file: str, family: str) -> tuple[dict, list[str]]:
     """The file's tensors (name -> shape) that fill the model's parameters (name -> shape): ({our name:
     the file's name}, problems: a shape that differs, parameters the file holds no tensor for)."""
-    hf = registry.get(family).transformers        # None: the names are the model's own
+    hf = (registry.get(family) if isinstance(family, str) else family).transformers   # None: the model's own names
     prefix, tied, optional = (hf.prefix, hf.tied, hf.optional) if hf else ("", {}, ())
     found: dict[str, str] = {}
     for name in tensors:

@@ -1,0 +1,133 @@
+"""Fine-tuning the built-in BERT (model.task sequence_classification) on `trainrun-data labelled` data:
+its logits against transformers' BertForSequenceClassification, real runs from a transformers folder,
+eval metrics, export to transformers' Auto classes, and bad values refused by name."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+from conftest import TRAINRUN, TRAINRUN_DATA, read_metrics, run, write_config
+from trainrun import config as C
+from trainrun.models import registry
+
+SEQ = 16
+WORDS = {"sport": "ball goal team match score play win coach".split(),
+         "food": "bread cheese soup apple cook taste salt meal".split(),
+         "music": "song guitar drum sing note band tune piano".split()}
+BERT = dict(vocab_size=160, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+            max_position_embeddings=SEQ, type_vocab_size=2)
+
+
+def _rows(n, seed):
+    rng = np.random.default_rng(seed)
+    topics = sorted(WORDS)
+    rows = []
+    for i in range(n):
+        t = topics[i % 3]
+        rows.append({"text": " ".join(rng.choice(WORDS[t], int(rng.integers(3, 9)))), "topic": t,
+                     "score": float(i % 3) + round(float(rng.random()), 2)})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def labelled(tmp_path_factory):
+    """{'cls': DIR of a 3-topic classification, 'reg': DIR of a regression}, from one tokenizer."""
+    from trainrun.data_tools.bert import train_wordpiece
+    d = tmp_path_factory.mktemp("ft")
+    tok = d / "tokenizer.json"
+    train_wordpiece(lambda: [" ".join(w) for w in WORDS.values()] * 3, 100, False).save(str(tok))
+    (d / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows(96, 0)))
+    out = {}
+    for kind, more in (("cls", ["--label-field", "topic"]), ("reg", ["--label-field", "score", "--regression"])):
+        run([TRAINRUN_DATA, "labelled", "--input", str(d / "rows.jsonl"), "--text-field", "text", *more,
+             "--tokenizer", str(tok), "--seq-len", str(SEQ), "--eval-fraction", "0.25", "--output", str(d / kind)],
+            check=0)
+        out[kind] = str(d / kind)
+    return out
+
+
+def _hf(num_labels, weights):
+    from transformers import BertConfig, BertForSequenceClassification
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    model = BertForSequenceClassification(BertConfig(**BERT, num_labels=num_labels, hidden_dropout_prob=0.0,
+                                                     attention_probs_dropout_prob=0.0)).eval()
+    model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in weights.items()}, strict=True)
+    return model
+
+
+@pytest.mark.parametrize("num_labels", [3, 1])
+def test_logits_match_transformers(num_labels):
+    """The prepared graph's logits (and a regression's predictions) equal BertForSequenceClassification's."""
+    import onnxruntime as ort
+    from trainrun.models.bert import build_bert
+    cfg = C.BertConfig(**BERT, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    family = registry.with_task(registry.get("bert"), "sequence_classification", num_labels)
+    weights = family.init_weights(cfg, 3)
+    assert "classifier.weight" in weights and not any(k.startswith("cls.") for k in weights)
+    for w in weights.values():
+        w += np.random.default_rng(w.size).normal(0, 0.02, w.shape).astype(np.float32)
+    batch = family.sample_batch(cfg, np.random.default_rng(0))
+    labels = batch.pop("labels")
+    sess = ort.InferenceSession(build_bert(cfg, weights, task="sequence_classification",
+                                           num_labels=num_labels).SerializeToString(),
+                                providers=["CPUExecutionProvider"])
+    out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, batch)))
+    with torch.no_grad():
+        ref = _hf(num_labels, weights)(input_ids=torch.from_numpy(batch["input_ids"]),
+                                       token_type_ids=torch.from_numpy(batch["segment_ids"]),
+                                       attention_mask=torch.from_numpy(batch["input_mask"]),
+                                       labels=torch.from_numpy(labels))
+    np.testing.assert_allclose(out["logits"], ref.logits.numpy(), atol=1e-4)
+    if num_labels == 1:
+        np.testing.assert_allclose(out["predictions"], ref.logits.numpy()[:, 0], atol=1e-4)
+
+
+def _config(tmp_path, data, **over):
+    return write_config(tmp_path / "c.yaml", data, **{
+        "model": {"builtin": "bert", "bert": BERT, "task": "sequence_classification", "num_labels": 3},
+        "data.seq_len": SEQ, "train.max_steps": 12, "train.eval_every": 6, "lr_schedule.warmup_steps": 2, **over})
+
+
+def test_fine_tune_from_a_transformers_folder(tmp_path, labelled):
+    """From a BertForPreTraining folder: the encoder and pooler are its weights, the classifier fresh
+    (normal(0, 0.02), bias 0); the run's loss falls; eval_accuracy in metrics.jsonl."""
+    from transformers import BertConfig, BertForPreTraining
+    torch.manual_seed(0)
+    pre = BertForPreTraining(BertConfig(**BERT))
+    pre.save_pretrained(tmp_path / "pre")
+    cfg = _config(tmp_path, labelled["cls"], **{"model.init_from": str(tmp_path / "pre"),
+                                                "optimizer.lr": 1e-3})
+    run([TRAINRUN, "train", "--config", cfg], check=0)
+    start = load_file(str(tmp_path / "run" / "graphs" / "weights.safetensors"))
+    state = pre.state_dict()
+    for name, value in start.items():
+        if not name.startswith("classifier."):
+            assert np.array_equal(value, state[name].numpy()), name
+    assert abs(start["classifier.weight"].std() - 0.02) < 0.01 and not start["classifier.bias"].any()
+    train, evals = read_metrics(str(tmp_path / "run"))
+    assert np.mean([train[s]["loss"] for s in (10, 11, 12)]) < np.mean([train[s]["loss"] for s in (1, 2, 3)])
+    assert 0.0 <= evals[12]["eval_accuracy"] <= 1.0
+
+
+def test_regression_trains_with_mse(tmp_path, labelled):
+    cfg = _config(tmp_path, labelled["reg"], **{"model.num_labels": 1})
+    run([TRAINRUN, "train", "--config", cfg], check=0)
+    train, evals = read_metrics(str(tmp_path / "run"))
+    assert "eval_mse" in evals[12] and np.isfinite(train[12]["loss"])
+
+
+@pytest.mark.parametrize("over, says", [
+    ({"model.builtin": "gpt2", "model.task": "sequence_classification"}, "model.task: 'sequence_classification'"),
+    ({"model.task": "summarise"}, "model.task: 'summarise'"),
+    ({"model.num_labels": 0}, "model.num_labels"),
+    ({"model.num_labels": 4}, "model.num_labels: 4, but data.train"),
+])
+def test_bad_task_values_exit_2_naming_the_key(tmp_path, labelled, over, says):
+    cfg = _config(tmp_path, labelled["cls"], **over)
+    p = run([TRAINRUN, "train", "--config", cfg], check=2)
+    assert says in p.stderr + p.stdout
