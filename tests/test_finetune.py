@@ -4,15 +4,19 @@ eval metrics, export to transformers' Auto classes, and bad values refused by na
 
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
 import torch
 from safetensors.numpy import load_file
 
-from conftest import TRAINRUN, TRAINRUN_DATA, read_metrics, run, write_config
+from conftest import ROOT, TRAINRUN, TRAINRUN_DATA, mpirun, read_metrics, run, write_config
 from trainrun import config as C
 from trainrun.models import registry
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import reference as R  # noqa: E402  (reads the .pb files without trainrun)
 
 SEQ = 16
 WORDS = {"sport": "ball goal team match score play win coach".split(),
@@ -93,32 +97,74 @@ def _config(tmp_path, data, **over):
         "data.seq_len": SEQ, "train.max_steps": 12, "train.eval_every": 6, "lr_schedule.warmup_steps": 2, **over})
 
 
+def _auto_logits(hf_dir, samples):
+    """The exported folder's logits on ``samples`` through AutoModelForSequenceClassification (and the model)."""
+    from transformers import AutoModelForSequenceClassification
+    model = AutoModelForSequenceClassification.from_pretrained(hf_dir).eval()
+    batch = {k: torch.from_numpy(np.stack([s[k] for s in samples])) for k in ("input_ids", "segment_ids", "input_mask")}
+    with torch.no_grad():
+        return model, model(input_ids=batch["input_ids"], token_type_ids=batch["segment_ids"],
+                            attention_mask=batch["input_mask"]).logits.numpy()
+
+
 def test_fine_tune_from_a_transformers_folder(tmp_path, labelled):
     """From a BertForPreTraining folder: the encoder and pooler are its weights, the classifier fresh
-    (normal(0, 0.02), bias 0); the run's loss falls; eval_accuracy in metrics.jsonl."""
+    (normal(0, 0.02), bias 0); the run's loss falls; eval_accuracy and eval_f1 equal scikit-learn's on
+    the exported model's predictions over the whole eval set; the export loads with the Auto class (the
+    dataset's label names in id2label), its logits those of the ONNX export, which takes the model's
+    inputs only."""
+    import onnxruntime as ort
+    from sklearn.metrics import accuracy_score, f1_score
     from transformers import BertConfig, BertForPreTraining
     torch.manual_seed(0)
     pre = BertForPreTraining(BertConfig(**BERT))
     pre.save_pretrained(tmp_path / "pre")
     cfg = _config(tmp_path, labelled["cls"], **{"model.init_from": str(tmp_path / "pre"),
-                                                "optimizer.lr": 1e-3})
+                                                "optimizer.lr": 1e-3, "train.eval_steps": 6})
     run([TRAINRUN, "train", "--config", cfg], check=0)
-    start = load_file(str(tmp_path / "run" / "graphs" / "weights.safetensors"))
+    run_dir = str(tmp_path / "run")
+    start = load_file(os.path.join(run_dir, "graphs", "weights.safetensors"))
     state = pre.state_dict()
     for name, value in start.items():
         if not name.startswith("classifier."):
             assert np.array_equal(value, state[name].numpy()), name
     assert abs(start["classifier.weight"].std() - 0.02) < 0.01 and not start["classifier.bias"].any()
-    train, evals = read_metrics(str(tmp_path / "run"))
+    train, evals = read_metrics(run_dir)
     assert np.mean([train[s]["loss"] for s in (10, 11, 12)]) < np.mean([train[s]["loss"] for s in (1, 2, 3)])
-    assert 0.0 <= evals[12]["eval_accuracy"] <= 1.0
+
+    run([TRAINRUN, "export", run_dir, "--format", "transformers", "--output", str(tmp_path / "hf")], check=0)
+    run([TRAINRUN, "export", run_dir, "--output", str(tmp_path / "m.onnx")], check=0)
+    samples = R.tensor_samples(os.path.join(labelled["cls"], "eval"))
+    assert len(samples) == 24
+    model, logits = _auto_logits(str(tmp_path / "hf"), samples)
+    assert type(model).__name__ == "BertForSequenceClassification"
+    assert model.config.id2label == {0: "food", 1: "music", 2: "sport"} and model.config.label2id["sport"] == 2
+    sess = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    assert sorted(i.name for i in sess.get_inputs()) == ["input_ids", "input_mask", "segment_ids"]
+    (onnx_logits,) = sess.run(["logits"], {k: np.stack([s[k] for s in samples])
+                                           for k in ("input_ids", "segment_ids", "input_mask")})
+    np.testing.assert_allclose(onnx_logits, logits, atol=1e-4)
+    labels, pred = np.array([int(s["labels"]) for s in samples]), logits.argmax(-1)
+    assert evals[12]["eval_accuracy"] == pytest.approx(accuracy_score(labels, pred), abs=1e-6)
+    assert evals[12]["eval_f1"] == pytest.approx(f1_score(labels, pred, average="macro"), abs=1e-6)
 
 
-def test_regression_trains_with_mse(tmp_path, labelled):
-    cfg = _config(tmp_path, labelled["reg"], **{"model.num_labels": 1})
-    run([TRAINRUN, "train", "--config", cfg], check=0)
-    train, evals = read_metrics(str(tmp_path / "run"))
+def test_regression_on_two_ranks_matches_scipy(tmp_path, labelled):
+    """num_labels 1: mse; on 2 ranks eval_pearson / eval_spearman over both ranks' samples equal scipy's
+    on the exported model's predictions (problem_type regression)."""
+    from scipy.stats import pearsonr, spearmanr
+    cfg = _config(tmp_path, labelled["reg"], **{"model.num_labels": 1, "train.eval_steps": 3})
+    mpirun(2, "train", "--config", cfg)
+    run_dir = str(tmp_path / "run")
+    train, evals = read_metrics(run_dir)
     assert "eval_mse" in evals[12] and np.isfinite(train[12]["loss"])
+    run([TRAINRUN, "export", run_dir, "--format", "transformers", "--output", str(tmp_path / "hf")], check=0)
+    samples = R.tensor_samples(os.path.join(labelled["reg"], "eval"))
+    model, logits = _auto_logits(str(tmp_path / "hf"), samples)
+    assert model.config.problem_type == "regression" and logits.shape == (24, 1)
+    y = np.array([float(s["labels"]) for s in samples])
+    assert evals[12]["eval_pearson"] == pytest.approx(pearsonr(logits[:, 0], y)[0], abs=1e-4)
+    assert evals[12]["eval_spearman"] == pytest.approx(spearmanr(logits[:, 0], y)[0], abs=1e-4)
 
 
 @pytest.mark.parametrize("over, says", [

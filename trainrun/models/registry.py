@@ -138,6 +138,15 @@ def with_task(family: Family, task: Optional[str], num_labels: int) -> Family:
     return family.task(task, num_labels)
 
 
+def task_labels(model: C.ModelConfig) -> int | None:
+    """model.num_labels when model.task puts a task head on the built-in model (its eval then reports
+    accuracy and F1, or Pearson and Spearman); None otherwise."""
+    if not model.builtin or not model.task:
+        return None
+    family = get(model.builtin)
+    return model.num_labels if family.tasks and model.task != family.tasks[0] else None
+
+
 def of(model: C.ModelConfig) -> Family | None:
     """The family of ``model.builtin`` with the head of ``model.task``; None for a user's ``model.onnx``."""
     return with_task(get(model.builtin), model.task, model.num_labels) if model.builtin else None
