@@ -148,6 +148,16 @@ def test_fine_tune_from_a_transformers_folder(tmp_path, labelled):
     assert evals[12]["eval_accuracy"] == pytest.approx(accuracy_score(labels, pred), abs=1e-6)
     assert evals[12]["eval_f1"] == pytest.approx(f1_score(labels, pred, average="macro"), abs=1e-6)
 
+    # the exported BertForSequenceClassification folder as model.init_from: every tensor, classifier too
+    from trainrun.graphs.manifest import prepare
+    again = C.from_dict({"model": {"builtin": "bert", "task": "sequence_classification", "num_labels": 3,
+                                   "init_from": str(tmp_path / "hf")},
+                         "data": {"seq_len": SEQ}, "run": {"output_dir": str(tmp_path / "again"), "seed": 9}})
+    prepare(again)
+    held = load_file(str(tmp_path / "again" / "graphs" / "weights.safetensors"))
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert set(held) == set(exported) and all(np.array_equal(held[k], exported[k]) for k in held)
+
 
 def test_regression_on_two_ranks_matches_scipy(tmp_path, labelled):
     """num_labels 1: mse; on 2 ranks eval_pearson / eval_spearman over both ranks' samples equal scipy's
