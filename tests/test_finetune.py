@@ -27,68 +27,83 @@ BERT = dict(vocab_size=160, hidden_size=32, num_hidden_layers=2, num_attention_h
 
 
 def _rows(n, seed):
-    rng = np.random.default_rng(seed)
+    rng, tag_rng = np.random.default_rng(seed), np.random.default_rng(seed + 1)
     topics = sorted(WORDS)
     rows = []
     for i in range(n):
         t = topics[i % 3]
+        mixed = [(str(tag_rng.choice(WORDS[u])), u) for u in tag_rng.choice(topics, int(tag_rng.integers(2, 7)))]
         rows.append({"text": " ".join(rng.choice(WORDS[t], int(rng.integers(3, 9)))), "topic": t,
-                     "score": float(i % 3) + round(float(rng.random()), 2)})
+                     "score": float(i % 3) + round(float(rng.random()), 2),
+                     "words": " ".join(w for w, _ in mixed), "tags": " ".join(u for _, u in mixed)})
     return rows
 
 
 @pytest.fixture(scope="module")
 def labelled(tmp_path_factory):
-    """{'cls': DIR of a 3-topic classification, 'reg': DIR of a regression}, from one tokenizer."""
+    """{'cls': DIR of a 3-topic classification, 'reg': DIR of a regression, 'tok': DIR of a per-word
+    topic tagging}, from one tokenizer."""
     from trainrun.data_tools.bert import train_wordpiece
     d = tmp_path_factory.mktemp("ft")
     tok = d / "tokenizer.json"
     train_wordpiece(lambda: [" ".join(w) for w in WORDS.values()] * 3, 100, False).save(str(tok))
     (d / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows(96, 0)))
     out = {}
-    for kind, more in (("cls", ["--label-field", "topic"]), ("reg", ["--label-field", "score", "--regression"])):
-        run([TRAINRUN_DATA, "labelled", "--input", str(d / "rows.jsonl"), "--text-field", "text", *more,
+    for kind, more in (("cls", ["--text-field", "text", "--label-field", "topic"]),
+                       ("reg", ["--text-field", "text", "--label-field", "score", "--regression"]),
+                       ("tok", ["--text-field", "words", "--label-field", "tags", "--task", "token_classification"])):
+        run([TRAINRUN_DATA, "labelled", "--input", str(d / "rows.jsonl"), *more,
              "--tokenizer", str(tok), "--seq-len", str(SEQ), "--eval-fraction", "0.25", "--output", str(d / kind)],
             check=0)
         out[kind] = str(d / kind)
     return out
 
 
-def _hf(num_labels, weights):
-    from transformers import BertConfig, BertForSequenceClassification
+def _hf(task, num_labels, weights):
+    import transformers
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
-    model = BertForSequenceClassification(BertConfig(**BERT, num_labels=num_labels, hidden_dropout_prob=0.0,
-                                                     attention_probs_dropout_prob=0.0)).eval()
+    cls = getattr(transformers, {"sequence_classification": "BertForSequenceClassification",
+                                 "token_classification": "BertForTokenClassification"}[task])
+    model = cls(transformers.BertConfig(**BERT, num_labels=num_labels, hidden_dropout_prob=0.0,
+                                        attention_probs_dropout_prob=0.0)).eval()
     model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in weights.items()}, strict=True)
     return model
 
 
-@pytest.mark.parametrize("num_labels", [3, 1])
-def test_logits_match_transformers(num_labels):
-    """The prepared graph's logits (and a regression's predictions) equal BertForSequenceClassification's."""
+@pytest.mark.parametrize("task, num_labels", [("sequence_classification", 3), ("sequence_classification", 1),
+                                              ("token_classification", 4)])
+def test_logits_match_transformers(task, num_labels):
+    """The prepared graph's logits (a regression's predictions too) and loss equal transformers' Bert
+    For{Sequence,Token}Classification's (tokens labelled -100 ignored)."""
     import onnxruntime as ort
-    from trainrun.models.bert import build_bert
-    cfg = C.BertConfig(**BERT, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    family = registry.with_task(registry.get("bert"), "sequence_classification", num_labels)
-    weights = family.init_weights(cfg, 3)
+    from trainrun.graphs.forward import forward_from_config
+    from trainrun.graphs.losses import with_loss
+    cfg = C.from_dict({"model": {"builtin": "bert", "task": task, "num_labels": num_labels,
+                                 "bert": {**BERT, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}},
+                       "data": {"seq_len": SEQ}})
+    family = registry.of(cfg.model)
+    weights = family.init_weights(cfg.model.bert, 3)
     assert "classifier.weight" in weights and not any(k.startswith("cls.") for k in weights)
+    assert ("bert.pooler.dense.weight" in weights) == (task == "sequence_classification")
     for w in weights.values():
         w += np.random.default_rng(w.size).normal(0, 0.02, w.shape).astype(np.float32)
-    batch = family.sample_batch(cfg, np.random.default_rng(0))
-    labels = batch.pop("labels")
-    sess = ort.InferenceSession(build_bert(cfg, weights, task="sequence_classification",
-                                           num_labels=num_labels).SerializeToString(),
-                                providers=["CPUExecutionProvider"])
+    batch = family.sample_batch(cfg.model.bert, np.random.default_rng(0))
+    fwd = forward_from_config(cfg)
+    model = with_loss(fwd, -100, keep_logits=True)
+    for init in model.graph.initializer:
+        if init.name in weights:
+            init.CopyFrom(__import__("onnx").numpy_helper.from_array(weights[init.name], init.name))
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, batch)))
     with torch.no_grad():
-        ref = _hf(num_labels, weights)(input_ids=torch.from_numpy(batch["input_ids"]),
-                                       token_type_ids=torch.from_numpy(batch["segment_ids"]),
-                                       attention_mask=torch.from_numpy(batch["input_mask"]),
-                                       labels=torch.from_numpy(labels))
-    np.testing.assert_allclose(out["logits"], ref.logits.numpy(), atol=1e-4)
-    if num_labels == 1:
-        np.testing.assert_allclose(out["predictions"], ref.logits.numpy()[:, 0], atol=1e-4)
+        ref = _hf(task, num_labels, weights)(input_ids=torch.from_numpy(batch["input_ids"]),
+                                             token_type_ids=torch.from_numpy(batch["segment_ids"]),
+                                             attention_mask=torch.from_numpy(batch["input_mask"]),
+                                             labels=torch.from_numpy(batch["labels"]))
+    logits = ref.logits.numpy()
+    np.testing.assert_allclose(out[fwd.logits], logits[:, 0] if num_labels == 1 else logits, atol=1e-4)
+    assert float(out["loss"]) == pytest.approx(ref.loss.item(), rel=1e-4)
 
 
 def _config(tmp_path, data, **over):
@@ -119,8 +134,9 @@ def test_fine_tune_from_a_transformers_folder(tmp_path, labelled):
     torch.manual_seed(0)
     pre = BertForPreTraining(BertConfig(**BERT))
     pre.save_pretrained(tmp_path / "pre")
-    cfg = _config(tmp_path, labelled["cls"], **{"model.init_from": str(tmp_path / "pre"),
-                                                "optimizer.lr": 1e-3, "train.eval_steps": 6})
+    cfg = _config(tmp_path, labelled["cls"], **{"model.init_from": str(tmp_path / "pre"), "train.max_steps": 48,
+                                                "model.bert": {**BERT, "hidden_dropout_prob": 0.0},
+                                                "train.eval_every": 24, "train.eval_steps": 6})
     run([TRAINRUN, "train", "--config", cfg], check=0)
     run_dir = str(tmp_path / "run")
     start = load_file(os.path.join(run_dir, "graphs", "weights.safetensors"))
@@ -130,7 +146,7 @@ def test_fine_tune_from_a_transformers_folder(tmp_path, labelled):
             assert np.array_equal(value, state[name].numpy()), name
     assert abs(start["classifier.weight"].std() - 0.02) < 0.01 and not start["classifier.bias"].any()
     train, evals = read_metrics(run_dir)
-    assert np.mean([train[s]["loss"] for s in (10, 11, 12)]) < np.mean([train[s]["loss"] for s in (1, 2, 3)])
+    assert np.mean([train[s]["loss"] for s in (46, 47, 48)]) < np.mean([train[s]["loss"] for s in (1, 2, 3)]) - 0.05
 
     run([TRAINRUN, "export", run_dir, "--format", "transformers", "--output", str(tmp_path / "hf")], check=0)
     run([TRAINRUN, "export", run_dir, "--output", str(tmp_path / "m.onnx")], check=0)
@@ -145,8 +161,8 @@ def test_fine_tune_from_a_transformers_folder(tmp_path, labelled):
                                            for k in ("input_ids", "segment_ids", "input_mask")})
     np.testing.assert_allclose(onnx_logits, logits, atol=1e-4)
     labels, pred = np.array([int(s["labels"]) for s in samples]), logits.argmax(-1)
-    assert evals[12]["eval_accuracy"] == pytest.approx(accuracy_score(labels, pred), abs=1e-6)
-    assert evals[12]["eval_f1"] == pytest.approx(f1_score(labels, pred, average="macro"), abs=1e-6)
+    assert evals[48]["eval_accuracy"] == pytest.approx(accuracy_score(labels, pred), abs=1e-6)
+    assert evals[48]["eval_f1"] == pytest.approx(f1_score(labels, pred, average="macro"), abs=1e-6)
 
     # the exported BertForSequenceClassification folder as model.init_from: every tensor, classifier too
     from trainrun.graphs.manifest import prepare
@@ -177,10 +193,40 @@ def test_regression_on_two_ranks_matches_scipy(tmp_path, labelled):
     assert evals[12]["eval_spearman"] == pytest.approx(spearmanr(logits[:, 0], y)[0], abs=1e-4)
 
 
+def test_token_classification_run_and_export(tmp_path, labelled):
+    """token_classification: a run's eval_accuracy / eval_f1 over the labelled tokens (the -100 ones left
+    out) equal scikit-learn's on the predictions of the export, which AutoModelForTokenClassification loads."""
+    from sklearn.metrics import accuracy_score, f1_score
+    from transformers import AutoModelForTokenClassification
+    cfg = _config(tmp_path, labelled["tok"], **{"model.task": "token_classification", "train.eval_steps": 6})
+    run([TRAINRUN, "train", "--config", cfg], check=0)
+    run_dir = str(tmp_path / "run")
+    train, evals = read_metrics(run_dir)
+    assert np.mean([train[s]["loss"] for s in (10, 11, 12)]) < np.mean([train[s]["loss"] for s in (1, 2, 3)])
+    run([TRAINRUN, "export", run_dir, "--format", "transformers", "--output", str(tmp_path / "hf")], check=0)
+    model = AutoModelForTokenClassification.from_pretrained(str(tmp_path / "hf")).eval()
+    assert type(model).__name__ == "BertForTokenClassification"
+    assert model.config.id2label == {0: "food", 1: "music", 2: "sport"}
+    samples = R.tensor_samples(os.path.join(labelled["tok"], "eval"))
+    assert len(samples) == 24
+    b = {k: torch.from_numpy(np.stack([s[k] for s in samples])) for k in ("input_ids", "segment_ids", "input_mask")}
+    with torch.no_grad():
+        logits = model(input_ids=b["input_ids"], token_type_ids=b["segment_ids"],
+                       attention_mask=b["input_mask"]).logits.numpy()
+    labels = np.stack([s["labels"] for s in samples])
+    keep = labels != -100
+    assert keep.any() and (~keep).any()
+    pred = logits.argmax(-1)[keep]
+    assert evals[12]["eval_accuracy"] == pytest.approx(accuracy_score(labels[keep], pred), abs=1e-6)
+    assert evals[12]["eval_f1"] == pytest.approx(f1_score(labels[keep], pred, average="macro"), abs=1e-6)
+
+
 @pytest.mark.parametrize("over, says", [
     ({"model.builtin": "gpt2", "model.task": "sequence_classification"}, "model.task: 'sequence_classification'"),
     ({"model.task": "summarise"}, "model.task: 'summarise'"),
     ({"model.num_labels": 0}, "model.num_labels"),
+    ({"model.task": "token_classification", "model.num_labels": 1}, "model.num_labels: 1"),
+    ({"model.task": "token_classification"}, "model.task: token_classification, but data.train"),
     ({"model.num_labels": 4}, "model.num_labels: 4, but data.train"),
 ])
 def test_bad_task_values_exit_2_naming_the_key(tmp_path, labelled, over, says):

@@ -198,7 +198,9 @@ class ModelConfig:
     """The head on the built-in model (null: its own, pretraining for bert, causal_lm for gpt2):
     `sequence_classification` (bert) puts a classifier on the pooled [CLS] token, as transformers'
     BertForSequenceClassification, trained on the dataset feature `labels` (`trainrun-data labelled`)
-    with cross-entropy, or with mean squared error when num_labels is 1 (regression)."""
+    with cross-entropy, or with mean squared error when num_labels is 1 (regression);
+    `token_classification` (bert) a classifier on every token (BertForTokenClassification; labels -100
+    ignored). Eval adds `accuracy` and macro `f1` (regression: `pearson`, `spearman`)."""
     num_labels: int = opt(2, min=1)
     """Classes of model.task's head (1: a regression); must equal the train dataset's num_labels."""
     init_from: Optional[str] = opt(None, path="any")

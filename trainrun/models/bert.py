@@ -45,6 +45,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..config import BertConfig
 from .onnx_builder import MASK_VALUE, Graph
+from ..errors import UsageError
 from .registry import Family, Transformers, register
 
 INPUTS = ["input_ids", "segment_ids", "input_mask", "masked_lm_positions", "masked_lm_ids",
@@ -95,9 +96,11 @@ def layers_above(cfg: BertConfig, name: str) -> int:
     return cfg.num_hidden_layers - int(m.group(1)) if m else 0
 
 
-def classifier_specs(cfg: BertConfig, num_labels: int) -> dict[str, tuple[tuple[int, ...], str]]:
-    """BertForSequenceClassification's parameters: the encoder and pooler, ``classifier.weight/bias``."""
-    s = {n: v for n, v in param_specs(cfg).items() if not n.startswith("cls.")}
+def classifier_specs(cfg: BertConfig, num_labels: int, pooler: bool = True) -> dict[str, tuple[tuple[int, ...], str]]:
+    """BertForSequenceClassification's parameters: the encoder and pooler, ``classifier.weight/bias``;
+    without the ``pooler``: BertForTokenClassification's."""
+    s = {n: v for n, v in param_specs(cfg).items()
+         if not n.startswith("cls.") and (pooler or not n.startswith("bert.pooler."))}
     s["classifier.weight"], s["classifier.bias"] = ((num_labels, cfg.hidden_size), "normal"), ((num_labels,), "zeros")
     return s
 
@@ -142,7 +145,8 @@ def build_bert(cfg: BertConfig, weights: dict[str, np.ndarray], inference: bool 
     g.const("c_last", np.array([-1], np.int64))
     g.const("c_2d", np.array([-1, E], np.int64))
     g.const("c_heads_shape", np.array([0, 0, H, D], np.int64))
-    g.const("c_first", np.array(0, np.int64))
+    if task != "token_classification":
+        g.const("c_first", np.array(0, np.int64))
     g.const("c_scale", np.array(1.0 / math.sqrt(D), np.float32))
     g.const("c_mask_value", np.array(MASK_VALUE, np.float32))
     g.const("c_1f", np.array(1.0, np.float32))
@@ -219,6 +223,13 @@ def build_bert(cfg: BertConfig, weights: dict[str, np.ndarray], inference: bool 
         return helper.make_tensor_value_info(name, TensorProto.INT64, dims)
     if task == "sequence_classification":
         return _classify(g, h, [ids(n, ["batch", "seq"]) for n in CLS_INPUTS], num_labels, inference, dropout, dense)
+    if task == "token_classification":     # BertForTokenClassification: every token's state -> classifier
+        g.const("c_num_labels", np.array([num_labels], np.int64))
+        flat = dense(g.op("Reshape", [dropout(h, "hidden"), "c_2d"]), "classifier")
+        shape = g.op("Concat", [g.op("Shape", [h], end=2), "c_num_labels"], axis=0)     # [B, S, num_labels]
+        g.nodes.append(helper.make_node("Reshape", [flat, shape], [CLS_LOGITS], name="classifier_3d"))
+        return g.model("bert", [ids(n, ["batch", "seq"]) for n in CLS_INPUTS],
+                       [helper.make_tensor_value_info(CLS_LOGITS, TensorProto.FLOAT, ["batch", "seq", num_labels])])
 
     # MLM head at the masked positions only: [B, P, E] -> [B*P, E] -> [B*P, V]
     if inference:     # every position [B, S, E] unless masked_lm_positions are given
@@ -344,34 +355,52 @@ def _transformers_tokenizer(eos: str | None) -> tuple[dict, dict]:
     return dict(BERT_SPECIAL), {"model_input_names": ["input_ids", "token_type_ids", "attention_mask"]}
 
 
-def _classifier_config(num_labels: int):
+def _classifier_config(task: str, num_labels: int):
     def config(cfg: BertConfig, eos_id: int | None) -> tuple[dict, dict]:
         values, ids = _transformers_config(cfg, eos_id)
         names = {str(i): f"LABEL_{i}" for i in range(num_labels)}
-        return {**values, "num_labels": num_labels, "id2label": names, "label2id": {v: int(k) for k, v in names.items()},
-                "problem_type": "regression" if num_labels == 1 else "single_label_classification"}, ids
+        values = {**values, "num_labels": num_labels, "id2label": names,
+                  "label2id": {v: int(k) for k, v in names.items()}}
+        if task == "sequence_classification":
+            values["problem_type"] = "regression" if num_labels == 1 else "single_label_classification"
+        return values, ids
     return config
 
 
-def _sample_classified(cfg: BertConfig, num_labels: int, rng) -> dict[str, np.ndarray]:
+def _sample_classified(cfg: BertConfig, task: str, num_labels: int, rng) -> dict[str, np.ndarray]:
     batch = {k: v for k, v in sample_inputs(cfg, 4, 16, 3, rng).items() if k in CLS_INPUTS}
-    batch["labels"] = rng.standard_normal(4).astype(np.float32) if num_labels == 1 else \
-        rng.integers(0, num_labels, 4).astype(np.int64)
+    if task == "token_classification":     # padding and some other tokens ignored (-100)
+        labels = rng.integers(0, num_labels, (4, 16))
+        labels[(batch["input_mask"] == 0) | (rng.random((4, 16)) < 0.3)] = -100
+        batch["labels"] = labels.astype(np.int64)
+    else:
+        batch["labels"] = rng.standard_normal(4).astype(np.float32) if num_labels == 1 else \
+            rng.integers(0, num_labels, 4).astype(np.int64)
     return batch
 
 
+ARCHITECTURES = {"sequence_classification": "BertForSequenceClassification",
+                 "token_classification": "BertForTokenClassification"}
+
+
 def with_task(task: str, num_labels: int) -> Family:
-    """The family with ``model.task``'s head (sequence_classification: BertForSequenceClassification)."""
+    """The family with ``model.task``'s head: sequence_classification (BertForSequenceClassification) or
+    token_classification (BertForTokenClassification: no pooler, a regression refused)."""
+    if task == "token_classification" and num_labels == 1:
+        raise UsageError("model.num_labels: 1 (a regression) is for sequence_classification; "
+                         "token_classification needs 2 or more")
+    pooler = task == "sequence_classification"
+    regression = num_labels == 1
     return dataclasses.replace(
         FAMILY, build=lambda cfg, w: build_bert(cfg, w, task=task, num_labels=num_labels),
-        init_weights=lambda cfg, seed: init_weights(cfg, seed, classifier_specs(cfg, num_labels)),
-        param_specs=lambda cfg: classifier_specs(cfg, num_labels), inputs=tuple(CLS_INPUTS),
-        logits=PREDICTIONS if num_labels == 1 else CLS_LOGITS, loss=None,
-        loss_type="mse" if num_labels == 1 else "cross_entropy",
-        sample_batch=lambda cfg, rng: _sample_classified(cfg, num_labels, rng),
+        init_weights=lambda cfg, seed: init_weights(cfg, seed, classifier_specs(cfg, num_labels, pooler)),
+        param_specs=lambda cfg: classifier_specs(cfg, num_labels, pooler), inputs=tuple(CLS_INPUTS),
+        logits=PREDICTIONS if regression else CLS_LOGITS, loss=None,
+        loss_type="mse" if regression else "cross_entropy",
+        sample_batch=lambda cfg, rng: _sample_classified(cfg, task, num_labels, rng),
         inference=lambda cfg: build_bert(cfg, {}, inference=True, task=task, num_labels=num_labels),
-        transformers=dataclasses.replace(FAMILY.transformers, architecture="BertForSequenceClassification", tied={},
-                                         optional=("classifier.",), config=_classifier_config(num_labels)),
+        transformers=dataclasses.replace(FAMILY.transformers, architecture=ARCHITECTURES[task], tied={},
+                                         optional=("classifier.",), config=_classifier_config(task, num_labels)),
         tasks=(), task=None)
 
 
@@ -384,4 +413,4 @@ FAMILY = register(Family(
     dropout_fields=("hidden_dropout_prob", "attention_probs_dropout_prob"),
     transformers=Transformers(architecture="BertForPreTraining", model_type="bert", prefix="bert.", tied=TIED,
                               optional=("cls.",), config=_transformers_config, tokenizer=_transformers_tokenizer),
-    tasks=("pretraining", "sequence_classification"), task=lambda task, n: with_task(task, n)))
+    tasks=("pretraining", "sequence_classification", "token_classification"), task=lambda task, n: with_task(task, n)))
