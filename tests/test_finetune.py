@@ -233,10 +233,70 @@ def test_token_classification_run_and_export(tmp_path, labelled):
     assert result["accuracy"] == pytest.approx(evals[12]["eval_accuracy"], abs=1e-6)
 
 
+GPT2 = dict(n_layer=2, n_head=2, n_embd=32, n_positions=SEQ, vocab_size=160, dropout=0.0)
+
+
+def test_gpt2_sequence_classification_matches_transformers_and_trains(tmp_path, labelled):
+    """gpt2 sequence_classification: the last token's state -> score (no bias); logits and loss equal
+    GPT2ForSequenceClassification's (padding found by pad_token_id 0 there, by input_mask here); a run on
+    labelled data; its export loads with AutoModelForSequenceClassification, logits as the ONNX export's."""
+    import onnx
+    import onnxruntime as ort
+    from transformers import AutoModelForSequenceClassification, GPT2Config, GPT2ForSequenceClassification
+    from trainrun.graphs.forward import forward_from_config
+    from trainrun.graphs.losses import with_loss
+    cfg = C.from_dict({"model": {"builtin": "gpt2", "task": "sequence_classification", "num_labels": 3,
+                                 "gpt2": GPT2}, "data": {"seq_len": SEQ}})
+    family = registry.of(cfg.model)
+    weights = family.init_weights(cfg.model.gpt2, 3)
+    assert weights["score.weight"].shape == (3, 32)
+    for w in weights.values():
+        w += np.random.default_rng(w.size).normal(0, 0.02, w.shape).astype(np.float32)
+    batch = family.sample_batch(cfg.model.gpt2, np.random.default_rng(0))
+    model = with_loss(forward_from_config(cfg), -100, keep_logits=True)
+    for init in model.graph.initializer:
+        if init.name in weights:
+            init.CopyFrom(onnx.numpy_helper.from_array(weights[init.name], init.name))
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, batch)))
+    hf = GPT2ForSequenceClassification(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=SEQ, vocab_size=160,
+                                                  num_labels=3, pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                  attn_pdrop=0.0)).eval()
+    loaded = hf.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in weights.items()}, strict=False)
+    assert not loaded.unexpected_keys and set(dict(hf.named_parameters())) <= set(weights)
+    with torch.no_grad():
+        ref = hf(input_ids=torch.from_numpy(batch["input_ids"]), attention_mask=torch.from_numpy(batch["input_mask"]),
+                 labels=torch.from_numpy(batch["labels"]))
+    np.testing.assert_allclose(out["logits"], ref.logits.numpy(), atol=1e-4)
+    assert float(out["loss"]) == pytest.approx(ref.loss.item(), rel=1e-4)
+
+    cfg_path = write_config(tmp_path / "c.yaml", labelled["cls"], **{
+        "model": {"builtin": "gpt2", "gpt2": GPT2, "task": "sequence_classification", "num_labels": 3},
+        "data.seq_len": SEQ, "train.max_steps": 8, "train.eval_every": 8, "train.eval_steps": 6})
+    run([TRAINRUN, "train", "--config", cfg_path], check=0)
+    run_dir = str(tmp_path / "run")
+    _, evals = read_metrics(run_dir)
+    assert 0.0 <= evals[8]["eval_f1"] <= 1.0
+    run([TRAINRUN, "export", run_dir, "--format", "transformers", "--output", str(tmp_path / "hf")], check=0)
+    run([TRAINRUN, "export", run_dir, "--output", str(tmp_path / "m.onnx")], check=0)
+    samples = R.tensor_samples(os.path.join(labelled["cls"], "eval"))
+    auto = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "hf")).eval()
+    assert type(auto).__name__ == "GPT2ForSequenceClassification" and auto.config.id2label[2] == "sport"
+    b = {k: np.stack([s[k] for s in samples]) for k in ("input_ids", "input_mask")}
+    with torch.no_grad():
+        logits = auto(input_ids=torch.from_numpy(b["input_ids"]),
+                      attention_mask=torch.from_numpy(b["input_mask"])).logits.numpy()
+    exported = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    assert sorted(i.name for i in exported.get_inputs()) == ["input_ids", "input_mask"]
+    np.testing.assert_allclose(exported.run(["logits"], b)[0], logits, atol=1e-4)
+
+
 @pytest.mark.parametrize("over, says", [
-    ({"model.builtin": "gpt2", "model.task": "sequence_classification"}, "model.task: 'sequence_classification'"),
+    ({"model.builtin": "gpt2", "model.task": "token_classification"}, "model.task: 'token_classification'"),
     ({"model.task": "summarise"}, "model.task: 'summarise'"),
     ({"model.num_labels": 0}, "model.num_labels"),
+    ({"model.builtin": "gpt2", "model.task": "sequence_classification", "model.num_labels": 1},
+     "model.num_labels: 1"),
     ({"model.task": "token_classification", "model.num_labels": 1}, "model.num_labels: 1"),
     ({"model.task": "token_classification"}, "model.task: token_classification, but data.train"),
     ({"model.num_labels": 4}, "model.num_labels: 4, but data.train"),

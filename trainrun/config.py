@@ -200,7 +200,9 @@ class ModelConfig:
     BertForSequenceClassification, trained on the dataset feature `labels` (`trainrun-data labelled`)
     with cross-entropy, or with mean squared error when num_labels is 1 (regression);
     `token_classification` (bert) a classifier on every token (BertForTokenClassification; labels -100
-    ignored). Eval adds `accuracy` and macro `f1` (regression: `pearson`, `spearman`)."""
+    ignored); `sequence_classification` (gpt2): the last token's state -> `score` (GPT2ForSequenceClassification,
+    reading `input_ids` and `input_mask`). Eval adds `accuracy` and macro `f1` (regression: `pearson`,
+    `spearman`)."""
     num_labels: int = opt(2, min=1)
     """Classes of model.task's head (1: a regression); must equal the train dataset's num_labels."""
     init_from: Optional[str] = opt(None, path="any")
