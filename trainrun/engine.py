@@ -347,6 +347,10 @@ class Engine:
                                      f"(it is {out.type} of shape {out.shape})")
                 self.eval_metrics[out.name] = np.zeros(out.shape or (), np.float32)
                 e.bind_out(out.name, self.eval_metrics[out.name])
+        # a task head's logits (manifest task_labels): read back after each eval step (:attr:`eval_logits`)
+        self.eval_logits = None
+        if self.manifest.get("task_labels"):
+            e.binding.bind_output(self.manifest["logits"], "cpu")
 
 
     # ------------------------------------------------------------------ steps
@@ -395,6 +399,8 @@ class Engine:
         """Loss of one eval micro-batch; its metric sums and counts are then in :attr:`eval_metrics`."""
         self.set_batch(batch, self.eval_batch)
         self.eval_s.run()
+        if self.manifest.get("task_labels"):
+            self.eval_logits = self.eval_s.binding.get_outputs()[-1].numpy()
         return float(self.eval_loss)
 
     def close(self) -> None:

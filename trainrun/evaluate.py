@@ -33,6 +33,7 @@ from .engine import check_inputs
 from .errors import TrainrunError, UsageError
 from .export import checkpoint_weights
 from .models import registry
+from .observe.task_metrics import TaskMetrics
 from .sessions import session_options
 
 
@@ -82,15 +83,24 @@ def run_evaluate(source: str, data: str, *, steps: int | None, batch: int | None
     comm.agree(error)
     metrics = [o.name for o in sess.get_outputs() if o.name.startswith(METRIC_PREFIX)]
     names = [LOSS, *metrics]
+    n_labels = manifest.get("task_labels")       # a task head: accuracy and F1 / Pearson, Spearman
+    task = TaskMetrics(n_labels, manifest["ignore_index"]) if n_labels else None
     total = np.zeros(len(names) + 1, np.float64)       # the sums (the loss weighed by the batch's samples), samples
     for item in batches:
-        out = sess.run(names, {**weights, **{i: item[f] for i, f in feeds.items()}})
+        out = sess.run(names + ([manifest["logits"]] if task else []), {**weights, **{i: item[f] for i, f in feeds.items()}})
         n = len(item[next(iter(feeds.values()))])
-        total[:-1] += [float(out[0]) * (n / micro)] + [float(v) for v in out[1:]]
+        total[:-1] += [float(out[0]) * (n / micro)] + [float(v) for v in out[1:len(names)]]
         total[-1] += n
-    total = comm.allreduce_scalars(list(total), op="sum")
+        if task is not None:
+            task.add(out[-1], item[feeds[manifest["labels"]]])
+    stats = list(task.stats()) if task is not None else []
+    total = comm.allreduce_scalars(list(total) + stats, op="sum")
+    total, stats = total[:len(names) + 1], total[len(names) + 1:]
     samples = int(total[-1])
     result = feeding.eval_results(total[0] / (samples / micro), dict(zip(metrics, total[1:-1])))
+    if task is not None:
+        pairs = [np.asarray(p) for p in comm.allgather_object(task.pairs().tolist())] if task.regression else None
+        result.update(task.result(np.asarray(stats), pairs))
     result.update({"checkpoint": ckpt, "data": os.path.abspath(data), "samples": samples,
                    "dataset_samples": ds.num_samples, "batch": micro * comm.world_size, "world_size": comm.world_size})
     comm.close()

@@ -333,6 +333,25 @@ def _hf_files(family, section, text, eos_id: int | None) -> dict[str, dict]:
     return files
 
 
+def _label_map(ckpt: str, num_labels: int, echo) -> dict:
+    """config.json's id2label / label2id of a task model: those of its data.train's manifest.json
+    (``trainrun-data labelled``); {} (transformers' LABEL_<i>) when the dataset is gone or has none."""
+    train = C.load_config(os.path.join(ckpt, "config.yaml")).data.train
+    path = os.path.join(train or "", "manifest.json")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+        id2label = {str(k): str(v) for k, v in data["id2label"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        echo(f"note: config.json's id2label is LABEL_<i>: no label map in {path}")
+        return {}
+    if len(id2label) != num_labels:
+        echo(f"note: config.json's id2label is LABEL_<i>: {path} names {len(id2label)} labels, the model has "
+             f"{num_labels}")
+        return {}
+    return {"id2label": id2label, "label2id": {v: int(k) for k, v in id2label.items()}}
+
+
 def export_transformers(checkpoint: str, output: str, *, tokenizer: str | None = None, echo=print) -> str:
     """Write a transformers ``save_pretrained`` directory (see docs/operations.md): config.json, model.safetensors
     (transformers' names; the tied heads are the tensors they are tied to), generation_config.json and
@@ -358,6 +377,8 @@ def export_transformers(checkpoint: str, output: str, *, tokenizer: str | None =
     if text is not None and text.tokenizer is None:
         echo("note: no tokenizer files written: the run's data are raw bytes (no tokenizer.json)")
     files = _hf_files(family, family.shape_of(manifest), text, text.eos_id if text is not None else None)
+    if manifest.get("task_labels"):
+        files["config.json"].update(_label_map(ckpt, manifest["task_labels"], echo))
     parent = os.path.dirname(os.path.abspath(output))
     os.makedirs(parent, exist_ok=True)
     stage = tempfile.mkdtemp(prefix=".export-", dir=parent)

@@ -49,12 +49,26 @@ def check(cfg: C.Config, world_size: int = 1, datasets: bool = True):
         problems += group_problems(cfg.optimizer, [n for n in shapes if not any(
             fnmatch.fnmatchcase(n, p) for p in cfg.model.frozen)])
         if cfg.model.init_from:
-            problems += [f"model.init_from: {p}" for p in pretrained.check(shapes, cfg.model.init_from,
-                                                                             cfg.model.builtin)]
+            problems += [f"model.init_from: {p}" for p in pretrained.check(shapes, cfg.model.init_from, family)]
     found = _datasets(cfg, world_size, problems) if datasets else (None, {})
+    if cfg.model.builtin and cfg.model.task and found[0] is not None:
+        problems += _task_problems(cfg, found[0])
     if problems:
         raise UsageError(f"{len(problems)} problem(s) in the files the configuration names", problems)
     return found
+
+
+def _task_problems(cfg: C.Config, train) -> list[str]:
+    """model.task / model.num_labels against what the train dataset's manifest says of its labels."""
+    m, manifest = cfg.model, getattr(train, "manifest", None) or {}
+    where = f"data.train {cfg.data.train}"
+    problems = []
+    if "task" in manifest and manifest["task"] != m.task and m.task in registry.get(m.builtin).tasks[1:]:
+        problems.append(f"model.task: {m.task}, but {where} holds {manifest['task']} samples")
+    if "num_labels" in manifest and manifest["num_labels"] != m.num_labels:
+        problems.append(f"model.num_labels: {m.num_labels}, but {where} has num_labels {manifest['num_labels']} "
+                        f"(its manifest.json)")
+    return problems
 
 
 def param_specs(m: C.ModelConfig) -> dict | None:

@@ -40,10 +40,10 @@ def _safetensors_file(path: str) -> str:
                          f"directory") from None
 
 
-def _fit(shapes: dict[str, tuple], tensors: dict[str, tuple], file: str, family: str) -> tuple[dict, list[str]]:
+def _fit(shapes: dict[str, tuple], tensors: dict[str, tuple], file: str, family) -> tuple[dict, list[str]]:
     """The file's tensors (name -> shape) that fill the model's parameters (name -> shape): ({our name:
     the file's name}, problems: a shape that differs, parameters the file holds no tensor for)."""
-    hf = registry.get(family).transformers        # None: the names are the model's own
+    hf = (registry.get(family) if isinstance(family, str) else family).transformers   # None: the model's own names
     prefix, tied, optional = (hf.prefix, hf.tied, hf.optional) if hf else ("", {}, ())
     found: dict[str, str] = {}
     for name in tensors:
@@ -61,7 +61,7 @@ def _fit(shapes: dict[str, tuple], tensors: dict[str, tuple], file: str, family:
     return found, problems
 
 
-def check(shapes: dict[str, tuple], path: str, family: str) -> list[str]:
+def check(shapes: dict[str, tuple], path: str, family) -> list[str]:
     """The problems :func:`load_into` would find, from the file's header alone (names and shapes; no
     tensor read): what ``trainrun config validate`` and training's start-up report."""
     from safetensors import SafetensorError, safe_open
@@ -76,7 +76,7 @@ def check(shapes: dict[str, tuple], path: str, family: str) -> list[str]:
     return _fit(shapes, tensors, file, family)[1]
 
 
-def load_into(weights: dict[str, np.ndarray], path: str, family: str) -> dict[str, np.ndarray]:
+def load_into(weights: dict[str, np.ndarray], path: str, family) -> dict[str, np.ndarray]:
     """``weights`` (our names and shapes, freshly initialised) with every tensor ``path`` provides."""
     file = _safetensors_file(path)
     try:

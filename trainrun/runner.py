@@ -33,6 +33,8 @@ import os
 import platform
 import time
 
+import numpy as np
+
 # onnxruntime first imported here, on a short stack: with torch installed its first import keeps an exception
 # (ORTModule's) whose traceback holds every frame below the import, locals included, for the life of the
 # process: imported inside prepare or the engine it kept the model being built (1 GB at GPT-2 124M)
@@ -56,6 +58,7 @@ from .lock import RunLock
 from .observe import Observer, apply_log_level, engine_options
 from .observe.metrics import Metrics, fmt_duration
 from .observe.timer import PhaseTimer
+from .observe.task_metrics import TaskMetrics
 from .observe.trackers import Trackers, check_installed
 from .precision import make_scaler
 from .stopping import EarlyStopping, StopSignals, Stopped
@@ -371,6 +374,8 @@ class TrainingRunner:
         cfg, eng = self.cfg, self.engine
         names = list(eng.eval_metrics)
         total, count, sums = 0.0, 0.0, [0.0] * len(names)
+        n_labels = eng.manifest.get("task_labels")
+        task = TaskMetrics(n_labels, eng.manifest["ignore_index"]) if n_labels else None
         error = None
         try:
             for batch in eval_batches(ds, micro_batch=cfg.train.micro_batch_size, rank=self.rank,
@@ -379,6 +384,9 @@ class TrainingRunner:
                 count += 1
                 for i, n in enumerate(names):
                     sums[i] += float(eng.eval_metrics[n])
+                if task is not None:
+                    labels = eng.manifest["labels"]
+                    task.add(eng.eval_logits, batch[eng.feeds.get(labels, labels)])
         except TrainrunError as exc:
             error = exc
         except Exception as exc:  # noqa: BLE001 - a dataset or session that breaks mid-run, on any rank
@@ -386,9 +394,15 @@ class TrainingRunner:
             error = TrainrunError(f"evaluation at step {self.step} on {key} {self.cfg.data.eval_sets()[name]}: "
                                   f"{type(exc).__name__}: {exc}")
         self.comm.agree(error)      # the same error on every rank: they commit a checkpoint together
-        total, count, *sums = self.comm.allreduce_scalars([total, count, *sums], op="sum")
+        stats = list(task.stats()) if task is not None else []
+        total, count, *sums = self.comm.allreduce_scalars([total, count, *sums, *stats], op="sum")
+        sums, stats = sums[:len(names)], sums[len(names):]
         self.timer.mark("eval")
         result = feeding.eval_results(total / max(count, 1.0), dict(zip(names, sums)))
+        if task is not None:      # accuracy and macro F1 over every rank's samples; Pearson, Spearman
+            pairs = [np.asarray(p) for p in self.comm.allgather_object(task.pairs().tolist())] \
+                if task.regression else None
+            result.update(task.result(np.asarray(stats), pairs))
         if not self.perplexity:
             del result["perplexity"]
         return result

@@ -43,7 +43,8 @@ def forward_from_config(cfg: Config) -> Forward:
     weights = _pretrained(family.init_weights(section, cfg.run.seed), m)
     return Forward(model=family.build(section, weights), params=_trainable(list(weights), m.frozen, family.name),
                    inputs=list(family.inputs), logits=family.logits,
-                   labels=None if family.loss else m.loss.labels, loss=family.loss)
+                   labels=None if family.loss else m.loss.labels, loss=family.loss,
+                   loss_type=family.loss_type if family.loss is None else "cross_entropy")
 
 
 def _load_user_onnx(path: str) -> onnx.ModelProto:
@@ -74,7 +75,7 @@ def _pretrained(weights: dict, m) -> dict:
     """``weights`` replaced by model.init_from's, when given."""
     if not m.init_from:
         return weights
-    return load_into(weights, m.init_from, m.builtin)
+    return load_into(weights, m.init_from, registry.of(m))
 
 
 def _check_forward(model, inputs, loss, frozen, source) -> Forward:

@@ -141,6 +141,8 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
         # cross_entropy: labels must be below C (or ignore_index), checked per batch by the engine
         "classes": classes,
         "ignore_index": cfg.model.loss.ignore_index,
+        # a task head's labels: the eval logits go to observe.task_metrics (accuracy, F1 / Pearson, Spearman)
+        "task_labels": registry.task_labels(cfg.model),
         "states": [{"name": n, "shape": [int(d) for d in inits[n].dims], "output": o} for n, o in states.items()],
         "metrics": metric_names(metric_outputs(evalg)),
         "model": to_dict(cfg.model),

@@ -45,6 +45,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..config import BertConfig
 from .onnx_builder import MASK_VALUE, Graph
+from ..errors import UsageError
 from .registry import Family, Transformers, register
 
 INPUTS = ["input_ids", "segment_ids", "input_mask", "masked_lm_positions", "masked_lm_ids",
@@ -52,6 +53,9 @@ INPUTS = ["input_ids", "segment_ids", "input_mask", "masked_lm_positions", "mask
 LOSS = "bert_loss"
 LOGITS = "prediction_logits"
 NSP_LOGITS = "seq_relationship_logits"
+CLS_INPUTS = ["input_ids", "segment_ids", "input_mask"]
+CLS_LOGITS = "logits"
+PREDICTIONS = "predictions"      # a regression's logits [batch, 1] as [batch], the labels' shape
 IGNORE_ID = 0            # masked_lm_ids value of an unused prediction slot
 
 
@@ -92,7 +96,16 @@ def layers_above(cfg: BertConfig, name: str) -> int:
     return cfg.num_hidden_layers - int(m.group(1)) if m else 0
 
 
-def init_weights(cfg: BertConfig, seed: int) -> dict[str, np.ndarray]:
+def classifier_specs(cfg: BertConfig, num_labels: int, pooler: bool = True) -> dict[str, tuple[tuple[int, ...], str]]:
+    """BertForSequenceClassification's parameters: the encoder and pooler, ``classifier.weight/bias``;
+    without the ``pooler``: BertForTokenClassification's."""
+    s = {n: v for n, v in param_specs(cfg).items()
+         if not n.startswith("cls.") and (pooler or not n.startswith("bert.pooler."))}
+    s["classifier.weight"], s["classifier.bias"] = ((num_labels, cfg.hidden_size), "normal"), ((num_labels,), "zeros")
+    return s
+
+
+def init_weights(cfg: BertConfig, seed: int, specs: dict | None = None) -> dict[str, np.ndarray]:
     """transformers' BERT initialisation: weights and embeddings N(0, initializer_range), the
     [PAD] (id 0) embedding row 0, biases 0, LayerNorm 1/0. Deterministic in ``seed``."""
     rng = np.random.default_rng(seed)
@@ -104,7 +117,7 @@ def init_weights(cfg: BertConfig, seed: int) -> dict[str, np.ndarray]:
         if init == "normal_pad0":
             w[0] = 0
         return w
-    return {name: make(shape, init) for name, (shape, init) in param_specs(cfg).items()}
+    return {name: make(shape, init) for name, (shape, init) in (specs or param_specs(cfg)).items()}
 
 
 # transformers' state-dict names of the tied MLM decoder -> the parameter that holds them here
@@ -112,7 +125,8 @@ TIED = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weigh
         "cls.predictions.decoder.bias": "cls.predictions.bias"}
 
 
-def build_bert(cfg: BertConfig, weights: dict[str, np.ndarray], inference: bool = False):
+def build_bert(cfg: BertConfig, weights: dict[str, np.ndarray], inference: bool = False,
+               task: str = "pretraining", num_labels: int = 2):
     """The forward graph (see the module doc) with ``weights`` as initializers; ``inference``: the
     inference graph (the model's inputs, the logits only; masked positions optional).
 
@@ -131,7 +145,8 @@ def build_bert(cfg: BertConfig, weights: dict[str, np.ndarray], inference: bool 
     g.const("c_last", np.array([-1], np.int64))
     g.const("c_2d", np.array([-1, E], np.int64))
     g.const("c_heads_shape", np.array([0, 0, H, D], np.int64))
-    g.const("c_first", np.array(0, np.int64))
+    if task != "token_classification":
+        g.const("c_first", np.array(0, np.int64))
     g.const("c_scale", np.array(1.0 / math.sqrt(D), np.float32))
     g.const("c_mask_value", np.array(MASK_VALUE, np.float32))
     g.const("c_1f", np.array(1.0, np.float32))
@@ -140,7 +155,8 @@ def build_bert(cfg: BertConfig, weights: dict[str, np.ndarray], inference: bool 
     if cfg.hidden_act == "gelu_new":
         g.const("c_gelu_a", np.array(2 * math.sqrt(2 / math.pi), np.float32))
         g.const("c_gelu_b", np.array(2 * math.sqrt(2 / math.pi) * 0.044715, np.float32))
-    g.const("c_ignore", np.array(IGNORE_ID, np.int64))
+    if task == "pretraining":
+        g.const("c_ignore", np.array(IGNORE_ID, np.int64))
     ratios = {}
     for key, p in (("hidden", cfg.hidden_dropout_prob), ("attention", cfg.attention_probs_dropout_prob)):
         if p > 0:
@@ -203,6 +219,18 @@ def build_bert(cfg: BertConfig, weights: dict[str, np.ndarray], inference: bool 
         o = g.op("Reshape", [dense(m, p + ".output.dense"), shape3])
         h = layer_norm(g.op("Add", [dropout(o, "hidden"), h]), p + ".output.LayerNorm")
 
+    def ids(name, dims):
+        return helper.make_tensor_value_info(name, TensorProto.INT64, dims)
+    if task == "sequence_classification":
+        return _classify(g, h, [ids(n, ["batch", "seq"]) for n in CLS_INPUTS], num_labels, inference, dropout, dense)
+    if task == "token_classification":     # BertForTokenClassification: every token's state -> classifier
+        g.const("c_num_labels", np.array([num_labels], np.int64))
+        flat = dense(g.op("Reshape", [dropout(h, "hidden"), "c_2d"]), "classifier")
+        shape = g.op("Concat", [g.op("Shape", [h], end=2), "c_num_labels"], axis=0)     # [B, S, num_labels]
+        g.nodes.append(helper.make_node("Reshape", [flat, shape], [CLS_LOGITS], name="classifier_3d"))
+        return g.model("bert", [ids(n, ["batch", "seq"]) for n in CLS_INPUTS],
+                       [helper.make_tensor_value_info(CLS_LOGITS, TensorProto.FLOAT, ["batch", "seq", num_labels])])
+
     # MLM head at the masked positions only: [B, P, E] -> [B*P, E] -> [B*P, V]
     if inference:     # every position [B, S, E] unless masked_lm_positions are given
         at = g.op("If", [g.op("Greater", [g.op("Size", ["masked_lm_positions"]), "c_first"])],
@@ -225,8 +253,6 @@ def build_bert(cfg: BertConfig, weights: dict[str, np.ndarray], inference: bool 
         g.nodes.append(helper.make_node("Gemm", [pooled, "cls.seq_relationship.weight", "cls.seq_relationship.bias"],
                                         [NSP_LOGITS], name="nsp_logits", transB=1))
 
-    def ids(name, dims):
-        return helper.make_tensor_value_info(name, TensorProto.INT64, dims)
     graph_inputs = [ids("input_ids", ["batch", "seq"]), ids("segment_ids", ["batch", "seq"]),
                     ids("input_mask", ["batch", "seq"]), ids("masked_lm_positions", ["batch", "predictions"])]
     logits_outputs = [
@@ -265,6 +291,20 @@ def build_bert(cfg: BertConfig, weights: dict[str, np.ndarray], inference: bool 
               [LOSS] + [f"metric/{m}/{k}" for m in ("mlm_accuracy", "nsp_accuracy", "mlm_loss", "nsp_loss")
                         for k in ("sum", "count")]]
     return g.model("bert", graph_inputs, scalar + logits_outputs)
+
+
+def _classify(g, h, graph_inputs, num_labels, inference, dropout, dense):
+    """BertForSequenceClassification's head: the pooler on the first ([CLS]) token, dropout, the classifier
+    -> ``logits`` [batch, num_labels]; a regression (num_labels 1) also ``predictions`` [batch] (what the
+    loss compares with the float labels [batch])."""
+    pooled = g.op("Tanh", [dense(g.op("Gather", [h, "c_first"], axis=1), "bert.pooler.dense")])
+    g.nodes.append(helper.make_node("Gemm", [dropout(pooled, "hidden"), "classifier.weight", "classifier.bias"],
+                                    [CLS_LOGITS], name="classifier", transB=1))
+    outputs = [helper.make_tensor_value_info(CLS_LOGITS, TensorProto.FLOAT, ["batch", num_labels])]
+    if num_labels == 1 and not inference:
+        g.nodes.append(helper.make_node("Squeeze", [CLS_LOGITS, "c_last"], [PREDICTIONS], name="predictions"))
+        outputs.append(helper.make_tensor_value_info(PREDICTIONS, TensorProto.FLOAT, ["batch"]))
+    return g.model("bert", graph_inputs, outputs)
 
 
 def _branch(name: str, nodes: list):
@@ -315,6 +355,55 @@ def _transformers_tokenizer(eos: str | None) -> tuple[dict, dict]:
     return dict(BERT_SPECIAL), {"model_input_names": ["input_ids", "token_type_ids", "attention_mask"]}
 
 
+def _classifier_config(task: str, num_labels: int):
+    def config(cfg: BertConfig, eos_id: int | None) -> tuple[dict, dict]:
+        values, ids = _transformers_config(cfg, eos_id)
+        names = {str(i): f"LABEL_{i}" for i in range(num_labels)}
+        values = {**values, "num_labels": num_labels, "id2label": names,
+                  "label2id": {v: int(k) for k, v in names.items()}}
+        if task == "sequence_classification":
+            values["problem_type"] = "regression" if num_labels == 1 else "single_label_classification"
+        return values, ids
+    return config
+
+
+def _sample_classified(cfg: BertConfig, task: str, num_labels: int, rng) -> dict[str, np.ndarray]:
+    batch = {k: v for k, v in sample_inputs(cfg, 4, 16, 3, rng).items() if k in CLS_INPUTS}
+    if task == "token_classification":     # padding and some other tokens ignored (-100)
+        labels = rng.integers(0, num_labels, (4, 16))
+        labels[(batch["input_mask"] == 0) | (rng.random((4, 16)) < 0.3)] = -100
+        batch["labels"] = labels.astype(np.int64)
+    else:
+        batch["labels"] = rng.standard_normal(4).astype(np.float32) if num_labels == 1 else \
+            rng.integers(0, num_labels, 4).astype(np.int64)
+    return batch
+
+
+ARCHITECTURES = {"sequence_classification": "BertForSequenceClassification",
+                 "token_classification": "BertForTokenClassification"}
+
+
+def with_task(task: str, num_labels: int) -> Family:
+    """The family with ``model.task``'s head: sequence_classification (BertForSequenceClassification) or
+    token_classification (BertForTokenClassification: no pooler, a regression refused)."""
+    if task == "token_classification" and num_labels == 1:
+        raise UsageError("model.num_labels: 1 (a regression) is for sequence_classification; "
+                         "token_classification needs 2 or more")
+    pooler = task == "sequence_classification"
+    regression = num_labels == 1
+    return dataclasses.replace(
+        FAMILY, build=lambda cfg, w: build_bert(cfg, w, task=task, num_labels=num_labels),
+        init_weights=lambda cfg, seed: init_weights(cfg, seed, classifier_specs(cfg, num_labels, pooler)),
+        param_specs=lambda cfg: classifier_specs(cfg, num_labels, pooler), inputs=tuple(CLS_INPUTS),
+        logits=PREDICTIONS if regression else CLS_LOGITS, loss=None,
+        loss_type="mse" if regression else "cross_entropy",
+        sample_batch=lambda cfg, rng: _sample_classified(cfg, task, num_labels, rng),
+        inference=lambda cfg: build_bert(cfg, {}, inference=True, task=task, num_labels=num_labels),
+        transformers=dataclasses.replace(FAMILY.transformers, architecture=ARCHITECTURES[task], tied={},
+                                         optional=("classifier.",), config=_classifier_config(task, num_labels)),
+        tasks=(), task=None)
+
+
 FAMILY = register(Family(
     name="bert", section=BertConfig, build=build_bert, init_weights=init_weights, param_specs=param_specs,
     inputs=tuple(INPUTS), logits=LOGITS, loss=LOSS, sequence_inputs=False,
@@ -323,4 +412,5 @@ FAMILY = register(Family(
     inference=lambda cfg: build_bert(cfg, {}, inference=True),
     dropout_fields=("hidden_dropout_prob", "attention_probs_dropout_prob"),
     transformers=Transformers(architecture="BertForPreTraining", model_type="bert", prefix="bert.", tied=TIED,
-                              optional=("cls.",), config=_transformers_config, tokenizer=_transformers_tokenizer)))
+                              optional=("cls.",), config=_transformers_config, tokenizer=_transformers_tokenizer),
+    tasks=("pretraining", "sequence_classification", "token_classification"), task=lambda task, n: with_task(task, n)))

@@ -9,6 +9,7 @@ No torch needed.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -18,6 +19,7 @@ from onnx import TensorProto, helper
 
 from ..config import GPT2Config
 from .onnx_builder import MASK_VALUE, Graph
+from ..errors import UsageError
 from .registry import Family, Transformers, register
 
 def param_specs(cfg: GPT2Config) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -48,7 +50,7 @@ def layers_above(cfg: GPT2Config, name: str) -> int:
     return cfg.n_layer - int(m.group(1)) if m else 0
 
 
-def init_weights(cfg: GPT2Config, seed: int) -> dict[str, np.ndarray]:
+def init_weights(cfg: GPT2Config, seed: int, specs: dict | None = None) -> dict[str, np.ndarray]:
     """GPT-2 initialisation: N(0, initializer_range), residual projections scaled by
     1/sqrt(2 n_layer), biases 0, LayerNorm 1/0. Deterministic in ``seed``."""
     rng = np.random.default_rng(seed)
@@ -58,10 +60,11 @@ def init_weights(cfg: GPT2Config, seed: int) -> dict[str, np.ndarray]:
         if init in std:
             return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std[init])).astype(np.float32)
         return (np.ones if init == "ones" else np.zeros)(shape, np.float32)
-    return {name: make(shape, init) for name, (shape, init) in param_specs(cfg).items()}
+    return {name: make(shape, init) for name, (shape, init) in (specs or param_specs(cfg)).items()}
 
 
-def build_gpt2(cfg: GPT2Config, weights: dict[str, np.ndarray], kv_cache: bool = False) -> onnx.ModelProto:
+def build_gpt2(cfg: GPT2Config, weights: dict[str, np.ndarray], kv_cache: bool = False,
+               num_labels: int | None = None) -> onnx.ModelProto:
     """The forward graph with ``weights`` as initializers; input ``input_ids``
     int64 [batch, seq], output ``logits`` float32 [batch, seq, vocab].
 
@@ -162,6 +165,8 @@ def build_gpt2(cfg: GPT2Config, weights: dict[str, np.ndarray], kv_cache: bool =
         h = g.op("Add", [h, dropout(linear(m, p + ".mlp.c_proj"))])
 
     hf = layer_norm(h, "transformer.ln_f")
+    if num_labels is not None:
+        return _classify(g, hf, num_labels)
     g.nodes.append(helper.make_node("MatMul", [hf, g.op("Transpose", ["transformer.wte.weight"], perm=[1, 0])],
                                     ["logits"], name="lm_head"))
 
@@ -174,6 +179,65 @@ def build_gpt2(cfg: GPT2Config, weights: dict[str, np.ndarray], kv_cache: bool =
             outputs.append(helper.make_tensor_value_info(f"present.{i}.{name}", TensorProto.FLOAT,
                                                          ["batch", H, "past_seq", D]))
     return g.model("gpt2", inputs, outputs)
+
+
+def _classify(g, hf, num_labels: int) -> onnx.ModelProto:
+    """GPT2ForSequenceClassification's head: the last token's state (the last of ``input_mask``'s ones;
+    transformers finds it as the last token that is not ``pad_token_id``, the same on right-padded data
+    whose padding id appears nowhere else) -> ``score`` (no bias) -> ``logits`` [batch, num_labels]."""
+    g.const("c_one", np.array(1, np.int64))
+    g.const("c_axis1", np.array([1], np.int64))
+    g.const("c_last_axis", np.array([-1], np.int64))
+    last = g.op("Sub", [g.op("ReduceSum", ["input_mask", "c_axis1"], keepdims=0), "c_one"])           # [B]
+    pooled = g.op("GatherND", [hf, g.op("Unsqueeze", [last, "c_last_axis"])], batch_dims=1)         # [B, E]
+    g.nodes.append(helper.make_node("Gemm", [pooled, "score.weight"], ["logits"], name="score", transB=1))
+    ids = [helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "seq"]) for n in CLS_INPUTS]
+    return g.model("gpt2", ids, [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", num_labels])])
+
+
+CLS_INPUTS = ["input_ids", "input_mask"]
+
+
+def classifier_specs(cfg: GPT2Config, num_labels: int) -> dict:
+    """GPT2ForSequenceClassification's parameters: the transformer's and ``score.weight`` [num_labels, n_embd]."""
+    return {**param_specs(cfg), "score.weight": ((num_labels, cfg.n_embd), "normal")}
+
+
+def _classifier_config(num_labels: int):
+    def config(cfg: GPT2Config, eos_id: int | None) -> tuple[dict, dict]:
+        values, ids = _transformers_config(cfg, eos_id)
+        names = {str(i): f"LABEL_{i}" for i in range(num_labels)}
+        # pad_token_id 0: the padding of `trainrun-data labelled` samples, where the last token is found
+        return {**values, "num_labels": num_labels, "id2label": names, "pad_token_id": 0,
+                "label2id": {v: int(k) for k, v in names.items()},
+                "problem_type": "single_label_classification"}, {**ids, "pad_token_id": 0}
+    return config
+
+
+def _sample_classified(cfg: GPT2Config, num_labels: int, rng) -> dict[str, np.ndarray]:
+    """Right-padded rows (id 0 only as padding) and their labels."""
+    ids = rng.integers(1, cfg.vocab_size, (4, 16))
+    mask = np.ones((4, 16), np.int64)
+    for b, n in enumerate((16, 9, 3, 12)):
+        ids[b, n:], mask[b, n:] = 0, 0
+    return {"input_ids": ids.astype(np.int64), "input_mask": mask,
+            "labels": rng.integers(0, num_labels, 4).astype(np.int64)}
+
+
+def with_task(task: str, num_labels: int) -> Family:
+    """The family with ``model.task``'s head: sequence_classification (GPT2ForSequenceClassification)."""
+    if num_labels == 1:
+        raise UsageError("model.num_labels: 1 (a regression) is not built for model.builtin gpt2; "
+                         "use 2 or more")
+    return dataclasses.replace(
+        FAMILY, build=lambda cfg, w: build_gpt2(cfg, w, num_labels=num_labels),
+        init_weights=lambda cfg, seed: init_weights(cfg, seed, classifier_specs(cfg, num_labels)),
+        param_specs=lambda cfg: classifier_specs(cfg, num_labels), inputs=tuple(CLS_INPUTS),
+        logits="logits", sequence_inputs=True, kv_cache=None,
+        sample_batch=lambda cfg, rng: _sample_classified(cfg, num_labels, rng),
+        transformers=dataclasses.replace(FAMILY.transformers, architecture="GPT2ForSequenceClassification", tied={},
+                                         optional=("score.",), config=_classifier_config(num_labels)),
+        tasks=(), task=None)
 
 
 def param_count(cfg: GPT2Config) -> int:
@@ -205,4 +269,5 @@ FAMILY = register(Family(
     layers_above=layers_above,
     transformers=Transformers(architecture="GPT2LMHeadModel", model_type="gpt2", prefix="transformer.",
                               tied={"lm_head.weight": "transformer.wte.weight"},
-                              config=_transformers_config, tokenizer=_transformers_tokenizer)))
+                              config=_transformers_config, tokenizer=_transformers_tokenizer),
+    tasks=("causal_lm", "sequence_classification"), task=lambda task, n: with_task(task, n)))

@@ -85,6 +85,12 @@ class Family:
     layers_above: Optional[Callable[[Any, str], int]] = None
     """(section, parameter name) -> how many layers lie above it (``optimizer.layer_decay``'s exponent);
     None: the family does not say (``optimizer.layer_decay`` is refused for it)."""
+    loss_type: str = "cross_entropy"
+    """The loss trainrun builds from ``logits`` when ``loss`` is None: cross_entropy or mse."""
+    tasks: tuple[str, ...] = ()
+    """``model.task``'s values: the first is this family's own (what ``model.task`` null means)."""
+    task: Optional[Callable[[str, int], "Family"]] = None
+    """(model.task other than the first of ``tasks``, model.num_labels) -> the family with that task head."""
 
     def shape(self, model: C.ModelConfig):
         """This family's section of ``model`` (a ModelConfig)."""
@@ -122,15 +128,35 @@ def get(name: str) -> Family:
                          f"{', '.join(_FAMILIES)})") from None
 
 
+def with_task(family: Family, task: Optional[str], num_labels: int) -> Family:
+    """``family`` with the head of ``model.task`` (null or the family's own: ``family`` itself)."""
+    if not task or (family.tasks and task == family.tasks[0]):
+        return family
+    if task not in family.tasks or family.task is None:
+        raise UsageError(f"model.task: {task!r} is not a task of model.builtin {family.name} (its tasks: "
+                         f"{', '.join(family.tasks) or 'none but its own'})")
+    return family.task(task, num_labels)
+
+
+def task_labels(model: C.ModelConfig) -> int | None:
+    """model.num_labels when model.task puts a task head on the built-in model (its eval then reports
+    accuracy and F1, or Pearson and Spearman); None otherwise."""
+    if not model.builtin or not model.task:
+        return None
+    family = get(model.builtin)
+    return model.num_labels if family.tasks and model.task != family.tasks[0] else None
+
+
 def of(model: C.ModelConfig) -> Family | None:
-    """The family of ``model.builtin``; None for a user's ``model.onnx``."""
-    return get(model.builtin) if model.builtin else None
+    """The family of ``model.builtin`` with the head of ``model.task``; None for a user's ``model.onnx``."""
+    return with_task(get(model.builtin), model.task, model.num_labels) if model.builtin else None
 
 
 def of_manifest(manifest: dict) -> Family | None:
-    """The family a run's graphs were prepared from; None for a user's graph."""
-    name = manifest["model"].get("builtin")
-    return get(name) if name else None
+    """The family (with its task head) a run's graphs were prepared from; None for a user's graph."""
+    m = manifest["model"]
+    name = m.get("builtin")
+    return with_task(get(name), m.get("task"), m.get("num_labels", 2)) if name else None
 
 
 def vocab_and_positions(model: C.ModelConfig) -> tuple[int | None, int | None]:
