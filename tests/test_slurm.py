@@ -102,7 +102,10 @@ def test_the_documented_batch_script_requeues_and_resumes_to_the_uninterrupted_w
         d, record = tmp_path / case, records[jobs[case]]
         text = (d / "job.out").read_text()
         assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", (case, record, text)
-        assert f"stopped by {'SIGUSR1' if warning else 'SIGTERM'} after step {STOP}" in text, (case, text)
+        # the warning reaches trainrun as USR1 (the trap's); SLURM's SIGTERM at the limit goes to the step's
+        # tasks and to the batch shell, whose trap forwards it as USR1: whichever arrives first stops the run
+        signals = ("SIGUSR1",) if warning else ("SIGTERM", "SIGUSR1")
+        assert any(f"stopped by {sig} after step {STOP}" in text for sig in signals), (case, text)
         assert f"resumed from {d / 'run' / 'checkpoints' / str(STOP)} at step {STOP}" in text, (case, text)
         want, got = read_metrics(refs[nodes])[0], read_metrics(str(d / "run"))[0]
         assert sorted(got) == sorted(want) == list(range(1, STEPS + 1)), case
