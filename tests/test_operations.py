@@ -260,7 +260,7 @@ def test_the_documented_slurm_script_requeues_after_the_warning_or_sigterm(tmp_p
         if (tmp_path / "started").exists():
             break
         time.sleep(0.1)
-    time.sleep(0.3)     # the trap is set right after the launcher starts
+    # the trap is set before the launcher starts: a signal from here on is forwarded
     proc.send_signal(getattr(signal, f"SIG{sig}"))
     assert proc.wait(timeout=30) == 75
     assert (tmp_path / "scontrol").read_text().split() == ["requeue", "42"]
