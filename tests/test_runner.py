@@ -66,7 +66,9 @@ def test_summary_metrics_and_tensorboard(tmp_path, byte_dataset):
     cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{
         "train.max_steps": 10, "train.log_every": 5, "train.eval_every": 5, "tensorboard.enabled": True,
         "train.sample_prompt": "def f(\n"})
+    t0 = time.perf_counter()
     proc = mpirun(2, "--config", cfg)
+    wall = time.perf_counter() - t0
     out = tmp_path / "run"
     train, evals = read_metrics(str(out))
     assert sorted(train) == [5, 10] and sorted(evals) == [5, 10]
@@ -89,6 +91,11 @@ def test_summary_metrics_and_tensorboard(tmp_path, byte_dataset):
     assert "bert" not in config and "n_layer" not in config and "adamw" not in config      # defaults not shown
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 10 and set(summary["phase_shares"]) >= {"forward_backward", "allreduce", "optimizer"}
+    # start-up (process start -> first step: the imports count) and the end (last step -> summary: the final
+    # checkpoint and model.onnx), within the command's wall time together with the steps
+    assert 0.5 < summary["startup_s"] and 0 < summary["end_s"], summary
+    assert summary["startup_s"] + summary["time_s"] + summary["end_s"] < wall, (summary, wall)
+    assert f"start-up {summary['startup_s']:.1f} s, after the last step {summary['end_s']:.1f} s" in proc.stdout
     tags = _tensorboard_tags(glob.glob(str(out / "tensorboard" / "events.*")))
     assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_sec", "train/samples_per_sec",
             "eval/loss", "eval/perplexity", "time/forward_backward_ms", "time/optimizer_ms"} <= tags

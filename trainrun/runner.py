@@ -35,10 +35,12 @@ import time
 
 import numpy as np
 
-# onnxruntime first imported here, on a short stack: with torch installed its first import keeps an exception
-# (ORTModule's) whose traceback holds every frame below the import, locals included, for the life of the
-# process: imported inside prepare or the engine it kept the model being built (1 GB at GPT-2 124M)
-import onnxruntime  # noqa: F401
+from .sessions import import_onnxruntime
+
+# onnxruntime first imported here, on a short stack, and without torch (see import_onnxruntime): imported with
+# torch inside prepare or the engine, the exception its package check keeps (ORTModule's) held every frame
+# below the import, locals included, for the life of the process (the model being built: 1 GB at GPT-2 124M)
+import_onnxruntime()
 
 from . import checkpoint as K
 from . import faults
@@ -57,7 +59,7 @@ from .generate import TrainingSampler
 from .lock import RunLock
 from .observe import Observer, apply_log_level, engine_options
 from .observe.metrics import Metrics, fmt_duration
-from .observe.timer import PhaseTimer
+from .observe.timer import PhaseTimer, process_age
 from .observe.task_metrics import TaskMetrics
 from .observe.trackers import Trackers, check_installed
 from .precision import make_scaler
@@ -416,7 +418,7 @@ class TrainingRunner:
         self._start_trackers()       # before the clocks: a W&B run takes seconds to start
         self.comm.barrier()          # start the clocks together: set-up time differs between ranks
         self.timer.restart()
-        start, first_step = time.perf_counter(), self.step
+        start, first_step, startup = time.perf_counter(), self.step, process_age()
         end = min(self.total_steps, t.stop_at) if t.stop_at else self.total_steps
         try:
             if self.resume_from and self.step < end:
@@ -436,7 +438,8 @@ class TrainingRunner:
         finally:
             self.loader.close()
             self.metrics.close()     # what was logged reaches metrics.jsonl, also on an error
-        elapsed = time.perf_counter() - start
+        loop_end = time.perf_counter()
+        elapsed = loop_end - start
         ran = self.step - first_step        # steps of this session (a resumed run started later)
         if not ran:
             stop_at = f", train.stop_at {t.stop_at}" if t.stop_at else ""
@@ -456,6 +459,10 @@ class TrainingRunner:
             "phase_shares": {k: round(v, 4) for k, v in self.timer.shares().items()},
             # bytes this rank sent for the gradient reduction, per step (trainrun.wire: fp32 or bf16 on the wire)
             "wire_bytes_per_step": wire_bytes // ran if ran else 0,
+            # the command's start (process start) to the first step, and the last step to here (the last
+            # checkpoint committed, model.onnx exported): where a short run's wall time goes besides steps
+            "startup_s": None if startup is None else round(startup, 3),
+            "end_s": round(time.perf_counter() - loop_end, 3),
         }
         self._footer(summary)
         if ran and self.step == t.stop_at < self.total_steps and self.checkpoints.saved_step == self.step:
@@ -639,7 +646,9 @@ class TrainingRunner:
         unit = "tokens" if self.tokens else "samples"
         self.log(f"done: {s['steps']} steps, {s[unit]:,} {unit} in {fmt_duration(s['time_s'])} "
                  f"({s[unit + '_per_sec']:,.{0 if self.tokens else 1}f} {unit}/s){final}{final_eval}; "
-                 f"time: {shares}")
+                 f"time: {shares}"
+                 + (f"; start-up {s['startup_s']:.1f} s, after the last step {s['end_s']:.1f} s"
+                    if s["startup_s"] is not None else ""))
 
 
 def train(cfg: C.Config, resume_from: str | None = None, force: bool = False,

@@ -9,6 +9,7 @@ belongs on a short stack).
 from __future__ import annotations
 
 import os
+import sys
 
 _LEVELS = {"disabled": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
            "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
@@ -63,3 +64,23 @@ def disabled_optimizers(recompute: bool = False) -> list[str] | None:
     not write the Mean/InvStdDev outputs the LayerNormalization gradient reads (1.19.2: "Missing Input").
     (The session config key ``optimization.disable_specified_optimizers`` is not read by 1.19.2.)"""
     return ["CommonSubexpressionElimination", "SkipLayerNormFusion"] if recompute else None
+
+
+def import_onnxruntime():
+    """onnxruntime, imported without importing torch. onnxruntime-training's package check (its
+    capi/onnxruntime_validation.py) imports ORTModule, and with it torch wherever torch is installed: 1.5 s
+    and 300 MB of every trainrun process that never uses either. With ``torch`` unimportable for the
+    duration the check finds no ORTModule and moves on; afterwards torch imports as usual (a process that
+    already imported torch is left as it is). Every entry point calls this before anything imports
+    onnxruntime."""
+    if "onnxruntime" in sys.modules:
+        return sys.modules["onnxruntime"]
+    block = "torch" not in sys.modules
+    if block:
+        sys.modules["torch"] = None      # `import torch` raises ImportError, which the check expects
+    try:
+        import onnxruntime
+    finally:
+        if block and sys.modules.get("torch", 0) is None:
+            del sys.modules["torch"]
+    return onnxruntime

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 
@@ -39,3 +40,15 @@ class PhaseTimer:
     def shares(self) -> dict[str, float]:
         s = sum(self.total.values()) or 1.0
         return {k: v / s for k, v in self.total.items()}
+
+
+def process_age() -> float | None:
+    """Seconds since this process started (Linux: /proc/self/stat's start time against the boot clock, to
+    the kernel's tick), counting the interpreter's start and every import; None where that is not known."""
+    try:
+        with open("/proc/self/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")     # field 22: starttime, in ticks after boot
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None

@@ -1,0 +1,153 @@
+"""nanoGPT's CPU shakespeare_char recipe, start to finished model: trainrun (configs/shakespeare-char.yaml,
+`mpirun -np 2`) beside nanoGPT itself (--nanogpt DIR: a nanoGPT checkout, run as its README says: one
+process, torch's threads, `train.py config/train_shakespeare_char.py` with the CPU overrides) or, without a
+checkout, beside scripts/bench/charlm_torch.py (a stand-in written here, labelled so in the output).
+
+Any text: split 90/10 by characters as nanoGPT splits input.txt, one byte per character for both sides
+(`trainrun-data tokens --bytes`; nanoGPT gets the same bytes as uint16 with vocab_size 257), so the two
+train on the same tokens and their eval losses compare. Rounds alternate the two commands; the wall time
+is the command's, from launch to exit (trainrun: graphs built, 2000 steps, 9 evaluations, checkpoints,
+model.onnx exported; nanoGPT: 2001 iterations, 9 evaluations of train and val, ckpt.pt when val improved).
+
+    .venv/bin/python scripts/bench/charlm.py [--text input.txt] [--nanogpt ~/nanoGPT] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+CONFIG = common.ROOT / "configs" / "shakespeare-char.yaml"
+NANOGPT_CPU = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1", "--block_size=64",
+               "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128", "--max_iters=2000",
+               "--lr_decay_iters=2000", "--dropout=0.0"]
+
+
+def default_text() -> Path:
+    import pydoc_data.topics
+    return Path(pydoc_data.topics.__file__)     # 756 kB of English prose, on every Python
+
+
+def prepare_data(text_path: Path, work: Path) -> tuple[Path, Path, Path]:
+    """trainrun's train and eval datasets and nanoGPT's data folder, from the same 90/10 split."""
+    text = text_path.read_text(encoding="utf-8")
+    cut = int(len(text) * 0.9)
+    parts = {"train": text[:cut], "val": text[cut:]}
+    ng = work / "nanogpt-data" / "charlm"
+    ng.mkdir(parents=True, exist_ok=True)
+    datasets = {}
+    for split, part in parts.items():
+        (work / f"{split}.txt").write_text(part, encoding="utf-8")
+        out = work / f"data-{split}"
+        subprocess.run([str(common.BIN / "trainrun-data"), "tokens", "--input", str(work / f"{split}.txt"),
+                        "--output", str(out), "--bytes", "--eval-fraction", "0", "--overwrite"], check=True,
+                       capture_output=True)
+        datasets[split] = out / "train"
+        import numpy as np
+        np.frombuffer(part.encode("utf-8"), dtype=np.uint8).astype(np.uint16).tofile(
+            ng / ("train.bin" if split == "train" else "val.bin"))
+    with open(ng / "meta.pkl", "wb") as fh:      # nanoGPT reads its vocabulary size from here
+        pickle.dump({"vocab_size": 257}, fh)
+    return datasets["train"], datasets["val"], ng
+
+
+def timed(cmd: list[str], cwd: Path, log: Path, env: dict | None = None) -> float:
+    t0 = time.perf_counter()
+    with open(log, "w") as fh:
+        subprocess.run(cmd, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT, check=True, env=env)
+    return time.perf_counter() - t0
+
+
+def run_trainrun(work: Path, tag: str, train: Path, val: Path, ranks: int, iters: int) -> dict:
+    out = work / "runs" / tag
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = ["mpirun", "-np", str(ranks), str(common.BIN / "trainrun"), "--config", str(CONFIG),
+           "--set", f"run.output_dir={out}", "--set", f"data.train={train}", "--set", f"data.eval={val}",
+           "--set", f"train.micro_batch_size={12 // ranks}", "--set", f"train.max_steps={iters}"]
+    wall = timed(cmd, work, work / f"{tag}.log", env=dict(os.environ, PATH=f"{common.BIN}:{os.environ['PATH']}"))
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    evals = [r for r in rows if "eval_loss" in r]
+    summary = json.loads((out / "summary.json").read_text())
+    assert (out / "model.onnx").exists(), "no model.onnx"
+    return {"wall_s": wall, "eval_loss": evals[-1]["eval_loss"], "best_eval_loss": min(r["eval_loss"] for r in evals),
+            "startup_s": summary.get("startup_s"), "command": " ".join(cmd)}
+
+
+def run_nanogpt(work: Path, tag: str, nanogpt: Path | None, ng_data: Path, iters: int) -> dict:
+    out = work / "runs" / tag
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    if nanogpt:         # nanoGPT reads data/<dataset>/ from its working directory: a folder of links
+        cwd = work / "nanogpt-cwd"
+        if not cwd.exists():
+            cwd.mkdir()
+            for name in ("train.py", "model.py", "configurator.py", "config"):
+                (cwd / name).symlink_to(nanogpt.resolve() / name)
+            (cwd / "data").mkdir()
+            (cwd / "data" / "charlm").symlink_to(ng_data.resolve())
+        cmd = [sys.executable, "train.py", "config/train_shakespeare_char.py", *NANOGPT_CPU,
+               f"--max_iters={iters}", f"--lr_decay_iters={iters}", "--dataset=charlm", f"--out_dir={out}"]
+        wall = timed(cmd, cwd, work / f"{tag}.log")
+        vals = [float(line.split("val loss")[1].strip().split()[0].rstrip(","))
+                for line in open(work / f"{tag}.log") if "val loss" in line]
+        return {"wall_s": wall, "eval_loss": vals[-1], "best_eval_loss": min(vals), "command": " ".join(cmd)}
+    cmd = [sys.executable, str(Path(__file__).with_name("charlm_torch.py")), "--data", str(ng_data),
+           "--vocab", "257", "--iters", str(iters), "--out-dir", str(out), "--json", str(out / "result.json")]
+    wall = timed(cmd, work, work / f"{tag}.log")
+    res = json.loads((out / "result.json").read_text())
+    vals = [e["val"] for e in res["evals"]]
+    return {"wall_s": wall, "eval_loss": vals[-1], "best_eval_loss": min(vals), "startup_s": res["start_s"],
+            "threads": res["threads"], "command": " ".join(cmd)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--text", type=Path, help="any text file (default: Python's pydoc_data/topics.py)")
+    ap.add_argument("--nanogpt", type=Path, help="a nanoGPT checkout (else the PyTorch stand-in)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--ranks", type=int, default=2, choices=[1, 2, 3, 4, 6, 12])
+    ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--work", type=Path, default=common.ROOT / "runs" / "bench" / "charlm")
+    args = ap.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    text = args.text or default_text()
+    train, val, ng_data = prepare_data(text, args.work)
+    other = "nanoGPT" if args.nanogpt else "PyTorch stand-in (charlm_torch.py)"
+    results = {"trainrun": [], other: []}
+    for r in range(args.rounds):
+        order = [("trainrun", None), (other, None)]
+        if r % 2:
+            order.reverse()
+        for name, _ in order:
+            if name == "trainrun":
+                res = run_trainrun(args.work, f"trainrun-r{r}", train, val, args.ranks, args.iters)
+            else:
+                res = run_nanogpt(args.work, f"other-r{r}", args.nanogpt, ng_data, args.iters)
+            results[name].append(res)
+            print(f"round {r} {name}: {res['wall_s']:.1f} s, eval loss {res['eval_loss']:.4f}", flush=True)
+    ratios = [o["wall_s"] / t["wall_s"] for t, o in zip(results["trainrun"], results[other])]
+    report = {"machine": common.machine(), "text": str(text), "iters": args.iters, "ranks": args.ranks,
+              "results": results, "wall_ratio_median": statistics.median(ratios), "wall_ratios": ratios}
+    (args.work / "results.json").write_text(json.dumps(report, indent=1))
+    med = lambda name, key: statistics.median(x[key] for x in results[name])  # noqa: E731
+    print(f"\n{common.machine().get('cpu', '')}: {args.rounds} rounds, {args.iters} iterations, text {text.name}")
+    for name in results:
+        print(f"  {name}: wall {med(name, 'wall_s'):.1f} s (median), final eval loss {med(name, 'eval_loss'):.4f}")
+    print(f"  {other} wall / trainrun wall: {statistics.median(ratios):.2f}x (per round: "
+          + ", ".join(f"{x:.2f}" for x in ratios) + ")")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
