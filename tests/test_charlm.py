@@ -1,0 +1,33 @@
+"""configs/shakespeare-char.yaml (nanoGPT's CPU shakespeare_char recipe) through scripts/bench/charlm.py, the
+bench that times it beside nanoGPT: a short real round on a text made here, trainrun beside the PyTorch
+stand-in, both learning the same bytes."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+from conftest import ROOT, synthetic_text_dir
+
+
+def test_the_recipe_and_its_bench_run_beside_the_stand_in(tmp_path):
+    files = sorted(glob.glob(os.path.join(synthetic_text_dir(str(tmp_path / "text"), max_bytes=120_000), "*.py")))
+    text = tmp_path / "input.txt"
+    text.write_text("".join(open(f).read() for f in files))
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench", "charlm.py"), "--text", str(text),
+                           "--iters", "60", "--rounds", "1", "--work", str(tmp_path / "work")],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "work" / "results.json").read_text())
+    trainrun, = report["results"]["trainrun"]
+    stand_in, = report["results"]["PyTorch stand-in (charlm_torch.py)"]
+    assert "configs/shakespeare-char.yaml" in trainrun["command"] and "train.max_steps=60" in trainrun["command"]
+    # both learn the bytes: from ln(257) = 5.55 to below 3.5 in 60 steps
+    assert trainrun["eval_loss"] < 3.5 and stand_in["eval_loss"] < 3.5, report["results"]
+    run = tmp_path / "work" / "runs" / "trainrun-r0"
+    assert (run / "model.onnx").exists() and os.listdir(run / "checkpoints")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 60 and summary["tokens"] == 60 * 12 * 64 and summary["startup_s"] > 0
+    assert "wall / trainrun wall" in proc.stdout
