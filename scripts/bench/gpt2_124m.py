@@ -107,12 +107,14 @@ class Section:
         return str(out / "train")
 
     def before_code(self) -> Path:
-        """The commit ``BEFORE``'s trainrun package and configs (git archive), made once."""
+        """The commit ``BEFORE``'s trainrun package, its kernels/ and data_tools/ (installed as trainrun.kernels
+        and trainrun.data_tools: trainrun_rank.py --code maps them) and configs (git archive), made once."""
         d = self.work / f"code-{BEFORE}"
-        if not (d / "trainrun" / "__init__.py").exists():
+        if not (d / "kernels" / "__init__.py").exists():
             shutil.rmtree(d, ignore_errors=True)
             d.mkdir(parents=True)
-            archive = subprocess.run(["git", "-C", str(common.ROOT), "archive", BEFORE, "trainrun", "configs"],
+            archive = subprocess.run(["git", "-C", str(common.ROOT), "archive", BEFORE, "trainrun", "kernels",
+                                      "data_tools", "configs"],
                                      capture_output=True, check=True).stdout
             subprocess.run(["tar", "-x", "-C", str(d)], input=archive, check=True)
         return d

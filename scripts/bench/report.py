@@ -804,7 +804,7 @@ def render(R) -> str:
                "'best window' = median over runs of the fastest window of warm-up-many steps (less sensitive to other "
                "jobs). Ratios are medians of per-round ratios [min–max]. 'of ceiling, same graph': trainrun against "
                "ceiling, trainrun-off against ceiling-off. Step time shares: trainrun's own phase timer "
-               "(summary.json, warm-up steps included); PyTorch's from the benchmark script (DDP's allreduce overlaps "
+               "(metrics.jsonl's phase_ms over the timed steps; older results: summary.json, warm-up included); PyTorch's from the benchmark script (DDP's allreduce overlaps "
                "the backward pass); medians per phase over the runs, so they need not add up to 100%.\n")
     for name in R["models"]:
         model_section(R, name, out)

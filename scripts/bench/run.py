@@ -209,8 +209,20 @@ class Suite:
                        for a, b in zip(records, records[1:]) if a["step"] >= first["step"]]
             summary = json.loads((d / "summary.json").read_text())
             rss = [common.read_json(p) for p in sorted(d.glob("rss-*.json"))]
+            # phase shares of the timed steps (metrics.jsonl's phase_ms: the mean per step since the previous
+            # log), not summary.json's, which count the warm-up: the first step loads the optimizer's compiled
+            # loops (0.3 s), a tenth of a short run
+            steady: dict[str, float] = {}
+            for a, b in zip(records, records[1:]):
+                if a["step"] >= first["step"]:
+                    for k, v in (b.get("phase_ms") or {}).items():
+                        steady[k] = steady.get(k, 0.0) + v * (b["step"] - a["step"])
+            total = sum(steady.values())
             out.update(tokens_per_sec=tps, best_window_tokens_per_sec=max(windows) if windows else tps,
-                       phase_shares=summary.get("phase_shares", {}), final_loss=summary.get("final_loss"),
+                       phase_shares={k: v / total for k, v in steady.items()} if total else
+                       summary.get("phase_shares", {}), whole_run_phase_shares=summary.get("phase_shares", {}),
+                       startup_s=summary.get("startup_s"), end_s=summary.get("end_s"),
+                       final_loss=summary.get("final_loss"),
                        peak_rss_mb=[r.get("train_peak_rss_mb", r["peak_rss_mb"]) for r in rss],
                        run_peak_rss_mb=[r["peak_rss_mb"] for r in rss], vm_peak_mb=[r.get("vm_peak_mb") for r in rss])
             ops = variants.op_counts(d / "graphs" / "train.onnx")

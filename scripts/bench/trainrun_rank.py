@@ -61,6 +61,21 @@ def record_phases(path: Path) -> None:
     atexit.register(lambda: common.write_json(path, {"steps": steps}))
 
 
+def _own_subpackages(code: Path) -> None:
+    """kernels/ and data_tools/ sit at the top of the repo and install as trainrun.kernels and
+    trainrun.data_tools (pyproject's package-dir): the editable install maps them to this checkout's, so an
+    older commit's trainrun would import today's. Map them to the older commit's own folders."""
+    import importlib.util
+    for sub in ("kernels", "data_tools"):
+        init = code / sub / "__init__.py"
+        if init.exists():
+            spec = importlib.util.spec_from_file_location(f"trainrun.{sub}", init,
+                                                          submodule_search_locations=[str(code / sub)])
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[f"trainrun.{sub}"] = module
+            spec.loader.exec_module(module)
+
+
 def main() -> None:
     argv = sys.argv[1:]
     sep = argv.index("--") if "--" in argv else len(argv)
@@ -87,6 +102,7 @@ def main() -> None:
         raise SystemExit(f"trainrun_rank: unknown patch key(s) {sorted(unknown)}")
     if code:       # ahead of this checkout (common put it first on sys.path) and of an editable install
         sys.path.insert(0, str(Path(code).resolve()))
+        _own_subpackages(Path(code).resolve())
     rank, _ = common.launcher_rank()
     marks: dict = {}
     if rss_dir:
