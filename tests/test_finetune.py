@@ -175,6 +175,50 @@ def test_fine_tune_from_a_transformers_folder(tmp_path, labelled):
     assert set(held) == set(exported) and all(np.array_equal(held[k], exported[k]) for k in held)
 
 
+def test_fine_tune_from_a_trainrun_pre_training_run(tmp_path, labelled):
+    """The recipe's path (scripts/recipe_topics.py) in small: a BERT pre-trained by trainrun (masked LM and next
+    sentence, `trainrun-data bert` with the labelled set's tokenizer) and exported with --format transformers is
+    the fine-tune's model.init_from: the fine-tune starts at its encoder and pooler (classifier fresh); the
+    fine-tuned run's transformers export loads with AutoModelForSequenceClassification and gives the ONNX
+    export's logits."""
+    import onnxruntime as ort
+    text = tmp_path / "text"
+    text.mkdir()
+    rng = np.random.default_rng(3)
+    for topic, words in WORDS.items():
+        docs = ["\n".join(" ".join(rng.choice(words, 6)) for _ in range(4)) for _ in range(12)]
+        (text / f"{topic}.txt").write_text("\n\n".join(docs) + "\n")
+    tokenizer = os.path.join(os.path.dirname(labelled["cls"]), "tokenizer.json")
+    run([TRAINRUN_DATA, "bert", "--input", str(text), "--output", str(tmp_path / "pre-data"), "--tokenizer",
+         tokenizer, "--seq-len", str(SEQ), "--max-predictions", "3", "--eval-fraction", "0", "--no-progress"],
+        check=0)
+    pre_cfg = write_config(tmp_path / "pre.yaml", str(tmp_path / "pre-data"), **{
+        "model": {"builtin": "bert", "bert": BERT}, "data.eval": None, "data.seq_len": SEQ,
+        "run.output_dir": str(tmp_path / "pre"), "train.max_steps": 8, "lr_schedule.warmup_steps": 2})
+    run([TRAINRUN, "train", "--config", pre_cfg], check=0)
+    run([TRAINRUN, "export", str(tmp_path / "pre"), "--format", "transformers", "--output", str(tmp_path / "pre-hf")],
+        check=0)
+    pre = load_file(str(tmp_path / "pre-hf" / "model.safetensors"))
+    initial = load_file(str(tmp_path / "pre" / "graphs" / "weights.safetensors"))
+    assert any(not np.array_equal(pre[k], initial[k]) for k in initial)      # it did train
+
+    cfg = _config(tmp_path, labelled["cls"], **{"model.init_from": str(tmp_path / "pre-hf")})
+    mpirun(2, "train", "--config", cfg)
+    start = load_file(str(tmp_path / "run" / "graphs" / "weights.safetensors"))
+    shared = [k for k in start if not k.startswith("classifier.")]
+    assert shared and all(np.array_equal(start[k], pre[k]) for k in shared)
+    run([TRAINRUN, "export", str(tmp_path / "run"), "--format", "transformers", "--output", str(tmp_path / "hf")],
+        check=0)
+    run([TRAINRUN, "export", str(tmp_path / "run"), "--output", str(tmp_path / "m.onnx")], check=0)
+    samples = R.tensor_samples(os.path.join(labelled["cls"], "eval"))
+    model, logits = _auto_logits(str(tmp_path / "hf"), samples)
+    assert type(model).__name__ == "BertForSequenceClassification"
+    sess = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    (onnx_logits,) = sess.run(["logits"], {k: np.stack([s[k] for s in samples])
+                                           for k in ("input_ids", "segment_ids", "input_mask")})
+    np.testing.assert_allclose(onnx_logits, logits, atol=1e-4)
+
+
 def test_regression_on_two_ranks_matches_scipy(tmp_path, labelled):
     """num_labels 1: mse; on 2 ranks eval_pearson / eval_spearman over both ranks' samples equal scipy's
     on the exported model's predictions (problem_type regression)."""
