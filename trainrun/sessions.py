@@ -69,7 +69,7 @@ def disabled_optimizers(recompute: bool = False) -> list[str] | None:
 def import_onnxruntime():
     """onnxruntime, imported without importing torch. onnxruntime-training's package check (its
     capi/onnxruntime_validation.py) imports ORTModule, and with it torch wherever torch is installed: 1.5 s
-    and 300 MB of every trainrun process that never uses either. With ``torch`` unimportable for the
+    of every trainrun process that never uses either. With ``torch`` unimportable for the
     duration the check finds no ORTModule and moves on; afterwards torch imports as usual (a process that
     already imported torch is left as it is). Every entry point calls this before anything imports
     onnxruntime."""
