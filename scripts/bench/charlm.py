@@ -41,6 +41,7 @@ def default_text() -> Path:
 
 def prepare_data(text_path: Path, work: Path) -> tuple[Path, Path, Path]:
     """trainrun's train and eval datasets and nanoGPT's data folder, from the same 90/10 split."""
+    import numpy as np
     text = text_path.read_text(encoding="utf-8")
     cut = int(len(text) * 0.9)
     parts = {"train": text[:cut], "val": text[cut:]}
@@ -54,7 +55,6 @@ def prepare_data(text_path: Path, work: Path) -> tuple[Path, Path, Path]:
                         "--output", str(out), "--bytes", "--eval-fraction", "0", "--overwrite"], check=True,
                        capture_output=True)
         datasets[split] = out / "train"
-        import numpy as np
         np.frombuffer(part.encode("utf-8"), dtype=np.uint8).astype(np.uint16).tofile(
             ng / ("train.bin" if split == "train" else "val.bin"))
     with open(ng / "meta.pkl", "wb") as fh:      # nanoGPT reads its vocabulary size from here
@@ -126,10 +126,7 @@ def main() -> int:
     other = "nanoGPT" if args.nanogpt else "PyTorch stand-in (charlm_torch.py)"
     results = {"trainrun": [], other: []}
     for r in range(args.rounds):
-        order = [("trainrun", None), (other, None)]
-        if r % 2:
-            order.reverse()
-        for name, _ in order:
+        for name in (["trainrun", other] if r % 2 == 0 else [other, "trainrun"]):
             if name == "trainrun":
                 res = run_trainrun(args.work, f"trainrun-r{r}", train, val, args.ranks, args.iters)
             else:
