@@ -50,6 +50,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 from typing import Any
 
@@ -91,6 +92,17 @@ SCALAR_OPS = ("sum", "max", "min")
 SPIN_S = 0.2
 MIN_SLEEP_S = 1e-5
 MAX_SLEEP_S = 1e-3
+# A thread that waits on collectives while the computation goes on beside it (the gradient buckets reduced
+# during the backward pass, trainrun.update) never spins: it shares the rank's cores with onnxruntime.
+# Measured on the pretend cluster (one core a node, 1 Gbit/s, 45 MB allreduced beside 0.78 s of matmuls):
+# 0.95 s for both with the spin, 0.86 s without (0.78 + 0.38 one after the other).
+_quiet = threading.local()
+
+
+def wait_quietly() -> None:
+    """The calling thread's collectives sleep between polls from the start (no spin): for a thread that
+    communicates while the main thread computes."""
+    _quiet.on = True
 
 
 def detect_world() -> tuple[int, int]:
@@ -428,7 +440,7 @@ class MPICommunicator(Communicator):
         """Poll ``request`` with Test() until done; TrainrunError after ``timeout_s``."""
         MPI = self._MPI
         start = time.monotonic()
-        spin_until, deadline = start + SPIN_S, start + self.timeout_s
+        spin_until, deadline = start + (0.0 if getattr(_quiet, "on", False) else SPIN_S), start + self.timeout_s
         sleep = MIN_SLEEP_S
         try:
             while not request.Test():
@@ -448,6 +460,11 @@ class MPICommunicator(Communicator):
 
     def _who(self) -> str:
         return f"rank {self.rank} of {self.world_size} ({self.hostname})"
+
+    def threads_ok(self) -> bool:
+        """MPI lets a thread other than the main one call it (MPI_THREAD_SERIALIZED or more)."""
+        MPI = self._MPI
+        return MPI.Query_thread() >= MPI.THREAD_SERIALIZED
 
     def _np(self, buf, what: str) -> np.ndarray:
         _check_buffer(buf, what)

@@ -439,6 +439,15 @@ class DistributedConfig:
     """The gradients' type on the wire between ranks: fp32, or bf16 (half the bytes; rounded to nearest even,
     summed in fp32; the sums, the optimizer and the master weights stay fp32; each reduced element within
     about 2^-7 of the sum of the ranks' magnitudes). Not the intra-node shared-memory sum (no wire: fp32)."""
+    overlap_grad_reduce: bool = False
+    """Reduce the gradients in buckets while the backward pass goes on, as PyTorch DDP does: the train graph
+    is cut where each bucket's gradients are final and a background thread reduces a finished bucket while
+    the next part of the backward pass computes (the last bucket, with the embeddings, after it). Applies
+    to replicated updates over MPI on the CPU (zero_stage 0; one rank per node, or intra_node: mpi); needs
+    static shapes (engine.static_shapes)."""
+    bucket_mb: float = opt(4.0, gt=0.0)
+    """Size of a gradient bucket (MiB) for overlap_grad_reduce: smaller starts the wire sooner and leaves
+    less after the backward pass, but cuts the train graph into more parts."""
 
 
 @dataclass

@@ -28,6 +28,7 @@ from safetensors.numpy import load_file
 
 from . import cuda
 from . import feeding
+from .graphs import segments
 from .graphs.gradients import direct_gradients
 from .graphs.manifest import load_manifest
 from .graphs.names import ACC_OUT_SUFFIX, BUFFER_SUFFIX, LOSS, MASK_PREFIX, METRIC_PREFIX, RESET
@@ -80,6 +81,10 @@ class EngineOptions:
     # the train graph's gradients written straight into the gradient buffer (graphs.gradients.direct_gradients):
     # for runs that never accumulate; forward_backward(accumulate=True) is then refused
     direct_gradients: bool = False
+    # the train graph cut into segments, one per bucket of about this many bytes of gradients (0: one run),
+    # so that a bucket's reduction can start before the backward pass ends (distributed.overlap_grad_reduce,
+    # trainrun.update); CPU only
+    bucket_bytes: int = 0
 
 
 class _Bound:
@@ -116,6 +121,7 @@ class _Bound:
             cuda.check_session(self.session, path, name)
         self.binding = self.session.io_binding()
         self.name, self.path = name, path
+        self.sessions = [self.session]       # what profiling ends (a segmented graph has several)
         self.input_names = {i.name for i in self.session.get_inputs()}
         self.keep = []   # arrays whose memory is bound: keep them alive
         # host arrays bound as inputs of a CUDA session: bound again before each run (see run())
@@ -148,7 +154,16 @@ class _Bound:
         self.binding.bind_output(name, dev, dev_id, arr.dtype, list(arr.shape), ptr)
         self.keep.append(arr)
 
-    def run(self) -> None:
+    def bind_allocated(self, name: str) -> None:
+        """Output ``name`` allocated by onnxruntime on the session's device at each run (:meth:`values`)."""
+        self.binding.bind_output(name, *(("cuda", self.device_id) if self.cuda else ("cpu", 0)))
+
+    def values(self, count: int) -> list:
+        """The last ``count`` bound outputs of the last run, on the host."""
+        return [v.numpy() for v in self.binding.get_outputs()[-count:]]
+
+    def run(self, between=None) -> None:
+        """One run (``between``: for :class:`_Segmented`'s interface; one graph has no point between)."""
         if self.cuda:
             cuda.synchronize()       # cupy's writes to bound buffers (batches, weights) are done first
             # IOBinding::BindInput copies a bound tensor to the device its consumer runs on at BIND
@@ -159,6 +174,105 @@ class _Bound:
             for name, arr in self.host_inputs.items():
                 self.binding.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
         self.session.run_with_iobinding(self.binding)
+
+
+class _Segmented:
+    """The train graph as consecutive segments (:mod:`trainrun.graphs.segments`), with :class:`_Bound`'s
+    interface: a name is bound in every segment that reads it, an output in the one that makes it. The
+    tensors one segment hands to later ones live in buffers of their own, bound once as the output of the
+    first and the input of the others, so a run binds nothing and copies nothing more than the whole graph's
+    run. ``run(between)`` calls ``between(k)`` after segment k (every segment but the last): the gradients
+    of ``targets[0..k]`` are final then."""
+
+    def __init__(self, model: onnx.ModelProto, targets: list[list[str]], path: str, opts: EngineOptions,
+                 recompute: bool = False):
+        self.name, self.path, self.cuda, self.keep = "train", path, False, []
+        made, self.parts, self.boundary = {}, [], {}
+        for seg in segments.split(model, targets):
+            if seg is None:             # a bucket whose gradients an earlier segment already made
+                self.parts.append(None)
+                continue
+            handed = segments.boundary_inputs(seg)
+            for name in handed:
+                segments.typed_input(seg, name, made[name].type, made[name].shape)
+            part = _Bound(path, opts, f"train.segment{len(self.parts)}", seg.SerializeToString(),
+                          recompute=recompute)
+            for o in part.session.get_outputs():
+                made[o.name] = o
+                if not any(v.name == o.name for v in model.graph.output):
+                    self.boundary[o.name] = self._buffer(o)
+                    part.bind_out(o.name, self.boundary[o.name])
+            for name in handed:
+                part.bind_in(name, self.boundary[name])
+            self.parts.append(part)
+        live = [p for p in self.parts if p is not None]
+        self.sessions = [p.session for p in live]
+        self.input_names = set().union(*(p.input_names for p in live)) - set(self.boundary)
+        self.session = _Union(live, set(self.boundary))
+
+    def _buffer(self, out) -> np.ndarray:
+        if not all(isinstance(d, int) for d in out.shape or [None]) or out.type not in _ORT_TYPES:
+            raise UsageError(f"{self.path}: distributed.overlap_grad_reduce cuts the train graph where buckets "
+                             f"of gradients are final, and '{out.name}', which one part hands to the next, has "
+                             f"no fixed shape ({out.shape}, {out.type}): set engine.static_shapes: true, or "
+                             f"distributed.overlap_grad_reduce: false")
+        return np.zeros(out.shape, _ORT_TYPES[out.type])
+
+    def _owners(self, name: str, inputs: bool) -> list:
+        found = [p for p in self.parts if p is not None and name in (
+            p.input_names if inputs else {o.name for o in p.session.get_outputs()})]
+        if not found:
+            raise TrainrunError(f"{self.path}: the train graph has no {'input' if inputs else 'output'} '{name}'")
+        return found
+
+    def check_shape(self, name: str, shape: tuple) -> None:
+        for p in self._owners(name, True):
+            p.check_shape(name, shape)
+
+    def bind_in(self, name: str, arr) -> None:
+        for p in self._owners(name, True):
+            p.bind_in(name, arr)
+
+    def bind_out(self, name: str, arr) -> None:
+        self._owners(name, False)[0].bind_out(name, arr)
+
+    def bind_allocated(self, name: str) -> None:
+        self._owners(name, False)[0].bind_allocated(name)
+        self._allocated = getattr(self, "_allocated", []) + [name]
+
+    def values(self, count: int) -> list:
+        return [self._value(n) for n in self._allocated[-count:]]
+
+    def _value(self, name: str):
+        part = self._owners(name, False)[0]
+        mine = [n for n in self._allocated if part is self._owners(n, False)[0]]
+        return part.binding.get_outputs()[-len(mine) + mine.index(name)].numpy()
+
+    def run(self, between=None) -> None:
+        last = len(self.parts) - 1
+        for k, part in enumerate(self.parts):
+            if part is not None:
+                part.run()
+            if between is not None and k < last:
+                between(k)
+
+
+class _Union:
+    """The inputs and outputs of all segments as one session shows them (for the engine's checks)."""
+
+    def __init__(self, parts: list, boundary: set):
+        self.parts, self.boundary = parts, boundary
+
+    def get_inputs(self) -> list:
+        seen = {}
+        for p in self.parts:
+            for i in p.session.get_inputs():
+                if i.name not in self.boundary:
+                    seen.setdefault(i.name, i)
+        return list(seen.values())
+
+    def get_outputs(self) -> list:
+        return [o for p in self.parts for o in p.session.get_outputs() if o.name not in self.boundary]
 
 
 class Engine:
@@ -230,17 +344,38 @@ class Engine:
         train = os.path.join(self.dir, "train.onnx")
         self.grad_outputs = None     # parameter -> its gradient output, with opts.direct_gradients
         recompute = self.manifest.get("build", {}).get("recompute", "none") == "blocks"
+        self.buckets = self._buckets(opts.bucket_bytes if opts.device == "cpu" else 0)
+        model = onnx.load(train) if opts.direct_gradients or len(self.buckets) > 1 else None
         if opts.direct_gradients:
-            model, self.grad_outputs = direct_gradients(onnx.load(train))
-            self.train_s = _Bound(train, opts, "train", model.SerializeToString(), recompute=recompute)
+            model, self.grad_outputs = direct_gradients(model)
+        if len(self.buckets) > 1:
+            names = self.layout.names
+            made = [[self.grad_outputs[n] if self.grad_outputs else n + ACC_OUT_SUFFIX for n in names[i:j]]
+                    for i, j in self.bucket_tensors[:-1]]
+            self.train_s = _Segmented(model, made, train, opts, recompute=recompute)
         else:
-            self.train_s = _Bound(train, opts, "train", recompute=recompute)
+            self.train_s = _Bound(train, opts, "train", None if model is None else model.SerializeToString(),
+                                  recompute=recompute)
         self.eval_s = _Bound(os.path.join(self.dir, "eval.onnx"), opts, "eval")
         self.opt_s = None
         self._bind_all()
         if self._graph_optimizer is not None:
             self._open_optimizer()
         return old
+
+    def _buckets(self, nbytes: int) -> list[tuple[int, int]]:
+        """The flat gradient buffer as buckets of whole tensors of about ``nbytes`` each (``lo, hi`` element
+        ranges), from its end: the backward pass makes the last layers' gradients first. One bucket
+        (the whole buffer) when ``nbytes`` is 0. Sets :attr:`bucket_tensors` (tensor index ranges) too."""
+        bounds = [*self.layout.offsets, self.layout.total]
+        n = len(self.layout.names)
+        ends = [n]
+        for i in range(n - 1, 0, -1):
+            if nbytes and 4 * (bounds[ends[-1]] - bounds[i]) >= nbytes:
+                ends.append(i)
+        ends.append(0)
+        self.bucket_tensors = [(a, b) for b, a in zip(ends, ends[1:]) if a < b]
+        return [(bounds[a], bounds[b]) for a, b in self.bucket_tensors]
 
     def attach_optimizer(self, optimizer) -> None:
         """``optimizer`` (:func:`trainrun.optim.build`, built by :mod:`trainrun.update` over these buffers)
@@ -335,7 +470,7 @@ class Engine:
             t.bind_in(self.manifest["loss_scale"], self.loss_scale)
         t.bind_out(LOSS, self.loss)
         for name in self.stats_outputs:     # onnxruntime allocates them, on the device, each run
-            t.binding.bind_output(name, *(("cpu", 0) if self.xp is np else ("cuda", t.device_id)))
+            t.bind_allocated(name)
         e.bind_out(LOSS, self.eval_loss)
         # eval metrics (metric/<name>/sum|count, float32 scalars) to host scalars; the logits stay unbound:
         # onnxruntime then never copies them out (they are only an output for `export --with-loss`)
@@ -373,11 +508,14 @@ class Engine:
             raise UsageError(f"feature '{feature}' (graph input '{name}') holds label {value}: not a class of "
                              f"the {classes} (0..{classes - 1}) nor model.loss.ignore_index ({ignore})")
 
-    def forward_backward(self, batch: dict, accumulate: bool, position: int | None = None) -> float:
+    def forward_backward(self, batch: dict, accumulate: bool, position: int | None = None,
+                         between=None) -> float:
         """Loss of one micro-batch (unscaled); its gradients (times :attr:`loss_scale` when the graph has
         one) overwrite (accumulate=False) or add to the buffer.
         ``position``: the global position of its first sample (TrainLoader.sample_position), which
-        keys its dropout masks; needed when the train graph has dropout."""
+        keys its dropout masks; needed when the train graph has dropout.
+        ``between``: with a train graph cut at gradient buckets (:attr:`buckets`), called with k when
+        bucket k's gradients are final in the buffer (every bucket but the last), while the run goes on."""
         self.set_batch(batch)
         if self.masks:
             if position is None:
@@ -390,7 +528,7 @@ class Engine:
             raise TrainrunError("engine: built with direct_gradients (its train graph has no accumulators): "
                                 "it cannot add a micro-batch's gradients to the buffer")
         self.reset[0] = not accumulate
-        self.train_s.run()
+        self.train_s.run(between)
         if self.state.size:       # the running statistics this micro-batch updated
             self.state[...] = self.state_next
         return float(self.loss) if self.loss_scale is None else float(self.loss) / float(self.loss_scale)
@@ -429,8 +567,7 @@ class Engine:
         """The train graph's statistics outputs (debug.tensors) of its last run, on the host."""
         if not self.stats_outputs:
             return {}
-        values = self.train_s.binding.get_outputs()[-len(self.stats_outputs):]
-        return {n: v.numpy() for n, v in zip(self.stats_outputs, values)}
+        return dict(zip(self.stats_outputs, self.train_s.values(len(self.stats_outputs))))
 
     def grad_norm_sq(self) -> float:
         """Squared L2 norm of the gradient buffer (inf/nan when it holds any).

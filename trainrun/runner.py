@@ -219,10 +219,19 @@ class TrainingRunner:
             threads = cpu_share(mask, peers)
         self.threads = threads
         device_id = local_device(self.comm.local_rank) if cfg.device == "cuda" else 0
+        node = None
+        error = None
+        try:     # intra_node: shared: parameters and gradients in the node's shared memory (None: the mpi path)
+            node = update.node_buffers(cfg, self.comm, self.manifest["num_params"])
+        except UsageError as exc:
+            error = exc
+        self.comm.agree(error)
+        # buckets of gradients reduced during the backward pass: the train graph cut at them
+        buckets = int(cfg.distributed.bucket_mb * 2**20) if update.overlaps(cfg, self.comm, node) else 0
         opts = EngineOptions(device=cfg.device, device_id=device_id, threads=threads,
                              graph_optimization=cfg.engine.graph_optimization,
                              log_severity=_ORT_SEVERITY[cfg.run.log_level], deterministic=cfg.run.deterministic,
-                             seed=cfg.run.seed, direct_gradients=self.accum == 1,
+                             seed=cfg.run.seed, direct_gradients=self.accum == 1, bucket_bytes=buckets,
                              **engine_options(cfg, self.rank))
         mb = cfg.train.micro_batch_size
         shapes = {name: ((mb, *shape), dtype) for name, (shape, dtype) in self.train_ds.specs.items()}
@@ -233,13 +242,12 @@ class TrainingRunner:
             logged = ["loss", *(["perplexity"] if self.perplexity else []), *self.manifest["metrics"]]
             if problems := C.eval_metric_problems(cfg, logged):
                 raise UsageError(f"{len(problems)} problem(s) in the configuration", problems)
-            # intra_node: shared: parameters and gradients in the node's shared memory (None: the mpi path)
-            node = update.node_buffers(cfg, self.comm, self.manifest["num_params"])
             self.engine = Engine(self.graphs_dir, opts, shapes, shapes, feeds=feeds,
                                  buffers=node.buffers if node else None)
             self.engine.load_weights()
             # the optimizer over the whole buffers, or (partitioned) over this rank's part only
             self.shard = update.build(cfg, self.comm, self.engine, node)
+            self.grad_buckets = len(self.shard.buckets) if self.shard.overlapping else 0
         except UsageError as exc:
             error = exc
         self.comm.agree(error)
@@ -320,9 +328,13 @@ class TrainingRunner:
     def forward_backward(self, micro: list[dict], stats=None) -> float:
         """This rank's micro-batches, gradients summed in place; the sum of their losses."""
         loss_sum = 0.0
+        # the last micro-batch's buckets of gradients reduced as the backward pass finishes them, unless
+        # debug statistics read this step's local gradients first
+        overlap = self.shard.bucket_ready if self.shard.overlapping and not stats else None
         for a, batch in enumerate(micro):
             loss_sum += self.engine.forward_backward(batch, accumulate=a > 0,
-                                                     position=self.loader.sample_position(a))
+                                                     position=self.loader.sample_position(a),
+                                                     between=overlap if a == len(micro) - 1 else None)
             if stats:
                 stats.micro_batch()
         return loss_sum
@@ -459,6 +471,9 @@ class TrainingRunner:
             "phase_shares": {k: round(v, 4) for k, v in self.timer.shares().items()},
             # bytes this rank sent for the gradient reduction, per step (trainrun.wire: fp32 or bf16 on the wire)
             "wire_bytes_per_step": wire_bytes // ran if ran else 0,
+            # distributed.overlap_grad_reduce: the buckets of the gradient buffer (all but the last reduced
+            # during the backward pass); 0 without overlap
+            "grad_buckets": self.grad_buckets,
             # the command's start (process start) to the first step, and the last step to here (the last
             # checkpoint committed, model.onnx exported): where a short run's wall time goes besides steps
             "startup_s": None if startup is None else round(startup, 3),

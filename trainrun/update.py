@@ -56,11 +56,12 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from . import optim, wire
-from .comm import MPICommunicator, NodeMemory, SharedMemoryUnavailable, SingleProcess
+from .comm import MPICommunicator, NodeMemory, SharedMemoryUnavailable, SingleProcess, wait_quietly
 from .flat import FlatLayout, norm_sq
 from .models import registry
 from .errors import UsageError
@@ -84,8 +85,18 @@ def build(cfg, comm, engine, node: "NodeBuffers | None" = None):
     depths = registry.layer_depths(cfg.model, engine.layout.names)
     if stage == 0 and node is None:
         return Replicated(comm, engine, optimizer_for(engine, cfg.optimizer, cfg.engine.optimizer_kernel, depths),
-                          cfg.distributed.reduce_dtype)
+                          cfg.distributed.reduce_dtype, overlap=overlaps(cfg, comm, node))
     return Partitioned(stage, comm, engine, cfg.optimizer, node, cfg.distributed.reduce_dtype, depths)
+
+
+def overlaps(cfg, comm, node: "NodeBuffers | None") -> bool:
+    """Whether the step reduces buckets of gradients during the backward pass
+    (``distributed.overlap_grad_reduce``): on the :class:`Replicated` path over MPI on the CPU, with
+    several ranks, where MPI lets another thread than the main one call it. The engine then cuts its train
+    graph at the buckets (``EngineOptions.bucket_bytes``)."""
+    d = cfg.distributed
+    return bool(d.overlap_grad_reduce and comm.world_size > 1 and isinstance(comm, MPICommunicator)
+                and cfg.device == "cpu" and d.zero_stage == 0 and node is None and comm.threads_ok())
 
 
 def optimizer_for(engine, cfg_optimizer, kernel: str = "auto", depths: dict | None = None):
@@ -166,19 +177,51 @@ def _part_optimizer(cfg_optimizer, layout: FlatLayout, lo: int, hi: int, params,
 
 
 class Replicated:
-    """Stage 0 over MPI: allreduce, the whole update on every rank."""
+    """Stage 0 over MPI: allreduce, the whole update on every rank.
+
+    With ``overlap`` (:func:`overlaps`) the engine's train graph is cut at its gradient buckets
+    (``engine.buckets``, flat ranges from the buffer's end, the order the backward pass finishes them):
+    between two segments of the last micro-batch the engine calls :meth:`bucket_ready`, and the finished
+    bucket's allreduce runs in a background thread while the next segment computes; :meth:`reduce` waits
+    for those and reduces what is left (the last bucket, or everything when no bucket was started, e.g. a
+    step whose gradients ``debug.stats_every`` reads first) in the main thread. Every rank starts the same
+    buckets in the same order. Each element is reduced by the same collective as without overlap, only in a
+    smaller call: the same bits on 2 ranks and with ``reduce_dtype: bf16`` (rank-order sums); with fp32 on
+    more ranks MPI may pick another algorithm, and so another order of the float32 sum, for a smaller
+    message (each element then differs by at most the float32 rounding of that sum)."""
 
     sharded = False
 
-    def __init__(self, comm, engine, optimizer, reduce_dtype: str = "fp32"):
+    def __init__(self, comm, engine, optimizer, reduce_dtype: str = "fp32", overlap: bool = False):
         self.comm, self.engine = comm, engine
         self.wire = wire.make(comm, reduce_dtype)
         self.optimizer = optimizer
         self.state = self.optimizer.state
         self.lo, self.hi = 0, engine.layout.total
+        self.buckets = engine.buckets if overlap and len(engine.buckets) > 1 else None
+        self._pool = self._pending = None
+        if self.buckets:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="trainrun-reduce", initializer=wait_quietly)
+            self._pending = []
+
+    def bucket_ready(self, k: int) -> None:
+        """Bucket ``k`` of the gradients is final: its allreduce starts in the background."""
+        lo, hi = self.buckets[k]
+        self._pending.append(self._pool.submit(self.wire.allreduce_, self.engine.grads[lo:hi]))
+
+    @property
+    def overlapping(self) -> bool:
+        return self.buckets is not None
 
     def reduce(self) -> None:
-        self.wire.allreduce_(self.engine.grads)
+        end = self.engine.grads.size
+        if self._pending:
+            started, self._pending = self._pending, []
+            for f in started:
+                f.result()          # re-raises a failed or timed-out collective here
+            end = self.buckets[len(started) - 1][0]
+        if end:
+            self.wire.allreduce_(self.engine.grads[:end])
 
     def norm_sq_part(self) -> float:
         return self.engine.grad_norm_sq() if self.comm.rank == 0 else 0.0
@@ -194,7 +237,8 @@ class Replicated:
         return self.state
 
     def close(self) -> None:
-        pass
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 class Partitioned:
@@ -202,6 +246,7 @@ class Partitioned:
     and for stage 1 parts of those over the nodes (see the module's docstring)."""
 
     sharded = True
+    overlapping = False     # the node's shared-memory sum waits for every local backward: no buckets
 
     def __init__(self, stage: int, comm, engine, cfg_optimizer, node: NodeBuffers | None,
                  reduce_dtype: str = "fp32", depths=None):

@@ -82,6 +82,26 @@ class Profiler:
         if step >= self.last:
             self.finish()
 
+    @staticmethod
+    def _events(session, name: str, pid: int) -> list:
+        """``session``'s profile events on trainrun's clock, tagged with the session's name."""
+        events = []
+        path = session.end_profiling()
+        start_us = session.get_profiling_start_time_ns() / 1e3
+        try:
+            with open(path) as fh:
+                raw = json.load(fh)
+        finally:
+            if path and os.path.exists(path):
+                os.remove(path)
+        for ev in raw:
+            ev = dict(ev)
+            ev["ts"] = ev.get("ts", 0) + start_us
+            ev["pid"] = pid
+            ev["args"] = {**ev.get("args", {}), "session": name}
+            events.append(ev)
+        return events
+
     def finish(self) -> None:
         """End the window (also when the run stops inside it): write rank-<r>.json."""
         if not self.active:
@@ -94,20 +114,8 @@ class Profiler:
         for name, bound in sessions.items():
             if bound is None:       # the host optimizer kernel: no session (its time is the optimizer phase)
                 continue
-            path = bound.session.end_profiling()
-            start_us = bound.session.get_profiling_start_time_ns() / 1e3
-            try:
-                with open(path) as fh:
-                    raw = json.load(fh)
-            finally:
-                if path and os.path.exists(path):
-                    os.remove(path)
-            for ev in raw:
-                ev = dict(ev)
-                ev["ts"] = ev.get("ts", 0) + start_us
-                ev["pid"] = pid
-                ev["args"] = {**ev.get("args", {}), "session": name}
-                events.append(ev)
+            for session in bound.sessions:      # a train graph cut into segments has one per segment
+                events += self._events(session, name, pid)
         eng.restore(self._old)
         self._old = None
         for phase, t0, t1 in spans:
