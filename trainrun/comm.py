@@ -93,16 +93,27 @@ SPIN_S = 0.2
 MIN_SLEEP_S = 1e-5
 MAX_SLEEP_S = 1e-3
 # A thread that waits on collectives while the computation goes on beside it (the gradient buckets reduced
-# during the backward pass, trainrun.update) never spins: it shares the rank's cores with onnxruntime.
-# Measured on the pretend cluster (one core a node, 1 Gbit/s, 45 MB allreduced beside 0.78 s of matmuls):
-# 0.95 s for both with the spin, 0.86 s without (0.78 + 0.38 one after the other).
+# during the backward pass, trainrun.update) does not spin: it shares the rank's cores with onnxruntime. It
+# polls every QUIET_SLEEP_S instead (MPI progresses only inside MPI calls: a rendezvous or a collective's next
+# round waits for the next poll), until the main thread waits for it too (hurry()), then it spins.
+# Measured on the pretend cluster (one core a node, 1 Gbit/s; ten buckets of a 45 MB buffer allreduced
+# beside 0.55-0.59 s of matmuls; alone: 0.37 s fp32, 0.18 s bf16): a spinning thread 0.79 s fp32, 0.66 s bf16;
+# polls every 20 us 0.72 / 0.71 s, every 100 us 0.67 / 0.69 s, every 300 us 0.70 / 0.79 s; a backoff to 1 ms
+# 0.84 / 1.94 s (bf16's two collectives a bucket, each a few rounds, wait a millisecond a round).
+QUIET_SLEEP_S = 1e-4
 _quiet = threading.local()
+_hurry = threading.Event()
 
 
 def wait_quietly() -> None:
-    """The calling thread's collectives sleep between polls from the start (no spin): for a thread that
-    communicates while the main thread computes."""
+    """The calling thread's collectives poll every QUIET_SLEEP_S instead of spinning (unless :func:`hurry`):
+    for a thread that communicates while the main thread computes."""
     _quiet.on = True
+
+
+def hurry(on: bool = True) -> None:
+    """The main thread now waits for the quiet threads' collectives: they spin until ``hurry(False)``."""
+    _hurry.set() if on else _hurry.clear()
 
 
 def detect_world() -> tuple[int, int]:
@@ -440,8 +451,9 @@ class MPICommunicator(Communicator):
         """Poll ``request`` with Test() until done; TrainrunError after ``timeout_s``."""
         MPI = self._MPI
         start = time.monotonic()
-        spin_until, deadline = start + (0.0 if getattr(_quiet, "on", False) else SPIN_S), start + self.timeout_s
-        sleep = MIN_SLEEP_S
+        quiet = getattr(_quiet, "on", False)
+        spin_until, deadline = start + (0.0 if quiet else SPIN_S), start + self.timeout_s
+        sleep = QUIET_SLEEP_S if quiet else MIN_SLEEP_S
         try:
             while not request.Test():
                 now = time.monotonic()
@@ -451,9 +463,10 @@ class MPICommunicator(Communicator):
                         f"{op} timed out on {self._who()} after "
                         f"{now - start:.1f} s (timeout_s={self.timeout_s:g}): a peer rank probably died or hung "
                         f"before reaching this collective; the job must be aborted")
-                if now >= spin_until:
+                if now >= spin_until and not (quiet and _hurry.is_set()):
                     time.sleep(sleep)
-                    sleep = min(2 * sleep, MAX_SLEEP_S)
+                    if not quiet:
+                        sleep = min(2 * sleep, MAX_SLEEP_S)
         except MPI.Exception as e:
             raise TrainrunError(f"{op} failed on {self._who()} "
                                 f"after {time.monotonic() - start:.1f} s: {e.Get_error_string()}") from None

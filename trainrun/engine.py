@@ -176,6 +176,10 @@ class _Bound:
         self.session.run_with_iobinding(self.binding)
 
 
+class _NotStatic(Exception):
+    """A tensor handed between segments has no fixed shape: the graph runs whole."""
+
+
 class _Segmented:
     """The train graph as consecutive segments (:mod:`trainrun.graphs.segments`), with :class:`_Bound`'s
     interface: a name is bound in every segment that reads it, an output in the one that makes it. The
@@ -212,10 +216,10 @@ class _Segmented:
 
     def _buffer(self, out) -> np.ndarray:
         if not all(isinstance(d, int) for d in out.shape or [None]) or out.type not in _ORT_TYPES:
-            raise UsageError(f"{self.path}: distributed.overlap_grad_reduce cuts the train graph where buckets "
-                             f"of gradients are final, and '{out.name}', which one part hands to the next, has "
-                             f"no fixed shape ({out.shape}, {out.type}): set engine.static_shapes: true, or "
-                             f"distributed.overlap_grad_reduce: false")
+            raise _NotStatic(f"'{out.name}', which one part of the train graph hands to the next, has no fixed "
+                             f"shape ({out.shape}, {out.type}): the graph is not cut at gradient buckets and the "
+                             f"gradients are reduced after the backward pass (engine.static_shapes: true fixes "
+                             f"the built-in models' shapes)")
         return np.zeros(out.shape, _ORT_TYPES[out.type])
 
     def _owners(self, name: str, inputs: bool) -> list:
@@ -348,12 +352,17 @@ class Engine:
         model = onnx.load(train) if opts.direct_gradients or len(self.buckets) > 1 else None
         if opts.direct_gradients:
             model, self.grad_outputs = direct_gradients(model)
+        self.unsegmented = None     # why the train graph was not cut at the buckets, when it was not
         if len(self.buckets) > 1:
             names = self.layout.names
             made = [[self.grad_outputs[n] if self.grad_outputs else n + ACC_OUT_SUFFIX for n in names[i:j]]
                     for i, j in self.bucket_tensors[:-1]]
-            self.train_s = _Segmented(model, made, train, opts, recompute=recompute)
-        else:
+            try:
+                self.train_s = _Segmented(model, made, train, opts, recompute=recompute)
+            except _NotStatic as exc:
+                self.unsegmented = str(exc)
+                self.buckets = self._buckets(0)
+        if len(self.buckets) == 1:
             self.train_s = _Bound(train, opts, "train", None if model is None else model.SerializeToString(),
                                   recompute=recompute)
         self.eval_s = _Bound(os.path.join(self.dir, "eval.onnx"), opts, "eval")

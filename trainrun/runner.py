@@ -31,6 +31,7 @@ import json
 import math
 import os
 import platform
+import sys
 import time
 
 import numpy as np
@@ -248,6 +249,9 @@ class TrainingRunner:
             # the optimizer over the whole buffers, or (partitioned) over this rank's part only
             self.shard = update.build(cfg, self.comm, self.engine, node)
             self.grad_buckets = len(self.shard.buckets) if self.shard.overlapping else 0
+            if self.engine.unsegmented and self.is_main:
+                print(f"trainrun: warning: distributed.overlap_grad_reduce: {self.engine.unsegmented}",
+                      file=sys.stderr, flush=True)
         except UsageError as exc:
             error = exc
         self.comm.agree(error)

@@ -61,7 +61,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from . import optim, wire
-from .comm import MPICommunicator, NodeMemory, SharedMemoryUnavailable, SingleProcess, wait_quietly
+from .comm import MPICommunicator, NodeMemory, SharedMemoryUnavailable, SingleProcess, hurry, wait_quietly
 from .flat import FlatLayout, norm_sq
 from .models import registry
 from .errors import UsageError
@@ -217,8 +217,12 @@ class Replicated:
         end = self.engine.grads.size
         if self._pending:
             started, self._pending = self._pending, []
-            for f in started:
-                f.result()          # re-raises a failed or timed-out collective here
+            hurry()                 # the backward pass is over: the background thread may spin now
+            try:
+                for f in started:
+                    f.result()      # re-raises a failed or timed-out collective here
+            finally:
+                hurry(False)
             end = self.buckets[len(started) - 1][0]
         if end:
             self.wire.allreduce_(self.engine.grads[:end])
