@@ -8,6 +8,80 @@ import numpy as np
 import pytest
 
 from conftest import TRAINRUN, mpirun, read_metrics, run, write_config
+from trainrun import config as C
+from trainrun.engine import Engine, EngineOptions
+from trainrun.graphs.manifest import prepare
+from trainrun.models.bert import sample_inputs
+
+GPT2 = dict(n_layer=3, n_head=4, n_embd=64, n_positions=64, vocab_size=300, dropout=0.1)
+BERT = dict(vocab_size=120, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+            max_position_embeddings=64, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+
+
+def _gradients(out, model, shapes, batches, bucket_bytes, direct, recompute="none", static=True):
+    cfg = C.from_dict({"model": model, "data": {"seq_len": 32}, "run": {"output_dir": str(out), "seed": 3},
+                       "train": {"micro_batch_size": 4, "recompute": recompute},
+                       "engine": {"static_shapes": static}, "optimizer": {"name": "sgd"}})
+    eng = Engine(prepare(cfg), EngineOptions(threads=1, seed=3, direct_gradients=direct, bucket_bytes=bucket_bytes),
+                 shapes, shapes)
+    eng.load_weights()
+    seen, losses = [], []
+
+    def between(k):     # the bucket is final when the engine says so: its values are kept to compare
+        lo, hi = eng.buckets[k]
+        seen.append((k, eng.grads[lo:hi].copy()))
+    for a, batch in enumerate(batches):
+        losses.append(eng.forward_backward(batch, accumulate=a > 0, position=7 + 4 * a, between=between))
+    return eng, losses, eng.grads.copy(), seen
+
+
+@pytest.mark.parametrize("family,direct,recompute", [("gpt2", True, "none"), ("gpt2", True, "blocks"),
+                                                     ("bert", False, "none")],
+                         ids=["gpt2-dropout", "gpt2-recompute", "bert-accumulate"])
+def test_segments_compute_the_whole_graphs_bits(tmp_path, family, direct, recompute):
+    """The train graph cut at buckets of ~8 KB (many segments) against the whole graph in one run: the same
+    loss and gradients bit for bit (GPT-2 with dropout masks as inputs, with recomputed blocks; BERT's
+    accumulator graph over 2 micro-batches); every bucket reported final holds its final values then, in
+    the order the buffer's end comes first, and the buckets tile the buffer."""
+    rng = np.random.default_rng(0)
+    if family == "gpt2":
+        model, shapes = {"gpt2": GPT2}, {"input_ids": ((4, 32), np.int64), "labels": ((4, 32), np.int64)}
+        batches = [{k: rng.integers(0, 300, (4, 32)) for k in shapes}]
+    else:
+        model = {"builtin": "bert", "bert": BERT}
+        batches = [sample_inputs(C.from_dict({"model": model, "data": {"seq_len": 32}}).model.bert, 4, 32, 5, rng) for _ in range(2)]
+        shapes = {k: (v.shape, v.dtype) for k, v in batches[0].items()}
+    whole, ref_losses, ref, none_seen = _gradients(tmp_path / "whole", model, shapes, batches, 0, direct, recompute)
+    eng, losses, got, seen = _gradients(tmp_path / "cut", model, shapes, batches, 8192, direct, recompute)
+    assert len(whole.buckets) == 1 and not none_seen
+    assert len(eng.buckets) >= 6 and len(eng.train_s.sessions) >= 4
+    assert losses == ref_losses and np.array_equal(got, ref)
+    assert [lo for lo, _ in eng.buckets][::-1][0] == 0 and eng.buckets[0][1] == ref.size
+    assert all(a[0] == b[1] for a, b in zip(eng.buckets, eng.buckets[1:]))
+    assert [k for k, _ in seen] == [k for _ in batches for k in range(len(eng.buckets) - 1)]
+    for k, values in seen[-(len(eng.buckets) - 1):]:
+        lo, hi = eng.buckets[k]
+        assert np.array_equal(values, ref[lo:hi]), k
+
+
+def test_a_graph_without_fixed_shapes_is_cut_too(tmp_path):
+    """engine.static_shapes false: the tensors between segments have symbolic dims; their buffers take the
+    shapes of the first run, and the bits are the whole graph's, step after step."""
+    shapes = {"input_ids": ((4, 32), np.int64), "labels": ((4, 32), np.int64)}
+    rng = np.random.default_rng(1)
+    batches = [{k: rng.integers(0, 300, (4, 32)) for k in shapes} for _ in range(3)]
+    runs = {}
+    for b in (0, 8192):
+        runs[b] = [_gradients(tmp_path / f"dyn{b}-{i}", {"gpt2": GPT2}, shapes, [batch], b, True, static=False)
+                   for i, batch in enumerate(batches[:1])]
+    assert len(runs[8192][0][0].buckets) >= 6
+    assert runs[8192][0][1] == runs[0][0][1] and np.array_equal(runs[8192][0][2], runs[0][0][2])
+    eng = runs[8192][0][0]
+    for batch in batches[1:]:       # the same engine on: its buffers are bound now
+        loss = eng.forward_backward(batch, accumulate=False, position=3)
+        whole = runs[0][0][0]
+        assert loss == whole.forward_backward(batch, accumulate=False, position=3)
+        assert np.array_equal(eng.grads, whole.grads)
 
 
 def _train(tmp_path, data, name, ranks, **extra):

@@ -176,51 +176,58 @@ class _Bound:
         self.session.run_with_iobinding(self.binding)
 
 
-class _NotStatic(Exception):
-    """A tensor handed between segments has no fixed shape: the graph runs whole."""
-
-
 class _Segmented:
     """The train graph as consecutive segments (:mod:`trainrun.graphs.segments`), with :class:`_Bound`'s
     interface: a name is bound in every segment that reads it, an output in the one that makes it. The
-    tensors one segment hands to later ones live in buffers of their own, bound once as the output of the
-    first and the input of the others, so a run binds nothing and copies nothing more than the whole graph's
-    run. ``run(between)`` calls ``between(k)`` after segment k (every segment but the last): the gradients
-    of ``targets[0..k]`` are final then."""
+    tensors one segment hands to later ones live in buffers of their own, bound as the output of the first
+    and the input of the others, so a run binds nothing and copies nothing more than the whole graph's run.
+    Their shapes are what the first run makes (onnxruntime allocates them then, and they are copied into the
+    buffers): a graph's symbolic dims (BERT's masked positions, engine.static_shapes false) are fixed within
+    a run, whose micro-batches all have one shape. ``run(between)`` calls ``between(k)`` after segment k
+    (every segment but the last): the gradients of ``targets[0..k]`` are final then."""
 
     def __init__(self, model: onnx.ModelProto, targets: list[list[str]], path: str, opts: EngineOptions,
                  recompute: bool = False):
         self.name, self.path, self.cuda, self.keep = "train", path, False, []
         made, self.parts, self.boundary = {}, [], {}
+        self.unsettled = []         # per segment: the boundary tensors it makes, before the first run
+        outputs = {v.name for v in model.graph.output}
         for seg in segments.split(model, targets):
             if seg is None:             # a bucket whose gradients an earlier segment already made
                 self.parts.append(None)
+                self.unsettled.append([])
                 continue
             handed = segments.boundary_inputs(seg)
             for name in handed:
                 segments.typed_input(seg, name, made[name].type, made[name].shape)
             part = _Bound(path, opts, f"train.segment{len(self.parts)}", seg.SerializeToString(),
                           recompute=recompute)
+            mine = [o.name for o in part.session.get_outputs() if o.name not in outputs]
             for o in part.session.get_outputs():
                 made[o.name] = o
-                if not any(v.name == o.name for v in model.graph.output):
-                    self.boundary[o.name] = self._buffer(o)
-                    part.bind_out(o.name, self.boundary[o.name])
-            for name in handed:
-                part.bind_in(name, self.boundary[name])
+            for name in mine:           # the first bound outputs: get_outputs()[i] is mine[i]
+                part.bind_allocated(name)
+            self.unsettled.append(mine)
             self.parts.append(part)
         live = [p for p in self.parts if p is not None]
         self.sessions = [p.session for p in live]
-        self.input_names = set().union(*(p.input_names for p in live)) - set(self.boundary)
-        self.session = _Union(live, set(self.boundary))
+        self.handed = {n for names in self.unsettled for n in names}
+        self.input_names = set().union(*(p.input_names for p in live)) - self.handed
+        self.session = _Union(live, self.handed)
 
-    def _buffer(self, out) -> np.ndarray:
-        if not all(isinstance(d, int) for d in out.shape or [None]) or out.type not in _ORT_TYPES:
-            raise _NotStatic(f"'{out.name}', which one part of the train graph hands to the next, has no fixed "
-                             f"shape ({out.shape}, {out.type}): the graph is not cut at gradient buckets and the "
-                             f"gradients are reduced after the backward pass (engine.static_shapes: true fixes "
-                             f"the built-in models' shapes)")
-        return np.zeros(out.shape, _ORT_TYPES[out.type])
+    def _settle(self, k: int) -> None:
+        """After segment k's first run: what it hands on, copied into buffers of their own, bound as its
+        outputs and as the later segments' inputs from now on."""
+        part = self.parts[k]
+        values = part.binding.get_outputs()
+        for i, name in enumerate(self.unsettled[k]):
+            buf = np.array(values[i].numpy(), copy=True, order="C")
+            self.boundary[name] = buf
+            part.bind_out(name, buf)
+            for later in self.parts[k + 1:]:
+                if later is not None and name in later.input_names:
+                    later.bind_in(name, buf)
+        self.unsettled[k] = []
 
     def _owners(self, name: str, inputs: bool) -> list:
         found = [p for p in self.parts if p is not None and name in (
@@ -257,6 +264,8 @@ class _Segmented:
         for k, part in enumerate(self.parts):
             if part is not None:
                 part.run()
+                if self.unsettled[k]:
+                    self._settle(k)
             if between is not None and k < last:
                 between(k)
 
@@ -352,17 +361,12 @@ class Engine:
         model = onnx.load(train) if opts.direct_gradients or len(self.buckets) > 1 else None
         if opts.direct_gradients:
             model, self.grad_outputs = direct_gradients(model)
-        self.unsegmented = None     # why the train graph was not cut at the buckets, when it was not
         if len(self.buckets) > 1:
             names = self.layout.names
             made = [[self.grad_outputs[n] if self.grad_outputs else n + ACC_OUT_SUFFIX for n in names[i:j]]
                     for i, j in self.bucket_tensors[:-1]]
-            try:
-                self.train_s = _Segmented(model, made, train, opts, recompute=recompute)
-            except _NotStatic as exc:
-                self.unsegmented = str(exc)
-                self.buckets = self._buckets(0)
-        if len(self.buckets) == 1:
+            self.train_s = _Segmented(model, made, train, opts, recompute=recompute)
+        else:
             self.train_s = _Bound(train, opts, "train", None if model is None else model.SerializeToString(),
                                   recompute=recompute)
         self.eval_s = _Bound(os.path.join(self.dir, "eval.onnx"), opts, "eval")

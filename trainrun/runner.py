@@ -249,9 +249,6 @@ class TrainingRunner:
             # the optimizer over the whole buffers, or (partitioned) over this rank's part only
             self.shard = update.build(cfg, self.comm, self.engine, node)
             self.grad_buckets = len(self.shard.buckets) if self.shard.overlapping else 0
-            if self.engine.unsegmented and self.is_main:
-                print(f"trainrun: warning: distributed.overlap_grad_reduce: {self.engine.unsegmented}",
-                      file=sys.stderr, flush=True)
         except UsageError as exc:
             error = exc
         self.comm.agree(error)
