@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP_RUN  := $(VENV)/.installed-run
 STAMP_TEST := $(VENV)/.installed-test
 
-.PHONY: setup setup-test test test-cluster test-gpu demo bench bench-124m docs clean
+.PHONY: setup setup-test test test-cluster test-gpu demo bench bench-124m bench-cluster docs clean
 
 $(BIN)/python:
 	@test -n "$(PYTHON)" || { echo "trainrun needs Python 3.10-3.12 on PATH" >&2; exit 2; }
@@ -63,6 +63,12 @@ bench: $(STAMP_TEST)
 # issue 17's targets at GPT-2 124M alone (~10 min on 2 cores): its section of BENCHMARKS.md
 bench-124m: $(STAMP_TEST)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python scripts/bench.py --only gpt2-124m
+
+# issue 29's scaling over a slow link (~30 min, root): GPT-2 mid and 124M on 2 pretend nodes of one core
+# (scripts/cluster/cluster.sh) at link rates unlimited, 10 and 1 Gbit/s against one node alone; its section
+# of BENCHMARKS.md
+bench-cluster: $(STAMP_TEST)
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python scripts/bench/cluster.py
 
 # docs/configuration.md from the config schema (tests/test_docs.py checks it is up to date)
 docs: $(STAMP_RUN)

@@ -264,3 +264,34 @@ def test_the_documented_slurm_script_requeues_after_the_warning_or_sigterm(tmp_p
     proc.send_signal(getattr(signal, f"SIG{sig}"))
     assert proc.wait(timeout=30) == 75
     assert (tmp_path / "scontrol").read_text().split() == ["requeue", "42"]
+
+
+@pytest.mark.parametrize("resumed", [False, True], ids=["first-start", "resume"])
+def test_a_signal_during_set_up_stops_before_the_first_step(tmp_path, byte_dataset, resumed):
+    """SIGTERM to mpirun while the ranks are still setting up (TRAINRUN_FAULT_WAIT_SIGNAL=0 holds them there
+    until it comes): exit 75 before any step, no checkpoint written or removed, the lock released; the same
+    command (or `resume`) then trains on from where the run was."""
+    cfg = _long_config(tmp_path, byte_dataset, **{"train.max_steps": 6, "checkpoint.every": 3})
+    run_dir = tmp_path / "run"
+    if resumed:
+        subprocess.run([MPIRUN, "-np", "2", TRAINRUN, "--config", cfg, "--set", "train.stop_at=3"],
+                       capture_output=True, timeout=300, check=True)
+    cmd = [TRAINRUN, "resume", str(run_dir)] if resumed else [TRAINRUN, "--config", cfg]
+    env = dict(os.environ, TRAINRUN_FAULT_WAIT_SIGNAL="0")
+    with open(tmp_path / "job.out", "w") as out, open(tmp_path / "job.err", "w") as err:
+        proc = subprocess.Popen([MPIRUN, "-np", "2", *cmd], stdout=out, stderr=err, env=env)
+    deadline = time.monotonic() + 120       # the job holds the run's lock: set-up has begun
+    while not os.path.exists(run_dir / ".lock") and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(1.5)     # past the handlers' installation, at the start of set-up
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGTERM)
+    assert _finish(proc) == STOPPED_EXIT, _texts(tmp_path)
+    out, err = _texts(tmp_path)
+    assert "during set-up, before step " + ("4" if resumed else "1") in err, err
+    assert ("stands" in err) == resumed and "Traceback" not in err
+    done = sorted(os.listdir(run_dir / "checkpoints")) if (run_dir / "checkpoints").exists() else []
+    assert done == (["3"] if resumed else [])
+    assert not os.path.exists(run_dir / ".lock")
+    subprocess.run([MPIRUN, "-np", "2", *cmd], capture_output=True, timeout=300, check=True)
+    assert max(read_metrics(str(run_dir))[0]) == 6

@@ -107,16 +107,22 @@ class TrainingRunner:
         self.global_batch = cfg.global_batch(self.world)
         self.tokens_per_step = self.global_batch * cfg.data.seq_len
 
-        self._open_data()          # the start-up check, before anything is written or built
-        self._prepare_run_dir()
-        self._check_same_everywhere()
-        self._build_engine()
+        # SIGTERM/SIGINT/SIGUSR1 or train.max_time: stop after the step, with a checkpoint; noted from here on,
+        # so that a signal during set-up stops the run before its first step instead of killing it
+        self.signals = StopSignals(t.max_time_s(), started=self.started).__enter__()
+        try:
+            self._open_data()          # the start-up check, before anything is written or built
+            self._prepare_run_dir()
+            self._check_same_everywhere()
+            faults.wait_until("WAIT_SIGNAL", self.rank, 0, lambda: self.signals.received is not None)
+            self._build_engine()
+        except BaseException:
+            self.signals.__exit__()
+            raise
         self.step = 0              # optimizer steps taken (including skipped non-finite ones)
         self.updates = 0           # successful updates: the optimizer's own step count
         self.skipped = 0
         self.nonfinite_in_a_row = 0
-        # SIGTERM/SIGINT/SIGUSR1 or train.max_time: stop after the step, with a checkpoint
-        self.signals = StopSignals(t.max_time_s(), started=self.started)
         self.early_stopping = EarlyStopping(t.early_stopping.patience, t.early_stopping.min_delta,
                                             C.watched_metric(cfg, "train.early_stopping.metric"))
         self.scaler = make_scaler(self.engine)     # fp16: dynamic loss scaling; else None
@@ -440,6 +446,7 @@ class TrainingRunner:
                     self.log(f"metrics.jsonl: {dropped} line(s) after step {self.step} removed (steps after the "
                              f"checkpoint resumed from, trained again now); TensorBoard drops them too")
             with self.signals:
+                self._stop_if_signalled_in_setup()
                 last, evaluated = self._loop(end, start)
             wire_bytes = self.shard.wire.sent_bytes     # the gradients' bytes on the wire (trainrun.wire)
             self.observe.close()
@@ -586,6 +593,18 @@ class TrainingRunner:
             exc.message += (f"; checkpoint {os.path.join(self.out, 'checkpoints', str(self.step))} committed "
                             f"first. {self._continue_hint()} once the cause is fixed")
         return exc
+
+    def _stop_if_signalled_in_setup(self) -> None:
+        """A stop signal (or train.max_time) that reached a rank during set-up: :class:`Stopped` before the
+        first step, nothing new to save (the last committed checkpoint, if any, is where a resume starts)."""
+        if not self.comm.allreduce_scalars([self.signals.flag()])[0]:
+            return
+        sig = self.signals.received
+        where = (f"checkpoint {os.path.join(self.out, 'checkpoints', str(self.step))} stands. "
+                 f"{self._continue_hint()}" if self.resume_from else
+                 "nothing was trained; run the same command again to start")
+        raise collective(Stopped(f"stopped by {sig or 'a signal to another rank'} during set-up, before step "
+                                 f"{self.step + 1}: {where}"))
 
     def _stopped(self) -> None:
         """After a stop signal: the checkpoint of this step committed on every rank, then :class:`Stopped`."""

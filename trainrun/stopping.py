@@ -39,7 +39,9 @@ class Stopped(TrainrunError):
 
 
 class StopSignals:
-    """Notes the first stop signal; installed for the life of the training loop (main thread only).
+    """Notes the first stop signal; installed from the start of the run's set-up to the end of its training
+    loop (main thread only): a signal during set-up (reading the data, preparing graphs, opening sessions)
+    is noted too, and the run stops before its first step. Entering it again while installed does nothing.
     ``max_time``: seconds from ``started`` (a ``time.monotonic()``) after which :meth:`flag` raises too."""
 
     def __init__(self, max_time: float | None = None, started: float | None = None):
@@ -50,7 +52,7 @@ class StopSignals:
         self._old: dict = {}
 
     def __enter__(self) -> "StopSignals":
-        if threading.current_thread() is threading.main_thread():
+        if not self._old and threading.current_thread() is threading.main_thread():
             for s in SIGNALS:
                 self._old[s] = signal.signal(s, self._handle)
         return self

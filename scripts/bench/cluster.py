@@ -3,7 +3,7 @@ each (scripts/cluster/cluster.sh, root), one rank a node, at several link rates,
 one node alone; side by side in one run, the variants alternated within each round.
 
     .venv/bin/python scripts/bench/cluster.py [--models mid,gpt2-124m] [--rates off,10gbit,1gbit]
-        [--rounds 2] [--data DIR] [--work runs/bench-cluster] [--output BENCHMARKS.md]
+        [--rounds 3] [--data DIR] [--work runs/bench-cluster] [--output BENCHMARKS.md]
 
 Per model (scripts/bench/common.py's shapes; micro-batch ``--micro-batch``, default 4 for mid, 2 for 124M, a
 rank): one run on n1 alone (``1x1``), then at every rate each variant on n1 + n2 (``2x1``):
@@ -38,11 +38,12 @@ ROOT, BIN, HERE = common.ROOT, common.BIN, common.HERE
 CLUSTER = ROOT / "scripts" / "cluster" / "cluster.sh"
 BEGIN, END = "<!-- bench-cluster: begin -->", "<!-- bench-cluster: end -->"
 VARIANTS = {
-    "fp32": [],
+    "fp32": ["distributed.overlap_grad_reduce=false"],
     "fp32-overlap": ["distributed.overlap_grad_reduce=true"],
-    "bf16": ["distributed.reduce_dtype=bf16"],
+    "bf16": ["distributed.reduce_dtype=bf16", "distributed.overlap_grad_reduce=false"],
     "bf16-overlap": ["distributed.reduce_dtype=bf16", "distributed.overlap_grad_reduce=true"],
 }
+MODEL_VARIANTS = {"gpt2-124m": ["fp32", "fp32-overlap", "bf16-overlap"]}     # default: all of VARIANTS
 STEPS = {"mid": (3, 12), "gpt2-124m": (2, 4)}          # (warm-up, timed) steps per run
 MICRO = {"mid": 4, "gpt2-124m": 2}
 
@@ -99,6 +100,31 @@ def one_run(work: Path, m: common.BenchModel, graphs: Path, data: str, tag: str,
     return out
 
 
+def pair_run(work: Path, m: common.BenchModel, graphs: Path, data: str, tag: str, warmup: int, steps: int,
+             micro: int) -> dict:
+    """One rank alone on n1 and one alone on n2 at the same time, no gradients exchanged: the two cores
+    busy at once, as in a 2-node run (shared caches and memory bandwidth); tokens/s summed."""
+    procs, dirs = [], []
+    for node in ("n1", "n2"):
+        d = work / "runs" / m.name / f"{tag}-{node}"
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        shutil.copytree(graphs, d / "graphs")
+        sets = common.run_sets(m, d, data, micro, 1, warmup, steps) + ["train.log_every=1"]
+        argv = [str(BIN / "trainrun"), "--config", str(common.CONFIG)] + [x for s in sets for x in ("--set", s)]
+        log = open(work / "logs" / f"{m.name}-{tag}-{node}.log", "w")
+        procs.append(subprocess.Popen([str(CLUSTER), "mpirun", "-hosts", node, "-np", "1", *argv], cwd=ROOT,
+                                      stdout=log, stderr=subprocess.STDOUT))
+        dirs.append(d)
+    rcs = [p.wait(timeout=1800) for p in procs]
+    tps = [tokens_per_sec(d, warmup, micro * m.seq_len) for d in dirs]
+    for d in dirs:
+        for junk in ("checkpoints", "model.onnx", "graphs"):
+            p = d / junk
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    return {"tag": tag, "rc": max(rcs), "tokens_per_sec": sum(tps) if all(tps) else None, "each": tps}
+
+
 def render(results: dict) -> str:
     mach = results["machine"]
     lines = [BEGIN, "### Across 2 nodes over a slow link (`make bench-cluster`, issue 29)", "",
@@ -110,17 +136,22 @@ def render(results: dict) -> str:
         base = mres["1x1"]
         lines += [f"**{name}** ({mres['params'] / 1e6:.1f}M parameters, {mres['grad_mb']:.0f} MB of fp32 gradients, "
                   f"micro-batch {mres['micro']} x seq {mres['seq']} a rank; buckets of {results['bucket_mb']} MiB "
-                  f"for overlap): one node alone {base:,.0f} tokens/s, {mres['step_1x1_s']:.3f} s a step.", "",
-                  "| link | variant | tokens/s (2 nodes) | scaling efficiency | step (s) | exposed per step (s) | "
-                  "wire bytes/step |", "|---|---|---:|---:|---:|---:|---:|"]
+                  f"for overlap): one node alone {base:,.0f} tokens/s, {mres['step_1x1_s']:.3f} s a step"
+                  + (f"; two ranks alone at once, one a node, nothing exchanged: {pair:,.0f} tokens/s "
+                     f"({pair / (2 * base):.2f} of twice one alone: what the box's shared caches and memory "
+                     f"take when both cores compute)" if (pair := mres.get('2 alone')) else "") + ".", "",
+                  "| link | variant | tokens/s (2 nodes) | scaling efficiency | of two alone at once | step (s) | "
+                  "exposed per step (s) | wire bytes/step |", "|---|---|---:|---:|---:|---:|---:|---:|"]
         for rate, per in mres["2x1"].items():
             for tag, r in per.items():
                 if not r.get("tokens_per_sec"):
-                    lines.append(f"| {rate} | {tag} | failed (rc {r.get('rc')}) | | | | |")
+                    lines.append(f"| {rate} | {tag} | failed (rc {r.get('rc')}) | | | | | |")
                     continue
                 eff = r["tokens_per_sec"] / (2 * base)
-                lines.append(f"| {rate} | {tag} | {r['tokens_per_sec']:,.0f} | {eff:.2f} | {r['step_s']:.3f} | "
-                             f"{r['step_s'] - mres['step_1x1_s']:+.3f} | {r.get('wire_bytes_per_step') or 0:,} |")
+                of_pair = f"{r['tokens_per_sec'] / pair:.2f}" if (pair := mres.get("2 alone")) else ""
+                lines.append(f"| {rate} | {tag} | {r['tokens_per_sec']:,.0f} | {eff:.2f} | {of_pair} | "
+                             f"{r['step_s']:.3f} | {r['step_s'] - mres['step_1x1_s']:+.3f} | "
+                             f"{r.get('wire_bytes_per_step') or 0:,} |")
         lines.append("")
     lines += [END]
     return "\n".join(lines)
@@ -140,8 +171,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="mid,gpt2-124m")
     ap.add_argument("--rates", default="off,10gbit,1gbit")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--variants", help="comma-separated names of VARIANTS (default: all of them; for 124M "
+                    "those of MODEL_VARIANTS)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of mid (124M: one)")
     ap.add_argument("--bucket-mb", type=float, default=4.0)
     ap.add_argument("--data", help="token dataset with a 1024 vocabulary (default: data/stdlib/train, else built)")
     ap.add_argument("--work", default=str(ROOT / "runs" / "bench-cluster"))
@@ -155,7 +187,7 @@ def main() -> int:
     (work / "logs").mkdir(parents=True, exist_ok=True)
     data = args.data or _dataset(work)
     results = {"machine": common.machine(), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               "rounds": args.rounds, "bucket_mb": args.bucket_mb, "models": {},
+               "rounds": f"{args.rounds} (124M: 1)", "bucket_mb": args.bucket_mb, "models": {},
                "command": "make bench-cluster" if len(sys.argv) == 1 else "scripts/bench/cluster.py "
                + " ".join(sys.argv[1:])}
     cluster("up", "2")
@@ -166,14 +198,18 @@ def main() -> int:
             micro = MICRO.get(name, 4)
             graphs = variants.prepare(work, m, micro, data)
             raw: dict = {"1x1": [], "2x1": {}}
-            for rnd in range(args.rounds):
+            tags = args.variants.split(",") if args.variants else MODEL_VARIANTS.get(name, list(VARIANTS))
+            for rnd in range(args.rounds if name == "mid" else 1):
                 cluster("rate", "off")
                 r = one_run(work, m, graphs, data, f"1x1-r{rnd}", 1, [], warmup, steps, micro, args.bucket_mb)
                 print(f"{name} 1x1 round {rnd}: {r['tokens_per_sec']} tokens/s", flush=True)
                 raw["1x1"].append(r)
+                r = pair_run(work, m, graphs, data, f"2-alone-r{rnd}", warmup, steps, micro)
+                print(f"{name} two alone at once round {rnd}: {r['tokens_per_sec']} tokens/s", flush=True)
+                raw.setdefault("2 alone", []).append(r)
                 for rate in args.rates.split(","):
                     cluster("rate", rate)
-                    for tag in args.variants.split(","):
+                    for tag in tags:
                         r = one_run(work, m, graphs, data, f"{rate}-{tag}-r{rnd}", 2, VARIANTS[tag], warmup, steps,
                                     micro, args.bucket_mb)
                         print(f"{name} {rate} {tag} round {rnd}: {r['tokens_per_sec']} tokens/s "
@@ -181,6 +217,8 @@ def main() -> int:
                         raw["2x1"].setdefault(rate, {}).setdefault(tag, []).append(r)
             tps_step = micro * m.seq_len
             base = statistics.median(r["tokens_per_sec"] for r in raw["1x1"] if r["tokens_per_sec"])
+            both = [r["tokens_per_sec"] for r in raw.get("2 alone", []) if r["tokens_per_sec"]]
+            pair = statistics.median(both) if both else None
             per_rate = {}
             for rate, per in raw["2x1"].items():
                 per_rate[rate] = {}
@@ -194,6 +232,7 @@ def main() -> int:
                     per_rate[rate][tag] = best
             results["models"][name] = {"params": m.params(), "grad_mb": 4 * m.params() / 1e6, "micro": micro,
                                        "seq": m.seq_len, "1x1": base, "step_1x1_s": tps_step / base,
+                                       "2 alone": pair,
                                        "all_1x1": [r["tokens_per_sec"] for r in raw["1x1"]], "2x1": per_rate,
                                        "raw": raw}
             common.write_json(work / "cluster.json", results)
