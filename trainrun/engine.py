@@ -191,6 +191,7 @@ class _Segmented:
         self.name, self.path, self.cuda, self.keep = "train", path, False, []
         made, self.parts, self.boundary = {}, [], {}
         self.unsettled = []         # per segment: the boundary tensors it makes, before the first run
+        self._allocated = []        # outputs onnxruntime allocates at each run (debug statistics), in order
         outputs = {v.name for v in model.graph.output}
         for seg in segments.split(model, targets):
             if seg is None:             # a bucket whose gradients an earlier segment already made
@@ -249,7 +250,7 @@ class _Segmented:
 
     def bind_allocated(self, name: str) -> None:
         self._owners(name, False)[0].bind_allocated(name)
-        self._allocated = getattr(self, "_allocated", []) + [name]
+        self._allocated.append(name)
 
     def values(self, count: int) -> list:
         return [self._value(n) for n in self._allocated[-count:]]

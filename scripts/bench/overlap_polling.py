@@ -11,6 +11,9 @@ about ``--compute`` seconds of single-threaded matmuls. Per way of waiting: ``sp
 policy: Test() back to back), polls every 20, 100 and 300 us, and the main thread's back-off (10 us
 doubling to 1 ms). Printed (rank 0, medians of ``--repeats``): the compute alone, the reduction alone
 (main thread, spinning) and both together; both = compute alone means the reduction is hidden.
+
+With ``--wakeups`` (one process, no MPI): what a thread that only sleeps and wakes costs the compute beside it
+on this machine, by the length of its sleeps (a virtual machine pays a timer exit at every wake-up).
 """
 
 from __future__ import annotations
@@ -35,7 +38,11 @@ def main() -> None:
     ap.add_argument("--buckets", type=int, default=10)
     ap.add_argument("--compute", type=float, default=0.6)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--wakeups", action="store_true")
     args = ap.parse_args()
+    if args.wakeups:
+        wakeups(args)
+        return
     comm = C.MPICommunicator(120)
     n = int(args.mb * 1e6 / 4)
     g = np.ones(n, np.float32)
@@ -92,6 +99,40 @@ def main() -> None:
                   f"{statistics.median(reduce):.3f} s; both, by the way the thread waits: "
                   + ", ".join(f"{k_} {v:.3f} s" for k_, v in rows.items()), flush=True)
     comm.close()
+
+
+def wakeups(args) -> None:
+    a = np.random.rand(384, 1536).astype(np.float32)
+    b = np.random.rand(1536, 1536).astype(np.float32)
+
+    def compute(k: int) -> float:
+        t = time.perf_counter()
+        for _ in range(k):
+            a @ b
+        return time.perf_counter() - t
+
+    k = max(1, int(50 * args.compute / compute(50)))
+    times: dict = {}
+    for _ in range(max(args.repeats, 5)):
+        for sleep in (0.0, 1e-4, 3e-4, 1e-3):
+            stop, woke = [False], [0]
+
+            def sleeper():
+                while not stop[0]:
+                    woke[0] += 1
+                    time.sleep(sleep)
+            th = threading.Thread(target=sleeper) if sleep else None
+            if th:
+                th.start()
+            took = compute(k)
+            stop[0] = True
+            if th:
+                th.join()
+            times.setdefault(sleep, []).append((took, woke[0] / took))
+    alone = statistics.median(t for t, _ in times[0.0])
+    print(f"compute alone {alone:.3f} s; beside a thread sleeping " + ", ".join(
+        f"{s * 1e6:.0f} us: {statistics.median(t for t, _ in v) / alone:.2f}x "
+        f"({statistics.median(w for _, w in v):,.0f} wake-ups/s)" for s, v in times.items() if s), flush=True)
 
 
 if __name__ == "__main__":
