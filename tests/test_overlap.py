@@ -115,3 +115,22 @@ def test_overlapped_buckets_train_bit_for_bit_as_one_allreduce(tmp_path, byte_da
     for name in ref_w:
         assert np.array_equal(got_w[name], ref_w[name]), name
     assert got_sum["wire_bytes_per_step"] == ref_sum["wire_bytes_per_step"]
+
+
+def test_statistics_steps_and_overlapped_steps_interleave(tmp_path, byte_dataset):
+    """debug.stats_every 2 with debug.tensors (outputs onnxruntime allocates, read from the segment that makes
+    them): the statistics steps reduce after the backward pass (they read the local gradients first), the
+    others in buckets during it; statistics, losses and weights equal a run without overlap."""
+    stats = {"debug.stats_every": 2, "debug.tensors": ["logits", "LayerNormalization_*_out0"],
+             "run.deterministic": True}
+    ref, _, ref_w = _train(tmp_path, byte_dataset, "plain", 2, **stats)
+    got, got_sum, got_w = _train(tmp_path, byte_dataset, "overlap", 2, **stats, **{
+        "distributed.overlap_grad_reduce": True, "distributed.bucket_mb": 0.004})
+    assert got_sum["grad_buckets"] >= 8
+    assert [(got[s]["loss"], got[s]["grad_norm"]) for s in sorted(got)] == \
+        [(ref[s]["loss"], ref[s]["grad_norm"]) for s in sorted(ref)]
+    assert all(np.array_equal(got_w[k], ref_w[k]) for k in ref_w)
+    for r in (0, 1):
+        a = (tmp_path / "plain" / "stats" / f"rank-{r}" / "stats.jsonl").read_text()
+        b = (tmp_path / "overlap" / "stats" / f"rank-{r}" / "stats.jsonl").read_text()
+        assert a == b and len(a.splitlines()) == 6, r

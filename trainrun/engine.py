@@ -124,6 +124,7 @@ class _Bound:
         self.sessions = [self.session]       # what profiling ends (a segmented graph has several)
         self.input_names = {i.name for i in self.session.get_inputs()}
         self.keep = []   # arrays whose memory is bound: keep them alive
+        self.out_names: list[str] = []      # bound outputs in binding order (get_outputs()' order)
         # host arrays bound as inputs of a CUDA session: bound again before each run (see run())
         self.host_inputs: dict[str, np.ndarray] = {}
 
@@ -153,14 +154,18 @@ class _Bound:
         dev, dev_id, ptr = self._where(arr)
         self.binding.bind_output(name, dev, dev_id, arr.dtype, list(arr.shape), ptr)
         self.keep.append(arr)
+        if name not in self.out_names:
+            self.out_names.append(name)
 
     def bind_allocated(self, name: str) -> None:
         """Output ``name`` allocated by onnxruntime on the session's device at each run (:meth:`values`)."""
         self.binding.bind_output(name, *(("cuda", self.device_id) if self.cuda else ("cpu", 0)))
+        if name not in self.out_names:
+            self.out_names.append(name)
 
-    def values(self, count: int) -> list:
-        """The last ``count`` bound outputs of the last run, on the host."""
-        return [v.numpy() for v in self.binding.get_outputs()[-count:]]
+    def value(self, name: str):
+        """Bound output ``name`` of the last run, on the host."""
+        return self.binding.get_outputs()[self.out_names.index(name)].numpy()
 
     def run(self, between=None) -> None:
         """One run (``between``: for :class:`_Segmented`'s interface; one graph has no point between)."""
@@ -190,8 +195,8 @@ class _Segmented:
                  recompute: bool = False):
         self.name, self.path, self.cuda, self.keep = "train", path, False, []
         made, self.parts, self.boundary = {}, [], {}
-        self.unsettled = []         # per segment: the boundary tensors it makes, before the first run
-        self._allocated = []        # outputs onnxruntime allocates at each run (debug statistics), in order
+        self.unsettled = []         # per segment: the tensors it hands on that no buffer holds yet
+        self.readers: dict[str, list] = {}      # a tensor a segment hands on -> the later segments that read it
         outputs = {v.name for v in model.graph.output}
         for seg in segments.split(model, targets):
             if seg is None:             # a bucket whose gradients an earlier segment already made
@@ -203,31 +208,32 @@ class _Segmented:
                 segments.typed_input(seg, name, made[name].type, made[name].shape)
             part = _Bound(path, opts, f"train.segment{len(self.parts)}", seg.SerializeToString(),
                           recompute=recompute)
-            mine = [o.name for o in part.session.get_outputs() if o.name not in outputs]
-            for o in part.session.get_outputs():
-                made[o.name] = o
-            for name in mine:           # the first bound outputs: get_outputs()[i] is mine[i]
+            for name in handed:
+                self.readers.setdefault(name, []).append(part)
+            mine = [o.name for o in part.session.get_outputs()]
+            for name in mine:
+                made[name] = next(o for o in part.session.get_outputs() if o.name == name)
+            # what only later segments read: onnxruntime allocates it at the first run, then it gets a buffer
+            self.unsettled.append([n for n in mine if n not in outputs])
+            for name in self.unsettled[-1]:
                 part.bind_allocated(name)
-            self.unsettled.append(mine)
             self.parts.append(part)
         live = [p for p in self.parts if p is not None]
         self.sessions = [p.session for p in live]
-        self.handed = {n for names in self.unsettled for n in names}
-        self.input_names = set().union(*(p.input_names for p in live)) - self.handed
-        self.session = _Union(live, self.handed)
+        self.handed = set(self.readers) - outputs       # the graph's own outputs stay the engine's to bind
+        self.input_names = set().union(*(p.input_names for p in live)) - set(self.readers)
+        self.session = _Union(live, set(self.readers), self.handed)
 
     def _settle(self, k: int) -> None:
         """After segment k's first run: what it hands on, copied into buffers of their own, bound as its
         outputs and as the later segments' inputs from now on."""
         part = self.parts[k]
-        values = part.binding.get_outputs()
-        for i, name in enumerate(self.unsettled[k]):
-            buf = np.array(values[i].numpy(), copy=True, order="C")
+        for name in self.unsettled[k]:
+            buf = np.array(part.value(name), copy=True, order="C")
             self.boundary[name] = buf
             part.bind_out(name, buf)
-            for later in self.parts[k + 1:]:
-                if later is not None and name in later.input_names:
-                    later.bind_in(name, buf)
+            for later in self.readers.get(name, []):
+                later.bind_in(name, buf)
         self.unsettled[k] = []
 
     def _owners(self, name: str, inputs: bool) -> list:
@@ -246,19 +252,23 @@ class _Segmented:
             p.bind_in(name, arr)
 
     def bind_out(self, name: str, arr) -> None:
+        """Also the input of the later segments that read this output of the graph (zero copy)."""
         self._owners(name, False)[0].bind_out(name, arr)
+        for later in self.readers.get(name, []):
+            later.bind_in(name, arr)
 
     def bind_allocated(self, name: str) -> None:
-        self._owners(name, False)[0].bind_allocated(name)
-        self._allocated.append(name)
+        """An output onnxruntime allocates at each run; one a later segment reads gets a buffer instead,
+        at the first run (debug statistics of a layer's output)."""
+        maker = self._owners(name, False)[0]
+        maker.bind_allocated(name)
+        if name in self.readers:
+            self.unsettled[self.parts.index(maker)].append(name)
 
-    def values(self, count: int) -> list:
-        return [self._value(n) for n in self._allocated[-count:]]
-
-    def _value(self, name: str):
-        part = self._owners(name, False)[0]
-        mine = [n for n in self._allocated if part is self._owners(n, False)[0]]
-        return part.binding.get_outputs()[-len(mine) + mine.index(name)].numpy()
+    def value(self, name: str):
+        if name in self.boundary:
+            return self.boundary[name].copy()
+        return self._owners(name, False)[0].value(name)
 
     def run(self, between=None) -> None:
         last = len(self.parts) - 1
@@ -274,19 +284,21 @@ class _Segmented:
 class _Union:
     """The inputs and outputs of all segments as one session shows them (for the engine's checks)."""
 
-    def __init__(self, parts: list, boundary: set):
-        self.parts, self.boundary = parts, boundary
+    def __init__(self, parts: list, handed: set, internal: set):
+        """``handed``: what segments hand to later ones (no input of the graph); ``internal``: those of
+        them that are no output of the graph either."""
+        self.parts, self.handed, self.internal = parts, handed, internal
 
     def get_inputs(self) -> list:
         seen = {}
         for p in self.parts:
             for i in p.session.get_inputs():
-                if i.name not in self.boundary:
+                if i.name not in self.handed:
                     seen.setdefault(i.name, i)
         return list(seen.values())
 
     def get_outputs(self) -> list:
-        return [o for p in self.parts for o in p.session.get_outputs() if o.name not in self.boundary]
+        return [o for p in self.parts for o in p.session.get_outputs() if o.name not in self.internal]
 
 
 class Engine:
@@ -581,7 +593,7 @@ class Engine:
         """The train graph's statistics outputs (debug.tensors) of its last run, on the host."""
         if not self.stats_outputs:
             return {}
-        return dict(zip(self.stats_outputs, self.train_s.values(len(self.stats_outputs))))
+        return {n: self.train_s.value(n) for n in self.stats_outputs}
 
     def grad_norm_sq(self) -> float:
         """Squared L2 norm of the gradient buffer (inf/nan when it holds any).
