@@ -125,8 +125,15 @@ def test_statistics_steps_and_overlapped_steps_interleave(tmp_path, byte_dataset
              "run.deterministic": True}
     ref, _, ref_w = _train(tmp_path, byte_dataset, "plain", 2, **stats)
     got, got_sum, got_w = _train(tmp_path, byte_dataset, "overlap", 2, **stats, **{
-        "distributed.overlap_grad_reduce": True, "distributed.bucket_mb": 0.004})
+        "distributed.overlap_grad_reduce": True, "distributed.bucket_mb": 0.004,
+        "profile.start_step": 3, "profile.steps": 2})
     assert got_sum["grad_buckets"] >= 8
+    # the profiled steps ran on sessions opened again with the profiler, every segment's ops in the trace
+    trace = json.loads((tmp_path / "overlap" / "profile" / "rank-0.json").read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    train_ops = [e for e in events if e.get("args", {}).get("session") == "train" and e.get("cat") == "Node"]
+    # the forward (first segment), a layer's backward, the embeddings' scatter (last segment)
+    assert {"Softmax", "LayerNormalizationGrad", "ScatterElements"} <= {e["args"].get("op_name") for e in train_ops}
     assert [(got[s]["loss"], got[s]["grad_norm"]) for s in sorted(got)] == \
         [(ref[s]["loss"], ref[s]["grad_norm"]) for s in sorted(ref)]
     assert all(np.array_equal(got_w[k], ref_w[k]) for k in ref_w)
