@@ -96,10 +96,8 @@ MAX_SLEEP_S = 1e-3
 # during the backward pass, trainrun.update) does not spin: it shares the rank's cores with onnxruntime. It
 # polls every QUIET_SLEEP_S instead (MPI progresses only inside MPI calls: a rendezvous or a collective's next
 # round waits for the next poll), until the main thread waits for it too (hurry()), then it spins.
-# Measured on the pretend cluster (one core a node, 1 Gbit/s; ten buckets of a 45 MB buffer allreduced
-# beside 0.55-0.59 s of matmuls; alone: 0.37 s fp32, 0.18 s bf16): a spinning thread 0.79 s fp32, 0.66 s bf16;
-# polls every 20 us 0.72 / 0.71 s, every 100 us 0.67 / 0.69 s, every 300 us 0.70 / 0.79 s; a backoff to 1 ms
-# 0.84 / 1.94 s (bf16's two collectives a bucket, each a few rounds, wait a millisecond a round).
+# scripts/bench/overlap_polling.py compares spinning, polls of 20-300 us and a back-off to 1 ms (bf16's two
+# collectives a bucket wait a millisecond a round with the back-off); figures in BENCHMARKS.md.
 QUIET_SLEEP_S = 1e-4
 _quiet = threading.local()
 _hurry = threading.Event()

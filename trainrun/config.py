@@ -443,8 +443,7 @@ class DistributedConfig:
     """Reduce the gradients in buckets while the backward pass goes on, as PyTorch DDP does: the train graph
     is cut where each bucket's gradients are final and a background thread reduces a finished bucket while
     the next part of the backward pass computes (the last bucket, with the embeddings, after it). Applies
-    to replicated updates over MPI on the CPU (zero_stage 0; one rank per node, or intra_node: mpi); needs
-    static shapes (engine.static_shapes)."""
+    to replicated updates over MPI on the CPU (zero_stage 0; one rank per node, or intra_node: mpi)."""
     bucket_mb: float = opt(4.0, gt=0.0)
     """Size of a gradient bucket (MiB) for overlap_grad_reduce: smaller starts the wire sooner and leaves
     less after the backward pass, but cuts the train graph into more parts."""

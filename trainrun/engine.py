@@ -158,7 +158,7 @@ class _Bound:
             self.out_names.append(name)
 
     def bind_allocated(self, name: str) -> None:
-        """Output ``name`` allocated by onnxruntime on the session's device at each run (:meth:`values`)."""
+        """Output ``name`` allocated by onnxruntime on the session's device at each run (:meth:`value`)."""
         self.binding.bind_output(name, *(("cuda", self.device_id) if self.cuda else ("cpu", 0)))
         if name not in self.out_names:
             self.out_names.append(name)
@@ -211,8 +211,7 @@ class _Segmented:
             for name in handed:
                 self.readers.setdefault(name, []).append(part)
             mine = [o.name for o in part.session.get_outputs()]
-            for name in mine:
-                made[name] = next(o for o in part.session.get_outputs() if o.name == name)
+            made.update((o.name, o) for o in part.session.get_outputs())
             # what only later segments read: onnxruntime allocates it at the first run, then it gets a buffer
             self.unsettled.append([n for n in mine if n not in outputs])
             for name in self.unsettled[-1]:

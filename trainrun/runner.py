@@ -31,7 +31,6 @@ import json
 import math
 import os
 import platform
-import sys
 import time
 
 import numpy as np

@@ -85,7 +85,7 @@ def build(cfg, comm, engine, node: "NodeBuffers | None" = None):
     depths = registry.layer_depths(cfg.model, engine.layout.names)
     if stage == 0 and node is None:
         return Replicated(comm, engine, optimizer_for(engine, cfg.optimizer, cfg.engine.optimizer_kernel, depths),
-                          cfg.distributed.reduce_dtype, overlap=overlaps(cfg, comm, node))
+                          cfg.distributed.reduce_dtype)
     return Partitioned(stage, comm, engine, cfg.optimizer, node, cfg.distributed.reduce_dtype, depths)
 
 
@@ -179,8 +179,8 @@ def _part_optimizer(cfg_optimizer, layout: FlatLayout, lo: int, hi: int, params,
 class Replicated:
     """Stage 0 over MPI: allreduce, the whole update on every rank.
 
-    With ``overlap`` (:func:`overlaps`) the engine's train graph is cut at its gradient buckets
-    (``engine.buckets``, flat ranges from the buffer's end, the order the backward pass finishes them):
+    When the engine's train graph is cut at gradient buckets (it was opened with
+    ``EngineOptions.bucket_bytes`` where :func:`overlaps` holds: ``engine.buckets``, flat ranges from the buffer's end, the order the backward pass finishes them):
     between two segments of the last micro-batch the engine calls :meth:`bucket_ready`, and the finished
     bucket's allreduce runs in a background thread while the next segment computes; :meth:`reduce` waits
     for those and reduces what is left (the last bucket, or everything when no bucket was started, e.g. a
@@ -192,13 +192,13 @@ class Replicated:
 
     sharded = False
 
-    def __init__(self, comm, engine, optimizer, reduce_dtype: str = "fp32", overlap: bool = False):
+    def __init__(self, comm, engine, optimizer, reduce_dtype: str = "fp32"):
         self.comm, self.engine = comm, engine
         self.wire = wire.make(comm, reduce_dtype)
         self.optimizer = optimizer
         self.state = self.optimizer.state
         self.lo, self.hi = 0, engine.layout.total
-        self.buckets = engine.buckets if overlap and len(engine.buckets) > 1 else None
+        self.buckets = engine.buckets if len(engine.buckets) > 1 else None
         self._pool = self._pending = None
         if self.buckets:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="trainrun-reduce", initializer=wait_quietly)

@@ -32,6 +32,21 @@ from trainrun import wire
 WAYS = {"spin": None, "poll 20us": 2e-5, "poll 100us": 1e-4, "poll 300us": 3e-4, "back-off to 1ms": "backoff"}
 
 
+def matmuls(seconds: float):
+    """(compute(k): k single-threaded 384x1536 @ 1536x1536 matmuls, their seconds; the k that takes about
+    ``seconds``)."""
+    a = np.random.rand(384, 1536).astype(np.float32)
+    b = np.random.rand(1536, 1536).astype(np.float32)
+
+    def compute(k: int) -> float:
+        t = time.perf_counter()
+        for _ in range(k):
+            a @ b
+        return time.perf_counter() - t
+
+    return compute, max(1, int(50 * seconds / compute(50)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=float, default=45.0)
@@ -46,16 +61,7 @@ def main() -> None:
     comm = C.MPICommunicator(120)
     n = int(args.mb * 1e6 / 4)
     g = np.ones(n, np.float32)
-    a = np.random.rand(384, 1536).astype(np.float32)
-    b = np.random.rand(1536, 1536).astype(np.float32)
-
-    def compute(k: int) -> float:
-        t = time.perf_counter()
-        for _ in range(k):
-            a @ b
-        return time.perf_counter() - t
-
-    k = max(1, int(50 * args.compute / compute(50)))
+    compute, k = matmuls(args.compute)
     cuts = [i * n // args.buckets for i in range(args.buckets + 1)]
 
     def reduce_all(w) -> None:
@@ -102,16 +108,7 @@ def main() -> None:
 
 
 def wakeups(args) -> None:
-    a = np.random.rand(384, 1536).astype(np.float32)
-    b = np.random.rand(1536, 1536).astype(np.float32)
-
-    def compute(k: int) -> float:
-        t = time.perf_counter()
-        for _ in range(k):
-            a @ b
-        return time.perf_counter() - t
-
-    k = max(1, int(50 * args.compute / compute(50)))
+    compute, k = matmuls(args.compute)
     times: dict = {}
     for _ in range(max(args.repeats, 5)):
         for sleep in (0.0, 1e-4, 3e-4, 1e-3):
