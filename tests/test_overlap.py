@@ -141,3 +141,21 @@ def test_statistics_steps_and_overlapped_steps_interleave(tmp_path, byte_dataset
         a = (tmp_path / "plain" / "stats" / f"rank-{r}" / "stats.jsonl").read_text()
         b = (tmp_path / "overlap" / "stats" / f"rank-{r}" / "stats.jsonl").read_text()
         assert a == b and len(a.splitlines()) == 6, r
+
+
+def test_a_run_resumes_with_overlap_switched_on(tmp_path, byte_dataset):
+    """`resume --set distributed.overlap_grad_reduce=true` (the same sums, so a key resume may change without
+    --force): steps 7-12 on 2 pretend nodes with buckets give the losses of the run without them."""
+    ref, _, _ = _train(tmp_path, byte_dataset, "plain", 2, **{"checkpoint.every": 6})
+    cfg = write_config(tmp_path / "half.yaml", byte_dataset, **{
+        "run.output_dir": str(tmp_path / "half"), "train.max_steps": 12, "checkpoint.every": 6,
+        "train.stop_at": 6,
+        "model.gpt2": {"n_layer": 3, "n_head": 2, "n_embd": 32, "n_positions": 32, "vocab_size": 512}})
+    env = {"TRAINRUN_RANKS_PER_NODE": "1"}
+    mpirun(2, "--config", cfg, env=env)
+    mpirun(2, "resume", str(tmp_path / "half"), "--set", "distributed.overlap_grad_reduce=true",
+           "--set", "distributed.bucket_mb=0.004", env=env)
+    got = read_metrics(str(tmp_path / "half"))[0]
+    assert json.load(open(tmp_path / "half" / "summary.json"))["grad_buckets"] >= 8
+    assert [(got[s]["loss"], got[s]["grad_norm"]) for s in range(1, 13)] == \
+        [(ref[s]["loss"], ref[s]["grad_norm"]) for s in range(1, 13)]
