@@ -106,6 +106,9 @@ def _record_inputs(command):
               help="Use this tokenizer.json (e.g. GPT-2's).")
 @click.option("--train-bpe", type=int, metavar="VOCAB_SIZE", help="Train a byte-level BPE of this size.")
 @click.option("--bytes", "use_bytes", is_flag=True, help="Raw UTF-8 bytes (vocab 257, EOS 256).")
+@click.option("--chars", "use_chars", is_flag=True,
+              help="Characters: a vocabulary of the documents' distinct characters (EOS 0), as nanoGPT's "
+                   "shakespeare_char; written to DIR/tokenizer.json for --tokenizer on more text.")
 @click.option("--eos", default=EOS_TOKEN, show_default=True, help="End-of-document token (--tokenizer).")
 @click.option("--eval-fraction", type=float, default=0.01, show_default=True,
               help="Fraction of documents (by content hash) for DIR/eval; 0 for none.")
@@ -119,7 +122,7 @@ def _record_inputs(command):
 @_record_inputs
 @click.option("--overwrite", is_flag=True, help="Replace a dataset already in --output.")
 @click.option("--progress/--no-progress", default=True, show_default=True)
-def tokens(inputs, more_inputs, output, tokenizer_path, train_bpe, use_bytes, eos, eval_fraction, shard_size,
+def tokens(inputs, more_inputs, output, tokenizer_path, train_bpe, use_bytes, use_chars, eos, eval_fraction, shard_size,
            include, exclude, workers, text_field, skip_bad, split, overwrite, progress):
     """Tokenize text into token shards: DIR/train, DIR/eval, DIR/tokenizer.json.
 
@@ -129,8 +132,8 @@ def tokens(inputs, more_inputs, output, tokenizer_path, train_bpe, use_bytes, eo
     options give the same bytes, whatever the number of workers.
     """
     from tqdm import tqdm
-    if sum([tokenizer_path is not None, train_bpe is not None, use_bytes]) != 1:
-        raise UsageError("choose exactly one of --tokenizer FILE, --train-bpe VOCAB_SIZE, --bytes")
+    if sum([tokenizer_path is not None, train_bpe is not None, use_bytes, use_chars]) != 1:
+        raise UsageError("choose exactly one of --tokenizer FILE, --train-bpe VOCAB_SIZE, --bytes, --chars")
     inputs = list(inputs) + list(more_inputs)
     if not inputs:
         raise UsageError("--input: give at least one file, directory or glob")
@@ -144,7 +147,7 @@ def tokens(inputs, more_inputs, output, tokenizer_path, train_bpe, use_bytes, eo
     train_docs, eval_docs = corpus.split(eval_fraction)
     out = Path(output)
     _prepare_output(out, ["train", "eval", "tokenizer.json"], overwrite)
-    encoder = _make_encoder(tokenizer_path, train_bpe, eos, corpus, train_docs, progress)
+    encoder = _make_encoder(tokenizer_path, train_bpe, use_chars, eos, corpus, train_docs, progress)
     if encoder.tokenizer_json is not None:
         (out / "tokenizer.json").write_text(encoder.tokenizer_json, encoding="utf-8")
     worker_args = ["--bytes"] if use_bytes else ["--tokenizer", str(out / "tokenizer.json"), "--eos", eos]
@@ -173,8 +176,11 @@ def tokens(inputs, more_inputs, output, tokenizer_path, train_bpe, use_bytes, eo
     click.echo(f"  time: {t2 - t0:.1f} s (tokenizer {t1 - t0:.1f} s, tokenizing {total / 1e6 / (t2 - t1):.1f} MB/s)")
 
 
-def _make_encoder(tokenizer_path, train_bpe, eos, corpus, train_docs, progress):
-    from .encode import BytesEncoder, TokenizerEncoder, load_tokenizer, train_bpe as train
+def _make_encoder(tokenizer_path, train_bpe, use_chars, eos, corpus, train_docs, progress):
+    from .encode import BytesEncoder, TokenizerEncoder, char_tokenizer, load_tokenizer, train_bpe as train
+    if use_chars:      # every document's characters, the eval split's too (nanoGPT: the whole text)
+        return TokenizerEncoder(char_tokenizer(read_documents(corpus.files, corpus.refs(range(len(corpus))),
+                                                              corpus.field)))
     if tokenizer_path:
         return TokenizerEncoder(load_tokenizer(tokenizer_path), eos)
     if train_bpe is not None:

@@ -176,6 +176,25 @@ def load_tokenizer(path: str):
         raise UsageError(f"--tokenizer {path}: not a readable tokenizer.json ({exc})") from None
 
 
+def char_tokenizer(texts):
+    """A character-level tokenizer (nanoGPT's shakespeare_char vocabulary): the end-of-document token
+    (id 0) and every distinct character of ``texts`` (an iterable of documents), in code point order
+    (ids 1..). Encoding splits text into single characters; a character outside the vocabulary becomes
+    the end-of-document token. Decoding joins the characters back."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    chars = set()
+    for text in texts:
+        chars.update(text)
+    if not chars:
+        raise UsageError("--chars: the documents hold no characters")
+    vocab = {EOS_TOKEN: 0, **{c: i for i, c in enumerate(sorted(chars - {EOS_TOKEN}), start=1)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=EOS_TOKEN))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([EOS_TOKEN])
+    return tok
+
+
 def train_bpe(texts, vocab_size: int, progress: bool = True, length: int | None = None):
     """Train a GPT-2-style byte-level BPE on ``texts`` (an iterable of documents); EOS is id 0."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

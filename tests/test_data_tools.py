@@ -84,6 +84,48 @@ def test_tokens_bytes_round_trip(corpus, tmp_path):
     assert not (out / "tokenizer.json").exists()
 
 
+def test_tokens_chars_is_character_level_and_its_tokenizer_serves_more_text(corpus, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for out, workers in ((a, "1"), (b, "2")):
+        run([TRAINRUN_DATA, "tokens", "--input", str(corpus), "--output", str(out), "--chars", "--eval-fraction",
+             "0.2", "--workers", workers, "--no-progress"], check=0)
+    assert tree_bytes(a) == tree_bytes(b)
+    docs = [d.decode("utf-8", "replace") for _, d in corpus_docs(corpus)]
+    chars = sorted(set("".join(docs)))              # the eval split's characters too
+    train, evals = expected_split(corpus_docs(corpus), 0.2)
+    tok = Tokenizer.from_file(str(a / "tokenizer.json"))
+    for split, part in (("train", train), ("eval", evals)):
+        m, tokens = shard_tokens(a / split)
+        assert m["vocab_size"] == len(chars) + 1 and m["eos_id"] == 0, split
+        texts = [d.decode("utf-8", "replace") for d in part]
+        assert tok.decode(tokens.tolist(), skip_special_tokens=False) == "".join(t + "<|endoftext|>" for t in texts)
+        plain = [t for t in texts if "<|endoftext|>" not in t]      # the special token's text is one token
+        expected = np.concatenate([[chars.index(c) + 1 for c in t] + [0] for t in plain])
+        assert np.array_equal(np.concatenate([tokens[:0]] + _documents(tokens, texts, plain)), expected), split
+    # its tokenizer.json on another text: the same ids; a character it never saw becomes the EOS token
+    (tmp_path / "more.txt").write_text("def x\u2603", encoding="utf-8")
+    run([TRAINRUN_DATA, "tokens", "--input", str(tmp_path / "more.txt"), "--output", str(tmp_path / "m"),
+         "--tokenizer", str(a / "tokenizer.json"), "--eval-fraction", "0", "--no-progress"], check=0)
+    _, more = shard_tokens(tmp_path / "m" / "train")
+    assert more.tolist() == [chars.index(c) + 1 for c in "def x"] + [0, 0]
+    proc = run([TRAINRUN_DATA, "tokens", "--input", str(corpus), "--output", str(tmp_path / "c"), "--chars",
+                "--bytes"], check=2)
+    assert "--chars" in proc.stderr
+
+
+def _documents(tokens, texts, plain):
+    """The token runs (each ending in EOS 0) of the documents ``plain`` among ``texts``."""
+    ends = np.flatnonzero(tokens == 0)
+    out, start, k = [], 0, 0
+    for t in texts:
+        n = t.count("<|endoftext|>") + 1                 # EOS ids: the document's own special tokens + its end
+        stop = ends[k + n - 1] + 1
+        if t in plain:
+            out.append(tokens[start:stop])
+        start, k = stop, k + n
+    return out
+
+
 def test_tokens_bpe_deterministic_and_decodes(corpus, tmp_path):
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     for out, workers in ((a, "1"), (b, "3")):       # 3 tokenizer processes: the same bytes

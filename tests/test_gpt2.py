@@ -243,3 +243,41 @@ def test_vocabulary_sized_loss_and_tied_gradient_match_transformers(tmp_path):
     for name, grad in eng.layout.unflatten(eng.grads).items():
         want = named[name].grad.numpy()
         assert np.abs(grad - want).max() <= 1e-5 * np.abs(want).max(), name
+
+
+@pytest.mark.parametrize("extra_use", [False, True])
+def test_gelu_gradient_by_hand_matches_numpy(extra_use):
+    """graphs.gradients._gelu_gradients: the built-in MLP's tanh-GELU (y * sigmoid(y (a + b y^2))) gets its
+    gradient written by hand (no four-way Sum of the builder's chain) and it equals float64 NumPy's
+    derivative; where y also feeds something else the builder's chain is kept (and is right too)."""
+    n, d = 16, 24
+    rng = np.random.default_rng(9)
+    x = (rng.standard_normal((n, d)) * 2).astype(np.float32)
+    w = rng.standard_normal((n, d)).astype(np.float32)
+    k = np.sqrt(2 / np.pi)
+    a, b = np.float32(2 * k), np.float32(2 * k * 0.044715)
+    mk = onnx.helper.make_node
+    nodes = [mk("Identity", ["X"], ["y"]), mk("Mul", ["y", "y"], ["y2"]), mk("Mul", ["y2", "B"], ["t"]),
+             mk("Add", ["t", "A"], ["poly"]), mk("Mul", ["y", "poly"], ["z"]), mk("Sigmoid", ["z"], ["s"]),
+             mk("Mul", ["y", "s"], ["act"]), mk("Mul", ["act", "W"], ["aw"])]
+    if extra_use:
+        nodes += [mk("Mul", ["y", "W"], ["yw"]), mk("Add", ["aw", "yw"], ["out"])]
+    nodes.append(mk("ReduceSum", ["out" if extra_use else "aw"], [LOSS], keepdims=0))
+    f32 = onnx.TensorProto.FLOAT
+    graph = onnx.helper.make_graph(nodes, "gelu", [onnx.helper.make_tensor_value_info("X", f32, [n, d])],
+                                   [onnx.helper.make_tensor_value_info(LOSS, f32, [])],
+                                   initializer=[onnx.numpy_helper.from_array(w, "W"),
+                                                onnx.numpy_helper.from_array(np.array(a), "A"),
+                                                onnx.numpy_helper.from_array(np.array(b), "B")])
+    loss_model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    loss_model.ir_version = 8
+    train, outputs = direct_gradients(build_train_graph(loss_model, ["X"], "test"))
+    sums = [len(m.input) for m in train.graph.node if m.op_type == "Sum"]
+    assert (5 in sums) if extra_use else (not sums and any(m.name.endswith("/gelu_grad") for m in train.graph.node))
+    sess = ort.InferenceSession(train.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = sess.run([outputs["X"]], {"X": x})[0]
+    y, w64 = x.astype(np.float64), w.astype(np.float64)
+    z = y * (float(a) + float(b) * y * y)
+    s = 1 / (1 + np.exp(-z))
+    want = w64 * (s + y * s * (1 - s) * (float(a) + 3 * float(b) * y * y)) + (w64 if extra_use else 0)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()

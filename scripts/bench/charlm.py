@@ -3,9 +3,9 @@
 process, torch's threads, `train.py config/train_shakespeare_char.py` with the CPU overrides) or, without a
 checkout, beside scripts/bench/charlm_torch.py (a stand-in written here, labelled so in the output).
 
-Any text: split 90/10 by characters as nanoGPT splits input.txt, one byte per character for both sides
-(`trainrun-data tokens --bytes`; nanoGPT gets the same bytes as uint16 with vocab_size 257), so the two
-train on the same tokens and their eval losses compare. Rounds alternate the two commands; the wall time
+Any text: split 90/10 by characters as nanoGPT splits input.txt, character level for both sides over the
+text's distinct characters (nanoGPT's prepare.py; `trainrun-data tokens --chars`), so the two train on the
+same characters and their eval losses compare. Rounds alternate the two commands; the wall time
 is the command's, from launch to exit (trainrun: graphs built, 2000 steps, 9 evaluations, checkpoints,
 model.onnx exported; nanoGPT: 2001 iterations, 9 evaluations of train and val, ckpt.pt when val improved).
 
@@ -39,27 +39,36 @@ def default_text() -> Path:
     return Path(pydoc_data.topics.__file__)     # 756 kB of English prose, on every Python
 
 
-def prepare_data(text_path: Path, work: Path) -> tuple[Path, Path, Path]:
-    """trainrun's train and eval datasets and nanoGPT's data folder, from the same 90/10 split."""
+def prepare_data(text_path: Path, work: Path) -> tuple[Path, Path, Path, int]:
+    """trainrun's train and eval datasets, nanoGPT's data folder and the vocabulary size (nanoGPT's),
+    from the same 90/10 split. Both are character level over the whole text's characters, as nanoGPT's
+    data/shakespeare_char/prepare.py makes them: nanoGPT's ids are the characters' ranks in code point
+    order; trainrun's (`trainrun-data tokens --chars`, then --tokenizer for each split) the same ranks + 1
+    (its end-of-document token is id 0, so its vocabulary is one larger)."""
     import numpy as np
     text = text_path.read_text(encoding="utf-8")
+    chars = sorted(set(text))
+    stoi = {c: i for i, c in enumerate(chars)}
     cut = int(len(text) * 0.9)
     parts = {"train": text[:cut], "val": text[cut:]}
     ng = work / "nanogpt-data" / "charlm"
     ng.mkdir(parents=True, exist_ok=True)
+    tool = str(common.BIN / "trainrun-data")
+    (work / "all.txt").write_text(text, encoding="utf-8")
+    subprocess.run([tool, "tokens", "--input", str(work / "all.txt"), "--output", str(work / "chars"), "--chars",
+                    "--eval-fraction", "0", "--overwrite"], check=True, capture_output=True)
     datasets = {}
     for split, part in parts.items():
         (work / f"{split}.txt").write_text(part, encoding="utf-8")
         out = work / f"data-{split}"
-        subprocess.run([str(common.BIN / "trainrun-data"), "tokens", "--input", str(work / f"{split}.txt"),
-                        "--output", str(out), "--bytes", "--eval-fraction", "0", "--overwrite"], check=True,
+        subprocess.run([tool, "tokens", "--input", str(work / f"{split}.txt"), "--output", str(out), "--tokenizer",
+                        str(work / "chars" / "tokenizer.json"), "--eval-fraction", "0", "--overwrite"], check=True,
                        capture_output=True)
         datasets[split] = out / "train"
-        np.frombuffer(part.encode("utf-8"), dtype=np.uint8).astype(np.uint16).tofile(
-            ng / ("train.bin" if split == "train" else "val.bin"))
+        np.array([stoi[c] for c in part], dtype=np.uint16).tofile(ng / ("train.bin" if split == "train" else "val.bin"))
     with open(ng / "meta.pkl", "wb") as fh:      # nanoGPT reads its vocabulary size from here
-        pickle.dump({"vocab_size": 257}, fh)
-    return datasets["train"], datasets["val"], ng
+        pickle.dump({"vocab_size": len(chars), "stoi": stoi, "itos": dict(enumerate(chars))}, fh)
+    return datasets["train"], datasets["val"], ng, len(chars)
 
 
 def timed(cmd: list[str], cwd: Path, log: Path, env: dict | None = None) -> float:
@@ -69,12 +78,13 @@ def timed(cmd: list[str], cwd: Path, log: Path, env: dict | None = None) -> floa
     return time.perf_counter() - t0
 
 
-def run_trainrun(work: Path, tag: str, train: Path, val: Path, ranks: int, iters: int) -> dict:
+def run_trainrun(work: Path, tag: str, train: Path, val: Path, ranks: int, iters: int, vocab: int) -> dict:
     out = work / "runs" / tag
     shutil.rmtree(out, ignore_errors=True)
     cmd = ["mpirun", "-np", str(ranks), str(common.BIN / "trainrun"), "--config", str(CONFIG),
            "--set", f"run.output_dir={out}", "--set", f"data.train={train}", "--set", f"data.eval={val}",
-           "--set", f"train.micro_batch_size={12 // ranks}", "--set", f"train.max_steps={iters}"]
+           "--set", f"train.micro_batch_size={12 // ranks}", "--set", f"train.max_steps={iters}",
+           "--set", f"model.gpt2.vocab_size={vocab + 1}"]
     wall = timed(cmd, work, work / f"{tag}.log", env=dict(os.environ, PATH=f"{common.BIN}:{os.environ['PATH']}"))
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     evals = [r for r in rows if "eval_loss" in r]
@@ -84,7 +94,7 @@ def run_trainrun(work: Path, tag: str, train: Path, val: Path, ranks: int, iters
             "startup_s": summary.get("startup_s"), "command": " ".join(cmd)}
 
 
-def run_nanogpt(work: Path, tag: str, nanogpt: Path | None, ng_data: Path, iters: int) -> dict:
+def run_nanogpt(work: Path, tag: str, nanogpt: Path | None, ng_data: Path, iters: int, vocab: int) -> dict:
     out = work / "runs" / tag
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -103,7 +113,7 @@ def run_nanogpt(work: Path, tag: str, nanogpt: Path | None, ng_data: Path, iters
                 for line in open(work / f"{tag}.log") if "val loss" in line]
         return {"wall_s": wall, "eval_loss": vals[-1], "best_eval_loss": min(vals), "command": " ".join(cmd)}
     cmd = [sys.executable, str(Path(__file__).with_name("charlm_torch.py")), "--data", str(ng_data),
-           "--vocab", "257", "--iters", str(iters), "--out-dir", str(out), "--json", str(out / "result.json")]
+           "--vocab", str(vocab), "--iters", str(iters), "--out-dir", str(out), "--json", str(out / "result.json")]
     wall = timed(cmd, work, work / f"{tag}.log")
     res = json.loads((out / "result.json").read_text())
     vals = [e["val"] for e in res["evals"]]
@@ -122,15 +132,15 @@ def main() -> int:
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     text = args.text or default_text()
-    train, val, ng_data = prepare_data(text, args.work)
+    train, val, ng_data, vocab = prepare_data(text, args.work)
     other = "nanoGPT" if args.nanogpt else "PyTorch stand-in (charlm_torch.py)"
     results = {"trainrun": [], other: []}
     for r in range(args.rounds):
         for name in (["trainrun", other] if r % 2 == 0 else [other, "trainrun"]):
             if name == "trainrun":
-                res = run_trainrun(args.work, f"trainrun-r{r}", train, val, args.ranks, args.iters)
+                res = run_trainrun(args.work, f"trainrun-r{r}", train, val, args.ranks, args.iters, vocab)
             else:
-                res = run_nanogpt(args.work, f"other-r{r}", args.nanogpt, ng_data, args.iters)
+                res = run_nanogpt(args.work, f"other-r{r}", args.nanogpt, ng_data, args.iters, vocab)
             results[name].append(res)
             print(f"round {r} {name}: {res['wall_s']:.1f} s, eval loss {res['eval_loss']:.4f}", flush=True)
     ratios = [o["wall_s"] / t["wall_s"] for t, o in zip(results["trainrun"], results[other])]

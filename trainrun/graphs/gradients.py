@@ -8,7 +8,9 @@ import copy
 import fnmatch
 import re
 
+import numpy as np
 import onnx
+import onnx.numpy_helper
 from onnx import TensorProto, helper
 
 from ..errors import TrainrunError, UsageError
@@ -40,7 +42,7 @@ def build_train_graph(loss_model: onnx.ModelProto, params: list[str], source: st
         raise UsageError(f"{source}: the loss does not depend on these parameters (freeze them with "
                          f"model.frozen): {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}")
 
-    nodes = list(_untransposed_weight_gradients(_scatter_tied_gradients(grad_model)).graph.node)
+    nodes = list(_untransposed_weight_gradients(_scatter_tied_gradients(_gelu_gradients(grad_model))).graph.node)
     new_inputs = list(grad_model.graph.input)
     new_outputs = [outputs[LOSS]] + [outputs[k] for k in keep]
     for p in params:
@@ -193,6 +195,91 @@ def _untransposed_weight_gradients(model: onnx.ModelProto) -> onnx.ModelProto:
     if changed:
         del model.graph.node[:]
         model.graph.node.extend(out)
+    return model
+
+
+def _gelu_gradients(model: onnx.ModelProto) -> onnx.ModelProto:
+    """tanh-GELU written with a Sigmoid, y * sigmoid(y * (a + b y^2)) (the built-in GPT-2's MLP: onnxruntime
+    has no fast fused GELU gradient on the CPU), differentiated by hand: the gradient builder chains a
+    Mul's gradient per product, 8 Muls, a SigmoidGrad and a Sum of y's four contributions, 12 passes over
+    the [tokens, 4 width] activation; here dy = dact s + SigmoidGrad(dact y, s) (poly + 2b y^2), 7 passes
+    (poly = a + b y^2, y^2 and s are the forward's). The same value; the rounding differs from the builder's
+    chain in the last bits. Only where y's gradient is the Sum of exactly the pattern's four, and y^2, the
+    polynomial, z and s feed nothing else; returns ``model``, changed in place."""
+    nodes = list(model.graph.node)
+    producer = {o: n for n in nodes for o in n.output}
+    backward = lambda n: "_Grad/" in n.name or n.name.startswith("AccumulateGrad_")  # noqa: E731 - the builder's names
+    fwd_uses: dict[str, int] = {}
+    for n in nodes:
+        if not backward(n):
+            for i in n.input:
+                fwd_uses[i] = fwd_uses.get(i, 0) + 1
+    scalars = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer
+               if t.data_type == TensorProto.FLOAT and int(np.prod(t.dims)) == 1}
+
+    def made(name, op):
+        n = producer.get(name)
+        return n if n is not None and n.op_type == op and n.domain in ("", "ai.onnx") else None
+
+    def split(n, pred):
+        """(the input that satisfies pred, the other) of a two-input node, or None."""
+        a, b = n.input
+        return (a, b) if pred(a) else (b, a) if pred(b) else None
+
+    replace = {}
+    for act in nodes:
+        if act.op_type != "Mul" or act.domain not in ("", "ai.onnx") or len(act.input) != 2:
+            continue
+        pair = split(act, lambda t: made(t, "Sigmoid") is not None)
+        if pair is None:
+            continue
+        s, y = pair
+        sig = producer[s]
+        zmul = made(sig.input[0], "Mul")
+        pair = zmul and split(zmul, lambda t: t != y and made(t, "Add") is not None)
+        if not pair or pair[1] != y:
+            continue
+        poly = pair[0]
+        pair = split(producer[poly], lambda t: t in scalars)
+        tmul = pair and made(pair[1], "Mul")
+        pair = tmul and split(tmul, lambda t: t in scalars)
+        sq = pair and made(pair[1], "Mul")
+        if not sq or list(sq.input) != [y, y]:
+            continue
+        b, y2 = float(scalars[pair[0]]), pair[1]
+        chain = [sq, tmul, producer[poly], zmul, sig, act]
+        gy, gact = y + "_grad", act.output[0] + "_grad"
+        acc = producer.get(gy)
+        # y read by the pattern's four product inputs only, the intermediates by the pattern only: the
+        # Sum is of the pattern's contributions, nothing else reaches y's gradient
+        if acc is None or acc.op_type != "Sum" or len(acc.input) != 4 or gact not in producer \
+                or fwd_uses.get(y) != 4 or any(fwd_uses.get(t, 0) != 1 for t in (y2, tmul.output[0], poly,
+                                                                                zmul.output[0], s)):
+            continue
+        k = act.name or act.output[0]
+        replace[id(acc)] = [
+            helper.make_node("Constant", [], [k + "/gelu_2b"], name=k + "/gelu_2b",
+                             value=onnx.numpy_helper.from_array(np.array(2 * b, np.float32))),
+            helper.make_node("Mul", [gact, s], [k + "/gelu_ds"], name=k + "/gelu_ds"),
+            helper.make_node("Mul", [gact, y], [k + "/gelu_dy"], name=k + "/gelu_dy"),
+            helper.make_node("SigmoidGrad", [k + "/gelu_dy", s], [k + "/gelu_dz"], name=k + "/gelu_dz",
+                             domain="com.microsoft"),
+            helper.make_node("Mul", [y2, k + "/gelu_2b"], [k + "/gelu_2by2"], name=k + "/gelu_2by2"),
+            helper.make_node("Add", [poly, k + "/gelu_2by2"], [k + "/gelu_slope"], name=k + "/gelu_slope"),
+            helper.make_node("Mul", [k + "/gelu_dz", k + "/gelu_slope"], [k + "/gelu_dzy"], name=k + "/gelu_dzy"),
+            helper.make_node("Add", [k + "/gelu_ds", k + "/gelu_dzy"], [gy], name=k + "/gelu_grad")]
+    if not replace:
+        return model
+    out = [x for n in nodes for x in replace.get(id(n), [n])]
+    keep = {o.name for o in model.graph.output}
+    while True:      # the builder's chain, now read by nothing
+        used = keep | {i for n in out for i in n.input}
+        gone = {id(n) for n in out if backward(n) and not used.intersection(n.output)}
+        if not gone:
+            break
+        out = [n for n in out if id(n) not in gone]
+    del model.graph.node[:]
+    model.graph.node.extend(out)
     return model
 
 

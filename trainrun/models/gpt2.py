@@ -91,9 +91,10 @@ def build_gpt2(cfg: GPT2Config, weights: dict[str, np.ndarray], kv_cache: bool =
     g.const("c_axes01", np.array([0, 1], np.int64))
     if not kv_cache:
         g.const("c_zero2", np.array([0, 0], np.int64))
-    g.const("c_heads_shape", np.array([0, 0, H, D], np.int64))
-    g.const("c_merge_shape", np.array([0, 0, E], np.int64))
-    g.const("c_split3", np.array([E, E, E], np.int64))
+    g.const("c_flat_shape", np.array([-1, E], np.int64))
+    g.const("c_rows", np.array([-1], np.int64))
+    g.const("c_3hd", np.array([3, H, D], np.int64))
+    g.const("c_width", np.array([E], np.int64))
     g.const("c_scale", np.array(1.0 / math.sqrt(D), np.float32))
     # gelu_new(y) = 0.5 y (1 + tanh(k (y + 0.044715 y^3))) = y * sigmoid(y * (2k + 2k 0.044715 y^2)), k = sqrt(2/pi)
     g.const("c_gelu_a", np.array(2 * math.sqrt(2 / math.pi), np.float32))
@@ -102,9 +103,13 @@ def build_gpt2(cfg: GPT2Config, weights: dict[str, np.ndarray], kv_cache: bool =
         g.const("dropout_ratio", np.array(cfg.dropout, np.float32))
         g.const("dropout_training", np.array(True))
 
-    def dropout(x):
+    def dropout(x, rows=False):
+        """``rows``: x is [B*S, width], dropped as [B, S, width] (trainrun's masks are drawn per sample)."""
         if cfg.dropout <= 0:
             return x
+        if rows:
+            y = g.op("Dropout", [g.op("Reshape", [x, seq_shape]), "dropout_ratio", "dropout_training"])
+            return g.op("Reshape", [y, "c_flat_shape"])
         return g.op("Dropout", [x, "dropout_ratio", "dropout_training"])
 
     def layer_norm(x, prefix):
@@ -128,43 +133,43 @@ def build_gpt2(cfg: GPT2Config, weights: dict[str, np.ndarray], kv_cache: bool =
     else:
         pos = g.op("Slice", ["transformer.wpe.weight", "c_zero1", seq, "c_zero1"])  # [S,E]
         mask = g.op("Slice", ["causal_mask", "c_zero2", seq2, "c_axes01"])   # [S,S]
-    h = dropout(g.op("Add", [tok, pos]))
+    # the residual stream as [B*S, E] rows: each linear layer's MatMul + bias is one Gemm
+    h = g.op("Reshape", [dropout(g.op("Add", [tok, pos])), "c_flat_shape"])
+    qkv_shape = g.op("Concat", ["c_rows", seq, "c_3hd"], axis=0)                # [B, S, 3, H, D]
+    seq_shape = g.op("Concat", ["c_rows", seq, "c_width"], axis=0)              # [B, S, E]
 
     for i in range(cfg.n_layer):
         p = f"transformer.h.{i}"
         a = layer_norm(h, p + ".ln_1")
         qkv = linear(a, p + ".attn.c_attn")
-        q, k, v = g.op("Split", [qkv, "c_split3"], n_out=3, axis=-1)
-        q = g.op("Transpose", [g.op("Reshape", [q, "c_heads_shape"])], perm=[0, 2, 1, 3])  # [B,H,S,D]
+        # [B*S,3E] -> [B,S,3,H,D] -> one transpose to [3,B,H,S,D] -> q, k, v [B,H,S,D] split off the
+        # outer axis (contiguous copies); k's transpose folds into the scores' MatMul (transB)
+        qkv = g.op("Transpose", [g.op("Reshape", [qkv, qkv_shape])], perm=[2, 0, 3, 1, 4])
+        q, k, v = (g.op("Squeeze", [t, "c_zero1"]) for t in g.op("Split", [qkv], n_out=3, axis=0))
         if kv_cache:
-            k = g.op("Transpose", [g.op("Reshape", [k, "c_heads_shape"])], perm=[0, 2, 1, 3])  # [B,H,S,D]
-            v = g.op("Transpose", [g.op("Reshape", [v, "c_heads_shape"])], perm=[0, 2, 1, 3])
             for name, new in (("key", k), ("value", v)):
                 g.nodes.append(helper.make_node("Concat", [f"past.{i}.{name}", new], [f"present.{i}.{name}"],
                                                 name=f"present.{i}.{name}", axis=2))
-            kt = g.op("Transpose", [f"present.{i}.key"], perm=[0, 1, 3, 2])                  # [B,H,D,P+S]
-            v = f"present.{i}.value"
-        else:
-            kt = g.op("Transpose", [g.op("Reshape", [k, "c_heads_shape"])], perm=[0, 2, 3, 1])  # [B,H,D,S]
-            v = g.op("Transpose", [g.op("Reshape", [v, "c_heads_shape"])], perm=[0, 2, 1, 3])
+            k, v = f"present.{i}.key", f"present.{i}.value"
+        kt = g.op("Transpose", [k], perm=[0, 1, 3, 2])                                    # [B,H,D,S]
         scores = g.op("Add", [g.op("Mul", [g.op("MatMul", [q, kt]), "c_scale"]), mask])
         probs = dropout(g.op("Softmax", [scores], axis=-1))
         y = g.op("Transpose", [g.op("MatMul", [probs, v])], perm=[0, 2, 1, 3])   # [B,S,H,D]
-        y = g.op("Reshape", [y, "c_merge_shape"])
-        h = g.op("Add", [h, dropout(linear(y, p + ".attn.c_proj"))])
+        y = g.op("Reshape", [y, "c_flat_shape"])
+        h = g.op("Add", [h, dropout(linear(y, p + ".attn.c_proj"), rows=True)])
 
         m = layer_norm(h, p + ".ln_2")
         m = g.op("MatMul", [m, p + ".mlp.c_fc.weight"])
-        # gelu_new from Add/Mul/Sigmoid: onnxruntime differentiates these with vectorised, multi-threaded
-        # kernels; FastGelu's gradient is a scalar one-thread tanh loop (21% of a gpt2-tiny step)
+        # gelu_new from Add/Mul/Sigmoid: vectorised kernels (FastGelu's gradient is a scalar one-thread tanh
+        # loop, 21% of a gpt2-tiny step); the train graph differentiates it by hand (graphs.gradients)
         y = g.op("Add", [m, p + ".mlp.c_fc.bias"])
         poly = g.op("Add", [g.op("Mul", [g.op("Mul", [y, y]), "c_gelu_b"]), "c_gelu_a"])
         act = p + ".mlp.act"      # a stable name for debug.tensors
         g.nodes.append(helper.make_node("Mul", [y, g.op("Sigmoid", [g.op("Mul", [y, poly])])], [act], name=act))
         m = act
-        h = g.op("Add", [h, dropout(linear(m, p + ".mlp.c_proj"))])
+        h = g.op("Add", [h, dropout(linear(m, p + ".mlp.c_proj"), rows=True)])
 
-    hf = layer_norm(h, "transformer.ln_f")
+    hf = g.op("Reshape", [layer_norm(h, "transformer.ln_f"), seq_shape])
     if num_labels is not None:
         return _classify(g, hf, num_labels)
     g.nodes.append(helper.make_node("MatMul", [hf, g.op("Transpose", ["transformer.wte.weight"], perm=[1, 0])],
