@@ -8,6 +8,7 @@ belongs on a short stack).
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -69,18 +70,23 @@ def disabled_optimizers(recompute: bool = False) -> list[str] | None:
 def import_onnxruntime():
     """onnxruntime, imported without importing torch. onnxruntime-training's package check (its
     capi/onnxruntime_validation.py) imports ORTModule, and with it torch wherever torch is installed: 1.5 s
-    of every trainrun process that never uses either. With ``torch`` unimportable for the
-    duration the check finds no ORTModule and moves on; afterwards torch imports as usual (a process that
-    already imported torch is left as it is). Every entry point calls this before anything imports
+    of every trainrun process that never uses either. Every entry point calls this before anything imports
     onnxruntime."""
-    if "onnxruntime" in sys.modules:
-        return sys.modules["onnxruntime"]
+    return import_without_torch("onnxruntime")
+
+
+def import_without_torch(name: str):
+    """Module ``name``, imported with ``torch`` unimportable for the duration: packages that import torch
+    when it is installed only to accept its tensors (onnxruntime-training's package check, which then
+    finds no ORTModule and moves on; tensorboardX's writer, 1.8 s) skip it. Afterwards torch imports as
+    usual; a process that already imported torch is left as it is."""
+    if name in sys.modules:
+        return sys.modules[name]
     block = "torch" not in sys.modules
     if block:
-        sys.modules["torch"] = None      # `import torch` raises ImportError, which the check expects
+        sys.modules["torch"] = None      # `import torch` raises ImportError, which they expect
     try:
-        import onnxruntime
+        return importlib.import_module(name)
     finally:
         if block and sys.modules.get("torch", 0) is None:
             del sys.modules["torch"]
-    return onnxruntime

@@ -20,6 +20,8 @@ import os
 import sys
 import time
 
+from ..sessions import import_without_torch
+
 _TB_NAMES = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
              "tokens_per_sec": "train/tokens_per_sec", "samples_per_sec": "train/samples_per_sec",
              "eval_loss": "eval/loss",
@@ -82,6 +84,7 @@ class Metrics:
             return
         self._jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a", buffering=1)
         if tensorboard:
+            import_without_torch("tensorboardX")       # its writer imports torch where installed
             from tensorboardX.event_file_writer import EventsWriter
             tb_dir = os.path.join(output_dir, "tensorboard")
             os.makedirs(tb_dir, exist_ok=True)
