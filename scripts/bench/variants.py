@@ -22,6 +22,7 @@ and does not re-prepare inside its own run.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -60,7 +61,9 @@ def prepare(work, model: common.BenchModel, micro_batch: int, data: str, sets=()
     """The graphs folder for ``model`` at ``micro_batch`` with the graph-shaping ``sets``, made once by
     ``trainrun prepare``. ``run(name, cmd) -> returncode`` runs the command (default: subprocess)."""
     out = graphs_dir(work, model, micro_batch, sets)
-    if (out / "manifest.json").exists():
+    stamp = code_stamp()
+    if (out / "manifest.json").exists() and (out.parent / "code.stamp").exists() \
+            and (out.parent / "code.stamp").read_text() == stamp:
         return out
     shutil.rmtree(out.parent, ignore_errors=True)
     argv = common.run_sets(model, out.parent, data, micro_batch) + graph_sets(sets)
@@ -74,7 +77,17 @@ def prepare(work, model: common.BenchModel, micro_batch: int, data: str, sets=()
         rc = run(name, cmd)
     if rc or not (out / "manifest.json").exists():
         raise SystemExit(f"trainrun prepare failed ({name}): {' '.join(cmd)}")
+    (out.parent / "code.stamp").write_text(stamp)
     return out
+
+
+def code_stamp() -> str:
+    """A hash of trainrun's sources: a folder prepared by other code (an earlier checkout's graphs, in a
+    work folder kept between bench runs) is prepared again, not measured as this code's."""
+    h = hashlib.sha256()
+    for f in sorted((common.ROOT / "trainrun").rglob("*.py")):
+        h.update(str(f.relative_to(common.ROOT)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
 
 
 def build_of(graphs) -> dict:
