@@ -247,7 +247,6 @@ def _gelu_gradients(model: onnx.ModelProto) -> onnx.ModelProto:
         if not sq or list(sq.input) != [y, y]:
             continue
         b, y2 = float(scalars[pair[0]]), pair[1]
-        chain = [sq, tmul, producer[poly], zmul, sig, act]
         gy, gact = y + "_grad", act.output[0] + "_grad"
         acc = producer.get(gy)
         # y read by the pattern's four product inputs only, the intermediates by the pattern only: the
@@ -258,8 +257,7 @@ def _gelu_gradients(model: onnx.ModelProto) -> onnx.ModelProto:
             continue
         k = act.name or act.output[0]
         replace[id(acc)] = [
-            helper.make_node("Constant", [], [k + "/gelu_2b"], name=k + "/gelu_2b",
-                             value=onnx.numpy_helper.from_array(np.array(2 * b, np.float32))),
+            const(k + "/gelu_2b", 2 * b, np.float32),
             helper.make_node("Mul", [gact, s], [k + "/gelu_ds"], name=k + "/gelu_ds"),
             helper.make_node("Mul", [gact, y], [k + "/gelu_dy"], name=k + "/gelu_dy"),
             helper.make_node("SigmoidGrad", [k + "/gelu_dy", s], [k + "/gelu_dz"], name=k + "/gelu_dz",
