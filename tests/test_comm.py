@@ -465,6 +465,57 @@ def test_nccl_collectives_on_gpu(tmp_path):
     assert [d["rank"] for d in results(tmp_path)] == list(range(nprocs)), out
 
 
+MPI_CUPY_SCRIPT = '''
+import cupy as cp
+from trainrun import wire
+
+def main(comm):
+    r, n = comm.rank, comm.world_size
+    assert comm.backend == "mpi"
+    big = cp.full(12_000, cp.nan, cp.float32)
+    buf = big[1000:11_000]                       # a view: its own pointer and count
+    for k in range(2):                           # twice: the kept host twin carries new values
+        base = cp.arange(10_000, dtype=cp.float32) % 1000 + k
+        buf[...] = base * (r + 1) + r
+        comm.allreduce_(buf)
+        expect = base * (n * (n + 1) // 2) + n * (n - 1) // 2
+        assert bool(cp.all(buf == expect)), ("allreduce_", k)
+    assert bool(cp.isnan(big[:1000]).all()) and bool(cp.isnan(big[11_000:]).all()), "wrote outside the view"
+    src = cp.arange(8 * n, dtype=cp.float64) + 100 * r
+    out = cp.empty(8, dtype=cp.float64)
+    comm.reduce_scatter(src, out)
+    full = n * cp.arange(8 * n, dtype=cp.float64) + 100 * (n * (n - 1) // 2)
+    assert bool(cp.all(out == full[8 * r:8 * (r + 1)])), "reduce_scatter"
+    gathered = cp.empty(8 * n, dtype=cp.float64)
+    comm.allgather(out, gathered)
+    assert bool(cp.all(gathered == full)), "allgather"
+    b = cp.full(64, r, dtype=cp.int64)
+    comm.broadcast_(b, root=n - 1)
+    assert bool(cp.all(b == n - 1)), "broadcast_"
+    # distributed.reduce_dtype: bf16 on the mpi backend from a cupy buffer: the bits of the numpy path
+    host = np.random.default_rng(r).standard_normal(5_003).astype(np.float32)
+    dev = cp.asarray(host)
+    wire.make(comm, "bf16").allreduce_(host)
+    wire.make(comm, "bf16").allreduce_(dev)
+    assert np.array_equal(dev.get().view(np.uint32), host.view(np.uint32)), "bf16 wire"
+    report(r, {"rank": r})
+
+comm = make_communicator("mpi", device="cuda", timeout_s=60)
+run(main, comm)
+comm.close()
+'''
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(C.cuda_device_count() == 0, reason="needs a CUDA GPU and cupy")
+def test_mpi_backend_stages_cupy_buffers_for_ranks_sharing_a_gpu(tmp_path):
+    """distributed.backend: mpi with device: cuda (ranks sharing one GPU): every collective on cupy
+    buffers through the host twins, views at an offset, bf16 on the wire; 2 ranks on GPU 0."""
+    rc, out, _ = run_ranks(tmp_path, 2, MPI_CUPY_SCRIPT, timeout=120)
+    assert rc == 0, out
+    assert [d["rank"] for d in results(tmp_path)] == [0, 1], out
+
+
 def test_srun_without_pmi2_is_a_usage_error_naming_it(tmp_path):
     """srun's tasks without an MPI plugin (SLURM's MpiDefault=none) are N one-rank MPI worlds: each would
     train alone with another global batch. SLURM_STEP_NUM_TASKS > 1 (srun's, not the batch script's) in a

@@ -216,6 +216,93 @@ def test_nccl_collectives_at_world_size_one_move_every_element(tmp_path):
         comm.close()
 
 
+# bf16 bit patterns whose rounding is easy to get wrong: ties to even (down and up), the largest
+# finite float (rounds to inf), NaNs whose payload sits in the dropped bits, infinities, subnormals, -0
+BF16_EDGES = np.array([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x7F7FFFFF, 0x7F800001, 0xFFC00001, 0x7F800000,
+                       0xFF800000, 0x00000001, 0x00008000, 0x00018000, 0x80000000, 0x807FFFFF], np.uint32)
+
+
+def test_nccl_bf16_wire_rounds_as_the_host_kernel():
+    """``distributed.reduce_dtype: bf16`` on NCCL (``allreduce_bf16_``: cupy's rounding kernel, NCCL's bf16
+    datatype, the widening kernel) at world size 1, where the sum is the buffer itself: every element
+    equal, bit for bit, to the host path's rounding (trainrun.wire, tested against NumPy on the CPU), on a
+    view at an offset (nothing outside it written), twice (the kept uint16 twin reused)."""
+    import cupy
+    from trainrun import wire
+    from trainrun.comm import NCCLCommunicator, SingleProcess
+    rng = np.random.default_rng(0)
+    host = np.concatenate([BF16_EDGES.view(np.float32), rng.standard_normal(100_003).astype(np.float32) * 1e3])
+    comm = NCCLCommunicator(SingleProcess(60.0), 60.0)
+    try:
+        for round_ in range(2):
+            with np.errstate(over="ignore", invalid="ignore"):     # the edges: inf and NaN stay so
+                x = host * (round_ + 1)
+            bits = np.empty(x.size, np.uint16)
+            wire.to_bf16(x, bits)
+            want = np.empty(x.size, np.float32)
+            wire.from_bf16(bits, want)
+            big = cupy.full(x.size + 10, 7.0, cupy.float32)
+            buf = big[3:3 + x.size]
+            buf.set(x)
+            comm.allreduce_bf16_(buf)
+            got = big.get()
+            assert np.array_equal(got[3:3 + x.size].view(np.uint32), want.view(np.uint32)), round_
+            assert (got[:3] == 7).all() and (got[3 + x.size:] == 7).all()
+    finally:
+        comm.close()
+
+
+def test_checkpoint_of_cupy_buffers_is_the_numpy_checkpoint(tmp_path):
+    """trainrun.checkpoint on the GPU's buffers (staged to the host chunk by chunk, a chunk boundary
+    crossed) against the same buffers as NumPy arrays: the same files bit for bit, the same parameter
+    digest (other ranks' rank-N.json), and restore() fills fresh cupy buffers with the saved bits."""
+    import cupy
+    from trainrun import checkpoint as K
+    from trainrun.comm import SingleProcess
+    from trainrun.flat import FlatLayout
+    n = K._CHUNK // 4 + 12_345                      # one chunk and a bit
+    layout = FlatLayout(["a", "b"], [(1000, 7), (n - 7000,)], [0, 7000], n)
+    rng = np.random.default_rng(1)
+    hosts = {k: rng.standard_normal(n, dtype=np.float32) for k in ("params", "exp_avg", "exp_avg_sq")}
+    devs = {k: cupy.asarray(v) for k, v in hosts.items()}
+    meta = {"loader": {"position": 0}}
+    files = {}
+    for kind, buffers in (("numpy", hosts), ("cupy", devs)):
+        run_dir = str(tmp_path / kind)
+        ck = K.Checkpointer(run_dir, SingleProcess(60.0), keep_last=1)
+        ck.save(1, layout, buffers, meta, "config: {}\n")
+        ck.finish()
+        files[kind] = os.path.join(run_dir, "checkpoints", "1")
+        K.verify(files[kind])
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        with open(os.path.join(files["numpy"], name), "rb") as a, open(os.path.join(files["cupy"], name), "rb") as b:
+            assert a.read() == b.read(), name
+    assert K.params_digest(devs["params"]) == K.params_digest(hosts["params"])
+    params, state = cupy.zeros(n, cupy.float32), {"exp_avg": cupy.zeros(n, cupy.float32),
+                                                 "exp_avg_sq": cupy.zeros(n, cupy.float32)}
+    K.Checkpointer(str(tmp_path / "cupy"), SingleProcess(60.0), keep_last=1).restore(files["cupy"], layout, params, state)
+    for k, buf in {"params": params, **state}.items():
+        assert np.array_equal(buf.get(), hosts[k]), k
+
+
+def test_tensor_statistics_of_cupy_arrays_match_numpy():
+    """observe.stats (``logging.tensor_stats``) on cupy arrays, NaN and inf counted, float16 and int
+    arrays widened: the NumPy path's figures (float64 accumulations in another order: rtol 1e-9)."""
+    import cupy
+    from trainrun.observe.stats import summarize
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((3000, 700)).astype(np.float32)
+    x[5, 7], x[9, 1], x[100, 3] = np.nan, np.inf, -np.inf
+    for a in (x, x[:, :300].astype(np.float16), rng.integers(-5, 9, (4000,)), x[:0]):
+        want, got = summarize(a, 0.5), summarize(cupy.asarray(a), 0.5)
+        assert want.keys() == got.keys()
+        for k in want:
+            if want[k] is None or isinstance(want[k], int):
+                assert got[k] == want[k], (k, a.dtype)
+            else:
+                assert got[k] == pytest.approx(want[k], rel=1e-9, abs=1e-12), (k, a.dtype)
+
+
 def test_nccl_backend_at_world_size_one_is_the_plain_run(tmp_path, byte_dataset):
     """backend nccl with one rank against backend none: the same computation (RERUN_RTOL)."""
     plain, _ = train_run(tmp_path, "none", byte_dataset, device="cuda")

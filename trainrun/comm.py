@@ -783,12 +783,18 @@ class NCCLCommunicator(Communicator):
                     f"nccl backend: ranks {first} and {r} on host {w[0]} would share GPU {w[1]}; NCCL needs "
                     f"one GPU per rank: launch at most one rank per GPU (or give each rank its own with "
                     f"CUDA_VISIBLE_DEVICES / srun --gpus-per-task=1), or use distributed.backend: mpi"))
-        # Rank 0 makes the unique id (128 signed chars); the host communicator carries it.
-        uid = np.zeros(128, np.int64)  # NCCL_UNIQUE_ID_BYTES
+        # Rank 0 makes the unique id (NCCL_UNIQUE_ID_BYTES = 128 chars); the host communicator carries it.
+        # cupy < 14 hands it out as a tuple of 128 ints, cupy 14 as 128 bytes (seen on an H200); each
+        # takes back what it gave: the last element says which.
+        uid = np.zeros(129, np.int64)
         if self.rank == 0:
-            uid[:] = nccl.get_unique_id()
+            made = nccl.get_unique_id()
+            raw = isinstance(made, (bytes, bytearray))
+            uid[:128] = np.frombuffer(bytes(made), np.int8) if raw else made
+            uid[128] = raw
         host.broadcast_(uid, root=0)
-        self._comm = nccl.NcclCommunicator(self.world_size, tuple(int(x) for x in uid), self.rank)
+        commid = uid[:128].astype(np.int8).tobytes() if uid[128] else tuple(int(x) for x in uid[:128])
+        self._comm = nccl.NcclCommunicator(self.world_size, commid, self.rank)
         self._dtypes = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float64): nccl.NCCL_FLOAT64,
                         np.dtype(np.int64): nccl.NCCL_INT64}
         self._bf16, self._to_bf16 = {}, None      # allreduce_bf16_'s uint16 twins and kernels, made on first use
@@ -836,7 +842,8 @@ class NCCLCommunicator(Communicator):
         bf16``): rounded to bf16 (nearest even, NaN kept) on the GPU into a kept uint16 twin, NCCL's own bf16
         allreduce on it (``ncclBfloat16``, NCCL >= 2.10: float32 arithmetic within a hop, a bf16 rounding between
         hops), widened back into ``buf``. cupy has no bfloat16 dtype: the bits travel as uint16 and NCCL is told
-        the datatype by its enum. Written from NCCL's and cupy's documentation; the suite has no GPUs to run it."""
+        the datatype by its enum. Checked bit for bit against the host rounding at world size 1
+        (tests/test_gpu.py::test_nccl_bf16_wire_rounds_as_the_host_kernel); the sum of 2 ranks needs 2 GPUs."""
         buf = self._gpu(buf, "allreduce_bf16_ buffer")
         if np.dtype(buf.dtype) != np.float32:
             raise ValueError(f"allreduce_bf16_ takes a float32 buffer, got {buf.dtype}")
