@@ -25,6 +25,7 @@ from .gradients import add_outputs, build_train_graph, select_outputs
 from .losses import SPLIT_MIN_CLASSES, metric_outputs, split_cross_entropy, with_loss
 from .names import LOSS, LOSS_SCALE, metric_names
 from .onnx_edit import params_to_inputs
+from .strides import pad_contractions
 
 FORMAT_VERSION = 1
 
@@ -34,8 +35,8 @@ FORMAT_VERSION = 1
 # LogSoftmax + NegativeLogLikelihoodLoss, tied embedding gradients added by ScatterElements; 3: weight
 # gradients by MatMul over an explicitly transposed input (no Gemm transA); 4: the cross-entropy's gradient
 # from Exp(log_prob) (_cross_entropy_grad_by_exp); 5: a tied head's gradient scattered into before its
-# Transpose
-GRAPH_VERSION = 5
+# Transpose; 6: on the CPU, products over a multiple of 1024 float32 padded (graphs/strides.py)
+GRAPH_VERSION = 6
 
 
 def build_options(cfg: Config) -> dict:
@@ -107,6 +108,8 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
                                build["precision"]))
     if build["recompute"] == "blocks":
         train = recompute_blocks(train, fwd.params, LOSS, source, outputs_kept=list(states.values()))
+    if cfg.device == "cpu":
+        pad_contractions(train)
     stats_outputs = []
     if build["stats_tensors"]:      # debug.stats_every > 0: chosen tensors become outputs
         stats_outputs = select_outputs(train, cfg.debug.tensors)

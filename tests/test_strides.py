@@ -1,0 +1,111 @@
+"""graphs.strides: products over a multiple of 1024 float32 padded by a cache line (CPU train graphs)."""
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from conftest import hf_gpt2
+from trainrun import config as C
+from trainrun.engine import Engine, EngineOptions
+from trainrun.graphs.manifest import prepare
+from trainrun.graphs.strides import pad_contractions
+from trainrun.sessions import import_onnxruntime
+
+# (name, A's shape, B's shape, Gemm transB or None for MatMul, padded?)
+CASES = [
+    ("weight_grad", [256, 1024], [1024, 768], None, True),      # K = 1024 tokens, M*N/(M+N) = 192
+    ("proj", [512, 3072], [768, 3072], 1, True),                # GPT-2's MLP projection read as Gemm transB
+    ("gemm_kn", [300, 2048], [2048, 300], 0, True),
+    ("small", [64, 1024], [1024, 64], None, False),             # M*N/(M+N) = 32: the copies would cost more
+    ("odd_k", [256, 1000], [1000, 768], None, False),
+    ("k_512", [256, 512], [512, 768], None, False),             # rows 2 KiB apart share a set by twos only
+    ("batched", [2, 128, 1024], [2, 1024, 128], None, False),   # attention-like: left alone
+]
+
+
+def _graph(dynamic: bool = False):
+    nodes, inputs, outputs = [], [], []
+    for name, a, b, trans_b, _ in CASES:
+        a_dims = ["rows"] + a[1:] if dynamic else a
+        inputs += [helper.make_tensor_value_info(name + "_a", TensorProto.FLOAT, a_dims),
+                   helper.make_tensor_value_info(name + "_b", TensorProto.FLOAT, b)]
+        op = ("MatMul", {}) if trans_b is None else ("Gemm", {"transB": trans_b})
+        nodes.append(helper.make_node(op[0], [name + "_a", name + "_b"], [name + "_c"], name=name, **op[1]))
+        outputs.append(helper.make_tensor_value_info(name + "_c", TensorProto.FLOAT, None))
+    model = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    return model
+
+
+def _run(model, feeds):
+    ort = import_onnxruntime()
+    s = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in s.get_outputs()], s.run(None, feeds)))
+
+
+def _padded(model) -> set:
+    """Names of the products whose two inputs both come from Pad nodes."""
+    made = {o: n.op_type for n in model.graph.node for o in n.output}
+    return {n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm")
+            and all(made.get(i) == "Pad" for i in n.input[:2])}
+
+
+def test_products_over_4_kib_rows_are_padded_and_keep_their_value():
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for name, a, b, _, _ in CASES:
+        feeds[name + "_a"] = rng.standard_normal(a).astype(np.float32)
+        feeds[name + "_b"] = rng.standard_normal(b).astype(np.float32)
+    plain = _graph()
+    want = _run(plain, feeds)
+    model = pad_contractions(_graph())
+    assert _padded(model) == {name for name, *_, padded in CASES if padded}
+    got = _run(model, feeds)
+    for name in want:
+        # the padded terms are exact zeros; only the order of the sums may differ (K float32 products)
+        scale = np.abs(want[name]).max()
+        assert got[name].shape == want[name].shape
+        assert np.abs(got[name] - want[name]).max() <= 1e-6 * scale, name
+
+
+def test_products_with_unknown_dims_are_left_alone():
+    model = pad_contractions(_graph(dynamic=True))
+    assert _padded(model) == set()      # every product has a symbolic row count
+    assert not [n for n in model.graph.node if n.op_type == "Pad"]
+
+
+def test_gpt2_with_1024_tokens_a_micro_batch_matches_transformers(tmp_path):
+    """A micro-batch of 8 x 128 = 1024 tokens and an MLP of 1024: every weight gradient, the MLP's
+    projection and its input's gradient are padded products in the train graph; the loss and every
+    gradient equal transformers' GPT-2 in float64 (1e-5 of the largest, as the other parity tests)."""
+    shape = dict(n_layer=1, n_head=4, n_embd=256, n_positions=128, vocab_size=300)
+    batch, seq = 8, 128
+    cfg = C.from_dict({"model": {"gpt2": shape}, "data": {"seq_len": seq}, "train": {"micro_batch_size": batch},
+                       "run": {"output_dir": str(tmp_path), "seed": 6}, "optimizer": {"name": "sgd"}})
+    graphs_dir = prepare(cfg)
+    train = onnx.load(f"{graphs_dir}/train.onnx")
+    padded = _padded(train)
+    # the block's 4 weight gradients and the tied head's (K = 1024 tokens; the head's 256 x 300 result is
+    # just above the size bar), the MLP's projection and the gradient of its input (K = 1024)
+    assert len(padded) == 7, sorted(padded)
+    assert any("_Grad" not in n for n in padded)     # the projection in the forward pass
+    shapes = {"input_ids": ((batch, seq), np.int64), "labels": ((batch, seq), np.int64)}
+    eng = Engine(graphs_dir, EngineOptions(threads=2), shapes, shapes)
+    eng.load_weights()
+    rng = np.random.default_rng(7)
+    data = {"input_ids": rng.integers(0, shape["vocab_size"], (batch, seq)),
+            "labels": rng.integers(0, shape["vocab_size"], (batch, seq))}
+    loss = eng.forward_backward(data, accumulate=False)
+    hf = hf_gpt2(shape, eng.layout.unflatten(eng.params.copy())).double()
+    logits = hf(torch.from_numpy(data["input_ids"])).logits
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, shape["vocab_size"]),
+                                            torch.from_numpy(data["labels"]).reshape(-1))
+    ref.backward()
+    assert loss == pytest.approx(ref.item(), rel=1e-5)
+    named = dict(hf.named_parameters())
+    for name, grad in eng.layout.unflatten(eng.grads).items():
+        want = named[name].grad.numpy()
+        assert np.abs(grad - want).max() <= 1e-5 * np.abs(want).max(), name
