@@ -22,6 +22,8 @@ CASES = [
     ("odd_k", [256, 1000], [1000, 768], None, False),
     ("k_512", [256, 512], [512, 768], None, False),             # rows 2 KiB apart share a set by twos only
     ("batched", [2, 128, 1024], [2, 1024, 128], None, False),   # attention-like: left alone
+    ("rows_3d", [2, 256, 1024], [1024, 300], None, True),       # [2, 256] flattened: M = 512
+    ("head_dx", [2, 128, 1024], [300, 1024], "fused", True),    # a tied head's input gradient
 ]
 
 
@@ -31,11 +33,13 @@ def _graph(dynamic: bool = False):
         a_dims = ["rows"] + a[1:] if dynamic else a
         inputs += [helper.make_tensor_value_info(name + "_a", TensorProto.FLOAT, a_dims),
                    helper.make_tensor_value_info(name + "_b", TensorProto.FLOAT, b)]
-        op = ("MatMul", {}) if trans_b is None else ("Gemm", {"transB": trans_b})
-        nodes.append(helper.make_node(op[0], [name + "_a", name + "_b"], [name + "_c"], name=name, **op[1]))
+        op = ("MatMul", {}) if trans_b is None else ("FusedMatMul", {"transB": 1, "alpha": 0.5}) \
+            if trans_b == "fused" else ("Gemm", {"transB": trans_b})
+        nodes.append(helper.make_node(op[0], [name + "_a", name + "_b"], [name + "_c"], name=name,
+                                      domain="com.microsoft" if op[0] == "FusedMatMul" else "", **op[1]))
         outputs.append(helper.make_tensor_value_info(name + "_c", TensorProto.FLOAT, None))
     model = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs),
-                              opset_imports=[helper.make_opsetid("", 17)])
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
     model.ir_version = 9
     return model
 
@@ -49,7 +53,7 @@ def _run(model, feeds):
 def _padded(model) -> set:
     """Names of the products whose two inputs both come from Pad nodes."""
     made = {o: n.op_type for n in model.graph.node for o in n.output}
-    return {n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm")
+    return {n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm", "FusedMatMul")
             and all(made.get(i) == "Pad" for i in n.input[:2])}
 
 

@@ -10,8 +10,10 @@ token count), GPT-2's MLP projection (K = 3072 = 3 x 1024).
 :func:`pad_contractions` pads K with 16 zeros (one cache line) on both operands of such a product: the
 rows then fall into successive sets. The padded terms are exact zeros, so the product keeps its value.
 The two copies cost less than the product gains once M*N/(M+N) >= 128 (rows and columns of the result;
-the measured break-even is near 100), so smaller products are left alone. Only 2-D float32 MatMul and
-Gemm (left operand not transposed) with every dim known, i.e. graphs with static shapes.
+the measured break-even is near 100), so smaller products are left alone. Only float32 MatMul, Gemm and
+FusedMatMul of a left operand read as rows (not transposed; leading dims flattened into M) and a matrix,
+every dim known: graphs with static shapes. Batched products (attention's) are left alone: a padded copy of
+their [S, S] operands costs about what a product over a head's 64 columns would gain.
 """
 
 from __future__ import annotations
@@ -42,19 +44,29 @@ def _shapes(model: onnx.ModelProto) -> dict[str, tuple[int, list]]:
     return out
 
 
-def _product(node, shapes) -> tuple[int, int, int, bool] | None:
-    """(M, K, N, B transposed) of a 2-D float32 product whose dims are all known, else None."""
+OPS = {("", "MatMul"), ("", "Gemm"), ("com.microsoft", "FusedMatMul")}
+
+
+def _product(node, shapes) -> tuple[int, int, int, bool, int] | None:
+    """(M, K, N, B transposed, A's rank) of a float32 product of a left operand ([..., M, K], leading dims
+    flattened into M, as onnxruntime does when B is a matrix) and a matrix B ([K, N], or [N, K] transposed)
+    whose dims are all known; else None."""
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    if node.domain not in ("", "ai.onnx") or node.op_type not in ("MatMul", "Gemm") or attrs.get("transA", 0):
+    domain = "" if node.domain == "ai.onnx" else node.domain
+    if (domain, node.op_type) not in OPS or attrs.get("transA", 0) or attrs.get("transBatchA", 0) \
+            or attrs.get("transBatchB", 0):
         return None
     a, b = shapes.get(node.input[0]), shapes.get(node.input[1])
     if not a or not b or a[0] != TensorProto.FLOAT or b[0] != TensorProto.FLOAT:
         return None
-    if len(a[1]) != 2 or len(b[1]) != 2 or None in a[1] + b[1]:
+    if len(a[1]) < 2 or (node.op_type == "Gemm" and len(a[1]) != 2) or len(b[1]) != 2 or None in a[1] + b[1]:
         return None
     trans_b = bool(attrs.get("transB", 0))
-    (m, k), (n, k2) = a[1], (b[1] if trans_b else b[1][::-1])
-    return (m, k, n, trans_b) if k == k2 else None
+    m, k = 1, a[1][-1]
+    for d in a[1][:-1]:
+        m *= d
+    n, k2 = b[1] if trans_b else b[1][::-1]
+    return (m, k, n, trans_b, len(a[1])) if k == k2 else None
 
 
 def pad_contractions(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -66,10 +78,10 @@ def pad_contractions(model: onnx.ModelProto) -> onnx.ModelProto:
         if p is None or p[1] % ROW or p[0] * p[2] < MIN_SIZE * (p[0] + p[2]):
             out.append(node)
             continue
-        trans_b = p[3]
+        trans_b, rank = p[3], p[4]
         base = f"{node.name or node.output[0]}/kpad"
         a, b = node.input[0], node.input[1]
-        out += [const(base + "/a_pads", [0, 0, 0, PAD]),
+        out += [const(base + "/a_pads", [0] * (2 * rank - 1) + [PAD]),
                 const(base + "/b_pads", [0, 0, 0, PAD] if trans_b else [0, 0, PAD, 0]),
                 helper.make_node("Pad", [a, base + "/a_pads"], [base + "/a"], name=base + "/a"),
                 helper.make_node("Pad", [b, base + "/b_pads"], [base + "/b"], name=base + "/b")]
