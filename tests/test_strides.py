@@ -9,8 +9,8 @@ from onnx import TensorProto, helper
 from conftest import hf_gpt2
 from trainrun import config as C
 from trainrun.engine import Engine, EngineOptions
-from trainrun.graphs.manifest import prepare
-from trainrun.graphs.strides import pad_contractions
+from trainrun.graphs.manifest import prepare, up_to_date
+from trainrun.graphs.strides import pad_contractions, wanted
 from trainrun.sessions import import_onnxruntime
 
 # (name, A's shape, B's shape, Gemm transB or None for MatMul, padded?)
@@ -88,7 +88,8 @@ def test_gpt2_with_1024_tokens_a_micro_batch_matches_transformers(tmp_path):
     shape = dict(n_layer=1, n_head=4, n_embd=256, n_positions=128, vocab_size=300)
     batch, seq = 8, 128
     cfg = C.from_dict({"model": {"gpt2": shape}, "data": {"seq_len": seq}, "train": {"micro_batch_size": batch},
-                       "run": {"output_dir": str(tmp_path), "seed": 6}, "optimizer": {"name": "sgd"}})
+                       "run": {"output_dir": str(tmp_path), "seed": 6}, "optimizer": {"name": "sgd"},
+                       "engine": {"pad_products": "always"}})
     graphs_dir = prepare(cfg)
     train = onnx.load(f"{graphs_dir}/train.onnx")
     padded = _padded(train)
@@ -121,7 +122,8 @@ def test_a_padded_train_graph_cut_into_segments_computes_the_same_bits(tmp_path)
     shape = dict(n_layer=2, n_head=4, n_embd=256, n_positions=128, vocab_size=300)
     batch, seq = 8, 128
     cfg = C.from_dict({"model": {"gpt2": shape}, "data": {"seq_len": seq}, "train": {"micro_batch_size": batch},
-                       "run": {"output_dir": str(tmp_path), "seed": 8}, "optimizer": {"name": "sgd"}})
+                       "run": {"output_dir": str(tmp_path), "seed": 8}, "optimizer": {"name": "sgd"},
+                       "engine": {"pad_products": "always"}})
     graphs_dir = prepare(cfg)
     assert _padded(onnx.load(f"{graphs_dir}/train.onnx"))
     shapes = {"input_ids": ((batch, seq), np.int64), "labels": ((batch, seq), np.int64)}
@@ -136,3 +138,18 @@ def test_a_padded_train_graph_cut_into_segments_computes_the_same_bits(tmp_path)
     (loss, grads, one), (cut_loss, cut_grads, many) = results
     assert one == 1 and many >= 3
     assert cut_loss == loss and np.array_equal(cut_grads, grads)
+
+
+def test_pad_products_never_and_on_the_gpu_leave_the_graph_as_built(tmp_path):
+    """engine.pad_products never: the same 1024-token graph without a Pad; the setting is baked (a prepared
+    folder of the other setting is not up to date); never on cuda; auto follows the processor's vendor."""
+    def cfg(setting, device="cpu"):
+        return C.from_dict({"model": {"gpt2": dict(n_layer=1, n_head=4, n_embd=256, n_positions=128, vocab_size=300)},
+                            "data": {"seq_len": 128}, "train": {"micro_batch_size": 8}, "device": device,
+                            "run": {"output_dir": str(tmp_path / setting), "seed": 6}, "optimizer": {"name": "sgd"},
+                            "engine": {"pad_products": setting}})
+    off = prepare(cfg("never"))
+    assert not [n for n in onnx.load(f"{off}/train.onnx").graph.node if n.op_type == "Pad"]
+    assert up_to_date(off, cfg("never")) and not up_to_date(off, cfg("always"))
+    assert not wanted("always", "cuda") and not wanted("auto", "cuda") and not wanted("never", "cpu")
+    assert wanted("always", "cpu")

@@ -465,6 +465,12 @@ class EngineConfig:
     train.micro_batch_size (and, for the built-in GPT-2, the sequence dim to data.seq_len), so
     the gradient builder emits reductions over fixed axes and onnxruntime plans memory statically.
     Changing either size later re-prepares the graphs. Eval and exported graphs keep symbolic dims."""
+    pad_products: str = opt("auto", choices=["auto", "always", "never"])
+    """On the CPU, pad a matrix product of the train graph whose contraction is a multiple of 1024 float32
+    (rows 4 KiB apart: every weight gradient of a 1024-token micro-batch, GPT-2's MLP projection) by 16
+    zeros, when its result is large enough to repay the copies (needs static_shapes; the same values):
+    auto = on AMD processors, where such products ran 15-30% slower, and not elsewhere (an Intel Xeon
+    showed no slowdown to win back); always = on any processor; never. Baked into the train graph."""
 
 
 @dataclass

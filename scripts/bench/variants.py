@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 STATIC_OFF = "engine.static_shapes=false"
-BAKED = ("model.", "optimizer.", "run.deterministic", "debug.", "engine.static_shapes")
+BAKED = ("model.", "optimizer.", "run.deterministic", "debug.", "engine.static_shapes", "engine.pad_products")
 
 
 def graph_sets(sets) -> list[str]:

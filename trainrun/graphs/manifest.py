@@ -25,7 +25,7 @@ from .gradients import add_outputs, build_train_graph, select_outputs
 from .losses import SPLIT_MIN_CLASSES, metric_outputs, split_cross_entropy, with_loss
 from .names import LOSS, LOSS_SCALE, metric_names
 from .onnx_edit import params_to_inputs
-from .strides import pad_contractions
+from .strides import pad_contractions, wanted
 
 FORMAT_VERSION = 1
 
@@ -35,7 +35,7 @@ FORMAT_VERSION = 1
 # LogSoftmax + NegativeLogLikelihoodLoss, tied embedding gradients added by ScatterElements; 3: weight
 # gradients by MatMul over an explicitly transposed input (no Gemm transA); 4: the cross-entropy's gradient
 # from Exp(log_prob) (_cross_entropy_grad_by_exp); 5: a tied head's gradient scattered into before its
-# Transpose; 6: on the CPU, products over a multiple of 1024 float32 padded (graphs/strides.py)
+# Transpose; 6: products over a multiple of 1024 float32 padded (graphs/strides.py, engine.pad_products)
 GRAPH_VERSION = 6
 
 
@@ -44,12 +44,13 @@ def build_options(cfg: Config) -> dict:
     stats = list(cfg.debug.tensors) if cfg.debug.stats_every > 0 else []
     return {"deterministic": cfg.run.deterministic, "stats_tensors": stats, "precision": cfg.train.precision,
             "static_shape": [cfg.train.micro_batch_size, cfg.data.seq_len] if cfg.engine.static_shapes else None,
-            "recompute": cfg.train.recompute}
+            "recompute": cfg.train.recompute,
+            "pad_products": wanted(cfg.engine.pad_products, cfg.device) and bool(cfg.engine.static_shapes)}
 
 
 # manifests written before a build option existed
 DEFAULT_BUILD = {"deterministic": False, "stats_tensors": [], "static_shape": None, "precision": "fp32",
-                 "recompute": "none"}
+                 "recompute": "none", "pad_products": False}
 
 
 def fix_dims(model: onnx.ModelProto, inputs: list[str], micro_batch: int, seq_len: int | None) -> onnx.ModelProto:
@@ -108,7 +109,7 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
                                build["precision"]))
     if build["recompute"] == "blocks":
         train = recompute_blocks(train, fwd.params, LOSS, source, outputs_kept=list(states.values()))
-    if cfg.device == "cpu":
+    if build["pad_products"]:
         pad_contractions(train)
     stats_outputs = []
     if build["stats_tensors"]:      # debug.stats_every > 0: chosen tensors become outputs
