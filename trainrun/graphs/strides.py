@@ -25,7 +25,7 @@ import functools
 import onnx
 from onnx import TensorProto, helper, shape_inference
 
-from .onnx_edit import const
+from .onnx_edit import const, opset
 
 ROW = 1024        # float32 elements in 4 KiB
 PAD = 16          # float32 elements in a 64-byte cache line
@@ -98,6 +98,12 @@ def _product(node, shapes) -> tuple[int, int, int, bool, int] | None:
 def pad_contractions(model: onnx.ModelProto) -> onnx.ModelProto:
     """Pad K of the products described in the module docstring; returns ``model``, changed in place."""
     shapes = _shapes(model)
+    pads_input = opset(model) >= 11          # Pad-2 takes its pads as an attribute
+
+    def pad(x, name, pads):
+        if pads_input:
+            return [const(name + "_pads", pads), helper.make_node("Pad", [x, name + "_pads"], [name], name=name)]
+        return [helper.make_node("Pad", [x], [name], name=name, pads=pads)]
     out = []
     for node in model.graph.node:
         p = _product(node, shapes)
@@ -107,10 +113,8 @@ def pad_contractions(model: onnx.ModelProto) -> onnx.ModelProto:
         trans_b, rank = p[3], p[4]
         base = f"{node.name or node.output[0]}/kpad"
         a, b = node.input[0], node.input[1]
-        out += [const(base + "/a_pads", [0] * (2 * rank - 1) + [PAD]),
-                const(base + "/b_pads", [0, 0, 0, PAD] if trans_b else [0, 0, PAD, 0]),
-                helper.make_node("Pad", [a, base + "/a_pads"], [base + "/a"], name=base + "/a"),
-                helper.make_node("Pad", [b, base + "/b_pads"], [base + "/b"], name=base + "/b")]
+        out += pad(a, base + "/a", [0] * (2 * rank - 1) + [PAD]) \
+            + pad(b, base + "/b", [0, 0, 0, PAD] if trans_b else [0, 0, PAD, 0])
         node.input[0], node.input[1] = base + "/a", base + "/b"
         out.append(node)
     del model.graph.node[:]
