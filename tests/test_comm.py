@@ -423,9 +423,26 @@ def test_nccl_on_a_cpu_machine_is_a_clear_usage_error(no_launcher):
 
 # ----------------------------------------------------------------------------- GPU (skipped without one)
 
-NCCL_SCRIPT = '''
+CUPY_COLLECTIVES = '''
 import cupy as cp
 
+def cupy_collectives(comm):
+    """reduce_scatter, allgather and broadcast_ on cupy buffers, checked on every rank."""
+    r, n = comm.rank, comm.world_size
+    src = cp.arange(8 * n, dtype=cp.float64) + 100 * r
+    out = cp.empty(8, dtype=cp.float64)
+    comm.reduce_scatter(src, out)
+    full = n * cp.arange(8 * n, dtype=cp.float64) + 100 * (n * (n - 1) // 2)
+    assert bool(cp.all(out == full[8 * r:8 * (r + 1)])), "reduce_scatter"
+    gathered = cp.empty(8 * n, dtype=cp.float64)
+    comm.allgather(out, gathered)
+    assert bool(cp.all(gathered == full)), "allgather"
+    b = cp.full(64, r, dtype=cp.int64)
+    comm.broadcast_(b, root=n - 1)
+    assert bool(cp.all(b == n - 1)), "broadcast_"
+'''
+
+NCCL_SCRIPT = CUPY_COLLECTIVES + '''
 def main(comm):
     r, n = comm.rank, comm.world_size
     assert comm.backend == "nccl" and cp.cuda.Device().id == comm.device
@@ -434,17 +451,7 @@ def main(comm):
     comm.allreduce_(buf)
     expect = base * (n * (n + 1) // 2) + n * (n - 1) // 2
     assert bool(cp.all(buf == expect)), "nccl allreduce_"
-    src = cp.arange(8 * n, dtype=cp.float64) + 100 * r
-    out = cp.empty(8, dtype=cp.float64)
-    comm.reduce_scatter(src, out)
-    full = n * cp.arange(8 * n, dtype=cp.float64) + 100 * (n * (n - 1) // 2)
-    assert bool(cp.all(out == full[8 * r:8 * (r + 1)])), "nccl reduce_scatter"
-    gathered = cp.empty(8 * n, dtype=cp.float64)
-    comm.allgather(out, gathered)
-    assert bool(cp.all(gathered == full)), "nccl allgather"
-    b = cp.full(64, r, dtype=cp.int64)
-    comm.broadcast_(b, root=n - 1)
-    assert bool(cp.all(b == n - 1)), "nccl broadcast_"
+    cupy_collectives(comm)
     assert comm.allreduce_scalars([1.0], "sum") == [float(n)]
     assert comm.allgather_object(r) == list(range(n))
     comm.barrier()
@@ -465,8 +472,7 @@ def test_nccl_collectives_on_gpu(tmp_path):
     assert [d["rank"] for d in results(tmp_path)] == list(range(nprocs)), out
 
 
-MPI_CUPY_SCRIPT = '''
-import cupy as cp
+MPI_CUPY_SCRIPT = CUPY_COLLECTIVES + '''
 from trainrun import wire
 
 def main(comm):
@@ -481,17 +487,7 @@ def main(comm):
         expect = base * (n * (n + 1) // 2) + n * (n - 1) // 2
         assert bool(cp.all(buf == expect)), ("allreduce_", k)
     assert bool(cp.isnan(big[:1000]).all()) and bool(cp.isnan(big[11_000:]).all()), "wrote outside the view"
-    src = cp.arange(8 * n, dtype=cp.float64) + 100 * r
-    out = cp.empty(8, dtype=cp.float64)
-    comm.reduce_scatter(src, out)
-    full = n * cp.arange(8 * n, dtype=cp.float64) + 100 * (n * (n - 1) // 2)
-    assert bool(cp.all(out == full[8 * r:8 * (r + 1)])), "reduce_scatter"
-    gathered = cp.empty(8 * n, dtype=cp.float64)
-    comm.allgather(out, gathered)
-    assert bool(cp.all(gathered == full)), "allgather"
-    b = cp.full(64, r, dtype=cp.int64)
-    comm.broadcast_(b, root=n - 1)
-    assert bool(cp.all(b == n - 1)), "broadcast_"
+    cupy_collectives(comm)
     # distributed.reduce_dtype: bf16 on the mpi backend from a cupy buffer: the bits of the numpy path
     host = np.random.default_rng(r).standard_normal(5_003).astype(np.float32)
     dev = cp.asarray(host)

@@ -3,10 +3,9 @@
 import numpy as np
 import onnx
 import pytest
-import torch
 from onnx import TensorProto, helper
 
-from conftest import hf_gpt2
+from conftest import assert_matches_torch, hf_gpt2
 from trainrun import config as C
 from trainrun.engine import Engine, EngineOptions
 from trainrun.graphs.manifest import prepare, up_to_date
@@ -87,54 +86,43 @@ def test_products_with_unknown_dims_are_left_alone():
     assert not [n for n in model.graph.node if n.op_type == "Pad"]
 
 
+def _gpt2(tmp_path, seed, n_layer=1, setting="always", device="cpu"):
+    """A GPT-2 of 8 x 128 = 1024 tokens a micro-batch and an MLP 1024 wide, and its data shapes."""
+    shape = dict(n_layer=n_layer, n_head=4, n_embd=256, n_positions=128, vocab_size=300)
+    cfg = C.from_dict({"model": {"gpt2": shape}, "data": {"seq_len": 128}, "train": {"micro_batch_size": 8},
+                       "run": {"output_dir": str(tmp_path / setting), "seed": seed}, "optimizer": {"name": "sgd"},
+                       "engine": {"pad_products": setting}, "device": device})
+    return cfg, shape, {"input_ids": ((8, 128), np.int64), "labels": ((8, 128), np.int64)}
+
+
 def test_gpt2_with_1024_tokens_a_micro_batch_matches_transformers(tmp_path):
     """A micro-batch of 8 x 128 = 1024 tokens and an MLP of 1024: every weight gradient, the MLP's
     projection and its input's gradient are padded products in the train graph; the loss and every
     gradient equal transformers' GPT-2 in float64 (1e-5 of the largest, as the other parity tests)."""
-    shape = dict(n_layer=1, n_head=4, n_embd=256, n_positions=128, vocab_size=300)
-    batch, seq = 8, 128
-    cfg = C.from_dict({"model": {"gpt2": shape}, "data": {"seq_len": seq}, "train": {"micro_batch_size": batch},
-                       "run": {"output_dir": str(tmp_path), "seed": 6}, "optimizer": {"name": "sgd"},
-                       "engine": {"pad_products": "always"}})
+    cfg, shape, shapes = _gpt2(tmp_path, seed=6)
     graphs_dir = prepare(cfg)
-    train = onnx.load(f"{graphs_dir}/train.onnx")
-    padded = _padded(train)
+    padded = _padded(onnx.load(f"{graphs_dir}/train.onnx"))
     # the block's 4 weight gradients and the tied head's (K = 1024 tokens; the head's 256 x 300 result is
     # just above the size bar), the MLP's projection and the gradient of its input (K = 1024)
     assert len(padded) == 7, sorted(padded)
     assert any("_Grad" not in n for n in padded)     # the projection in the forward pass
-    shapes = {"input_ids": ((batch, seq), np.int64), "labels": ((batch, seq), np.int64)}
     eng = Engine(graphs_dir, EngineOptions(threads=2), shapes, shapes)
     eng.load_weights()
     rng = np.random.default_rng(7)
-    data = {"input_ids": rng.integers(0, shape["vocab_size"], (batch, seq)),
-            "labels": rng.integers(0, shape["vocab_size"], (batch, seq))}
-    loss = eng.forward_backward(data, accumulate=False)
+    batch = {k: rng.integers(0, shape["vocab_size"], v[0]) for k, v in shapes.items()}
+    loss = eng.forward_backward(batch, accumulate=False)
     hf = hf_gpt2(shape, eng.layout.unflatten(eng.params.copy())).double()
-    logits = hf(torch.from_numpy(data["input_ids"])).logits
-    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, shape["vocab_size"]),
-                                            torch.from_numpy(data["labels"]).reshape(-1))
-    ref.backward()
-    assert loss == pytest.approx(ref.item(), rel=1e-5)
-    named = dict(hf.named_parameters())
-    for name, grad in eng.layout.unflatten(eng.grads).items():
-        want = named[name].grad.numpy()
-        assert np.abs(grad - want).max() <= 1e-5 * np.abs(want).max(), name
+    assert_matches_torch(eng, loss, hf, batch, shape["vocab_size"], rel=1e-5)
 
 
 def test_a_padded_train_graph_cut_into_segments_computes_the_same_bits(tmp_path):
     """overlap_grad_reduce's segments (the train graph cut where buckets of gradients are final) over a
     graph with padded products: the same loss and gradients bit for bit as the whole graph."""
-    shape = dict(n_layer=2, n_head=4, n_embd=256, n_positions=128, vocab_size=300)
-    batch, seq = 8, 128
-    cfg = C.from_dict({"model": {"gpt2": shape}, "data": {"seq_len": seq}, "train": {"micro_batch_size": batch},
-                       "run": {"output_dir": str(tmp_path), "seed": 8}, "optimizer": {"name": "sgd"},
-                       "engine": {"pad_products": "always"}})
+    cfg, shape, shapes = _gpt2(tmp_path, seed=8, n_layer=2)
     graphs_dir = prepare(cfg)
     assert _padded(onnx.load(f"{graphs_dir}/train.onnx"))
-    shapes = {"input_ids": ((batch, seq), np.int64), "labels": ((batch, seq), np.int64)}
     rng = np.random.default_rng(9)
-    data = {k: rng.integers(0, shape["vocab_size"], (batch, seq)) for k in shapes}
+    data = {k: rng.integers(0, shape["vocab_size"], v[0]) for k, v in shapes.items()}
     results = []
     for bucket_bytes in (0, 64 << 10):
         eng = Engine(graphs_dir, EngineOptions(threads=1, seed=3, direct_gradients=True, bucket_bytes=bucket_bytes),
@@ -148,14 +136,10 @@ def test_a_padded_train_graph_cut_into_segments_computes_the_same_bits(tmp_path)
 
 def test_pad_products_never_and_on_the_gpu_leave_the_graph_as_built(tmp_path):
     """engine.pad_products never: the same 1024-token graph without a Pad; the setting is baked (a prepared
-    folder of the other setting is not up to date); never on cuda; auto follows the processor's vendor."""
-    def cfg(setting, device="cpu"):
-        return C.from_dict({"model": {"gpt2": dict(n_layer=1, n_head=4, n_embd=256, n_positions=128, vocab_size=300)},
-                            "data": {"seq_len": 128}, "train": {"micro_batch_size": 8}, "device": device,
-                            "run": {"output_dir": str(tmp_path / setting), "seed": 6}, "optimizer": {"name": "sgd"},
-                            "engine": {"pad_products": setting}})
-    off = prepare(cfg("never"))
-    assert not [n for n in onnx.load(f"{off}/train.onnx").graph.node if n.op_type == "Pad"]
-    assert up_to_date(off, cfg("never")) and not up_to_date(off, cfg("always"))
+    folder of the other setting is not up to date); never on cuda."""
+    never = prepare(_gpt2(tmp_path, seed=6, setting="never")[0])
+    assert not [n for n in onnx.load(f"{never}/train.onnx").graph.node if n.op_type == "Pad"]
+    assert up_to_date(never, _gpt2(tmp_path, seed=6, setting="never")[0])
+    assert not up_to_date(never, _gpt2(tmp_path, seed=6, setting="always")[0])
     assert not wanted("always", "cuda") and not wanted("auto", "cuda") and not wanted("never", "cpu")
     assert wanted("always", "cpu")

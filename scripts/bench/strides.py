@@ -13,17 +13,18 @@ median GFLOP/s and ms. Two tables:
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
+import common  # noqa: E402
 from trainrun.graphs.strides import PAD  # noqa: E402
 from trainrun.sessions import import_onnxruntime, session_options  # noqa: E402
 
@@ -76,21 +77,11 @@ def timed(cases: dict, rounds: int) -> dict:
     return {key: statistics.median(v) for key, v in times.items()}
 
 
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
-    print(f"{cpu_model()}, 1 thread, {args.rounds} interleaved rounds, medians\n")
+    print(f"{common.machine()['cpu']}, 1 thread, {args.rounds} interleaved rounds, medians\n")
     m, ks, n = SWEEP
     sweep = timed({k: (*session(m, k, n, False), 2.0 * m * k * n) for k in ks}, args.rounds)
     print(f"| [{m}, K] x [K, {n}] | GFLOP/s |\n|---|---:|")
