@@ -1,7 +1,9 @@
 """nanoGPT's CPU shakespeare_char recipe, start to finished model: trainrun (configs/shakespeare-char.yaml,
 `mpirun -np 2`) beside nanoGPT itself (--nanogpt DIR: a nanoGPT checkout, run as its README says: one
 process, torch's threads, `train.py config/train_shakespeare_char.py` with the CPU overrides) or, without a
-checkout, beside scripts/bench/charlm_torch.py (a stand-in written here, labelled so in the output).
+checkout, beside scripts/bench/charlm_torch.py (stand-ins written here, labelled so in the output; --stand-in
+picks: `nanogpt`, nanoGPT's own model as its model.py describes it, bias-free, the closer one and the default;
+`gpt2`, transformers' GPT-2, the model trainrun trains; `nanogpt,gpt2` both).
 
 Any text: split 90/10 by characters as nanoGPT splits input.txt, character level for both sides over the
 text's distinct characters (nanoGPT's prepare.py; `trainrun-data tokens --chars`), so the two train on the
@@ -9,7 +11,8 @@ same characters and their eval losses compare. Rounds alternate the two commands
 is the command's, from launch to exit (trainrun: graphs built, 2000 steps, 9 evaluations, checkpoints,
 model.onnx exported; nanoGPT: 2001 iterations, 9 evaluations of train and val, ckpt.pt when val improved).
 
-    .venv/bin/python scripts/bench/charlm.py [--text input.txt] [--nanogpt ~/nanoGPT] [--rounds 3]
+    .venv/bin/python scripts/bench/charlm.py [--text input.txt] [--nanogpt ~/nanoGPT | --stand-in nanogpt,gpt2]
+        [--rounds 3]
 """
 
 from __future__ import annotations
@@ -94,7 +97,12 @@ def run_trainrun(work: Path, tag: str, train: Path, val: Path, ranks: int, iters
             "startup_s": summary.get("startup_s"), "command": " ".join(cmd)}
 
 
-def run_nanogpt(work: Path, tag: str, nanogpt: Path | None, ng_data: Path, iters: int, vocab: int) -> dict:
+STAND_INS = {"nanogpt": "stand-in: nanoGPT's model (charlm_torch.py --arch nanogpt)",
+             "gpt2": "stand-in: transformers' GPT-2 (charlm_torch.py --arch gpt2)"}
+
+
+def run_nanogpt(work: Path, tag: str, nanogpt: Path | None, ng_data: Path, iters: int, vocab: int,
+                arch: str = "nanogpt") -> dict:
     out = work / "runs" / tag
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -113,7 +121,8 @@ def run_nanogpt(work: Path, tag: str, nanogpt: Path | None, ng_data: Path, iters
                 for line in open(work / f"{tag}.log") if "val loss" in line]
         return {"wall_s": wall, "eval_loss": vals[-1], "best_eval_loss": min(vals), "command": " ".join(cmd)}
     cmd = [sys.executable, str(Path(__file__).with_name("charlm_torch.py")), "--data", str(ng_data),
-           "--vocab", str(vocab), "--iters", str(iters), "--out-dir", str(out), "--json", str(out / "result.json")]
+           "--vocab", str(vocab), "--iters", str(iters), "--out-dir", str(out), "--json", str(out / "result.json"),
+           "--arch", arch]
     wall = timed(cmd, work, work / f"{tag}.log")
     res = json.loads((out / "result.json").read_text())
     vals = [e["val"] for e in res["evals"]]
@@ -124,35 +133,44 @@ def run_nanogpt(work: Path, tag: str, nanogpt: Path | None, ng_data: Path, iters
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--text", type=Path, help="any text file (default: Python's pydoc_data/topics.py)")
-    ap.add_argument("--nanogpt", type=Path, help="a nanoGPT checkout (else the PyTorch stand-in)")
+    ap.add_argument("--nanogpt", type=Path, help="a nanoGPT checkout (else the PyTorch stand-ins)")
+    ap.add_argument("--stand-in", default="nanogpt", help="without --nanogpt: which stand-ins, comma-separated "
+                    "(nanogpt: nanoGPT's own model; gpt2: transformers' GPT-2)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ranks", type=int, default=2, choices=[1, 2, 3, 4, 6, 12])
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--work", type=Path, default=common.ROOT / "runs" / "bench" / "charlm")
     args = ap.parse_args()
+    arches = [] if args.nanogpt else [a.strip() for a in args.stand_in.split(",") if a.strip()]
+    if any(a not in STAND_INS for a in arches) or not (args.nanogpt or arches):
+        ap.error(f"--stand-in: a comma-separated list of {', '.join(STAND_INS)}")
     args.work.mkdir(parents=True, exist_ok=True)
     text = args.text or default_text()
     train, val, ng_data, vocab = prepare_data(text, args.work)
-    other = "nanoGPT" if args.nanogpt else "PyTorch stand-in (charlm_torch.py)"
-    results = {"trainrun": [], other: []}
+    others = {"nanoGPT": None} if args.nanogpt else {STAND_INS[a]: a for a in arches}
+    results = {"trainrun": [], **{o: [] for o in others}}
+    names = list(results)
     for r in range(args.rounds):
-        for name in (["trainrun", other] if r % 2 == 0 else [other, "trainrun"]):
+        for name in names[r % len(names):] + names[:r % len(names)]:    # each goes first in turn
             if name == "trainrun":
                 res = run_trainrun(args.work, f"trainrun-r{r}", train, val, args.ranks, args.iters, vocab)
             else:
-                res = run_nanogpt(args.work, f"other-r{r}", args.nanogpt, ng_data, args.iters, vocab)
+                tag = f"other-r{r}" if len(others) == 1 else f"{others[name]}-r{r}"
+                res = run_nanogpt(args.work, tag, args.nanogpt, ng_data, args.iters, vocab, others[name] or "")
             results[name].append(res)
             print(f"round {r} {name}: {res['wall_s']:.1f} s, eval loss {res['eval_loss']:.4f}", flush=True)
-    ratios = [o["wall_s"] / t["wall_s"] for t, o in zip(results["trainrun"], results[other])]
+    ratios = {o: [x["wall_s"] / t["wall_s"] for t, x in zip(results["trainrun"], results[o])] for o in others}
     report = {"machine": common.machine(), "text": str(text), "iters": args.iters, "ranks": args.ranks,
-              "results": results, "wall_ratio_median": statistics.median(ratios), "wall_ratios": ratios}
+              "results": results, "wall_ratio_median": {o: statistics.median(v) for o, v in ratios.items()},
+              "wall_ratios": ratios}
     (args.work / "results.json").write_text(json.dumps(report, indent=1))
     med = lambda name, key: statistics.median(x[key] for x in results[name])  # noqa: E731
-    print(f"\n{common.machine().get('cpu', '')}: {args.rounds} rounds, {args.iters} iterations, text {text.name}")
+    print(f"\n{report['machine'].get('cpu', '')}: {args.rounds} rounds, {args.iters} iterations, text {text.name}")
     for name in results:
         print(f"  {name}: wall {med(name, 'wall_s'):.1f} s (median), final eval loss {med(name, 'eval_loss'):.4f}")
-    print(f"  {other} wall / trainrun wall: {statistics.median(ratios):.2f}x (per round: "
-          + ", ".join(f"{x:.2f}" for x in ratios) + ")")
+    for o, v in ratios.items():
+        print(f"  {o} wall / trainrun wall: {statistics.median(v):.2f}x (per round: "
+              + ", ".join(f"{x:.2f}" for x in v) + ")")
     return 0
 
 

@@ -146,15 +146,41 @@ def loadavg() -> tuple[float, float, float]:
     return os.getloadavg()
 
 
+def _zen(family: int, model: int) -> str | None:
+    """AMD's core generation from cpuid's family and model (AMD's published family/model tables): a
+    hypervisor's guest often names only "AMD EPYC", and Zen 4 and Zen 5 differ in what speed-ups hold."""
+    if family == 23:
+        return "Zen 2" if model >= 0x30 else "Zen/Zen+"
+    if family == 25:
+        return "Zen 4" if 0x10 <= model <= 0x1F or 0x60 <= model <= 0x7F or 0xA0 <= model <= 0xAF else "Zen 3"
+    if family == 26:
+        return "Zen 5"
+    return None
+
+
+def cpu_name(fields: dict) -> str:
+    """/proc/cpuinfo's model name with the family/model/stepping (and AMD's core generation) it hides."""
+    name = fields.get("model name") or platform.processor() or "?"
+    try:
+        family, model = int(fields["cpu family"]), int(fields["model"])
+    except (KeyError, ValueError):
+        return name
+    zen = _zen(family, model) if fields.get("vendor_id") == "AuthenticAMD" else None
+    return f"{name} ({zen + ', ' if zen else ''}family {family} model {model} stepping {fields.get('stepping', '?')})"
+
+
 def machine() -> dict:
     """A short description of the machine and the software versions."""
     info = {"python": platform.python_version(), "platform": platform.platform(),
             "cores": len(os.sched_getaffinity(0)), "cpu": platform.processor() or "?"}
     try:
+        fields = {}
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
+            key, _, value = line.partition(":")
+            if not key.strip() and fields:
+                break                   # the first processor's block is enough
+            fields.setdefault(key.strip(), value.strip())
+        info["cpu"] = cpu_name(fields)
         flags = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags"))
         info["simd"] = " ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni") if f" {f}" in flags)
     except (OSError, StopIteration):
