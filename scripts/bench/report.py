@@ -242,7 +242,8 @@ def targets(R, out):
 
     for who, counts in (("trainrun", True), ("trainrun-off", False)):
         note = "" if counts else " (levers off)"
-        row(f"{who} 2x1 >= 1.2x PyTorch DDP 2x1{note}", vs(f"{who} 2x1", "PyTorch DDP 2x1", 1.2, counts))
+        # issue 32's bar (issue 17's was 1.2x)
+        row(f"{who} 2x1 >= 1.3x PyTorch DDP 2x1{note}", vs(f"{who} 2x1", "PyTorch DDP 2x1", 1.3, counts))
         row(f"{who} 1x2 >= 1.0x PyTorch 1x2{note}", vs(f"{who} 1x2", "PyTorch 1x2", 1.0, counts))
         for lay in LAYOUTS:
             row(f"{who} {lay} overhead vs {ceiling_of(f'{who} {lay}')} <= 3%{note}",
