@@ -20,10 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
+import common  # noqa: E402
 
 _PREPARE = r"""
 import json, sys
@@ -76,17 +79,6 @@ def child(code: str, spec: dict, timeout: int):
     return json.loads(res.stdout.strip().splitlines()[-1]) if code is _TRAIN else {}, None
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n-layer", type=int, default=12)
@@ -124,7 +116,7 @@ def main() -> None:
                 print(f"paired b={batch}: {err or r}", file=sys.stderr)
 
     print(f"GPT-2 {args.n_layer} layers, d {args.n_embd}, {args.n_head} heads, vocab {args.vocab}, seq {args.seq}; "
-          f"{args.threads} threads; CPU: {cpu_model()}; median of {args.steps} forward/backward steps\n")
+          f"{args.threads} threads; CPU: {common.cpu_name()}; median of {args.steps} forward/backward steps\n")
     print("| micro-batch | recompute | peak RSS (MB) | s/step | ms/token | time/token vs none |"
           + (" paired s/step | paired vs none | paired CPU s/step | paired CPU vs none |" if paired else ""))
     print("|---|---|---|---|---|---|" + ("---|---|---|---|" if paired else ""))

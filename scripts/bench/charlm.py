@@ -102,7 +102,8 @@ STAND_INS = {"nanogpt": "stand-in: nanoGPT's model (charlm_torch.py --arch nanog
 
 
 def run_nanogpt(work: Path, tag: str, nanogpt: Path | None, ng_data: Path, iters: int, vocab: int,
-                arch: str = "nanogpt") -> dict:
+                arch: str | None) -> dict:
+    """nanoGPT itself (``nanogpt``: its checkout) or else the stand-in of model ``arch``."""
     out = work / "runs" / tag
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -155,8 +156,8 @@ def main() -> int:
             if name == "trainrun":
                 res = run_trainrun(args.work, f"trainrun-r{r}", train, val, args.ranks, args.iters, vocab)
             else:
-                tag = f"other-r{r}" if len(others) == 1 else f"{others[name]}-r{r}"
-                res = run_nanogpt(args.work, tag, args.nanogpt, ng_data, args.iters, vocab, others[name] or "")
+                res = run_nanogpt(args.work, f"{others[name] or 'nanogpt-itself'}-r{r}", args.nanogpt, ng_data,
+                                  args.iters, vocab, others[name])
             results[name].append(res)
             print(f"round {r} {name}: {res['wall_s']:.1f} s, eval loss {res['eval_loss']:.4f}", flush=True)
     ratios = {o: [x["wall_s"] / t["wall_s"] for t, x in zip(results["trainrun"], results[o])] for o in others}

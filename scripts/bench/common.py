@@ -158,8 +158,27 @@ def _zen(family: int, model: int) -> str | None:
     return None
 
 
-def cpu_name(fields: dict) -> str:
-    """/proc/cpuinfo's model name with the family/model/stepping (and AMD's core generation) it hides."""
+def cpuinfo() -> dict:
+    """The first processor's fields of /proc/cpuinfo ({} where it cannot be read)."""
+    fields = {}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return fields
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep:
+            if fields:
+                break                   # the first processor's block is enough
+            continue
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def cpu_name(fields: dict | None = None) -> str:
+    """/proc/cpuinfo's model name with the family/model/stepping (and AMD's core generation) it hides;
+    ``fields``: :func:`cpuinfo`'s, read here when not given."""
+    fields = cpuinfo() if fields is None else fields
     name = fields.get("model name") or platform.processor() or "?"
     try:
         family, model = int(fields["cpu family"]), int(fields["model"])
@@ -171,20 +190,12 @@ def cpu_name(fields: dict) -> str:
 
 def machine() -> dict:
     """A short description of the machine and the software versions."""
+    fields = cpuinfo()
     info = {"python": platform.python_version(), "platform": platform.platform(),
-            "cores": len(os.sched_getaffinity(0)), "cpu": platform.processor() or "?"}
-    try:
-        fields = {}
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if not key.strip() and fields:
-                break                   # the first processor's block is enough
-            fields.setdefault(key.strip(), value.strip())
-        info["cpu"] = cpu_name(fields)
-        flags = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags"))
-        info["simd"] = " ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni") if f" {f}" in flags)
-    except (OSError, StopIteration):
-        pass
+            "cores": len(os.sched_getaffinity(0)), "cpu": cpu_name(fields)}
+    if "flags" in fields:
+        flags = set(fields["flags"].split())
+        info["simd"] = " ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni") if f in flags)
     try:
         mem = Path("/proc/meminfo").read_text().splitlines()[0].split()[1]
         info["memory_gb"] = round(int(mem) / 1024 / 1024, 1)

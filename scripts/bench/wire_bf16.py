@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +41,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 BIN = Path(sys.executable).parent
 CONFIG = ROOT / "configs" / "gpt2-tiny.yaml"
 WINDOW = 50
@@ -74,14 +75,6 @@ def run_trainrun(out: Path, data: str, steps: int, ranks: int, sets: list[str]) 
 def windows(x: np.ndarray) -> np.ndarray:
     n = len(x) // WINDOW * WINDOW
     return x[:n].reshape(-1, WINDOW).mean(axis=1)
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "?"
 
 
 def time_allreduce(sizes: list[int], iters: int) -> None:
@@ -149,7 +142,7 @@ def main() -> None:
                      "window_max_abs_diff": float(dw.max()), "window_max_rel_diff": float((dw / windows(ref)).max()),
                      "final_eval": runs[name]["eval"].get(args.steps),
                      "wire_bytes_per_step": runs[name]["wire_bytes_per_step"]})
-    result = {"steps": args.steps, "cpu": cpu_model(), "runs": runs, "vs_fp32": rows,
+    result = {"steps": args.steps, "cpu": common.cpu_name(), "runs": runs, "vs_fp32": rows,
               "fp32_final_eval": runs["fp32"]["eval"].get(args.steps),
               "fp32_wire_bytes_per_step": runs["fp32"]["wire_bytes_per_step"],
               "loss_first_window": float(windows(ref)[0]), "loss_last_window": float(windows(ref)[-1])}
