@@ -232,13 +232,20 @@ def test_second_ctrl_c_while_the_tensors_are_written_exits_130(tmp_path, byte_da
 
 
 @pytest.mark.parametrize("sig", ["USR1", "TERM"])
-def test_the_documented_slurm_script_requeues_after_the_warning_or_sigterm(tmp_path, sig):
+@pytest.mark.parametrize("paused", [False, True], ids=["as-written", "srun-reaped-first"])
+def test_the_documented_slurm_script_requeues_after_the_warning_or_sigterm(tmp_path, sig, paused):
     """docs/distributed.md's batch script, run by a real bash: srun replaced by a stand-in that stops with
     75 on USR1 or TERM, scontrol by one that records its arguments. SLURM's --signal=B:USR1 warning and
-    its SIGTERM at the time limit (to the batch shell) both end in 75 and a requeue of the job."""
+    its SIGTERM at the time limit (to the batch shell) both end in 75 and a requeue of the job.
+    srun-reaped-first pauses after each `wait` so srun has ended (and bash has reaped it) before the
+    script looks again: the race in which an earlier version of the script exited 138 (128 + USR1, the
+    interrupted `wait`'s status) instead of srun's 75."""
     text = open(os.path.join(ROOT, "docs", "distributed.md")).read()
     script = re.search(r"```bash\n(#!/bin/bash\n#SBATCH .*?)```", text, re.S).group(1)
     assert "srun --mpi=pmi2 .venv/bin/trainrun" in script and "scontrol requeue" in script
+    if paused:
+        assert script.count("do wait $PID;") == 1
+        script = script.replace("do wait $PID;", "do wait $PID; sleep 1;")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "srun").write_text(textwrap.dedent(f"""\
@@ -256,10 +263,10 @@ def test_the_documented_slurm_script_requeues_after_the_warning_or_sigterm(tmp_p
     (tmp_path / "job.sh").write_text(script)
     proc = subprocess.Popen(["bash", str(tmp_path / "job.sh")], cwd=tmp_path, env=dict(
         os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="42"))
-    for _ in range(100):
-        if (tmp_path / "started").exists():
-            break
-        time.sleep(0.1)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "started").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the srun stand-in did not start"
+        time.sleep(0.05)
     # the trap is set before the launcher starts: a signal from here on is forwarded
     proc.send_signal(getattr(signal, f"SIG{sig}"))
     assert proc.wait(timeout=30) == 75
