@@ -188,7 +188,9 @@ def test_bf16_on_the_wire_halves_the_bytes_the_link_carries(cluster, tmp_path, b
             sent[steps] = _tx_bytes(cluster, "n1") - before
         per_step[dtype] = (sent[30] - sent[10]) / 20
         counted = json.load(open(out / "summary.json"))["wire_bytes_per_step"]
-        assert counted <= per_step[dtype] <= 1.25 * counted + 2000, (dtype, per_step[dtype], counted)
+        # a little below `counted` too: start-up's traffic moves by ~10 KB from run to run (500 bytes a step
+        # over these 20; one CI run measured 85,725 for bf16's 85,760)
+        assert 0.97 * counted <= per_step[dtype] <= 1.25 * counted + 2000, (dtype, per_step[dtype], counted)
     assert 0.45 <= per_step["bf16"] / per_step["fp32"] <= 0.55, per_step
 
 
