@@ -81,7 +81,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
-    print(f"{common.machine()['cpu']}, 1 thread, {args.rounds} interleaved rounds, medians\n")
+    print(f"{common.cpu_name()}, 1 thread, {args.rounds} interleaved rounds, medians\n")
     m, ks, n = SWEEP
     sweep = timed({k: (*session(m, k, n, False), 2.0 * m * k * n) for k in ks}, args.rounds)
     print(f"| [{m}, K] x [K, {n}] | GFLOP/s |\n|---|---:|")
