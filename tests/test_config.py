@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from trainrun import config as C
+from trainrun import validity as V
 from trainrun.errors import UsageError
 
 from conftest import ROOT, TRAINRUN, run, write_config
@@ -19,7 +20,7 @@ def write(tmp_path, data, name="c.yaml"):
 
 
 def test_defaults_are_valid_and_documented():
-    cfg = C.load_config(None)
+    cfg = V.load_config(None)
     assert cfg.optimizer.name == "adamw" and cfg.train.micro_batch_size == 8
     text = C.to_yaml(cfg, comments=True)
     # every field of every section carries its docstring as a comment
@@ -35,10 +36,10 @@ def test_shipped_configs_parse(path):
     data = yaml.safe_load(open(path))
     if data["model"].get("builtin", "gpt2") is None:     # a user model: its file is built by a script
         with pytest.raises(UsageError) as err:
-            C.load_config(path)
+            V.load_config(path)
         assert [p.split(":")[0] for p in err.value.problems] == ["model.onnx"], err.value.problems
         return
-    cfg = C.load_config(path)  # data dirs are only required to train
+    cfg = V.load_config(path)  # data dirs are only required to train
     positions = {"gpt2": cfg.model.gpt2.n_positions, "bert": cfg.model.bert.max_position_embeddings}
     assert cfg.data.seq_len <= positions[cfg.model.builtin]
 
@@ -46,12 +47,12 @@ def test_shipped_configs_parse(path):
 def test_loss_and_data_inputs_are_checked(tmp_path):
     """The loss keys that contradict each other or the built-in model, and data.inputs' type, are named."""
     with pytest.raises(UsageError) as err:
-        C.load_config(write(tmp_path, {"model": {"loss": {"output": "l", "type": "mse", "weights": [1.0]}},
+        V.load_config(write(tmp_path, {"model": {"loss": {"output": "l", "type": "mse", "weights": [1.0]}},
                                        "data": {"inputs": ["x"]}}))
     assert sorted(p.split(":")[0] for p in err.value.problems) == [
         "data.inputs", "model.loss.output", "model.loss.type", "model.loss.weights"], err.value.problems
     assert "data.inputs: expected a mapping of str, got ['x']" in err.value.problems
-    cfg = C.load_config(write(tmp_path, {"data": {"inputs": {"labels": "target"}}}))
+    cfg = V.load_config(write(tmp_path, {"data": {"inputs": {"labels": "target"}}}))
     assert cfg.data.inputs == {"labels": "target"}
 
 
@@ -64,7 +65,7 @@ def test_every_problem_reported_at_once(tmp_path):
         "data": {"seq_len": 4096, "train": str(tmp_path / "missing")},
     })
     with pytest.raises(UsageError) as err:
-        C.load_config(path, need_data=True)
+        V.load_config(path, need_data=True)
     problems = "\n".join(err.value.problems)
     for expected in ["run.seedd: unknown key (did you mean 'seed'?)", "run.log_level: 'loud'",
                      "model.gpt2.n_layer: expected an integer", "model.gpt2.n_head: must divide n_embd",
@@ -77,7 +78,7 @@ def test_every_problem_reported_at_once(tmp_path):
 
 def test_overrides_are_typed(tmp_path):
     path = write(tmp_path, {"optimizer": {"lr": "6e-4"}})   # YAML 1.1 reads 6e-4 as a string
-    cfg = C.load_config(path, ["train.max_steps=7", "optimizer.betas=[0.8, 0.9]", "tensorboard.enabled=false",
+    cfg = V.load_config(path, ["train.max_steps=7", "optimizer.betas=[0.8, 0.9]", "tensorboard.enabled=false",
                                "optimizer.weight_decay=1e-2", "run.name=x y"])
     assert cfg.optimizer.lr == pytest.approx(6e-4)
     assert cfg.train.max_steps == 7 and isinstance(cfg.train.max_steps, int)
@@ -86,17 +87,17 @@ def test_overrides_are_typed(tmp_path):
     assert cfg.optimizer.weight_decay == pytest.approx(0.01)
     assert cfg.run.name == "x y"
     with pytest.raises(UsageError) as err:
-        C.load_config(path, ["train.max_step=7", "train.max_steps=seven"])
+        V.load_config(path, ["train.max_step=7", "train.max_steps=seven"])
     assert any("did you mean 'max_steps'" in p for p in err.value.problems)
     assert any("train.max_steps: expected an integer" in p for p in err.value.problems)
     with pytest.raises(UsageError):
-        C.load_config(path, ["novalue"])
+        V.load_config(path, ["novalue"])
 
 
 def test_paths_resolve_against_the_config_file(tmp_path):
     (tmp_path / "d").mkdir()
     path = write(tmp_path, {"data": {"train": "d"}, "run": {"output_dir": "out"}})
-    cfg = C.load_config(path, need_data=True)
+    cfg = V.load_config(path, need_data=True)
     assert cfg.data.train == str(tmp_path / "d")
     assert cfg.run.output_dir == str(tmp_path / "out")
 
@@ -105,12 +106,12 @@ def test_model_source_is_exclusive(tmp_path):
     onnx_file = tmp_path / "m.onnx"
     onnx_file.write_bytes(b"x")
     with pytest.raises(UsageError, match="configuration") as err:
-        C.load_config(write(tmp_path, {"model": {"onnx": str(onnx_file)}}))
+        V.load_config(write(tmp_path, {"model": {"onnx": str(onnx_file)}}))
     assert "exclusive" in err.value.problems[0]
-    cfg = C.load_config(write(tmp_path, {"model": {"onnx": str(onnx_file), "builtin": None}}))
+    cfg = V.load_config(write(tmp_path, {"model": {"onnx": str(onnx_file), "builtin": None}}))
     assert cfg.model.onnx == str(onnx_file)
     with pytest.raises(UsageError) as err:
-        C.load_config(write(tmp_path, {"model": {"onnx": "nope.onnx", "builtin": None}}))
+        V.load_config(write(tmp_path, {"model": {"onnx": "nope.onnx", "builtin": None}}))
     assert "model.onnx: file not found" in err.value.problems[0]
 
 
@@ -138,11 +139,11 @@ def test_a_rejected_value_is_reported_once(tmp_path):
     """A value out of range is one problem: no cross-field check compares with it (a negative max_steps
     put profile.start_step's default 'after the last step', a negative lr lr_schedule.min_lr 'above' it)."""
     with pytest.raises(UsageError) as err:
-        C.load_config(write(tmp_path, {"train": {"max_steps": -5}, "optimizer": {"lr": -1.0}}))
+        V.load_config(write(tmp_path, {"train": {"max_steps": -5}, "optimizer": {"lr": -1.0}}))
     assert sorted(err.value.problems) == ["optimizer.lr: must be > 0.0, got -1.0",
                                           "train.max_steps: must be >= 1, got -5"], err.value.problems
     with pytest.raises(UsageError) as err:      # a check naming a key still runs when that key is fine
-        C.load_config(write(tmp_path, {"train": {"max_steps": 5}, "profile": {"start_step": 6}}))
+        V.load_config(write(tmp_path, {"train": {"max_steps": 5}, "profile": {"start_step": 6}}))
     assert err.value.problems == ["profile.start_step: 6 is after the last step (train.max_steps = 5)"]
 
 
@@ -201,20 +202,20 @@ def test_command_line_paths_are_relative_to_the_current_directory(tmp_path, monk
     (tmp_path / "conf").mkdir()
     path = write(tmp_path / "conf", {"run": {"output_dir": "from_file"}})
     monkeypatch.chdir(tmp_path)
-    assert C.load_config(path).run.output_dir == str(tmp_path / "conf" / "from_file")
-    assert C.load_config(path, ["run.output_dir=runs/x"]).run.output_dir == str(tmp_path / "runs" / "x")
+    assert V.load_config(path).run.output_dir == str(tmp_path / "conf" / "from_file")
+    assert V.load_config(path, ["run.output_dir=runs/x"]).run.output_dir == str(tmp_path / "runs" / "x")
 
 
 def test_host_optimizer_kernel_needs_the_cpu(tmp_path):
     with pytest.raises(UsageError) as err:
-        C.load_config(write(tmp_path, {"device": "cuda", "engine": {"optimizer_kernel": "host"}}))
+        V.load_config(write(tmp_path, {"device": "cuda", "engine": {"optimizer_kernel": "host"}}))
     assert any(p.startswith("engine.optimizer_kernel: host runs on the CPU") for p in err.value.problems), \
         err.value.problems
     try:
-        cfg = C.load_config(write(tmp_path, {"device": "cuda", "engine": {"optimizer_kernel": "auto"}}))
+        cfg = V.load_config(write(tmp_path, {"device": "cuda", "engine": {"optimizer_kernel": "auto"}}))
         assert cfg.engine.optimizer_kernel == "auto"
     except UsageError as exc:   # an onnxruntime without the CUDA provider (Python 3.12): that is the only problem
-        assert [p.split(":")[0] for p in exc.problems] == ["device"] and C.cuda_provider_problem(), exc.problems
+        assert [p.split(":")[0] for p in exc.problems] == ["device"] and V.cuda_provider_problem(), exc.problems
 
 
 def test_zero_stage_1_needs_the_cpu_mpi_and_the_host_kernel(tmp_path):
@@ -223,23 +224,23 @@ def test_zero_stage_1_needs_the_cpu_mpi_and_the_host_kernel(tmp_path):
             ({"engine": {"optimizer_kernel": "graph"}}, "distributed.zero_stage", "needs engine.optimizer_kernel"),
             ({"debug": {"stats_every": 1}}, "debug.stats_every", "needs distributed.zero_stage: 0")]:
         with pytest.raises(UsageError) as err:
-            C.load_config(write(tmp_path, {**data, "distributed": {"zero_stage": 1}}))
+            V.load_config(write(tmp_path, {**data, "distributed": {"zero_stage": 1}}))
         assert [p for p in err.value.problems if p.startswith(f"{key}: ") and text in p], err.value.problems
-        assert C.load_config(write(tmp_path, data)).distributed.zero_stage == 0     # fine with stage 0
-    assert C.load_config(write(tmp_path, {"distributed": {"zero_stage": 1}})).distributed.zero_stage == 1
+        assert V.load_config(write(tmp_path, data)).distributed.zero_stage == 0     # fine with stage 0
+    assert V.load_config(write(tmp_path, {"distributed": {"zero_stage": 1}})).distributed.zero_stage == 1
 
 
 def test_tracker_keys_resolve_a_plain_store_path_and_refuse_a_bad_mode(tmp_path, monkeypatch):
     (tmp_path / "conf").mkdir()
     path = write(tmp_path / "conf", {"logging": {"mlflow": {"tracking_uri": "mlruns"}}})
     monkeypatch.chdir(tmp_path)
-    assert C.load_config(path).logging.mlflow.tracking_uri == str(tmp_path / "conf" / "mlruns")   # the file's folder
-    assert C.load_config(path, ["logging.mlflow.tracking_uri=st"]).logging.mlflow.tracking_uri == str(tmp_path / "st")
+    assert V.load_config(path).logging.mlflow.tracking_uri == str(tmp_path / "conf" / "mlruns")   # the file's folder
+    assert V.load_config(path, ["logging.mlflow.tracking_uri=st"]).logging.mlflow.tracking_uri == str(tmp_path / "st")
     for uri in ("http://host:5000", "file:///abs/mlruns", "sqlite:///m.db", "databricks"):   # URIs as they are
-        assert C.load_config(path, [f"logging.mlflow.tracking_uri={uri}"]).logging.mlflow.tracking_uri == uri
-    assert C.load_config(None).logging.wandb.project is None and C.load_config(None).logging.mlflow.tracking_uri is None
+        assert V.load_config(path, [f"logging.mlflow.tracking_uri={uri}"]).logging.mlflow.tracking_uri == uri
+    assert V.load_config(None).logging.wandb.project is None and V.load_config(None).logging.mlflow.tracking_uri is None
     with pytest.raises(UsageError) as err:
-        C.load_config(path, ["logging.wandb.mode=disabled", "logging.mlflow.experiment=[a]"])
+        V.load_config(path, ["logging.wandb.mode=disabled", "logging.mlflow.experiment=[a]"])
     assert "logging.wandb.mode: 'disabled' is not one of: online, offline" in err.value.problems
     assert any(p.startswith("logging.mlflow.experiment: expected a string") for p in err.value.problems)
 

@@ -12,6 +12,7 @@ import torch
 from safetensors.numpy import load_file
 
 from conftest import ROOT, TRAINRUN, TRAINRUN_DATA, mpirun, read_metrics, run, write_config
+from trainrun import checkpoint as K
 from trainrun import config as C
 from trainrun.models import registry
 
@@ -221,13 +222,20 @@ def test_fine_tune_from_a_trainrun_pre_training_run(tmp_path, labelled):
 
 def test_regression_on_two_ranks_matches_scipy(tmp_path, labelled):
     """num_labels 1: mse; on 2 ranks eval_pearson / eval_spearman over both ranks' samples equal scipy's
-    on the exported model's predictions (problem_type regression)."""
+    on the exported model's predictions (problem_type regression); keep_best ranks by eval_spearman and
+    early stopping watches eval_pearson."""
     from scipy.stats import pearsonr, spearmanr
-    cfg = _config(tmp_path, labelled["reg"], **{"model.num_labels": 1, "train.eval_steps": 3})
+    cfg = _config(tmp_path, labelled["reg"], **{
+        "model.num_labels": 1, "train.eval_steps": 3, "checkpoint.keep_best": 1,
+        "checkpoint.best_metric": "eval_spearman", "train.early_stopping": {"patience": 5, "metric": "eval_pearson"}})
     mpirun(2, "train", "--config", cfg)
     run_dir = str(tmp_path / "run")
     train, evals = read_metrics(run_dir)
     assert "eval_mse" in evals[12] and np.isfinite(train[12]["loss"])
+    state = K.read_state(os.path.join(run_dir, "checkpoints", "12"))
+    assert state["best_metric"] == {"name": "eval_spearman", "greater_is_better": True,
+                                    "value": pytest.approx(evals[12]["eval_spearman"], rel=1e-12)}
+    assert state["early_stopping"]["metric"] == "eval_pearson"
     run([TRAINRUN, "export", run_dir, "--format", "transformers", "--output", str(tmp_path / "hf")], check=0)
     samples = R.tensor_samples(os.path.join(labelled["reg"], "eval"))
     model, logits = _auto_logits(str(tmp_path / "hf"), samples)
@@ -249,10 +257,13 @@ def test_token_classification_run_and_export(tmp_path, labelled):
     out) equal scikit-learn's on the predictions of the export, which AutoModelForTokenClassification loads."""
     from sklearn.metrics import accuracy_score, f1_score
     from transformers import AutoModelForTokenClassification
-    cfg = _config(tmp_path, labelled["tok"], **{"model.task": "token_classification", "train.eval_steps": 6})
+    cfg = _config(tmp_path, labelled["tok"], **{"model.task": "token_classification", "train.eval_steps": 6,
+                                                  "checkpoint.keep_best": 1, "checkpoint.best_metric": "eval_f1"})
     run([TRAINRUN, "train", "--config", cfg], check=0)
     run_dir = str(tmp_path / "run")
     train, evals = read_metrics(run_dir)
+    assert K.read_state(os.path.join(run_dir, "checkpoints", "12"))["best_metric"] == {
+        "name": "eval_f1", "greater_is_better": True, "value": pytest.approx(evals[12]["eval_f1"], rel=1e-12)}
     assert np.mean([train[s]["loss"] for s in (10, 11, 12)]) < np.mean([train[s]["loss"] for s in (1, 2, 3)])
     run([TRAINRUN, "export", run_dir, "--format", "transformers", "--output", str(tmp_path / "hf")], check=0)
     model = AutoModelForTokenClassification.from_pretrained(str(tmp_path / "hf")).eval()

@@ -17,6 +17,7 @@ from trainrun import config as C
 from trainrun.graphs.manifest import load_manifest, prepare
 from trainrun.graphs.names import ACC_OUT_SUFFIX, LOSS, MASK_PREFIX
 from trainrun.errors import UsageError
+from trainrun.validity import load_config
 
 STEPS = 10
 STATS = {"debug.stats_every": 1, "debug.tensors": ["logits", "LayerNormalization_*_out0"],
@@ -167,7 +168,7 @@ def test_statistics_off_adds_nothing_and_bad_patterns_are_named(tmp_path, byte_d
         prepare(cfg)
     assert "debug.tensors" in err.value.message and "'no_such_tensor*'" in err.value.message
     with pytest.raises(UsageError) as err:
-        C.load_config(str(tmp_path / "c.yaml"), ["profile.start_step=21"])
+        load_config(str(tmp_path / "c.yaml"), ["profile.start_step=21"])
     assert any(p.startswith("profile.start_step: 21 is after the last step") for p in err.value.problems)
 
 

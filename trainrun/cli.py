@@ -64,7 +64,8 @@ def cli(ctx, config_path, overrides, log_level):
 def train(config_path, overrides, log_level):
     """Train from a config (under mpirun for several ranks)."""
     from .runner import train as run_train
-    cfg = C.load_config(config_path, overrides, need_data=True)
+    from .validity import load_config
+    cfg = load_config(config_path, overrides, need_data=True)
     run_train(cfg, log_level=log_level)
 
 
@@ -95,7 +96,8 @@ def resume(run_dir, overrides, log_level, force):
               help="--format transformers: this tokenizer.json instead of the run's.")
 @click.option("--opset", type=int, default=None, help="Target opset (default: the graph's).")
 @click.option("--with-loss", is_flag=True, help="Keep the loss output (takes labels).")
-@click.option("--best", is_flag=True, help="From a run directory: its checkpoint of lowest eval loss.")
+@click.option("--best", is_flag=True, help="From a run directory: its best checkpoint, ranked by the run's "
+                                           "checkpoint.best_metric (null: the eval loss).")
 def export(checkpoint, output, fmt, kv_cache, tokenizer, opset, with_loss, best):
     """Write an inference model from a checkpoint (offline, no MPI): an ONNX file, or a
     transformers directory (config.json, model.safetensors, tokenizer)."""
@@ -110,8 +112,8 @@ def export(checkpoint, output, fmt, kv_cache, tokenizer, opset, with_loss, best)
         from .rundir import best_checkpoints
         ranked = best_checkpoints(os.path.join(checkpoint, "checkpoints"))
         if not ranked:
-            raise UsageError(f"{checkpoint}: --best needs a run directory with checkpoints that recorded an "
-                             f"eval loss (checkpoint.keep_best, or checkpoints at eval steps)")
+            raise UsageError(f"{checkpoint}: --best needs a run directory with checkpoints that recorded "
+                             f"checkpoint.best_metric (checkpoint.keep_best, or checkpoints at eval steps)")
         checkpoint = ranked[0]
     if fmt == "transformers":
         export_transformers(checkpoint, output, tokenizer=tokenizer, echo=click.echo)
@@ -173,8 +175,8 @@ def prepare(config_path, overrides, log_level, force):
     from .rundir import complete_checkpoints
     from .graphs.manifest import prepare as run_prepare
     from .lock import RunLock
-    from .preflight import check
-    cfg = C.load_config(config_path, _with_log_level(overrides, log_level))
+    from .validity import check, load_config
+    cfg = load_config(config_path, _with_log_level(overrides, log_level))
     check(cfg, datasets=False)
     out = cfg.run.output_dir
     lock = RunLock(out)
@@ -204,7 +206,8 @@ def config_group():
 @click.option("--no-comments", is_flag=True, help="Plain YAML without field documentation.")
 def config_show(config_path, overrides, no_comments):
     """Print the fully resolved config, every field documented."""
-    cfg = C.load_config(config_path, overrides)
+    from .validity import load_config
+    cfg = load_config(config_path, overrides)
     click.echo(C.to_yaml(cfg, comments=not no_comments), nl=False)
 
 
@@ -215,8 +218,8 @@ def config_show(config_path, overrides, no_comments):
 def config_validate(config_path, overrides):
     """Check a config and the files it names (datasets, model.init_from, the memory the model needs, as
     training's start-up does on one rank); list every problem (exit 2) or say it is valid."""
-    from .preflight import check
-    check(C.load_config(config_path, overrides, need_data=True))
+    from .validity import check, load_config
+    check(load_config(config_path, overrides, need_data=True))
     click.echo(f"{config_path}: valid")
 
 
@@ -234,7 +237,8 @@ def doctor(config_path, overrides, size_mb, iters):
     from .observe.doctor import run_doctor
     cfg, raw = None, b""
     if config_path:
-        cfg = C.load_config(config_path, overrides)
+        from .validity import load_config
+        cfg = load_config(config_path, overrides)
         with open(config_path, "rb") as fh:
             raw = fh.read()
     code = run_doctor(cfg, raw, list(overrides), size_mb=size_mb, iters=iters, echo=click.echo)

@@ -3,7 +3,9 @@
 Every field is documented once, by the string literal that follows it (the
 attribute docstring); ``trainrun config show`` prints those docstrings as YAML
 comments. Constraints live in the field's metadata (``min``, ``max``,
-``choices``, ``path``). :func:`load_config` reports every problem at once, each
+``choices``, ``path``): the checks of one key at a time. The checks across keys
+and of the files keys name belong to :mod:`trainrun.validity`, which
+:func:`load_config` takes as ``checks``; it reports every problem at once, each
 with its key path, as one :class:`~trainrun.errors.UsageError` (exit code 2).
 """
 
@@ -19,7 +21,7 @@ import os
 import re
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, Callable, ClassVar, Optional, Union
 
 import yaml
 
@@ -438,12 +440,16 @@ class DistributedConfig:
     reduce_dtype: str = opt("fp32", choices=["fp32", "bf16"])
     """The gradients' type on the wire between ranks: fp32, or bf16 (half the bytes; rounded to nearest even,
     summed in fp32; the sums, the optimizer and the master weights stay fp32; each reduced element within
-    about 2^-7 of the sum of the ranks' magnitudes). Not the intra-node shared-memory sum (no wire: fp32)."""
+    about 2^-7 of the sum of the ranks' magnitudes). Not the intra-node shared-memory sum (no wire: fp32):
+    on one rank, or with every rank on one node sharing memory, nothing goes on the wire and rank 0 says so
+    at start."""
     overlap_grad_reduce: bool = False
     """Reduce the gradients in buckets while the backward pass goes on, as PyTorch DDP does: the train graph
     is cut where each bucket's gradients are final and a background thread reduces a finished bucket while
     the next part of the backward pass computes (the last bucket, with the embeddings, after it). Applies
-    to replicated updates over MPI on the CPU (zero_stage 0; one rank per node, or intra_node: mpi)."""
+    to replicated updates over MPI on the CPU (zero_stage 0; one rank per node, or intra_node: mpi): refused
+    with zero_stage 1, device cuda or backend nccl; off, as rank 0 says at start, where the ranks of a node
+    share memory, on one rank, or when the gradients fit one bucket."""
     bucket_mb: float = opt(4.0, gt=0.0)
     """Size of a gradient bucket (MiB) for overlap_grad_reduce: smaller starts the wire sooner and leaves
     less after the backward pass, but cuts the train graph into more parts."""
@@ -767,132 +773,9 @@ def _build(cls, data: dict, prefix: str, problems: _Problems):
     return out
 
 
-# --------------------------------------------------------------------------- cross-field checks
+# --------------------------------------------------------------------------- eval metric names
 
-def _semantic_checks(cfg: Config, problems: _Problems, base_dir: str, need_data: bool) -> None:
-    m = cfg.model
-    if m.builtin is None and m.onnx is None:
-        problems.add("model", f"set either model.builtin ({', '.join(FAMILIES)}) or model.onnx (a forward graph)")
-    if m.builtin is not None and m.onnx is not None:
-        problems.add("model", "model.builtin and model.onnx are exclusive; set model.builtin: null "
-                     "to train model.onnx")
-    section = m.family_section() if m.builtin in FAMILIES else None
-    if section is not None:
-        for key, problem in section.problems():
-            problems.add(f"model.{m.builtin}.{key}", problem)
-        if cfg.data.seq_len > positions(section):
-            problems.add("data.seq_len", f"{cfg.data.seq_len} is longer than the model's positions "
-                         f"(model.{m.builtin}.{section.POSITIONS} = {positions(section)})")
-    loss = m.loss
-    if loss.output is not None and m.builtin is not None:
-        problems.add("model.loss.output", f"the built-in {m.builtin} has no loss output; only for model.onnx")
-    if m.builtin is not None and (loss.type != "cross_entropy" or loss.class_axis != -1):
-        problems.add("model.loss.type", f"the built-in {m.builtin} trains with cross_entropy over its last axis")
-    if loss.label_smoothing >= 1.0:
-        problems.add("model.loss.label_smoothing", f"must be < 1, got {loss.label_smoothing}")
-    elif loss.label_smoothing and (loss.type != "cross_entropy" or loss.output is not None):
-        problems.add("model.loss.label_smoothing", "smooths the cross_entropy trainrun builds from the logits "
-                     "(not mse/l1 nor a model.loss.output)")
-    if loss.label_smoothing and cfg.train.precision != "fp32":
-        problems.add("model.loss.label_smoothing", f"runs with train.precision fp32 only (the smoothed loss's "
-                     f"sums over the classes are not kept in float32 under {cfg.train.precision})")
-    if loss.weights and loss.type != "cross_entropy":
-        problems.add("model.loss.weights", f"class weights need type cross_entropy, not {loss.type}")
-    if m.init_from and m.builtin is None:
-        problems.add("model.init_from", f"starts a built-in model ({', '.join(FAMILIES)}); a model.onnx holds its "
-                     f"own weights")
-    o = cfg.optimizer
-    if len(o.betas) != 2:
-        problems.add("optimizer.betas", f"expected two values [beta1, beta2], got {o.betas}")
-    else:
-        for i, b in enumerate(o.betas):
-            if b is not None and not 0.0 <= b < 1.0:
-                problems.add(f"optimizer.betas[{i}]", f"must be in [0, 1), got {b}")
-    if o.ratio_min > o.ratio_max:
-        problems.add("optimizer.ratio_min", f"{o.ratio_min} exceeds optimizer.ratio_max ({o.ratio_max})")
-    for i, g in enumerate(o.groups):
-        if not g.params:
-            problems.add(f"optimizer.groups[{i}].params", "a parameter name pattern is required")
-    if o.layer_decay != 1.0 and m.builtin is None:
-        problems.add("optimizer.layer_decay", f"reads each parameter's layer from a built-in model's names "
-                     f"(model.builtin {' or '.join(FAMILIES)}); for model.onnx use optimizer.groups")
-    if o.nesterov and o.momentum == 0:
-        problems.add("optimizer.nesterov", "needs optimizer.momentum > 0")
-    s = cfg.lr_schedule
-    if s.min_lr > o.lr:
-        problems.add("lr_schedule.min_lr", f"{s.min_lr} exceeds optimizer.lr ({o.lr})")
-    if cfg.distributed.zero_stage == 1:
-        if cfg.device != "cpu" or cfg.distributed.backend == "nccl":
-            problems.add("distributed.zero_stage", "1 (sharded optimizer state) runs on the CPU with the mpi "
-                         "backend; use 0 with device: cuda or backend: nccl")
-        if cfg.engine.optimizer_kernel == "graph":
-            problems.add("distributed.zero_stage", "1 (sharded optimizer state) needs engine.optimizer_kernel "
-                         "host or auto (the graph kernel updates the whole flat buffer)")
-        if cfg.debug.stats_every:
-            problems.add("debug.stats_every", "needs distributed.zero_stage: 0 (with 1 no rank holds the whole "
-                         "reduced gradient)")
-    t = cfg.train
-    if t.max_steps and cfg.profile.start_step > t.max_steps:
-        problems.add("profile.start_step", f"{cfg.profile.start_step} is after the last step "
-                     f"(train.max_steps = {t.max_steps})")
-    try:
-        t.max_time_s()
-    except ValueError as exc:
-        problems.add("train.max_time", str(exc))
-    _eval_checks(cfg, problems)
-    if cfg.device == "cpu" and cfg.distributed.backend == "nccl":
-        problems.add("distributed.backend", "nccl needs device: cuda")
-    if cfg.device == "cuda" and (problem := cuda_provider_problem()):
-        problems.add("device", problem)
-    if cfg.device == "cuda" and cfg.engine.optimizer_kernel == "host":
-        problems.add("engine.optimizer_kernel", "host runs on the CPU; with device: cuda use graph or auto")
-    if need_data and cfg.train.early_stopping.patience and not cfg.data.eval:
-        problems.add("train.early_stopping.patience", "stops on an eval metric: needs data.eval")
-    if need_data and cfg.checkpoint.keep_best and not cfg.data.eval:
-        problems.add("checkpoint.keep_best", "ranks checkpoints by an eval metric: needs data.eval")
-    if cfg.device == "cpu" and cfg.train.precision != "fp32":
-        problems.add("train.precision", f"{cfg.train.precision} needs device: cuda; onnxruntime-training "
-                     f"1.19.2's CPU provider cannot run a {cfg.train.precision} train graph ("
-                     + ("no float16 SliceGrad kernel" if cfg.train.precision == "fp16" else
-                        "no bfloat16 kernels, not even Add") + "); with device: cpu use fp32")
-    if need_data and not cfg.data.train:
-        problems.add("data.train", "is required to train (a directory made by trainrun-data)")
-    # files and directories that must exist
-    for path, value, kind in _path_fields(cfg):
-        if value is None or (path.startswith("data.") and not need_data):
-            continue
-        full = resolve_path(value, base_dir)
-        if kind == "file" and not os.path.isfile(full):
-            problems.add(path, f"file not found: {full}")
-        elif kind == "dir" and not os.path.isdir(full):
-            problems.add(path, f"directory not found: {full}")
-        elif kind == "any" and not os.path.exists(full):
-            problems.add(path, f"not found: {full}")
-
-
-def _eval_checks(cfg: Config, problems: _Problems) -> None:
-    """data.eval's set names; the metrics early stopping and keep_best watch name one of its sets (the
-    metric itself is checked against the eval graph's at start-up: :func:`eval_metric_problems`)."""
-    d = cfg.data
-    if isinstance(d.eval, dict):
-        if not d.eval:
-            problems.add("data.eval", "names no eval set (leave it out, or give {NAME: DIR, ...})")
-        for name in d.eval:
-            if not EVAL_NAME.fullmatch(str(name)):
-                problems.add(f"data.eval.{name}", "a set name is letters, digits, `_` and `-` (it becomes part "
-                             "of the metric names eval_<NAME>_<metric>)")
-            elif any(other != name and str(other).startswith(f"{name}_") for other in d.eval):
-                problems.add(f"data.eval.{name}", "is the start of another set's name and `_`: their metric "
-                             "names could not be told apart")
-    for key in ("train.early_stopping.metric", "checkpoint.best_metric"):
-        metric = get(cfg, key)
-        if metric is not None and d.eval and _eval_set_of(d, metric) is False:
-            sets = ", ".join(f"eval_{n}_<metric>" for n in d.eval) if isinstance(d.eval, dict) else "eval_<metric>"
-            problems.add(key, f"{metric!r} is not a metric of data.eval's set(s): expected {sets}, e.g. "
-                         f"{eval_key(next(iter(d.eval_sets())), 'loss')}")
-
-
-def _eval_set_of(d: DataConfig, metric: str):
+def eval_set_of(d: DataConfig, metric: str):
     """(set name, metric) of a metrics key of data.eval's sets; False when it names none."""
     for name in sorted(d.eval_sets(), key=lambda n: -len(n or "")):
         prefix = eval_key(name, "")
@@ -907,42 +790,9 @@ def watched_metric(cfg: Config, key: str) -> str:
     return get(cfg, key) or eval_key(next(iter(cfg.data.eval_sets()), None), "loss")
 
 
-def eval_metric_problems(cfg: Config, metrics: list[str]) -> list[str]:
-    """The problems of train.early_stopping.metric and checkpoint.best_metric when the evaluations log
-    ``metrics`` (loss, perplexity, accuracy, ...) for each set of data.eval (none without data.eval)."""
-    problems = []
-    for key in ("train.early_stopping.metric", "checkpoint.best_metric") if cfg.data.eval else ():
-        found = _eval_set_of(cfg.data, watched_metric(cfg, key))
-        if found and found[1] not in metrics:
-            problems.append(f"{key}: {watched_metric(cfg, key)!r}: the evaluations log no {found[1]!r} (they "
-                            "log " + ", ".join(eval_key(found[0], m) for m in metrics) + ")")
-    return problems
-
-
 def greater_is_better(metric: str) -> bool:
     """Whether a higher value of an eval metric is better: not for a loss, perplexity, mse or mae."""
     return not metric.endswith(("loss", "perplexity", "mse", "mae"))
-
-
-def cuda_provider_problem() -> str | None:
-    """Why this Python's onnxruntime cannot run ``device: cuda`` (its build lacks the CUDA provider),
-    or None. PyPI has onnxruntime-training 1.19.2's CUDA build for CPython 3.10 and 3.11 only: on
-    3.12 the package installed is the CPU-only build, whatever the extras."""
-    import sys
-    try:
-        import onnxruntime
-    except ImportError as exc:
-        return f"onnxruntime cannot be imported: {exc}"
-    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
-        return None
-    import importlib.metadata
-    wheel = ", ".join(importlib.metadata.packages_distributions().get("onnxruntime", ["?"]))
-    py = ".".join(map(str, sys.version_info[:2]))
-    return (f"needs onnxruntime's CUDAExecutionProvider, which the onnxruntime in use lacks ({wheel} "
-            f"{getattr(onnxruntime, '__version__', '?')} at {os.path.dirname(onnxruntime.__file__)}, "
-            f"Python {py}; it has {', '.join(onnxruntime.get_available_providers())}). onnxruntime-training "
-            f"1.19.2's CUDA build exists for Python 3.10 and 3.11 only: create the venv with one of those "
-            f"(make test-gpu PYTHON=python3.11) and install the gpu extra there, or use device: cpu")
 
 
 def _path_fields(obj, prefix=""):
@@ -1045,26 +895,35 @@ def read_yaml(path: str) -> dict:
     return data
 
 
-def from_dict(data: dict, *, base_dir: str = ".", source: str = "config",
-              need_data: bool = False) -> Config:
-    """Build and validate a Config; raise UsageError listing every problem."""
+Checks = Callable[[Config, str, bool], list]
+"""``checks(cfg, base_dir, need_data)``: the problems (``"key: message"``) across keys and of the files
+keys name, on a config built from what parsed (:func:`trainrun.validity.config_problems`)."""
+
+
+def from_dict(data: dict, *, base_dir: str = ".", source: str = "config", need_data: bool = False,
+              checks: Optional[Checks] = None) -> Config:
+    """Build a Config, each value coerced and range-checked, and run ``checks`` on it; raise UsageError
+    listing every problem. Without ``checks`` only the schema's own (one key at a time) are made:
+    :func:`trainrun.validity.load_config` passes the checks across keys."""
     problems = _Problems()
     cfg = _build(Config, data, "", problems)
     _init_from_shape(cfg, data, base_dir, problems)
-    # Cross-field checks run too (on the values that parsed), skipping those of a key already reported
-    # and those that name one: a comparison with a rejected value only repeats its problem.
-    bad = {p.split(":", 1)[0] for p in problems}
-    named = re.compile("|".join(rf"(?<![\w.]){re.escape(k)}(?!\w)" for k in bad if "." in k) or "(?!)")
-    semantic = _Problems()
-    _semantic_checks(cfg, semantic, base_dir, need_data)
-    problems += [p for p in semantic if p.split(":", 1)[0] not in bad and not named.search(p)]
+    if checks is not None:
+        # Checks across keys run too (on the values that parsed), skipping those of a key already reported
+        # and those that name one: a comparison with a rejected value only repeats its problem.
+        bad = {p.split(":", 1)[0] for p in problems}
+        named = re.compile("|".join(rf"(?<![\w.]){re.escape(k)}(?!\w)" for k in bad if "." in k) or "(?!)")
+        problems += [p for p in checks(cfg, base_dir, need_data)
+                     if p.split(":", 1)[0] not in bad and not named.search(p)]
     if problems:
         raise UsageError(f"{source}: {len(problems)} problem(s) in the configuration", problems)
     return cfg
 
 
-def load_config(path: Optional[str], overrides: list[str] = (), *, need_data: bool = False) -> Config:
-    """Load a YAML config (or only defaults when path is None), apply ``--set`` overrides, validate.
+def load_config(path: Optional[str], overrides: list[str] = (), *, need_data: bool = False,
+                checks: Optional[Checks] = None) -> Config:
+    """Load a YAML config (or only defaults when path is None), apply ``--set`` overrides, validate
+    (the schema, and ``checks``: see :func:`from_dict`).
 
     Relative paths in the config are resolved against the config file's directory
     and stored absolute, so the resolved config works from any directory.
@@ -1072,7 +931,7 @@ def load_config(path: Optional[str], overrides: list[str] = (), *, need_data: bo
     data = read_yaml(path) if path else {}
     data = apply_overrides(data, list(overrides))
     base_dir = os.path.dirname(os.path.abspath(path)) if path else os.getcwd()
-    cfg = from_dict(data, base_dir=base_dir, source=path or "config", need_data=need_data)
+    cfg = from_dict(data, base_dir=base_dir, source=path or "config", need_data=need_data, checks=checks)
     absolutize(cfg, base_dir)
     return cfg
 

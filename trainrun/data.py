@@ -142,7 +142,7 @@ class TokenDataset:
     release_every_pages = 16384     # resident shard pages (estimate) before release_pages(): 64 MiB
 
     def __init__(self, path: Path, manifest: dict, seq_len: int | None, vocab_limit: int | None,
-                 verify: bool):
+                 verify: bool, vocab_key: str | None = None):
         where = str(path / MANIFEST)
         _check_version(manifest, where)
         self.path, self.manifest, self.verified = path, manifest, verify
@@ -183,7 +183,9 @@ class TokenDataset:
         self._limit = vocab_limit
         if vocab_limit is not None and self.max_token >= vocab_limit:
             raise UsageError(f"{where}: token ids go up to {self.max_token} (tokenizer vocab_size "
-                             f"{self.vocab_size}), not below the model's vocab_size {vocab_limit}")
+                             f"{self.vocab_size}), not below the model's vocab_size {vocab_limit}"
+                             + (f": set {vocab_key} to {max(self.vocab_size, self.max_token + 1)} or more"
+                                if vocab_key else ""))
         self.seq_len = seq_len
         self.num_samples = 0
         if seq_len is not None:
@@ -389,13 +391,14 @@ class TensorDataset:
 
 # ---------------------------------------------------------------------- open
 def open_dataset(path, seq_len: int | None, vocab_size: int | None = None, n_positions: int | None = None,
-                 verify: bool = True):
+                 verify: bool = True, vocab_key: str | None = None):
     """Open a token-shard or ``.pb`` dataset directory.
 
     ``seq_len``: tokens per sample (for ``.pb`` data it must equal the
     ``input_ids`` length); None only to inspect token shards (no samples). ``vocab_size`` and
     ``n_positions``: the model's, to reject token ids and sequences it cannot
-    take (which feature feeds which graph input is the engine's: data.inputs). ``verify``: check sha256 (token shards, manifests) or
+    take (which feature feeds which graph input is the engine's: data.inputs); ``vocab_key``: the config
+    key of ``vocab_size``, which a refusal names. ``verify``: check sha256 (token shards, manifests) or
     decode every sample (``.pb`` without manifest); sizes are always checked.
     Raises :class:`UsageError` naming the file or key for every problem.
     """
@@ -411,7 +414,7 @@ def open_dataset(path, seq_len: int | None, vocab_size: int | None = None, n_pos
     manifest = _read_manifest(path)
     fmt = TENSORS_FORMAT if manifest is None else manifest.get("format")
     if fmt == TOKENS_FORMAT:
-        return TokenDataset(path, manifest, seq_len, vocab_size, verify)
+        return TokenDataset(path, manifest, seq_len, vocab_size, verify, vocab_key)
     if fmt == TENSORS_FORMAT:
         return TensorDataset(path, manifest, seq_len, vocab_size, n_positions, verify)
     raise UsageError(f"{path / MANIFEST}: key 'format' is {fmt!r}, expected '{TOKENS_FORMAT}' or "

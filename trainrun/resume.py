@@ -15,6 +15,7 @@ import os
 from . import checkpoint as K
 from . import config as C
 from . import rundir
+from . import validity
 from .comm import detect_world
 from .errors import UsageError
 
@@ -25,7 +26,7 @@ SAFE_ON_RESUME = ("train.max_steps", "train.max_epochs", "train.max_time", "trai
                   "optimizer.lr", "optimizer.max_grad_norm", "lr_schedule.", "run.log_level", "engine.",
                   "tensorboard.", "data.prefetch", "data.eval", "distributed.timeout_s", "distributed.backend",
                   "distributed.zero_stage", "distributed.intra_node", "distributed.overlap_grad_reduce",
-                  "distributed.bucket_mb",
+                  "distributed.bucket_mb", "distributed.reduce_dtype",
                   "profile.", "debug.")
 
 
@@ -36,7 +37,7 @@ def resume_config(path: str, overrides: list[str], force: bool = False) -> tuple
     run_dir = rundir.run_dir_of(ckpt)
     saved_path = os.path.join(ckpt, "config.yaml")
     saved = C.load_config(saved_path)
-    cfg = C.load_config(saved_path, overrides, need_data=True)
+    cfg = validity.load_config(saved_path, overrides, need_data=True)
     saved.run.output_dir = cfg.run.output_dir = run_dir   # the run may have been moved
     state = K.read_state(ckpt)
     if not any(o.split("=", 1)[0].strip() == "train.stop_at" for o in overrides) \

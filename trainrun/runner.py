@@ -31,6 +31,7 @@ import json
 import math
 import os
 import platform
+import sys
 import time
 
 import numpy as np
@@ -44,8 +45,8 @@ import_onnxruntime()
 
 from . import checkpoint as K
 from . import faults
-from . import preflight
 from . import update
+from . import validity
 from . import config as C
 from . import feeding
 from .graphs.manifest import load_manifest, prepare, up_to_date
@@ -195,12 +196,12 @@ class TrainingRunner:
         self.manifest = manifest
 
     def _open_data(self) -> None:
-        """The datasets of :func:`trainrun.preflight.check`, which finds every problem of the files the config
+        """The datasets of :func:`trainrun.validity.check`, which finds every problem of the files the config
         names (data, model.init_from, the memory the model needs) before the graphs are built."""
         cfg = self.cfg
         error = None
         try:
-            self.train_ds, self.eval_sets = preflight.check(cfg, self.world)
+            self.train_ds, self.eval_sets = validity.check(cfg, self.world)
         except UsageError as exc:
             error = exc
         self.comm.agree(error)
@@ -208,8 +209,7 @@ class TrainingRunner:
         self.total_steps = cfg.train.total_steps(self.train_ds.num_samples, self.global_batch)
         # token sequences: tokens/s besides samples/s; next-token cross-entropy: perplexity besides the loss
         self.tokens = "input_ids" in self.train_ds.specs
-        loss = cfg.model.loss
-        self.perplexity = self.train_ds.kind == "tokens" and loss.output is None and loss.type == "cross_entropy"
+        self.perplexity = validity.logs_perplexity(cfg, self.train_ds)
         self.loader = TrainLoader(self.train_ds, micro_batch=cfg.train.micro_batch_size, accum=self.accum,
                                   rank=self.rank, world_size=self.world, seed=cfg.run.seed,
                                   shuffle=cfg.data.shuffle, prefetch=cfg.data.prefetch)
@@ -233,7 +233,8 @@ class TrainingRunner:
             error = exc
         self.comm.agree(error)
         # buckets of gradients reduced during the backward pass: the train graph cut at them
-        buckets = int(cfg.distributed.bucket_mb * 2**20) if update.overlaps(cfg, self.comm, node) else 0
+        overlaps = update.overlaps(cfg, self.comm, node)
+        buckets = int(cfg.distributed.bucket_mb * 2**20) if overlaps else 0
         opts = EngineOptions(device=cfg.device, device_id=device_id, threads=threads,
                              graph_optimization=cfg.engine.graph_optimization,
                              log_severity=_ORT_SEVERITY[cfg.run.log_level], deterministic=cfg.run.deterministic,
@@ -245,8 +246,8 @@ class TrainingRunner:
         try:     # the data checked against the graph's inputs: the same verdict on every rank
             feeds = feeding.feeds(self.manifest, cfg.data.inputs, shapes)
             # the metrics early stopping and keep_best watch: among those the evaluations log
-            logged = ["loss", *(["perplexity"] if self.perplexity else []), *self.manifest["metrics"]]
-            if problems := C.eval_metric_problems(cfg, logged):
+            logged = validity.eval_metrics(cfg, self.train_ds, manifest=self.manifest)
+            if problems := validity.eval_metric_problems(cfg, logged):
                 raise UsageError(f"{len(problems)} problem(s) in the configuration", problems)
             self.engine = Engine(self.graphs_dir, opts, shapes, shapes, feeds=feeds,
                                  buffers=node.buffers if node else None)
@@ -257,6 +258,10 @@ class TrainingRunner:
         except UsageError as exc:
             error = exc
         self.comm.agree(error)
+        if self.is_main:    # what this launch turns off of the config, and why
+            shared = (node.mem.node.world_size, node.mem.cross.world_size) if node else None
+            for note in validity.inactive(cfg, self.world, shared, overlaps, self.grad_buckets):
+                print(f"trainrun: warning: {note}", file=sys.stderr, flush=True)
         error, self.sampler = None, None
         if cfg.train.sample_every and self.is_main:
             try:

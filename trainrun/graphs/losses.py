@@ -232,6 +232,16 @@ def _regression(fwd: Forward) -> tuple[list, list]:
     return loss, metrics
 
 
+def head_metrics(loss_type: str, classes: int | None, label_smoothing: float = 0.0) -> list[str]:
+    """The eval metrics :func:`with_loss` adds to a loss it builds from the logits: cross_entropy's
+    accuracy, top-5 accuracy (5 <= ``classes`` <= TOP5_MAX_CLASSES) and, smoothed, the plain ``ce``;
+    mse's and l1's mse and mae."""
+    if loss_type != "cross_entropy":
+        return ["mse", "mae"]
+    return ["accuracy", *(["top5_accuracy"] if classes is not None and 5 <= classes <= TOP5_MAX_CLASSES else []),
+            *(["ce"] if label_smoothing else [])]
+
+
 def metric_outputs(model: onnx.ModelProto) -> list[str]:
     """The eval-metric outputs (``metric/<name>/sum|count``) of ``model``, in graph order."""
     return [o.name for o in model.graph.output if o.name.startswith(METRIC_PREFIX)]

@@ -45,7 +45,6 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..config import BertConfig
 from .onnx_builder import MASK_VALUE, Graph
-from ..errors import UsageError
 from .registry import Family, Transformers, register
 
 INPUTS = ["input_ids", "segment_ids", "input_mask", "masked_lm_positions", "masked_lm_ids",
@@ -57,6 +56,7 @@ CLS_INPUTS = ["input_ids", "segment_ids", "input_mask"]
 CLS_LOGITS = "logits"
 PREDICTIONS = "predictions"      # a regression's logits [batch, 1] as [batch], the labels' shape
 IGNORE_ID = 0            # masked_lm_ids value of an unused prediction slot
+METRICS = ("mlm_accuracy", "nsp_accuracy", "mlm_loss", "nsp_loss")     # the pre-training graph's own
 
 
 def param_specs(cfg: BertConfig) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -288,7 +288,7 @@ def build_bert(cfg: BertConfig, weights: dict[str, np.ndarray], inference: bool 
 
     graph_inputs += [ids("masked_lm_ids", ["batch", "predictions"]), ids("next_sentence_labels", ["batch"])]
     scalar = [helper.make_tensor_value_info(n, TensorProto.FLOAT, []) for n in
-              [LOSS] + [f"metric/{m}/{k}" for m in ("mlm_accuracy", "nsp_accuracy", "mlm_loss", "nsp_loss")
+              [LOSS] + [f"metric/{m}/{k}" for m in METRICS
                         for k in ("sum", "count")]]
     return g.model("bert", graph_inputs, scalar + logits_outputs)
 
@@ -385,10 +385,7 @@ ARCHITECTURES = {"sequence_classification": "BertForSequenceClassification",
 
 def with_task(task: str, num_labels: int) -> Family:
     """The family with ``model.task``'s head: sequence_classification (BertForSequenceClassification) or
-    token_classification (BertForTokenClassification: no pooler, a regression refused)."""
-    if task == "token_classification" and num_labels == 1:
-        raise UsageError("model.num_labels: 1 (a regression) is for sequence_classification; "
-                         "token_classification needs 2 or more")
+    token_classification (BertForTokenClassification: no pooler; no regression: ``FAMILY.regression``)."""
     pooler = task == "sequence_classification"
     regression = num_labels == 1
     return dataclasses.replace(
@@ -413,4 +410,5 @@ FAMILY = register(Family(
     dropout_fields=("hidden_dropout_prob", "attention_probs_dropout_prob"),
     transformers=Transformers(architecture="BertForPreTraining", model_type="bert", prefix="bert.", tied=TIED,
                               optional=("cls.",), config=_transformers_config, tokenizer=_transformers_tokenizer),
-    tasks=("pretraining", "sequence_classification", "token_classification"), task=lambda task, n: with_task(task, n)))
+    tasks=("pretraining", "sequence_classification", "token_classification"), task=lambda task, n: with_task(task, n),
+    regression=("sequence_classification",), metrics=METRICS))

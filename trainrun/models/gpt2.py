@@ -19,7 +19,6 @@ from onnx import TensorProto, helper
 
 from ..config import GPT2Config
 from .onnx_builder import MASK_VALUE, Graph
-from ..errors import UsageError
 from .registry import Family, Transformers, register
 
 def param_specs(cfg: GPT2Config) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -231,9 +230,6 @@ def _sample_classified(cfg: GPT2Config, num_labels: int, rng) -> dict[str, np.nd
 
 def with_task(task: str, num_labels: int) -> Family:
     """The family with ``model.task``'s head: sequence_classification (GPT2ForSequenceClassification)."""
-    if num_labels == 1:
-        raise UsageError("model.num_labels: 1 (a regression) is not built for model.builtin gpt2; "
-                         "use 2 or more")
     return dataclasses.replace(
         FAMILY, build=lambda cfg, w: build_gpt2(cfg, w, num_labels=num_labels),
         init_weights=lambda cfg, seed: init_weights(cfg, seed, classifier_specs(cfg, num_labels)),

@@ -1,7 +1,7 @@
 """Model families: everything trainrun knows of a built-in model, one :class:`Family` per family, so that
 no other module names one. A family's module (``models/<family>.py``) builds its :class:`Family` and
 calls :func:`register`; the rest of trainrun asks the registry: ``prepare`` for the forward graph and
-the initial weights (:func:`of`), ``preflight`` / ``evaluate`` for the shapes the data must fit
+the initial weights (:func:`of`), ``validity`` / ``evaluate`` for the shapes the data must fit
 (:func:`vocab_and_positions`), ``model.init_from`` and ``export --format transformers`` for the
 transformers names (:class:`Transformers`), ``export`` and ``generate`` for the graphs they build
 from a run's manifest (:func:`of_manifest`), the optimizer each parameter's layer (:func:`layer_depths`).
@@ -91,6 +91,10 @@ class Family:
     """``model.task``'s values: the first is this family's own (what ``model.task`` null means)."""
     task: Optional[Callable[[str, int], "Family"]] = None
     """(model.task other than the first of ``tasks``, model.num_labels) -> the family with that task head."""
+    regression: tuple[str, ...] = ()
+    """The tasks whose head may be a regression (``model.num_labels`` 1: one output, mse)."""
+    metrics: tuple[str, ...] = ()
+    """The eval metrics ``loss``'s own graph outputs (``metric/<name>/sum`` and ``/count``)."""
 
     def shape(self, model: C.ModelConfig):
         """This family's section of ``model`` (a ModelConfig)."""
@@ -129,12 +133,12 @@ def get(name: str) -> Family:
 
 
 def with_task(family: Family, task: Optional[str], num_labels: int) -> Family:
-    """``family`` with the head of ``model.task`` (null or the family's own: ``family`` itself)."""
+    """``family`` with the head of ``model.task`` (null or the family's own: ``family`` itself); the task
+    and num_labels checked by :func:`trainrun.validity.config_problems`."""
     if not task or (family.tasks and task == family.tasks[0]):
         return family
-    if task not in family.tasks or family.task is None:
-        raise UsageError(f"model.task: {task!r} is not a task of model.builtin {family.name} (its tasks: "
-                         f"{', '.join(family.tasks) or 'none but its own'})")
+    if task not in family.tasks or family.task is None:     # a config that did not pass validity
+        raise ValueError(f"model.task {task!r} is not a task of {family.name}")
     return family.task(task, num_labels)
 
 
@@ -170,8 +174,8 @@ def vocab_and_positions(model: C.ModelConfig) -> tuple[int | None, int | None]:
 
 def layer_depths(model: C.ModelConfig, names: list[str]) -> dict[str, int] | None:
     """``optimizer.layer_decay``'s exponent of each parameter of a built-in model (the layers above it,
-    from its family's ``layers_above``); None for a user's graph (config validation refuses layer_decay
-    there) or a family that does not say (preflight refuses it)."""
+    from its family's ``layers_above``); None for a user's graph or a family that does not say (both
+    refuse layer_decay: :mod:`trainrun.validity`)."""
     family = of(model)
     if family is None or family.layers_above is None:
         return None
