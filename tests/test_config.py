@@ -154,7 +154,8 @@ def test_validate_reads_the_datasets_as_training_does(tmp_path, byte_dataset):
     proc = run([TRAINRUN, "config", "validate", "--config", cfg], check=2)
     for key in ("train", "eval"):
         assert (f"data.{key}: {os.path.join(byte_dataset, key, 'manifest.json')}: token ids go up to 256 "
-                f"(tokenizer vocab_size 257), not below the model's vocab_size 200") in proc.stderr, proc.stderr
+                f"(tokenizer vocab_size 257), not below the model's vocab_size 200: set model.gpt2.vocab_size to 257 "
+                f"or more") in proc.stderr, proc.stderr
     assert "2 problem(s)" in proc.stderr and "Traceback" not in proc.stderr
     again = run([TRAINRUN, "--config", cfg], check=2)
     assert again.stderr == proc.stderr and not os.path.exists(tmp_path / "run")

@@ -795,12 +795,12 @@ def greater_is_better(metric: str) -> bool:
     return not metric.endswith(("loss", "perplexity", "mse", "mae"))
 
 
-def _path_fields(obj, prefix=""):
+def path_fields(obj, prefix=""):
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name)
         p = f"{prefix}.{f.name}" if prefix else f.name
         if dataclasses.is_dataclass(v):
-            yield from _path_fields(v, p)
+            yield from path_fields(v, p)
         elif "path" in f.metadata and isinstance(v, dict):     # named paths (data.eval: {NAME: DIR})
             for name, one in v.items():
                 yield f"{p}.{name}", one, f.metadata["path"]
@@ -861,7 +861,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Apply ``key.path=value`` overrides; a relative path given on the command line is
     relative to the current directory (paths in the file are relative to the file)."""
-    path_keys = {dotted for dotted, _, _ in _path_fields(Config())} | {"run.output_dir"}
+    path_keys = {dotted for dotted, _, _ in path_fields(Config())} | {"run.output_dir"}
     for text in overrides:
         keys, value = parse_override(text)
         named = ".".join(keys[:-1]) in path_keys      # data.eval.NAME=DIR
@@ -938,7 +938,7 @@ def load_config(path: Optional[str], overrides: list[str] = (), *, need_data: bo
 
 def absolutize(cfg: Config, base_dir: str) -> None:
     """Make every path of the config absolute (relative to base_dir)."""
-    for dotted, value, _kind in list(_path_fields(cfg)):
+    for dotted, value, _kind in list(path_fields(cfg)):
         if value is not None:
             _set(cfg, dotted, resolve_path(value, base_dir))
     cfg.run.output_dir = resolve_path(cfg.run.output_dir, base_dir)

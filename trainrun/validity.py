@@ -146,7 +146,7 @@ def config_problems(cfg: C.Config, base_dir: str = ".", need_data: bool = False)
             + "); with device: cpu use fp32")
     if need_data and not cfg.data.train:
         add("data.train", "is required to train (a directory made by trainrun-data)")
-    for path, value, kind in C._path_fields(cfg):      # files and directories that must exist
+    for path, value, kind in C.path_fields(cfg):      # files and directories that must exist
         if value is None or (path.startswith("data.") and not need_data):
             continue
         full = C.resolve_path(value, base_dir)
@@ -267,7 +267,7 @@ def check(cfg: C.Config, world_size: int = 1, datasets: bool = True):
         if cfg.model.init_from:
             problems += [f"model.init_from: {p}" for p in pretrained.check(shapes, cfg.model.init_from, family)]
     graph_metrics = None
-    if cfg.model.onnx:      # the user's graph against the loss keys; its metrics
+    if cfg.model.onnx and datasets:     # the user's graph against the loss keys, its metrics (prepare: its own)
         try:
             graph_metrics = _user_graph_metrics(cfg)
         except UsageError as exc:
