@@ -8,6 +8,7 @@ import yaml
 
 from trainrun import config as C
 from trainrun import validity as V
+from trainrun.cuda import cuda_provider_problem
 from trainrun.errors import UsageError
 
 from conftest import ROOT, TRAINRUN, run, write_config
@@ -216,7 +217,7 @@ def test_host_optimizer_kernel_needs_the_cpu(tmp_path):
         cfg = V.load_config(write(tmp_path, {"device": "cuda", "engine": {"optimizer_kernel": "auto"}}))
         assert cfg.engine.optimizer_kernel == "auto"
     except UsageError as exc:   # an onnxruntime without the CUDA provider (Python 3.12): that is the only problem
-        assert [p.split(":")[0] for p in exc.problems] == ["device"] and V.cuda_provider_problem(), exc.problems
+        assert [p.split(":")[0] for p in exc.problems] == ["device"] and cuda_provider_problem(), exc.problems
 
 
 def test_zero_stage_1_needs_the_cpu_mpi_and_the_host_kernel(tmp_path):

@@ -83,13 +83,33 @@ def setup() -> dict[str, str]:
     return _loaded
 
 
+def cuda_provider_problem() -> str | None:
+    """Why this Python's onnxruntime cannot run ``device: cuda`` (its build lacks the CUDA provider),
+    or None. PyPI has onnxruntime-training 1.19.2's CUDA build for CPython 3.10 and 3.11 only: on
+    3.12 the package installed is the CPU-only build, whatever the extras."""
+    import sys
+    try:
+        import onnxruntime
+    except ImportError as exc:
+        return f"onnxruntime cannot be imported: {exc}"
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        return None
+    import importlib.metadata
+    wheel = ", ".join(importlib.metadata.packages_distributions().get("onnxruntime", ["?"]))
+    py = ".".join(map(str, sys.version_info[:2]))
+    return (f"needs onnxruntime's CUDAExecutionProvider, which the onnxruntime in use lacks ({wheel} "
+            f"{getattr(onnxruntime, '__version__', '?')} at {os.path.dirname(onnxruntime.__file__)}, "
+            f"Python {py}; it has {', '.join(onnxruntime.get_available_providers())}). onnxruntime-training "
+            f"1.19.2's CUDA build exists for Python 3.10 and 3.11 only: create the venv with one of those "
+            f"(make test-gpu PYTHON=python3.11) and install the gpu extra there, or use device: cpu")
+
+
 def environment_problem() -> str | None:
     """Why this Python cannot run ``device: cuda`` (``make test-gpu`` refuses it), or None: its
     onnxruntime lacks the CUDA provider, or importing onnxruntime-training imports torch (it does
     wherever torch is installed), whose own CUDA libraries would then load before :func:`setup`'s."""
     import sys
 
-    from .config import cuda_provider_problem
     problem = cuda_provider_problem()
     if problem:
         return "device: cuda " + problem

@@ -34,6 +34,7 @@ import onnx
 from . import config as C
 from . import data as D
 from . import pretrained
+from .cuda import cuda_provider_problem
 from .errors import UsageError
 from .graphs import forward as F
 from .graphs.losses import head_metrics
@@ -226,27 +227,6 @@ def _eval_keys(cfg: C.Config, add) -> None:
             sets = ", ".join(f"eval_{n}_<metric>" for n in d.eval) if isinstance(d.eval, dict) else "eval_<metric>"
             add(key, f"{metric!r} is not a metric of data.eval's set(s): expected {sets}, e.g. "
                 f"{C.eval_key(next(iter(d.eval_sets())), 'loss')}")
-
-
-def cuda_provider_problem() -> str | None:
-    """Why this Python's onnxruntime cannot run ``device: cuda`` (its build lacks the CUDA provider),
-    or None. PyPI has onnxruntime-training 1.19.2's CUDA build for CPython 3.10 and 3.11 only: on
-    3.12 the package installed is the CPU-only build, whatever the extras."""
-    import sys
-    try:
-        import onnxruntime
-    except ImportError as exc:
-        return f"onnxruntime cannot be imported: {exc}"
-    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
-        return None
-    import importlib.metadata
-    wheel = ", ".join(importlib.metadata.packages_distributions().get("onnxruntime", ["?"]))
-    py = ".".join(map(str, sys.version_info[:2]))
-    return (f"needs onnxruntime's CUDAExecutionProvider, which the onnxruntime in use lacks ({wheel} "
-            f"{getattr(onnxruntime, '__version__', '?')} at {os.path.dirname(onnxruntime.__file__)}, "
-            f"Python {py}; it has {', '.join(onnxruntime.get_available_providers())}). onnxruntime-training "
-            f"1.19.2's CUDA build exists for Python 3.10 and 3.11 only: create the venv with one of those "
-            f"(make test-gpu PYTHON=python3.11) and install the gpu extra there, or use device: cpu")
 
 
 # --------------------------------------------------------------------------- the keys against the files
