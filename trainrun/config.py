@@ -813,33 +813,33 @@ def resolve_path(value: str, base_dir: str) -> str:
     return value if os.path.isabs(value) else os.path.normpath(os.path.join(base_dir, value))
 
 
-def _init_from_shape(cfg: Config, data: dict, base_dir: str, problems: _Problems) -> None:
-    """model.init_from's config.json against model.<builtin>: fill the section when the config gives
-    none, else every shape field must agree."""
-    m = cfg.model
+def init_from_config_json(m: ModelConfig, base_dir: str) -> tuple[str, dict | str] | None:
+    """(model.init_from's config.json, its object or why it is none) when there is one to read."""
     if not m.init_from or m.builtin not in FAMILIES:
-        return
+        return None
     file = os.path.join(resolve_path(m.init_from, base_dir), "config.json")
     if not os.path.isfile(file):
-        return
-    import json
+        return None
     try:
         with open(file, encoding="utf-8") as fh:
             source = json.load(fh)
-        assert isinstance(source, dict)
-    except (OSError, ValueError, AssertionError) as exc:
-        problems.add("model.init_from", f"{file}: not a JSON object ({exc})")
+    except (OSError, ValueError) as exc:
+        return file, str(exc)
+    return file, source if isinstance(source, dict) else f"a {type(source).__name__}"
+
+
+def _fill_from_init_from(cfg: Config, data: dict, base_dir: str) -> None:
+    """model.<builtin> from model.init_from's config.json when the config gives no such section (that a
+    given one agrees with it is :mod:`trainrun.validity`'s check)."""
+    found = init_from_config_json(cfg.model, base_dir)
+    m = cfg.model
+    if found is None or not isinstance(found[1], dict) or \
+            (isinstance(data.get("model"), dict) and data["model"].get(m.builtin) is not None):
         return
     section = m.family_section()
-    given = isinstance(data.get("model"), dict) and data["model"].get(m.builtin) is not None
     for key in section.CONFIG_JSON_SHAPE:
-        if key not in source:
-            continue
-        if not given:
-            setattr(section, key, type(getattr(section, key))(source[key]))
-        elif getattr(section, key) != source[key]:
-            problems.add(f"model.{m.builtin}.{key}", f"{getattr(section, key)!r}, but model.init_from's "
-                         f"{file} says {source[key]!r} (leave model.{m.builtin} out to take it from there)")
+        if key in found[1]:
+            setattr(section, key, type(getattr(section, key))(found[1][key]))
 
 
 # --------------------------------------------------------------------------- overrides
@@ -907,7 +907,7 @@ def from_dict(data: dict, *, base_dir: str = ".", source: str = "config", need_d
     :func:`trainrun.validity.load_config` passes the checks across keys."""
     problems = _Problems()
     cfg = _build(Config, data, "", problems)
-    _init_from_shape(cfg, data, base_dir, problems)
+    _fill_from_init_from(cfg, data, base_dir)
     if checks is not None:
         # Checks across keys run too (on the values that parsed), skipping those of a key already reported
         # and those that name one: a comparison with a rejected value only repeats its problem.

@@ -9,7 +9,8 @@ Parameters a file does not hold keep their fresh initialisation only when they a
 model may lack (the family's ``optional`` prefixes); any other missing parameter is an error. Tensors of the file that are no parameter here
 (buffers such as ``attn.bias`` or ``position_ids``) are ignored.
 
-The config side (config.json's shape fields against ``model.<family>``) is config._init_from_shape.
+The config side (config.json's shape fields fill ``model.<family>``, or must agree with it) is
+config._fill_from_init_from and :func:`trainrun.validity.config_problems`.
 """
 
 from __future__ import annotations

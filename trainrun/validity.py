@@ -70,6 +70,15 @@ def config_problems(cfg: C.Config, base_dir: str = ".", need_data: bool = False)
         if cfg.data.seq_len > C.positions(section):
             add("data.seq_len", f"{cfg.data.seq_len} is longer than the model's positions "
                 f"(model.{m.builtin}.{section.POSITIONS} = {C.positions(section)})")
+    if found := C.init_from_config_json(m, base_dir):     # a transformers folder's shape against model.<builtin>
+        file, source = found
+        if not isinstance(source, dict):
+            add("model.init_from", f"{file}: not a JSON object ({source})")
+        else:
+            for key in section.CONFIG_JSON_SHAPE:
+                if key in source and getattr(section, key) != source[key]:
+                    add(f"model.{m.builtin}.{key}", f"{getattr(section, key)!r}, but model.init_from's {file} says "
+                        f"{source[key]!r} (leave model.{m.builtin} out to take it from there)")
     family = _task_family(cfg, add)
     loss = m.loss
     if loss.output is not None and m.builtin is not None:
