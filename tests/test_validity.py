@@ -64,6 +64,8 @@ ROWS = {
         "model.num_labels: 1 (a regression) is not built for model.builtin bert's token_classification; only "
         "for sequence_classification; use 2 or more"]),
     # the data against the model: the key to set
+    "unknown-data-input": ("bytes", {"data.inputs": {"nope": "input_ids"}}, 2, [
+        "data.inputs: 'nope' not a data input of the model (its data inputs: input_ids, labels)"]),
     "vocabulary-too-small": ("bytes", {"model.gpt2.vocab_size": 200}, 2, [
         "token ids go up to 256 (tokenizer vocab_size 257), not below the model's vocab_size 200: set "
         "model.gpt2.vocab_size to 257 or more"]),

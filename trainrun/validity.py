@@ -33,6 +33,7 @@ import onnx
 
 from . import config as C
 from . import data as D
+from . import feeding
 from . import pretrained
 from .cuda import cuda_provider_problem
 from .errors import UsageError
@@ -255,17 +256,23 @@ def check(cfg: C.Config, world_size: int = 1, datasets: bool = True):
             fnmatch.fnmatchcase(n, p) for p in cfg.model.frozen)])
         if cfg.model.init_from:
             problems += [f"model.init_from: {p}" for p in pretrained.check(shapes, cfg.model.init_from, family)]
-    graph_metrics = None
-    if cfg.model.onnx and datasets:     # the user's graph against the loss keys, its metrics (prepare: its own)
+    fwd = None
+    if cfg.model.onnx and datasets:     # the user's graph against the loss keys (prepare checks it itself)
         try:
-            graph_metrics = _user_graph_metrics(cfg)
+            fwd = F.forward_from_config(cfg)
         except UsageError as exc:
             problems += [exc.message] if not exc.problems else list(exc.problems)
     found = _datasets(cfg, world_size, problems) if datasets else (None, {})
     if cfg.model.builtin and cfg.model.task and found[0] is not None:
         problems += _task_problems(cfg, found[0])
-    if found[0] is not None and (cfg.model.builtin or graph_metrics is not None):
-        problems += eval_metric_problems(cfg, eval_metrics(cfg, found[0], graph_metrics))
+    if found[0] is not None and (family is not None or fwd is not None):
+        inputs, labels = (fwd.inputs, fwd.labels) if fwd else \
+            (family.inputs, None if family.loss else cfg.model.loss.labels)
+        try:
+            feeding.feeds({"inputs": inputs, "labels": labels}, cfg.data.inputs)
+        except UsageError as exc:
+            problems.append(exc.message)
+        problems += eval_metric_problems(cfg, eval_metrics(cfg, found[0], _graph_metrics(cfg, fwd) if fwd else None))
     if problems:
         raise UsageError(f"{len(problems)} problem(s) in the files the configuration names", problems)
     return found
@@ -358,10 +365,9 @@ def logs_perplexity(cfg: C.Config, train) -> bool:
     return train.kind == "tokens" and loss.output is None and loss.type == "cross_entropy"
 
 
-def _user_graph_metrics(cfg: C.Config) -> list[str]:
-    """The metrics the eval graph of model.onnx logs besides the loss: the loss head's (built from its
-    logits) and the graph's own; raises the graph's problems with the loss keys."""
-    fwd = F.forward_from_config(cfg)
+def _graph_metrics(cfg: C.Config, fwd: F.Forward) -> list[str]:
+    """The metrics the eval graph of model.onnx (``fwd``) logs besides the loss: the loss head's (built
+    from its logits) and the graph's own."""
     own = metric_names([o.name for o in fwd.model.graph.output if o.name.startswith(METRIC_PREFIX)])
     if fwd.loss:
         return own
@@ -372,7 +378,7 @@ def eval_metrics(cfg: C.Config, train, graph_metrics: list[str] | None = None,
                  manifest: dict | None = None) -> list[str]:
     """The metrics each evaluation logs (``loss``, ``perplexity``, ``accuracy``, ``f1``, ...) on the train
     set's kind of data: from the prepared graphs' ``manifest`` when given, else from the config (the
-    built-in family's loss head and task; a model.onnx's ``graph_metrics``, :func:`_user_graph_metrics`)."""
+    built-in family's loss head and task; a model.onnx's ``graph_metrics``, :func:`_graph_metrics`)."""
     m = cfg.model
     if manifest is not None:
         graph_metrics, labels = manifest["metrics"], manifest.get("task_labels")
