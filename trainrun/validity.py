@@ -5,15 +5,16 @@ they name, and of what a launch cannot do.
 here, in three stages, each listing every problem it finds as one :class:`~trainrun.errors.UsageError`
 (exit 2), each problem naming its key(s):
 
-* :func:`load_config` (:func:`config_problems`): the keys against each other (model, loss, task, optimizer,
-  distributed, the eval metrics watched, ...) and that the paths they name exist;
+* :func:`load_config` (:func:`config_problems`): the keys against each other (model, loss, task against
+  its family, optimizer, distributed, the eval metrics watched, ...), ``model.init_from``'s config.json
+  against ``model.<builtin>``, and that the paths they name exist;
 * :func:`check`: the files the keys name, before any graph is built: ``data.train`` / ``data.eval`` (each
   named set ``data.eval.<NAME>``; :mod:`trainrun.data`) readable, token ids below the model's vocabulary,
   sequences within its positions, at least one batch each (a training step's global batch, an
   evaluation's batch), the same features, model.task / model.num_labels as the train set's manifest says;
   ``model.init_from``'s tensors' names and shapes (:mod:`trainrun.pretrained`, the .safetensors header
   alone); ``optimizer.groups`` against the trainable parameters; ``model.onnx`` against the loss keys
-  (:mod:`trainrun.graphs.forward`); the metrics ``train.early_stopping.metric`` and
+  (:mod:`trainrun.graphs.forward`); ``data.inputs`` against the model's inputs; the metrics ``train.early_stopping.metric`` and
   ``checkpoint.best_metric`` watch against those the evaluations will log (:func:`eval_metrics`, from the
   model, its task and the data); the parameters, gradients and optimizer moments (float32) of one rank
   against the machine's physical memory (``models.*.param_specs``, nothing allocated);
@@ -28,8 +29,6 @@ from __future__ import annotations
 import fnmatch
 import math
 import os
-
-import onnx
 
 from . import config as C
 from . import data as D
