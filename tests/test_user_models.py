@@ -256,10 +256,12 @@ def reference_step(w, trained, x, y, t, world):
 
 
 # ------------------------------------------------------------------------------------------- other models
-def mlp(path, out_dim, own_loss=False, seed=0, opset=17):
+def mlp(path, out_dim, own_loss=False, seed=0, opset=17, shuffled=False):
     """x [b, 6] -> tanh -> out [b, out_dim]; with ``own_loss`` the graph also takes int64 ``y`` [b] and
     outputs its own loss ``nll``, the mean cross-entropy written out (LogSoftmax, OneHot; onnxruntime has no
-    gradient of NegativeLogLikelihoodLoss) plus 1e-3 * sum(w2^2), and its own accuracy sums."""
+    gradient of NegativeLogLikelihoodLoss) plus 1e-3 * sum(w2^2), and its own accuracy sums. ``shuffled``:
+    the nodes stored in an order that is not topological (valid ONNX for onnxruntime, not for onnx's
+    checker; some of onnxruntime's own test models are stored so)."""
     rng = np.random.default_rng(seed)
     w = {"w1": rng.normal(0, 0.5, (6, 16)).astype(np.float32), "b1": np.zeros(16, np.float32),
          "w2": rng.normal(0, 0.5, (16, out_dim)).astype(np.float32), "b2": np.zeros(out_dim, np.float32)}
@@ -293,6 +295,8 @@ def mlp(path, out_dim, own_loss=False, seed=0, opset=17):
         outputs = [helper.make_tensor_value_info("nll", TensorProto.FLOAT, []),
                    helper.make_tensor_value_info("metric/own_accuracy/sum", TensorProto.FLOAT, []),
                    helper.make_tensor_value_info("metric/own_accuracy/count", TensorProto.FLOAT, [])] + outputs
+    if shuffled:        # consumers before their producers
+        nodes = nodes[::-1]
     g = helper.make_graph(nodes, "mlp", inputs, outputs, [numpy_helper.from_array(v, k) for k, v in w.items()])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
     m.ir_version = 8
@@ -364,9 +368,11 @@ def tabular(tmp_path_factory):
 
 def test_graph_with_its_own_loss_trains_on_two_ranks(tmp_path, tabular):
     """model.loss.output: the graph's scalar output is the loss; its own metric outputs are reported; the
-    first step's loss is the graph's formula on the initial weights (NumPy), and the loss falls."""
+    first step's loss is the graph's formula on the initial weights (NumPy), and the loss falls. The graph's
+    nodes are stored in reverse (not topological) order, which onnxruntime accepts: so do training and
+    the export of the inference model at the run's end."""
     data, arrays = tabular
-    w = mlp(tmp_path / "m.onnx", 5, own_loss=True)
+    w = mlp(tmp_path / "m.onnx", 5, own_loss=True, shuffled=True)
     mpirun(2, "--config", small_run(tmp_path, {"loss": {"output": "nll"}}, data))
     train, evals = read_metrics(str(tmp_path / "run"))
     x, y = arrays["train"]["x"][:16], arrays["train"]["y"][:16]

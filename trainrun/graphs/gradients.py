@@ -328,14 +328,22 @@ def reads(nodes) -> set[str]:
 
 def keep_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
     """``model`` (in place) with the outputs ``names`` only, the nodes they need and the graph inputs and
-    initializers those nodes read: e.g. without a loss, its metrics and the labels input only they read."""
-    needed, nodes = set(names), []
-    for n in reversed(model.graph.node):
-        if needed.intersection(n.output):
-            nodes.append(n)
-            needed |= reads([n])
+    initializers those nodes read: e.g. without a loss, its metrics and the labels input only they read.
+    The nodes are found by reachability from ``names``, whatever order they are stored in (ONNX Runtime
+    accepts a graph whose nodes are not in topological order); the kept ones stay in their stored order."""
     graph = model.graph
-    parts = {"node": nodes[::-1], "output": [o for o in graph.output if o.name in names],
+    producer = {o: k for k, n in enumerate(graph.node) for o in n.output if o}
+    needed, stack, kept = set(names), list(names), set()
+    while stack:
+        k = producer.get(stack.pop())
+        if k is None or k in kept:
+            continue
+        kept.add(k)
+        new = reads([graph.node[k]]) - needed
+        needed |= new
+        stack.extend(new)
+    nodes = [n for k, n in enumerate(graph.node) if k in kept]
+    parts = {"node": nodes, "output": [o for o in graph.output if o.name in names],
              "input": [i for i in graph.input if i.name in needed],
              "initializer": [t for t in graph.initializer if t.name in needed],
              "value_info": [v for v in graph.value_info if v.name in {o for n in nodes for o in n.output}]}
