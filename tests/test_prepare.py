@@ -120,6 +120,11 @@ def _model(op_nodes, inits, out="logits"):
 
 @pytest.mark.parametrize("case,expected", [
     ("no_gradient", "operator Round has no gradient"),
+    # an assertion of the builder's: a gradient that reads an optional output the node does not write
+    ("builder_check", "onnxruntime's gradient builder cannot differentiate this graph: its internal check "
+                      "'i < node_->OutputDefs().size()' failed: the gradient of a node reads an output the node "
+                      "does not write; SimplifiedLayerNormalization node 'norm' (an operator onnx does not define: "
+                      "its optional outputs unknown here). Export the model with every output of such a node"),
     ("missing_input", "model.inputs: 'features' is not an input"),
     ("missing_logits", "model.loss.logits: 'scores' is not an output"),
     ("loss_not_scalar", "model.loss.output: 'logits' of {src} must be a scalar (rank 0), its shape is ['b', 3]"),
@@ -129,6 +134,10 @@ def test_bad_user_graphs_are_named(tmp_path, case, expected):
     w = {"W": np.ones((4, 3), np.float32)}
     if case == "no_gradient":
         m = _model([helper.make_node("Round", ["W"], ["Wr"]), helper.make_node("MatMul", ["x", "Wr"], ["logits"])], w)
+    elif case == "builder_check":       # onnxruntime's op: its gradient reads the optional inv_std_var output
+        m = _model([helper.make_node("MatMul", ["x", "W"], ["h"]),
+                    helper.make_node("SimplifiedLayerNormalization", ["h", "g"], ["logits"], axis=-1, name="norm")],
+                   {**w, "g": np.ones(3, np.float32)})
     else:
         m = _model([helper.make_node("MatMul", ["x", "W"], ["logits"])], w)
     onnx.save(m, str(tmp_path / "user.onnx"))

@@ -542,6 +542,89 @@ def test_label_smoothing_matches_torch(tmp_path, case):
     assert result["perplexity"] == pytest.approx(np.exp(plain), rel=1e-5)
 
 
+
+class TorchClassifier:
+    """x [b, 6] -> Linear(6, 16) -> LayerNorm -> tanh -> Linear(16, 5) -> a loss, in PyTorch: ``cross_entropy``
+    returns F.cross_entropy(scores, y) only; ``nll_log_softmax`` returns F.nll_loss(F.log_softmax(scores), y)
+    and the scores. torch.onnx.export writes either loss as one SoftmaxCrossEntropyLoss node with one output,
+    the LayerNorm (opset 17) as one LayerNormalization node with one output."""
+
+    def __init__(self, kind, seed=0):
+        import torch
+        torch.manual_seed(seed)
+        self.kind = kind
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.LayerNorm(16), torch.nn.Tanh(),
+                                       torch.nn.Linear(16, 5))
+
+    def module(self):
+        import torch
+        F, net, kind = torch.nn.functional, self.net, self.kind
+
+        class Classifier(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.net = net
+
+            def forward(self, x, y):
+                scores = self.net(x)
+                if kind == "cross_entropy":
+                    return F.cross_entropy(scores, y)
+                return F.nll_loss(F.log_softmax(scores, 1), y), scores
+        return Classifier()
+
+    def export(self, path):
+        import torch
+        outputs = ["loss"] if self.kind == "cross_entropy" else ["loss", "scores"]
+        x, y = torch.zeros(4, 6), torch.zeros(4, dtype=torch.int64)
+        torch.onnx.export(self.module(), (x, y), str(path), input_names=["x", "y"], output_names=outputs,
+                          dynamic_axes={"x": {0: "b"}, "y": {0: "b"}, **({"scores": {0: "b"}} if len(outputs) > 1
+                                                                         else {})},
+                          opset_version=17, dynamo=False)
+        written = {n.op_type: list(n.output) for n in onnx.load(str(path)).graph.node}
+        assert "LogSoftmax" not in written and written["SoftmaxCrossEntropyLoss"] == ["loss"], written
+        assert len(written["LayerNormalization"]) == 1         # no log_prob, no mean: how torch writes them
+
+
+@pytest.mark.parametrize("kind", ["cross_entropy", "nll_log_softmax"])
+def test_torch_exported_classifier_with_its_cross_entropy_trains_on_two_ranks(tmp_path, tabular, kind):
+    """A classifier exported by torch.onnx.export whose output is its own cross-entropy (model.loss.output):
+    trained with SGD on 2 ranks, each step's loss equals PyTorch's (float64, the same batches in the data's
+    order, the same initial weights) and so do the final weights. The run's model.onnx: the scores without
+    the loss; for a model that returns its loss only, the graph with its loss (said)."""
+    import onnxruntime as ort
+    import torch
+    data, arrays = tabular
+    model = TorchClassifier(kind)
+    model.export(tmp_path / "m.onnx")
+    steps, lr = 10, 0.3
+    proc = mpirun(2, "--config", small_run(tmp_path, {"loss": {"output": "loss"}}, data,
+                                           train={"max_steps": steps}, optimizer={"name": "sgd", "lr": lr}))
+    sess = ort.InferenceSession(str(tmp_path / "run" / "model.onnx"), providers=["CPUExecutionProvider"])
+    if kind == "cross_entropy":
+        assert ("note: the model's outputs are its loss 'loss' and metrics only: "
+                f"{tmp_path / 'run' / 'model.onnx'} is the graph with its loss") in proc.stdout
+        assert {i.name for i in sess.get_inputs()} == {"x", "y"} and "loss" in [o.name for o in sess.get_outputs()]
+    else:
+        assert [i.name for i in sess.get_inputs()] == ["x"] and [o.name for o in sess.get_outputs()] == ["scores"]
+    train, _ = read_metrics(str(tmp_path / "run"))
+    ref = model.module().double()
+    opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    x, y = torch.tensor(arrays["train"]["x"], dtype=torch.float64), torch.tensor(arrays["train"]["y"])
+    expected = []
+    for t in range(steps):
+        out = ref(x[16 * t:16 * (t + 1)], y[16 * t:16 * (t + 1)])
+        loss = out if kind == "cross_entropy" else out[0]
+        expected.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert [train[t + 1]["loss"] for t in range(steps)] == pytest.approx(expected, rel=1e-4)
+    assert expected[-1] < 0.8 * expected[0]
+    trained = load_file(str(tmp_path / "run" / "checkpoints" / str(steps) / "model.safetensors"))
+    for name, p in ref.named_parameters():
+        assert np.abs(trained[name] - p.detach().numpy()).max() < 1e-5, name
+
+
 BAD = {
     # case: (model section, data section, feature arrays replaced, world, expected message parts)
     "feature_dtype": ({}, {}, {"x": lambda a: a["x"].astype(np.float64)}, 2,

@@ -218,11 +218,12 @@ def kv_cache_model(manifest: dict, weights, where: str):
     return family.kv_cache(family.without_dropout(family.shape_of(manifest)), weights())
 
 
-def inference_model(graphs_dir: str, manifest: dict, where: str) -> onnx.ModelProto:
+def inference_model(graphs_dir: str, manifest: dict, where: str, loss_only_ok: bool = False) -> onnx.ModelProto | None:
     """The model's inputs only and its logits only (the weights follow): ``forward.onnx``; the inference
     graph of a model family that builds one (BERT's: ``masked_lm_positions`` optional, without them the
     MLM logits at every position); a graph with its own loss (``model.loss.output``) without that loss,
-    its metrics and the inputs only they read."""
+    its metrics and the inputs only they read. A graph whose outputs are its loss and metrics only:
+    None with ``loss_only_ok``, else a UsageError."""
     family = registry.of_manifest(manifest)
     if family is not None and family.inference is not None:
         return family.inference(family.without_dropout(family.shape_of(manifest)))
@@ -232,6 +233,8 @@ def inference_model(graphs_dir: str, manifest: dict, where: str) -> onnx.ModelPr
         return model
     keep = [o.name for o in model.graph.output if o.name != loss and not o.name.startswith(METRIC_PREFIX)]
     if not keep:
+        if loss_only_ok:
+            return None
         raise UsageError(f"{where}: the model's outputs are its loss '{loss}' and metrics only: nothing to "
                          f"export without them (--with-loss exports the loss)")
     return keep_outputs(model, keep)
@@ -249,10 +252,13 @@ def _logits_in_two_passes(session, ids: np.ndarray) -> np.ndarray:
     return np.concatenate([first[0], second], axis=1)
 
 
-def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None, with_loss: bool = False,
+def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None, with_loss: bool | None = None,
                       kv_cache: bool = False,
                       verify: bool = True, echo=print) -> float:
-    """Write the inference model; return the max |logits difference| against the eval graph."""
+    """Write the inference model; return the max |logits difference| against the eval graph.
+    ``with_loss`` True: the eval graph (loss and logits); None (the end of a run): the inference model, or
+    the eval graph, said, when the model outputs nothing but its loss and metrics (a user graph that
+    returns its loss only); False: the inference model or a UsageError."""
     import onnxruntime as ort
 
     ckpt = rundir.resolve_checkpoint(checkpoint)
@@ -263,10 +269,13 @@ def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None,
 
     if kv_cache:
         model = kv_cache_model(manifest, dict, where=ckpt)      # the graph alone; the weights follow
-    elif with_loss:
-        model = onnx.load(os.path.join(graphs_dir, "eval.onnx"))
     else:
-        model = inference_model(graphs_dir, manifest, where=ckpt)
+        model = None if with_loss else inference_model(graphs_dir, manifest, ckpt, loss_only_ok=with_loss is None)
+        if model is None:
+            if not with_loss:
+                echo(f"note: the model's outputs are its loss '{manifest['loss_output']}' and metrics only: "
+                     f"{output} is the graph with its loss (as export --with-loss), which takes the labels too")
+            model = onnx.load(os.path.join(graphs_dir, "eval.onnx"))
     read = reads(model.graph.node)
     written = [t for t in tensors if t.name in read]       # what a graph without its loss still reads
     if opset is not None:

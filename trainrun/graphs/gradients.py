@@ -27,14 +27,24 @@ def build_train_graph(loss_model: onnx.ModelProto, params: list[str], source: st
     options = ort.SessionOptions()
     options.log_severity_level = 3
     wanted = set(params)
-    try:
-        optimized = get_optimized_model(loss_model.SerializeToString(), wanted, options)
+
+    def gradients(model):
+        optimized = get_optimized_model(model.SerializeToString(), wanted, options)
         builder = GradientGraphBuilder(optimized, {LOSS}, wanted, LOSS, options)
         builder.build()
-        grad_model = onnx.load_from_string(builder.get_model())
+        return onnx.load_from_string(builder.get_model())
+    try:
+        try:
+            grad_model = gradients(loss_model)
+        except Exception as exc:  # noqa: BLE001 - an assertion: again with the outputs the builder reads
+            filled = _outputs_the_builder_reads(loss_model)
+            if " was false." not in str(exc) or filled is loss_model:
+                raise
+            loss_model = filled
+            grad_model = gradients(loss_model)
     except Exception as exc:  # noqa: BLE001 - the builder raises RuntimeError/Fail with the op at fault
         raise UsageError(f"{source}: onnxruntime's gradient builder cannot differentiate this graph: "
-                         f"{_builder_reason(str(exc))}") from None
+                         f"{_builder_reason(str(exc), loss_model, wanted)}") from None
 
     outputs = {o.name: o for o in grad_model.graph.output}
     missing = [p for p in params if p + GRAD_SUFFIX not in outputs]
@@ -281,15 +291,96 @@ def _gelu_gradients(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def _builder_reason(text: str) -> str:
-    """The useful part of a gradient-builder exception (drop the C++ location and signature)."""
+# optional outputs that onnxruntime's gradient builder reads from the forward node (an assertion
+# without them): how many outputs each of these ops needs. torch.onnx.export writes one output of each
+# (the cross-entropy's log-probabilities, LayerNormalization's mean and inverse standard deviation left out)
+_BUILDER_OUTPUTS = {"SoftmaxCrossEntropyLoss": 2, "LayerNormalization": 3}
+
+
+def _outputs_the_builder_reads(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` whose :data:`_BUILDER_OUTPUTS` nodes write the optional outputs their gradients
+    read (computed by the same kernel; the node's other outputs unchanged); ``model`` when none lacks one.
+    Only for a graph the builder failed on: onnxruntime's optimizer rewrites some of these nodes itself
+    (a cross-entropy over logits reshaped to [N, C], the built-in models'), and those graphs stay as they
+    are."""
+    short = [k for k, n in enumerate(model.graph.node) if n.domain in ("", "ai.onnx")
+             and len([o for o in n.output if o]) < _BUILDER_OUTPUTS.get(n.op_type, 0)]
+    if not short:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    taken = {o for n in model.graph.node for o in n.output} | {i.name for i in model.graph.input} \
+        | {t.name for t in model.graph.initializer}
+    for k in short:
+        n = out.graph.node[k]
+        while len(n.output) < _BUILDER_OUTPUTS[n.op_type]:
+            n.output.append("")
+        for i, name in enumerate(n.output):
+            if not name:
+                name = f"{n.output[0]}/output_{i}"
+                while name in taken:
+                    name += "_"
+                taken.add(name)
+                n.output[i] = name
+    return out
+
+
+def _builder_reason(text: str, model: onnx.ModelProto, params: set) -> str:
+    """The useful part of a gradient-builder exception: the op and node at fault and what to do; an
+    internal check's failure (an assertion, which does not say on which node) names the nodes between
+    the parameters and the loss that leave optional outputs out (onnx's schemas; an op onnx does not
+    define counts too), the outputs the builder's gradients read."""
     m = re.search(r"has not been registered: (\S+) for node\s*(\S*)", text)
     if m:
         node = f" (node '{m.group(2)}')" if m.group(2) else ""
         return (f"operator {m.group(1)}{node} has no gradient; freeze the parameters that feed it "
                 f"(model.frozen) or express it with differentiable operators")
     text = text.strip().splitlines()[-1]
-    return text.split(" was false. ")[-1].split("] ")[-1]
+    if " was false." not in text:
+        return text.split("] ")[-1]
+    check = text.split(" was false.")[0].split(" const ")[-1].strip()
+    short = [f"{n.op_type} node '{n.name or n.output[0]}' ({why})" for n, why in _short_nodes(model, params)]
+    if not short:
+        return (f"its internal check '{check}' failed on an operator of this graph; freeze the parameters "
+                f"that feed the operator (model.frozen) or express it with other operators")
+    return (f"its internal check '{check}' failed: the gradient of a node reads an output the node does not "
+            f"write; {'; '.join(short[:5])}{' ...' if len(short) > 5 else ''}. Export the model with "
+            f"every output of such a node (an unused output is fine), express it with other operators, or "
+            f"freeze the parameters that feed it (model.frozen)")
+
+
+def _short_nodes(model: onnx.ModelProto, params: set):
+    """(node, why) for each node between ``params`` and the loss that writes fewer outputs than its
+    schema allows, or whose op onnx does not define."""
+    nodes = list(model.graph.node)
+    producer = {o: k for k, n in enumerate(nodes) for o in n.output if o}
+    before, stack = set(), [LOSS]           # the loss's ancestors
+    while stack:
+        k = producer.get(stack.pop())
+        if k is not None and k not in before:
+            before.add(k)
+            stack.extend(nodes[k].input)
+    after, changed = set(params), True       # the tensors that depend on a parameter
+    while changed:
+        changed = False
+        for n in nodes:
+            if after.intersection(n.input) and not after.issuperset(o for o in n.output if o):
+                after.update(o for o in n.output if o)
+                changed = True
+    version = opset(model)
+    for k in sorted(before):
+        n = nodes[k]
+        if not after.intersection(n.input):
+            continue
+        try:
+            schema = onnx.defs.get_schema(n.op_type, version, n.domain if n.domain != "ai.onnx" else "")
+        except Exception:  # noqa: BLE001 - an op onnx does not define (onnxruntime's own)
+            yield n, "an operator onnx does not define: its optional outputs unknown here"
+            continue
+        written = len([o for o in n.output if o])
+        if written < len(schema.outputs):
+            missing = [o.name for o in schema.outputs[written:]]
+            yield n, f"writes {written} of its {len(schema.outputs)} outputs, not {', '.join(missing)}"
 
 
 def select_outputs(model: onnx.ModelProto, patterns: list[str], protected=()) -> list[str]:

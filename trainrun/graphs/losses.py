@@ -35,7 +35,9 @@ def with_loss(fwd: Forward, ignore_index: int, keep_logits: bool, metrics: bool 
     inputs = list(model.graph.input)
     outputs = [helper.make_tensor_value_info(LOSS, TensorProto.FLOAT, [])]
     if fwd.loss:
-        nodes = list(model.graph.node) + [helper.make_node("Identity", [fwd.loss], [LOSS], name="loss_output")]
+        # a loss output already named as trainrun's (torch.onnx.export's output_names=["loss"]) stays as it is
+        nodes = list(model.graph.node) + ([] if fwd.loss == LOSS else
+                                          [helper.make_node("Identity", [fwd.loss], [LOSS], name="loss_output")])
     else:
         dims = value_dims(model, fwd.logits)
         if fwd.loss_type == "cross_entropy":
