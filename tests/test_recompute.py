@@ -1,4 +1,4 @@
-"""train.recompute: blocks (trainrun/recompute.py): gradients equal to the graph without recomputation
+"""train.recompute: blocks (trainrun/recompute.py): gradients bit for bit the graph's without recomputation
 (GPT-2 with dropout, BERT), onnxruntime keeps the recomputed nodes, the peak memory of a step goes down,
 a real `mpirun -np 2` run, a model without blocks refused."""
 
@@ -57,7 +57,8 @@ def assert_same_gradients(tmp_path, model, batch_of, shapes, batch, seq, layers,
             assert recomputed and softmax == 2 * layers
     assert losses["blocks"] == losses["none"]
     scale = np.abs(grads["none"]).max()
-    assert scale > 0 and np.abs(grads["blocks"] - grads["none"]).max() <= 1e-6 * scale
+    # the duplicates run the same kernels on the same values (dropout's masks are inputs): the same bits
+    assert scale > 0 and np.array_equal(grads["blocks"], grads["none"]), np.abs(grads["blocks"] - grads["none"]).max()
 
 
 def test_gpt2_gradients_equal_without_recomputation(tmp_path):
