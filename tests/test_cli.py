@@ -97,6 +97,23 @@ def test_export_with_loss_keeps_the_loss_and_takes_labels(tmp_path, trained):
     assert float(loss) == pytest.approx(-logp[np.arange(64), labels.ravel()].mean(), rel=1e-5)
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_written_files_follow_the_umask(tmp_path, byte_dataset, trained, umask):
+    """What prepare and `export --format transformers` write has the modes the umask gives a file (0666 less
+    it) and a folder (0777 less it), as the checkpoints and model.onnx have: on a shared cluster the group
+    reads them (with 022 everyone) -- not 0700/0600 whatever the umask. The writes stay atomic (a staged
+    folder renamed into place, a temporary file replaced)."""
+    def under_umask(*args):
+        return run(["bash", "-c", f"umask {umask:03o} && exec \"$@\"", "bash", TRAINRUN, *args], check=0)
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset)
+    under_umask("prepare", "--config", cfg)
+    under_umask("export", str(trained), "--format", "transformers", "--output", str(tmp_path / "hf"))
+    modes = {str(p.relative_to(tmp_path)): p.stat().st_mode & 0o777
+             for p in [tmp_path / "hf", *(tmp_path / "hf").iterdir(), *(tmp_path / "run" / "graphs").iterdir()]}
+    assert "hf/model.safetensors" in modes and "run/graphs/weights.safetensors" in modes
+    assert modes == {p: (0o777 if p == "hf" else 0o666) & ~umask for p in modes}
+
+
 def test_renamed_labels_input_trains_on_the_dataset_labels(tmp_path, byte_dataset, trained):
     """model.loss.labels only names the graph input: the dataset's labels feed it, so the losses are
     those of the run with the default name (same seed, data and graph; 1 thread each, so the same

@@ -394,6 +394,7 @@ def export_transformers(checkpoint: str, output: str, *, tokenizer: str | None =
     try:
         save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, os.path.join(stage, "model.safetensors"),
                   metadata={"format": "pt"})
+        rundir.as_created(os.path.join(stage, "model.safetensors"))
         if text is not None and text.tokenizer is not None:
             shutil.copyfile(text.path, os.path.join(stage, "tokenizer.json"))
         for name, obj in files.items():
@@ -402,7 +403,7 @@ def export_transformers(checkpoint: str, output: str, *, tokenizer: str | None =
                 fh.write("\n")
         if os.path.isdir(output):
             os.rmdir(output)
-        os.replace(stage, output)
+        os.replace(rundir.as_created(stage), output)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise

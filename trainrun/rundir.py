@@ -30,6 +30,30 @@ def sha256_file(path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def umask() -> int:
+    """The process's umask, read without setting it (Linux's /proc/self/status): ``os.umask`` changes it
+    for a moment, in which another thread's new file (a checkpoint written in the background) would get
+    the wrong mode."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    current = os.umask(0o077)
+    os.umask(current)
+    return current
+
+
+def as_created(path: str) -> str:
+    """``path`` (a folder or file from a writer with a private mode of its own: tempfile.mkdtemp's 0700,
+    safetensors' 0600) given the mode ``mkdir``/``open`` would have: 0777/0666 less the umask. On the
+    staged name, before it is renamed into place: the rename stays the one atomic step."""
+    os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~umask())
+    return path
+
+
 def graphs_dir(run_dir: str) -> str:
     return os.path.join(run_dir, GRAPHS)
 

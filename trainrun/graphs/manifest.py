@@ -17,7 +17,7 @@ from ..errors import UsageError
 from ..models import registry
 from ..optim import build_optimizer_graph, check_groups
 from ..recompute import recompute_blocks
-from ..rundir import sha256_file
+from ..rundir import as_created, sha256_file
 from .casts import cast_pass, restore_fp32, scale_loss
 from .dropout_nodes import dropout_masks, dropout_off
 from .forward import batchnorm_inference, drop_outputs, forward_from_config, num_classes
@@ -129,7 +129,7 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
         _save(model, os.path.join(out_dir, f"{name}.onnx"))
     tmp = os.path.join(out_dir, "weights.safetensors.tmp")
     save_file(weights, tmp)
-    os.replace(tmp, os.path.join(out_dir, "weights.safetensors"))
+    os.replace(as_created(tmp), os.path.join(out_dir, "weights.safetensors"))
 
     import onnxruntime
     manifest = {
