@@ -282,7 +282,11 @@ class Corpus:
                              + (f"hold no good document: {self.skipped}" if self.bad else "are all empty"))
         n_eval = math.ceil(fraction * len(self))
         if len(self) and n_eval >= len(self):
-            raise UsageError(f"--eval-fraction {fraction}: {len(self)} document(s) leave none to train on")
+            raise UsageError(f"--eval-fraction {fraction}: {len(self)} document(s) leave none to train on (each "
+                             f"text file is one document, each record of a .jsonl / .parquet file one): pass "
+                             f"more files, --eval-fraction 0 (no eval set), or split the text into files (e.g. "
+                             f"`mkdir DIR && split -l 1000 --additional-suffix=.txt FILE DIR/part-`, then "
+                             f"--input DIR)")
         chosen = np.zeros(len(self), bool)
         chosen[np.argsort(self.key, kind="stable")[:n_eval]] = True
         return np.flatnonzero(~chosen), np.flatnonzero(chosen)

@@ -266,6 +266,7 @@ def test_inspect_and_tokens_usage_errors(corpus, tmp_path):
          "--no-progress"], check=0)
     shard = out / "train" / "shard-00000.bin"
     shard.write_bytes(shard.read_bytes()[:-1])
+    one_file = next(p for p in sorted((corpus / "notes").iterdir()) if p.is_file())
     for cmd, message in [
         (["inspect", str(out / "train")], "shard-00000.bin: truncated"),
         (["inspect", str(tmp_path / "missing")], "missing: dataset directory does not exist"),
@@ -276,6 +277,12 @@ def test_inspect_and_tokens_usage_errors(corpus, tmp_path):
          "nothing: no such file or directory"),
         (["tokens", "--input", str(corpus), "--output", str(tmp_path / "x"), "--train-bpe", "100"],
          "at least 257"),
+        # one text file is one document: the default eval fraction takes it, and the message says what to do
+        (["tokens", "--input", str(one_file), "--output", str(tmp_path / "x"), "--bytes"],
+         "--eval-fraction 0.01: 1 document(s) leave none to train on (each text file is one document, each "
+         "record of a .jsonl / .parquet file one): pass more files, --eval-fraction 0 (no eval set), or "
+         "split the text into files (e.g. `mkdir DIR && split -l 1000 --additional-suffix=.txt FILE DIR/part-`, "
+         "then --input DIR)"),
     ]:
         proc = run([TRAINRUN_DATA, *cmd], check=2)
         assert message in proc.stderr and "Traceback" not in proc.stderr, (cmd, proc.stderr)
