@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # make demo: build a real dataset (the Python standard library's source), train a
 # tiny GPT-2 on 2 MPI ranks, evaluate, checkpoint, resume, export and sample.
+# Its dataset and run have folders of their own: the README's tour writes data/stdlib
+# and runs/gpt2-tiny, and must find them free after the demo.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=runs/demo
-DATA=data/stdlib
+DATA=data/demo
 STDLIB=$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
 
 if [ ! -f "$DATA/train/manifest.json" ]; then

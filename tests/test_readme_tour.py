@@ -39,3 +39,26 @@ def test_the_tour_says_how_to_get_its_commands_on_path():
     with open(os.path.join(ROOT, "scripts", "demo.sh"), encoding="utf-8") as fh:
         last = fh.read().rstrip().splitlines()[-2:]          # what make demo prints last
     assert all(line.startswith("echo ") for line in last) and ACTIVATE in last[0], last
+
+
+def _tour_block():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as fh:
+        return fh.read().split("## Quick tour", 1)[1].split("```", 2)[1]
+
+
+def test_the_tour_after_make_demo_writes_nothing_the_demo_wrote():
+    """`make demo` then the tour's commands as printed: no tour command writes where the demo wrote (its
+    dataset, its run), so the tour's first command is not refused ("already holds ...; pass --overwrite")."""
+    import yaml
+    block = _tour_block()
+    written = re.findall(r"--output[ =](\S+)", block) + re.findall(r"run\.output_dir=(\S+)", block)
+    with open(os.path.join(ROOT, "configs", "gpt2-tiny.yaml"), encoding="utf-8") as fh:   # its runs without --set
+        written.append(os.path.normpath(os.path.join("configs", yaml.safe_load(fh)["run"]["output_dir"])))
+    assert "data/stdlib" in written and "runs/gpt2-tiny" in written, written
+    with open(os.path.join(ROOT, "scripts", "demo.sh"), encoding="utf-8") as fh:
+        demo = dict(re.findall(r"^(RUN|DATA)=(\S+)$", fh.read(), re.M))
+    assert set(demo) == {"RUN", "DATA"}, demo
+    for theirs in demo.values():
+        for ours in written:
+            assert not (ours == theirs or ours.startswith(theirs + "/") or theirs.startswith(ours + "/")), \
+                (ours, theirs)
