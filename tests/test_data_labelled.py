@@ -251,3 +251,20 @@ def test_the_chatterbot_topics_recipe_data(tmp_path):
     m = _manifest(tmp_path / "topics" / "train")
     assert m["id2label"] == {str(i): t for i, t in enumerate(sorted(counts))}
     assert m["num_samples"] + _manifest(tmp_path / "topics" / "eval")["num_samples"] == len(rows)
+
+
+def test_the_topics_recipe_names_a_missing_package_before_any_work(tmp_path):
+    """scripts/recipe_topics.py where chatterbot-corpus and scikit-learn cannot be imported (as in the venv
+    `make demo` makes; here each made unimportable in the script's own process): exit 2 before anything is
+    written, naming the package, why the recipe needs it and the install step; scikit-learn's absence said
+    as the baseline row it leaves out."""
+    script, work = os.path.join(ROOT, "scripts", "recipe_topics.py"), tmp_path / "work"
+    hide = ("import runpy, sys; sys.modules['chatterbot_corpus'] = sys.modules['sklearn'] = None; "
+            f"sys.argv = ['recipe_topics.py', '--work', {str(work)!r}]; runpy.run_path({script!r}, run_name='__main__')")
+    proc = run([sys.executable, "-c", hide], check=2)
+    assert ("recipe_topics: chatterbot-corpus is not installed (its statements are the labelled set): "
+            "`make setup-test` installs it with the test extra, or `.venv/bin/pip install chatterbot-corpus==1.3.3`"
+            in proc.stderr), proc.stderr
+    assert ("recipe_topics: note: scikit-learn is not installed: the TF-IDF + logistic regression row will be "
+            "left out (`make setup-test` installs it)" in proc.stderr), proc.stderr
+    assert "Traceback" not in proc.stderr and not work.exists()
