@@ -247,7 +247,7 @@ def test_regression_on_two_ranks_matches_scipy(tmp_path, labelled):
     mpirun(2, "evaluate", run_dir, "--data", os.path.join(labelled["reg"], "eval"), "--output",
            str(tmp_path / "e.json"))
     result = json.loads((tmp_path / "e.json").read_text())
-    assert result["samples"] == 24
+    assert result["samples"] == 24 and "perplexity" not in result
     assert result["pearson"] == pytest.approx(evals[12]["eval_pearson"], abs=1e-6)
     assert result["spearman"] == pytest.approx(evals[12]["eval_spearman"], abs=1e-6)
 
@@ -281,9 +281,10 @@ def test_token_classification_run_and_export(tmp_path, labelled):
     pred = logits.argmax(-1)[keep]
     assert evals[12]["eval_accuracy"] == pytest.approx(accuracy_score(labels[keep], pred), abs=1e-6)
     assert evals[12]["eval_f1"] == pytest.approx(f1_score(labels[keep], pred, average="macro"), abs=1e-6)
-    run([TRAINRUN, "evaluate", run_dir, "--data", os.path.join(labelled["tok"], "eval"), "--output",
-         str(tmp_path / "e.json")], check=0)
+    p = run([TRAINRUN, "evaluate", run_dir, "--data", os.path.join(labelled["tok"], "eval"), "--output",
+             str(tmp_path / "e.json")], check=0)
     result = json.loads((tmp_path / "e.json").read_text())
+    assert "perplexity" not in result and "perplexity" not in p.stdout and "eval_perplexity" not in evals[12]
     assert result["f1"] == pytest.approx(evals[12]["eval_f1"], abs=1e-6)
     assert result["accuracy"] == pytest.approx(evals[12]["eval_accuracy"], abs=1e-6)
 

@@ -3,14 +3,18 @@ resumes into the same tracker runs; what they hold is read back with the librari
 compared with metrics.jsonl, TensorBoard and config.yaml."""
 
 import glob
+import http.server
 import json
+import math
 import os
+import threading
+import time
 
 import pytest
 import yaml
 
-from conftest import BIN, TRAINRUN, mpirun, run, write_config
-from test_runner import _tensorboard_scalars
+from conftest import BIN, TRAINRUN, mpirun, read_metrics, run, write_config
+from test_runner import _tensorboard_events, _tensorboard_scalars
 
 mlflow = pytest.importorskip("mlflow")
 os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")     # MLflow 3 reads its file store behind this opt-in
@@ -192,3 +196,125 @@ def test_the_tracker_runs_end_as_the_run_ended(tmp_path):
         assert [m.value for m in client.get_metric_history(only.info.run_id, "train/loss")] == [2.5] * (len(statuses))
         assert lines[0].startswith("continuing mlflow run" if code == 1 else "logging to mlflow run"), lines
     assert statuses == ["KILLED", "FAILED"]
+
+
+def test_non_finite_values_reach_tensorboard_mlflow_and_wandb(tmp_path):
+    """A NaN loss and an infinite gradient norm (a diverging run) are logged as they are, by the runner's
+    Metrics over a real event file, MLflow file store and W&B offline run."""
+    from trainrun import config as C
+    from trainrun.observe.metrics import Metrics
+    from trainrun.observe.trackers import Trackers
+    cfg = C.load_config(None, [f"run.output_dir={tmp_path / 'run'}", f"logging.mlflow.tracking_uri={tmp_path / 'st'}",
+                               "logging.wandb.project=p", "logging.wandb.mode=offline"])
+    os.makedirs(cfg.run.output_dir)
+    m = Metrics(cfg.run.output_dir, enabled=True, tensorboard=True, quiet=True, total_steps=2)
+    m.trackers = Trackers(cfg, cfg.run.output_dir, resumed=False, echo=print)
+    m.log(1, {"loss": 2.5, "lr": 1e-3, "grad_norm": 0.5, "samples_per_sec": 8.0})
+    m.log(2, {"loss": float("nan"), "lr": 1e-3, "grad_norm": float("inf"), "samples_per_sec": 8.0})
+    m.close()
+    tb = {(v.tag, e.step): v.simple_value for e in _tensorboard_events(glob.glob(str(tmp_path / "run" / "tensorboard" / "*")))
+          for v in e.summary.value}
+    client = mlflow.tracking.MlflowClient(f"file://{tmp_path / 'st'}")
+    (only,) = client.search_runs([client.get_experiment_by_name("run").experiment_id])
+    history = {tag: {h.step: h.value for h in client.get_metric_history(only.info.run_id, tag)}
+               for tag in ("train/loss", "train/grad_norm")}
+    (wandb_dir,) = glob.glob(str(tmp_path / "run" / "wandb" / "offline-run-*"))
+    rows, _ = wandb_records(glob.glob(os.path.join(wandb_dir, "run-*.wandb"))[0])
+    logged = {(tag, row["step"]): v for row in rows for tag, v in row.items() if tag.startswith("train/")}
+    for got in (tb, {(t, s): v for t, h in history.items() for s, v in h.items()}, logged):
+        assert got[("train/loss", 1)] == 2.5 and math.isnan(got[("train/loss", 2)]), got
+        assert got[("train/grad_norm", 2)] == float("inf"), got
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    """An MLflow tracking server as its REST API looks to MlflowClient, on 127.0.0.1: it answers the start
+    of a run (experiment, run, parameters), then never answers the metrics; for the experiment ``stuck``
+    it never answers at all."""
+    daemon_threads = True
+
+    def __init__(self):
+        self.release, self.metrics_calls = threading.Event(), 0
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self, obj):
+                body = json.dumps(obj).encode()
+                self.send_response(200 if "error_code" not in obj else 404)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                if "experiment_name=stuck" in self.path:
+                    server.release.wait()
+                self._answer({"error_code": "RESOURCE_DOES_NOT_EXIST", "message": "no such experiment"})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                if self.path.endswith("/runs/log-batch") and body.get("metrics"):
+                    server.metrics_calls += 1
+                    server.release.wait()
+                self._answer({"experiment_id": "1"} if self.path.endswith("/experiments/create") else
+                             {"run": {"info": {"run_id": "r1", "experiment_id": "1", "status": "RUNNING"}}}
+                             if self.path.endswith("/runs/create") else {})
+
+            def log_message(self, *args):
+                pass
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.handle_error = lambda request, address: None     # a client gone when the held calls are let go
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+        self.uri = f"http://127.0.0.1:{self.server_address[1]}"
+
+    def close(self):
+        self.release.set()
+        self.shutdown()
+        self.server_close()
+
+
+def test_a_tracking_server_that_hangs_is_dropped_and_the_run_goes_on(tmp_path, byte_dataset):
+    """A tracking server that stops answering mid-run: rank 0's steps never wait for it (its calls run on a
+    thread of their own), so the peers, whose collectives time out after 15 s, see no stall (MLflow's client
+waits 120 s for an answer); the tracker is
+    dropped with a warning after logging.timeout_s and the run finishes (exit 0), metrics.jsonl whole. The
+    runner's Trackers over the same server: a log call returns at once while the last one hangs, and the
+    next one after the timeout drops the tracker; a server that never answers the start: the tracker is
+    left out after the timeout, and the run goes on."""
+    from trainrun import config as C
+    from trainrun.observe.trackers import Trackers
+    server = _Server()
+    try:
+        cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{
+            "train.max_steps": 30, "train.log_every": 1, "train.eval_every": 10,
+            "distributed.timeout_s": 15, "logging.mlflow.tracking_uri": server.uri, "logging.timeout_s": 2})
+        p = mpirun(2, "--config", cfg, timeout=240)
+        assert server.metrics_calls == 1          # the first logged step's call hangs; nothing sent after it
+        assert "warning: mlflow timed out: no answer in" in p.stdout and "s to its call of step 1 (logging.timeout_s 2)" \
+            in p.stdout, p.stdout
+        train, evals = read_metrics(str(tmp_path / "run"))
+        assert sorted(train) == list(range(1, 31)) and sorted(evals) == [10, 20, 30]
+
+        for experiment in ("live", "stuck"):
+            said = []
+            tracked = C.load_config(None, [f"run.output_dir={tmp_path / experiment}", "logging.timeout_s=1",
+                                           f"logging.mlflow.tracking_uri={server.uri}",
+                                           f"logging.mlflow.experiment={experiment}"])
+            os.makedirs(tracked.run.output_dir)
+            t0 = time.monotonic()
+            t = Trackers(tracked, tracked.run.output_dir, resumed=False, echo=said.append)
+            if experiment == "stuck":
+                assert 1 <= time.monotonic() - t0 < 10 and not t.open
+                assert said == ["warning: logging.mlflow: no answer in 1 s (logging.timeout_s) while starting the "
+                                "tracker run; the run goes on without mlflow"], said
+                continue
+            t.log(1, {"train/loss": 2.5})             # sent on the tracker's thread: the server holds it
+            time.sleep(1.5)
+            t0 = time.monotonic()
+            t.log(2, {"train/loss": 2.4})
+            t.close()
+            assert time.monotonic() - t0 < 0.5 and not t.open
+            assert len(said) == 2 and said[1].startswith("warning: mlflow timed out: no answer in 1.") and \
+                said[1].endswith(" s to its call of step 1 (logging.timeout_s 1) and is off for the rest of the run "
+                                 "(training goes on)"), said
+    finally:
+        server.close()

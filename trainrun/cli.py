@@ -156,11 +156,12 @@ def generate(source, prompt, max_new_tokens, temperature, top_k, top_p, seed, nu
 @click.option("--batch", type=click.IntRange(min=1), default=None,
               help="Samples per step over all ranks (default: the run's micro_batch_size x ranks).")
 @click.option("--output", type=click.Path(dir_okay=False), default=None, help="Also write the result as JSON.")
-def evaluate(source, data, steps, batch, output):
+@click.option("--force", is_flag=True, help="Evaluate data tokenized otherwise than the run's (refused without).")
+def evaluate(source, data, steps, batch, output, force):
     """Loss, perplexity and the model's metrics of a checkpoint (SOURCE: a checkpoint or a run
     directory, its latest) on a dataset; under mpirun the batches are split over the ranks."""
     from .evaluate import run_evaluate
-    run_evaluate(source, data, steps=steps, batch=batch, output=output, echo=click.echo)
+    run_evaluate(source, data, steps=steps, batch=batch, output=output, force=force, echo=click.echo)
 
 
 @cli.command()

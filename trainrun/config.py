@@ -313,7 +313,9 @@ class TrainConfig:
     eval_every: int = opt(0, min=0)
     """Evaluate every N steps (0: only at the end, when an eval set is given)."""
     eval_steps: int = opt(8, min=1)
-    """Batches per evaluation, each of global-batch size (so the same samples on any rank count)."""
+    """Batches per evaluation, each of global-batch size (so the same samples on any rank count); an eval
+    set that ends first is evaluated whole, its last batch smaller (as `trainrun evaluate`). Each eval line
+    says how many of the set's samples it covered."""
     log_every: int = opt(10, min=1)
     """Log train metrics every N steps."""
     sample_every: int = opt(0, min=0)
@@ -512,6 +514,10 @@ class LoggingConfig:
     """MLflow tracking (off unless tracking_uri is set)."""
     wandb: WandbConfig = opt(factory=WandbConfig)
     """Weights & Biases tracking (off unless project is set)."""
+    timeout_s: float = opt(30.0, gt=0.0)
+    """Seconds a tracker may leave a call unanswered (its start, a logged step, its end) before it is
+    dropped with a warning and the run goes on without it. Each tracker gets its calls on a thread of its
+    own, so the steps never wait for a tracking server."""
 
 
 @dataclass

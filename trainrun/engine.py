@@ -143,10 +143,12 @@ class _Bound:
         raise UsageError(f"{self.path}: input '{name}' has shape {declared}, the batch has {list(shape)} "
                          f"(graphs prepared for another micro-batch or sequence length: prepare again)")
 
-    def bind_in(self, name: str, arr) -> None:
+    def bind_in(self, name: str, arr, keep: bool = True) -> None:
+        """``keep`` False: the caller keeps ``arr`` alive as long as it is bound."""
         dev, dev_id, ptr = self._where(arr)
         self.binding.bind_input(name, dev, dev_id, arr.dtype, list(arr.shape), ptr)
-        self.keep.append(arr)
+        if keep:
+            self.keep.append(arr)
         if self.cuda and dev == "cpu":
             self.host_inputs[name] = arr
 
@@ -350,6 +352,7 @@ class Engine:
         self.feeds = feeding.feeds(self.manifest, {}, batch_shapes) if feeds is None else dict(feeds)
         self.batch = self._batch_buffers(batch_shapes)
         self.eval_batch = self._batch_buffers(eval_batch_shapes)
+        self._eval_rest: dict[int, dict] = {}     # buffers of an evaluation's smaller last micro-batch, by size
         self.state_layout = FlatLayout.from_manifest({"params": self.manifest.get("states", [])})
         self.state = xp.zeros(self.state_layout.total, np.float32)
         self.state_next = xp.zeros(self.state_layout.total, np.float32)
@@ -514,9 +517,11 @@ class Engine:
 
 
     # ------------------------------------------------------------------ steps
-    def set_batch(self, batch: dict, target: dict | None = None) -> None:
+    def set_batch(self, batch: dict, target: dict | None = None, labels: bool = True) -> None:
+        """``batch`` copied into the ``target`` buffers (default: the train batch's); ``labels``: a data
+        batch, whose labels are checked (not the dropout masks)."""
         target = self.batch if target is None else target
-        if self.label_check and (target is self.batch or target is self.eval_batch):
+        if self.label_check and labels:
             self._check_labels(batch)
         for k, buf in target.items():
             src = batch[self.feeds.get(k, k)]
@@ -548,7 +553,7 @@ class Engine:
                                     "global sample position")
             self.masks.fill(position)
             if self.mask_dev is not self.masks.buffers:
-                self.set_batch(self.masks.buffers, self.mask_dev)
+                self.set_batch(self.masks.buffers, self.mask_dev, labels=False)
         if accumulate and self.grad_outputs:
             raise TrainrunError("engine: built with direct_gradients (its train graph has no accumulators): "
                                 "it cannot add a micro-batch's gradients to the buffer")
@@ -558,10 +563,33 @@ class Engine:
             self.state[...] = self.state_next
         return float(self.loss) if self.loss_scale is None else float(self.loss) / float(self.loss_scale)
 
+    @property
+    def eval_batch_fixed(self) -> int | None:
+        """The batch dim the eval graph fixes for its data inputs (a user graph may), else None: then an
+        evaluation's last micro-batch may be smaller than the others (:meth:`evaluate`)."""
+        return next((i.shape[0] for i in self.eval_s.session.get_inputs()
+                     if i.name in self.eval_batch and i.shape and isinstance(i.shape[0], int)), None)
+
     def evaluate(self, batch: dict) -> float:
-        """Loss of one eval micro-batch; its metric sums and counts are then in :attr:`eval_metrics`."""
-        self.set_batch(batch, self.eval_batch)
-        self.eval_s.run()
+        """Loss of one eval micro-batch; its metric sums and counts are then in :attr:`eval_metrics`.
+        A micro-batch smaller than the engine's (an evaluation's last) runs in buffers of its own size,
+        bound for that run only."""
+        n = len(batch[self.feeds[next(iter(self.eval_batch))]])
+        if n == next(iter(self.eval_batch.values())).shape[0]:
+            self.set_batch(batch, self.eval_batch)
+            self.eval_s.run()
+        else:
+            if n not in self._eval_rest:
+                self._eval_rest[n] = {k: self.xp.zeros((n, *b.shape[1:]), b.dtype) for k, b in self.eval_batch.items()}
+            rest = self._eval_rest[n]
+            self.set_batch(batch, rest)
+            for name, arr in rest.items():
+                self.eval_s.bind_in(name, arr, keep=False)
+            try:
+                self.eval_s.run()
+            finally:
+                for name, arr in self.eval_batch.items():
+                    self.eval_s.bind_in(name, arr, keep=False)
         if self.manifest.get("task_labels"):
             self.eval_logits = self.eval_s.binding.get_outputs()[-1].numpy()
         return float(self.eval_loss)

@@ -1,4 +1,5 @@
-"""``trainrun evaluate``: loss, perplexity and the eval graph's metrics of a checkpoint on any dataset.
+"""``trainrun evaluate``: loss, perplexity (a next-token cross-entropy) and the eval graph's metrics of a
+checkpoint on any dataset of the run's tokenizer (:func:`trainrun.tokenizer.mismatch`; ``--force``: any).
 
 ``--batch B`` counts the samples of one step over all ranks (default: the run's micro_batch_size x
 the ranks); ``--steps N`` the steps (default: every sample: the whole steps, then the rest as one
@@ -27,6 +28,8 @@ from . import feeding
 from .graphs.manifest import load_manifest
 from .graphs.names import LOSS, METRIC_PREFIX
 from . import rundir
+from . import tokenizer
+from . import validity
 from .comm import make_communicator
 from .data import eval_batches, open_dataset
 from .engine import check_inputs
@@ -42,8 +45,9 @@ def _cores() -> int:
 
 
 def run_evaluate(source: str, data: str, *, steps: int | None, batch: int | None, output: str | None,
-                 echo=print) -> dict | None:
-    """Evaluate; rank 0 prints the result, writes ``output`` and returns it (other ranks return None)."""
+                 force: bool = False, echo=print) -> dict | None:
+    """Evaluate; rank 0 prints the result, writes ``output`` and returns it (other ranks return None).
+    Data of another tokenizer than the run's is refused (UsageError) unless ``force``."""
     import onnxruntime as ort
 
     ckpt = rundir.resolve_checkpoint(source)
@@ -57,6 +61,10 @@ def run_evaluate(source: str, data: str, *, steps: int | None, batch: int | None
             raise UsageError(f"--batch {per_step}: samples per step over all ranks; must be a multiple of the "
                              f"{comm.world_size} ranks")
         micro = per_step // comm.world_size
+        why = None if force else tokenizer.mismatch(run_dir, data)
+        if why:
+            raise UsageError(f"--data {data}: not tokenized as the run's data: {why}; the model would be scored "
+                             f"on ids that stand for other text (--force evaluates anyway)")
         manifest = load_manifest(os.path.join(run_dir, "graphs"))
         vocab, positions = registry.vocab_and_positions(cfg.model)
         ds = open_dataset(data, cfg.data.seq_len, vocab_size=vocab, n_positions=positions)
@@ -97,7 +105,8 @@ def run_evaluate(source: str, data: str, *, steps: int | None, batch: int | None
     total = comm.allreduce_scalars(list(total) + stats, op="sum")
     total, stats = total[:len(names) + 1], total[len(names) + 1:]
     samples = int(total[-1])
-    result = feeding.eval_results(total[0] / (samples / micro), dict(zip(metrics, total[1:-1])))
+    result = feeding.eval_results(total[0] / (samples / micro), dict(zip(metrics, total[1:-1])),
+                                  validity.logs_perplexity(cfg, ds))
     if task is not None:
         pairs = [np.asarray(p) for p in comm.allgather_object(task.pairs().tolist())] if task.regression else None
         result.update(task.result(np.asarray(stats), pairs))

@@ -24,13 +24,16 @@ def feeds(manifest: dict, data_inputs: dict, features=None) -> dict:
     return out
 
 
-def eval_results(loss: float, sums: dict[str, float]) -> dict[str, float]:
-    """``loss``, ``perplexity`` and ``<name>`` = sum / count of every metric, from the mean eval loss and
-    the ``metric/<name>/sum|count`` outputs summed over batches and ranks (NaN for a count of 0)."""
-    result = {"loss": loss, "perplexity": math.exp(min(loss, 80.0))}
+def eval_results(loss: float, sums: dict[str, float], perplexity: bool = True) -> dict[str, float]:
+    """``loss``, ``perplexity`` (where asked for) and ``<name>`` = sum / count of every metric, from the
+    mean eval loss and the ``metric/<name>/sum|count`` outputs summed over batches and ranks (NaN for a
+    count of 0)."""
+    result = {"loss": loss}
+    if perplexity:      # of a label-smoothed loss: from the plain cross-entropy (the metric ce)
+        result["perplexity"] = math.exp(min(loss, 80.0))
     for name in metric_names(list(sums)):
         c = sums[f"{METRIC_PREFIX}{name}/count"]
         result[name] = sums[f"{METRIC_PREFIX}{name}/sum"] / c if c else float("nan")
-    if "ce" in result:      # a label-smoothed loss: perplexity from the plain cross-entropy
+    if perplexity and "ce" in result:
         result["perplexity"] = math.exp(min(result["ce"], 80.0))
     return result

@@ -395,7 +395,10 @@ class TrainingRunner:
 
     def evaluate_set(self, name: str | None, ds) -> dict:
         """``loss``, ``perplexity`` and each metric of the eval graph on one eval set, over ``eval_steps``
-        global batches; sums from every rank in one allreduce."""
+        global batches, or every sample where the set ends first (the rest as one smaller step split over
+        the ranks, as ``trainrun evaluate``; not where the eval graph fixes the batch dim); ``samples`` of
+        ``dataset_samples`` counted. Sums from every rank in one allreduce; the loss is the mean of the
+        micro-batch losses, each weighed by its samples."""
         cfg, eng = self.cfg, self.engine
         names = list(eng.eval_metrics)
         total, count, sums = 0.0, 0.0, [0.0] * len(names)
@@ -404,9 +407,11 @@ class TrainingRunner:
         error = None
         try:
             for batch in eval_batches(ds, micro_batch=cfg.train.micro_batch_size, rank=self.rank,
-                                      world_size=self.world, steps=cfg.train.eval_steps * self.accum):
-                total += eng.evaluate(batch)
-                count += 1
+                                      world_size=self.world, steps=cfg.train.eval_steps * self.accum,
+                                      rest=eng.eval_batch_fixed is None):
+                samples = len(next(iter(batch.values())))
+                total += eng.evaluate(batch) * samples
+                count += samples
                 for i, n in enumerate(names):
                     sums[i] += float(eng.eval_metrics[n])
                 if task is not None:
@@ -423,14 +428,12 @@ class TrainingRunner:
         total, count, *sums = self.comm.allreduce_scalars([total, count, *sums, *stats], op="sum")
         sums, stats = sums[:len(names)], sums[len(names):]
         self.timer.mark("eval")
-        result = feeding.eval_results(total / max(count, 1.0), dict(zip(names, sums)))
+        result = feeding.eval_results(total / max(count, 1.0), dict(zip(names, sums)), self.perplexity)
         if task is not None:      # accuracy and macro F1 over every rank's samples; Pearson, Spearman
             pairs = [np.asarray(p) for p in self.comm.allgather_object(task.pairs().tolist())] \
                 if task.regression else None
             result.update(task.result(np.asarray(stats), pairs))
-        if not self.perplexity:
-            del result["perplexity"]
-        return result
+        return {**result, "samples": int(count), "dataset_samples": ds.num_samples}
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:

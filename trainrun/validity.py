@@ -13,7 +13,8 @@ here, in three stages, each listing every problem it finds as one :class:`~train
   sequences within its positions, at least one batch each (a training step's global batch, an
   evaluation's batch), the same features, model.task / model.num_labels as the train set's manifest says;
   ``model.init_from``'s tensors' names and shapes (:mod:`trainrun.pretrained`, the .safetensors header
-  alone); ``optimizer.groups`` against the trainable parameters; ``model.onnx`` against the loss keys
+  alone) and its tokenizer (a run's, a transformers folder's) against data.train's
+  (:func:`trainrun.tokenizer.mismatch`); ``optimizer.groups`` against the trainable parameters; ``model.onnx`` against the loss keys
   (:mod:`trainrun.graphs.forward`); ``data.inputs`` against the model's inputs; the metrics ``train.early_stopping.metric`` and
   ``checkpoint.best_metric`` watch against those the evaluations will log (:func:`eval_metrics`, from the
   model, its task and the data); the parameters, gradients and optimizer moments (float32) of one rank
@@ -34,6 +35,7 @@ from . import config as C
 from . import data as D
 from . import feeding
 from . import pretrained
+from . import tokenizer
 from .cuda import cuda_provider_problem
 from .errors import UsageError
 from .graphs import forward as F
@@ -262,6 +264,9 @@ def check(cfg: C.Config, world_size: int = 1, datasets: bool = True):
         except UsageError as exc:
             problems += [exc.message] if not exc.problems else list(exc.problems)
     found = _datasets(cfg, world_size, problems) if datasets else (None, {})
+    if datasets and cfg.model.init_from and cfg.data.train and (why := tokenizer.mismatch(cfg.model.init_from,
+                                                                                         cfg.data.train)):
+        problems.append(f"model.init_from: {cfg.model.init_from}: not trained on data.train's tokens: {why}")
     if cfg.model.builtin and cfg.model.task and found[0] is not None:
         problems += _task_problems(cfg, found[0])
     if found[0] is not None and (family is not None or fwd is not None):

@@ -29,6 +29,10 @@ _TB_NAMES = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_no
              "loss_scale": "train/loss_scale"}
 
 
+# what an evaluation covered, not a metric: ``eval_samples`` of ``eval_dataset_samples`` (metrics.jsonl only)
+EVAL_COUNTS = ("samples", "dataset_samples")
+
+
 def _tb_name(key: str, eval_sets=(None,)) -> str | None:
     """TensorBoard tag of a metrics key: the fixed names above; ``eval_<metric>`` -> ``eval/<metric>``;
     with named eval sets ``eval_<NAME>_<metric>`` -> ``eval/<NAME>/<metric>``."""
@@ -37,7 +41,7 @@ def _tb_name(key: str, eval_sets=(None,)) -> str | None:
     if key in _TB_NAMES and not key.startswith("eval_"):
         return _TB_NAMES[key]
     found = _eval_split(key, eval_sets)
-    if found is None:
+    if found is None or found[1] in EVAL_COUNTS:
         return None
     name, metric = found
     return f"eval/{metric}" if name is None else f"eval/{name}/{metric}"
@@ -135,15 +139,18 @@ class Metrics:
             if (found := _eval_split(k, self.eval_sets)) is not None:
                 evals.setdefault(found[0], {})[found[1]] = v
         for name, got in evals.items():
-            more = "".join(f" | {m} {v:.{2 if m == 'perplexity' else 4}f}" for m, v in got.items() if m != "loss")
-            self.echo(f"eval{' ' + name if name else ''} {step:>6} | loss {got.get('loss', float('nan')):.4f}{more}")
+            more = "".join(f" | {m} {v:.{2 if m == 'perplexity' else 4}f}" for m, v in got.items()
+                           if m != "loss" and m not in EVAL_COUNTS)
+            counted = f" ({got['samples']} of {got['dataset_samples']} samples)" if "samples" in got else ""
+            self.echo(f"eval{' ' + name if name else ''} {step:>6} | loss {got.get('loss', float('nan')):.4f}{more}"
+                      f"{counted}")
 
     def scalars(self, values: dict) -> dict[str, float]:
-        """The logged values by TensorBoard tag (train/loss, eval/loss, eval/<set>/loss, time/<phase>_ms ...):
-        finite only."""
+        """The logged values by TensorBoard tag (train/loss, eval/loss, eval/<set>/loss, time/<phase>_ms ...),
+        a NaN or infinite one too (a diverging loss is what a dashboard is watched for)."""
         tags = {k: _tb_name(k, self.eval_sets) for k in values}
-        out = {tags[k]: v for k, v in values.items()
-               if tags[k] and isinstance(v, (int, float)) and math.isfinite(v)}
+        out = {tags[k]: float(v) for k, v in values.items()
+               if tags[k] and isinstance(v, (int, float)) and not isinstance(v, bool)}
         out.update({f"time/{k}_ms": v for k, v in values.get("phase_ms", {}).items()})
         return out
 
