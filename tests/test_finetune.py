@@ -328,11 +328,14 @@ def test_gpt2_sequence_classification_matches_transformers_and_trains(tmp_path, 
 
     cfg_path = write_config(tmp_path / "c.yaml", labelled["cls"], **{
         "model": {"builtin": "gpt2", "gpt2": GPT2, "task": "sequence_classification", "num_labels": 3},
-        "data.seq_len": SEQ, "train.max_steps": 8, "train.eval_every": 8, "train.eval_steps": 6})
+        "data.seq_len": SEQ, "train.max_steps": 32, "train.eval_every": 32, "train.eval_steps": 6})
     run([TRAINRUN, "train", "--config", cfg_path], check=0)
     run_dir = str(tmp_path / "run")
     _, evals = read_metrics(run_dir)
-    assert 0.0 <= evals[8]["eval_f1"] <= 1.0
+    # it learns the topics (their words are disjoint): a fresh head starts at chance, loss ln 3 and macro F1
+    # about 1/3 (1/6 predicting one class); 32 steps end at F1 1.0 (seeds 1, 2, 3 and 5 alike; >= 0.95 at 16)
+    assert evals[32]["eval_samples"] == 24
+    assert evals[32]["eval_f1"] >= 0.8 and evals[32]["eval_loss"] < np.log(3) - 0.3, evals[32]
     run([TRAINRUN, "export", run_dir, "--format", "transformers", "--output", str(tmp_path / "hf")], check=0)
     run([TRAINRUN, "export", run_dir, "--output", str(tmp_path / "m.onnx")], check=0)
     samples = R.tensor_samples(os.path.join(labelled["cls"], "eval"))
