@@ -17,7 +17,7 @@ from safetensors.numpy import load_file
 from conftest import MPIRUN, ROOT, TRAINRUN, mpirun, rank_pids, read_metrics, run, write_config
 from trainrun import checkpoint as K
 from trainrun import rundir
-from trainrun.stopping import STOPPED_EXIT
+from trainrun.stopping import STOPPED_EXIT, EarlyStopping
 
 
 def _start(cmd, tmp_path, name="job"):
@@ -60,8 +60,9 @@ def _long_config(tmp_path, byte_dataset, **more):
 def test_signal_stops_every_rank_with_a_committed_checkpoint(tmp_path, byte_dataset, sig, target):
     """A stop signal, to mpirun (which forwards it to every rank) or to one rank alone: every rank
     stops after the same step, that step's checkpoint is committed, the job exits 75 and says how
-    long the save took after the signal."""
-    cfg = _long_config(tmp_path, byte_dataset)
+    long the save took after the signal. The stopped session writes its summary.json and ends the
+    profiler's window (open from step 3 on) with each rank's trace."""
+    cfg = _long_config(tmp_path, byte_dataset, **{"profile.start_step": 3, "profile.steps": 1000})
     proc = _start([MPIRUN, "-np", "2", TRAINRUN, "--config", cfg], tmp_path)
     _wait_for_steps(tmp_path / "run", 5, proc)
     victim = proc.pid if target == "mpirun" else rank_pids(str(tmp_path))[1]
@@ -79,6 +80,12 @@ def test_signal_stops_every_rank_with_a_committed_checkpoint(tmp_path, byte_data
     assert ("s after the signal" in err) == (target == "mpirun")
     assert err.count("stopped by") == 1 and "Traceback" not in err      # rank 0 alone reports
     assert not os.path.exists(tmp_path / "run" / ".lock")               # released on the way out
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == summary["final_step"] == last and summary["final_loss"] == train[last]["loss"]
+    assert summary["stopped"] == (sig if target == "mpirun" else "a signal to another rank")
+    for r in (0, 1):
+        trace = json.load(open(tmp_path / "run" / "profile" / f"rank-{r}.json"))
+        assert trace["trainrun"]["steps"] == list(range(3, last + 1))
 
 
 def test_stopped_run_resumes_bitwise_with_dropout(tmp_path, byte_dataset):
@@ -151,23 +158,55 @@ def test_keep_best_and_export_best(tmp_path, byte_dataset):
 
 
 def test_early_stopping_stops_with_a_checkpoint_and_resumes_its_state(tmp_path, byte_dataset):
-    """patience 2 with a min_delta no eval can beat: evaluations at 3, 6, 9 -> stop at 9 with a
-    checkpoint and exit 0; the counter is in state.json."""
+    """patience 2 with a min_delta no eval can beat: evaluations of eval_every at 3, 6, 9 -> stop at 9
+    with a checkpoint and exit 0; the counter is in state.json. keep_best evaluates at every checkpoint
+    (2, 4, 6, 8) too: those rank checkpoints and do not count toward the patience."""
     cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{
-        "train.max_steps": 40, "train.eval_every": 3,
+        "train.max_steps": 40, "train.eval_every": 3, "checkpoint.every": 2, "checkpoint.keep_best": 1,
         "train.early_stopping": {"patience": 2, "min_delta": 100.0}})
     proc = mpirun(2, "--config", cfg)
     _, evals = read_metrics(str(tmp_path / "run"))
-    assert sorted(evals) == [3, 6, 9]
+    assert sorted(evals) == [2, 3, 4, 6, 8, 9]
     assert "early stopping at step 9" in proc.stdout
     state = K.read_state(rundir.resolve_checkpoint(str(tmp_path / "run")))
     assert state["step"] == 9 and state["early_stopping"]["evals_since_best"] == 2
     assert state["early_stopping"]["best_step"] == 3
     assert os.path.exists(tmp_path / "run" / "model.onnx")
-    # resumed with more patience, the saved count goes on: one more evaluation without improvement
-    mpirun(2, "resume", str(tmp_path / "run"), "--set", "train.early_stopping.patience=3")
+    # resumed with more patience, the saved count goes on: one more evaluation without improvement (12; the
+    # keep_best one at 10 does not count)
+    proc = mpirun(2, "resume", str(tmp_path / "run"), "--set", "train.early_stopping.patience=3")
     _, evals = read_metrics(str(tmp_path / "run"))
-    assert max(evals) == 12
+    assert max(evals) == 12 and 10 in evals
+    assert "early stopping at step 12" in proc.stdout, proc.stdout
+
+
+def test_early_stopping_counts_evaluations_that_do_not_beat_the_best_by_min_delta():
+    """EarlyStopping alone: lower is better for a loss, higher for an accuracy; an improvement must beat the
+    best by more than min_delta (equal to it is none) and resets the count; patience 0 never stops; its
+    state goes through state_dict/load_state_dict, and a state of another metric starts afresh."""
+    loss = EarlyStopping(patience=2, min_delta=0.1, metric="eval_loss")
+    steps = [(1, 5.0, False), (2, 4.0, False), (3, 3.95, False), (4, 3.9, True)]    # 3.9: beats 4.0 by 0.1 only
+    for step, value, stop in steps:
+        assert loss.update(step, {"eval_loss": value}) is stop, step
+    assert (loss.best, loss.best_step, loss.evals_since_best) == (4.0, 2, 2)
+    assert loss.update(5, {"eval_loss": 3.5}) is False and (loss.best, loss.evals_since_best) == (3.5, 0)
+    assert "eval_loss did not improve by more than 0.1" in (loss.update(6, {"eval_loss": 9.0}) or loss.describe())
+
+    acc = EarlyStopping(patience=2, min_delta=0.0, metric="eval_held_accuracy")     # greater is better
+    for step, value, stop in [(1, 0.2, False), (2, 0.1, False), (3, 0.3, False), (4, 0.3, False), (5, 0.25, True)]:
+        assert acc.update(step, {"eval_held_accuracy": value, "eval_held_loss": 0.0}) is stop, step
+    assert (acc.best, acc.best_step) == (0.3, 3)
+
+    never = EarlyStopping(patience=0, min_delta=0.0)
+    assert not any(never.update(s, {"eval_loss": 1.0}) for s in range(1, 20))
+
+    again = EarlyStopping(patience=2, min_delta=0.1, metric="eval_loss")
+    again.load_state_dict(loss.state_dict())
+    assert again.state_dict() == loss.state_dict()
+    assert again.update(7, {"eval_loss": 3.45}) is True        # the second in a row (one before the save)
+    other = EarlyStopping(patience=2, min_delta=0.0, metric="eval_accuracy")
+    other.load_state_dict(loss.state_dict())
+    assert other.best is None and other.evals_since_best == 0
 
 
 def test_stuck_checkpoint_write_ends_the_job_within_the_timeout(tmp_path, byte_dataset):
@@ -302,3 +341,122 @@ def test_a_signal_during_set_up_stops_before_the_first_step(tmp_path, byte_datas
     assert not os.path.exists(run_dir / ".lock")
     subprocess.run([MPIRUN, "-np", "2", *cmd], capture_output=True, timeout=300, check=True)
     assert max(read_metrics(str(run_dir))[0]) == 6
+
+
+def _end_config(tmp_path, byte_dataset, **more):
+    # 6 steps: evaluations at 3 and 6, checkpoints at 3 and 6; the last step's are the final ones
+    return write_config(tmp_path / "c.yaml", byte_dataset, **{
+        "train.max_steps": 6, "train.eval_every": 3, "checkpoint.every": 3, **more})
+
+
+def _finished_at_6(run_dir, out):
+    """A run finished at step 6: final evaluation logged and in checkpoint 6, model.onnx of checkpoint 6,
+    summary.json of its 6 steps."""
+    _, evals = read_metrics(str(run_dir))
+    assert sorted(evals) == [3, 6]
+    ckpt = str(run_dir / "checkpoints" / "6")
+    K.verify(ckpt)
+    assert K.read_state(ckpt)["eval"]["eval_loss"] == pytest.approx(evals[6]["eval_loss"], rel=1e-12)
+    assert f"exported {run_dir / 'model.onnx'} from {ckpt}" in out, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["final_step"] == 6 and summary["stopped"] is None
+    assert summary["final_eval_loss"] == pytest.approx(evals[6]["eval_loss"], rel=1e-12)
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "slurm-script"])
+def test_a_stop_on_the_last_step_finishes_the_run(tmp_path, byte_dataset, how):
+    """The ranks wait at the start of the last step until the signal comes (TRAINRUN_FAULT_WAIT_SIGNAL=6), so
+    it lands on that step: SIGTERM to mpirun, or SLURM's warning (USR1) to docs/distributed.md's batch script
+    (run by a real bash, its srun replaced by `mpirun -np 2`), whose trap forwards it. The run is finished
+    all the same: final evaluation, checkpoint, model.onnx, exit 0 (so the script does not requeue)."""
+    cfg = _end_config(tmp_path, byte_dataset)
+    env = dict(os.environ, TRAINRUN_FAULT_WAIT_SIGNAL="6")
+    if how == "SIGTERM":
+        proc = subprocess.Popen([MPIRUN, "-np", "2", TRAINRUN, "--config", cfg], env=env,
+                                stdout=open(tmp_path / "job.out", "w"), stderr=open(tmp_path / "job.err", "w"))
+        sig = signal.SIGTERM
+    else:
+        text = open(os.path.join(ROOT, "docs", "distributed.md")).read()
+        script = re.search(r"```bash\n(#!/bin/bash\n#SBATCH .*?)```", text, re.S).group(1)
+        for old, new in (("RUN=runs/gpt2", f"RUN={tmp_path / 'run'}"), ("--config gpt2.yaml", f"--config {cfg}"),
+                         ("srun --mpi=pmi2 .venv/bin/trainrun", f"{MPIRUN} -np 2 {TRAINRUN}")):
+            assert script.count(old) == 1, old
+            script = script.replace(old, new)
+        (tmp_path / "job.sh").write_text(script)
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir()
+        (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'scontrol'}\n")
+        os.chmod(bin_dir / "scontrol", 0o755)
+        proc = subprocess.Popen(["bash", str(tmp_path / "job.sh")], cwd=tmp_path,
+                                env=dict(env, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="42"),
+                                stdout=open(tmp_path / "job.out", "w"), stderr=open(tmp_path / "job.err", "w"))
+        sig = signal.SIGUSR1
+    train = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (train.exists() and '"step": 5,' in train.read_text()):    # step 5 done: step 6 waits
+        assert proc.poll() is None and time.monotonic() < deadline, _texts(tmp_path)
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    assert _finish(proc) == 0, _texts(tmp_path)
+    out, err = _texts(tmp_path)
+    assert f"{sig.name} came during the last step, 6: finishing the run" in out, out
+    assert "stopped by" not in err and "Traceback" not in err, err
+    _finished_at_6(tmp_path / "run", out)
+    assert not (tmp_path / "scontrol").exists()         # finished: not requeued
+
+
+@pytest.mark.parametrize("phase", ["commit", "export"])
+def test_a_stop_in_the_end_phase_leaves_a_run_that_resume_finishes(tmp_path, byte_dataset, phase):
+    """A stop after the last step's allreduce: commit: SIGUSR1 to rank 1 alone while it holds step 6's
+    checkpoint uncommitted (TRAINRUN_FAULT_WAIT_SIGNAL=1:commit); export: SIGTERM to mpirun while rank 0 has
+    model.onnx half-written (TRAINRUN_FAULT_WAIT_SIGNAL=export). The checkpoint is committed either way, the
+    export not started or abandoned (nothing half-written left), the job exits 75 saying which, with a
+    summary.json; the older model.onnx (of step 3) is left. `trainrun resume` then trains nothing, exports
+    model.onnx of checkpoint 6 (the same bytes as `trainrun export`) and leaves summary.json as it was."""
+    cfg = _end_config(tmp_path, byte_dataset)
+    run_dir = tmp_path / "run"
+    mpirun(2, "--config", cfg, "--set", "train.stop_at=3")
+    first_model = (run_dir / "model.onnx").read_bytes()
+    spec = "1:commit" if phase == "commit" else "export"
+    proc = subprocess.Popen([MPIRUN, "-np", "2", TRAINRUN, "resume", str(run_dir)],
+                            env=dict(os.environ, TRAINRUN_FAULT_WAIT_SIGNAL=spec),
+                            stdout=open(tmp_path / "job.out", "w"), stderr=open(tmp_path / "job.err", "w"))
+    waiting = run_dir / ("checkpoints/.staging-6" if phase == "commit" else "model.onnx.tmp")
+    deadline = time.monotonic() + 120
+    while not waiting.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, _texts(tmp_path)
+        time.sleep(0.05)
+    time.sleep(0.5)
+    if phase == "commit":
+        os.kill(rank_pids(str(run_dir))[1], signal.SIGUSR1)
+    else:
+        proc.send_signal(signal.SIGTERM)
+    assert _finish(proc) == STOPPED_EXIT, _texts(tmp_path)
+    out, err = _texts(tmp_path)
+    ckpt = run_dir / "checkpoints" / "6"
+    K.verify(str(ckpt))
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["3", "6"]        # nothing staged left behind
+    if phase == "commit":
+        assert f"stopped by a signal to another rank after the last step, 6: checkpoint {ckpt} committed " \
+               f"(its write finished), model.onnx not exported" in err, err
+    else:
+        assert f"stopped by SIGTERM during the export of {run_dir / 'model.onnx'}: export abandoned, " \
+               f"checkpoint {ckpt} committed" in err, err
+    assert f"`trainrun resume {run_dir}` exports it" in err and err.count("stopped by") == 1, err
+    assert "Traceback" not in err
+    assert not (run_dir / "model.onnx.tmp").exists()
+    assert (run_dir / "model.onnx").read_bytes() == first_model       # step 3's, older than checkpoint 6
+    summary = (run_dir / "summary.json").read_text()
+    stopped = json.loads(summary)
+    assert stopped["steps"] == 3 and stopped["final_step"] == 6
+    assert stopped["stopped"] == ("a signal to another rank" if phase == "commit" else "SIGTERM")
+    assert not os.path.exists(run_dir / ".lock")
+
+    proc = mpirun(2, "resume", str(run_dir))
+    assert f"nothing to train: the run is at step 6, it ends at step 6 (train.max_steps 6); " \
+           f"{run_dir / 'model.onnx'} is older than checkpoint {ckpt}: exporting it" in proc.stdout, proc.stdout
+    _, evals = read_metrics(str(run_dir))
+    assert sorted(evals) == [3, 6] and K.read_state(str(ckpt))["eval"] is not None
+    run([TRAINRUN, "export", str(ckpt), "--output", str(tmp_path / "direct.onnx")], check=0)
+    assert (run_dir / "model.onnx").read_bytes() == (tmp_path / "direct.onnx").read_bytes()
+    assert (run_dir / "summary.json").read_text() == summary

@@ -262,16 +262,28 @@ def test_stop_at_prints_the_resume_command(tmp_path, byte_dataset):
 
 def test_a_resume_with_nothing_to_train_keeps_the_model(tmp_path, byte_dataset):
     """A resume from an older checkpoint with train.max_steps at that step trains nothing: it says so and
-    leaves model.onnx (of step 6) and metrics.jsonl as they are."""
+    leaves model.onnx (of step 6, newer than that checkpoint), metrics.jsonl and summary.json as they are.
+    With model.onnx missing, a resume at the last step exports it again, the same bytes, and still leaves
+    summary.json."""
     cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 6, "checkpoint.every": 3})
     run_dir = tmp_path / "run"
     run([TRAINRUN, "--config", cfg], check=0)
     model, metrics = (run_dir / "model.onnx").read_bytes(), (run_dir / "metrics.jsonl").read_text()
+    summary = (run_dir / "summary.json").read_text()
+    assert json.loads(summary)["steps"] == 6
     proc = run([TRAINRUN, "resume", str(run_dir / "checkpoints" / "3"), "--set", "train.max_steps=3"], check=0)
     assert f"nothing to train: the run is at step 3, it ends at step 3 (train.max_steps 3); " \
            f"{run_dir / 'model.onnx'} not exported again" in proc.stdout, proc.stdout
     assert (run_dir / "model.onnx").read_bytes() == model
     assert (run_dir / "metrics.jsonl").read_text() == metrics
+    assert (run_dir / "summary.json").read_text() == summary
+    os.remove(run_dir / "model.onnx")
+    proc = run([TRAINRUN, "resume", str(run_dir)], check=0)
+    assert f"nothing to train: the run is at step 6, it ends at step 6 (train.max_steps 6); " \
+           f"{run_dir / 'model.onnx'} is missing: exporting it" in proc.stdout, proc.stdout
+    assert (run_dir / "model.onnx").read_bytes() == model
+    assert (run_dir / "metrics.jsonl").read_text() == metrics
+    assert (run_dir / "summary.json").read_text() == summary
 
 
 def test_metrics_and_tensorboard_after_a_crash_hold_every_step_once(tmp_path, byte_dataset):
@@ -312,3 +324,30 @@ def test_label_smoothing_trains_and_reports_plain_perplexity(tmp_path, byte_data
         assert row["eval_perplexity"] == pytest.approx(math.exp(row["eval_ce"]), rel=1e-6)
         assert row["eval_loss"] > row["eval_ce"] + 0.05, row
     assert train[20]["loss"] < train[1]["loss"] - 0.5
+
+
+def test_what_follows_a_step():
+    """step_end, the decisions after a step (a 12-step run: log_every 2, eval_every 4, checkpoint.every 3,
+    keep_best 1, sample_every 6): each named, in the loop's order."""
+    from trainrun import config as C
+    from trainrun.runner import step_end
+    cfg = C.load_config(None, ["train.max_steps=12", "train.log_every=2", "train.eval_every=4",
+                               "checkpoint.every=3", "checkpoint.keep_best=1", "train.sample_every=6"])
+
+    def plan(step, stop=False, has_eval=True, end=12):
+        p = step_end(cfg, step, end, stop, has_eval)
+        return {k for k, v in vars(p).items() if v}
+
+    assert plan(1) == set()
+    assert plan(2) == {"log"}
+    assert plan(3) == {"evaluate", "checkpoint"}                  # keep_best ranks it: not counted by patience
+    assert plan(4) == {"log", "evaluate", "patience"}
+    assert plan(6) == {"log", "evaluate", "checkpoint", "sample"}
+    assert plan(8) == {"log", "evaluate", "patience"}
+    assert plan(12) == {"last", "log", "evaluate", "patience", "checkpoint", "sample"}
+    assert plan(11, end=11) == {"last", "log", "evaluate", "checkpoint"}       # train.stop_at 11
+    # a stop: a checkpoint and a line, no evaluation nor sample; on the last step the run finishes instead
+    assert plan(5, stop=True) == {"stop", "log", "checkpoint"}
+    assert plan(6, stop=True) == {"stop", "log", "checkpoint"}
+    assert plan(12, stop=True) == plan(12)
+    assert plan(4, has_eval=False) == {"log"} and plan(12, has_eval=False) == {"last", "log", "checkpoint", "sample"}

@@ -41,7 +41,9 @@ ROWS = {
         "train.early_stopping.patience: stops on evaluations during training, but train.eval_every is 0 (an "
         "evaluation at the end only); set train.eval_every"]),
     "early-stopping-on-keep-best-evaluations": ("bytes", {"train.early_stopping.patience": 2,
-                                                          "checkpoint.keep_best": 1, "checkpoint.every": 5}, 0, []),
+                                                          "checkpoint.keep_best": 1, "checkpoint.every": 5}, 2, [
+        "train.early_stopping.patience: stops on evaluations during training, but train.eval_every is 0 (an "
+        "evaluation at the end only); set train.eval_every"]),
     "task-on-a-user-graph": ("bytes", {"model.builtin": None, "model.onnx": "GRAPH", "model.task": "foo"}, 2, [
         "model.task: 'foo': puts a head on a built-in model (model.builtin); model.onnx trains its graph as it is"]),
     "class-weights-on-a-built-in": ("bytes", {"model.loss.weights": [1.0, 2.0]}, 2, [

@@ -280,7 +280,8 @@ def parse_duration(value) -> float:
 @dataclass
 class EarlyStoppingConfig:
     patience: int = opt(0, min=0)
-    """Stop (with a checkpoint) after this many evaluations in a row without improvement (0: never)."""
+    """Stop (with a checkpoint) after this many evaluations of train.eval_every in a row without improvement
+    (0: never); keep_best's evaluations at other checkpoint steps do not count."""
     min_delta: float = opt(0.0, min=0.0)
     """The metric must beat the best by more than this to count as an improvement."""
     metric: Optional[str] = None

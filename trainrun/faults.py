@@ -7,7 +7,10 @@ step (``STEP``, every rank) or a rank and a step (``RANK:STEP``). Read once at i
                                        model.safetensors), so a test can signal it mid-save;
 * ``TRAINRUN_FAULT_STALL_STEP``        the rank hangs at the start of that step (a stuck data read);
 * ``TRAINRUN_FAULT_WAIT_SIGNAL``       the rank waits at the start of that step until a stop signal arrives
-                                       (a job still running at its time limit, however fast the steps);
+                                       or train.max_time passes (a job still running at its time limit,
+                                       however fast the steps); ``commit``: after the last step, with its
+                                       checkpoint written but not committed; ``export``: rank 0 with
+                                       model.onnx written under its temporary name (the signal abandons it);
 * ``TRAINRUN_FAULT_NAN_GRAD``          the rank's gradient holds a NaN after that step's backward;
 * ``TRAINRUN_FAULT_SHARED_WINDOWS``    (step 0: set-up) the rank cannot allocate MPI shared-memory windows
                                        (``distributed.intra_node: shared`` falls back to mpi).
@@ -21,7 +24,7 @@ import time
 _SPECS = {k: v for k, v in os.environ.items() if k.startswith("TRAINRUN_FAULT_")}
 
 
-def hit(name: str, rank: int, step: int) -> bool:
+def hit(name: str, rank: int, step: int | str) -> bool:
     spec = _SPECS.get(f"TRAINRUN_FAULT_{name}")
     if not spec:
         return False
@@ -34,7 +37,7 @@ def stall(name: str, rank: int, step: int) -> None:
         time.sleep(3600)
 
 
-def wait_until(name: str, rank: int, step: int, done) -> None:
+def wait_until(name: str, rank: int, step: int | str, done) -> None:
     """At the fault's step: wait until ``done()`` (at most an hour)."""
     if hit(name, rank, step):
         end = time.monotonic() + 3600

@@ -17,7 +17,10 @@ One step (:meth:`TrainingRunner.train_step`), in the order of ORT's C++ runner:
    on every rank (stage 1: each rank's part, then an allgather of the parameters).
 
 Around it, :meth:`fit` logs every ``log_every`` steps, evaluates every
-``eval_every`` and checkpoints every ``checkpoint.every`` steps. The averaging
+``eval_every`` and checkpoints every ``checkpoint.every`` steps: what follows each
+step is decided by :func:`step_end`, then done in its order. After the last step
+(the end of the run): its checkpoint committed, then ``model.onnx`` exported
+(:meth:`TrainingRunner._end`). The averaging
 factor 1/(accum x world) and the clipping divisor are applied inside the
 optimizer (its ``grad_scale``) instead of in extra passes over the gradients;
 in float32 that is the same arithmetic.
@@ -51,6 +54,7 @@ from . import config as C
 from . import feeding
 from .graphs.manifest import load_manifest, prepare, up_to_date
 from . import rundir
+from .rundir import COMMITTED
 from .comm import affinity, cpu_share, cuda_device_count, local_device, machine_id, make_communicator
 from .data import TrainLoader, eval_batches
 from .engine import Engine, EngineOptions
@@ -64,7 +68,7 @@ from .observe.timer import PhaseTimer, process_age
 from .observe.task_metrics import TaskMetrics
 from .observe.trackers import Trackers, check_installed
 from .precision import make_scaler
-from .stopping import EarlyStopping, StopSignals, Stopped
+from .stopping import Abandon, EarlyStopping, StopSignals, Stopped
 from .tokenizer import record as record_tokenizer
 from .schedule import learning_rate
 
@@ -86,6 +90,44 @@ def return_freed_memory() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):       # not glibc
         pass
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEnd:
+    """What follows a step, in the order the runner does it (:func:`step_end`)."""
+    last: bool          # the last step of the run (train.max_steps / max_epochs) or of the session (stop_at)
+    stop: bool          # stop after this step: a signal or train.max_time came (never on the last step)
+    log: bool           # a metrics line
+    evaluate: bool      # an evaluation
+    patience: bool      # ... that counts toward train.early_stopping.patience
+    checkpoint: bool    # a checkpoint (early stopping, known after the evaluation, adds one)
+    sample: bool        # a sample (train.sample_every)
+
+
+def step_end(cfg: C.Config, step: int, end: int, stop_requested: bool, has_eval: bool) -> StepEnd:
+    """The decisions after ``step`` of a run that ends at ``end``; ``stop_requested``: the step's allreduce
+    carried a stop (signal or limit) from some rank; ``has_eval``: data.eval is set."""
+    t = cfg.train
+
+    def every(n: int) -> bool:
+        return bool(n) and step % n == 0
+
+    last = step == end
+    stop = stop_requested and not last          # the last step done, the run is finished: stop or no stop
+    checkpoint = every(cfg.checkpoint.every) or last or stop
+    # the last step's evaluation is the final one; keep_best ranks each checkpoint by its evaluation
+    evaluate = has_eval and not stop and (every(t.eval_every) or last or (checkpoint and cfg.checkpoint.keep_best > 0))
+    return StepEnd(last=last, stop=stop, log=every(t.log_every) or last or stop, evaluate=evaluate,
+                   patience=evaluate and every(t.eval_every),      # patience counts eval_every's evaluations
+                   checkpoint=checkpoint, sample=every(t.sample_every) and not stop)
+
+
+def model_is_current(model: str, ckpt: str) -> bool:
+    """``model`` (model.onnx) exists and was written after ``ckpt`` was committed."""
+    try:
+        return os.stat(model).st_mtime_ns >= os.stat(os.path.join(ckpt, COMMITTED)).st_mtime_ns
+    except FileNotFoundError:
+        return False
 
 
 class TrainingRunner:
@@ -114,7 +156,7 @@ class TrainingRunner:
             self._open_data()          # the start-up check, before anything is written or built
             self._prepare_run_dir()
             self._check_same_everywhere()
-            faults.wait_until("WAIT_SIGNAL", self.rank, 0, lambda: self.signals.received is not None)
+            faults.wait_until("WAIT_SIGNAL", self.rank, 0, self.signals.flag)
             self._build_engine()
         except BaseException:
             self.signals.__exit__()
@@ -123,6 +165,7 @@ class TrainingRunner:
         self.updates = 0           # successful updates: the optimizer's own step count
         self.skipped = 0
         self.nonfinite_in_a_row = 0
+        self.stops_carried = 0     # the stops this rank had noted when the last allreduce carried its flag
         self.early_stopping = EarlyStopping(t.early_stopping.patience, t.early_stopping.min_delta,
                                             C.watched_metric(cfg, "train.early_stopping.metric"))
         self.scaler = make_scaler(self.engine)     # fp16: dynamic loss scaling; else None
@@ -299,7 +342,7 @@ class TrainingRunner:
     def train_step(self) -> dict:
         timer = self.timer
         faults.stall("STALL_STEP", self.rank, self.step + 1)
-        faults.wait_until("WAIT_SIGNAL", self.rank, self.step + 1, lambda: self.signals.received is not None)
+        faults.wait_until("WAIT_SIGNAL", self.rank, self.step + 1, self.signals.flag)
         micro = self.loader.next_step()
         timer.mark("data")
         stats = self.observe.stats_step(self.step + 1)     # None unless debug.stats_every says so
@@ -359,8 +402,9 @@ class TrainingRunner:
         """(mean loss, gradient norm, finite on every rank, a stop signal reached some rank), from one
         allreduce of a few scalars that also carries the background checkpoint's progress."""
         ck_done, ck_failed = self.checkpoints.status()
+        self.stops_carried = self.signals.noted()
         loss_total, norm_sq, ck_done, ck_failed, stop = self.comm.allreduce_scalars(
-            [loss_sum, self.shard.norm_sq_part(), ck_done, ck_failed, self.signals.flag()], op="sum")
+            [loss_sum, self.shard.norm_sq_part(), ck_done, ck_failed, float(self.stops_carried > 0)], op="sum")
         self.checkpoints.progress(ck_done, ck_failed)
         finite = math.isfinite(norm_sq)     # NaN and inf propagate through the sum
         grad_norm = math.sqrt(norm_sq) * self.grad_scale() if finite else float("inf")
@@ -436,7 +480,8 @@ class TrainingRunner:
         return {**result, "samples": int(count), "dataset_samples": ds.num_samples}
 
     # ------------------------------------------------------------------ the loop
-    def fit(self) -> dict:
+    def fit(self) -> dict | None:
+        """Train to the end (or a stop), then end the run (:meth:`_end`); the summary (None: nothing to train)."""
         t = self.cfg.train
         if self.is_main and self.cfg.data.train:     # set-up passed: generate and export find the tokenizer here
             record_tokenizer(self.cfg.data.train, self.out)
@@ -446,46 +491,140 @@ class TrainingRunner:
         self.timer.restart()
         start, first_step, startup = time.perf_counter(), self.step, process_age()
         end = min(self.total_steps, t.stop_at) if t.stop_at else self.total_steps
+        self.last, self.last_eval = {}, None     # the last step's result, the last evaluation
+        self._window = (start, self.step, dict(self.timer.total))   # since the last metrics line
+        exit_code = 1
         try:
-            if self.resume_from and self.step < end:
+            self._stop_if_signalled_in_setup()
+            if self.step >= end:
+                self._close_training()
+                self._nothing_to_train(end)
+                exit_code = 0
+                return None
+            if self.resume_from:
                 dropped = self.metrics.resume_at(self.step)
                 if dropped:
                     self.log(f"metrics.jsonl: {dropped} line(s) after step {self.step} removed (steps after the "
                              f"checkpoint resumed from, trained again now); TensorBoard drops them too")
-            with self.signals:
-                self._stop_if_signalled_in_setup()
-                last, evaluated = self._loop(end, start)
-            wire_bytes = self.shard.wire.sent_bytes     # the gradients' bytes on the wire (trainrun.wire)
-            self.observe.close()
-            self.checkpoints.finish()
-            self.shard.close()      # shared memory freed by every rank (collective), before rank 0 exports
+            try:
+                ending = self._loop(end)
+            except TrainrunError as exc:
+                # an error every rank raised after committing this step's checkpoint: summed up too
+                if getattr(exc, "collective", False) and self.checkpoints.saved_step == self.step > first_step:
+                    self._close_training()
+                    self._summary(start, first_step, startup, time.perf_counter(), f"error: {exc.message}")
+                raise
+            summary = self._end(ending, start, first_step, startup)
+            exit_code = 0
+            return summary
         except BaseException as exc:     # the tracker runs end as stopped (resumable) or failed
-            self.metrics.close(exit_code=getattr(exc, "exit_code", 1))
+            exit_code = getattr(exc, "exit_code", 1)
             raise
         finally:
             self.loader.close()
-            self.metrics.close()     # what was logged reaches metrics.jsonl, also on an error
+            self.metrics.close(exit_code=exit_code)  # what was logged reaches metrics.jsonl, also on an error
+
+    def _end(self, ending: str, start: float, first_step: int, startup: float | None) -> dict:
+        """The end of the run, after its last step (``ending``: "end", "early" or "stop", :meth:`_loop`): the
+        last checkpoint committed, the observers closed, model.onnx exported (rank 0), summary.json. A stop
+        that came after the last step's allreduce lets the commit finish and skips the export; one during the
+        export abandons it. Either way :class:`Stopped` (exit 75) once summary.json is written."""
+        stop = self._commit_last(ending)
         loop_end = time.perf_counter()
+        self._close_training()
+        if stop is None and self.is_main and self.checkpoints.saved_step == self.step:
+            stop = self._export(os.path.join(self.out, "checkpoints", str(self.step)))
+        summary = self._summary(start, first_step, startup, loop_end, stop and stop.by)
+        if stop is not None:
+            raise stop
+        t = self.cfg.train
+        if self.step == t.stop_at < self.total_steps and self.checkpoints.saved_step == self.step:
+            self.log(f"stopped at train.stop_at {t.stop_at} of {self._length()}; checkpoint "
+                     f"{os.path.join(self.out, 'checkpoints', str(self.step))} committed. {self._continue_hint()}")
+        return summary
+
+    def _commit_last(self, ending: str) -> Stopped | None:
+        """The last checkpoint's write finished and committed on every rank, whatever comes meanwhile; the
+        :class:`Stopped` to raise for a stop in the loop (``ending`` "stop") or one noted on any rank after the
+        last step's allreduce carried its flag, else None."""
+        faults.wait_until("WAIT_SIGNAL", self.rank, "commit", lambda: self.signals.noted() > self.stops_carried)
+        self.checkpoints.finish()
+        noted = self.signals.noted()
+        late = self.comm.allreduce_scalars([float(noted > self.stops_carried)])[0]
+        mine = self.signals.latest if noted > self.stops_carried else None
+        self.stops_carried = noted
+        if ending == "stop":
+            return self._stopped()
+        if not late:
+            return None
+        ckpt = os.path.join(self.out, "checkpoints", str(self.step))
+        where = f"the last step, {self.step}" if self.step == self.total_steps else f"step {self.step}"
+        return collective(Stopped(
+            f"stopped by {mine or 'a signal to another rank'} after {where}: checkpoint {ckpt} committed (its "
+            f"write finished), model.onnx not exported. {self._export_hint()}", by=mine or "a signal to another rank"))
+
+    def _export(self, ckpt: str) -> Stopped | None:
+        """rank 0: model.onnx from ``ckpt``, after dropping what training held. A stop signal abandons it,
+        leaving nothing half-written nor a model whose check did not finish: the :class:`Stopped` to raise
+        (every other rank is done), or None."""
+        model = os.path.join(self.out, "model.onnx")
+        self._release()      # the export reads the checkpoint: free what training held first
+        try:
+            with self.signals.abandoning():
+                if self.signals.noted() > self.stops_carried:      # came since the last agreement
+                    raise Abandon(self.signals.latest)
+                export_checkpoint(ckpt, model, echo=self.log)
+        except Abandon as exc:
+            if model_is_current(model, ckpt):      # written, its check against the eval graph cut short
+                for path in (model, model + ".data"):
+                    if os.path.exists(path):
+                        os.remove(path)
+            return collective(Stopped(
+                f"stopped by {exc.received} during the export of {model}: export abandoned, checkpoint {ckpt} "
+                f"committed. {self._export_hint()}", by=exc.received))
+        return None
+
+    def _nothing_to_train(self, end: int) -> None:
+        """A resume at (or past) the step the run ends at: nothing trained, nothing logged, summary.json left as
+        it is; model.onnx exported again only where it is missing or older than the checkpoint resumed from."""
+        if not (self.is_main and self.resume_from):
+            return
+        t = self.cfg.train
+        stop_at = f", train.stop_at {t.stop_at}" if t.stop_at else ""
+        said = (f"nothing to train: the run is at step {self.step}, it ends at step {end} ({self._length()}"
+                f"{stop_at}); ")
+        model, ckpt = os.path.join(self.out, "model.onnx"), self.resume_from
+        if model_is_current(model, ckpt):
+            self.log(f"{said}{model} not exported again")
+            return
+        why = f"is older than checkpoint {ckpt}" if os.path.exists(model) else "is missing"
+        self.log(f"{said}{model} {why}: exporting it")
+        stop = self._export(ckpt)
+        if stop is not None:
+            raise stop
+
+    def _close_training(self) -> None:
+        """After the last checkpoint committed: the observers closed (the profiler's window written), the
+        shared memory freed by every rank (collective), before rank 0 exports."""
+        self.wire_bytes = self.shard.wire.sent_bytes     # the gradients' bytes on the wire (trainrun.wire)
+        self.observe.close()
+        self.shard.close()
+
+    def _summary(self, start: float, first_step: int, startup: float | None, loop_end: float,
+                 stopped: str | None) -> dict:
+        """summary.json (rank 0) of this session; the closing line where it finished (``stopped`` None)."""
         elapsed = loop_end - start
         ran = self.step - first_step        # steps of this session (a resumed run started later)
-        if not ran:
-            stop_at = f", train.stop_at {t.stop_at}" if t.stop_at else ""
-            self.log(f"nothing to train: the run is at step {self.step}, it ends at step {end} ({self._length()}"
-                     f"{stop_at}); {os.path.join(self.out, 'model.onnx')} not exported again")
-        elif self.is_main and self.checkpoints.saved_step == self.step:
-            self._release()      # the export reads the checkpoint: free what training held first
-            export_checkpoint(os.path.join(self.out, "checkpoints", str(self.step)),
-                              os.path.join(self.out, "model.onnx"), echo=self.log)
         summary = {
             "steps": ran, "final_step": self.step, "skipped_steps": self.skipped, "time_s": round(elapsed, 3),
             "samples": ran * self.global_batch, "samples_per_sec": ran * self.global_batch / max(elapsed, 1e-9),
             **({"tokens": ran * self.tokens_per_step,
                 "tokens_per_sec": ran * self.tokens_per_step / max(elapsed, 1e-9)} if self.tokens else {}),
-            "final_loss": last.get("loss"), "final_eval_loss": self._first_eval_loss(evaluated),
-            **({"final_eval": evaluated} if evaluated else {}), "world_size": self.world,
+            "final_loss": self.last.get("loss"), "final_eval_loss": self._first_eval_loss(self.last_eval),
+            **({"final_eval": self.last_eval} if self.last_eval else {}), "world_size": self.world,
             "phase_shares": {k: round(v, 4) for k, v in self.timer.shares().items()},
             # bytes this rank sent for the gradient reduction, per step (trainrun.wire: fp32 or bf16 on the wire)
-            "wire_bytes_per_step": wire_bytes // ran if ran else 0,
+            "wire_bytes_per_step": self.wire_bytes // ran if ran else 0,
             # distributed.overlap_grad_reduce: the buckets of the gradient buffer (all but the last reduced
             # during the backward pass); 0 without overlap
             "grad_buckets": self.grad_buckets,
@@ -493,11 +632,14 @@ class TrainingRunner:
             # checkpoint committed, model.onnx exported): where a short run's wall time goes besides steps
             "startup_s": None if startup is None else round(startup, 3),
             "end_s": round(time.perf_counter() - loop_end, 3),
+            # what stopped this session before its end (a signal, train.max_time, an error); null: it finished
+            "stopped": stopped,
         }
-        self._footer(summary)
-        if ran and self.step == t.stop_at < self.total_steps and self.checkpoints.saved_step == self.step:
-            self.log(f"stopped at train.stop_at {t.stop_at} of {self._length()}; checkpoint "
-                     f"{os.path.join(self.out, 'checkpoints', str(self.step))} committed. {self._continue_hint()}")
+        if self.is_main:
+            with open(os.path.join(self.out, "summary.json"), "w") as fh:
+                json.dump(summary, fh, indent=1)
+            if stopped is None:
+                self._footer(summary)
         return summary
 
     def _start_trackers(self) -> None:
@@ -522,54 +664,60 @@ class TrainingRunner:
         """The loss of data.eval, or of its first named set."""
         return evaluated.get(C.eval_key(next(iter(self.eval_sets), None), "loss")) if evaluated else None
 
-    def _loop(self, end: int, window_t: float) -> tuple[dict, dict | None]:
-        """Steps until ``end``, early stopping or a stop signal; (last step's result, last evaluation)."""
-        t, every = self.cfg.train, self.cfg.checkpoint.every
-        last, last_eval, window_steps = {}, None, 0
-        phases = dict(self.timer.total)     # phase totals at the last log: phase_ms is the mean since then
+    def _loop(self, end: int) -> str:
+        """Steps until ``end``, a stop or early stopping (how it ended: "end", "stop" or "early"). After each
+        step, in order: a metrics line, an evaluation, early stopping, a checkpoint, a sample."""
         while self.step < end:
             self.observe.step_begin(self.step + 1)
-            last = self.train_step()
-            window_steps += 1
+            self.last = self.train_step()
             self.metrics.progress(self.step)
-            stop = last["stop"]
-            if self.step % t.log_every == 0 or self.step == end or stop:
-                now = time.perf_counter()
-                sps = window_steps * self.global_batch / (now - window_t)
-                phase_ms = {k: round(1e3 * (v - phases.get(k, 0.0)) / window_steps, 3)
-                            for k, v in self.timer.total.items() if v > phases.get(k, 0.0)}
-                window_t, window_steps, phases = now, 0, dict(self.timer.total)
-                self.metrics.log(self.step, {"loss": last["loss"], "lr": last["lr"],
-                                             "grad_norm": last["grad_norm"], "samples_per_sec": sps,
-                                             **({"tokens_per_sec": sps * self.cfg.data.seq_len} if self.tokens else {}),
-                                             "skipped_steps": self.skipped, "phase_ms": phase_ms,
-                                             **({"loss_scale": last["loss_scale"]} if self.scaler else {})})
-                self.timer.mark("log")
-            checkpoint = (every and self.step % every == 0) or self.step == end or stop
-            step_eval, early = None, False
-            if self.eval_sets and not stop and (
-                    (t.eval_every and self.step % t.eval_every == 0) or self.step == end
-                    or (checkpoint and self.cfg.checkpoint.keep_best)):     # keep_best ranks by eval loss
-                try:
-                    evaluated = self.evaluate()
-                except TrainrunError as exc:     # raised on every rank (agreed): lose no trained step to it
-                    raise self._committed_first(exc)
-                last_eval = step_eval = evaluated
-                self.metrics.log(self.step, evaluated)
-                self.timer.mark("log")
-                early = self.early_stopping.update(self.step, evaluated)
-            if (checkpoint or early) and (stop or not self.nonfinite_in_a_row):
-                # not while updates are being skipped: keep_last keeps good ones
-                self.save(step_eval)
-            if t.sample_every and self.step % t.sample_every == 0 and not stop:
+            then = step_end(self.cfg, self.step, end, self.last["stop"], bool(self.eval_sets))
+            if self.last["stop"] and then.last:
+                self.log(f"{self.signals.received or 'a signal to another rank'} came during the last step, "
+                         f"{self.step}: finishing the run (final evaluation, checkpoint, model.onnx)")
+            if then.log:
+                self._log_step()
+            evaluated = self._evaluate_step() if then.evaluate else None
+            early = then.patience and self.early_stopping.update(self.step, evaluated)
+            # not while updates are being skipped (keep_last keeps good ones), unless the run stops here
+            if (then.checkpoint or early) and (then.stop or not self.nonfinite_in_a_row):
+                self.save(evaluated)
+            if then.sample:
                 self._sample()
-            self.observe.step_end(self.step, last)
-            if stop:
-                self._stopped()
+            self.observe.step_end(self.step, self.last)
+            if then.stop:
+                return "stop"
             if early:
                 self.log(f"early stopping at step {self.step}: {self.early_stopping.describe()}")
-                break
-        return last, last_eval
+                return "early"
+        return "end"
+
+    def _log_step(self) -> None:
+        """A metrics line: the step's loss, learning rate and gradient norm, the throughput and the mean time
+        per phase since the previous line."""
+        last, (since, step, phases) = self.last, self._window
+        now, steps = time.perf_counter(), self.step - step
+        sps = steps * self.global_batch / (now - since)
+        phase_ms = {k: round(1e3 * (v - phases.get(k, 0.0)) / steps, 3)
+                    for k, v in self.timer.total.items() if v > phases.get(k, 0.0)}
+        self._window = (now, self.step, dict(self.timer.total))
+        self.metrics.log(self.step, {"loss": last["loss"], "lr": last["lr"], "grad_norm": last["grad_norm"],
+                                     "samples_per_sec": sps,
+                                     **({"tokens_per_sec": sps * self.cfg.data.seq_len} if self.tokens else {}),
+                                     "skipped_steps": self.skipped, "phase_ms": phase_ms,
+                                     **({"loss_scale": last["loss_scale"]} if self.scaler else {})})
+        self.timer.mark("log")
+
+    def _evaluate_step(self) -> dict:
+        """This step's evaluation, logged; one that fails (on every rank, agreed) commits the step first."""
+        try:
+            evaluated = self.evaluate()
+        except TrainrunError as exc:     # raised on every rank (agreed): lose no trained step to it
+            raise self._committed_first(exc)
+        self.last_eval = evaluated
+        self.metrics.log(self.step, evaluated)
+        self.timer.mark("log")
+        return evaluated
 
     def _sample(self) -> None:
         """train.sample_every (rank 0): a sample to the log and TensorBoard (text, tag ``samples``)."""
@@ -589,6 +737,12 @@ class TrainingRunner:
 
     def _continue_hint(self) -> str:
         return f"Continue with `trainrun resume {self.out}`"
+
+    def _export_hint(self) -> str:
+        """How a stop at the end of the run is finished: a resume trains on, or only exports at the last step."""
+        if self.step >= self.total_steps:
+            return f"`trainrun resume {self.out}` exports it"
+        return self._continue_hint()
 
     def _committed_first(self, exc: TrainrunError) -> TrainrunError:
         """An error every rank raised after this step trained (an evaluation that failed): this step's
@@ -613,16 +767,15 @@ class TrainingRunner:
         raise collective(Stopped(f"stopped by {sig or 'a signal to another rank'} during set-up, before step "
                                  f"{self.step + 1}: {where}"))
 
-    def _stopped(self) -> None:
-        """After a stop signal: the checkpoint of this step committed on every rank, then :class:`Stopped`."""
-        self.checkpoints.finish()
-        self.signals.flag()         # train.max_time: this rank's clock may pass it only now
+    def _stopped(self) -> Stopped:
+        """After a stop in the loop, the checkpoint of this step committed on every rank: its :class:`Stopped`."""
         sig = self.signals.received
         what = "the limit" if sig and sig.startswith("train.max_time") else "the signal"
         took = f" {time.monotonic() - self.signals.at:.1f} s after {what}" if sig else ""
-        raise collective(Stopped(
+        return collective(Stopped(
             f"stopped by {sig or 'a signal to another rank'} after step {self.step}; checkpoint "
-            f"{os.path.join(self.out, 'checkpoints', str(self.step))} committed{took}. {self._continue_hint()}"))
+            f"{os.path.join(self.out, 'checkpoints', str(self.step))} committed{took}. {self._continue_hint()}",
+            by=sig or "a signal to another rank"))
 
     def save(self, evaluated: dict | None = None) -> None:
         """Checkpoint this step: the tensors written now, the rest in the background (every rank).
@@ -678,10 +831,6 @@ class TrainingRunner:
                  f"{self.train_ds.num_samples:,} train samples | {self._length()}")
 
     def _footer(self, s: dict) -> None:
-        if not self.is_main:
-            return
-        with open(os.path.join(self.out, "summary.json"), "w") as fh:
-            json.dump(s, fh, indent=1)
         shares = ", ".join(f"{k} {v:.0%}" for k, v in sorted(s["phase_shares"].items(), key=lambda kv: -kv[1]))
         final_eval = f", eval loss {s['final_eval_loss']:.4f}" if s["final_eval_loss"] is not None else ""
         final = f"; final loss {s['final_loss']:.4f}" if s["final_loss"] is not None else ""
@@ -708,9 +857,10 @@ def train(cfg: C.Config, resume_from: str | None = None, force: bool = False,
     apply_log_level(cfg.run.log_level)
     comm = make_communicator(cfg.distributed.backend, cfg.device, cfg.distributed.timeout_s)
     lock = RunLock(cfg.run.output_dir)
+    runner = None
     try:
-        return TrainingRunner(cfg, comm, resume_from=resume_from, lock=lock, force=force,
-                              config_yaml=recorded).fit()
+        runner = TrainingRunner(cfg, comm, resume_from=resume_from, lock=lock, force=force, config_yaml=recorded)
+        return runner.fit()
     except BaseException as exc:
         if comm.world_size > 1 and not getattr(exc, "collective", False):
             _report_and_abort(comm, exc, verbose=cfg.run.log_level == "verbose")
@@ -718,6 +868,8 @@ def train(cfg: C.Config, resume_from: str | None = None, force: bool = False,
     finally:
         lock.release()
         comm.close()
+        if runner is not None:
+            runner.signals.settle()     # a stop from here on changes nothing, nor kills the process
 
 
 def _report_and_abort(comm, exc: BaseException, verbose: bool) -> None:

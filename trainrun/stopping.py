@@ -15,10 +15,17 @@ exits with :data:`STOPPED_EXIT`.
 A second SIGINT (Ctrl-C again) interrupts at once (exit 130); a second SIGTERM/SIGUSR1 is ignored,
 the save in progress goes on. Either way nothing half-written looks committed (the commit is one
 atomic rename, :mod:`trainrun.checkpoint`).
+
+The handlers stay until the run's outcome is decided, the signals then ignored until the process exits
+(:meth:`StopSignals.settle`). A stop that the last step's allreduce carries changes
+nothing: that step done, the run is finished (final evaluation, checkpoint, export). One noted after
+it (:meth:`StopSignals.noted` counts them) stops the end of the run: the last checkpoint's commit is
+finished, the export not started, or abandoned where rank 0 is in it (:meth:`StopSignals.abandoning`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -31,25 +38,41 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 class Stopped(TrainrunError):
-    """The run stopped on a signal after committing a checkpoint: resumable (exit 75)."""
+    """The run stopped on a signal after committing a checkpoint: resumable (exit 75). ``by``: what stopped it
+    (a signal's name, ``train.max_time (...)``, or "a signal to another rank")."""
     exit_code = STOPPED_EXIT
+
+    def __init__(self, message: str, by: str | None = None):
+        super().__init__(message)
+        self.by = by
 
     def render(self) -> str:
         return f"trainrun: {self.message}"
 
 
+class Abandon(BaseException):
+    """Raised by a stop signal inside :meth:`StopSignals.abandoning`: the work in progress is dropped."""
+
+    def __init__(self, received: str):
+        super().__init__(received)
+        self.received = received
+
+
 class StopSignals:
-    """Notes the first stop signal; installed from the start of the run's set-up to the end of its training
-    loop (main thread only): a signal during set-up (reading the data, preparing graphs, opening sessions)
-    is noted too, and the run stops before its first step. Entering it again while installed does nothing.
+    """Notes stop signals; installed from the start of the run's set-up until the process ends (main thread
+    only): a signal during set-up (reading the data, preparing graphs, opening sessions) is noted too, and the
+    run stops before its first step. Entering it again while installed does nothing.
     ``max_time``: seconds from ``started`` (a ``time.monotonic()``) after which :meth:`flag` raises too."""
 
     def __init__(self, max_time: float | None = None, started: float | None = None):
-        self.received: str | None = None    # the signal's name, e.g. "SIGTERM", or "train.max_time ..."
+        self.received: str | None = None    # the first signal's name, e.g. "SIGTERM", or "train.max_time ..."
         self.at: float | None = None         # time.monotonic() when it arrived
+        self.latest: str | None = None       # the latest one's
+        self.count = 0                       # stops noted: every signal, and the limit once
         self.deadline = None if max_time is None else (started or time.monotonic()) + max_time
         self.max_time = max_time
         self._old: dict = {}
+        self._abandoning = False
 
     def __enter__(self) -> "StopSignals":
         if not self._old and threading.current_thread() is threading.main_thread():
@@ -62,18 +85,47 @@ class StopSignals:
             signal.signal(s, old)
         self._old = {}
 
+    def settle(self) -> None:
+        """The run's outcome decided: the stop signals ignored until the process exits. (As the interpreter
+        finalizes it puts back the default handlers, which would kill a rank still waiting in MPI_Finalize for
+        rank 0's export; an ignored signal stays ignored.)"""
+        if self._old:
+            for s in SIGNALS:
+                signal.signal(s, signal.SIG_IGN)
+
     def _handle(self, signum, frame) -> None:
-        if self.received is None:
-            self.received, self.at = signal.Signals(signum).name, time.monotonic()
+        name = signal.Signals(signum).name
+        first = self.received is None
+        self.count, self.latest = self.count + 1, name
+        if first:
+            self.received, self.at = name, time.monotonic()
         elif signum == signal.SIGINT:
             raise KeyboardInterrupt
+        if self._abandoning:
+            raise Abandon(name)
 
     def flag(self) -> float:
         """1.0 once a signal arrived on this rank, or its clock passed train.max_time (summed over ranks by
         the runner)."""
         if self.received is None and self.deadline is not None and time.monotonic() >= self.deadline:
             self.received, self.at = f"train.max_time ({_hms(self.max_time)})", self.deadline
+            self.count, self.latest = self.count + 1, self.received
         return 0.0 if self.received is None else 1.0
+
+    def noted(self) -> int:
+        """How many stops this rank noted so far (signals, and the limit once it passed)."""
+        self.flag()
+        return self.count
+
+    @contextlib.contextmanager
+    def abandoning(self):
+        """Inside: a stop signal raises :class:`Abandon` at once (main thread), to drop work that must not
+        hold the process past it (the export at the end of a run)."""
+        self._abandoning = True
+        try:
+            yield
+        finally:
+            self._abandoning = False
 
 
 def _hms(seconds: float) -> str:

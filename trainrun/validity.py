@@ -146,7 +146,7 @@ def config_problems(cfg: C.Config, base_dir: str = ".", need_data: bool = False)
         add("engine.optimizer_kernel", "host runs on the CPU; with device: cuda use graph or auto")
     if need_data and t.early_stopping.patience and not cfg.data.eval:
         add("train.early_stopping.patience", "stops on an eval metric: needs data.eval")
-    elif t.early_stopping.patience and not t.eval_every and not (cfg.checkpoint.keep_best and cfg.checkpoint.every):
+    elif t.early_stopping.patience and not t.eval_every:      # keep_best's evaluations do not count
         add("train.early_stopping.patience", "stops on evaluations during training, but train.eval_every is 0 "
             "(an evaluation at the end only); set train.eval_every")
     if need_data and cfg.checkpoint.keep_best and not cfg.data.eval:
