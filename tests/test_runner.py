@@ -229,7 +229,7 @@ def test_an_evaluation_that_fails_commits_the_trained_steps_first(tmp_path, byte
     """A dataset that breaks at the evaluation, on one rank: rank 1's first eval sample holds a token id beyond
     the vocabulary (the manifest's checksum updated to match, so start-up accepts the shard). With eval only at
     the end, both ranks commit a checkpoint of the last trained step first; then the job exits 2 naming the
-    rank and the shard (rank 0 alone reports)."""
+    rank and the shard (rank 0 alone reports), its summary.json written."""
     data = tmp_path / "data"
     shutil.copytree(byte_dataset, data)
     manifest = json.loads((data / "eval" / "manifest.json").read_text())
@@ -249,6 +249,8 @@ def test_an_evaluation_that_fails_commits_the_trained_steps_first(tmp_path, byte
     assert ckpt == str(run_dir / "checkpoints" / "6")
     K.verify(ckpt)
     assert max(read_metrics(str(run_dir))[0]) == 6
+    summary = json.loads((run_dir / "summary.json").read_text())     # a session that committed: summed up
+    assert summary["steps"] == summary["final_step"] == 6 and "token id 65535" in summary["stopped"], summary
 
 
 def test_stop_at_prints_the_resume_command(tmp_path, byte_dataset):
