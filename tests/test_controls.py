@@ -80,7 +80,8 @@ def test_named_eval_sets_metrics_tensorboard_early_stopping_and_keep_best(tmp_pa
     assert state["best_metric"] == {"name": "eval_held_accuracy", "greater_is_better": True,
                                     "value": pytest.approx(evals[best_held]["eval_held_accuracy"], rel=1e-12)}
     assert state["eval"]["eval_seen_loss"] == pytest.approx(evals[best_held]["eval_seen_loss"], rel=1e-12)
-    assert rundir.best_checkpoints(str(out / "checkpoints"))[0] == str(out / "checkpoints" / str(best_held))
+    assert rundir.best_checkpoints(str(out / "checkpoints"), "eval_held_accuracy", True)[0][0] == \
+        str(out / "checkpoints" / str(best_held))
     es = K.read_state(str(out / "checkpoints" / str(last)))["early_stopping"]
     assert es["metric"] == "eval_seen_accuracy" and es["best_step"] == best_step and es["evals_since_best"] == since
     assert es["best"] == pytest.approx(best, rel=1e-12)

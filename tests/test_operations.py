@@ -157,6 +157,56 @@ def test_keep_best_and_export_best(tmp_path, byte_dataset):
     assert (tmp_path / "best.onnx").read_bytes() == (tmp_path / "direct.onnx").read_bytes()
 
 
+def _record_eval(ckpt, evaluated: dict, best: str):
+    """Make a committed checkpoint's state.json record ``evaluated`` as the runner records an evaluation
+    ranked by ``best`` (greater is better for an accuracy), and commit it again (checksums.json, COMMITTED)."""
+    import hashlib
+    state = json.loads((ckpt / "state.json").read_text())
+    state.update(eval=evaluated, eval_loss=evaluated.get("eval_loss"),
+                 best_metric={"name": best, "value": evaluated[best], "greater_is_better": best.endswith("accuracy")})
+    (ckpt / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True) + "\n")
+    sums = json.loads((ckpt / "checksums.json").read_text())
+    sums["state.json"] = hashlib.sha256((ckpt / "state.json").read_bytes()).hexdigest()
+    (ckpt / "checksums.json").write_text(json.dumps(sums, indent=1, sort_keys=True) + "\n")
+    (ckpt / "COMMITTED").write_text(hashlib.sha256((ckpt / "checksums.json").read_bytes()).hexdigest() + "\n")
+
+
+def test_keep_best_ranks_one_metric_with_non_finite_values_last(tmp_path, byte_dataset):
+    """keep_best and export --best rank the checkpoints that recorded the metric checkpoint.best_metric
+    names, by that name: a NaN value after every finite one (either direction), and a checkpoint of a
+    session that ranked by another metric by the value of this one it recorded too."""
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{
+        "train.max_steps": 4, "checkpoint.every": 1, "checkpoint.keep_last": 10})
+    mpirun(1, "--config", cfg)
+    root = tmp_path / "run" / "checkpoints"
+    nan = float("nan")
+    _record_eval(root / "1", {"eval_loss": nan, "eval_accuracy": nan}, "eval_loss")
+    _record_eval(root / "2", {"eval_loss": 0.5, "eval_accuracy": 0.3}, "eval_loss")
+    _record_eval(root / "3", {"eval_loss": 0.25, "eval_accuracy": 0.2}, "eval_loss")
+    _record_eval(root / "4", {"eval_loss": 0.4, "eval_accuracy": 0.1}, "eval_accuracy")  # ranked by accuracy
+    order = lambda metric, greater: [int(os.path.basename(c)) for c, _ in   # noqa: E731
+                                     rundir.best_checkpoints(str(root), metric, greater)]
+    assert order("eval_loss", False) == [3, 4, 2, 1]
+    assert order("eval_accuracy", True) == [2, 3, 4, 1]
+    assert order("eval_perplexity", False) == []        # recorded by none
+    proc = run([TRAINRUN, "export", str(tmp_path / "run"), "--best", "--output", str(tmp_path / "best.onnx")],
+               check=0)
+    assert f"from {root / '3'}:" in proc.stdout, proc.stdout
+    # ranked by eval_loss from now on (allowed on resume): step 5 evaluates (keep_best), its real loss is far
+    # above 0.25; keep_last 1 + keep_best 1 keep step 5 and the lowest eval_loss, step 3
+    mpirun(1, "resume", str(tmp_path / "run"), "--set", "train.max_steps=5", "--set", "checkpoint.keep_last=1",
+           "--set", "checkpoint.keep_best=1", "--set", "checkpoint.best_metric=eval_loss")
+    assert sorted(os.listdir(root)) == ["3", "5"]
+    _record_eval(root / "3", {"eval_loss": nan}, "eval_loss")
+    proc = run([TRAINRUN, "export", str(tmp_path / "run"), "--best", "--output", str(tmp_path / "best.onnx")],
+               check=0)
+    assert f"from {root / '5'}:" in proc.stdout, proc.stdout       # 3's is NaN now: the finite one
+    _record_eval(root / "5", {"eval_loss": float("inf")}, "eval_loss")
+    proc = run([TRAINRUN, "export", str(tmp_path / "run"), "--best", "--output", str(tmp_path / "best.onnx")],
+               check=2)
+    assert "no checkpoint recorded a finite eval_loss" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_early_stopping_stops_with_a_checkpoint_and_resumes_its_state(tmp_path, byte_dataset):
     """patience 2 with a min_delta no eval can beat: evaluations of eval_every at 3, 6, 9 -> stop at 9
     with a checkpoint and exit 0; the counter is in state.json. keep_best evaluates at every checkpoint

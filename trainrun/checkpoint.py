@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import struct
@@ -47,6 +48,7 @@ import threading
 
 import numpy as np
 
+from . import config as C
 from . import faults
 from .flat import from_host, to_host
 from .rundir import COMMITTED, best_checkpoints, checkpoints_dir, complete_checkpoints, run_dir_of, sha256_file
@@ -231,6 +233,21 @@ def _read_header(path: str) -> tuple[int, dict]:
         raise UsageError(f"{path}: not a readable safetensors file: {exc}") from None
 
 
+def best_of_run(run_dir: str) -> str:
+    """``export --best``: the checkpoint of ``run_dir`` best by the metric checkpoint.best_metric of the
+    run's config.yaml (its latest session's) names; a UsageError when none recorded it, or none a finite
+    value."""
+    metric = C.watched_metric(C.load_config(os.path.join(run_dir, "config.yaml")), "checkpoint.best_metric")
+    ranked = best_checkpoints(checkpoints_dir(run_dir), metric, C.greater_is_better(metric))
+    if not ranked:
+        raise UsageError(f"{run_dir}: --best needs checkpoints that recorded {metric} (checkpoint.best_metric): "
+                         f"checkpoint.keep_best, or checkpoints at eval steps")
+    ckpt, value = ranked[0]
+    if not math.isfinite(value):
+        raise UsageError(f"{run_dir}: no checkpoint recorded a finite {metric} (the best, {ckpt}: {value})")
+    return ckpt
+
+
 # the graphs a checkpoint's readers run (export, evaluate, generate): they follow from the model alone, while
 # the train and optimizer graphs also change with what a resume may change (micro-batch, precision, debug)
 MODEL_GRAPHS = ("forward.onnx", "eval.onnx")
@@ -325,10 +342,11 @@ def load_tensors_into(path: str, names, shapes, flat: np.ndarray, prefix: str = 
 class CheckpointWriter:
     """Background checkpoint writing for one rank; the runner drives the commit."""
 
-    def __init__(self, run_dir: str, rank: int, world_size: int, keep_last: int, log=print, keep_best: int = 0):
+    def __init__(self, run_dir: str, rank: int, world_size: int, keep_last: int, log=print, keep_best: int = 0,
+                 best_metric: str = "eval_loss"):
         self.root = checkpoints_dir(run_dir)
         self.rank, self.world = rank, world_size
-        self.keep_last, self.keep_best = keep_last, keep_best
+        self.keep_last, self.keep_best, self.best_metric = keep_last, keep_best, best_metric
         self.log = log
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -468,11 +486,14 @@ class CheckpointWriter:
         return final
 
     def _prune(self) -> None:
-        """Delete checkpoints beyond the newest keep_last and the keep_best of lowest eval loss. Each is
+        """Delete checkpoints beyond the newest keep_last and the keep_best best by ``best_metric``
+        (:func:`rundir.best_checkpoints`: only those that recorded it, a value that is not finite last). Each is
         first renamed out of the checkpoint namespace (one atomic rename), so an interrupted delete never
         leaves a directory that still holds COMMITTED but lacks files; start-up removes what is left of it."""
         done = complete_checkpoints(self.root)
-        keep = set(done[-self.keep_last:]) | set(best_checkpoints(self.root)[:self.keep_best])
+        best = best_checkpoints(self.root, self.best_metric, C.greater_is_better(self.best_metric)) \
+            if self.keep_best else []
+        keep = set(done[-self.keep_last:]) | {c for c, _ in best[:self.keep_best]}
         for old in done:
             if old in keep:
                 continue
@@ -494,11 +515,13 @@ class Checkpointer:
     checkpoint and returns its ``state.json``.
     """
 
-    def __init__(self, run_dir: str, comm, keep_last: int, log=print, keep_best: int = 0):
+    def __init__(self, run_dir: str, comm, keep_last: int, log=print, keep_best: int = 0,
+                 best_metric: str = "eval_loss"):
         self.comm = comm
         self.rank, self.world = comm.rank, comm.world_size
         self.log = log
-        self.writer = CheckpointWriter(run_dir, self.rank, self.world, keep_last, log=log, keep_best=keep_best)
+        self.writer = CheckpointWriter(run_dir, self.rank, self.world, keep_last, log=log, keep_best=keep_best,
+                                       best_metric=best_metric)
         self.saved_step: int | None = None     # step of the newest committed checkpoint
 
     # -- saving

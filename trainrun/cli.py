@@ -109,12 +109,8 @@ def export(checkpoint, output, fmt, kv_cache, tokenizer, opset, with_loss, best)
     if kv_cache and with_loss:
         raise UsageError("--kv-cache and --with-loss exclude each other")
     if best:
-        from .rundir import best_checkpoints
-        ranked = best_checkpoints(os.path.join(checkpoint, "checkpoints"))
-        if not ranked:
-            raise UsageError(f"{checkpoint}: --best needs a run directory with checkpoints that recorded "
-                             f"checkpoint.best_metric (checkpoint.keep_best, or checkpoints at eval steps)")
-        checkpoint = ranked[0]
+        from .checkpoint import best_of_run
+        checkpoint = best_of_run(checkpoint)
     if fmt == "transformers":
         export_transformers(checkpoint, output, tokenizer=tokenizer, echo=click.echo)
     else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 
 from .errors import UsageError
@@ -90,22 +91,36 @@ def resolve_checkpoint(path: str) -> str:
     raise UsageError(f"{path}: neither a run directory with checkpoints nor a checkpoint")
 
 
-def best_checkpoints(ckpt_root: str) -> list[str]:
-    """Committed checkpoints that recorded the metric checkpoint.best_metric names (state.json
-    ``best_metric``: name, value, greater_is_better; older ones: ``eval_loss``), best first (the later
-    step first among equals)."""
+def recorded_metric(state: dict, metric: str) -> float | None:
+    """The value of eval metric ``metric`` a checkpoint's state.json recorded (its ``eval`` metrics; or its
+    ``best_metric`` of that name; ``eval_loss`` of checkpoints that recorded nothing else), None if none."""
+    value = (state.get("eval") or {}).get(metric)
+    best = state.get("best_metric") or {}
+    if value is None and best.get("name") == metric:
+        value = best.get("value")
+    if value is None and metric == "eval_loss" and not state.get("eval") and not best:
+        value = state.get("eval_loss")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def best_checkpoints(ckpt_root: str, metric: str, greater_is_better: bool) -> list[tuple[str, float]]:
+    """(checkpoint, value) of the committed checkpoints that recorded eval metric ``metric``
+    (:func:`recorded_metric`), best first: finite values by value (the highest first when
+    ``greater_is_better``), the later step first among equals; a value that is not finite (NaN, inf) ranks
+    after every finite one, whatever the direction. Checkpoints that recorded another metric only are not
+    ranked: values of two metrics never compare."""
     ranked = []
     for ckpt in complete_checkpoints(ckpt_root):
         try:
             with open(os.path.join(ckpt, "state.json")) as fh:
-                state = json.load(fh)
+                value = recorded_metric(json.load(fh), metric)
         except (OSError, ValueError):
             continue
-        best = state.get("best_metric") or {"value": state.get("eval_loss"), "greater_is_better": False}
-        if best.get("value") is not None:
-            value = -best["value"] if best.get("greater_is_better") else best["value"]
-            ranked.append((value, -int(os.path.basename(ckpt)), ckpt))
-    return [c for _, _, c in sorted(ranked)]
+        if value is not None:
+            finite = math.isfinite(value)
+            key = (-value if greater_is_better else value) if finite else 0.0
+            ranked.append(((not finite, key, -int(os.path.basename(ckpt))), ckpt, value))
+    return [(c, v) for _, c, v in sorted(ranked)]
 
 
 def run_dir_of(ckpt: str) -> str:

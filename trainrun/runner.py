@@ -170,7 +170,8 @@ class TrainingRunner:
                                             C.watched_metric(cfg, "train.early_stopping.metric"))
         self.scaler = make_scaler(self.engine)     # fp16: dynamic loss scaling; else None
         self.checkpoints = K.Checkpointer(self.out, comm, cfg.checkpoint.keep_last, log=self.log,
-                                          keep_best=cfg.checkpoint.keep_best)
+                                          keep_best=cfg.checkpoint.keep_best,
+                                          best_metric=C.watched_metric(cfg, "checkpoint.best_metric"))
         if resume_from:
             self._restore(resume_from, force)
         self.metrics = Metrics(self.out, enabled=self.is_main, tensorboard=cfg.tensorboard.enabled,
