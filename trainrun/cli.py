@@ -83,7 +83,7 @@ def resume(run_dir, overrides, log_level, force):
 
 
 @cli.command()
-@click.argument("checkpoint", type=click.Path(exists=True))
+@click.argument("checkpoint", type=click.Path())
 @click.option("--output", "-o", required=True, type=click.Path(),
               help="Output ONNX file (--format onnx) or directory (--format transformers).")
 @click.option("--format", "fmt", type=click.Choice(["onnx", "transformers"]), default="onnx", show_default=True,
@@ -145,7 +145,7 @@ def generate(source, prompt, max_new_tokens, temperature, top_k, top_p, seed, nu
 
 
 @cli.command()
-@click.argument("source", type=click.Path(exists=True))
+@click.argument("source", type=click.Path())
 @click.option("--data", required=True, type=click.Path(exists=True, file_okay=False),
               help="Dataset directory (token shards or tensor samples with the model's features).")
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Steps (default: the whole dataset).")

@@ -887,10 +887,14 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 # --------------------------------------------------------------------------- entry points
 
-def read_yaml(path: str) -> dict:
+def read_yaml(path: str, text: str | None = None) -> dict:
+    """The mapping of a YAML config file (``text``: its content, already read)."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
+        if text is not None:
+            data = yaml.safe_load(text)
+        else:
+            with open(path, encoding="utf-8") as fh:
+                data = yaml.safe_load(fh)
     except FileNotFoundError:
         raise UsageError(f"config file not found: {path}") from None
     except yaml.YAMLError as exc:
@@ -928,14 +932,15 @@ def from_dict(data: dict, *, base_dir: str = ".", source: str = "config", need_d
 
 
 def load_config(path: Optional[str], overrides: list[str] = (), *, need_data: bool = False,
-                checks: Optional[Checks] = None) -> Config:
+                checks: Optional[Checks] = None, text: Optional[str] = None) -> Config:
     """Load a YAML config (or only defaults when path is None), apply ``--set`` overrides, validate
-    (the schema, and ``checks``: see :func:`from_dict`).
+    (the schema, and ``checks``: see :func:`from_dict`). ``text``: the file's content, already read
+    (``path`` then names it).
 
     Relative paths in the config are resolved against the config file's directory
     and stored absolute, so the resolved config works from any directory.
     """
-    data = read_yaml(path) if path else {}
+    data = read_yaml(path, text) if path else {}
     data = apply_overrides(data, list(overrides))
     base_dir = os.path.dirname(os.path.abspath(path)) if path else os.getcwd()
     cfg = from_dict(data, base_dir=base_dir, source=path or "config", need_data=need_data, checks=checks)

@@ -23,7 +23,7 @@ import os
 
 import numpy as np
 
-from . import config as C
+from . import checkpoint as K
 from . import feeding
 from .graphs.manifest import load_manifest
 from .graphs.names import LOSS, METRIC_PREFIX
@@ -44,18 +44,35 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def _same_checkpoint(comm, held: K.Pinned) -> K.Pinned:
+    """The checkpoint every rank reads: each pinned the latest it found, and a commit in between makes
+    them differ; then every rank takes the newest of them."""
+    found = comm.allgather_object(held.dir)
+    newest = max(found, key=lambda d: int(os.path.basename(d)))
+    if held.dir == newest:
+        return held
+    held.close()
+    return K.pin(newest)
+
+
 def run_evaluate(source: str, data: str, *, steps: int | None, batch: int | None, output: str | None,
                  force: bool = False, echo=print) -> dict | None:
     """Evaluate; rank 0 prints the result, writes ``output`` and returns it (other ranks return None).
     Data of another tokenizer than the run's is refused (UsageError) unless ``force``."""
     import onnxruntime as ort
 
-    ckpt = rundir.resolve_checkpoint(source)
-    run_dir = rundir.run_dir_of(ckpt)
-    cfg = C.load_config(os.path.join(ckpt, "config.yaml"))
-    comm = make_communicator("auto", "cpu", cfg.distributed.timeout_s)
+    held = K.pin(source)        # its files stay readable if the run training on prunes it
+    try:
+        cfg = K.read_config(held)
+        comm = make_communicator("auto", "cpu", cfg.distributed.timeout_s)
+    except BaseException:
+        held.close()
+        raise
     error, sess, weights, feeds, batches, micro, left_out = None, None, None, None, None, 1, ""
     try:
+        held = _same_checkpoint(comm, held)
+        ckpt = held.dir
+        run_dir = rundir.run_dir_of(ckpt)
         per_step = batch or cfg.train.micro_batch_size * comm.world_size
         if per_step % comm.world_size:
             raise UsageError(f"--batch {per_step}: samples per step over all ranks; must be a multiple of the "
@@ -73,7 +90,8 @@ def run_evaluate(source: str, data: str, *, steps: int | None, batch: int | None
         if missing:
             raise UsageError(f"--data {data}: lacks the features the model reads "
                              f"(its features: {', '.join(ds.specs)})", missing)
-        weights = checkpoint_weights(ckpt, manifest)
+        weights = checkpoint_weights(held, manifest)
+        held.close()
         so = session_options(max(1, _cores() // max(1, comm.local_size)))
         eval_path = os.path.join(run_dir, "graphs", "eval.onnx")
         sess = ort.InferenceSession(eval_path, so, providers=["CPUExecutionProvider"])
@@ -88,6 +106,8 @@ def run_evaluate(source: str, data: str, *, steps: int | None, batch: int | None
             left_out = f" ({ds.num_samples % per_step} left out: the graph's batch dim is fixed to {fixed[0]})"
     except TrainrunError as exc:
         error = exc
+    finally:
+        held.close()
     comm.agree(error)
     metrics = [o.name for o in sess.get_outputs() if o.name.startswith(METRIC_PREFIX)]
     names = [LOSS, *metrics]

@@ -45,11 +45,12 @@ _COPY_CHUNK = 16 << 20                 # bytes copied at a time from a checkpoin
 
 @dataclasses.dataclass
 class Weight:
-    """One initializer to write: float32 ``nbytes`` at ``offset`` of the file ``path`` (a checkpoint's
-    safetensors), copied into the model file chunk by chunk, never held whole."""
+    """One initializer to write: float32 ``nbytes`` at ``offset`` of the file ``file`` of the checkpoint
+    ``src`` (its safetensors, held open), copied into the model file chunk by chunk, never held whole."""
     name: str
     dims: tuple[int, ...]
-    path: str
+    src: K.Pinned
+    file: str
     offset: int
     nbytes: int
 
@@ -64,38 +65,34 @@ class Weight:
 
     def copy_to(self, out) -> None:
         buf = memoryview(bytearray(min(self.nbytes, _COPY_CHUNK) or 1))
-        with open(self.path, "rb") as src:
-            src.seek(self.offset)
-            left = self.nbytes
-            while left:
-                n = src.readinto(buf[:min(left, len(buf))])
-                if not n:
-                    raise TrainrunError(f"{self.path}: ends inside tensor '{self.name}'")
-                out.write(buf[:n])
-                left -= n
+        for pos in range(0, self.nbytes, len(buf)):
+            part = buf[:min(len(buf), self.nbytes - pos)]
+            self.src.readinto(self.file, part, self.offset + pos)
+            out.write(part)
 
 
-def _model_tensors(ckpt: str, manifest: dict) -> tuple[FlatLayout, FlatLayout]:
+def _model_tensors(ckpt: K.Pinned, manifest: dict) -> tuple[FlatLayout, FlatLayout]:
     """The layouts of the parameters and of the non-parameter state of the run's graphs (``manifest``),
     once ``ckpt`` is checked against those graphs (:func:`checkpoint.check_checkpoint`)."""
     layout = FlatLayout.from_manifest(manifest)
     states = FlatLayout.from_manifest({"params": manifest.get("states", [])})
-    K.check_checkpoint(ckpt, layout.names + states.names, (os.path.join(rundir.run_dir_of(ckpt), "graphs"), manifest))
+    K.check_checkpoint(ckpt, layout.names + states.names,
+                       (os.path.join(rundir.run_dir_of(ckpt.dir), "graphs"), manifest))
     return layout, states
 
 
-def checkpoint_tensors(ckpt: str, manifest: dict) -> list[Weight]:
+def checkpoint_tensors(ckpt: K.Pinned, manifest: dict) -> list[Weight]:
     """Where the parameters (then the non-parameter state) of a checkpoint lie in its model.safetensors."""
-    path = os.path.join(ckpt, "model.safetensors")
     layout, states = _model_tensors(ckpt, manifest)
     names, shapes = layout.names + states.names, layout.shapes + states.shapes
-    start, spans = K.tensor_spans(path, names, shapes)
-    return [Weight(n, tuple(s), path, start + off, size) for n, s, (off, size) in zip(names, shapes, spans)]
+    start, spans = K.tensor_spans(ckpt, "model.safetensors", names, shapes)
+    return [Weight(n, tuple(s), ckpt, "model.safetensors", start + off, size)
+            for n, s, (off, size) in zip(names, shapes, spans)]
 
 
 def mapped_weights(weights: list[Weight]) -> dict[str, np.ndarray]:
     """The tensors as read-only arrays mapped from their files (pages read on use, no copy made)."""
-    return {w.name: np.memmap(w.path, np.float32, "r", w.offset, w.dims) for w in weights}
+    return {w.name: np.memmap(w.src.file(w.file), np.float32, "r", w.offset, w.dims) for w in weights}
 
 
 def _varint(n: int) -> bytes:
@@ -197,17 +194,19 @@ def sample_batch(graphs_dir: str, manifest: dict, rng_seed: int = 0) -> dict[str
     return batch
 
 
-def checkpoint_weights(ckpt: str, manifest: dict) -> dict[str, np.ndarray]:
-    """The parameters (and the non-parameter state) of a verified checkpoint, by name."""
-    K.verify(ckpt)
-    layout, states = _model_tensors(ckpt, manifest)
-    flat = np.empty(layout.total, np.float32)
-    K.load_tensors_into(os.path.join(ckpt, "model.safetensors"), layout.names, layout.shapes, flat)
-    weights = layout.unflatten(flat)
-    if states.names:          # the model's non-parameter state (BatchNorm running stats), after the parameters
-        held = np.empty(states.total, np.float32)
-        K.load_tensors_into(os.path.join(ckpt, "model.safetensors"), states.names, states.shapes, held)
-        weights.update(states.unflatten(held))
+def checkpoint_weights(ckpt, manifest: dict) -> dict[str, np.ndarray]:
+    """The parameters (and the non-parameter state) of a verified checkpoint (a path or a
+    :class:`checkpoint.Pinned` one), by name."""
+    with K.reading(ckpt) as ckpt:
+        K.verify(ckpt)
+        layout, states = _model_tensors(ckpt, manifest)
+        flat = np.empty(layout.total, np.float32)
+        K.load_tensors_into(ckpt, "model.safetensors", layout.names, layout.shapes, flat)
+        weights = layout.unflatten(flat)
+        if states.names:          # the model's non-parameter state (BatchNorm running stats), after the parameters
+            held = np.empty(states.total, np.float32)
+            K.load_tensors_into(ckpt, "model.safetensors", states.names, states.shapes, held)
+            weights.update(states.unflatten(held))
     return weights
 
 
@@ -262,13 +261,18 @@ def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None,
     ``with_loss`` True: the eval graph (loss and logits); None (the end of a run): the inference model, or
     the eval graph, said, when the model outputs nothing but its loss and metrics (a user graph that
     returns its loss only); False: the inference model or a UsageError."""
+    with K.pin(checkpoint) as held:       # its files stay readable if the run training on prunes it
+        return _export(held, output, opset, with_loss, kv_cache, verify, echo)
+
+
+def _export(held: K.Pinned, output: str, opset, with_loss, kv_cache, verify, echo) -> float:
     import onnxruntime as ort
 
-    ckpt = rundir.resolve_checkpoint(checkpoint)
+    ckpt = held.dir
     graphs_dir = os.path.join(rundir.run_dir_of(ckpt), "graphs")
     manifest = load_manifest(graphs_dir)
-    K.verify(ckpt)
-    tensors = checkpoint_tensors(ckpt, manifest)      # streamed from the file into the model: no copy held
+    K.verify(held)
+    tensors = checkpoint_tensors(held, manifest)      # streamed from the file into the model: no copy held
 
     if kv_cache:
         model = kv_cache_model(manifest, dict, where=ckpt)      # the graph alone; the weights follow
@@ -345,10 +349,10 @@ def _hf_files(family, section, text, eos_id: int | None) -> dict[str, dict]:
     return files
 
 
-def _label_map(ckpt: str, num_labels: int, echo) -> dict:
+def _label_map(ckpt: K.Pinned, num_labels: int, echo) -> dict:
     """config.json's id2label / label2id of a task model: those of its data.train's manifest.json
     (``trainrun-data labelled``); {} (transformers' LABEL_<i>) when the dataset is gone or has none."""
-    train = C.load_config(os.path.join(ckpt, "config.yaml")).data.train
+    train = K.read_config(ckpt).data.train
     path = os.path.join(train or "", "manifest.json")
     try:
         with open(path, encoding="utf-8") as fh:
@@ -368,7 +372,12 @@ def export_transformers(checkpoint: str, output: str, *, tokenizer: str | None =
     """Write a transformers ``save_pretrained`` directory (see docs/operations.md): config.json, model.safetensors
     (transformers' names; the tied heads are the tensors they are tied to), generation_config.json and
     the run's tokenizer. Staged beside ``output`` and moved into place at the end."""
-    ckpt = rundir.resolve_checkpoint(checkpoint)
+    with K.pin(checkpoint) as held:       # its files stay readable if the run training on prunes it
+        return _export_transformers(held, output, tokenizer, echo)
+
+
+def _export_transformers(held: K.Pinned, output: str, tokenizer: str | None, echo) -> str:
+    ckpt = held.dir
     run_dir = rundir.run_dir_of(ckpt)
     manifest = load_manifest(os.path.join(run_dir, "graphs"))
     family = registry.of_manifest(manifest)
@@ -378,7 +387,7 @@ def export_transformers(checkpoint: str, output: str, *, tokenizer: str | None =
                             "a user graph, which has no transformers class") + "; export it as onnx")
     if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
         raise UsageError(f"--output {output} already exists and is not an empty directory")
-    weights = checkpoint_weights(ckpt, manifest)
+    weights = checkpoint_weights(held, manifest)
     for tied, source in family.transformers.tied.items():       # as the transformers class holds them
         weights[tied] = weights[source]
     try:
@@ -390,7 +399,7 @@ def export_transformers(checkpoint: str, output: str, *, tokenizer: str | None =
         echo("note: no tokenizer files written: the run's data are raw bytes (no tokenizer.json)")
     files = _hf_files(family, family.shape_of(manifest), text, text.eos_id if text is not None else None)
     if manifest.get("task_labels"):
-        files["config.json"].update(_label_map(ckpt, manifest["task_labels"], echo))
+        files["config.json"].update(_label_map(held, manifest["task_labels"], echo))
     parent = os.path.dirname(os.path.abspath(output))
     os.makedirs(parent, exist_ok=True)
     stage = tempfile.mkdtemp(prefix=".export-", dir=parent)
