@@ -272,6 +272,17 @@ def mpirun(n, *args, timeout=300, check=0, env=None):
     return run([MPIRUN, "-np", str(n), TRAINRUN, *args], timeout=timeout, check=check, env=env)
 
 
+PROBE = os.path.join(ROOT, "tests", "rank_probe.py")
+
+
+def mpirun_probe(n, *args, timeout=300, check=0, env=None, gather_piece=None):
+    """:func:`mpirun` through tests/rank_probe.py: each rank prints its peak RSS at exit
+    (``PEAK_RSS_KB <rank> <KiB>``); ``gather_piece``: ZeRO-1's checkpoints gather the optimizer state in
+    pieces of that many elements."""
+    env = dict(env or {}, **({"TRAINRUN_PROBE_GATHER_PIECE": str(gather_piece)} if gather_piece else {}))
+    return run([MPIRUN, "-np", str(n), sys.executable, PROBE, *args], timeout=timeout, check=check, env=env)
+
+
 def rank_pids(marker):
     """PIDs of the trainrun processes whose command line mentions ``marker``, by MPI rank."""
     pids = {}

@@ -16,7 +16,7 @@ Layout of ``<run>/checkpoints/<step>/``::
 
 Protocol. At a checkpoint step rank 0 writes the tensors into
 ``checkpoints/.staging-<step>/`` straight from the flat buffers (with ZeRO-1 the
-optimizer state is gathered on rank 0 first, :mod:`trainrun.update`) and every
+optimizer state is gathered on rank 0 piece by piece as it is written, :mod:`trainrun.update`) and every
 other rank takes the digest of its parameters: the only time the step waits. The
 written data are then in the kernel's page cache, the snapshot that training may
 not change, so no copy of the state is kept in the process; a background thread
@@ -47,6 +47,7 @@ import shutil
 import struct
 import sys
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -80,10 +81,15 @@ def _header(names, shapes, metadata=None) -> bytes:
 
 
 def _chunks(flat, staging: list):
-    """``flat`` (numpy or cupy, float32, or a function returning one) as byte chunks of at most _CHUNK; a
-    device buffer goes through one reused host array (``staging``: [] or [that array])."""
+    """``flat`` (numpy or cupy, float32, an iterator of such pieces in order, or a function returning either)
+    as byte chunks of at most _CHUNK; a device buffer goes through one reused host array (``staging``: [] or
+    [that array])."""
     if callable(flat):
         flat = flat()
+    if isinstance(flat, Iterator):
+        for piece in flat:
+            yield from _chunks(piece, staging)
+        return
     if isinstance(flat, np.ndarray):
         mv = memoryview(np.ascontiguousarray(flat, dtype=np.float32)).cast("B")
         for i in range(0, len(mv), _CHUNK):
@@ -99,14 +105,26 @@ def _chunks(flat, staging: list):
 
 
 class _Once:
-    """A function called at most once (later calls return None)."""
+    """A function called at most once (later calls return None). :meth:`drain` calls it if it was not, and
+    runs what it returned to its end where that is an iterator: a gather whose collectives every rank takes
+    part in, in full, wherever its pieces go (nowhere off rank 0, or after a failed write)."""
 
     def __init__(self, fn):
-        self.fn = fn
+        self.fn, self.out = fn, None
 
     def __call__(self):
         fn, self.fn = self.fn, None
-        return fn() if fn else None
+        if fn is None:
+            return None
+        self.out = fn()
+        return self.out
+
+    def drain(self) -> None:
+        out = self() if self.fn is not None else self.out
+        self.out = None
+        if isinstance(out, Iterator):
+            for _ in out:
+                pass
 
 
 def write_flat_safetensors(path: str, names, shapes, flat_buffers, metadata=None, sync: bool = True) -> str | None:
@@ -525,8 +543,8 @@ class CheckpointWriter:
         except BaseException as exc:  # noqa: BLE001 - reported to every rank by status()
             self._error = exc
         finally:
-            for gather in gathers.values():      # those not called yet (not rank 0, or its write failed)
-                gather()
+            for gather in gathers.values():      # those not run to their end (not rank 0, or its write failed)
+                gather.drain()
         if self._error is not None:
             return
         self._thread = threading.Thread(target=self._write, name="checkpoint-writer", daemon=True,

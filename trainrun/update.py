@@ -45,7 +45,8 @@ Every inter-rank gradient collective goes through ``wire`` (:func:`trainrun.wire
 sum reads memory, not a wire, and stays float32.
 
 Checkpoints keep full tensors by name: :meth:`Partitioned.full_state` gathers the moment parts on rank 0
-for a save, one state at a time as it is written, and a restore reads the full tensors and keeps ``lo:hi``
+for a save, one state at a time and each in pieces of 4 MiB, every piece written to the file as it comes
+(rank 0 never holds a whole state: its peak stays that of its own part), and a restore reads the full tensors and keeps ``lo:hi``
 (so any stage on any number of ranks, shared or not, resumes any checkpoint). Partitioned updates run on
 the CPU with the MPI backend and the host optimizer kernel (config validation says so for stage 1;
 ``intra_node: shared`` applies only there, :func:`node_buffers`).
@@ -68,6 +69,12 @@ from .errors import UsageError
 
 RANKS_PER_NODE_ENV = "TRAINRUN_RANKS_PER_NODE"
 _SUM_CHUNK = 1 << 15      # float32 elements per chunk of the node-local sum: a few of them stay in L2
+_GATHER_CHUNK = 1 << 20   # float32 elements (4 MiB) per gathered piece of the optimizer state for a checkpoint
+
+
+def _overlap(lo: int, hi: int, c0: int, c1: int) -> int:
+    """Elements of [lo, hi) within [c0, c1)."""
+    return max(0, min(hi, c1) - max(lo, c0))
 
 
 def shard_counts(n: int, world_size: int) -> list[int]:
@@ -342,24 +349,42 @@ class Partitioned:
             self.local.barrier()    # every slice updated before any local rank's next forward reads them
 
     def full_state(self) -> dict:
-        """name -> a function that gathers the whole flat optimizer state on rank 0 into a new array
-        (None on the other ranks): the parts over the nodes, then the slices over the first node. A
-        collective: every rank calls each, in order (the checkpoint writer does, one state at a time, so
-        rank 0 holds one gathered state at a time)."""
+        """name -> a function returning a generator that gathers the whole flat optimizer state on rank 0
+        in order, in pieces of at most ``_GATHER_CHUNK`` elements (rank 0 gets the pieces; the generator
+        yields nothing elsewhere). Its collectives take every rank: each runs every generator to its end, in
+        order (the checkpoint writer does, writing each piece as it comes), so rank 0 holds one piece at a
+        time, never a whole state."""
         return {name: functools.partial(self._gather, part) for name, part in self.state.items()}
 
-    def _gather(self, part: np.ndarray) -> np.ndarray | None:
-        mid = part
-        if self.cross_counts:
-            mid = np.empty(self.b - self.a, np.float32) if self.cross.rank == 0 else None
-            self.cross.gather(part, mid, self.cross_counts, root=0)
-        if self.cross.rank != 0:
-            return None
-        if self.local.world_size == 1:
-            return mid      # this rank's own part when nothing was gathered: written at once, no copy needed
-        full = np.empty(sum(self.node_counts), np.float32) if self.local.rank == 0 else None
-        self.local.gather(mid, full, self.node_counts, root=0)
-        return full
+    def _gather(self, part: np.ndarray):
+        """The pieces of the flat state whose part ``part`` is this rank's: per piece, the parts over the
+        nodes (the ranks sharing this rank's node slice a:b), then the slices over the first node."""
+        n = sum(self.node_counts)
+        step = min(_GATHER_CHUNK, n)
+        slices = np.cumsum([0] + self.node_counts).tolist()
+        cuts = (np.cumsum([0] + self.cross_counts) + self.a).tolist() if self.cross_counts else None
+        root = self.cross.rank == 0 and self.local.rank == 0
+        mid = np.empty(step, np.float32) if self.cross_counts and self.cross.rank == 0 else None
+        full = np.empty(step, np.float32) if root and self.local.world_size > 1 else None
+        for c0 in range(0, n, step):
+            c1 = min(c0 + step, n)
+            s0, s1 = max(self.a, c0), max(min(self.b, c1), max(self.a, c0))    # this node slice's piece
+            if self.cross_counts:
+                if s1 > s0:       # the same for every rank of this cross group: they all gather, or none
+                    mine = part[max(self.lo, c0) - self.lo:max(min(self.hi, c1), max(self.lo, c0)) - self.lo]
+                    counts = [_overlap(lo, hi, c0, c1) for lo, hi in zip(cuts, cuts[1:])]
+                    self.cross.gather(mine, mid[:s1 - s0] if mid is not None else None, counts, root=0)
+                piece = mid[:s1 - s0] if mid is not None else None
+            else:
+                piece = part[s0 - self.a:s1 - self.a]
+            if self.cross.rank != 0:
+                continue
+            if self.local.world_size > 1:
+                counts = [_overlap(lo, hi, c0, c1) for lo, hi in zip(slices, slices[1:])]
+                self.local.gather(piece, full[:c1 - c0] if full is not None else None, counts, root=0)
+                piece = full[:c1 - c0] if full is not None else None
+            if root:
+                yield piece
 
     def close(self) -> None:
         """Free the shared memory (every rank; the engine's buffers are gone then)."""
