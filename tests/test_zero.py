@@ -206,6 +206,8 @@ def test_zero1_checkpoints_keep_rank0_peak_below_stage0(tmp_path, byte_dataset):
         assert sorted(peaks[stage]) == [0, 1], out.stdout
     n = json.load(open(tmp_path / "0" / "graphs" / "manifest.json"))["num_params"]
     moments = 2 * 4 * n
+    print(f"whole-run peak RSS, MB: stage 0 rank 0 {peaks[0][0] / 1e6:.1f}, rank 1 {peaks[0][1] / 1e6:.1f}; "
+          f"stage 1 rank 0 {peaks[1][0] / 1e6:.1f}, rank 1 {peaks[1][1] / 1e6:.1f}; moments {moments / 1e6:.1f}")
     assert peaks[1][0] - peaks[1][1] < moments / 4, (peaks, moments)
     assert peaks[0][0] - peaks[1][0] >= moments / 4, (peaks, moments)
     oa = load_file(str(tmp_path / "0" / "checkpoints" / "2" / "optimizer.safetensors"))
