@@ -48,7 +48,9 @@ def _same_checkpoint(comm, held: K.Pinned) -> K.Pinned:
     """The checkpoint every rank reads: each pinned the latest it found, and a commit in between makes
     them differ; then every rank takes the newest of them."""
     found = comm.allgather_object(held.dir)
-    newest = max(found, key=lambda d: int(os.path.basename(d)))
+    if len(set(found)) == 1:
+        return held
+    newest = max(found, key=lambda d: int(os.path.basename(d)))      # a run directory's <step> checkpoints
     if held.dir == newest:
         return held
     held.close()
