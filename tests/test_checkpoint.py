@@ -183,7 +183,7 @@ def test_reads_of_a_run_that_prunes_every_step(tmp_path, byte_dataset):
             assert r.returncode == 0, (cmd, text)
         elif r.returncode:
             assert r.returncode == 2, (cmd, text)
-            newest = re.search(rf"{re.escape(cmd[2])}: (pruned while being read|not there \(pruned): .*; the "
+            newest = re.search(rf"{re.escape(cmd[2])}: (pruned while being read|not there: pruned) \(.*\); the "
                                r"newest checkpoint is (\S+)", r.stderr)
             assert newest, (cmd, text)
             assert int(os.path.basename(newest.group(2))) > int(os.path.basename(cmd[2]))

@@ -326,7 +326,7 @@ def pin(source: str) -> Pinned:
             ckpt = resolve_checkpoint(source)
         except UsageError:
             if _is_step_dir(named) and not os.path.exists(named):
-                raise _pruned(named, "not there (pruned") from None
+                raise _pruned(named, "not there: pruned") from None
             raise
         try:
             return Pinned(ckpt)
@@ -345,10 +345,11 @@ def _is_step_dir(path: str) -> bool:
 
 
 def _pruned(ckpt: str, what: str = "pruned while being read") -> UsageError:
-    """``ckpt`` was pruned (while it was being read): the error, naming the run's newest checkpoint."""
+    """``ckpt`` was pruned (``what``: while it was being read, or before): the error, naming the run's
+    newest checkpoint."""
     done = complete_checkpoints(os.path.dirname(ckpt))
-    return UsageError(f"{ckpt}: {what}: the run writing it keeps checkpoint.keep_last and checkpoint.keep_best "
-                      f"only{')' if '(' in what else ''}; "
+    return UsageError(f"{ckpt}: {what} (the run writing it keeps only checkpoint.keep_last and "
+                      f"checkpoint.keep_best); "
                       + (f"the newest checkpoint is {done[-1]}" if done else "the run holds no checkpoint now"))
 
 

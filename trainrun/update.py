@@ -46,8 +46,8 @@ sum reads memory, not a wire, and stays float32.
 
 Checkpoints keep full tensors by name: :meth:`Partitioned.full_state` gathers the moment parts on rank 0
 for a save, one state at a time and each in pieces of 4 MiB, every piece written to the file as it comes
-(rank 0 never holds a whole state: its peak stays that of its own part), and a restore reads the full tensors and keeps ``lo:hi``
-(so any stage on any number of ranks, shared or not, resumes any checkpoint). Partitioned updates run on
+(rank 0 never holds a whole state: its peak stays that of its own part), and a restore reads the full
+tensors and keeps ``lo:hi`` (so any stage on any number of ranks, shared or not, resumes any checkpoint). Partitioned updates run on
 the CPU with the MPI backend and the host optimizer kernel (config validation says so for stage 1;
 ``intra_node: shared`` applies only there, :func:`node_buffers`).
 """
@@ -368,10 +368,12 @@ class Partitioned:
         full = np.empty(step, np.float32) if root and self.local.world_size > 1 else None
         for c0 in range(0, n, step):
             c1 = min(c0 + step, n)
-            s0, s1 = max(self.a, c0), max(min(self.b, c1), max(self.a, c0))    # this node slice's piece
+            s0 = max(self.a, c0)                # this node slice's piece: s0:s1
+            s1 = s0 + _overlap(self.a, self.b, c0, c1)
             if self.cross_counts:
                 if s1 > s0:       # the same for every rank of this cross group: they all gather, or none
-                    mine = part[max(self.lo, c0) - self.lo:max(min(self.hi, c1), max(self.lo, c0)) - self.lo]
+                    m0 = max(self.lo, c0) - self.lo
+                    mine = part[m0:m0 + _overlap(self.lo, self.hi, c0, c1)]
                     counts = [_overlap(lo, hi, c0, c1) for lo, hi in zip(cuts, cuts[1:])]
                     self.cross.gather(mine, mid[:s1 - s0] if mid is not None else None, counts, root=0)
                 piece = mid[:s1 - s0] if mid is not None else None
