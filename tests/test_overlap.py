@@ -84,6 +84,50 @@ def test_a_graph_without_fixed_shapes_is_cut_too(tmp_path):
         assert np.array_equal(eng.grads, whole.grads)
 
 
+BUCKETS_ON_THEIR_OWN = """
+import time
+from trainrun import config as C, update
+from trainrun.engine import Engine, EngineOptions
+
+spec = json.load(open("spec.json"))
+
+def main(comm):
+    cfg = C.from_dict(spec["config"])
+    shapes = {k: (tuple(v), np.int64) for k, v in spec["shapes"].items()}
+    eng = Engine(spec["graphs"], EngineOptions(threads=1, bucket_bytes=8192), shapes, shapes)
+    shard = update.build(cfg, comm, eng)
+    assert update.overlaps(cfg, comm, None) and shard.overlapping and len(eng.buckets) > 2
+    eng.grads[:] = comm.rank + 1.0
+    if comm.rank == 1:      # bucket 0's allreduce in flight in the background before the main thread's sum
+        shard.bucket_ready(0)
+        time.sleep(0.5)
+    total = comm.allreduce_scalars([10.0 * (comm.rank + 1)])[0]
+    if comm.rank == 0:      # the other order here
+        shard.bucket_ready(0)
+    shard.reduce()
+    report(comm.rank, {"total": total, "grads": sorted(set(eng.grads.tolist()))})
+    shard.close()
+
+run(main, make_communicator("mpi", timeout_s=20))
+"""
+
+
+def test_buckets_reduce_on_a_communicator_of_their_own(tmp_path):
+    """A bucket's allreduce in the background thread and a collective of the main thread (the step's
+    scalars) started in opposite orders on the two ranks: each matches its own peer, because the buckets run
+    on a duplicate of the communicator; the sums are right on both ranks."""
+    from test_comm import results, run_ranks
+    config = {"model": {"gpt2": GPT2}, "data": {"seq_len": 32}, "run": {"output_dir": str(tmp_path / "g")},
+              "train": {"micro_batch_size": 4}, "optimizer": {"name": "sgd"},
+              "distributed": {"overlap_grad_reduce": True}}
+    graphs = prepare(C.from_dict(config))
+    spec = {"config": config, "graphs": graphs, "shapes": {"input_ids": [4, 32], "labels": [4, 32]}}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    rc, out, _ = run_ranks(tmp_path, 2, BUCKETS_ON_THEIR_OWN, timeout=120)
+    assert rc == 0, out
+    assert results(tmp_path) == [{"total": 30.0, "grads": [3.0]}] * 2
+
+
 def _train(tmp_path, data, name, ranks, **extra):
     cfg = write_config(tmp_path / f"{name}.yaml", data, **{
         "run.output_dir": str(tmp_path / name), "train.max_steps": 12, "checkpoint.every": 12,

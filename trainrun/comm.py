@@ -612,6 +612,14 @@ class MPICommunicator(Communicator):
             self._node.Free()
         self._node = None
 
+    def dup(self, what: str) -> "MPIGroup":
+        """The same ranks as a communicator of their own (``MPI_Comm_dup``): collectives on it never match
+        this one's, so another thread may run them while this communicator's run in the caller's order
+        (the gradient buckets reduced during the backward pass, :class:`trainrun.update.Replicated`). Every
+        rank must call it."""
+        self.barrier()      # Dup is a blocking collective: first make sure every rank is alive and here
+        return MPIGroup(self, self._comm.Dup(), what)
+
     def split(self, color: int, what: str) -> "MPIGroup":
         """The ranks that pass the same ``color``, ordered by world rank, as a communicator of their own
         (collectives polled to this communicator's ``timeout_s``). Every rank must call it."""

@@ -192,8 +192,10 @@ class Replicated:
     bucket's allreduce runs in a background thread while the next segment computes; :meth:`reduce` waits
     for those and reduces what is left (the last bucket, or everything when no bucket was started, e.g. a
     step whose gradients ``debug.stats_every`` reads first) in the main thread. Every rank starts the same
-    buckets in the same order. Each element is reduced by the same collective as without overlap, only in a
-    smaller call: the same bits on 2 ranks and with ``reduce_dtype: bf16`` (rank-order sums); with fp32 on
+    buckets in the same order. The gradient collectives then run on a duplicate of ``comm``
+    (:meth:`trainrun.comm.MPICommunicator.dup`): whatever the main thread runs on ``comm`` meanwhile (the
+    step's scalars, an error agreed on) cannot be matched with a bucket's allreduce of another rank. Each
+    element is reduced by the same collective as without overlap, only in a smaller call: the same bits on 2 ranks and with ``reduce_dtype: bf16`` (rank-order sums); with fp32 on
     more ranks MPI may pick another algorithm, and so another order of the float32 sum, for a smaller
     message (each element then differs by at most the float32 rounding of that sum)."""
 
@@ -201,15 +203,16 @@ class Replicated:
 
     def __init__(self, comm, engine, optimizer, reduce_dtype: str = "fp32"):
         self.comm, self.engine = comm, engine
-        self.wire = wire.make(comm, reduce_dtype)
         self.optimizer = optimizer
         self.state = self.optimizer.state
         self.lo, self.hi = 0, engine.layout.total
         self.buckets = engine.buckets if len(engine.buckets) > 1 else None
-        self._pool = self._pending = None
+        self._pool = self._pending = self._buckets_comm = None
         if self.buckets:
+            self._buckets_comm = comm.dup("gradient buckets")
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="trainrun-reduce", initializer=wait_quietly)
             self._pending = []
+        self.wire = wire.make(self._buckets_comm or comm, reduce_dtype)
 
     def bucket_ready(self, k: int) -> None:
         """Bucket ``k`` of the gradients is final: its allreduce starts in the background."""
@@ -250,6 +253,7 @@ class Replicated:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+            self._buckets_comm.close()
 
 
 class Partitioned:
