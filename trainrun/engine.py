@@ -92,9 +92,10 @@ class _Bound:
     or cupy (GPU) arrays."""
 
     def __init__(self, path: str, opts: EngineOptions, name: str, model: bytes | None = None,
-                 recompute: bool = False):
+                 recompute: bool = False, shared_arena: bool = False):
         """``model``: the graph as serialized bytes, when it differs from the file at ``path``;
-        ``recompute``: the graph has recomputed blocks (train.recompute)."""
+        ``recompute``: the graph has recomputed blocks (train.recompute); ``shared_arena``: host memory
+        from the process's one arena (:func:`trainrun.sessions.session_options`)."""
         import onnxruntime as ort
         providers = ["CPUExecutionProvider"]
         self.cuda = opts.device == "cuda"
@@ -109,7 +110,8 @@ class _Bound:
         so = session_options(max(1, opts.threads), name, graph_optimization=opts.graph_optimization,
                              log_severity=opts.log_severity, deterministic=opts.deterministic,
                              spinning=name not in ("eval", "optimizer"), profile_prefix=opts.profile_prefix,
-                             optimized_dir=opts.optimized_dir, log_id=opts.log_id, recompute=recompute)
+                             optimized_dir=opts.optimized_dir, log_id=opts.log_id, recompute=recompute,
+                             shared_arena=shared_arena)
         try:
             self.session = ort.InferenceSession(path if model is None else model, sess_options=so,
                                                 providers=providers,
@@ -185,57 +187,53 @@ class _Bound:
 
 class _Segmented:
     """The train graph as consecutive segments (:mod:`trainrun.graphs.segments`), with :class:`_Bound`'s
-    interface: a name is bound in every segment that reads it, an output in the one that makes it. The
-    tensors one segment hands to later ones live in buffers of their own, bound as the output of the first
-    and the input of the others, so a run binds nothing and copies nothing more than the whole graph's run.
-    Their shapes are what the first run makes (onnxruntime allocates them then, and they are copied into the
-    buffers): a graph's symbolic dims (BERT's masked positions, engine.static_shapes false) are fixed within
-    a run, whose micro-batches all have one shape. ``run(between)`` calls ``between(k)`` after segment k
-    (every segment but the last): the gradients of ``targets[0..k]`` are final then."""
+    interface: a name is bound in every segment that reads it, an output in the one that makes it. A tensor
+    one segment hands to later ones (a forward activation a lower layer's backward reads, the gradient
+    flowing down) is allocated by onnxruntime when it is made, handed to the later segments as it is (an
+    OrtValue, no copy) and let go by each reader once it has run, so it lives from the segment that makes
+    it to the last one that reads it, as in the whole graph, and its shape is what each run makes. The
+    segments allocate from one arena (:func:`trainrun.sessions.shared_cpu_arena`): a segment reuses the
+    memory the ones before it freed, so the cut graph's memory peaks where the whole graph's does.
+    ``run(between)`` calls ``between(k)`` after segment k (every segment but the last): the gradients of
+    ``targets[0..k]`` are final then."""
 
     def __init__(self, model: onnx.ModelProto, targets: list[list[str]], path: str, opts: EngineOptions,
                  recompute: bool = False):
+        import onnxruntime as ort
         self.name, self.path, self.cuda, self.keep = "train", path, False, []
-        made, self.parts, self.boundary = {}, [], {}
-        self.unsettled = []         # per segment: the tensors it hands on that no buffer holds yet
+        made, self.parts = {}, []
+        self.hand_on: list[list[str]] = []      # per segment: the tensors it makes that later segments read
+        self.takes: list[list[str]] = []        # per segment: those it reads, let go of after it runs
         self.readers: dict[str, list] = {}      # a tensor a segment hands on -> the later segments that read it
+        self._none: dict = {}       # name -> a one-element OrtValue of its type, bound once a reader is done
         outputs = {v.name for v in model.graph.output}
         for seg in segments.split(model, targets):
             if seg is None:             # a bucket whose gradients an earlier segment already made
                 self.parts.append(None)
-                self.unsettled.append([])
+                self.hand_on.append([])
+                self.takes.append([])
                 continue
             handed = segments.boundary_inputs(seg)
             for name in handed:
                 segments.typed_input(seg, name, made[name].type, made[name].shape)
             part = _Bound(path, opts, f"train.segment{len(self.parts)}", seg.SerializeToString(),
-                          recompute=recompute)
+                          recompute=recompute, shared_arena=True)
             for name in handed:
                 self.readers.setdefault(name, []).append(part)
             mine = [o.name for o in part.session.get_outputs()]
             made.update((o.name, o) for o in part.session.get_outputs())
-            # what only later segments read: onnxruntime allocates it at the first run, then it gets a buffer
-            self.unsettled.append([n for n in mine if n not in outputs])
-            for name in self.unsettled[-1]:
+            self.hand_on.append([n for n in mine if n not in outputs])
+            for name in self.hand_on[-1]:
                 part.bind_allocated(name)
+            self.takes.append([n for n in handed if n not in outputs])
+            for name in self.takes[-1]:
+                self._none[name] = ort.OrtValue.ortvalue_from_numpy(np.zeros(1, _ORT_TYPES[made[name].type]))
             self.parts.append(part)
         live = [p for p in self.parts if p is not None]
         self.sessions = [p.session for p in live]
         self.handed = set(self.readers) - outputs       # the graph's own outputs stay the engine's to bind
         self.input_names = set().union(*(p.input_names for p in live)) - set(self.readers)
         self.session = _Union(live, set(self.readers), self.handed)
-
-    def _settle(self, k: int) -> None:
-        """After segment k's first run: what it hands on, copied into buffers of their own, bound as its
-        outputs and as the later segments' inputs from now on."""
-        part = self.parts[k]
-        for name in self.unsettled[k]:
-            buf = np.array(part.value(name), copy=True, order="C")
-            self.boundary[name] = buf
-            part.bind_out(name, buf)
-            for later in self.readers.get(name, []):
-                later.bind_in(name, buf)
-        self.unsettled[k] = []
 
     def _owners(self, name: str, inputs: bool) -> list:
         found = [p for p in self.parts if p is not None and name in (
@@ -259,16 +257,14 @@ class _Segmented:
             later.bind_in(name, arr)
 
     def bind_allocated(self, name: str) -> None:
-        """An output onnxruntime allocates at each run; one a later segment reads gets a buffer instead,
-        at the first run (debug statistics of a layer's output)."""
+        """An output onnxruntime allocates at each run; one a later segment reads (debug statistics of a
+        layer's output) is handed to it after each run."""
         maker = self._owners(name, False)[0]
         maker.bind_allocated(name)
         if name in self.readers:
-            self.unsettled[self.parts.index(maker)].append(name)
+            self.hand_on[self.parts.index(maker)].append(name)
 
     def value(self, name: str):
-        if name in self.boundary:
-            return self.boundary[name].copy()
         return self._owners(name, False)[0].value(name)
 
     def run(self, between=None) -> None:
@@ -276,8 +272,16 @@ class _Segmented:
         for k, part in enumerate(self.parts):
             if part is not None:
                 part.run()
-                if self.unsettled[k]:
-                    self._settle(k)
+                if self.hand_on[k]:
+                    values = part.binding.get_outputs()
+                    for name in self.hand_on[k]:
+                        value = values[part.out_names.index(name)]
+                        for later in self.readers[name]:
+                            later.binding.bind_ortvalue_input(name, value)
+                        if name in self.handed:     # the maker lets go of it; the next run allocates anew
+                            part.bind_allocated(name)
+                for name in self.takes[k]:          # this reader is done with it
+                    part.binding.bind_ortvalue_input(name, self._none[name])
             if between is not None and k < last:
                 between(k)
 
