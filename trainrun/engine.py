@@ -92,10 +92,10 @@ class _Bound:
     or cupy (GPU) arrays."""
 
     def __init__(self, path: str, opts: EngineOptions, name: str, model: bytes | None = None,
-                 recompute: bool = False, shared_arena: bool = False):
+                 recompute: bool = False, chained: bool = False):
         """``model``: the graph as serialized bytes, when it differs from the file at ``path``;
-        ``recompute``: the graph has recomputed blocks (train.recompute); ``shared_arena``: host memory
-        from the process's one arena (:func:`trainrun.sessions.session_options`)."""
+        ``recompute``: the graph has recomputed blocks (train.recompute); ``chained``: one of the sessions
+        that run one after the other (:func:`trainrun.sessions.session_options`)."""
         import onnxruntime as ort
         providers = ["CPUExecutionProvider"]
         self.cuda = opts.device == "cuda"
@@ -111,7 +111,7 @@ class _Bound:
                              log_severity=opts.log_severity, deterministic=opts.deterministic,
                              spinning=name not in ("eval", "optimizer"), profile_prefix=opts.profile_prefix,
                              optimized_dir=opts.optimized_dir, log_id=opts.log_id, recompute=recompute,
-                             shared_arena=shared_arena)
+                             chained=chained)
         try:
             self.session = ort.InferenceSession(path if model is None else model, sess_options=so,
                                                 providers=providers,
@@ -217,7 +217,7 @@ class _Segmented:
             for name in handed:
                 segments.typed_input(seg, name, made[name].type, made[name].shape)
             part = _Bound(path, opts, f"train.segment{len(self.parts)}", seg.SerializeToString(),
-                          recompute=recompute, shared_arena=True)
+                          recompute=recompute, chained=True)
             for name in handed:
                 self.readers.setdefault(name, []).append(part)
             mine = [o.name for o in part.session.get_outputs()]

@@ -19,7 +19,7 @@ _LEVELS = {"disabled": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
 def session_options(threads: int = 0, name: str = "", *, graph_optimization: str = "all", log_severity: int = 3,
                     deterministic: bool = False, spinning: bool = True, prepacking: bool = True,
                     profile_prefix: str | None = None, optimized_dir: str | None = None,
-                    log_id: str | None = None, recompute: bool = False, shared_arena: bool = False):
+                    log_id: str | None = None, recompute: bool = False, chained: bool = False):
     """Options of one session. ``threads``: intra-op threads (0: onnxruntime's choice, one per core);
     operators run one after the other (``inter_op`` 1). ``name`` names the graph in the profile's and the
     optimized graph's file names and in onnxruntime's log lines. ``spinning`` False: the thread pool does
@@ -30,16 +30,19 @@ def session_options(threads: int = 0, name: str = "", *, graph_optimization: str
     ``recompute``: a train graph with recomputed blocks (trainrun/recompute.py): its nodes run in the
     order of the graph's node list (priority-based order; equal priorities go by node index), so each
     block is recomputed when the backward pass reaches it; open it with
-    ``disabled_optimizers=disabled_optimizers(True)``. ``shared_arena``: the session allocates host memory
-    from the process's one CPU arena (:func:`shared_cpu_arena`) instead of an arena of its own, which keeps
-    its peak for the session's life: sessions that run one after the other (the train graph's segments)
-    then reuse each other's memory, and a tensor one of them makes and another frees goes back to it."""
+    ``disabled_optimizers=disabled_optimizers(True)``. ``chained``: the session is one of several
+    that run one after the other (the train graph's segments): it allocates host memory from the process's
+    one CPU arena (:func:`shared_cpu_arena`) instead of an arena of its own, which would keep its peak for
+    the session's life, so the sessions reuse each other's memory and a tensor one makes and another frees
+    goes back to it; and its thread pool stops spinning when its run ends (``session.force_spinning_stop``)
+    rather than take the cores the next session computes on."""
     import onnxruntime as ort
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
-    if shared_arena:
+    if chained:
         shared_cpu_arena()
         so.add_session_config_entry("session.use_env_allocators", "1")
+        so.add_session_config_entry("session.force_spinning_stop", "1")
     if not spinning:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if not prepacking:
@@ -68,11 +71,12 @@ _ARENA: list = []
 
 def shared_cpu_arena() -> None:
     """Register one CPU arena allocator with onnxruntime's environment (once a process), for the sessions
-    opened with ``session.use_env_allocators``."""
+    opened with ``session.use_env_allocators``. It grows by what is asked (``kSameAsRequested``), not to
+    the next power of two, whose slack a chain of sessions would keep (BENCHMARKS.md, the overlap path)."""
     if not _ARENA:
         import onnxruntime as ort
         info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
-        ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, 1, -1, -1))
+        ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, 1, -1, -1))    # no limit, same as asked
         _ARENA.append(info)
 
 
