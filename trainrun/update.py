@@ -195,9 +195,10 @@ class Replicated:
     buckets in the same order. The gradient collectives then run on a duplicate of ``comm``
     (:meth:`trainrun.comm.MPICommunicator.dup`): whatever the main thread runs on ``comm`` meanwhile (the
     step's scalars, an error agreed on) cannot be matched with a bucket's allreduce of another rank. Each
-    element is reduced by the same collective as without overlap, only in a smaller call: the same bits on 2 ranks and with ``reduce_dtype: bf16`` (rank-order sums); with fp32 on
-    more ranks MPI may pick another algorithm, and so another order of the float32 sum, for a smaller
-    message (each element then differs by at most the float32 rounding of that sum)."""
+    element is reduced by the same collective as without overlap, only in a smaller call: the same bits on
+    2 ranks and with ``reduce_dtype: bf16`` (rank-order sums); with fp32 on more ranks MPI may pick another
+    algorithm, and so another order of the float32 sum, for a smaller message (each element then differs
+    by at most the float32 rounding of that sum)."""
 
     sharded = False
 
