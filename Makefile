@@ -60,11 +60,11 @@ demo: $(STAMP_RUN)
 bench: $(STAMP_TEST)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python scripts/bench.py
 
-# issue 17's targets at GPT-2 124M alone (~10 min on 2 cores): its section of BENCHMARKS.md
+# GPT-2 124M's targets alone (~10 min on 2 cores): its section of BENCHMARKS.md
 bench-124m: $(STAMP_TEST)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python scripts/bench.py --only gpt2-124m
 
-# issue 29's scaling over a slow link (~30 min, root): GPT-2 mid and 124M on 2 pretend nodes of one core
+# Scaling over a slow link (~30 min, root): GPT-2 mid and 124M on 2 pretend nodes of one core
 # (scripts/cluster/cluster.sh) at link rates unlimited, 10 and 1 Gbit/s against one node alone; its section
 # of BENCHMARKS.md
 bench-cluster: $(STAMP_TEST)

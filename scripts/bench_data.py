@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/bench_data.py [--steps 20000] [--json OUT.json]
 
-Targets (the data issue): BPE tokenizing >= 5 MB/s of text per core; the
+Targets: BPE tokenizing >= 5 MB/s of text per core; the
 loader >= ~1500 batches/s of 8 x 128 tokens (100x what a gpt2-tiny step takes).
 Prints one line per figure and, with --json, writes them all.
 """

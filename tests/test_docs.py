@@ -93,18 +93,99 @@ def test_user_docs_tell_no_history_and_keep_figures_in_benchmarks(doc):
     text = prose(doc.read_text())
     history = [m.group(0) for m in HISTORY.finditer(text)]
     assert not history, f"{doc.name}: history belongs in git log, not the docs: {history}"
+    if doc.name == "design.md":
+        text = text.split("\n## Measured experiments\n", 1)[0]     # the one-off experiments keep their figures
     figures = [m.group(0) for m in FIGURE.finditer(text)]
     assert not figures, f"{doc.name}: measured figures belong in BENCHMARKS.md (link it): {figures}"
 
 
-def test_benchmarks_rendering_keeps_the_hand_kept_part():
+def _report():
     sys.path.insert(0, str(ROOT / "scripts" / "bench"))
     try:
+        import common
         import report
     finally:
         sys.path.pop(0)
+    return common, report
+
+
+def _bench_results(common) -> dict:
+    """A small results.json of the shape run.py writes: two rounds of every setup of one model, the GPT-2 124M
+    section, BERT, the CNN and the components."""
+    runs = {}
+    for k, t in {"trainrun 2x1": 300, "PyTorch DDP 2x1": 200, "trainrun-off 2x1": 250, "ceiling 2x1": 310,
+                 "ceiling-off 2x1": 260, "trainrun 1x2": 180, "PyTorch 1x2": 200, "trainrun-off 1x2": 170,
+                 "ceiling 1x2": 200, "ceiling-off 1x2": 190}.items():
+        runs[k] = [{"round": r, "tokens_per_sec": t + 10 * r, "peak_rss_mb": [t, t - 1],
+                    "phase_shares": {"forward_backward": 0.9, "allreduce": 0.1}} for r in range(2)]
+    g = {k: [{"round": 0, "tokens_per_sec": t, "outside_share": o, "phase_ms": {"forward_backward": 1000, "allreduce": a},
+              "train_rss_mb": [rss, rss], "run_rss_mb": [rss + 100, rss]}]
+         for k, t, o, a, rss in (("trainrun stage 0", 240, 0.02, 50, 2800), ("trainrun at 315f1e2", 190, 0.09, 230, 3500),
+                                 ("PyTorch DDP", 160, 0.09, 0, 4300))}
+    codes = {"trainrun stage 0": "current", "trainrun at 315f1e2": "before", "PyTorch DDP": "ddp"}
+    return {
+        "mode": "full", "started": "2026-01-01 00:00:00 UTC", "duration_s": 60, "load": [[0, 1.0], [1, 1.5]],
+        "machine": {"cpu": "a CPU", "cores": 2}, "off": {"sets": ["engine.static_shapes=false"]},
+        "peak": {"peak_gflops": 100.0}, "models": {"tiny": {"runs": runs}},
+        "models_def": {"tiny": common.asdict_model(common.MODELS["tiny"])},
+        "comm": {"rows": [{"floats": 544300, "blocking_ms": 0.3, "blocking_gbps": 8.0, "polled_ms": 0.3,
+                           "polled_gbps": 7.5, "polled_share_of_raw_bw": 0.94, "memcpy_ms": 0.1, "memcpy_gbps": 20.0}]},
+        "memcap": {"tiny": [{"micro_batch": 8, "trainrun": [300, 290], "off": [200, 190], "ddp": [500, 490]},
+                            {"micro_batch": 64, "trainrun": [650, 640], "off": [500, 490], "ddp": [980, 970]}]},
+        "data": {"steps": 100, "rows": [{"micro_batch": 8, "seq_len": 128, "prefetch": 2, "batches_per_s": 20000.0,
+                                         "max_rss_growth_kb": 0}]},
+        "gpt2-124m": {"model": common.asdict_model(common.MODELS["gpt2-124m"]), "ranks": 2, "threads_per_rank": 1,
+                      "rounds": 1, "before": "315f1e2", "started": "2026-01-01", "runs": g,
+                      "setups": {k: {"code": c, "bytes_per_param_per_node": {"total": 12 if c == "current" else 24}}
+                                 for k, c in codes.items()},
+                      "machine_start": {"peak": {"peak_gflops": 190.0}, "comm": {"rows": [{"memcpy_gbps": 11.0}]}}},
+        "bert": {"shape": {"num_hidden_layers": 2, "hidden_size": 128, "vocab_size": 2048}, "seq_len": 128,
+                 "global_batch": 32, "timed_steps": 50, "median_ratio": 1.6, "median_masked_head_ratio": 1.05,
+                 "trainrun_tokens_per_s": [37000.0], "ddp_tokens_per_s": [23000.0],
+                 "ddp_masked_head_tokens_per_s": [35000.0], "final_loss": {"trainrun": 6.7, "ddp": 6.7}},
+        "cnn": {"median_ratio": 1.75, "timed_steps": 180, "trainrun_samples_per_s": [2700.0],
+                "ddp_samples_per_s": [1550.0]},
+    }
+
+
+def _headline_rows(text: str) -> list[str]:
+    head = text.split("## Headline\n", 1)[1].split("\n## ", 1)[0]
+    return [line for line in head.splitlines() if line.startswith("| ") and not line.startswith("| claim")]
+
+
+def test_benchmarks_render_a_headline_then_a_section_per_claim():
+    common, report = _report()
+    text = report.render(_bench_results(common))
+    sections = re.findall(r"^## (.*)$", text, re.M)
+    assert sections[0] == "Headline", "BENCHMARKS.md opens with the headline table"
+    assert len(set(sections)) == len(sections)
+    rows = _headline_rows(text)
+    assert len(rows) == 17, rows          # 5 of tiny's, 7 of 124M's, BERT, the CNN, allreduce, memory cap, loader
+    linked = {re.search(r"\]\(#([^)]+)\)", row).group(1) for row in rows}
+    assert linked == anchors_of("\n".join(f"## {s}" for s in sections[1:])), "a claim per section, each linked"
+    assert "| trainrun 2x1 >= 1.3x PyTorch DDP 2x1 (tiny) | 1.49x | yes |" in text
+    assert "| GPT-2 124M: tokens/s >= 1.15x trainrun at 315f1e2 | 1.26x (trainrun stage 0) | yes; 1 of 1 setups |" in text
+    assert "| largest micro-batch under a per-rank cap >= DDP's (tiny) | 123 vs 69 | yes |" in text
+    assert "issue" not in text.lower()
+    assert len(text.splitlines()) < 120
+
+
+def test_benchmarks_rendering_keeps_the_sections_it_did_not_render():
+    common, report = _report()
     old = (ROOT / "BENCHMARKS.md").read_text()
-    kept = report.keep_by_hand(old, "# trainrun benchmarks\n\nrendered\n")
-    assert kept.startswith("# trainrun benchmarks\n\nrendered\n\n" + report.BEGIN_HAND)
-    assert old.split(report.BEGIN_HAND, 1)[1] in kept
-    assert report.keep_by_hand("", "new\n") == "new\n"
+    assert len(old.splitlines()) < 300 and old.split("\n## ", 1)[1].startswith("Headline\n")
+    R = _bench_results(common)
+    del R["cnn"], R["gpt2-124m"]
+    merged = report.merge(old, report.render(R))
+    for kept in ("## A CNN against PyTorch DDP", "## GPT-2 124M", "## Across 2 nodes over a slow link"):
+        assert merged.count(kept) == 1 and old.split(kept, 1)[1].split("\n## ", 1)[0] in merged
+    rows = _headline_rows(merged)
+    assert [r for r in rows if "SqueezeNet" in r] == [r for r in _headline_rows(old) if "SqueezeNet" in r] != []
+    assert sum("GPT-2 124M:" in r for r in rows) == 7
+    assert "| trainrun 2x1 >= 1.3x PyTorch DDP 2x1 (tiny) | 1.49x | yes |" in merged     # this run's, not the old
+    assert merged.count("## tiny and mid against PyTorch and the ceiling") == 1
+    assert report.merge("", "# t\n\n## Headline\n\n| claim |\n") == "# t\n\n## Headline\n\n| claim |\n"
+
+
+def anchors_of(text: str) -> set[str]:
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^## (.*)$", text, re.M)}

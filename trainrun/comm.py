@@ -96,8 +96,7 @@ MAX_SLEEP_S = 1e-3
 # during the backward pass, trainrun.update) does not spin: it shares the rank's cores with onnxruntime. It
 # polls every QUIET_SLEEP_S instead (MPI progresses only inside MPI calls: a rendezvous or a collective's next
 # round waits for the next poll), until the main thread waits for it too (hurry()), then it spins.
-# scripts/bench/overlap_polling.py compares spinning, polls of 20-300 us and a back-off to 1 ms (bf16's two
-# collectives a bucket wait a millisecond a round with the back-off); figures in BENCHMARKS.md.
+# Why 100 us: docs/design.md ("How the overlap thread waits").
 QUIET_SLEEP_S = 1e-4
 _quiet = threading.local()
 _hurry = threading.Event()

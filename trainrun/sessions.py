@@ -23,8 +23,8 @@ def session_options(threads: int = 0, name: str = "", *, graph_optimization: str
     """Options of one session. ``threads``: intra-op threads (0: onnxruntime's choice, one per core);
     operators run one after the other (``inter_op`` 1). ``name`` names the graph in the profile's and the
     optimized graph's file names and in onnxruntime's log lines. ``spinning`` False: the thread pool does
-    not keep spinning after a run (for short runs between train steps: measured 1.48x end to end on
-    gpt2-tiny with 1 rank x 2 threads when the eval and optimizer sessions' pools spun); ``prepacking``
+    not keep spinning after a run (for short runs between train steps, whose spinning pools would compete
+    with the train session's threads); ``prepacking``
     False: no packed second copy of the weights (a check that runs once). ``deterministic`` caps the graph
     optimizations at basic (the fusions above it change the arithmetic) and asks for deterministic kernels.
     ``recompute``: a train graph with recomputed blocks (trainrun/recompute.py): its nodes run in the

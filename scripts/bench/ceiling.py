@@ -17,17 +17,13 @@ Each folder must hold graphs for ``--micro-batch`` x ``--seq-len`` (a static-sha
 train graph runs that shape only; scripts/bench/variants.py prepares one per
 micro-batch).
 
-``--session-config KEY=VALUE`` (repeatable), ``--graph-optimization`` and
-``--no-mem-pattern`` / ``--no-arena`` change the onnxruntime session options
-of the engine (a lever measurement; trainrun's engine is patched in this
-process only). ``--profile DIR`` writes an onnxruntime profile of the timed
+``--profile DIR`` writes an onnxruntime profile of the timed
 steps and a per-op-type summary.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
@@ -37,31 +33,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from common import add_config_entry  # noqa: E402
-
-
-@contextlib.contextmanager
-def patched_session_options(session_config: dict | None = None, mem_pattern: bool | None = None,
-                            arena: bool | None = None):
-    """Extra onnxruntime session options for every Engine session made while active."""
-    from trainrun import engine as E
-    original = E.session_options
-
-    def options(opts, *args, **kwargs):
-        so = original(opts, *args, **kwargs)
-        for k, v in (session_config or {}).items():
-            add_config_entry(so, k, v)
-        if mem_pattern is not None:
-            so.enable_mem_pattern = mem_pattern
-        if arena is not None:
-            so.enable_cpu_mem_arena = arena
-        return so
-
-    E.session_options = options
-    try:
-        yield
-    finally:
-        E.session_options = original
 
 
 class TrainGraphLoop:
@@ -73,9 +44,7 @@ class TrainGraphLoop:
     updates the parameters."""
 
     def __init__(self, graphs: str, data: str, micro_batch: int, seq_len: int, threads: int,
-                 graph_optimization: str = "all", profile_prefix: str | None = None,
-                 session_config: dict | None = None, mem_pattern: bool | None = None, arena: bool | None = None,
-                 batch_index: int = 0):
+                 profile_prefix: str | None = None, batch_index: int = 0):
         from trainrun.data import open_dataset
         from trainrun.engine import Engine, EngineOptions
         from trainrun.graphs.manifest import load_manifest
@@ -89,10 +58,8 @@ class TrainGraphLoop:
         batch = ds.read(np.arange(batch_index * micro_batch, (batch_index + 1) * micro_batch), ds.new_batch(micro_batch))
         shapes = {k: (v.shape, v.dtype) for k, v in batch.items()}
         # as trainrun runs it without gradient accumulation: gradients written straight into the flat buffer
-        opts = EngineOptions(threads=threads, graph_optimization=graph_optimization, profile_prefix=profile_prefix,
-                             direct_gradients=True)
-        with patched_session_options(session_config, mem_pattern, arena):
-            self.engine = Engine(graphs, opts, shapes, shapes)
+        opts = EngineOptions(threads=threads, profile_prefix=profile_prefix, direct_gradients=True)
+        self.engine = Engine(graphs, opts, shapes, shapes)
         self.engine.load_weights()
         self.engine.set_batch(batch)
         self.tokens = micro_batch * seq_len
@@ -131,10 +98,6 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--window", type=int, default=8, help="steps per block: graphs alternate every block; "
                                                            "also the window of the best-window figure")
-    ap.add_argument("--graph-optimization", default="all")
-    ap.add_argument("--session-config", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--no-mem-pattern", action="store_true")
-    ap.add_argument("--no-arena", action="store_true")
     ap.add_argument("--profile", help="folder for an onnxruntime profile of the timed steps")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -148,11 +111,8 @@ def main() -> int:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
         prefix = str(Path(args.profile) / f"ceiling_r{rank}")
     graphs = args.graphs.split(",")
-    loops = [TrainGraphLoop(g, args.data, args.micro_batch, args.seq_len, args.threads,
-                            graph_optimization=args.graph_optimization, profile_prefix=prefix,
-                            session_config=dict(kv.split("=", 1) for kv in args.session_config),
-                            mem_pattern=False if args.no_mem_pattern else None,
-                            arena=False if args.no_arena else None, batch_index=rank) for g in graphs]
+    loops = [TrainGraphLoop(g, args.data, args.micro_batch, args.seq_len, args.threads, profile_prefix=prefix,
+                            batch_index=rank) for g in graphs]
     for loop in loops:
         for _ in range(args.warmup):
             loop.step()
@@ -198,7 +158,6 @@ def main() -> int:
             "kind": "ceiling", "ranks": world, "threads": args.threads, "micro_batch": args.micro_batch,
             "seq_len": args.seq_len, "steps": args.steps, "rows": rows, **rows[0],
             "peak_rss_mb": everyone[:, -1].round(1).tolist(), "profile": profile,
-            "graph_optimization": args.graph_optimization, "session_config": args.session_config,
         })
     return 0
 

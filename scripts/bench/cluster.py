@@ -1,4 +1,4 @@
-"""Scaling over a slow link (issue 29, ``make bench-cluster``): GPT-2 trained on 2 pretend nodes of one core
+"""Scaling over a slow link (``make bench-cluster``): GPT-2 trained on 2 pretend nodes of one core
 each (scripts/cluster/cluster.sh, root), one rank a node, at several link rates, against the same model on
 one node alone; side by side in one run, the variants alternated within each round.
 
@@ -16,7 +16,8 @@ rank): one run on n1 alone (``1x1``), then at every rate each variant on n1 + n2
 Scaling efficiency = tokens/s on 2 nodes / (2 x tokens/s on one node); tokens/s over the steps after the
 warm-up (metrics.jsonl's ``elapsed_s``), the median over rounds. ``exposed`` = the step time on 2 nodes minus
 the step time alone: what the reduction (and the wire's CPU work on the node's one core) adds to a step.
-Writes WORK/cluster.json and the section between ``<!-- bench-cluster: begin/end -->`` of ``--output``.
+Writes WORK/cluster.json and the tables between ``<!-- bench-cluster: begin/end -->`` of ``--output``
+(appended under HEADING where the file has no such markers).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import variants
 ROOT, BIN, HERE = common.ROOT, common.BIN, common.HERE
 CLUSTER = ROOT / "scripts" / "cluster" / "cluster.sh"
 BEGIN, END = "<!-- bench-cluster: begin -->", "<!-- bench-cluster: end -->"
+HEADING = "## Across 2 nodes over a slow link (`make bench-cluster`)"
 VARIANTS = {
     "fp32": ["distributed.overlap_grad_reduce=false"],
     "fp32-overlap": ["distributed.overlap_grad_reduce=true"],
@@ -127,7 +129,7 @@ def pair_run(work: Path, m: common.BenchModel, graphs: Path, data: str, tag: str
 
 def render(results: dict) -> str:
     mach = results["machine"]
-    lines = [BEGIN, "### Across 2 nodes over a slow link (`make bench-cluster`, issue 29)", "",
+    lines = [BEGIN,
              f"{mach.get('cpu')}, {mach.get('cores')} cores ({mach.get('hypervisor', 'bare metal')}): 2 pretend nodes "
              f"(scripts/cluster/cluster.sh: network namespaces, one core each, a veth per node shaped by tc tbf), one "
              f"rank a node, 1 thread; against one rank alone on node n1. {results['when']}, "
@@ -162,8 +164,7 @@ def write_section(path: Path, text: str) -> None:
     if BEGIN in doc and END in doc:
         doc = doc[:doc.index(BEGIN)] + text + doc[doc.index(END) + len(END):]
     else:
-        hand_end = "<!-- by hand: end -->"
-        doc = doc.replace(hand_end, text + "\n\n" + hand_end) if hand_end in doc else doc + "\n" + text + "\n"
+        doc = doc.rstrip("\n") + f"\n\n{HEADING}\n\n{text}\n"
     path.write_text(doc)
 
 

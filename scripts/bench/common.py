@@ -65,10 +65,10 @@ MODELS = {
     # configs/gpt2-tiny.yaml as it is (0.55M parameters, 8 x 128 tokens per rank at 2 ranks)
     "tiny": BenchModel("tiny", n_layer=2, n_head=4, n_embd=128, seq_len=128, vocab_size=1024,
                        global_batch=16, warmup=8, steps=48, quick_steps=24),
-    # the mid size of the issue: 6 layers, d 384, seq 256 (11.2M parameters), 4 x 256 per rank at 2 ranks
+    # the mid size: 6 layers, d 384, seq 256 (11.2M parameters), 4 x 256 per rank at 2 ranks
     "mid": BenchModel("mid", n_layer=6, n_head=6, n_embd=384, seq_len=256, vocab_size=1024,
                       global_batch=8, warmup=2, steps=5, quick_steps=3),
-    # issue 17's targets (scripts/bench/gpt2_124m.py): GPT-2 124M, seq 256, micro-batch 2 per rank at 2 ranks
+    # the 124M targets (scripts/bench/gpt2_124m.py): GPT-2 124M, seq 256, micro-batch 2 per rank at 2 ranks
     "gpt2-124m": BenchModel("gpt2-124m", n_layer=12, n_head=12, n_embd=768, seq_len=256, vocab_size=50257,
                             global_batch=4, warmup=3, steps=5, quick_steps=5),
 }
@@ -86,17 +86,6 @@ def run_sets(m: BenchModel, out_dir, data: str, micro_batch: int, threads: int =
          "checkpoint.every=0", "tensorboard.enabled=false", f"engine.threads={threads}",
          "lr_schedule.warmup_steps=4"]
     return s + [f"model.gpt2.{k}={v}" for k, v in m.gpt2().items()]
-
-
-def add_config_entry(so, key: str, value) -> None:
-    """so.add_session_config_entry, quietly skipping an entry trainrun already set to that value
-    (onnxruntime warns about overwriting one)."""
-    try:
-        if so.get_session_config_entry(key) == str(value):
-            return
-    except RuntimeError:        # not set yet
-        pass
-    so.add_session_config_entry(key, str(value))
 
 
 def summarize(values: list[float]) -> dict:

@@ -8,9 +8,6 @@
 * comm: ``scripts/bench_comm.py`` under mpirun -np 2 (raw blocking MPI Allreduce,
   trainrun's polled Communicator.allreduce_ and a memcpy of the same buffer);
   its table is parsed.
-
-The optimizer update (the ONNX optimizer graph vs trainrun's host kernel) is
-measured by scripts/bench/fastopt.py.
 """
 
 from __future__ import annotations

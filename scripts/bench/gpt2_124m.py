@@ -1,4 +1,4 @@
-"""GPT-2 124M: issue 17's targets, side by side in one run (section ``gpt2-124m`` of run.py).
+"""GPT-2 124M: its targets, side by side in one run (section ``gpt2-124m`` of run.py).
 
     make bench-124m                 # = .venv/bin/python scripts/bench/run.py --only gpt2-124m  (~10 min, 2 cores)
     .venv/bin/python scripts/bench/run.py --only gpt2-124m --target-model mid --work /tmp/b --output /tmp/B.md
@@ -9,7 +9,7 @@ in rounds that rotate their order so that a shared machine's load hits all alike
 
 * trainrun (this checkout) with ``distributed.zero_stage`` 0 and 1; where this checkout's config has
   ``distributed.intra_node``, each stage with ``intra_node=shared`` and ``=mpi``;
-* trainrun as on main before issue 17 (commit ``BEFORE``): that commit's ``trainrun`` package and
+* trainrun at an older commit (``BEFORE``, before ZeRO-1 and ``phase_ms``): that commit's ``trainrun`` package and
   configs/gpt2-tiny.yaml (``git archive`` into the work folder), run with this venv through
   scripts/bench/trainrun_rank.py ``--code``; its graphs prepared by its own ``trainrun prepare``;
 * PyTorch DDP (scripts/bench/torch_train.py: transformers GPT-2, gloo) on the same data and initial weights.
@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 SECTION = "gpt2-124m"
-BEFORE = "315f1e2"       # main before issue 17 (ZeRO-1, phase_ms, ...)
+BEFORE = "315f1e2"       # an older commit: before ZeRO-1, phase_ms, ...
 HERE = common.HERE
 PY = sys.executable
 GRAD_BYTES = 4           # float32 gradients, parameters and AdamW moments
@@ -79,7 +79,7 @@ def setups(intra: bool) -> dict:
                     "current", [f"distributed.zero_stage={stage}", f"distributed.intra_node={mode}"], stage, mode)
         else:
             out[f"trainrun stage {stage}"] = ("current", [f"distributed.zero_stage={stage}"], stage, "mpi")
-    out[f"main before issue 17 ({BEFORE})"] = ("before", [], 0, "mpi")
+    out[f"trainrun at {BEFORE}"] = ("before", [], 0, "mpi")
     out["PyTorch DDP"] = ("ddp", [], None, None)
     return out
 

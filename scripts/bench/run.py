@@ -1,13 +1,13 @@
 """trainrun's benchmark suite: trainrun vs PyTorch (DDP and single process) vs the
 train-graph ceiling, side by side in one run, with trainrun's speed levers
-switched off for comparison, plus lever and component measurements;
-regenerates BENCHMARKS.md.
+switched off for comparison, plus BERT, a CNN, GPT-2 124M and component
+measurements; regenerates BENCHMARKS.md.
 
     .venv/bin/python scripts/bench/run.py            # full (~20 min on 2 cores), = make bench
     .venv/bin/python scripts/bench/run.py --quick    # ~5 min: fewer steps and repeats
     .venv/bin/python scripts/bench/run.py --render   # re-write BENCHMARKS.md from the last results.json
-    .venv/bin/python scripts/bench/run.py --only runner_levers,memcap   # re-run sections into results.json
-    .venv/bin/python scripts/bench/run.py --only gpt2-124m   # = make bench-124m: issue 17's targets (~10 min)
+    .venv/bin/python scripts/bench/run.py --only bert,memcap   # re-run sections into results.json
+    .venv/bin/python scripts/bench/run.py --only gpt2-124m   # = make bench-124m: GPT-2 124M alone (~10 min)
 
 Everything runs with the same thread budget (all cores, 2 on the reference
 machine): "2x1" = 2 ranks x 1 thread, "1x2" = 1 process x 2 threads, the same
@@ -37,8 +37,9 @@ and graph-shaping --sets, and every run starts from the folder of its own
 micro-batch, so no run re-prepares (a run that did is flagged in the report).
 
 Section gpt2-124m (scripts/bench/gpt2_124m.py; not in --quick unless named in --only): GPT-2 124M
-with trainrun's ZeRO stages (and intra-node paths), main before issue 17 and PyTorch DDP, side by side;
-``--only gpt2-124m`` alone re-writes just its part of BENCHMARKS.md (the rest of the file is kept).
+with trainrun's ZeRO stages (and intra-node paths), an older commit of trainrun and PyTorch DDP, side by
+side. BENCHMARKS.md keeps every section of the last file that this run did not render (``--only``, the
+hand-kept sections), with its headline rows.
 
 Raw results: runs/bench/results.json (+ logs/ and per-run folders).
 """
@@ -67,7 +68,6 @@ HERE = Path(__file__).resolve().parent
 CONFIG = common.CONFIG
 # trainrun's speed levers that have a switch, off: the ONNX optimizer graph, the dynamic-shape train graph
 DEFAULT_OFF_SETS = ["engine.optimizer_kernel=graph", variants.STATIC_OFF]
-NOSPIN = {"session.intra_op.allow_spinning": "0"}
 
 
 def rel(p) -> str:
@@ -176,8 +176,7 @@ class Suite:
                                 run=lambda name, cmd: self.sh(name, cmd)["rc"])
 
     # ------------------------------------------------------------------ one run of each kind
-    def run_trainrun(self, m, tag, ranks, threads, graphs: Path, warmup, steps, patch=None, extra_sets=(),
-                     micro_batch=None) -> dict:
+    def run_trainrun(self, m, tag, ranks, threads, graphs: Path, warmup, steps, extra_sets=(), micro_batch=None) -> dict:
         d = self.work / "runs" / m.name / tag
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
@@ -185,8 +184,6 @@ class Suite:
         sets = self.sets(m, d, ranks, threads, warmup, steps, micro_batch) + list(extra_sets)
         argv = ["--config", str(CONFIG)] + [x for s in sets for x in ("--set", s)]
         wrapper = [PY, str(HERE / "trainrun_rank.py"), "--rss-dir", str(d)]
-        if patch:
-            wrapper += ["--patch", json.dumps(patch)]
         cmd = ([str(BIN / "mpirun"), "-np", str(ranks)] if ranks > 1 else []) + wrapper + ["--"] + argv
         info = self.sh(f"{m.name}-{tag}", cmd)
         # trainrun re-prepares (before step 1, outside the timed steps) when the graphs do not fit the run
@@ -196,8 +193,6 @@ class Suite:
             self.say(f"  {m.name}-{tag}: trainrun re-prepared its graphs (graphs folder {rel(graphs)} does not fit)")
         shown = (f"mpirun -np {ranks} " if ranks > 1 else "") + "trainrun " + " ".join(
             a if not a.startswith(("/", str(ROOT))) else rel(a) for a in argv)
-        if patch:
-            shown += f"   # run through scripts/bench/trainrun_rank.py --patch '{json.dumps(patch)}'"
         out = {"cmd": shown, **info}
         try:
             records = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -291,50 +286,6 @@ class Suite:
         self.sh("peak", [PY, str(HERE / "peak.py"), "--repeats", "4" if self.quick else "8", "--out", str(out)])
         self.results["peak"] = common.read_json(out) if out.exists() else None
 
-    def levers(self, name: str) -> None:
-        """The train graph alone, one process: static vs dynamic graph, and session options (levers.py)."""
-        m = MODELS[name]
-        res = self.results["models"][name].setdefault("levers", {})
-        if name == "tiny":
-            names = "static,dynamic,static@nospin,static@basic,static@extended,static@disabled," \
-                    "static@nomempattern,static@noarena,static@daz"
-            rounds = 8 if self.quick else 14
-        else:
-            names = "static,dynamic,static@nospin"
-            rounds = 2 if self.quick else 3
-        if self.quick:
-            names, rounds = "static,dynamic,static@nospin", 6
-        for threads in (1, 2):
-            mb = m.global_batch // 2 * threads          # the per-process batch of 2x1 / 1x2
-            self.graphs(m, mb)
-            self.graphs(m, mb, [variants.STATIC_OFF])
-            self.say(f"{name}: levers on the train graph, {threads} thread(s), micro-batch {mb}")
-            out = self.work / f"levers-{name}-t{threads}.json"
-            self.sh(f"levers-{name}-t{threads}", [PY, str(HERE / "levers.py"), "timing", "--model", name, "--threads",
-                                                  str(threads), "--micro-batch", str(mb), "--variants", names,
-                                                  "--rounds", str(rounds), "--work", str(self.work), "--data", self.data,
-                                                  "--out", str(out)])
-            res[f"t{threads}"] = common.read_json(out) if out.exists() else None
-        self.say(f"{name}: onnxruntime profile of the train graph (1 thread)")
-        out = self.work / f"profile-{name}.json"
-        self.sh(f"profile-{name}", [PY, str(HERE / "levers.py"), "profile", "--model", name, "--threads", "1",
-                                    "--micro-batch", str(m.global_batch // 2), "--steps", "3" if name == "mid" else "10",
-                                    "--variants", "static,dynamic", "--work", str(self.work),
-                                    "--data", self.data, "--out", str(out)])
-        res["profile"] = common.read_json(out) if out.exists() else None
-
-    def scaling(self) -> None:
-        """Which ops of the train graph do not speed up from 1 to 2 threads (mid model, profiles)."""
-        m = MODELS["mid"]
-        self.graphs(m, m.global_batch)
-        self.graphs(m, m.global_batch, [variants.STATIC_OFF])
-        self.say("mid: per-op scaling from 1 to 2 threads (onnxruntime profiles), static vs dynamic graph")
-        out = self.work / "scaling-mid.json"
-        self.sh("scaling-mid", [PY, str(HERE / "levers.py"), "scaling", "--model", "mid", "--micro-batch",
-                                str(m.global_batch), "--steps", "4", "--variants", "static,dynamic",
-                                "--work", str(self.work), "--data", self.data, "--out", str(out)])
-        self.results["scaling"] = common.read_json(out) if out.exists() else None
-
     def matrix(self, name: str) -> None:
         m = MODELS[name]
         steps = m.quick_steps if self.quick else m.steps
@@ -384,43 +335,6 @@ class Suite:
                              f"  (foreign load {r['foreign_cpu_cores']:.2f} cores)")
                 self.save()
 
-    def runner_levers(self, name: str) -> None:
-        """Each lever alone against trainrun's defaults, end to end through trainrun's CLI, paired per round."""
-        m = MODELS[name]
-        steps, warmup = (m.quick_steps if self.quick else m.steps), m.warmup
-        kernel_off, static_off = ["engine.optimizer_kernel=graph"], [variants.STATIC_OFF]
-        setups = {
-            "2x1: trainrun": dict(ranks=2, threads=1),
-            "2x1: optimizer_kernel=graph": dict(ranks=2, threads=1, extra_sets=kernel_off),
-            "2x1: static_shapes=false": dict(ranks=2, threads=1, extra_sets=static_off),
-            "2x1: collective spin 0 s": dict(ranks=2, threads=1, patch={"spin_s": 0.0}),
-            "1x2: trainrun": dict(ranks=1, threads=2),
-            "1x2: optimizer_kernel=graph": dict(ranks=1, threads=2, extra_sets=kernel_off),
-            "1x2: static_shapes=false": dict(ranks=1, threads=2, extra_sets=static_off),
-            "1x2: all sessions no spinning": dict(ranks=1, threads=2, patch={"session_config": NOSPIN}),
-            "1x2: data.prefetch=0": dict(ranks=1, threads=2, extra_sets=["data.prefetch=0"]),
-        }
-        for kw in setups.values():       # each run's own graphs folder, prepared before any timing
-            kw["graphs"] = self.graphs(m, m.global_batch // kw["ranks"], kw.get("extra_sets", ()))
-        rounds = 2 if self.quick else 4     # 2 rounds left position effects of +-20% (seen)
-        runs = {k: [] for k in setups}
-        names = list(setups)
-        for rep in range(rounds):
-            k0 = (rep * 3) % len(names)       # rotated and alternately reversed, as in the matrix
-            order = names[k0:] + names[:k0]
-            order = order if rep % 2 == 0 else order[::-1]
-            self.say(f"{name}: runner levers, round {rep + 1}/{rounds}")
-            for k in order:
-                kw = setups[k]
-                tag = "lever-" + "".join(c if c.isalnum() else "_" for c in k) + f"-r{rep}"
-                r = self.run_trainrun(m, tag, kw["ranks"], kw["threads"], kw["graphs"], warmup, steps,
-                                      patch=kw.get("patch"), extra_sets=kw.get("extra_sets", ()))
-                r["round"] = rep
-                runs[k].append(r)
-                self.say(f"  {k:34s} {r.get('tokens_per_sec') or 0:9.0f} tokens/s (foreign load {r['foreign_cpu_cores']:.2f})")
-                self.save()
-        self.results.setdefault("runner_levers", {})[name] = {"rounds": rounds, "runs": runs}
-
     def memcap(self) -> None:
         """Peak RSS per rank against the micro-batch, trainrun vs trainrun-off vs DDP (2x1), a few steps each."""
         res = self.results.setdefault("memcap", {})
@@ -449,12 +363,6 @@ class Suite:
         self.sh("comm", [PY, str(HERE / "extras.py"), "comm", "--sizes", f"{tiny / 1e6:.4f}M,{mid / 1e6:.4f}M",
                          "--iters", "6" if q else "12", "--out", str(out)])
         self.results["comm"] = common.read_json(out) if out.exists() else None
-        self.say("optimizer update: the ONNX optimizer graph vs the host kernel (scripts/bench/fastopt.py)")
-        out = self.work / "fastopt.json"
-        self.sh("fastopt", [PY, str(HERE / "fastopt.py"), "--model", "mid", "--threads", "1",
-                            "--repeats", "5" if q else "12", "--out", str(out)])
-        self.results["fastopt"] = common.read_json(out) if out.exists() else None
-        self.results.pop("optim", None)        # (bench_optim's whole-buffer NumPy: superseded by the host kernel)
         self.say("data loader batches/s (scripts/bench_data.py)")
         out = self.work / "data.json"
         self.sh("data", [PY, str(HERE / "extras.py"), "data", "--data", self.data, "--steps", "1000" if q else "4000",
@@ -486,8 +394,8 @@ class Suite:
                 keep = self.results
                 self.results = common.read_json(prev)
                 self.results["argv_last"] = keep["argv"]
-                for stale in ("proposed", "numerics", "optim"):      # sections of earlier versions of the suite
-                    self.results.pop(stale, None)
+                for stale in ("proposed", "numerics", "optim", "fastopt", "scaling", "runner_levers"):
+                    self.results.pop(stale, None)      # sections the suite no longer measures
         want = lambda section: only is None or section in only  # noqa: E731
         self.results["machine"] = common.machine()
         self.results["loadavg_start"] = os.getloadavg()
@@ -505,17 +413,6 @@ class Suite:
         if want("matrix"):
             for name in models:
                 self.matrix(name)
-        if want("levers") and not self.args.skip_levers:
-            for name in models:
-                if self.quick and name != "tiny":
-                    continue          # quick: the tiny model's levers only
-                self.levers(name)
-                self.save()
-        if want("scaling") and not self.args.skip_levers and not self.quick and "mid" in models:
-            self.scaling()
-            self.save()
-        if want("runner_levers") and not self.args.skip_levers and (not self.quick or only) and "tiny" in models:
-            self.runner_levers("tiny")
         if want("extras") and not self.args.skip_extras:
             self.extras()
             self.save()
@@ -548,8 +445,8 @@ class Suite:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--quick", action="store_true", help="fewer steps/rounds (~5 min; no scaling, runner_levers, "
-                                                          "memcap unless named in --only)")
+    ap.add_argument("--quick", action="store_true", help="fewer steps/rounds (~5 min; no memcap or gpt2-124m "
+                                                          "unless named in --only)")
     ap.add_argument("--models", default="tiny,mid")
     ap.add_argument("--repeats", type=int, help="rounds of the main matrix (default 3, quick 1)")
     ap.add_argument("--data", help="token dataset folder (default: data/stdlib/train, else built in the work folder)")
@@ -557,11 +454,9 @@ def main() -> int:
     ap.add_argument("--output", default=str(ROOT / "BENCHMARKS.md"))
     ap.add_argument("--off-set", action="append", metavar="KEY=VALUE",
                     help=f"a --set of the trainrun-off runs (repeatable; replaces the default {' '.join(DEFAULT_OFF_SETS)})")
-    ap.add_argument("--skip-levers", action="store_true")
     ap.add_argument("--skip-extras", action="store_true")
     ap.add_argument("--only", help="comma-separated sections to (re-)run into the existing results.json: "
-                                   "peak,matrix,levers,scaling,runner_levers,extras,memcap,bert,cnn,gpt2-124m "
-                                   "(gpt2-124m alone re-writes only its part of the report)")
+                                   "peak,matrix,extras,memcap,bert,cnn,gpt2-124m")
     ap.add_argument("--target-model", default="gpt2-124m", choices=list(MODELS),
                     help="model of the gpt2-124m section (e.g. mid to try it quickly)")
     ap.add_argument("--target-rounds", type=int, default=1, help="rounds of the gpt2-124m section")
@@ -579,11 +474,8 @@ def main() -> int:
             suite.save()
     results = common.read_json(work / "results.json")
     output = Path(args.output)
-    if args.only and set(args.only.split(",")) == {gpt2_124m.SECTION} and output.exists():
-        output.write_text(report.splice_124m(output.read_text(), results))     # the rest of the file kept
-    else:
-        old = output.read_text() if output.exists() else ""
-        output.write_text(report.keep_by_hand(old, report.render(results)))     # the hand-kept part kept
+    old = output.read_text() if output.exists() else ""
+    output.write_text(report.merge(old, report.render(results)))     # sections not rendered now kept
     print(f"wrote {rel(args.output)} (raw results: {rel(work / 'results.json')})")
     return 0
 

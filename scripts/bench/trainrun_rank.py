@@ -2,20 +2,10 @@
 in this process), plus the peak RSS of the rank written at exit.
 
     .venv/bin/mpirun -np 2 .venv/bin/python scripts/bench/trainrun_rank.py \
-        --rss-dir DIR [--patch JSON] -- --config FILE --set ...
+        --rss-dir DIR -- --config FILE --set ...
 
 is ``mpirun -np 2 trainrun --config FILE --set ...`` with DIR/rss-<rank>.json
-written at exit. ``--patch`` changes a runtime setting that trainrun has no
-config key for, in this process only (trainrun's files are not modified), a
-JSON object with:
-
-* ``spin_s``: trainrun.comm.SPIN_S (seconds a rank spins on Test() before it
-  starts sleeping while waiting in a collective);
-* ``session_config``: extra onnxruntime session config entries for every session
-  of the engine (e.g. {"session.intra_op.allow_spinning": "0"}).
-
-Everything that has a config key (engine.optimizer_kernel, engine.static_shapes,
-data.prefetch, ...) goes through ``--set`` instead.
+written at exit.
 
 ``--code DIR`` runs the trainrun package found in DIR (e.g. an older commit's
 ``git archive``) instead of this checkout's, in this process's Python and venv.
@@ -33,7 +23,6 @@ recorded when trainrun's runner has a ``TrainingRunner.save`` method to hook.
 from __future__ import annotations
 
 import atexit
-import json
 import sys
 from pathlib import Path
 
@@ -80,7 +69,7 @@ def main() -> None:
     argv = sys.argv[1:]
     sep = argv.index("--") if "--" in argv else len(argv)
     own, rest = argv[:sep], argv[sep + 1:]
-    rss_dir, patch, code, phases = None, {}, None, False
+    rss_dir, code, phases = None, None, False
     i = 0
     while i < len(own):
         if own[i] == "--rss-dir":
@@ -92,14 +81,8 @@ def main() -> None:
         elif own[i] == "--phases":
             phases = True
             i += 1
-        elif own[i] == "--patch":
-            patch = json.loads(own[i + 1])
-            i += 2
         else:
             raise SystemExit(f"trainrun_rank: unknown option {own[i]}")
-    unknown = set(patch) - {"spin_s", "session_config"}
-    if unknown:
-        raise SystemExit(f"trainrun_rank: unknown patch key(s) {sorted(unknown)}")
     if code:       # ahead of this checkout (common put it first on sys.path) and of an editable install
         sys.path.insert(0, str(Path(code).resolve()))
         _own_subpackages(Path(code).resolve())
@@ -121,19 +104,6 @@ def main() -> None:
             runner.TrainingRunner.save = save
         except (ImportError, AttributeError):
             pass
-    if "spin_s" in patch:
-        from trainrun import comm
-        comm.SPIN_S = float(patch["spin_s"])
-    if patch.get("session_config"):
-        from trainrun import engine
-        original = engine.session_options
-
-        def options(opts, name="", *args, **kwargs):
-            so = original(opts, name, *args, **kwargs)
-            for k, v in patch["session_config"].items():
-                common.add_config_entry(so, k, v)
-            return so
-        engine.session_options = options
     sys.argv = ["trainrun", *rest]
     from trainrun.cli import main as trainrun_main
     trainrun_main()

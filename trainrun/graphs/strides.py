@@ -3,16 +3,15 @@
 onnxruntime's CPU GEMM (MLAS) packs the right operand but reads the left one in place, a dozen rows at a
 time. When those rows are a multiple of 4 KiB apart (the contraction K a multiple of 1024 float32), they
 fall into one L1 cache set, and a set holds 8 to 12 lines: the rows evict each other and the product runs
-8-30% slower (scripts/bench/strides.py; BENCHMARKS.md). It happens wherever a model's sizes are powers
+slower (docs/design.md, "Rows 4 KiB apart in CPU products"). It happens wherever a model's sizes are powers
 of two: every weight gradient when a micro-batch holds 1024 tokens (8 x 128, 4 x 256, 1 x 1024; K is the
 token count), GPT-2's MLP projection (K = 3072 = 3 x 1024).
 
 :func:`pad_contractions` pads K with 16 zeros (one cache line) on both operands of such a product: the
 rows then fall into successive sets. The padded terms are exact zeros, so the product keeps its value.
-It is a property of the processor: AMD's (an EPYC Zen 4 here) lose 8-30%, an Intel Xeon lost nothing (and
-paid 2-10% for the copies), so ``engine.pad_products: auto`` pads on AMD processors only (:func:`wanted`).
-The two copies cost less than the product gains once M*N/(M+N) >= 128 (rows and columns of the result;
-the measured break-even is near 100), so smaller products are left alone. Only float32 MatMul, Gemm and
+It is a property of the processor (measured on AMD's, not on an Intel Xeon), so ``engine.pad_products:
+auto`` pads on AMD processors only (:func:`wanted`). The two copies cost less than the product gains once
+M*N/(M+N) >= 128 (rows and columns of the result), so smaller products are left alone. Only float32 MatMul, Gemm and
 FusedMatMul of a left operand read as rows (not transposed; leading dims flattened into M) and a matrix,
 every dim known: graphs with static shapes. Batched products (attention's) are left alone: a padded copy of
 their [S, S] operands costs about what a product over a head's 64 columns would gain.
