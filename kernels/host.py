@@ -7,11 +7,9 @@ whole flat buffer: a dozen passes over main memory and full-size intermediates
 runs the same rules as one loop over params, grads and state per run of
 tensors: each element is read once and written once, nothing else is
 allocated, and the loop is vectorised (AVX2/AVX-512 where the CPU has them).
-The chunked NumPy this replaced (a dozen ufuncs over an L2-sized slice at a
-time) took 78-84 ms for AdamW over 62M parameters (half of GPT-2 124M) with two
-processes updating at once on the 2-core AMD EPYC, the fused loop 29-31 ms:
-the update was bound by NumPy's per-call overhead and the passes over L2, not
-by main memory (``make bench-124m``'s optimizer phase shows it in real runs).
+A chunked NumPy update (a dozen ufuncs over an L2-sized slice at a time) is
+bound by NumPy's per-call overhead and the passes over L2, not by main memory
+(docs/design.md, "The optimizer update: host kernel against the graph").
 
 The arithmetic mirrors the graph op for op: the same float32 operations in the
 same order (Numba without ``fastmath``: no contraction into FMA, no

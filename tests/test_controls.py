@@ -1,4 +1,4 @@
-"""Training controls (issue 31): several named eval sets, train.max_epochs, train.max_time. Real runs of
+"""Training controls: several named eval sets, train.max_epochs, train.max_time. Real runs of
 a tiny GPT-2 (`mpirun -np 2` where ranks matter), real files read back: metrics.jsonl, TensorBoard's
 event file, checkpoints' state.json."""
 

@@ -323,8 +323,8 @@ def small_run(tmp_path, model, data_dir, **sections):
 
 def test_external_data_outside_the_model_folder_is_refused(tmp_path, tabular):
     """A weight file that is a link out of the model's folder: exit 2 naming the tensor and the path, nothing
-    prepared (onnx follows the link: another file's bytes were the weights); a link inside the folder is
-    read as before."""
+    prepared (onnx would follow the link: another file's bytes would be the weights); a link inside the
+    folder is read."""
     data, _ = tabular
     w = mlp(tmp_path / "plain.onnx", 5)
     folder = tmp_path / "model"

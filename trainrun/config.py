@@ -478,8 +478,8 @@ class EngineConfig:
     """On the CPU, pad a matrix product of the train graph whose contraction is a multiple of 1024 float32
     (rows 4 KiB apart: every weight gradient of a 1024-token micro-batch, GPT-2's MLP projection) by 16
     zeros, when its result is large enough to repay the copies (needs static_shapes; the same values):
-    auto = on AMD processors, where such products ran 8-30% slower, and not elsewhere (an Intel Xeon
-    showed no slowdown to win back); always = on any processor; never. Baked into the train graph."""
+    auto = on AMD processors, where such products are slower, and not elsewhere; always = on any
+    processor; never. Baked into the train graph."""
 
 
 @dataclass

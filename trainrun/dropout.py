@@ -13,8 +13,7 @@ by ``SeedSequence([seed, P + j])`` (with a tag that no other stream of trainrun 
 
 Each mask takes the next ceil(n/4) 64-bit draws of the sample's stream, read as n 16-bit ones;
 an element is kept when its draw is >= round(p * 2^16) (the ratio is resolved to 1/65536) and
-then holds 1/(1-p). Cost: 1.0 ms per gpt2-tiny micro-batch (8 x 128, 1.7M mask elements; its
-fwd+bwd takes 31 ms at 1 thread), 32 ms per GPT-2 124M one (2 x 256, 28.7M elements; 2.3 s). NumPy's bit generators' raw streams and SeedSequence
+then holds 1/(1-p); its cost: docs/design.md ("Small costs per step"). NumPy's bit generators' raw streams and SeedSequence
 are stable across NumPy versions (NEP 19), so are the masks. Pure NumPy: no onnxruntime.
 """
 

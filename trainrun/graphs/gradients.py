@@ -116,7 +116,7 @@ def _scatter_tied_gradients(model: onnx.ModelProto) -> onnx.ModelProto:
     When the other gradient is a Transpose's output (a tied LM head's, computed as [width, vocab]), the
     scatter goes into the Transpose's input, along axis 1, and the Transpose then writes the sum: with
     direct gradients (:func:`direct_gradients`) straight into the flat buffer, where a scatter into a
-    bound output first copies its input there (65 ms a step at GPT-2 124M); the same adds in the same
+    bound output first copies its input there; the same adds in the same
     order per element. Only float32 2-D parameters (graph inputs), from opset 16 (ScatterElements'
     reduction); returns ``model``, changed in place."""
     if opset(model) < 16:
@@ -182,9 +182,8 @@ def _untransposed_weight_gradients(model: onnx.ModelProto) -> onnx.ModelProto:
     """The gradient builder writes a MatMul's weight gradient as Gemm(X, dY, transA=1) = X^T dY, and
     onnxruntime's GemmTransposeFusion turns the tied LM head's Gemm + Transpose into Gemm(dY, X,
     transA=1) over the [tokens, vocab] dY. MLAS runs a transposed A by transposing it again, panel
-    by panel, for every block of output columns: at GPT-2 124M the head's [50257, 768] gradient took
-    1.45x the forward's multiply of the same size (332 vs 231 ms), the layers' weight gradients
-    1.2x theirs. Here X is transposed once (Reshape [K, 1, M], Transpose [M, K, 1], Reshape [M, K]:
+    by panel, for every block of output columns, slower than the forward's multiply of the same size
+    (docs/design.md, "Levers at GPT-2 124M"). Here X is transposed once (Reshape [K, 1, M], Transpose [M, K, 1], Reshape [M, K]:
     a shape onnxruntime's MatmulTransposeFusion does not fold back into a transA) and multiplied by
     a plain MatMul; the same products in the same order. Only Gemm(X, Y) with transA=1, transB=0,
     alpha=1 and no C; returns ``model``, changed in place."""

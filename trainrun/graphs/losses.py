@@ -14,8 +14,8 @@ from ..errors import UsageError
 from .names import LOSS, METRIC_PREFIX
 from .onnx_edit import const, fresh, opset, value_dims
 
-# top-5 accuracy is reported for 5..TOP5_MAX_CLASSES classes: TopK over a GPT-2 vocabulary (50257) made the
-# eval step of a 2-layer d=128 model 1.9x slower (363 -> 695 ms at 8x128 tokens, 1 thread), top-1 (ArgMax) 1.1x
+# top-5 accuracy is reported for 5..TOP5_MAX_CLASSES classes: TopK over a GPT-2 vocabulary (50257) costs
+# more than the eval step itself (docs/design.md, "Small costs per step")
 TOP5_MAX_CLASSES = 4096
 
 
@@ -253,10 +253,10 @@ def split_cross_entropy(model: onnx.ModelProto) -> onnx.ModelProto:
     """Every SoftmaxCrossEntropyLoss of ``model`` (opset >= 13) as LogSoftmax over axis 1 +
     NegativeLogLikelihoodLoss (the same attributes and inputs): ONNX's own definition of the op, the same
     outputs (its ``log_prob`` output, which the gradient's SoftmaxCrossEntropyLossGrad reads, now comes
-    from LogSoftmax). onnxruntime's CPU SoftmaxCrossEntropyLoss is a scalar one-thread loop: over GPT-2
-    124M's 512 x 50257 logits 228 ms a step (1 thread), LogSoftmax (MLAS, vectorised) + the NLL pick
-    7 ms. Applied after the gradient builder, which differentiates SoftmaxCrossEntropyLoss in one cheap
-    kernel (the gradient of LogSoftmax + NLL, LogSoftmaxGrad, is over 2x slower). Before opset 13
+    from LogSoftmax). onnxruntime's CPU SoftmaxCrossEntropyLoss is a scalar one-thread loop, LogSoftmax
+    (MLAS) + the NLL pick vectorised (docs/design.md, "Levers at GPT-2 124M"). Applied after the gradient
+    builder, which differentiates SoftmaxCrossEntropyLoss in one cheap kernel (the gradient of LogSoftmax
+    + NLL, LogSoftmaxGrad, is slower). Before opset 13
     LogSoftmax flattened its input from ``axis``: such graphs are left alone. In a train graph the
     gradient's SoftmaxCrossEntropyLossGrad is rewritten too (:func:`_cross_entropy_grad_by_exp`).
     Returns ``model``, changed in place."""
@@ -284,8 +284,7 @@ def _cross_entropy_grad_by_exp(model: onnx.ModelProto) -> onnx.ModelProto:
     """Every SoftmaxCrossEntropyLossGrad of a train graph (reduction mean or sum, no class weights,
     opset >= 16) as d_logits = Exp(log_prob) * r - r at each label, r = dY / (labels not ignored)
     per row (0 on an ignored row): Exp, Mul and an in-place ScatterElements(add), vectorised passes
-    over the logits, where onnxruntime's CPU kernel is a scalar exp loop (58 ms over GPT-2 124M's
-    512 x 50257 log-probabilities, 1 thread). Class axis 1 at any rank, as the op. Returns ``model``,
+    over the logits, where onnxruntime's CPU kernel is a scalar exp loop. Class axis 1 at any rank, as the op. Returns ``model``,
     changed in place."""
     if opset(model) < 16:
         return model

@@ -32,9 +32,8 @@ MIN_SIZE = 128    # M*N/(M+N) at or above which padding pays
 
 
 def wanted(setting: str, device: str) -> bool:
-    """Whether ``prepare`` pads (``engine.pad_products``): never on a GPU; ``auto`` on AMD processors, the
-    ones measured to slow down (an Intel Xeon did not: its products were as fast at K = 1024 as beside it,
-    and the copies cost 2-10%)."""
+    """Whether ``prepare`` pads (``engine.pad_products``): never on a GPU; ``auto`` on AMD processors, where
+    the slowdown shows (docs/design.md, "Rows 4 KiB apart in CPU products")."""
     if device != "cpu" or setting == "never":
         return False
     return setting == "always" or cpu_vendor() == "AuthenticAMD"

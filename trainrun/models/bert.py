@@ -186,10 +186,9 @@ def build_bert(cfg: BertConfig, weights: dict[str, np.ndarray], inference: bool 
 
     # embeddings
     seq = g.op("Shape", ["input_ids"], start=1, end=2)
-    # onnxruntime's CPU GatherGrad (Gather's gradient) takes a mutex per element: ~10 ms a step for each
-    # embedding of bert-tiny whatever the table's size. GatherND's gradient is a plain serial loop (~15x
-    # faster); the token types, a table of a few rows, are a one-hot [B, S, T] (a Gather from a constant
-    # identity, so an out-of-range id still fails as before) times the table, whose gradient is one small Gemm.
+    # onnxruntime's CPU GatherGrad (Gather's gradient) takes a mutex per element, slow whatever the table's
+    # size (docs/design.md, "Small costs per step"). GatherND's gradient is a plain serial loop; the token types, a table of a few rows, are a one-hot [B, S, T] (a Gather from a constant
+    # identity, so an out-of-range id still fails) times the table, whose gradient is one small Gemm.
     words = g.op("GatherND", ["bert.embeddings.word_embeddings.weight", g.op("Unsqueeze", ["input_ids", "c_last"])])
     pos = g.op("Slice", ["bert.embeddings.position_embeddings.weight", "c_zero1", seq, "c_zero1"])
     g.const("c_type_onehot", np.eye(cfg.type_vocab_size, dtype=np.float32))
