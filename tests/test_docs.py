@@ -42,7 +42,7 @@ def anchors(path: Path) -> set[str]:
 def test_configuration_reference_is_up_to_date():
     text = (DOCS / "configuration.md").read_text()
     assert text == C.markdown_reference(), \
-        "docs/configuration.md is out of date with trainrun/config.py: run `make docs`"
+        "docs/configuration.md is out of date with trainrun/config/: run `make docs`"
     for section in ("run", "model", "model.gpt2", "optimizer", "distributed"):
         assert f"## `{section}`" in text
     assert "| `optimizer.name` | `adamw` | `adam`, `adamw`, `lamb`, `sgd` |" in text

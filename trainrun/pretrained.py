@@ -10,7 +10,7 @@ model may lack (the family's ``optional`` prefixes); any other missing parameter
 (buffers such as ``attn.bias`` or ``position_ids``) are ignored.
 
 The config side (config.json's shape fields fill ``model.<family>``, or must agree with it) is
-config._fill_from_init_from and :func:`trainrun.validity.config_problems`.
+config.load._fill_from_init_from and :func:`trainrun.validity.config_problems`.
 """
 
 from __future__ import annotations

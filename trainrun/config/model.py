@@ -1,0 +1,175 @@
+"""The schema's ``model`` section: the built-in families' sections (GPT-2, BERT), the loss keys, the
+families ``model.builtin`` names and the sections of families added from outside (``add_family_section``).
+
+What a family is beyond its section lives in trainrun/models/; this is the one other place that names the
+built-in ones (the schema is where every user-facing key is written and documented)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+from .fields import opt
+
+
+@dataclass
+class GPT2Config:
+    n_layer: int = opt(2, min=1)
+    """Number of transformer blocks."""
+    n_head: int = opt(4, min=1)
+    """Attention heads per block (must divide n_embd)."""
+    n_embd: int = opt(128, min=1)
+    """Width of the residual stream."""
+    n_positions: int = opt(256, min=1)
+    """Longest sequence the position embedding covers."""
+    vocab_size: int = opt(1024, min=2)
+    """Vocabulary size (tokens must be below it)."""
+    dropout: float = opt(0.0, min=0.0, max=0.999)
+    """Dropout while training, placed as transformers' GPT-2: embeddings, attention probabilities,
+    after each c_proj (attention and MLP); masks from run.seed and the sample position."""
+    layer_norm_epsilon: float = opt(1e-5, gt=0.0)
+    """Epsilon of every LayerNorm."""
+    initializer_range: float = opt(0.02, gt=0.0)
+    """Std of the normal initialisation (residual projections scaled by 1/sqrt(2 n_layer))."""
+
+    # the fields of a transformers config.json that fix the shape (model.init_from)
+    CONFIG_JSON_SHAPE: ClassVar[tuple] = ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size",
+                                          "layer_norm_epsilon")
+    POSITIONS: ClassVar[str] = "n_positions"      # the field that is the longest sequence
+
+    def problems(self) -> list[tuple[str, str]]:
+        if self.n_head and self.n_embd % self.n_head:
+            return [("n_head", f"must divide n_embd ({self.n_embd}), got {self.n_head}")]
+        return []
+
+
+@dataclass
+class BertConfig:
+    vocab_size: int = opt(1024, min=2)
+    """Vocabulary size (token ids must be below it; id 0 is [PAD])."""
+    hidden_size: int = opt(128, min=1)
+    """Width of the encoder."""
+    num_hidden_layers: int = opt(2, min=1)
+    """Number of encoder layers."""
+    num_attention_heads: int = opt(4, min=1)
+    """Attention heads per layer (must divide hidden_size)."""
+    intermediate_size: int = opt(512, min=1)
+    """Width of each layer's feed-forward block."""
+    max_position_embeddings: int = opt(512, min=1)
+    """Longest sequence the position embedding covers."""
+    type_vocab_size: int = opt(2, min=1)
+    """Token types (segment ids) the token-type embedding covers."""
+    hidden_act: str = opt("gelu", choices=["gelu", "gelu_new"])
+    """Activation of the feed-forward block and the MLM head: gelu (erf form) or gelu_new (tanh form)."""
+    layer_norm_eps: float = opt(1e-12, gt=0.0)
+    """Epsilon of every LayerNorm."""
+    hidden_dropout_prob: float = opt(0.1, min=0.0, max=0.999)
+    """Dropout on the embeddings and after each attention-output and output dense layer."""
+    attention_probs_dropout_prob: float = opt(0.1, min=0.0, max=0.999)
+    """Dropout on the attention probabilities."""
+    initializer_range: float = opt(0.02, gt=0.0)
+    """Std of the normal initialisation of weights and embeddings."""
+
+    # the fields of a transformers config.json that fix the shape (model.init_from)
+    CONFIG_JSON_SHAPE: ClassVar[tuple] = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                          "intermediate_size", "max_position_embeddings", "type_vocab_size",
+                                          "hidden_act", "layer_norm_eps")
+    POSITIONS: ClassVar[str] = "max_position_embeddings"      # the field that is the longest sequence
+
+    def problems(self) -> list[tuple[str, str]]:
+        if self.num_attention_heads and self.hidden_size % self.num_attention_heads:
+            return [("num_attention_heads",
+                     f"must divide hidden_size ({self.hidden_size}), got {self.num_attention_heads}")]
+        return []
+
+
+@dataclass
+class LossConfig:
+    type: str = opt("cross_entropy", choices=["cross_entropy", "mse", "l1"])
+    """cross_entropy (integer labels; eval accuracy, and top-5 accuracy when there are >= 5 classes),
+    mse or l1 (float targets of the output's shape; eval mse and mae); each the mean over the micro-batch."""
+    output: Optional[str] = None
+    """An output of the forward graph that already is the scalar loss (type, logits and labels unused:
+    the graph's own inputs carry the labels)."""
+    logits: str = "logits"
+    """Name of the forward graph output holding the logits (cross_entropy) or predictions (mse, l1)."""
+    labels: str = "labels"
+    """Name of the labels input (created as a graph input of the loss)."""
+    ignore_index: int = -100
+    """cross_entropy: label value that does not count towards the loss nor the accuracy."""
+    class_axis: int = opt(-1, choices=[-1, 1])
+    """cross_entropy: the logits' class axis. -1: classes last, [N, C] or [N, S, V] (language models;
+    labels [N] or [N, S]); 1: ONNX's SoftmaxCrossEntropyLoss layout [N, C, d1, ...] (labels [N, d1, ...])."""
+    weights: list[float] = opt(factory=list)
+    """cross_entropy: one weight per class (empty: all 1); the mean is weighted as PyTorch's."""
+    label_smoothing: float = opt(0.0, min=0.0)
+    """cross_entropy, in [0, 1): the target is (1 - s) on the label plus s / C spread over the C classes,
+    as torch.nn.functional.cross_entropy(label_smoothing=s) (with class weights and ignore_index too). The
+    train loss and the eval `loss` are the smoothed loss (as HF Trainer reports); eval `perplexity`
+    (model.builtin gpt2) comes from the plain cross-entropy, `eval_ce`. train.precision fp32 only."""
+
+
+# model.builtin's values: a family's name is that of its section below (the built-in families' sections
+# are part of the schema here; trainrun.models.registry adds a family defined elsewhere with
+# add_family_section). What a family is beyond its section lives in trainrun/models/.
+FAMILIES: dict[str, type] = {"gpt2": GPT2Config, "bert": BertConfig}
+_BUILTIN_CHOICES = [*FAMILIES, None]
+_ADDED: dict[str, type] = {}        # sections of families added with add_family_section
+
+
+def positions(section) -> int:
+    """The longest sequence a family's section covers."""
+    return getattr(section, section.POSITIONS)
+
+
+def add_family_section(name: str, section: type) -> None:
+    """Make ``model.builtin: <name>`` valid, with ``section`` (a dataclass: ``vocab_size``,
+    ``POSITIONS``, ``problems()``, ``CONFIG_JSON_SHAPE``) as ``model.<name>``."""
+    if FAMILIES.get(name, section) is not section:
+        raise ValueError(f"model.{name}: a section of another class exists already")
+    if name not in FAMILIES:
+        FAMILIES[name] = _ADDED[name] = section
+        _BUILTIN_CHOICES.insert(len(_BUILTIN_CHOICES) - 1, name)
+
+
+@dataclass
+class ModelConfig:
+    builtin: Optional[str] = opt("gpt2", choices=_BUILTIN_CHOICES)
+    """Built-in model to build (null when `onnx` names a forward graph)."""
+    gpt2: GPT2Config = opt(factory=GPT2Config)
+    """Shape of the built-in GPT-2."""
+    bert: BertConfig = opt(factory=BertConfig)
+    """Shape of the built-in BERT (BertForPreTraining: MLM + NSP loss in the graph)."""
+    onnx: Optional[str] = opt(None, path="file")
+    """A user's forward ONNX model (inputs -> logits); its initializers are the parameters."""
+    inputs: list[str] = opt(factory=list)
+    """Data inputs of the forward graph (empty: every graph input that is not an initializer); each is fed
+    by the dataset feature of its name, or the one data.inputs maps it to."""
+    loss: LossConfig = opt(factory=LossConfig)
+    """How the loss is computed from the forward graph's outputs."""
+    frozen: list[str] = opt(factory=list)
+    """Parameter name patterns (fnmatch) that are not trained."""
+    task: Optional[str] = None
+    """The head on the built-in model (null: its own, pretraining for bert, causal_lm for gpt2):
+    `sequence_classification` (bert) puts a classifier on the pooled [CLS] token, as transformers'
+    BertForSequenceClassification, trained on the dataset feature `labels` (`trainrun-data labelled`)
+    with cross-entropy, or with mean squared error when num_labels is 1 (regression);
+    `token_classification` (bert) a classifier on every token (BertForTokenClassification; labels -100
+    ignored); `sequence_classification` (gpt2): the last token's state -> `score` (GPT2ForSequenceClassification,
+    reading `input_ids` and `input_mask`). Eval adds `accuracy` and macro `f1` (regression: `pearson`,
+    `spearman`)."""
+    num_labels: int = opt(2, min=1)
+    """Classes of model.task's head (1: a regression); must equal the train dataset's num_labels."""
+    init_from: Optional[str] = opt(None, path="any")
+    """Start the built-in model from these weights: a transformers save_pretrained directory (config.json +
+    model.safetensors; its shape fields must match model.<builtin>, or fill it when the config gives no
+    such section), a .safetensors file, or a trainrun run/checkpoint directory (weights only)."""
+
+    def __post_init__(self):
+        for name, section in _ADDED.items():     # an added family's section (not a dataclass field)
+            if not isinstance(getattr(self, name, None), section):
+                setattr(self, name, section())
+
+    def family_section(self):
+        """The section of ``builtin`` (None for a user's model.onnx)."""
+        return getattr(self, self.builtin) if self.builtin else None
