@@ -101,8 +101,8 @@ def violations(graph: dict, order: dict[str, int]) -> list[str]:
     config_package = {m for m in graph if m.split(".")[0] == "config"}
     for mod, (ours, others) in sorted(graph.items()):
         top = mod.split(".")[0]
-        if top == "config" and ours - {"errors"} - config_package:
-            bad.append(f"{mod} imports {sorted(ours - {'errors'} - config_package)}: only errors")
+        if top == "config" and (outside := ours - {"errors"} - config_package):
+            bad.append(f"{mod} imports {sorted(outside)}: only errors")
         if mod in ("data", "comm") and ("onnxruntime" in others or "engine" in ours):
             bad.append(f"{mod} imports onnxruntime or the engine")
         if top in ("models", "kernels") and ours & {"runner", "engine", "data", "update"}:
