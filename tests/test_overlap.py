@@ -1,5 +1,5 @@
 """distributed.overlap_grad_reduce: the train graph cut at gradient buckets (trainrun.graphs.segments), the
-buckets reduced in a background thread during the backward pass (trainrun.update.Replicated); real
+buckets reduced in a background thread during the backward pass (trainrun.reducer.BucketReducer); real
 onnxruntime sessions, real mpirun ranks on pretend nodes."""
 
 import json
@@ -167,47 +167,46 @@ def test_the_segments_thread_pools_stop_spinning_after_their_run(tmp_path):
 
 
 BUCKETS_ON_THEIR_OWN = """
-import time
-from trainrun import config as C, update
-from trainrun.engine import Engine, EngineOptions
-
-spec = json.load(open("spec.json"))
+import threading
+from trainrun.reducer import BucketReducer
 
 def main(comm):
-    cfg = C.from_dict(spec["config"])
-    shapes = {k: (tuple(v), np.int64) for k, v in spec["shapes"].items()}
-    eng = Engine(spec["graphs"], EngineOptions(threads=1, bucket_bytes=8192), shapes, shapes)
-    shard = update.build(cfg, comm, eng)
-    assert update.overlaps(cfg, comm, None) and shard.overlapping and len(eng.buckets) > 2
-    eng.grads[:] = comm.rank + 1.0
+    grads = np.full(1000, comm.rank + 1.0, np.float32)
+    buckets = [(700, 1000), (300, 700), (0, 300)]      # from the buffer's end, as the backward pass makes them
+    red = BucketReducer(comm, grads, buckets)
+    assert red.buckets == buckets
     if comm.rank == 1:      # bucket 0's allreduce in flight in the background before the main thread's sum
-        shard.bucket_ready(0)
+        red.bucket_ready(0)
         time.sleep(0.5)
     total = comm.allreduce_scalars([10.0 * (comm.rank + 1)])[0]
     if comm.rank == 0:      # the other order here
-        shard.bucket_ready(0)
-    shard.reduce()
-    report(comm.rank, {"total": total, "grads": sorted(set(eng.grads.tolist()))})
-    shard.close()
+        red.bucket_ready(0)
+    red.bucket_ready(1)
+    red.reduce()            # waits for buckets 0 and 1, reduces the rest (bucket 2) in this thread
+    first = sorted(set(grads.tolist()))
+    grads[:] = comm.rank + 1.0
+    red.reduce()            # a step that started no bucket: the whole buffer in this thread
+    threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("trainrun-reduce"))
+    red.close()
+    report(comm.rank, {"total": total, "grads": first, "whole": sorted(set(grads.tolist())),
+                       "threads": threads, "after_close": any(t.name.startswith("trainrun-reduce")
+                                                               for t in threading.enumerate())})
 
 run(main, make_communicator("mpi", timeout_s=20))
 """
 
 
 def test_buckets_reduce_on_a_communicator_of_their_own(tmp_path):
-    """A bucket's allreduce in the background thread and a collective of the main thread (the step's
-    scalars) started in opposite orders on the two ranks: each matches its own peer, because the buckets run
-    on a duplicate of the communicator; the sums are right on both ranks."""
+    """The overlap's one component (trainrun.reducer.BucketReducer) on a plain flat buffer: a bucket's
+    allreduce in its background thread and a collective of the main thread (the step's scalars) started in
+    opposite orders on the two ranks: each matches its own peer, because the buckets run on a duplicate of
+    the communicator; reduce() waits for the started buckets and reduces the rest; a step that starts none
+    reduces the whole buffer; one background thread, gone after close()."""
     from test_comm import results, run_ranks
-    config = {"model": {"gpt2": GPT2}, "data": {"seq_len": 32}, "run": {"output_dir": str(tmp_path / "g")},
-              "train": {"micro_batch_size": 4}, "optimizer": {"name": "sgd"},
-              "distributed": {"overlap_grad_reduce": True}}
-    graphs = prepare(C.from_dict(config))
-    spec = {"config": config, "graphs": graphs, "shapes": {"input_ids": [4, 32], "labels": [4, 32]}}
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
     rc, out, _ = run_ranks(tmp_path, 2, BUCKETS_ON_THEIR_OWN, timeout=120)
     assert rc == 0, out
-    assert results(tmp_path) == [{"total": 30.0, "grads": [3.0]}] * 2
+    assert results(tmp_path) == [{"total": 30.0, "grads": [3.0], "whole": [3.0],
+                                  "threads": ["trainrun-reduce_0"], "after_close": False}] * 2
 
 
 def _train(tmp_path, data, name, ranks, **extra):

@@ -48,6 +48,7 @@ import_onnxruntime()
 
 from . import checkpoint as K
 from . import faults
+from . import reducer
 from . import update
 from . import validity
 from . import config as C
@@ -277,7 +278,7 @@ class TrainingRunner:
             error = exc
         self.comm.agree(error)
         # buckets of gradients reduced during the backward pass: the train graph cut at them
-        overlaps = update.overlaps(cfg, self.comm, node)
+        overlaps = reducer.applies(cfg, self.comm, node)
         buckets = int(cfg.distributed.bucket_mb * 2**20) if overlaps else 0
         opts = EngineOptions(device=cfg.device, device_id=device_id, threads=threads,
                              graph_optimization=cfg.engine.graph_optimization,
@@ -298,7 +299,7 @@ class TrainingRunner:
             self.engine.load_weights()
             # the optimizer over the whole buffers, or (partitioned) over this rank's part only
             self.shard = update.build(cfg, self.comm, self.engine, node)
-            self.grad_buckets = len(self.shard.buckets) if self.shard.overlapping else 0
+            self.grad_buckets = len(self.shard.reducer.buckets) if self.shard.reducer else 0
         except UsageError as exc:
             error = exc
         self.comm.agree(error)
@@ -385,7 +386,7 @@ class TrainingRunner:
         loss_sum = 0.0
         # the last micro-batch's buckets of gradients reduced as the backward pass finishes them, unless
         # debug statistics read this step's local gradients first
-        overlap = self.shard.bucket_ready if self.shard.overlapping and not stats else None
+        overlap = self.shard.reducer.bucket_ready if self.shard.reducer and not stats else None
         for a, batch in enumerate(micro):
             loss_sum += self.engine.forward_backward(batch, accumulate=a > 0,
                                                      position=self.loader.sample_position(a),

@@ -57,12 +57,11 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from . import optim, wire
-from .comm import MPICommunicator, NodeMemory, SharedMemoryUnavailable, SingleProcess, hurry, wait_quietly
+from . import optim, reducer, wire
+from .comm import MPICommunicator, NodeMemory, SharedMemoryUnavailable, SingleProcess
 from .flat import FlatLayout, norm_sq
 from .models import registry
 from .errors import UsageError
@@ -94,16 +93,6 @@ def build(cfg, comm, engine, node: "NodeBuffers | None" = None):
         return Replicated(comm, engine, optimizer_for(engine, cfg.optimizer, cfg.engine.optimizer_kernel, depths),
                           cfg.distributed.reduce_dtype)
     return Partitioned(stage, comm, engine, cfg.optimizer, node, cfg.distributed.reduce_dtype, depths)
-
-
-def overlaps(cfg, comm, node: "NodeBuffers | None") -> bool:
-    """Whether the step reduces buckets of gradients during the backward pass
-    (``distributed.overlap_grad_reduce``): on the :class:`Replicated` path over MPI on the CPU, with
-    several ranks, where MPI lets another thread than the main one call it. The engine then cuts its train
-    graph at the buckets (``EngineOptions.bucket_bytes``)."""
-    d = cfg.distributed
-    return bool(d.overlap_grad_reduce and comm.world_size > 1 and isinstance(comm, MPICommunicator)
-                and cfg.device == "cpu" and d.zero_stage == 0 and node is None and comm.threads_ok())
 
 
 def optimizer_for(engine, cfg_optimizer, kernel: str = "auto", depths: dict | None = None):
@@ -187,18 +176,11 @@ class Replicated:
     """Stage 0 over MPI: allreduce, the whole update on every rank.
 
     When the engine's train graph is cut at gradient buckets (it was opened with
-    ``EngineOptions.bucket_bytes`` where :func:`overlaps` holds: ``engine.buckets``, flat ranges from the buffer's end, the order the backward pass finishes them):
-    between two segments of the last micro-batch the engine calls :meth:`bucket_ready`, and the finished
-    bucket's allreduce runs in a background thread while the next segment computes; :meth:`reduce` waits
-    for those and reduces what is left (the last bucket, or everything when no bucket was started, e.g. a
-    step whose gradients ``debug.stats_every`` reads first) in the main thread. Every rank starts the same
-    buckets in the same order. The gradient collectives then run on a duplicate of ``comm``
-    (:meth:`trainrun.comm.MPICommunicator.dup`): whatever the main thread runs on ``comm`` meanwhile (the
-    step's scalars, an error agreed on) cannot be matched with a bucket's allreduce of another rank. Each
-    element is reduced by the same collective as without overlap, only in a smaller call: the same bits on
-    2 ranks and with ``reduce_dtype: bf16`` (rank-order sums); with fp32 on more ranks MPI may pick another
-    algorithm, and so another order of the float32 sum, for a smaller message (each element then differs
-    by at most the float32 rounding of that sum)."""
+    ``EngineOptions.bucket_bytes`` where :func:`trainrun.reducer.applies` holds: ``engine.buckets``), the
+    reduction belongs to :attr:`reducer` (:class:`trainrun.reducer.BucketReducer`): the runner hands its
+    ``bucket_ready`` to the engine for the last micro-batch, and :meth:`reduce` waits for the started
+    buckets and reduces what is left (everything when no bucket was started, e.g. a step whose gradients
+    ``debug.stats_every`` reads first). Otherwise :attr:`reducer` is None and :meth:`reduce` is one allreduce."""
 
     sharded = False
 
@@ -207,36 +189,15 @@ class Replicated:
         self.optimizer = optimizer
         self.state = self.optimizer.state
         self.lo, self.hi = 0, engine.layout.total
-        self.buckets = engine.buckets if len(engine.buckets) > 1 else None
-        self._pool = self._pending = self._buckets_comm = None
-        if self.buckets:
-            self._buckets_comm = comm.dup("gradient buckets")
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="trainrun-reduce", initializer=wait_quietly)
-            self._pending = []
-        self.wire = wire.make(self._buckets_comm or comm, reduce_dtype)
-
-    def bucket_ready(self, k: int) -> None:
-        """Bucket ``k`` of the gradients is final: its allreduce starts in the background."""
-        lo, hi = self.buckets[k]
-        self._pending.append(self._pool.submit(self.wire.allreduce_, self.engine.grads[lo:hi]))
-
-    @property
-    def overlapping(self) -> bool:
-        return self.buckets is not None
+        self.reducer = reducer.BucketReducer(comm, engine.grads, engine.buckets, reduce_dtype) \
+            if len(engine.buckets) > 1 else None
+        self.wire = self.reducer.wire if self.reducer else wire.make(comm, reduce_dtype)
 
     def reduce(self) -> None:
-        end = self.engine.grads.size
-        if self._pending:
-            started, self._pending = self._pending, []
-            hurry()                 # the backward pass is over: the background thread may spin now
-            try:
-                for f in started:
-                    f.result()      # re-raises a failed or timed-out collective here
-            finally:
-                hurry(False)
-            end = self.buckets[len(started) - 1][0]
-        if end:
-            self.wire.allreduce_(self.engine.grads[:end])
+        if self.reducer:
+            self.reducer.reduce()
+        else:
+            self.wire.allreduce_(self.engine.grads)
 
     def norm_sq_part(self) -> float:
         return self.engine.grad_norm_sq() if self.comm.rank == 0 else 0.0
@@ -252,9 +213,8 @@ class Replicated:
         return self.state
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._buckets_comm.close()
+        if self.reducer:
+            self.reducer.close()
 
 
 class Partitioned:
@@ -262,7 +222,7 @@ class Partitioned:
     and for stage 1 parts of those over the nodes (see the module's docstring)."""
 
     sharded = True
-    overlapping = False     # the node's shared-memory sum waits for every local backward: no buckets
+    reducer = None     # the node's shared-memory sum waits for every local backward: no buckets
 
     def __init__(self, stage: int, comm, engine, cfg_optimizer, node: NodeBuffers | None,
                  reduce_dtype: str = "fp32", depths=None):

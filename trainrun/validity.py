@@ -417,7 +417,7 @@ def inactive(cfg: C.Config, world_size: int, shared: tuple[int, int] | None, ove
     """What the config asks for that this launch cannot do, each with why (known at start-up only: the
     ranks, their nodes, the MPI library). ``shared``: (ranks per node, nodes) where the ranks of a node
     share memory (``distributed.intra_node: shared`` in effect), else None; ``overlaps``: the step may
-    reduce gradients during the backward pass (:func:`trainrun.update.overlaps`); ``buckets``: how many
+    reduce gradients during the backward pass (:func:`trainrun.reducer.applies`); ``buckets``: how many
     it cuts them into."""
     d, notes = cfg.distributed, []
     if d.overlap_grad_reduce and buckets < 2:

@@ -1,0 +1,286 @@
+"""The MPI backend: mpi4py over ``MPI.COMM_WORLD`` (:class:`MPICommunicator`) and its sub-communicators
+(:class:`MPIGroup`), every collective started non-blocking and polled to ``timeout_s``; importing mpi4py.MPI
+(which initialises MPI) only when one is built."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+
+from ..errors import TrainrunError, UsageError
+from . import base
+from .base import (SCALAR_OPS, Communicator, _check_buffer, _check_shapes, _displacements, _flush_stdio,
+                   _json_bytes, _part, _same_memory)
+
+SHM_DIR = "/dev/shm"     # where MPICH maps shared windows from (a tmpfs file)
+UCX_SHM_MIN = 64 << 20     # bytes free in /dev/shm below which UCX's posix transport is left out
+_quiet = threading.local()
+
+
+def wait_quietly(hurry: threading.Event) -> None:
+    """The calling thread's collectives poll every ``QUIET_SLEEP_S`` instead of spinning, and spin while
+    ``hurry`` is set: for a thread that communicates while the main thread computes, whose owner sets
+    ``hurry`` when the main thread waits for it too (:class:`trainrun.reducer.BucketReducer`)."""
+    _quiet.hurry = hurry
+
+
+class MPICommunicator(Communicator):
+    """mpi4py over ``MPI.COMM_WORLD`` with numpy buffers (cupy ones staged through host copies, see
+    :meth:`_staged`); every collective polled to ``timeout_s``."""
+
+    backend = "mpi"
+
+    def __init__(self, timeout_s: float = 300.0):
+        MPI = _import_mpi()
+        self._MPI = MPI
+        self._comm = MPI.COMM_WORLD
+        self.rank, self.world_size = self._comm.Get_rank(), self._comm.Get_size()
+        self.timeout_s = float(timeout_s)
+        self.hostname = socket.gethostname()
+        self._stuck: list = []  # buffers of timed-out collectives: MPI may still write them
+        self._twins: dict = {}  # host copies of cupy buffers (see _staged)
+        # Ranks sharing this host's memory, ordered by world rank, give the local
+        # rank. Split_type is a blocking collective: a polled barrier first makes
+        # sure every rank is alive and about to call it.
+        self._node = None
+        self.barrier()
+        self._node = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank, self.local_size = self._node.Get_rank(), self._node.Get_size()
+
+    # -- the one place that waits -------------------------------------------------
+    def _wait(self, request, op: str, keep_alive: tuple = ()) -> None:
+        """Poll ``request`` with Test() until done; TrainrunError after ``timeout_s``."""
+        MPI = self._MPI
+        start = time.monotonic()
+        hurry = getattr(_quiet, "hurry", None)
+        quiet = hurry is not None
+        spin_until, deadline = start + (0.0 if quiet else base.SPIN_S), start + self.timeout_s
+        sleep = base.QUIET_SLEEP_S if quiet else base.MIN_SLEEP_S
+        try:
+            while not request.Test():
+                now = time.monotonic()
+                if now >= deadline:
+                    self._stuck.append((request, keep_alive))
+                    raise TrainrunError(
+                        f"{op} timed out on {self._who()} after "
+                        f"{now - start:.1f} s (timeout_s={self.timeout_s:g}): a peer rank probably died or hung "
+                        f"before reaching this collective; the job must be aborted")
+                if now >= spin_until and not (quiet and hurry.is_set()):
+                    time.sleep(sleep)
+                    if not quiet:
+                        sleep = min(2 * sleep, base.MAX_SLEEP_S)
+        except MPI.Exception as e:
+            raise TrainrunError(f"{op} failed on {self._who()} "
+                                f"after {time.monotonic() - start:.1f} s: {e.Get_error_string()}") from None
+
+    def _who(self) -> str:
+        return f"rank {self.rank} of {self.world_size} ({self.hostname})"
+
+    def threads_ok(self) -> bool:
+        """MPI lets a thread other than the main one call it (MPI_THREAD_SERIALIZED or more)."""
+        MPI = self._MPI
+        return MPI.Query_thread() >= MPI.THREAD_SERIALIZED
+
+    def _np(self, buf, what: str) -> np.ndarray:
+        _check_buffer(buf, what)
+        if not isinstance(buf, np.ndarray):
+            raise ValueError(f"{what}: the MPI backend takes numpy or cupy arrays, got {type(buf).__module__}."
+                             f"{type(buf).__name__}")
+        return buf
+
+    def _staged(self, op: str, run, arrays: tuple, down: tuple, up: tuple) -> None:
+        """``run(*arrays)`` with numpy twins in place of cupy arrays (host staging: MPICH from PyPI is
+        not CUDA-aware): the arrays at indices ``down`` are copied to their twins first, the twins at
+        ``up`` back to the GPU afterwards; numpy arrays are passed through. One twin per (address,
+        size, dtype), kept: nothing is allocated per call."""
+        if all(isinstance(b, np.ndarray) for b in arrays):
+            run(*arrays)
+            return
+        twins = []
+        for b in arrays:
+            if isinstance(b, np.ndarray):
+                twins.append(b)
+            elif type(b).__module__.startswith("cupy"):
+                key = (b.data.ptr, b.size, b.dtype.str)
+                if key not in self._twins:
+                    self._twins[key] = np.empty(b.size, b.dtype)
+                twins.append(self._twins[key])
+            else:
+                twins.append(self._np(b, f"{op} buffer"))     # raises
+        for i in down:
+            if arrays[i] is not twins[i]:
+                arrays[i].get(out=twins[i])     # synchronous: waits for the GPU work queued before it
+        run(*twins)
+        copied = [arrays[i].set(twins[i]) for i in up if arrays[i] is not twins[i]]
+        if copied:
+            import cupy
+            cupy.cuda.get_current_stream().synchronize()    # the twin is reused by the next call
+
+    def _op(self, name: str):
+        return {"sum": self._MPI.SUM, "max": self._MPI.MAX, "min": self._MPI.MIN}[name]
+
+    # -- collectives --------------------------------------------------------------
+    def allreduce_(self, buf) -> None:
+        _check_buffer(buf, "allreduce_ buffer")
+        self._staged("allreduce_", lambda b: self._wait(
+            self._comm.Iallreduce(self._MPI.IN_PLACE, b, op=self._MPI.SUM), "allreduce_", (b,)),
+            (buf,), (0,), (0,))
+
+    def reduce_scatter(self, buf, out, counts=None) -> None:
+        _check_shapes("reduce_scatter", buf, out, self.world_size, counts, self.rank)
+        if counts is not None:      # numpy only (distributed.zero_stage 1 runs on the CPU)
+            b, o = self._np(buf, "reduce_scatter input"), self._np(out, "reduce_scatter output")
+            if _same_memory(o, b[:o.size]):     # in place: MPI leaves this rank's part at the start
+                self._wait(self._comm.Ireduce_scatter(self._MPI.IN_PLACE, b, recvcounts=list(counts),
+                                                      op=self._MPI.SUM), "reduce_scatter", (b,))
+            else:
+                self._wait(self._comm.Ireduce_scatter(b, o, recvcounts=list(counts), op=self._MPI.SUM),
+                           "reduce_scatter", (b, o))
+            return
+        self._staged("reduce_scatter", lambda b, o: self._wait(
+            self._comm.Ireduce_scatter_block(b, o, op=self._MPI.SUM), "reduce_scatter", (b, o)),
+            (buf, out), (0,), (1,))
+
+    def allgather(self, chunk, out, counts=None) -> None:
+        _check_shapes("allgather", chunk, out, self.world_size, counts, self.rank)
+        if counts is not None:
+            c, o = self._np(chunk, "allgather input"), self._np(out, "allgather output")
+            spec = [o, (list(counts), _displacements(counts))]
+            src = self._MPI.IN_PLACE if _same_memory(c, o[_part(counts, self.rank)]) else c
+            self._wait(self._comm.Iallgatherv(src, spec), "allgather", (c, o))
+            return
+        self._staged("allgather", lambda c, o: self._wait(self._comm.Iallgather(c, o), "allgather", (c, o)),
+                     (chunk, out), (0,), (1,))
+
+    def alltoall(self, send, recv, counts) -> None:
+        s, r = self._np(send, "alltoall input"), self._np(recv, "alltoall output")
+        me, p = self.rank, self.world_size
+        if len(counts) != p or s.size != sum(counts) or r.size != counts[me] * p or s.dtype != r.dtype:
+            raise ValueError(f"alltoall: sizes {s.size} (send), {r.size} (receive) do not match counts "
+                             f"{list(counts)} at rank {me}")
+        k = int(counts[me])
+        send_spec = [s, (list(counts), _displacements(counts))]
+        recv_spec = [r, ([k] * p, [k * i for i in range(p)])]
+        self._wait(self._comm.Ialltoallv(send_spec, recv_spec), "alltoall", (s, r))
+
+    def gather(self, chunk, out, counts, root: int = 0) -> None:
+        if not 0 <= root < self.world_size:
+            raise ValueError(f"gather: root {root} out of range for world size {self.world_size}")
+        c = self._np(chunk, "gather input")
+        if self.rank == root:
+            _check_shapes("gather", c, self._np(out, "gather output"), self.world_size, counts, self.rank)
+            spec = [out, (list(counts), _displacements(counts))]
+        else:
+            _check_buffer(c, "gather input")
+            spec = None
+        self._wait(self._comm.Igatherv(c, spec, root=root), "gather", (c, out))
+
+    def broadcast_(self, buf, root: int = 0) -> None:
+        _check_buffer(buf, "broadcast_ buffer")
+        if not 0 <= root < self.world_size:
+            raise ValueError(f"broadcast_: root {root} out of range for world size {self.world_size}")
+        self._staged("broadcast_", lambda b: self._wait(self._comm.Ibcast(b, root=root), "broadcast_", (b,)),
+                     (buf,), (0,) if self.rank == root else (), (0,))
+
+    def barrier(self) -> None:
+        self._wait(self._comm.Ibarrier(), "barrier")
+
+    def allgather_object(self, obj) -> list:
+        data = np.frombuffer(_json_bytes(obj), dtype=np.uint8)
+        sizes = np.empty(self.world_size, dtype=np.int64)
+        self._wait(self._comm.Iallgather(np.array([data.size], dtype=np.int64), sizes),
+                   "allgather_object (sizes)", (sizes,))
+        offsets = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        gathered = np.empty(int(sizes.sum()), dtype=np.uint8)
+        recv = [gathered, (sizes, offsets), self._MPI.BYTE]
+        self._wait(self._comm.Iallgatherv([data, self._MPI.BYTE], recv), "allgather_object", (data, gathered))
+        return [json.loads(gathered[o:o + s].tobytes()) for o, s in zip(offsets, sizes)]
+
+    def allreduce_scalars(self, values, op="sum") -> list[float]:
+        if op not in SCALAR_OPS:
+            raise ValueError(f"allreduce_scalars: op must be one of {SCALAR_OPS}, got {op!r}")
+        buf = np.array(values, dtype=np.float64).reshape(-1)
+        self._wait(self._comm.Iallreduce(self._MPI.IN_PLACE, buf, op=self._op(op)),
+                   f"allreduce_scalars({op})", (buf,))
+        return buf.tolist()
+
+    def abort(self, code: int = 1) -> None:
+        _flush_stdio()
+        self._comm.Abort(code)
+        # MPICH's MPI_Abort can return: it asks hydra to kill the job and hydra
+        # does so a moment later. Never run on meanwhile.
+        os._exit(code)
+
+    def close(self) -> None:
+        if self._node is not None and not self._MPI.Is_finalized():
+            self._node.Free()
+        self._node = None
+
+    def dup(self, what: str) -> "MPIGroup":
+        """The same ranks as a communicator of their own (``MPI_Comm_dup``): collectives on it never match
+        this one's, so another thread may run them while this communicator's run in the caller's order
+        (the gradient buckets reduced during the backward pass, :class:`trainrun.reducer.BucketReducer`). Every
+        rank must call it."""
+        self.barrier()      # Dup is a blocking collective: first make sure every rank is alive and here
+        return MPIGroup(self, self._comm.Dup(), what)
+
+    def split(self, color: int, what: str) -> "MPIGroup":
+        """The ranks that pass the same ``color``, ordered by world rank, as a communicator of their own
+        (collectives polled to this communicator's ``timeout_s``). Every rank must call it."""
+        self.barrier()      # Split is a blocking collective: first make sure every rank is alive and here
+        return MPIGroup(self, self._comm.Split(color, key=self.rank), what)
+
+
+class MPIGroup(MPICommunicator):
+    """A sub-communicator of an :class:`MPICommunicator` (:meth:`MPICommunicator.split`): ``rank`` and
+    ``world_size`` are within the group; its timeout is the parent's; errors name the world rank too."""
+
+    def __init__(self, parent: MPICommunicator, comm, what: str):
+        parent = parent._parent if isinstance(parent, MPIGroup) else parent     # the world communicator
+        self._MPI, self._comm, self._parent, self.what = parent._MPI, comm, parent, what
+        self.rank, self.world_size = comm.Get_rank(), comm.Get_size()
+        self.local_rank, self.local_size = parent.local_rank, parent.local_size
+        self.hostname = parent.hostname
+        self._stuck, self._twins, self._node = parent._stuck, {}, None
+
+    @property
+    def timeout_s(self) -> float:
+        return self._parent.timeout_s
+
+    def _who(self) -> str:
+        return f"{self._parent._who()}, {self.what} rank {self.rank} of {self.world_size}"
+
+    def abort(self, code: int = 1) -> None:
+        self._parent.abort(code)
+
+    def close(self) -> None:
+        if self._comm is not None and not self._MPI.Is_finalized():
+            self._comm.Free()
+        self._comm = None
+
+
+def _ucx_transports(shm: str = SHM_DIR) -> None:
+    """Before MPI_Init: with less than :data:`UCX_SHM_MIN` free in ``shm`` (a small container or node
+    tmpfs), ``UCX_TLS=^posix`` unless the user set UCX_TLS. MPICH's UCX posix shared-memory transport can
+    crash MPI_Init with SIGSEGV there (seen at 16-18 MB), before trainrun could say why; without it UCX
+    takes its other transports, and ``distributed.intra_node: shared`` its documented fallback."""
+    if "UCX_TLS" in os.environ or not os.path.isdir(shm):
+        return
+    st = os.statvfs(shm)
+    if st.f_bavail * st.f_frsize < UCX_SHM_MIN:
+        os.environ["UCX_TLS"] = "^posix"
+
+
+def _import_mpi():
+    """Import mpi4py.MPI (which initialises MPI) and return the module."""
+    _ucx_transports()
+    try:
+        from mpi4py import MPI
+    except ImportError as e:
+        raise UsageError(f"several ranks need mpi4py, which cannot be imported: {e}") from None
+    return MPI
