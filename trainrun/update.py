@@ -196,7 +196,7 @@ class Replicated:
     def reduce(self) -> None:
         if self.reducer:
             self.reducer.reduce()
-        else:
+        elif self.engine.grads.size:
             self.wire.allreduce_(self.engine.grads)
 
     def norm_sq_part(self) -> float:
