@@ -236,7 +236,11 @@ def test_profile_summarize(profiled):
     assert len(rows) == 5
     for session, node, *_ in rows:
         graph = onnx.load(os.path.join(profiled, "debug", "graphs", f"{session}.onnx")).graph
-        assert node in {n.name for n in graph.node}, (session, node)
+        if node not in {n.name for n in graph.node}:
+            # a node onnxruntime left unnamed (the body of an inlined function, e.g. NegativeLogLikelihoodLoss's
+            # Where nodes) is profiled as "<op>_<node index>"; which rows reach the top 5 is timing noise
+            op, _, index = node.rpartition("_")
+            assert index.isdigit() and any(n.op_type == op and not n.name for n in graph.node), (session, node)
         assert node not in {n.op_type for n in graph.node}
     assert run([TRAINRUN, "profile", "summarize", os.path.dirname(profiled)], check=2).stderr.count("no rank-") == 1
 
