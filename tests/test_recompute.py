@@ -1,4 +1,4 @@
-"""train.recompute: blocks (trainrun/recompute.py): gradients bit for bit the graph's without recomputation
+"""train.recompute: blocks (trainrun/graphs/recompute.py): gradients bit for bit the graph's without recomputation
 (GPT-2 with dropout, BERT), onnxruntime keeps the recomputed nodes, the peak memory of a step goes down,
 a real `mpirun -np 2` run, a model without blocks refused."""
 
@@ -18,7 +18,7 @@ from trainrun.graphs.manifest import prepare
 from trainrun.engine import Engine, EngineOptions
 from trainrun.errors import UsageError
 from trainrun.models.bert import sample_inputs
-from trainrun.recompute import SUFFIX, recompute_blocks
+from trainrun.graphs.recompute import SUFFIX, recompute_blocks
 
 GPT2 = dict(n_layer=3, n_head=4, n_embd=64, n_positions=64, vocab_size=300, dropout=0.1)
 BERT = dict(vocab_size=120, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,

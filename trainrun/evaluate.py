@@ -14,6 +14,9 @@ micro-batch weighs by its samples),
 number of ranks: the metrics agree to float rounding of the sums, and so does a loss that is a mean
 over every token (GPT-2; a mean over the used slots of each micro-batch, as BERT's MLM loss, depends
 on the micro-batch size).
+
+Training's evaluations (:func:`evaluate_sets`) run the same eval graph on the engine's bound session, over
+``train.eval_steps`` global batches of each eval set.
 """
 
 from __future__ import annotations
@@ -130,8 +133,7 @@ def run_evaluate(source: str, data: str, *, steps: int | None, batch: int | None
     result = feeding.eval_results(total[0] / (samples / micro), dict(zip(metrics, total[1:-1])),
                                   validity.logs_perplexity(cfg, ds))
     if task is not None:
-        pairs = [np.asarray(p) for p in comm.allgather_object(task.pairs().tolist())] if task.regression else None
-        result.update(task.result(np.asarray(stats), pairs))
+        result.update(_task_result(comm, task, stats))
     result.update({"checkpoint": ckpt, "data": os.path.abspath(data), "samples": samples,
                    "dataset_samples": ds.num_samples, "batch": micro * comm.world_size, "world_size": comm.world_size})
     comm.close()
@@ -147,3 +149,58 @@ def run_evaluate(source: str, data: str, *, steps: int | None, batch: int | None
             fh.write("\n")
         os.replace(tmp, output)
     return result
+
+
+def _task_result(comm, task: TaskMetrics, stats) -> dict:
+    """A task head's accuracy and macro F1 over every rank's samples (``stats``: summed over ranks); Pearson
+    and Spearman from every rank's pairs."""
+    pairs = [np.asarray(p) for p in comm.allgather_object(task.pairs().tolist())] if task.regression else None
+    return task.result(np.asarray(stats), pairs)
+
+
+def evaluate_sets(engine, comm, cfg: C.Config, eval_sets: dict, *, step: int, perplexity: bool) -> dict:
+    """Every eval set's metrics during training (:func:`evaluate_set`), named ``eval_<metric>`` for a single
+    data.eval, ``eval_<NAME>_<metric>`` for named sets."""
+    return {C.eval_key(name, k): v for name, ds in eval_sets.items()
+            for k, v in evaluate_set(engine, comm, cfg, name, ds, step=step, perplexity=perplexity).items()}
+
+
+def evaluate_set(engine, comm, cfg: C.Config, name: str | None, ds, *, step: int, perplexity: bool) -> dict:
+    """``loss``, ``perplexity`` and each metric of the eval graph on one eval set, over ``eval_steps``
+    global batches, or every sample where the set ends first (the rest as one smaller step split over
+    the ranks, as ``trainrun evaluate``; not where the eval graph fixes the batch dim); ``samples`` of
+    ``dataset_samples`` counted. Sums from every rank in one allreduce; the loss is the mean of the
+    micro-batch losses, each weighed by its samples. An error on any rank is raised on every rank."""
+    eng = engine
+    names = list(eng.eval_metrics)
+    total, count, sums = 0.0, 0.0, [0.0] * len(names)
+    n_labels = eng.manifest.get("task_labels")
+    task = TaskMetrics(n_labels, eng.manifest["ignore_index"]) if n_labels else None
+    error = None
+    try:
+        for batch in eval_batches(ds, micro_batch=cfg.train.micro_batch_size, rank=comm.rank,
+                                  world_size=comm.world_size,
+                                  steps=cfg.train.eval_steps * cfg.train.gradient_accumulation_steps,
+                                  rest=eng.eval_batch_fixed is None):
+            samples = len(next(iter(batch.values())))
+            total += eng.evaluate(batch) * samples
+            count += samples
+            for i, n in enumerate(names):
+                sums[i] += float(eng.eval_metrics[n])
+            if task is not None:
+                labels = eng.manifest["labels"]
+                task.add(eng.eval_logits, batch[eng.feeds.get(labels, labels)])
+    except TrainrunError as exc:
+        error = exc
+    except Exception as exc:  # noqa: BLE001 - a dataset or session that breaks mid-run, on any rank
+        key = "data.eval" + (f".{name}" if name is not None else "")
+        error = TrainrunError(f"evaluation at step {step} on {key} {cfg.data.eval_sets()[name]}: "
+                              f"{type(exc).__name__}: {exc}")
+    comm.agree(error)      # the same error on every rank: they commit a checkpoint together
+    stats = list(task.stats()) if task is not None else []
+    total, count, *sums = comm.allreduce_scalars([total, count, *sums, *stats], op="sum")
+    sums, stats = sums[:len(names)], sums[len(names):]
+    result = feeding.eval_results(total / max(count, 1.0), dict(zip(names, sums)), perplexity)
+    if task is not None:
+        result.update(_task_result(comm, task, stats))
+    return {**result, "samples": int(count), "dataset_samples": ds.num_samples}

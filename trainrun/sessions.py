@@ -27,7 +27,7 @@ def session_options(threads: int = 0, name: str = "", *, graph_optimization: str
     with the train session's threads); ``prepacking``
     False: no packed second copy of the weights (a check that runs once). ``deterministic`` caps the graph
     optimizations at basic (the fusions above it change the arithmetic) and asks for deterministic kernels.
-    ``recompute``: a train graph with recomputed blocks (trainrun/recompute.py): its nodes run in the
+    ``recompute``: a train graph with recomputed blocks (trainrun/graphs/recompute.py): its nodes run in the
     order of the graph's node list (priority-based order; equal priorities go by node index), so each
     block is recomputed when the backward pass reaches it; open it with
     ``disabled_optimizers=disabled_optimizers(True)``. ``chained``: the session is one of several

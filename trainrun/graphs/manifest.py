@@ -16,7 +16,7 @@ from ..config import Config, to_dict
 from ..errors import UsageError
 from ..models import registry
 from ..optim import build_optimizer_graph, check_groups
-from ..recompute import recompute_blocks
+from .recompute import recompute_blocks
 from ..rundir import as_created, sha256_file
 from .casts import cast_pass, restore_fp32, scale_loss
 from .dropout_nodes import dropout_masks, dropout_off

@@ -35,7 +35,7 @@ import onnx
 import onnx.helper
 import onnx.numpy_helper
 
-from .errors import TrainrunError, UsageError
+from ..errors import TrainrunError, UsageError
 
 SUFFIX = "/recompute"
 _FLAT, _ZERO = "recompute/c_flat", "recompute/c_zero"
