@@ -31,7 +31,7 @@ import_onnxruntime()
 from . import checkpoint as K
 from . import config as C
 from . import faults
-from .startup import header, return_freed_memory, set_up
+from .startup import header, return_freed_memory, set_up, start_trackers
 from .comm import cuda_device_count, make_communicator
 from .errors import TrainrunError, UsageError, collective
 from .evaluate import evaluate_sets
@@ -40,7 +40,6 @@ from .lock import RunLock
 from .observe import Observer, apply_log_level
 from .observe.metrics import Metrics
 from .observe.timer import PhaseTimer, process_age
-from .observe.trackers import Trackers
 from .precision import make_scaler
 from .schedule import learning_rate
 from .stopping import EarlyStopping, StopSignals, Stopped
@@ -158,7 +157,8 @@ class TrainingRunner:
             record_tokenizer(self.cfg.data.train, self.out)
         header(self.cfg, self.comm, self.threads, self.shard, self.manifest["num_params"], self.train_ds,
                self._length(), self.log)
-        self._start_trackers()       # before the clocks: a W&B run takes seconds to start
+        # before the clocks: a W&B run takes seconds to start
+        self.metrics.trackers = start_trackers(self.cfg, self.comm, bool(self.resume_from), self.log)
         self.comm.barrier()          # start the clocks together: set-up time differs between ranks
         self.timer.restart()
         start, first_step, startup = time.perf_counter(), self.step, process_age()
@@ -405,14 +405,14 @@ class TrainingRunner:
         loop_end = time.perf_counter()
         self._close_training()
         if stop is None and self.is_main and self.checkpoints.saved_step == self.step:
-            stop = self._export(os.path.join(self.out, "checkpoints", str(self.step)))
+            stop = self._export(self._checkpoint())
         summary = self._summary(start, first_step, startup, loop_end, stop and stop.by)
         if stop is not None:
             raise stop
         t = self.cfg.train
         if self.step == t.stop_at < self.total_steps and self.checkpoints.saved_step == self.step:
             self.log(f"stopped at train.stop_at {t.stop_at} of {self._length()}; checkpoint "
-                     f"{os.path.join(self.out, 'checkpoints', str(self.step))} committed. {self._continue_hint()}")
+                     f"{self._checkpoint()} committed. {self._continue_hint()}")
         return summary
 
     def _commit_last(self, ending: str) -> Stopped | None:
@@ -429,7 +429,7 @@ class TrainingRunner:
             return self._stopped()
         if not late:
             return None
-        ckpt = os.path.join(self.out, "checkpoints", str(self.step))
+        ckpt = self._checkpoint()
         where = f"the last step, {self.step}" if self.step == self.total_steps else f"step {self.step}"
         return collective(Stopped(
             f"stopped by {mine or 'a signal to another rank'} after {where}: checkpoint {ckpt} committed (its "
@@ -505,7 +505,7 @@ class TrainingRunner:
         if not self.comm.allreduce_scalars([self.signals.flag()])[0]:
             return
         sig = self.signals.received
-        where = (f"checkpoint {os.path.join(self.out, 'checkpoints', str(self.step))} stands. "
+        where = (f"checkpoint {self._checkpoint()} stands. "
                  f"{self._continue_hint()}" if self.resume_from else
                  "nothing was trained; run the same command again to start")
         raise collective(Stopped(f"stopped by {sig or 'a signal to another rank'} during set-up, before step "
@@ -518,7 +518,7 @@ class TrainingRunner:
         took = f" {time.monotonic() - self.signals.at:.1f} s after {what}" if sig else ""
         return collective(Stopped(
             f"stopped by {sig or 'a signal to another rank'} after step {self.step}; checkpoint "
-            f"{os.path.join(self.out, 'checkpoints', str(self.step))} committed{took}. {self._continue_hint()}",
+            f"{self._checkpoint()} committed{took}. {self._continue_hint()}",
             by=sig or "a signal to another rank"))
 
     def _committed_first(self, exc: TrainrunError) -> TrainrunError:
@@ -528,22 +528,11 @@ class TrainingRunner:
             self.save()
         self.checkpoints.finish()
         if self.checkpoints.saved_step == self.step:
-            exc.message += (f"; checkpoint {os.path.join(self.out, 'checkpoints', str(self.step))} committed "
+            exc.message += (f"; checkpoint {self._checkpoint()} committed "
                             f"first. {self._continue_hint()} once the cause is fixed")
         return exc
 
     # ------------------------------------------------------------------ small helpers
-    def _start_trackers(self) -> None:
-        """MLflow / W&B runs (rank 0; a resumed run continues its own): one that cannot start stops every
-        rank before the first step."""
-        error = None
-        if self.is_main:
-            try:
-                self.metrics.trackers = Trackers(self.cfg, self.out, resumed=bool(self.resume_from), echo=self.log)
-            except UsageError as exc:
-                error = exc
-        self.comm.agree(error)
-
     def _length(self) -> str:
         """How long the run is, as the config says it: ``train.max_steps N`` or ``train.max_epochs E: N steps``."""
         t = self.cfg.train
@@ -554,6 +543,10 @@ class TrainingRunner:
     def _first_eval_loss(self, evaluated: dict | None) -> float | None:
         """The loss of data.eval, or of its first named set."""
         return evaluated.get(C.eval_key(next(iter(self.eval_sets), None), "loss")) if evaluated else None
+
+    def _checkpoint(self) -> str:
+        """This step's checkpoint directory."""
+        return os.path.join(self.out, "checkpoints", str(self.step))
 
     def _continue_hint(self) -> str:
         return f"Continue with `trainrun resume {self.out}`"

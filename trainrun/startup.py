@@ -26,7 +26,7 @@ from .errors import TrainrunError, UsageError, collective
 from .generate import TrainingSampler
 from .graphs.manifest import load_manifest, prepare, up_to_date
 from .observe import engine_options
-from .observe.trackers import check_installed
+from .observe.trackers import Trackers, check_installed
 
 _ORT_SEVERITY = {"warning": 3, "info": 3, "devinfo": 1, "verbose": 0}
 
@@ -240,3 +240,16 @@ def header(cfg: C.Config, comm, threads: int, shard, num_params: int, train_ds, 
         f"{num_params:,} parameters | global batch {global_batch} ({mb} x {accum} accum x {world} ranks) | "
         + (f"{global_batch * cfg.data.seq_len:,} tokens/step | " if tokens else "")
         + f"optimizer {cfg.optimizer.name} | {train_ds.num_samples:,} train samples | {length}")
+
+
+def start_trackers(cfg: C.Config, comm, resumed: bool, log) -> Trackers | None:
+    """MLflow / W&B runs (rank 0, else None; a resumed run continues its own): one that cannot start stops
+    every rank before the first step."""
+    error = trackers = None
+    if comm.rank == 0:
+        try:
+            trackers = Trackers(cfg, cfg.run.output_dir, resumed=resumed, echo=log)
+        except UsageError as exc:
+            error = exc
+    comm.agree(error)
+    return trackers
