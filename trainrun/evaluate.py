@@ -27,6 +27,7 @@ import os
 import numpy as np
 
 from . import checkpoint as K
+from . import config as C
 from . import feeding
 from .graphs.manifest import load_manifest
 from .graphs.names import LOSS, METRIC_PREFIX
