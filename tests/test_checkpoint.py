@@ -136,7 +136,7 @@ def test_interrupted_prune_leaves_nothing_that_looks_committed(tmp_path, byte_da
         victim = sorted(f for f in os.listdir(path) if f != rundir.COMMITTED)[0]
         os.remove(os.path.join(path, victim))       # one file gone, COMMITTED (if still there) stays
         raise Cut
-    monkeypatch.setattr(K.shutil, "rmtree", rmtree_cut_short)
+    monkeypatch.setattr(K.write.shutil, "rmtree", rmtree_cut_short)
     writer = K.CheckpointWriter(str(tmp_path / "run"), rank=0, world_size=1, keep_last=1)
     with pytest.raises(Cut):
         writer._prune()

@@ -260,7 +260,7 @@ def test_checkpoint_of_cupy_buffers_is_the_numpy_checkpoint(tmp_path):
     from trainrun import checkpoint as K
     from trainrun.comm import SingleProcess
     from trainrun.flat import FlatLayout
-    n = K._CHUNK // 4 + 12_345                      # one chunk and a bit
+    n = K.files._CHUNK // 4 + 12_345                # one chunk and a bit
     layout = FlatLayout(["a", "b"], [(1000, 7), (n - 7000,)], [0, 7000], n)
     rng = np.random.default_rng(1)
     hosts = {k: rng.standard_normal(n, dtype=np.float32) for k in ("params", "exp_avg", "exp_avg_sq")}
