@@ -149,26 +149,35 @@ def test_interrupted_prune_leaves_nothing_that_looks_committed(tmp_path, byte_da
 
 
 def test_reads_of_a_run_that_prunes_every_step(tmp_path, byte_dataset):
-    """export and evaluate read a run that commits and prunes a checkpoint every step (keep_last 1): each
-    read pins the files it reads (a run directory's latest, or the newest when that was pruned first), or,
-    for a checkpoint named by the user and pruned before it was opened, says so and names the newest."""
+    """export, evaluate, generate and model.init_from (prepare, config validate) read a run that commits and
+    prunes a checkpoint every step (keep_last 1): each read pins the files it reads (a run directory's latest,
+    or the newest when that was pruned first), or, for a checkpoint named by the user and pruned before it was
+    opened, says so and names the newest."""
     from trainrun.stopping import STOPPED_EXIT
     cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{
         "train.max_steps": 100000, "checkpoint.every": 1, "checkpoint.keep_last": 1, "train.log_every": 1000})
+    rd = str(tmp_path / "run")
     ck = tmp_path / "run" / "checkpoints"
     proc = subprocess.Popen([TRAINRUN, "--config", cfg], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 120
         while time.time() < deadline and not (ck.exists() and any(d.isdigit() for d in os.listdir(ck))):
             time.sleep(0.1)
-        reads = []
+        reads = []          # (command, what it reads: the run directory or a checkpoint named, its result)
         for i in range(3):
             named = str(ck / max((d for d in os.listdir(ck) if d.isdigit()), key=int))
-            for cmd in ([TRAINRUN, "export", str(tmp_path / "run"), "--output", str(tmp_path / f"r{i}.onnx")],
-                        [TRAINRUN, "export", named, "--output", str(tmp_path / f"n{i}.onnx")],
-                        [TRAINRUN, "evaluate", str(tmp_path / "run"), "--data", os.path.join(byte_dataset, "eval"),
-                         "--steps", "1"]):
-                reads.append((cmd, run(cmd)))
+            init = lambda source, out: write_config(    # noqa: E731 - a run started from the pruning run's weights
+                tmp_path / f"{out}.yaml", byte_dataset, **{"model.init_from": source,
+                                                            "run.output_dir": str(tmp_path / out)})
+            for cmd, source in (
+                    ([TRAINRUN, "export", rd, "--output", str(tmp_path / f"r{i}.onnx")], rd),
+                    ([TRAINRUN, "export", named, "--output", str(tmp_path / f"n{i}.onnx")], named),
+                    ([TRAINRUN, "evaluate", rd, "--data", os.path.join(byte_dataset, "eval"), "--steps", "1"], rd),
+                    ([TRAINRUN, "generate", rd, "--prompt", "a", "--max-new-tokens", "2"], rd),
+                    ([TRAINRUN, "generate", named, "--prompt", "a", "--max-new-tokens", "2"], named),
+                    ([TRAINRUN, "prepare", "--config", init(rd, f"p{i}")], rd),
+                    ([TRAINRUN, "config", "validate", "--config", init(named, f"v{i}")], named)):
+                reads.append((cmd, source, run(cmd)))
         assert proc.poll() is None, "the run ended before the reads did: they raced nothing"
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -176,18 +185,20 @@ def test_reads_of_a_run_that_prunes_every_step(tmp_path, byte_dataset):
     assert proc.returncode == STOPPED_EXIT, out
     stopped = int(re.search(r"stopped by SIGTERM after step (\d+)", out).group(1))
     assert stopped > 20, out          # it pruned as the reads ran
-    for cmd, r in reads:
+    for cmd, source, r in reads:
         text = r.stdout + r.stderr
-        assert "Traceback" not in text and "incomplete" not in text, (cmd, text)
-        if cmd[2] == str(tmp_path / "run"):     # the latest: whatever is pruned, a complete one is read
+        assert "Traceback" not in text and "incomplete" not in text and "FileNotFound" not in text, (cmd, text)
+        if source == rd:     # the latest: whatever is pruned, a complete one is read
             assert r.returncode == 0, (cmd, text)
         elif r.returncode:
             assert r.returncode == 2, (cmd, text)
-            newest = re.search(rf"{re.escape(cmd[2])}: (pruned while being read|not there: pruned) \(.*\); the "
+            newest = re.search(rf"{re.escape(source)}: (pruned while being read|not there: pruned) \(.*\); the "
                                r"newest checkpoint is (\S+)", r.stderr)
             assert newest, (cmd, text)
-            assert int(os.path.basename(newest.group(2))) > int(os.path.basename(cmd[2]))
-    assert any(r.returncode for _, r in reads), "no named checkpoint was pruned while read"
+            assert int(os.path.basename(newest.group(2))) > int(os.path.basename(source))
+    for verb in ("export", "generate", "validate"):
+        assert any(r.returncode for cmd, source, r in reads if source != rd and verb in cmd), \
+            f"no named checkpoint was pruned while {verb} read it"
 
 
 @pytest.mark.parametrize("damage", ["flip", "missing", "other_model"])

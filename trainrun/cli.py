@@ -118,7 +118,7 @@ def export(checkpoint, output, fmt, kv_cache, tokenizer, opset, with_loss, best)
 
 
 @cli.command()
-@click.argument("source", type=click.Path(exists=True))
+@click.argument("source", type=click.Path())
 @click.option("--prompt", default="", show_default="empty: unconditional, from the end-of-document token",
               help="Text the sample starts from (printed before it).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=100, show_default=True,

@@ -24,6 +24,7 @@ from .graphs.manifest import load_manifest
 from . import config as C
 from . import rundir
 from . import tokenizer as T
+from .checkpoint import pin
 from .errors import UsageError
 from .export import checkpoint_weights, kv_cache_model
 from .flat import FlatLayout, to_host
@@ -132,10 +133,10 @@ def load_source(source: str, threads: int = 0) -> tuple[Decoder, str]:
         sess = ort.InferenceSession(source, session_options(threads), providers=["CPUExecutionProvider"])
         run_dir = os.path.dirname(os.path.abspath(source))
         return Decoder(sess, n_positions), run_dir
-    ckpt = rundir.resolve_checkpoint(source)
-    run_dir = rundir.run_dir_of(ckpt)
-    manifest = load_manifest(os.path.join(run_dir, "graphs"))
-    model = kv_cache_model(manifest, lambda: checkpoint_weights(ckpt, manifest), where=ckpt)
+    with pin(source) as ckpt:        # held open: the run may prune it as it trains
+        run_dir = rundir.run_dir_of(ckpt.dir)
+        manifest = load_manifest(os.path.join(run_dir, "graphs"))
+        model = kv_cache_model(manifest, lambda: checkpoint_weights(ckpt, manifest), where=ckpt.dir)
     n_positions = C.positions(registry.of_manifest(manifest).shape_of(manifest))
     sess = ort.InferenceSession(model.SerializeToString(), session_options(threads),
                                 providers=["CPUExecutionProvider"])

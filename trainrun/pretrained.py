@@ -22,23 +22,31 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file
 
+from .checkpoint import Pinned, is_step_dir, pin, tensor_spans
 from .errors import UsageError
 from .models import registry
-from .rundir import resolve_checkpoint
+from .rundir import COMMITTED, checkpoints_dir
+
+FILE = "model.safetensors"      # a trainrun checkpoint's weights
 
 
-
-def _safetensors_file(path: str) -> str:
+def _source(path: str) -> tuple[str, Pinned | None]:
+    """(the .safetensors file ``path`` names, None), or for a trainrun run/checkpoint directory (its
+    model.safetensors, its checkpoint held open: the run may prune it as it trains)."""
     if os.path.isfile(path):
-        return path
+        return path, None
     if os.path.isfile(os.path.join(path, "model.safetensors")) and os.path.isfile(os.path.join(path, "config.json")):
-        return os.path.join(path, "model.safetensors")
-    try:
-        return os.path.join(resolve_checkpoint(path), "model.safetensors")
-    except UsageError:
+        return os.path.join(path, "model.safetensors"), None
+    if not (os.path.isdir(checkpoints_dir(path)) or os.path.isfile(os.path.join(path, "state.json"))
+            or os.path.exists(os.path.join(path, COMMITTED)) or is_step_dir(path)):
         raise UsageError(f"model.init_from: {path}: neither a .safetensors file, a transformers save_pretrained "
                          f"directory (config.json + model.safetensors) nor a trainrun run/checkpoint "
-                         f"directory") from None
+                         f"directory")
+    try:
+        held = pin(path)
+    except UsageError as exc:
+        raise UsageError(f"model.init_from: {exc.message}") from None
+    return held.path(FILE), held
 
 
 def _fit(shapes: dict[str, tuple], tensors: dict[str, tuple], file: str, family) -> tuple[dict, list[str]]:
@@ -66,10 +74,15 @@ def check(shapes: dict[str, tuple], path: str, family) -> list[str]:
     """The problems :func:`load_into` would find, from the file's header alone (names and shapes; no
     tensor read): what ``trainrun config validate`` and training's start-up report."""
     from safetensors import SafetensorError, safe_open
+    file = path
     try:
-        file = _safetensors_file(path)
-        with safe_open(file, framework="numpy") as fh:
-            tensors = {name: fh.get_slice(name).get_shape() for name in fh.keys()}
+        file, held = _source(path)
+        if held is not None:
+            with held:
+                tensors = _shapes(held.header(FILE)[1])
+        else:
+            with safe_open(file, framework="numpy") as fh:
+                tensors = {name: fh.get_slice(name).get_shape() for name in fh.keys()}
     except UsageError as exc:
         return [exc.message.removeprefix("model.init_from: ")]
     except (OSError, SafetensorError, ValueError) as exc:
@@ -77,18 +90,35 @@ def check(shapes: dict[str, tuple], path: str, family) -> list[str]:
     return _fit(shapes, tensors, file, family)[1]
 
 
+def _shapes(header: dict) -> dict[str, tuple]:
+    return {name: tuple(t["shape"]) for name, t in header.items() if name != "__metadata__"}
+
+
 def load_into(weights: dict[str, np.ndarray], path: str, family) -> dict[str, np.ndarray]:
     """``weights`` (our names and shapes, freshly initialised) with every tensor ``path`` provides."""
-    file = _safetensors_file(path)
+    file, held = _source(path)
+    if held is not None:
+        with held:
+            found = _fitting(weights, _shapes(held.header(FILE)[1]), file, family)
+            start, spans = tensor_spans(held, FILE, list(found.values()), [weights[n].shape for n in found])
+            out = dict(weights)
+            for ours, (begin, _) in zip(found, spans):
+                out[ours] = np.empty(weights[ours].shape, np.float32)
+                held.readinto(FILE, out[ours], start + begin)
+        return out
     try:
         tensors = load_file(file)
     except (OSError, SafetensorError, ValueError) as exc:
         raise UsageError(f"model.init_from: {file}: not a readable .safetensors file ({exc})") from None
-    found, problems = _fit({n: w.shape for n, w in weights.items()}, {n: v.shape for n, v in tensors.items()},
-                           file, family)
-    if problems:
-        raise UsageError(f"model.init_from: {file} does not fit model.{family}", problems)
+    found = _fitting(weights, {n: v.shape for n, v in tensors.items()}, file, family)
     out = dict(weights)
     for ours, name in found.items():
         out[ours] = np.ascontiguousarray(tensors[name], dtype=np.float32)
     return out
+
+
+def _fitting(weights: dict[str, np.ndarray], tensors: dict[str, tuple], file: str, family) -> dict[str, str]:
+    found, problems = _fit({n: w.shape for n, w in weights.items()}, tensors, file, family)
+    if problems:
+        raise UsageError(f"model.init_from: {file} does not fit model.{family}", problems)
+    return found

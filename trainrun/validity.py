@@ -36,6 +36,7 @@ from . import data as D
 from . import feeding
 from . import pretrained
 from . import tokenizer
+from .checkpoint import is_step_dir
 from .cuda import cuda_provider_problem
 from .errors import UsageError
 from .graphs import forward as F
@@ -166,8 +167,8 @@ def config_problems(cfg: C.Config, base_dir: str = ".", need_data: bool = False)
             add(path, f"file not found: {full}")
         elif kind == "dir" and not os.path.isdir(full):
             add(path, f"directory not found: {full}")
-        elif kind == "any" and not os.path.exists(full):
-            add(path, f"not found: {full}")
+        elif kind == "any" and not os.path.exists(full) and not is_step_dir(full):   # a run's checkpoint, pruned:
+            add(path, f"not found: {full}")             # its reader (pretrained.check) names the newest
     return problems
 
 

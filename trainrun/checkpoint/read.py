@@ -135,7 +135,7 @@ def pin(source: str) -> Pinned:
         try:
             ckpt = resolve_checkpoint(source)
         except UsageError:
-            if _is_step_dir(named) and not os.path.exists(named):
+            if is_step_dir(named) and not os.path.exists(named):
                 raise _pruned(named, "not there: pruned") from None
             raise
         try:
@@ -150,7 +150,9 @@ def pin(source: str) -> Pinned:
     raise _pruned(ckpt)
 
 
-def _is_step_dir(path: str) -> bool:
+def is_step_dir(path: str) -> bool:
+    """Whether ``path`` names a checkpoint of a run (``<run>/checkpoints/<step>``), there or not."""
+    path = os.path.abspath(path)
     return os.path.basename(path).isdigit() and os.path.basename(os.path.dirname(path)) == "checkpoints"
 
 
