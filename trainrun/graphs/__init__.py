@@ -28,6 +28,8 @@ One module per job, in the order ``prepare`` applies them:
 * :mod:`.gradients`      the gradient graph and its rewrites; debug outputs
 * :mod:`.manifest`       ``prepare`` itself, the manifest, ``load_manifest``, ``up_to_date``
 
+:mod:`.autodiff` (not yet used by ``prepare``): trainrun's own gradient builder in standard ONNX ops.
+
 The run-time side of the manifest (which dataset feature feeds which input, the eval results) is
 :mod:`trainrun.feeding`.
 """

@@ -1,0 +1,243 @@
+"""trainrun's own gradient builder (trainrun/graphs/autodiff) against torch autograd: per op a tiny graph,
+loss = ReduceSum(output * random weights), the emitted gradients run in onnxruntime and compared to
+torch's (float64 where onnxruntime's CPU kernels have it); the emitted graph holds standard ONNX ops only."""
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from trainrun.graphs.autodiff import NoGradient, differentiate
+from trainrun.models.onnx_builder import OPSET
+
+F64, F32 = np.float64, np.float32
+ONNX_TYPE = {F64: TensorProto.DOUBLE, F32: TensorProto.FLOAT}
+
+
+def float_type(inputs: dict):
+    return next(a.dtype.type for a in inputs.values() if a.dtype.kind == "f")
+
+
+def model_of(nodes, inputs: dict, initializers: dict = (), out="y", unknown_dims=False):
+    """A model whose loss is ReduceSum(out * w); ``inputs`` name -> array (``w`` added), declared with their
+    shapes, or with their ranks only if ``unknown_dims``."""
+    dtype = float_type(inputs)
+    nodes = list(nodes) + [helper.make_node("Mul", [out, "w"], ["weighted"], name="weigh"),
+                           helper.make_node("ReduceSum", ["weighted"], ["loss"], name="loss", keepdims=0)]
+    vis = [helper.make_tensor_value_info(n, onnx.helper.np_dtype_to_tensor_dtype(a.dtype),
+                                         [f"{n}{k}" for k in range(a.ndim)] if unknown_dims else a.shape)
+           for n, a in inputs.items()]
+    graph = helper.make_graph(nodes, "g", vis + [helper.make_tensor_value_info("w", ONNX_TYPE[dtype], None)],
+                              [helper.make_tensor_value_info("loss", ONNX_TYPE[dtype], [])],
+                              [numpy_helper.from_array(a, n) for n, a in dict(initializers).items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 9
+    return model
+
+
+def output_shape(model, feeds, out):
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    probe.graph.output.append(helper.make_tensor_value_info(out, probe.graph.output[0].type.tensor_type.elem_type,
+                                                            None))
+    sess = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run([out], {**feeds, "w": np.zeros(1, float_type(feeds))})[0].shape
+
+
+def check(nodes, inputs: dict, params: list[str], torch_fn, initializers: dict = (), out="y", seed=0,
+          unknown_dims=False):
+    """The builder's gradients of every name in ``params`` against torch autograd of ``torch_fn``."""
+    rng = np.random.default_rng(seed)
+    dtype = float_type(inputs)
+    feeds = {n: a for n, a in inputs.items()}
+    model = model_of(nodes, inputs, initializers, out, unknown_dims)
+    w = rng.standard_normal(output_shape(model, feeds, out)).astype(dtype)
+    grad_model = differentiate(model, params, "loss")
+    assert {n.domain for n in grad_model.graph.node} <= {"", "ai.onnx"}
+    sess = ort.InferenceSession(grad_model.SerializeToString(), basic_optimizations(),
+                                providers=["CPUExecutionProvider"])
+    got = sess.run([f"{p}_grad" for p in params], {**feeds, "w": w})
+    tensors = {n: torch.tensor(a, requires_grad=n in params) for n, a in {**feeds, **dict(initializers)}.items()}
+    (torch_fn(tensors) * torch.tensor(w)).sum().backward()
+    tol = 1e-10 if dtype is F64 else 1e-5
+    for p, g in zip(params, got):
+        want = tensors[p].grad.numpy()
+        assert g.shape == want.shape, p
+        np.testing.assert_allclose(g, want, rtol=tol, atol=tol * max(1.0, np.abs(want).max()), err_msg=p)
+
+
+def basic_optimizations():
+    """onnxruntime's extended optimizations fuse MatMul + Transpose into com.microsoft FusedMatMul, which has
+    no float64 kernel; the graph as emitted is what is checked."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    return options
+
+
+def rand(*shape, dtype=F64, seed=None, positive=False):
+    a = np.random.default_rng(seed if seed is not None else sum(shape) * 7 + len(shape)).standard_normal(shape)
+    return (np.abs(a) + 0.5 if positive else a).astype(dtype)
+
+
+def node(op, ins, outs=("y",), **attrs):
+    return helper.make_node(op, list(ins), list(outs), name=f"{op.lower()}_{'_'.join(ins)}", **attrs)
+
+
+def binary(op, fn, a_shape, b_shape, positive_b=False):
+    """Once with static shapes (broadcast axes known when the graph is built), once with the dims unknown
+    (the axes found at run time)."""
+    for unknown in (False, True):
+        check([node(op, ["a", "b"])], {"a": rand(*a_shape, seed=1), "b": rand(*b_shape, seed=2, positive=positive_b)},
+              ["a", "b"], lambda t: fn(t["a"], t["b"]), unknown_dims=unknown)
+
+
+@pytest.mark.parametrize("op,fn", [("Add", torch.add), ("Sub", torch.sub), ("Mul", torch.mul),
+                                   ("Div", torch.div)])
+def test_binary_ops_with_broadcasting(op, fn):
+    binary(op, fn, (2, 3, 4), (2, 3, 4), positive_b=op == "Div")
+    binary(op, fn, (2, 3, 4), (3, 1), positive_b=op == "Div")      # b broadcast along axes 0 and 2
+    binary(op, fn, (1, 4), (2, 3, 1), positive_b=op == "Div")      # both broadcast
+
+
+UNARY = [("Neg", torch.neg, F64, False), ("Sqrt", torch.sqrt, F64, True), ("Exp", torch.exp, F64, False),
+         ("Log", torch.log, F64, True), ("Tanh", torch.tanh, F64, False), ("Sigmoid", torch.sigmoid, F64, False),
+         ("Relu", torch.relu, F64, False), ("Erf", torch.erf, F32, False), ("Identity", lambda x: x, F64, False)]
+
+
+@pytest.mark.parametrize("op,fn,dtype,positive", UNARY, ids=[u[0] for u in UNARY])
+def test_unary_ops(op, fn, dtype, positive):
+    check([node(op, ["x"])], {"x": rand(3, 5, dtype=dtype, positive=positive)}, ["x"], lambda t: fn(t["x"]))
+
+
+def test_pow_with_a_constant_exponent_and_cast():
+    check([node("Pow", ["x", "p"], ["p_out"]), node("Cast", ["p_out"], ["p32"], to=TensorProto.FLOAT),
+           node("Cast", ["p32"], to=TensorProto.DOUBLE)], {"x": rand(3, 4, positive=True)}, ["x"],
+          lambda t: (t["x"] ** 2.5).float().double(), initializers={"p": np.array(2.5)})
+    with pytest.raises(NoGradient, match="Pow node 'pow_x_p'.*exponent"):
+        differentiate(model_of([node("Pow", ["x", "p"])], {"x": rand(2), "p": rand(2)}), ["x", "p"], "loss")
+
+
+def test_where():
+    cond = rand(3, 4, seed=5) > 0
+    check([node("Where", ["c", "a", "b"])], {"c": cond, "a": rand(3, 4, seed=1), "b": rand(4, seed=2)},
+          ["a", "b"], lambda t: torch.where(t["c"], t["a"], t["b"]))
+
+
+@pytest.mark.parametrize("a_shape,b_shape", [((3, 4), (4, 5)), ((2, 3, 4), (4, 5)), ((2, 1, 3, 4), (5, 4, 2)),
+                                             ((4,), (2, 4, 5)), ((2, 3, 4), (4,)), ((4,), (4,))])
+def test_matmul(a_shape, b_shape):
+    binary("MatMul", torch.matmul, a_shape, b_shape)
+
+
+@pytest.mark.parametrize("trans_a,trans_b", [(0, 0), (1, 0), (0, 1), (1, 1)])
+def test_gemm(trans_a, trans_b):
+    a, b = rand(*((4, 3) if trans_a else (3, 4)), seed=1), rand(*((5, 4) if trans_b else (4, 5)), seed=2)
+    c = rand(5, seed=3)
+    alpha, beta = float(np.float32(0.7)), float(np.float32(1.3))      # float attributes
+
+    def fn(t):
+        ta = t["a"].T if trans_a else t["a"]
+        tb = t["b"].T if trans_b else t["b"]
+        return alpha * ta @ tb + beta * t["c"]
+    check([node("Gemm", ["a", "b", "c"], transA=trans_a, transB=trans_b, alpha=alpha, beta=beta)],
+          {"a": a, "b": b, "c": c}, ["a", "b", "c"], fn)
+
+
+def test_reshape_transpose_unsqueeze_squeeze_flatten():
+    check([node("Reshape", ["x", "s"], ["r"]), node("Transpose", ["r"], ["t"], perm=[2, 0, 1]),
+           node("Unsqueeze", ["t", "ax"], ["u"]), node("Squeeze", ["u", "ax"], ["q"]),
+           node("Flatten", ["q"], ["f"], axis=1), node("Transpose", ["f"])],
+          {"x": rand(6, 4)}, ["x"],
+          lambda t: t["x"].reshape(2, 3, 4).permute(2, 0, 1).reshape(4, 6).T,
+          initializers={"s": np.array([2, 3, 4]), "ax": np.array([1])})
+
+
+def test_concat_and_split():
+    check([node("Concat", ["a", "b"], ["c"], axis=1), node("Split", ["c", "sp"], ["p", "q"], axis=1),
+           node("Mul", ["q", "q"])],
+          {"a": rand(2, 3, seed=1), "b": rand(2, 4, seed=2)}, ["a", "b"],
+          lambda t: torch.cat([t["a"], t["b"]], 1)[:, 2:] ** 2, initializers={"sp": np.array([2, 5])})
+
+
+def test_slice_with_steps_and_negative_bounds():
+    check([node("Slice", ["x", "st", "en", "ax", "sp"])], {"x": rand(5, 7)}, ["x"],
+          lambda t: t["x"].flip(1)[:, 1:6:2][1:4],
+          initializers={"st": np.array([1, -2]), "en": np.array([4, 0]), "ax": np.array([0, 1]),
+                        "sp": np.array([1, -2])})
+
+
+@pytest.mark.parametrize("keepdims", [0, 1])
+def test_reduce_sum_and_mean(keepdims):
+    keep = bool(keepdims)
+    check([node("ReduceSum", ["x", "ax"], ["s"], keepdims=keepdims), node("Mul", ["s", "s"])], {"x": rand(2, 3, 4)},
+          ["x"], lambda t: t["x"].sum(-2, keepdim=keep) ** 2, initializers={"ax": np.array([-2])})
+    check([node("ReduceMean", ["x"], ["m"], axes=[0, 2], keepdims=keepdims), node("Mul", ["m", "m"])],
+          {"x": rand(2, 3, 4)}, ["x"], lambda t: t["x"].mean((0, 2), keepdim=keep) ** 2)
+    check([node("ReduceSum", ["x"], ["s"], keepdims=keepdims), node("Mul", ["s", "x"])], {"x": rand(2, 3)},
+          ["x"], lambda t: t["x"].sum() * t["x"])
+
+
+@pytest.mark.parametrize("op,fn", [("Softmax", torch.softmax), ("LogSoftmax", torch.log_softmax)])
+@pytest.mark.parametrize("axis", [-1, 1])
+def test_softmax_and_log_softmax(op, fn, axis):
+    check([node(op, ["x"], axis=axis)], {"x": rand(2, 3, 4)}, ["x"], lambda t: fn(t["x"], axis))
+
+
+def test_layer_norm_with_repeated_rows():
+    x = rand(2, 3, 6)
+    check([node("LayerNormalization", ["x", "g", "b"], axis=-1, epsilon=1e-3)],
+          {"x": x, "g": rand(6, seed=3), "b": rand(6, seed=4)}, ["x", "g", "b"],
+          lambda t: torch.nn.functional.layer_norm(t["x"], (6,), t["g"], t["b"], eps=1e-3))
+    check([node("LayerNormalization", ["x", "g"], axis=1)],
+          {"x": rand(2, 3, 4), "g": rand(3, 4, seed=3)}, ["x", "g"],
+          lambda t: torch.nn.functional.layer_norm(t["x"], (3, 4), t["g"]))
+
+
+def test_gather_rows_with_repeated_indices_sums_them():
+    idx = np.array([[1, 3, 1], [0, 1, 4]])
+    check([node("Gather", ["table", "idx"])], {"idx": idx, "table": rand(5, 4)}, ["table"],
+          lambda t: t["table"][t["idx"]])
+
+
+def test_mlp_stored_in_reverse_order_with_a_shared_tensor():
+    """Embedding rows -> LayerNorm -> MatMul + bias -> Relu -> Gemm -> Softmax, times the mean of tanh(h0),
+    the parameters as initializers and the nodes stored last first: h0 feeds both LayerNorm and Tanh, so its
+    gradient is the sum of two."""
+    rng = np.random.default_rng(3)
+    params = {"emb": rng.standard_normal((7, 4)), "ln_g": rng.standard_normal(4), "ln_b": rng.standard_normal(4),
+              "w1": rng.standard_normal((4, 6)), "b1": rng.standard_normal(6), "w2": rng.standard_normal((3, 6))}
+    consts = {"flat": np.array([-1, 6]), "tokens": np.array([[1, 2], [6, 1]])}
+
+    def fn(t):
+        h0 = t["emb"][t["tokens"]] + t["x"]
+        h1 = torch.nn.functional.layer_norm(h0, (4,), t["ln_g"], t["ln_b"])
+        r1 = torch.relu(h1 @ t["w1"] + t["b1"]).reshape(-1, 6)
+        return torch.softmax(r1 @ t["w2"].T, -1) * torch.tanh(h0).mean()
+    nodes = [node("Gather", ["emb", "tokens"], ["e"]), node("Add", ["e", "x"], ["h0"]),
+             node("LayerNormalization", ["h0", "ln_g", "ln_b"], ["h1"]),
+             node("MatMul", ["h1", "w1"], ["m1"]), node("Add", ["m1", "b1"], ["a1"]), node("Relu", ["a1"], ["r1"]),
+             node("Reshape", ["r1", "flat"], ["r1_2d"]), node("Gemm", ["r1_2d", "w2"], ["g2"], transB=1),
+             node("Softmax", ["g2"], ["p"]), node("Tanh", ["h0"], ["side"]), node("ReduceMean", ["side"], ["sm"]),
+             node("Mul", ["p", "sm"])]
+    check(nodes[::-1], {"x": rand(2, 2, 4)}, list(params), fn, initializers={**params, **consts})
+
+
+def test_an_op_without_a_rule_is_named():
+    model = model_of([node("Cos", ["x"], ["c"]), node("Mul", ["c", "x"])], {"x": rand(3, dtype=F32)})
+    with pytest.raises(NoGradient, match="no gradient rule for op type 'Cos' \\(node 'cos_x'\\)") as e:
+        differentiate(model, ["x"], "loss")
+    assert e.value.exit_code == 2
+
+
+def test_branches_without_parameters_are_skipped_and_unused_parameters_get_zeros():
+    x, d, unused = rand(3, dtype=F32), rand(3, dtype=F32, seed=5), rand(2, dtype=F32)
+    model = model_of([node("Cos", ["d"], ["c"]), node("Mul", ["c", "x"])], {"x": x, "d": d, "unused": unused})
+    grad = differentiate(model, ["x", "unused"], "loss")
+    assert [n.op_type for n in grad.graph.node].count("Cos") == 1
+    sess = ort.InferenceSession(grad.SerializeToString(), providers=["CPUExecutionProvider"])
+    w = rand(3, dtype=F32, seed=9)
+    gx, gu = sess.run(["x_grad", "unused_grad"], {"x": x, "d": d, "unused": unused, "w": w})
+    np.testing.assert_allclose(gx, np.cos(d) * w, rtol=1e-6)
+    assert gu.tolist() == [0.0, 0.0]

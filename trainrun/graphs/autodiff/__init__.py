@@ -1,0 +1,16 @@
+"""trainrun's own reverse-mode gradient builder: the gradient graph in standard ONNX ops, so that it runs
+on stock onnxruntime. Not yet used by ``prepare``.
+
+* :mod:`.core`           the backward walk, the rule registry, the emitter of new nodes
+* :mod:`.elementwise`    Add Sub Mul Div Neg Pow Sqrt Exp Log Tanh Sigmoid Relu Erf Where Cast Identity
+* :mod:`.matrix`         MatMul Gemm
+* :mod:`.shape`          Reshape Transpose Unsqueeze Squeeze Flatten Concat Slice Split
+* :mod:`.reductions`     ReduceSum ReduceMean Softmax LogSoftmax
+* :mod:`.normalisation`  LayerNormalization
+* :mod:`.indexing`       Gather (an embedding table's rows)
+"""
+
+from . import elementwise, indexing, matrix, normalisation, reductions, shape  # noqa: F401 - registers the rules
+from .core import NoGradient, differentiate, gradient
+
+__all__ = ["NoGradient", "differentiate", "gradient"]

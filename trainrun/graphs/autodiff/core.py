@@ -1,0 +1,231 @@
+"""Reverse mode over an ONNX graph, in standard ONNX ops only.
+
+:func:`differentiate` walks the graph backwards from a scalar loss (in dependency order, not stored
+order), seeds d loss / d loss = 1, asks each node's rule (registered with :func:`gradient`) for the
+gradients of its inputs, sums the contributions to a tensor read by several nodes, skips every branch
+that does not lead from a parameter to the loss, and outputs ``<param>_grad`` for each parameter. A rule
+gets a :class:`Step` (the node, the gradients of its outputs, which inputs want one, and the emitter of
+new nodes) and returns one gradient (or None) per input. The package's face imports every module of
+rules."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper, shape_inference
+
+from ...errors import UsageError
+from ..names import GRAD_SUFFIX
+
+RULES: dict[str, Callable] = {}
+
+
+class NoGradient(UsageError):
+    """An op the builder has no gradient rule for (or a case of it the rule does not cover)."""
+
+
+def gradient(op_type: str):
+    """Register ``rule(step) -> [gradient or None per input]`` as the gradient of ``op_type``."""
+    def register(rule):
+        RULES[op_type] = rule
+        return rule
+    return register
+
+
+class Emitter:
+    """Appends nodes with unique, readable names; knows the static dims and constant values of the
+    forward graph's tensors."""
+
+    def __init__(self, model: onnx.ModelProto, ordered: list[onnx.NodeProto]):
+        self.nodes: list[onnx.NodeProto] = []
+        g = model.graph
+        self.taken = {n for node in g.node for n in list(node.input) + list(node.output)}
+        self.taken |= {t.name for t in list(g.input) + list(g.initializer) + list(g.output)}
+        self.taken |= {node.name for node in g.node}
+        self.dims = {}
+        sorted_model = onnx.ModelProto()
+        sorted_model.CopyFrom(model)
+        del sorted_model.graph.node[:]
+        sorted_model.graph.node.extend(ordered)
+        inferred = shape_inference.infer_shapes(sorted_model)
+        for vi in list(inferred.graph.input) + list(inferred.graph.value_info) + list(inferred.graph.output):
+            t = vi.type.tensor_type
+            if t.HasField("shape"):
+                self.dims[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
+        for t in g.initializer:
+            self.dims[t.name] = list(t.dims)
+        self.values = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+        for node in g.node:
+            if node.op_type == "Constant" and node.attribute[0].name == "value":
+                self.values[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+
+    def name(self, base: str) -> str:
+        name, i = base, 0
+        while name in self.taken:
+            i += 1
+            name = f"{base}.{i}"
+        self.taken.add(name)
+        return name
+
+    def op(self, op_type: str, inputs, base: str, outputs: int = 1, **attrs):
+        """Emit one node; its output name (a list when ``outputs`` > 1)."""
+        outs = [self.name(base if outputs == 1 else f"{base}.{k}") for k in range(outputs)]
+        self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=self.name(f"{base}/{op_type}"),
+                                           **attrs))
+        return outs[0] if outputs == 1 else outs
+
+    def const(self, value, base: str, like: str | None = None) -> str:
+        """A constant: int64, or a float cast like tensor ``like``."""
+        arr = np.array(value, np.int64 if like is None else np.float64)
+        name = self.op("Constant", [], f"{base}/const", value=numpy_helper.from_array(arr))
+        return name if like is None else self.op("CastLike", [name, like], f"{base}/const")
+
+    def static(self, name: str):
+        """Fully known dims of ``name``, else None."""
+        dims = self.dims.get(name)
+        return dims if dims is not None and None not in dims else None
+
+    def rank(self, name: str, node: onnx.NodeProto) -> int:
+        if self.dims.get(name) is None:
+            raise NoGradient(f"the rank of '{name}' (read by {node.op_type} node '{node.name}') is unknown")
+        return len(self.dims[name])
+
+    def zeros_like(self, x: str, base: str) -> str:
+        shape = self.op("Shape", [x], f"{base}/shape")
+        return self.op("CastLike", [self.op("ConstantOfShape", [shape], f"{base}/zeros"), x], f"{base}/zeros")
+
+    def add_all(self, terms: list[str], base: str) -> str:
+        return terms[0] if len(terms) == 1 else self.op("Sum", terms, base)
+
+    def sum_to(self, grad: str, target: str, base: str, grad_dims=None) -> str:
+        """``grad`` (of a broadcast result, dims ``grad_dims`` if known) summed over the axes ``target``
+        was broadcast along, so it has ``target``'s shape. Static axes where both shapes are known, else
+        the axes found at run time from the two Shapes."""
+        tdims = self.static(target)
+        if tdims is not None and grad_dims is not None and None not in grad_dims:
+            if list(grad_dims) == tdims:
+                return grad
+            lead = len(grad_dims) - len(tdims)
+            axes = list(range(lead)) + [lead + i for i, d in enumerate(tdims) if d == 1 and grad_dims[lead + i] != 1]
+            summed = self.op("ReduceSum", [grad, self.const(axes, base)], f"{base}/sum", keepdims=1)
+            return self.op("Reshape", [summed, self.const(tdims, base)], base)
+        gshape = self.op("Shape", [grad], f"{base}/grad_shape")
+        tshape = self.op("Shape", [target], f"{base}/target_shape")
+        lead = self.op("Sub", [self.op("Size", [gshape], f"{base}/rank"), self.op("Size", [tshape], f"{base}/rank")],
+                       f"{base}/lead")
+        ones = self.op("ConstantOfShape", [self.op("Reshape", [lead, self.const([1], base)], f"{base}/lead")],
+                       f"{base}/ones", value=numpy_helper.from_array(np.array([1], np.int64)))
+        padded = self.op("Concat", [ones, tshape], f"{base}/padded", axis=0)
+        where_one = self.op("Equal", [padded, self.const(1, base)], f"{base}/broadcast")
+        axes = self.op("Reshape", [self.op("NonZero", [where_one], f"{base}/axes"), self.const([-1], base)],
+                       f"{base}/axes")
+        summed = self.op("ReduceSum", [grad, axes], f"{base}/sum", keepdims=1, noop_with_empty_axes=1)
+        return self.op("Reshape", [summed, tshape], base)
+
+
+class Step:
+    """One node being differentiated: what a rule reads and the emitter it writes with."""
+
+    def __init__(self, emit: Emitter, node: onnx.NodeProto, dy: list, wants: set[int]):
+        self.emit, self.node, self.dy, self.wants_set = emit, node, dy, wants
+        self.x, self.y = list(node.input), list(node.output)
+        self.base = f"grad/{node.name or node.op_type}"
+        self.attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+    def wants(self, i: int) -> bool:
+        return i in self.wants_set
+
+    def attr(self, name: str, default=None):
+        return self.attrs.get(name, default)
+
+    def op(self, op_type: str, inputs, outputs: int = 1, **attrs):
+        return self.emit.op(op_type, inputs, self.base, outputs, **attrs)
+
+    def const(self, value, like: str | None = None) -> str:
+        return self.emit.const(value, self.base, like)
+
+    def sum_to(self, grad: str, i: int, grad_dims=None) -> str:
+        """``grad``, of output 0's shape unless ``grad_dims`` says otherwise, reduced to input ``i``'s."""
+        return self.emit.sum_to(grad, self.x[i], f"{self.base}/{self.x[i]}",
+                                self.emit.static(self.y[0]) if grad_dims is None else grad_dims)
+
+    def value(self, i: int):
+        """The constant value of input ``i`` (an initializer or a Constant), else :class:`NoGradient`."""
+        if i >= len(self.x) or self.x[i] not in self.emit.values:
+            raise self.unsupported(f"input {i} is not a constant")
+        return self.emit.values[self.x[i]]
+
+    def unsupported(self, why: str) -> NoGradient:
+        return NoGradient(f"no gradient for {self.node.op_type} node '{self.node.name}': {why}")
+
+
+def topological(nodes) -> list[onnx.NodeProto]:
+    """``nodes`` in dependency order, whatever their stored order."""
+    producer = {o: k for k, n in enumerate(nodes) for o in n.output if o}
+    order, state = [], {}
+
+    def visit(k):
+        stack = [(k, False)]
+        while stack:
+            k, done = stack.pop()
+            if done:
+                state[k] = 2
+                order.append(nodes[k])
+                continue
+            if state.get(k):
+                continue
+            state[k] = 1
+            stack.append((k, True))
+            stack.extend((producer[i], False) for i in nodes[k].input if i in producer and not state.get(producer[i]))
+    for k in range(len(nodes)):
+        visit(k)
+    return order
+
+
+def differentiate(model: onnx.ModelProto, params: list[str], loss: str = "loss") -> onnx.ModelProto:
+    """``model`` with one more output per parameter, ``<param>_grad`` = d ``loss`` / d ``param``."""
+    g = model.graph
+    nodes = topological(list(g.node))
+    # tensors that depend on a parameter, and the nodes between parameters and the loss
+    depends = set(params)
+    for n in nodes:
+        if any(i in depends for i in n.input):
+            depends.update(o for o in n.output if o)
+    needed, on_path = {loss}, []
+    for n in reversed(nodes):
+        if any(o in needed for o in n.output):
+            ins = [i for i in n.input if i in depends]
+            if ins:
+                on_path.append(n)
+                needed.update(ins)
+    emit = Emitter(model, nodes)
+    emit.taken.update(f"{p}{GRAD_SUFFIX}" for p in params)
+    grads: dict[str, list[str]] = {loss: [emit.op("Expand", [emit.const(1.0, "grad/seed", like=loss),
+                                                           emit.op("Shape", [loss], "grad/seed/shape")],
+                                                  f"{loss}{GRAD_SUFFIX}")]}
+    for n in on_path:
+        dy = [emit.add_all(grads[o], f"{o}{GRAD_SUFFIX}") if grads.get(o) else None for o in n.output]
+        if all(d is None for d in dy):
+            continue
+        if n.op_type not in RULES or n.domain not in ("", "ai.onnx"):
+            raise NoGradient(f"no gradient rule for op type '{n.op_type}' (node '{n.name}')")
+        wants = {k for k, i in enumerate(n.input) if i in depends}
+        for k, dx in enumerate(RULES[n.op_type](Step(emit, n, dy, wants))):
+            if dx is not None and k in wants:
+                grads.setdefault(n.input[k], []).append(dx)
+    outputs = list(g.output)
+    elem = {vi.name: vi.type.tensor_type.elem_type for vi in g.input}
+    elem.update({t.name: t.data_type for t in g.initializer})
+    for p in params:
+        total = (emit.add_all(grads[p], f"{p}{GRAD_SUFFIX}/sum") if grads.get(p)
+                 else emit.zeros_like(p, f"{p}{GRAD_SUFFIX}"))
+        name = f"{p}{GRAD_SUFFIX}"
+        emit.nodes.append(helper.make_node("Identity", [total], [name], name=emit.name(f"{name}/Identity")))
+        outputs.append(helper.make_tensor_value_info(name, elem[p], emit.dims.get(p)))
+    graph = helper.make_graph(list(g.node) + emit.nodes, g.name or "graph", list(g.input), outputs,
+                              list(g.initializer), value_info=list(g.value_info))
+    out = helper.make_model(graph, opset_imports=list(model.opset_import), producer_name="trainrun")
+    out.ir_version = model.ir_version
+    return out

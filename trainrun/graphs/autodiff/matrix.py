@@ -1,0 +1,57 @@
+"""Gradients of MatMul (batched, broadcast, 1-D operands) and Gemm."""
+
+from .core import Step, gradient
+
+
+def _swap_last(s: Step, x: str, rank: int) -> str:
+    perm = list(range(rank - 2)) + [rank - 1, rank - 2]
+    return s.op("Transpose", [x], perm=perm)
+
+
+@gradient("MatMul")
+def _matmul(s: Step):
+    a, b = s.x
+    ra, rb = s.emit.rank(a, s.node), s.emit.rank(b, s.node)
+    dy = s.dy[0]
+    # 1-D operands as matrices: a (k) as (1, k), b (k) as (k, 1); dy gets the dims they dropped
+    a2 = s.op("Unsqueeze", [a, s.const([0])]) if ra == 1 else a
+    b2 = s.op("Unsqueeze", [b, s.const([1])]) if rb == 1 else b
+    if ra == 1:
+        dy = s.op("Unsqueeze", [dy, s.const([-1 if rb == 1 else -2])])
+    if rb == 1:
+        dy = s.op("Unsqueeze", [dy, s.const([-1])])
+    ydims = s.emit.static(s.y[0])
+    adims, bdims = s.emit.static(a), s.emit.static(b)
+    batch = None
+    if ydims is not None and adims is not None and bdims is not None:
+        batch = ydims[:len(ydims) - (ra > 1) - (rb > 1)]
+    out = [None, None]
+    if s.wants(0):
+        da = s.op("MatMul", [dy, _swap_last(s, b2, max(rb, 2))])
+        dims = None if batch is None else batch + [1 if ra == 1 else adims[-2], adims[-1]]
+        out[0] = s.sum_to(da, 0, dims)
+    if s.wants(1):
+        db = s.op("MatMul", [_swap_last(s, a2, max(ra, 2)), dy])
+        if rb == 1:
+            db = s.op("Squeeze", [db, s.const([-1])])
+        dims = None if batch is None else batch + ([bdims[0]] if rb == 1 else bdims[-2:])
+        out[1] = s.sum_to(db, 1, dims)
+    return out
+
+
+@gradient("Gemm")
+def _gemm(s: Step):
+    a, b = s.x[:2]
+    ta, tb = s.attr("transA", 0), s.attr("transB", 0)
+    alpha, beta = s.attr("alpha", 1.0), s.attr("beta", 1.0)
+    dy = s.dy[0]
+    out = [None] * len(s.x)
+    if s.wants(0):
+        out[0] = (s.op("Gemm", [b, dy], transA=tb, transB=1, alpha=alpha) if ta
+                  else s.op("Gemm", [dy, b], transA=0, transB=1 - tb, alpha=alpha))
+    if s.wants(1):
+        out[1] = (s.op("Gemm", [dy, a], transA=1, transB=ta, alpha=alpha) if tb
+                  else s.op("Gemm", [a, dy], transA=1 - ta, transB=0, alpha=alpha))
+    if len(s.x) > 2 and s.x[2] and s.wants(2):
+        out[2] = s.sum_to(s.op("Mul", [dy, s.const(beta, like=dy)]), 2)
+    return out
