@@ -224,6 +224,29 @@ def test_mlp_stored_in_reverse_order_with_a_shared_tensor():
     check(nodes[::-1], {"x": rand(2, 2, 4)}, list(params), fn, initializers={**params, **consts})
 
 
+def test_reduce_mean_with_axes_as_an_input_at_opset_18():
+    model = model_of([node("ReduceMean", ["x", "ax"], ["m"], keepdims=0), node("Mul", ["m", "m"])],
+                     {"x": rand(2, 3, 4)}, {"ax": np.array([0, 2])})
+    model.opset_import[0].version = 18
+    grad = differentiate(model, ["x"], "loss")
+    w = rand(3, seed=4)
+    got = ort.InferenceSession(grad.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        ["x_grad"], {"x": rand(2, 3, 4), "w": w})[0]
+    x = torch.tensor(rand(2, 3, 4), requires_grad=True)
+    (x.mean((0, 2)) ** 2 * torch.tensor(w)).sum().backward()
+    np.testing.assert_allclose(got, x.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_cases_a_rule_does_not_cover_are_named():
+    layer_norm = model_of([node("LayerNormalization", ["x", "g"], ["n", "mean"]), node("Mul", ["n", "mean"])],
+                          {"x": rand(2, 3), "g": rand(3)})
+    with pytest.raises(NoGradient, match="LayerNormalization node 'layernormalization_x_g'.*Mean"):
+        differentiate(layer_norm, ["x"], "loss")
+    gather = model_of([node("Gather", ["t", "i"], axis=1)], {"t": rand(2, 3), "i": np.array([0, 2])})
+    with pytest.raises(NoGradient, match="Gather node 'gather_t_i'.*axis 0"):
+        differentiate(gather, ["t"], "loss")
+
+
 def test_an_op_without_a_rule_is_named():
     model = model_of([node("Cos", ["x"], ["c"]), node("Mul", ["c", "x"])], {"x": rand(3, dtype=F32)})
     with pytest.raises(NoGradient, match="no gradient rule for op type 'Cos' \\(node 'cos_x'\\)") as e:
