@@ -264,3 +264,85 @@ def test_branches_without_parameters_are_skipped_and_unused_parameters_get_zeros
     gx, gu = sess.run(["x_grad", "unused_grad"], {"x": x, "d": d, "unused": unused, "w": w})
     np.testing.assert_allclose(gx, np.cos(d) * w, rtol=1e-6)
     assert gu.tolist() == [0.0, 0.0]
+
+
+LOSS_CASES = [(reduction, ignore, weighted, shape) for reduction in ("mean", "sum", "none")
+              for ignore, weighted in ((None, False), (2, True), (-1, False)) for shape in ((5, 4), (3, 4, 2))]
+
+
+def labels_for(shape, ignore):
+    """Labels over the classes, ``ignore`` among them (and not all of them) where given."""
+    labels = np.random.default_rng(len(shape)).integers(0, shape[1], (shape[0],) + shape[2:])
+    if ignore is not None:
+        labels.flat[::3] = ignore
+    return labels
+
+
+@pytest.mark.parametrize("reduction,ignore,weighted,shape", LOSS_CASES)
+@pytest.mark.parametrize("op", ["SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"])
+def test_cross_entropy_and_nll_losses(op, reduction, ignore, weighted, shape):
+    labels = labels_for(shape, ignore)
+    attrs = {"reduction": reduction, **({} if ignore is None else {"ignore_index": ignore})}
+    ins = ["x", "labels"] + (["cw"] if weighted else [])
+    inits = {"cw": rand(shape[1], seed=8, positive=True)} if weighted else {}
+    fn = torch.nn.functional.cross_entropy if op == "SoftmaxCrossEntropyLoss" else torch.nn.functional.nll_loss
+    check([node(op, ins, **attrs)], {"x": rand(*shape), "labels": labels}, ["x"],
+          lambda t: fn(t["x"], t["labels"], weight=t.get("cw"), reduction=reduction,
+                       ignore_index=-100 if ignore is None else ignore),
+          initializers=inits)
+
+
+def test_cross_entropy_log_prob_output_and_the_loss_both_reach_the_loss():
+    labels = labels_for((3, 4, 2), 1)
+    check([node("SoftmaxCrossEntropyLoss", ["x", "labels"], ["l", "lp"], ignore_index=1), node("Mul", ["lp", "l"])],
+          {"x": rand(3, 4, 2), "labels": labels}, ["x"],
+          lambda t: torch.log_softmax(t["x"], 1) * torch.nn.functional.cross_entropy(t["x"], t["labels"],
+                                                                                     ignore_index=1))
+
+
+CONV_CASES = [dict(), dict(strides=[2, 1], pads=[1, 0, 0, 2]), dict(strides=[2, 2], pads=[1, 1, 1, 1], dilations=[2, 1]),
+              dict(group=2, strides=[1, 2], pads=[0, 1, 1, 0])]
+
+
+@pytest.mark.parametrize("attrs", CONV_CASES, ids=["plain", "strides_pads", "dilations", "group"])
+def test_conv_2d(attrs):
+    group = attrs.get("group", 1)
+    x, w, b = rand(2, 4, 7, 6, dtype=F32, seed=1), rand(6, 4 // group, 3, 2, dtype=F32, seed=2), rand(6, dtype=F32)
+    check([node("Conv", ["x", "k", "b"], **attrs)], {"x": x, "k": w, "b": b}, ["x", "k", "b"],
+          lambda t: torch.nn.functional.conv2d(
+              torch.nn.functional.pad(t["x"], (attrs.get("pads", [0] * 4)[1], attrs.get("pads", [0] * 4)[3],
+                                               attrs.get("pads", [0] * 4)[0], attrs.get("pads", [0] * 4)[2])),
+              t["k"], t["b"], stride=attrs.get("strides", 1), dilation=attrs.get("dilations", 1), groups=group))
+
+
+def test_max_pool_with_ties_routes_each_window_to_one_element():
+    x = rand(2, 3, 6, 7, dtype=F32)
+    x[0, 0, :2, :2] = 1.5                      # a window of equal values
+    for attrs, pad in ((dict(kernel_shape=[2, 2], strides=[2, 2]), (0, 0)),
+                       (dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]), (1, 1))):
+        check([node("MaxPool", ["x"], **attrs)], {"x": x}, ["x"],
+              lambda t: torch.nn.functional.max_pool2d(t["x"], attrs["kernel_shape"], attrs["strides"], pad))
+    check([node("MaxPool", ["x"], ["y", "idx"], kernel_shape=[2, 3])], {"x": x}, ["x"],
+          lambda t: torch.nn.functional.max_pool2d(t["x"], (2, 3), 1))
+
+
+@pytest.mark.parametrize("count_include_pad", [0, 1])
+def test_average_pool_and_global_average_pool(count_include_pad):
+    check([node("AveragePool", ["x"], kernel_shape=[3, 2], strides=[2, 1], pads=[1, 1, 1, 1],
+                count_include_pad=count_include_pad, outs=["p"]), node("GlobalAveragePool", ["p"], ["g"]),
+           node("Mul", ["p", "g"])],
+          {"x": rand(2, 3, 6, 5, dtype=F32)}, ["x"],
+          lambda t: (lambda y: y * y.mean((2, 3), keepdim=True))(torch.nn.functional.avg_pool2d(
+              t["x"], (3, 2), (2, 1), 1, count_include_pad=bool(count_include_pad))))
+
+
+def test_batch_norm_inference_form():
+    check([node("BatchNormalization", ["x", "g", "b", "mu", "var"], epsilon=1e-3)],
+          {"x": rand(2, 3, 4, 2), "g": rand(3, seed=1), "b": rand(3, seed=2), "mu": rand(3, seed=3),
+           "var": rand(3, seed=4, positive=True)}, ["x", "g", "b", "mu", "var"],
+          lambda t: (t["x"] - t["mu"][:, None, None]) / torch.sqrt(t["var"][:, None, None] + 1e-3)
+          * t["g"][:, None, None] + t["b"][:, None, None])
+    training = model_of([node("BatchNormalization", ["x", "g", "b", "mu", "var"], training_mode=1)],
+                        {"x": rand(2, 3, 4), "g": rand(3), "b": rand(3), "mu": rand(3), "var": rand(3, positive=True)})
+    with pytest.raises(NoGradient, match="BatchNormalization node .*training_mode is 1"):
+        differentiate(training, ["x"], "loss")

@@ -8,9 +8,12 @@ on stock onnxruntime. Not yet used by ``prepare``.
 * :mod:`.reductions`     ReduceSum ReduceMean Softmax LogSoftmax
 * :mod:`.normalisation`  LayerNormalization
 * :mod:`.indexing`       Gather (an embedding table's rows)
+* :mod:`.losses`         SoftmaxCrossEntropyLoss NegativeLogLikelihoodLoss
+* :mod:`.conv`           Conv MaxPool AveragePool GlobalAveragePool BatchNormalization (2-D, inference form)
 """
 
-from . import elementwise, indexing, matrix, normalisation, reductions, shape  # noqa: F401 - registers the rules
+from . import (conv, elementwise, indexing, losses, matrix, normalisation,  # noqa: F401 - registers the rules
+               reductions, shape)
 from .core import NoGradient, differentiate, gradient
 
 __all__ = ["NoGradient", "differentiate", "gradient"]

@@ -1,0 +1,133 @@
+"""Gradients of 2-D Conv, MaxPool, AveragePool, GlobalAveragePool and BatchNormalization (inference form),
+in standard ops, for inputs whose dims are known when the graph is built. Conv's input gradient is a
+ConvTranspose of dy with the same weight (``output_padding`` making up the rows a stride left unread), its
+weight gradient a Conv of the input (batch and channel swapped) by dy with strides and dilations swapped,
+cut to the kernel's size; MaxPool routes dy to the element its own Indices output names (one per window,
+ties included); AveragePool spreads dy / divisor with a ConvTranspose by a kernel of ones."""
+
+from .core import Step, gradient
+
+
+def _geometry(s: Step, kernel):
+    """(strides, pads, dilations) of a 2-D window op; explicit padding only."""
+    if s.attr("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+        raise s.unsupported("auto_pad is not NOTSET (give explicit pads)")
+    if len(kernel) != 2:
+        raise s.unsupported("only 2-D windows are covered")
+    return (list(s.attr("strides", [1, 1])), list(s.attr("pads", [0, 0, 0, 0])), list(s.attr("dilations", [1, 1])))
+
+
+def _dims(s: Step, name: str):
+    dims = s.emit.static(name)
+    if dims is None:
+        raise s.unsupported(f"the dims of '{name}' are not known when the graph is built")
+    return dims
+
+
+def _output_padding(in_hw, out_hw, kernel, strides, pads, dilations):
+    """What ConvTranspose must add so its output is ``in_hw`` again (rows a stride left unread)."""
+    return [in_hw[i] - (strides[i] * (out_hw[i] - 1) + (kernel[i] - 1) * dilations[i] + 1 - pads[i] - pads[i + 2])
+            for i in range(2)]
+
+
+@gradient("Conv")
+def _conv(s: Step):
+    x, w = s.x[:2]
+    n, c, h, wd = _dims(s, x)
+    m, cg, kh, kw = _dims(s, w)
+    strides, pads, dilations = _geometry(s, [kh, kw])
+    group = s.attr("group", 1)
+    dy = s.dy[0]
+    oh, ow = _dims(s, s.y[0])[2:]
+    out = [None] * len(s.x)
+    if s.wants(0):
+        out[0] = s.op("ConvTranspose", [dy, w], strides=strides, pads=pads, dilations=dilations, group=group,
+                      output_padding=_output_padding([h, wd], [oh, ow], [kh, kw], strides, pads, dilations))
+    if s.wants(1):
+        # [C/g, g*N, H, W]: each group's channels as the "batch", its (group, sample) pairs as channels
+        xt = s.op("Reshape", [s.op("Transpose", [s.op("Reshape", [x, s.const([n, group, cg, h, wd])])],
+                                   perm=[2, 1, 0, 3, 4]), s.const([cg, group * n, h, wd])])
+        dyt = s.op("Transpose", [dy], perm=[1, 0, 2, 3])
+        full = s.op("Conv", [xt, dyt], strides=dilations, dilations=strides, pads=pads, group=group)
+        cut = s.op("Slice", [full, s.const([0, 0]), s.const([kh, kw]), s.const([2, 3])])
+        out[1] = s.op("Transpose", [cut], perm=[1, 0, 2, 3])
+    if len(s.x) > 2 and s.x[2] and s.wants(2):
+        out[2] = s.op("ReduceSum", [dy, s.const([0, 2, 3])], keepdims=0)
+    return out
+
+
+@gradient("MaxPool")
+def _max_pool(s: Step):
+    if s.dy[1:] and any(d is not None for d in s.dy[1:]):
+        raise s.unsupported("the Indices output reaches the loss")
+    if s.attr("storage_order", 0):
+        raise s.unsupported("storage_order is 1")
+    x = s.x[0]
+    _geometry(s, s.attr("kernel_shape"))
+    _dims(s, x)
+    indices = s.y[1] if len(s.y) > 1 and s.y[1] else s.op("MaxPool", [x], outputs=2, **s.attrs)[1]
+    flat = s.const([-1])
+    # onnxruntime's and ONNX's indices count over the whole input, batch and channel included
+    zeros = s.op("Reshape", [s.emit.zeros_like(x, s.base), flat])
+    spread = s.op("ScatterElements", [zeros, s.op("Reshape", [indices, flat]), s.op("Reshape", [s.dy[0], flat])],
+                  axis=0, reduction="add")
+    return [s.op("Reshape", [spread, s.op("Shape", [x])])]
+
+
+@gradient("AveragePool")
+def _average_pool(s: Step):
+    x = s.x[0]
+    kernel = list(s.attr("kernel_shape"))
+    strides, pads, _ = _geometry(s, kernel)
+    if s.attr("ceil_mode", 0):
+        raise s.unsupported("ceil_mode is 1")
+    n, c, h, wd = _dims(s, x)
+    oh, ow = _dims(s, s.y[0])[2:]
+    dy = s.dy[0]
+    if s.attr("count_include_pad", 0):
+        scaled = s.op("Div", [dy, s.const(float(kernel[0] * kernel[1]), like=dy)])
+    else:
+        # the share of each window that is not padding, times the window's size: the elements averaged
+        share = s.op("AveragePool", [s.op("Add", [s.emit.zeros_like(x, s.base), s.const(1.0, like=x)])],
+                     kernel_shape=kernel, strides=strides, pads=pads, count_include_pad=1)
+        scaled = s.op("Div", [dy, s.op("Mul", [share, s.const(float(kernel[0] * kernel[1]), like=dy)])])
+    ones = s.op("CastLike", [s.op("ConstantOfShape", [s.const([c, 1] + kernel)]), x])
+    ones = s.op("Add", [ones, s.const(1.0, like=x)])
+    return [s.op("ConvTranspose", [scaled, ones], strides=strides, pads=pads, group=c,
+                 output_padding=_output_padding([h, wd], [oh, ow], kernel, strides, pads, [1, 1]))]
+
+
+@gradient("GlobalAveragePool")
+def _global_average_pool(s: Step):
+    x = s.x[0]
+    count = s.op("CastLike", [s.op("Div", [s.op("Size", [x]), s.op("Size", [s.y[0]])]), x])
+    return [s.op("Expand", [s.op("Div", [s.dy[0], count]), s.op("Shape", [x])])]
+
+
+@gradient("BatchNormalization")
+def _batch_norm(s: Step):
+    if s.attr("training_mode", 0):
+        raise s.unsupported("training_mode is 1 (running statistics): only the inference form is covered")
+    x, scale, bias, mean, var = s.x
+    rank = s.emit.rank(x, s.node)
+    per_channel = s.const([-1] + [1] * (rank - 2))
+    axes = s.const([0] + list(range(2, rank)))
+    inv_std = s.op("Reciprocal", [s.op("Sqrt", [s.op("Add", [var, s.const(s.attr("epsilon", 1e-5), like=x)])])])
+    dy = s.dy[0]
+    centred = s.op("Sub", [x, s.op("Reshape", [mean, per_channel])])
+    out = [None] * 5
+    dy_sum = s.op("ReduceSum", [dy, axes], keepdims=0)
+    if s.wants(0):
+        out[0] = s.op("Mul", [dy, s.op("Reshape", [s.op("Mul", [scale, inv_std]), per_channel])])
+    if s.wants(1) or s.wants(4):
+        dot = s.op("ReduceSum", [s.op("Mul", [dy, centred]), axes], keepdims=0)
+        if s.wants(1):
+            out[1] = s.op("Mul", [dot, inv_std])
+        if s.wants(4):
+            cube = s.op("Mul", [inv_std, s.op("Mul", [inv_std, inv_std])])
+            out[4] = s.op("Mul", [s.op("Mul", [dot, scale]), s.op("Mul", [cube, s.const(-0.5, like=x)])])
+    if s.wants(2):
+        out[2] = dy_sum
+    if s.wants(3):
+        out[3] = s.op("Neg", [s.op("Mul", [dy_sum, s.op("Mul", [scale, inv_std])])])
+    return out
