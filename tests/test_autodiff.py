@@ -245,6 +245,14 @@ def test_cases_a_rule_does_not_cover_are_named():
     gather = model_of([node("Gather", ["t", "i"], axis=1)], {"t": rand(2, 3), "i": np.array([0, 2])})
     with pytest.raises(NoGradient, match="Gather node 'gather_t_i'.*axis 0"):
         differentiate(gather, ["t"], "loss")
+    loss = model_of([node("SoftmaxCrossEntropyLoss", ["x", "l", "cw"], reduction="none")],
+                    {"x": rand(2, 3), "l": np.array([0, 2]), "cw": rand(3)})
+    with pytest.raises(NoGradient, match="SoftmaxCrossEntropyLoss node .*weights input needs a gradient"):
+        differentiate(loss, ["x", "cw"], "loss")
+    pool = model_of([node("MaxPool", ["x"], kernel_shape=[2, 2], auto_pad="SAME_UPPER")],
+                    {"x": rand(1, 1, 4, 4, dtype=F32)})
+    with pytest.raises(NoGradient, match="MaxPool node 'maxpool_x'.*auto_pad"):
+        differentiate(pool, ["x"], "loss")
 
 
 def test_an_op_without_a_rule_is_named():
