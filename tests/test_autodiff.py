@@ -308,7 +308,8 @@ def test_cross_entropy_log_prob_output_and_the_loss_both_reach_the_loss():
                                                                                      ignore_index=1))
 
 
-CONV_CASES = [dict(), dict(strides=[2, 1], pads=[1, 0, 0, 2]), dict(strides=[2, 2], pads=[1, 1, 1, 1], dilations=[2, 1]),
+CONV_CASES = [dict(), dict(strides=[2, 1], pads=[1, 0, 0, 2]),
+              dict(strides=[2, 2], pads=[1, 1, 1, 1], dilations=[2, 1]),
               dict(group=2, strides=[1, 2], pads=[0, 1, 1, 0])]
 
 
@@ -316,11 +317,11 @@ CONV_CASES = [dict(), dict(strides=[2, 1], pads=[1, 0, 0, 2]), dict(strides=[2, 
 def test_conv_2d(attrs):
     group = attrs.get("group", 1)
     x, w, b = rand(2, 4, 7, 6, dtype=F32, seed=1), rand(6, 4 // group, 3, 2, dtype=F32, seed=2), rand(6, dtype=F32)
+    top, left, bottom, right = attrs.get("pads", [0] * 4)      # torch pads the last dim first
     check([node("Conv", ["x", "k", "b"], **attrs)], {"x": x, "k": w, "b": b}, ["x", "k", "b"],
-          lambda t: torch.nn.functional.conv2d(
-              torch.nn.functional.pad(t["x"], (attrs.get("pads", [0] * 4)[1], attrs.get("pads", [0] * 4)[3],
-                                               attrs.get("pads", [0] * 4)[0], attrs.get("pads", [0] * 4)[2])),
-              t["k"], t["b"], stride=attrs.get("strides", 1), dilation=attrs.get("dilations", 1), groups=group))
+          lambda t: torch.nn.functional.conv2d(torch.nn.functional.pad(t["x"], (left, right, top, bottom)), t["k"],
+                                               t["b"], stride=attrs.get("strides", 1),
+                                               dilation=attrs.get("dilations", 1), groups=group))
 
 
 def test_max_pool_with_ties_routes_each_window_to_one_element():
