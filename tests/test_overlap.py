@@ -91,6 +91,23 @@ def test_a_graph_without_fixed_shapes_is_cut_too(tmp_path):
     assert len(set(losses)) == 3        # three different steps compared, not one thrice
 
 
+def probe_engines(script: str, tmp_path, gpt2: dict, seq_len: int, micro_batch: int, bucket_sizes) -> dict:
+    """``script`` run in a fresh process per bucket size (argv: the train graph's directory, the bucket bytes)
+    on a GPT-2 of shape ``gpt2`` prepared once: its output's fields, by bucket size."""
+    import subprocess
+    import sys
+    config = {"model": {"gpt2": gpt2}, "data": {"seq_len": seq_len}, "run": {"output_dir": str(tmp_path)},
+              "train": {"micro_batch_size": micro_batch}, "optimizer": {"name": "sgd"}}
+    graphs = prepare(C.from_dict(config))
+    out = {}
+    for bucket_bytes in bucket_sizes:
+        proc = subprocess.run([sys.executable, "-c", script, graphs, str(bucket_bytes)], capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        out[bucket_bytes] = proc.stdout.split()
+    return out
+
+
 PEAK = """
 import sys, numpy as np
 from trainrun.engine import Engine, EngineOptions
@@ -112,19 +129,10 @@ def test_the_cut_graph_takes_the_memory_of_the_whole_one(tmp_path):
     live until their last reader has run, in one arena the segments share, so the cut graph takes at most
     a quarter more (its segments each keeping an arena of their own and every handed tensor kept for
     good took 3.7 times as much)."""
-    import subprocess
-    import sys
-    config = {"model": {"gpt2": dict(n_layer=4, n_head=4, n_embd=128, n_positions=128, vocab_size=2048)},
-              "data": {"seq_len": 128}, "run": {"output_dir": str(tmp_path)}, "train": {"micro_batch_size": 8},
-              "optimizer": {"name": "sgd"}}
-    graphs = prepare(C.from_dict(config))
-    grown = {}
-    for bucket_bytes in (0, 65536):
-        proc = subprocess.run([sys.executable, "-c", PEAK, graphs, str(bucket_bytes)], capture_output=True,
-                              text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr
-        buckets, grown[bucket_bytes] = map(int, proc.stdout.split())
-    assert buckets >= 12
+    out = probe_engines(PEAK, tmp_path, dict(n_layer=4, n_head=4, n_embd=128, n_positions=128, vocab_size=2048),
+                        128, 8, (0, 65536))
+    grown = {b: int(fields[1]) for b, fields in out.items()}
+    assert int(out[65536][0]) >= 12
     assert grown[65536] <= 1.25 * grown[0], grown
 
 
@@ -151,18 +159,9 @@ def test_the_segments_thread_pools_stop_spinning_after_their_run(tmp_path):
     CPU time the process spends in the 200 ms after a run of the cut graph is at most what it spends after
     the whole graph's (whose one pool spins on for a while; the segments' pools spinning on took 4-5 times
     that)."""
-    import subprocess
-    import sys
-    config = {"model": {"gpt2": GPT2}, "data": {"seq_len": 32}, "run": {"output_dir": str(tmp_path)},
-              "train": {"micro_batch_size": 4}, "optimizer": {"name": "sgd"}}
-    graphs = prepare(C.from_dict(config))
-    idle = {}
-    for bucket_bytes in (0, 8192):
-        proc = subprocess.run([sys.executable, "-c", IDLE, graphs, str(bucket_bytes)], capture_output=True,
-                              text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr
-        buckets, idle[bucket_bytes] = int(proc.stdout.split()[0]), float(proc.stdout.split()[1])
-    assert buckets >= 6
+    out = probe_engines(IDLE, tmp_path, GPT2, 32, 4, (0, 8192))
+    idle = {b: float(fields[1]) for b, fields in out.items()}
+    assert int(out[8192][0]) >= 6
     assert idle[8192] <= idle[0] + 0.005, idle
 
 
