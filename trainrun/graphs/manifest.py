@@ -77,6 +77,29 @@ def _save(model: onnx.ModelProto, path: str) -> None:
     os.replace(tmp, path)
 
 
+def loss_graph(cfg: Config, fwd, build: dict) -> tuple[onnx.ModelProto, dict | None]:
+    """The graph the train graph's gradients are taken of: the forward (``fwd``, from
+    :func:`forward_from_config`) with its loss, parameters and state as inputs, the state's updates as
+    outputs, dropout masks as inputs, the precision's casts and loss scale, the micro-batch's dims fixed
+    under ``build``'s static_shape (eval and forward stay symbolic). Returns (the graph, the dropout masks'
+    spec)."""
+    source = cfg.model.onnx or cfg.model.builtin
+    inits = {t.name: t for t in fwd.model.graph.initializer}
+    states = dict(fwd.states or {})
+    loss_model = params_to_inputs(with_loss(fwd, cfg.model.loss.ignore_index, keep_logits=False,
+                                            label_smoothing=cfg.model.loss.label_smoothing),
+                                  fwd.params + list(states))
+    loss_model.graph.output.extend(helper.make_tensor_value_info(out, inits[st].data_type, list(inits[st].dims))
+                                   for st, out in states.items())     # the state's updates
+    loss_model, dropout = dropout_masks(loss_model, fwd.inputs, source)
+    loss_model = scale_loss(cast_pass(loss_model, build["precision"]), build["precision"])
+    static = build["static_shape"]
+    if static:
+        family = registry.of(cfg.model)
+        fix_dims(loss_model, fwd.inputs, static[0], static[1] if family and family.sequence_inputs else None)
+    return loss_model, dropout
+
+
 def prepare(cfg: Config, out_dir: str | None = None) -> str:
     """Write the three graphs, the forward graph, the initial weights and the manifest."""
     out_dir = out_dir or os.path.join(cfg.run.output_dir, "graphs")
@@ -91,17 +114,7 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
     graph_inputs = fwd.params + list(states)       # parameters, then state: inputs of every graph
 
     build = build_options(cfg)
-    static = build["static_shape"]
-
-    loss_model = params_to_inputs(with_loss(fwd, cfg.model.loss.ignore_index, keep_logits=False,
-                                            label_smoothing=cfg.model.loss.label_smoothing), graph_inputs)
-    loss_model.graph.output.extend(helper.make_tensor_value_info(out, inits[st].data_type, list(inits[st].dims))
-                                   for st, out in states.items())     # the state's updates
-    loss_model, dropout = dropout_masks(loss_model, fwd.inputs, source)
-    loss_model = scale_loss(cast_pass(loss_model, build["precision"]), build["precision"])
-    if static:   # the train graph for the micro-batch's shape; eval and forward (export) stay symbolic
-        family = registry.of(cfg.model)
-        fix_dims(loss_model, fwd.inputs, static[0], static[1] if family and family.sequence_inputs else None)
+    loss_model, dropout = loss_graph(cfg, fwd, build)
     classes = num_classes(fwd) if fwd.loss is None and fwd.loss_type == "cross_entropy" else None
     # the built-in models' losses are over vocabularies; a user model's when its classes are that many
     split = split_cross_entropy if cfg.model.builtin or (classes or 0) >= SPLIT_MIN_CLASSES else (lambda m: m)
