@@ -78,8 +78,9 @@ class EngineOptions:
     optimized_dir: str | None = None   # debug.save_graphs: write each graph as onnxruntime optimized it
     log_id: str | None = None          # names this rank in onnxruntime's own log lines
     seed: int = 0                      # run.seed: the dropout masks' stream (trainrun/dropout.py)
-    # the train graph's gradients written straight into the gradient buffer (graphs.gradients.direct_gradients):
-    # for runs that never accumulate; forward_backward(accumulate=True) is then refused
+    # the train graph's gradients written straight into the gradient buffer (graphs.gradients.direct_gradients)
+    # when its graph accumulates in place (onnxruntime-training's builder): for runs that never accumulate.
+    # A graph of trainrun's builder is always run so; accumulation then adds in the engine (forward_backward)
     direct_gradients: bool = False
     # the train graph cut into segments, one per bucket of about this many bytes of gradients (0: one run),
     # so that a bucket's reduction can start before the backward pass ends (distributed.overlap_grad_reduce,
@@ -154,10 +155,12 @@ class _Bound:
         if self.cuda and dev == "cpu":
             self.host_inputs[name] = arr
 
-    def bind_out(self, name: str, arr) -> None:
+    def bind_out(self, name: str, arr, keep: bool = True) -> None:
+        """``keep`` False: the caller keeps ``arr``'s memory alive as long as it is bound."""
         dev, dev_id, ptr = self._where(arr)
         self.binding.bind_output(name, dev, dev_id, arr.dtype, list(arr.shape), ptr)
-        self.keep.append(arr)
+        if keep:
+            self.keep.append(arr)
         if name not in self.out_names:
             self.out_names.append(name)
 
@@ -246,15 +249,15 @@ class _Segmented:
         for p in self._owners(name, True):
             p.check_shape(name, shape)
 
-    def bind_in(self, name: str, arr) -> None:
+    def bind_in(self, name: str, arr, keep: bool = True) -> None:
         for p in self._owners(name, True):
-            p.bind_in(name, arr)
+            p.bind_in(name, arr, keep)
 
-    def bind_out(self, name: str, arr) -> None:
+    def bind_out(self, name: str, arr, keep: bool = True) -> None:
         """Also the input of the later segments that read this output of the graph (zero copy)."""
-        self._owners(name, False)[0].bind_out(name, arr)
+        self._owners(name, False)[0].bind_out(name, arr, keep)
         for later in self.readers.get(name, []):
-            later.bind_in(name, arr)
+            later.bind_in(name, arr, keep)
 
     def bind_allocated(self, name: str) -> None:
         """An output onnxruntime allocates at each run; one a later segment reads (debug statistics of a
@@ -365,6 +368,7 @@ class Engine:
 
         self.stats_outputs = list(self.manifest.get("stats_outputs", []))   # debug.tensors, see stats.py
         self._graph_optimizer = None      # an optimizer that runs a graph (attach_optimizer)
+        self.scratch = None     # a later micro-batch's gradients, direct form (forward_backward)
         self.reopen(opts)
 
     def reopen(self, opts: EngineOptions) -> tuple:
@@ -374,11 +378,13 @@ class Engine:
                self.opts)
         self.opts = opts
         train = os.path.join(self.dir, "train.onnx")
-        self.grad_outputs = None     # parameter -> its gradient output, with opts.direct_gradients
+        self.grad_outputs = None     # parameter -> its gradient output (the direct form)
         recompute = self.manifest.get("build", {}).get("recompute", "none") == "blocks"
         self.buckets = self._buckets(opts.bucket_bytes if opts.device == "cpu" else 0)
-        model = onnx.load(train) if opts.direct_gradients or len(self.buckets) > 1 else None
-        if opts.direct_gradients:
+        # trainrun's builder writes the gradients as outputs: no accumulators to drop
+        direct = opts.direct_gradients or self.manifest.get("builder") == "trainrun"
+        model = onnx.load(train) if direct or len(self.buckets) > 1 else None
+        if direct:
             model, self.grad_outputs = direct_gradients(model)
         if len(self.buckets) > 1:
             names = self.layout.names
@@ -485,6 +491,7 @@ class Engine:
             e.bind_in(name, S.view(self.state, i))
             t.bind_out(out, S.view(self.state_next, i))
         self.flags = []
+        self._grads_bound = self.grads      # where the gradient outputs are bound (forward_backward)
         for i, name in enumerate(L.names):
             p, g = L.view(self.params, i), L.view(self.grads, i)
             t.bind_in(name, p)
@@ -558,14 +565,53 @@ class Engine:
             self.masks.fill(position)
             if self.mask_dev is not self.masks.buffers:
                 self.set_batch(self.masks.buffers, self.mask_dev, labels=False)
-        if accumulate and self.grad_outputs:
-            raise TrainrunError("engine: built with direct_gradients (its train graph has no accumulators): "
-                                "it cannot add a micro-batch's gradients to the buffer")
+        adding = accumulate and self.grad_outputs is not None
+        if self.grad_outputs:
+            self._gradients_into(self._scratch() if adding else self.grads)
         self.reset[0] = not accumulate
-        self.train_s.run(between)
+        if adding:
+            self._run_adding(between)
+        else:
+            self.train_s.run(between)
         if self.state.size:       # the running statistics this micro-batch updated
             self.state[...] = self.state_next
         return float(self.loss) if self.loss_scale is None else float(self.loss) / float(self.loss_scale)
+
+    def _scratch(self):
+        """The flat buffer a later micro-batch's gradients are written into (direct form), allocated once."""
+        if getattr(self, "scratch", None) is None or self.scratch.shape != self.grads.shape:
+            self.scratch = self.xp.zeros(self.layout.total, np.float32)
+        return self.scratch
+
+    def _gradients_into(self, flat) -> None:
+        """The train graph's gradient outputs bound to the views of ``flat`` (the gradient buffer or
+        :attr:`scratch`), unless they are already."""
+        if self._grads_bound is flat:
+            return
+        for i, name in enumerate(self.layout.names):
+            self.train_s.bind_out(self.grad_outputs[name], self.layout.view(flat, i), keep=False)
+        self._grads_bound = flat
+
+    def _run_adding(self, between) -> None:
+        """One run of a direct-form train graph whose gradients go to :attr:`scratch`, each bucket of them
+        added in place into the gradient buffer once it is final (before ``between`` hands the bucket
+        on), the rest after the run: one add per element, the InPlaceAccumulatorV2's sum
+        (buffer + gradient, float32), no other copy."""
+        added = set()
+
+        def add(k):
+            lo, hi = self.buckets[k]
+            g = self.grads[lo:hi]
+            self.xp.add(g, self.scratch[lo:hi], out=g)
+            added.add(k)
+            if between is not None:
+                between(k)
+        self.train_s.run(add)
+        for k in range(len(self.buckets)):
+            if k not in added:
+                lo, hi = self.buckets[k]
+                g = self.grads[lo:hi]
+                self.xp.add(g, self.scratch[lo:hi], out=g)
 
     @property
     def eval_batch_fixed(self) -> int | None:

@@ -21,7 +21,7 @@ from .load import (Checks, absolutize, apply_overrides, from_dict, init_from_con
 from .model import (FAMILIES, BertConfig, GPT2Config, LossConfig, ModelConfig, add_family_section,  # noqa: F401
                     positions)
 from .schema import (DEFAULT_MAX_STEPS, EVAL_NAME, CheckpointConfig, Config, DataConfig,  # noqa: F401
-                     DebugConfig, DistributedConfig, EarlyStoppingConfig, EngineConfig, LoggingConfig,
+                     DebugConfig, DistributedConfig, EarlyStoppingConfig, EngineConfig, GraphsConfig, LoggingConfig,
                      LRScheduleConfig, MlflowConfig, OptimizerConfig, ParamGroupConfig, ProfileConfig,
                      RunConfig, TensorBoardConfig, TrainConfig, WandbConfig, eval_key, eval_set_of, get,
                      greater_is_better, parse_duration, watched_metric)

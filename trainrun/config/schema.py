@@ -310,6 +310,16 @@ class EngineConfig:
 
 
 @dataclass
+class GraphsConfig:
+    builder: str = opt("auto", choices=["auto", "onnxruntime", "trainrun"])
+    """Who writes the train graph's gradients: onnxruntime = onnxruntime-training's gradient builder (needs
+    the onnxruntime-training package; its graphs hold training ops only that build runs); trainrun =
+    trainrun's own (standard ONNX ops: runs on stock onnxruntime); auto = onnxruntime-training's where it
+    is installed, else trainrun's. Recorded in graphs/manifest.json; a change prepares the graphs again,
+    and a run resumes across builders (the weights have the same names)."""
+
+
+@dataclass
 class TensorBoardConfig:
     enabled: bool = True
     """Write tensorboardX event files under <output_dir>/tensorboard (rank 0)."""
@@ -391,6 +401,8 @@ class Config:
     """Data-parallel communication."""
     engine: EngineConfig = opt(factory=EngineConfig)
     """onnxruntime session options."""
+    graphs: GraphsConfig = opt(factory=GraphsConfig)
+    """How prepare builds the graphs."""
     device: str = opt("cpu", choices=["cpu", "cuda"])
     """Where the graphs run."""
     tensorboard: TensorBoardConfig = opt(factory=TensorBoardConfig)

@@ -21,7 +21,7 @@ from ..rundir import as_created, sha256_file
 from .casts import cast_pass, restore_fp32, scale_loss
 from .dropout_nodes import dropout_masks, dropout_off
 from .forward import batchnorm_inference, drop_outputs, forward_from_config, num_classes
-from .gradients import add_outputs, build_train_graph, select_outputs
+from .gradients import add_outputs, build_train_graph, builder, select_outputs
 from .losses import SPLIT_MIN_CLASSES, metric_outputs, split_cross_entropy, with_loss
 from .names import LOSS, LOSS_SCALE, metric_names
 from .onnx_edit import params_to_inputs
@@ -114,12 +114,13 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
     graph_inputs = fwd.params + list(states)       # parameters, then state: inputs of every graph
 
     build = build_options(cfg)
+    made_by, _ = builder(cfg.graphs.builder)
     loss_model, dropout = loss_graph(cfg, fwd, build)
     classes = num_classes(fwd) if fwd.loss is None and fwd.loss_type == "cross_entropy" else None
     # the built-in models' losses are over vocabularies; a user model's when its classes are that many
     split = split_cross_entropy if cfg.model.builtin or (classes or 0) >= SPLIT_MIN_CLASSES else (lambda m: m)
-    train = split(restore_fp32(build_train_graph(loss_model, fwd.params, source, keep=list(states.values())),
-                               build["precision"]))
+    train = split(restore_fp32(build_train_graph(loss_model, fwd.params, source, keep=list(states.values()),
+                                                 builder=made_by), build["precision"]))
     if build["recompute"] == "blocks":
         train = recompute_blocks(train, fwd.params, LOSS, source, outputs_kept=list(states.values()))
     if build["pad_products"]:
@@ -148,6 +149,9 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
     manifest = {
         "format_version": FORMAT_VERSION,
         "graph_version": GRAPH_VERSION,
+        # who wrote the train graph's gradients (graphs.builder): onnxruntime = accumulators in the graph,
+        # trainrun = the gradients as outputs (graphs.gradients.direct_gradients' form)
+        "builder": made_by,
         "params": [{"name": n, "shape": list(s)} for n, s in shapes],
         "num_params": int(sum(int(np.prod(s)) for _, s in shapes)),
         "inputs": fwd.inputs,
@@ -200,8 +204,9 @@ _NOT_BAKED = ("lr", "max_grad_norm")
 
 
 def up_to_date(graphs_dir: str, cfg: Config) -> bool:
-    """Whether ``graphs_dir`` holds the graphs ``cfg`` would prepare (same graph version and model, baked
-    optimizer fields and build options, every file present)."""
+    """Whether ``graphs_dir`` holds the graphs ``cfg`` would prepare (same graph version, gradient builder
+    and model, baked optimizer fields and build options, every file present). UsageError when
+    ``graphs.builder`` names a builder that is not installed."""
     try:
         manifest = load_manifest(graphs_dir)
     except UsageError:
@@ -212,6 +217,7 @@ def up_to_date(graphs_dir: str, cfg: Config) -> bool:
     # "dropout" (masks as inputs) is in every manifest since dropout became trainrun's own stream; graphs
     # from before it ran Dropout in onnxruntime (ratio 0 under run.deterministic): prepare them again
     return "dropout" in manifest and manifest.get("graph_version") == GRAPH_VERSION \
+        and manifest.get("builder", "onnxruntime") == builder(cfg.graphs.builder)[0] \
         and manifest["model"] == to_dict(cfg.model) \
         and baked(manifest["optimizer"]) == baked(to_dict(cfg.optimizer)) \
         and {**DEFAULT_BUILD, **manifest.get("build", {})} == build_options(cfg) \

@@ -1,5 +1,5 @@
 """trainrun's own reverse-mode gradient builder: the gradient graph in standard ONNX ops, so that it runs
-on stock onnxruntime. Not yet used by ``prepare``.
+on stock onnxruntime (``graphs.builder: trainrun``, :func:`trainrun.graphs.gradients.build_train_graph`).
 
 * :mod:`.core`           the backward walk, the rule registry, the emitter of new nodes
 * :mod:`.elementwise`    Add Sub Mul Div Neg Pow Sqrt Exp Log Tanh Sigmoid Relu Erf Where Cast Identity
@@ -14,6 +14,6 @@ on stock onnxruntime. Not yet used by ``prepare``.
 
 from . import (conv, elementwise, indexing, losses, matrix, normalisation,  # noqa: F401 - registers the rules
                reductions, shape)
-from .core import NoGradient, differentiate, gradient
+from .core import NoGradient, differentiate, gradient, unreached
 
-__all__ = ["NoGradient", "differentiate", "gradient"]
+__all__ = ["NoGradient", "differentiate", "gradient", "unreached"]

@@ -184,11 +184,9 @@ def topological(nodes) -> list[onnx.NodeProto]:
     return order
 
 
-def differentiate(model: onnx.ModelProto, params: list[str], loss: str = "loss") -> onnx.ModelProto:
-    """``model`` with one more output per parameter, ``<param>_grad`` = d ``loss`` / d ``param``."""
-    g = model.graph
-    nodes = topological(list(g.node))
-    # tensors that depend on a parameter, and the nodes between parameters and the loss
+def _paths(nodes, params: list[str], loss: str):
+    """(the tensors that depend on a parameter, the tensors the loss depends on through them, the nodes
+    between parameters and the loss in reverse dependency order) of the sorted ``nodes``."""
     depends = set(params)
     for n in nodes:
         if any(i in depends for i in n.input):
@@ -200,6 +198,22 @@ def differentiate(model: onnx.ModelProto, params: list[str], loss: str = "loss")
             if ins:
                 on_path.append(n)
                 needed.update(ins)
+    return depends, needed, on_path
+
+
+def unreached(model: onnx.ModelProto, params: list[str], loss: str = "loss") -> list[str]:
+    """The parameters ``loss`` does not depend on (their gradient would be zero)."""
+    _, needed, _ = _paths(topological(list(model.graph.node)), params, loss)
+    return [p for p in params if p not in needed]
+
+
+def differentiate(model: onnx.ModelProto, params: list[str], loss: str = "loss") -> onnx.ModelProto:
+    """``model`` with one more output per parameter, ``<param>_grad`` = d ``loss`` / d ``param`` (zeros
+    for a parameter the loss does not depend on, :func:`unreached`). The forward's nodes come first, in
+    dependency order, then the gradient's, in the order they run."""
+    g = model.graph
+    nodes = topological(list(g.node))
+    depends, _, on_path = _paths(nodes, params, loss)
     emit = Emitter(model, nodes)
     emit.taken.update(f"{p}{GRAD_SUFFIX}" for p in params)
     grads: dict[str, list[str]] = {loss: [emit.op("Expand", [emit.const(1.0, "grad/seed", like=loss),
@@ -224,7 +238,7 @@ def differentiate(model: onnx.ModelProto, params: list[str], loss: str = "loss")
         name = f"{p}{GRAD_SUFFIX}"
         emit.nodes.append(helper.make_node("Identity", [total], [name], name=emit.name(f"{name}/Identity")))
         outputs.append(helper.make_tensor_value_info(name, elem[p], emit.dims.get(p)))
-    graph = helper.make_graph(list(g.node) + emit.nodes, g.name or "graph", list(g.input), outputs,
+    graph = helper.make_graph(nodes + emit.nodes, g.name or "graph", list(g.input), outputs,
                               list(g.initializer), value_info=list(g.value_info))
     out = helper.make_model(graph, opset_imports=list(model.opset_import), producer_name="trainrun")
     out.ir_version = model.ir_version

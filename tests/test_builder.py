@@ -1,0 +1,168 @@
+"""graphs.builder: trainrun's own gradient builder wired into prepare and the engine, against
+onnxruntime-training's builder on the same loss graph (real graphs, real sessions)."""
+
+import hashlib
+import json
+import os
+
+import numpy as np
+import onnx
+import pytest
+
+from trainrun import config as C
+from trainrun.engine import Engine, EngineOptions
+from trainrun.errors import UsageError
+from trainrun.graphs.forward import forward_from_config
+from trainrun.graphs.gradients import build_train_graph, builder, direct_gradients, ort_builder_missing
+from trainrun.graphs.manifest import build_options, loss_graph, prepare, up_to_date
+from trainrun.graphs.names import GRAD_SUFFIX
+
+from conftest import TRAINRUN, run
+
+needs_ort_builder = pytest.mark.skipif(ort_builder_missing() is not None,
+                                       reason="onnxruntime-training's gradient builder is not installed")
+TINY = {"n_layer": 2, "n_head": 4, "n_embd": 64, "n_positions": 64, "vocab_size": 300}
+SHAPES = {"input_ids": ((2, 32), np.int64), "labels": ((2, 32), np.int64)}
+# the training build's ops: none may appear in a graph of trainrun's builder
+TRAINING_OPS = {"InPlaceAccumulatorV2", "SoftmaxGrad", "SoftmaxGrad_13", "LayerNormalizationGrad", "SigmoidGrad",
+                "SliceGrad", "GatherGrad", "GatherNDGrad", "TanhGrad", "BroadcastGradientArgs", "ConcatTraining",
+                "SoftmaxCrossEntropyLossGrad", "GeluGrad", "FastGeluGrad", "ReluGrad", "YieldOp"}
+
+
+def cfg_for(out, builder_name, **over):
+    return C.from_dict({"model": {"gpt2": TINY}, "data": {"seq_len": 32}, "train": {"micro_batch_size": 2},
+                        "run": {"output_dir": str(out), "seed": 3}, "graphs": {"builder": builder_name}, **over})
+
+
+def engine(graphs_dir, **opts):
+    eng = Engine(graphs_dir, EngineOptions(threads=1, **opts), SHAPES, SHAPES)
+    eng.load_weights()
+    return eng
+
+
+def batches(n, seed=4):
+    rng = np.random.default_rng(seed)
+    return [{"input_ids": rng.integers(0, 300, (2, 32)), "labels": rng.integers(0, 300, (2, 32))} for _ in range(n)]
+
+
+def sha(path):
+    with open(path, "rb") as fh:
+        return hashlib.sha256(fh.read()).hexdigest()
+
+
+@needs_ort_builder
+def test_trainrun_builder_prepares_gpt2_in_standard_ops(tmp_path):
+    """prepare with graphs.builder trainrun: the manifest records it, the train graph is in the direct form
+    (gradients as outputs, no accumulators, no training op), its gradients equal onnxruntime-training's to
+    1e-5 of each tensor's largest; auto = onnxruntime where installed, with today's graphs byte for byte;
+    a change of builder makes the graphs out of date."""
+    ours = prepare(cfg_for(tmp_path / "ours", "trainrun"))
+    auto = prepare(cfg_for(tmp_path / "auto", "auto"))
+    ort_dir = prepare(cfg_for(tmp_path / "ort", "onnxruntime"))
+    manifests = {k: json.load(open(os.path.join(d, "manifest.json"))) for k, d in
+                 (("ours", ours), ("auto", auto), ("ort", ort_dir))}
+    assert [manifests[k]["builder"] for k in ("ours", "auto", "ort")] == ["trainrun", "onnxruntime", "onnxruntime"]
+    assert sha(os.path.join(auto, "train.onnx")) == sha(os.path.join(ort_dir, "train.onnx"))
+    assert not up_to_date(ours, cfg_for(tmp_path / "ours", "onnxruntime"))
+    assert up_to_date(ours, cfg_for(tmp_path / "ours", "trainrun"))
+    assert not up_to_date(ort_dir, cfg_for(tmp_path / "ort", "trainrun"))
+    assert up_to_date(ort_dir, cfg_for(tmp_path / "ort", "auto"))
+
+    train = onnx.load(os.path.join(ours, "train.onnx"))
+    ops = {n.op_type for n in train.graph.node}
+    assert not ops & TRAINING_OPS, ops & TRAINING_OPS
+    assert {n.domain for n in train.graph.node} <= {"", "ai.onnx"}
+    params = [p["name"] for p in manifests["ours"]["params"]]
+    assert [o.name for o in train.graph.output] == ["loss"] + [p + GRAD_SUFFIX for p in params]
+    assert not any(i.name.endswith("_buffer") or i.name == "lazy_reset_grad" for i in train.graph.input)
+    same, outputs = direct_gradients(train)                 # the direct form is accepted as it is
+    assert outputs == {p: p + GRAD_SUFFIX for p in params} and same == train
+
+    a, b = engine(ours), engine(ort_dir, direct_gradients=True)
+    assert np.array_equal(a.params, b.params)
+    batch = batches(1)[0]
+    a.grads[:] = np.nan
+    la, lb = a.forward_backward(batch, accumulate=False), b.forward_backward(batch, accumulate=False)
+    assert la == pytest.approx(lb, rel=1e-6)
+    for i, name in enumerate(a.layout.names):
+        ga, gb = a.layout.view(a.grads, i), b.layout.view(b.grads, i)
+        assert np.abs(ga - gb).max() <= 1e-5 * np.abs(gb).max(), name
+
+
+def test_trainrun_builder_errors(tmp_path):
+    """An op trainrun's builder has no rule for: a UsageError naming the op, the node and the other builder;
+    a parameter the loss does not depend on: the message of onnxruntime-training's builder."""
+    from onnx import TensorProto, helper
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    w = helper.make_tensor_value_info("w", TensorProto.FLOAT, [3, 3])
+    v = helper.make_tensor_value_info("v", TensorProto.FLOAT, [3])
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+             helper.make_node("Hardmax", ["h"], ["y"], name="the_hardmax", axis=1),
+             helper.make_node("ReduceSum", ["y"], ["loss"], name="sum", keepdims=0)]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x, w, v],
+                                                [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(UsageError, match="the loss does not depend on these parameters .*: v") as err:
+        build_train_graph(model, ["w", "v"], "m.onnx", builder="trainrun")
+    with pytest.raises(UsageError) as err:
+        build_train_graph(model, ["w"], "m.onnx", builder="trainrun")
+    text = err.value.render()
+    assert "m.onnx" in text and "Hardmax" in text and "the_hardmax" in text, text
+    assert "graphs.builder: onnxruntime" in text, text
+
+
+def test_builder_choice(tmp_path):
+    """auto picks onnxruntime-training's builder exactly where it is importable; onnxruntime where it is not:
+    a UsageError naming the key and what to install."""
+    missing = ort_builder_missing()
+    assert builder("trainrun")[0] == "trainrun"
+    assert builder("auto")[0] == ("trainrun" if missing else "onnxruntime")
+    if missing:
+        with pytest.raises(UsageError, match="graphs.builder: onnxruntime .*onnxruntime-training"):
+            builder("onnxruntime")
+    else:
+        assert builder("onnxruntime")[0] == "onnxruntime"
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, 20_000])
+def test_accumulation_on_the_bound_buffers(tmp_path, bucket_bytes):
+    """A direct-form graph (trainrun's builder) accumulates over micro-batches in the engine: the sum in the
+    gradient buffer is the same bits as each micro-batch run alone summed in numpy in the same order (what
+    onnxruntime-training's InPlaceAccumulatorV2 computes: checked below on its own graph). Cut at gradient
+    buckets (distributed.overlap_grad_reduce), each bucket's sum is final when it is handed on."""
+    ours = engine(prepare(cfg_for(tmp_path / "ours", "trainrun")), bucket_bytes=bucket_bytes, seed=3)
+    assert (len(ours.buckets) > 2) == (bucket_bytes > 0)
+    micro = batches(3)
+    alone = []
+    for b in micro:
+        ours.forward_backward(b, accumulate=False)
+        alone.append(ours.grads.copy())
+    want = (alone[0] + alone[1]) + alone[2]
+    assert not np.array_equal(want, alone[0] * 3)
+    handed = []
+
+    def between(k):
+        lo, hi = ours.buckets[k]
+        handed.append((k, np.array_equal(ours.grads[lo:hi], want[lo:hi])))
+    losses = [ours.forward_backward(b, accumulate=a > 0, between=between if a == 2 else None)
+              for a, b in enumerate(micro)]
+    assert np.array_equal(ours.grads, want)
+    assert handed == [(k, True) for k in range(len(ours.buckets) - 1)]
+    # the next step's first micro-batch writes the buffer again (not the scratch)
+    assert ours.forward_backward(micro[0], accumulate=False) == losses[0]
+    assert np.array_equal(ours.grads, alone[0])
+
+    if ort_builder_missing() is None:       # InPlaceAccumulatorV2 sums the same way
+        ort_dir = prepare(cfg_for(tmp_path / "ort", "onnxruntime"))
+        acc, direct = engine(ort_dir), engine(ort_dir, direct_gradients=True)
+        alone = []
+        for b in micro:
+            direct.forward_backward(b, accumulate=False)
+            alone.append(direct.grads.copy())
+        for a, b in enumerate(micro):
+            acc.forward_backward(b, accumulate=a > 0)
+        assert np.array_equal(acc.grads, (alone[0] + alone[1]) + alone[2])
+        # and the engine's adds on the ORT direct graph give the accumulators' bits
+        for a, b in enumerate(micro):
+            direct.forward_backward(b, accumulate=a > 0)
+        assert np.array_equal(direct.grads, acc.grads)
