@@ -2,18 +2,24 @@
 on stock onnxruntime (``graphs.builder: trainrun``, :func:`trainrun.graphs.gradients.build_train_graph`).
 
 * :mod:`.core`           the backward walk, the rule registry, the emitter of new nodes
-* :mod:`.elementwise`    Add Sub Mul Div Neg Pow Sqrt Exp Log Tanh Sigmoid Relu Erf Where Cast Identity
+* :mod:`.elementwise`    Add Sub Mul Div Neg Pow Sqrt Exp Log Tanh Sigmoid Relu Erf Where Cast Identity Abs
+                         Reciprocal Softplus LeakyRelu Gelu Clip Sum Min Max Dropout
 * :mod:`.matrix`         MatMul Gemm
-* :mod:`.shape`          Reshape Transpose Unsqueeze Squeeze Flatten Concat Slice Split
+* :mod:`.shape`          Reshape Transpose Unsqueeze Squeeze Flatten Concat Slice Split Expand
 * :mod:`.reductions`     ReduceSum ReduceMean Softmax LogSoftmax
 * :mod:`.normalisation`  LayerNormalization
 * :mod:`.indexing`       Gather (an embedding table's rows)
+* :mod:`.selection`      Gather along other axes, GatherElements, GatherND, ReduceMax ReduceMin
 * :mod:`.losses`         SoftmaxCrossEntropyLoss NegativeLogLikelihoodLoss
-* :mod:`.conv`           Conv MaxPool AveragePool GlobalAveragePool BatchNormalization (2-D, inference form)
+* :mod:`.conv`           Conv MaxPool AveragePool GlobalAveragePool BatchNormalization (2-D; training and
+                         inference forms)
+
+Integer and boolean tensors, and the outputs of :data:`.core.NO_GRADIENT`'s ops (Shape, Size, comparisons,
+ArgMax, ...), carry no gradient. An op or case without a rule is a :class:`NoGradient` naming the node.
 """
 
 from . import (conv, elementwise, indexing, losses, matrix, normalisation,  # noqa: F401 - registers the rules
-               reductions, shape)
+               reductions, selection, shape)
 from .core import NoGradient, differentiate, gradient, unreached
 
 __all__ = ["NoGradient", "differentiate", "gradient", "unreached"]

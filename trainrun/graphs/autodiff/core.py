@@ -21,6 +21,13 @@ from ..names import GRAD_SUFFIX
 
 RULES: dict[str, Callable] = {}
 
+# ops whose outputs carry no gradient (integers, booleans, or piecewise constant in their float inputs):
+# the walk stops there as at a constant
+NO_GRADIENT = {"Shape", "Size", "Equal", "Greater", "GreaterOrEqual", "Less", "LessOrEqual", "Not", "And", "Or",
+               "Xor", "ArgMax", "ArgMin", "NonZero", "IsNaN", "IsInf", "Sign", "Floor", "Ceil", "Round",
+               "ConstantOfShape", "OneHot", "EyeLike", "RandomNormalLike", "RandomUniformLike", "Bernoulli"}
+FLOATS = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
+
 
 class NoGradient(UsageError):
     """An op the builder has no gradient rule for (or a case of it the rule does not cover)."""
@@ -44,7 +51,7 @@ class Emitter:
         self.taken = {n for node in g.node for n in list(node.input) + list(node.output)}
         self.taken |= {t.name for t in list(g.input) + list(g.initializer) + list(g.output)}
         self.taken |= {node.name for node in g.node}
-        self.dims = {}
+        self.dims, self.types = {}, {}
         sorted_model = onnx.ModelProto()
         sorted_model.CopyFrom(model)
         del sorted_model.graph.node[:]
@@ -52,10 +59,13 @@ class Emitter:
         inferred = shape_inference.infer_shapes(sorted_model)
         for vi in list(inferred.graph.input) + list(inferred.graph.value_info) + list(inferred.graph.output):
             t = vi.type.tensor_type
+            if t.elem_type:
+                self.types[vi.name] = t.elem_type
             if t.HasField("shape"):
                 self.dims[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
         for t in g.initializer:
             self.dims[t.name] = list(t.dims)
+            self.types[t.name] = t.data_type
         self.values = {t.name: numpy_helper.to_array(t) for t in g.initializer}
         for node in g.node:
             if node.op_type == "Constant" and node.attribute[0].name == "value":
@@ -184,13 +194,15 @@ def topological(nodes) -> list[onnx.NodeProto]:
     return order
 
 
-def _paths(nodes, params: list[str], loss: str):
+def _paths(nodes, params: list[str], loss: str, types: dict | None = None):
     """(the tensors that depend on a parameter, the tensors the loss depends on through them, the nodes
-    between parameters and the loss in reverse dependency order) of the sorted ``nodes``."""
+    between parameters and the loss in reverse dependency order) of the sorted ``nodes``. Gradients flow
+    through float tensors only (``types``: tensor -> elem type, where known) and not out of
+    :data:`NO_GRADIENT`'s ops."""
     depends = set(params)
     for n in nodes:
-        if any(i in depends for i in n.input):
-            depends.update(o for o in n.output if o)
+        if n.op_type not in NO_GRADIENT and any(i in depends for i in n.input):
+            depends.update(o for o in n.output if o and (types or {}).get(o, onnx.TensorProto.FLOAT) in FLOATS)
     needed, on_path = {loss}, []
     for n in reversed(nodes):
         if any(o in needed for o in n.output):
@@ -203,7 +215,10 @@ def _paths(nodes, params: list[str], loss: str):
 
 def unreached(model: onnx.ModelProto, params: list[str], loss: str = "loss") -> list[str]:
     """The parameters ``loss`` does not depend on (their gradient would be zero)."""
-    _, needed, _ = _paths(topological(list(model.graph.node)), params, loss)
+    g = model.graph
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in list(g.input) + list(g.value_info)}
+    types.update({t.name: t.data_type for t in g.initializer})
+    _, needed, _ = _paths(topological(list(g.node)), params, loss, types)
     return [p for p in params if p not in needed]
 
 
@@ -213,8 +228,8 @@ def differentiate(model: onnx.ModelProto, params: list[str], loss: str = "loss")
     dependency order, then the gradient's, in the order they run."""
     g = model.graph
     nodes = topological(list(g.node))
-    depends, _, on_path = _paths(nodes, params, loss)
     emit = Emitter(model, nodes)
+    depends, _, on_path = _paths(nodes, params, loss, emit.types)
     emit.taken.update(f"{p}{GRAD_SUFFIX}" for p in params)
     grads: dict[str, list[str]] = {loss: [emit.op("Expand", [emit.const(1.0, "grad/seed", like=loss),
                                                            emit.op("Shape", [loss], "grad/seed/shape")],

@@ -91,3 +91,107 @@ def _cast(s: Step):
 @gradient("Identity")
 def _identity(s: Step):
     return [s.dy[0]]
+
+
+@gradient("Abs")
+def _abs(s: Step):
+    zero = s.const(0.0, like=s.x[0])        # 0 at 0, as torch
+    sign = s.op("Sub", [s.op("CastLike", [s.op("Greater", [s.x[0], zero]), s.x[0]]),
+                        s.op("CastLike", [s.op("Less", [s.x[0], zero]), s.x[0]])])
+    return [s.op("Mul", [s.dy[0], sign])]
+
+
+@gradient("Reciprocal")
+def _reciprocal(s: Step):
+    return [s.op("Neg", [s.op("Mul", [s.dy[0], s.op("Mul", [s.y[0], s.y[0]])])])]
+
+
+_unary("Softplus", lambda s: s.op("Sigmoid", [s.x[0]]))
+
+
+@gradient("LeakyRelu")
+def _leaky_relu(s: Step):
+    x, dy = s.x[0], s.dy[0]
+    scaled = s.op("Mul", [dy, s.const(s.attr("alpha", 0.01), like=dy)])
+    return [s.op("Where", [s.op("Greater", [x, s.const(0.0, like=x)]), dy, scaled])]
+
+
+@gradient("Gelu")
+def _gelu(s: Step):
+    """none: Phi(x) + x phi(x); tanh: with u = c (x + 0.044715 x^3), 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) u'."""
+    x = s.x[0]
+    approximate = s.attr("approximate", b"none")
+    approximate = approximate.decode() if isinstance(approximate, bytes) else approximate
+    half = s.const(0.5, like=x)
+    if approximate == "tanh":
+        c = math.sqrt(2 / math.pi)
+        x2 = s.op("Mul", [x, x])
+        u = s.op("Mul", [s.op("Mul", [x, s.const(c, like=x)]),
+                         s.op("Add", [s.const(1.0, like=x), s.op("Mul", [x2, s.const(0.044715, like=x)])])])
+        du = s.op("Add", [s.const(c, like=x), s.op("Mul", [x2, s.const(3 * 0.044715 * c, like=x)])])
+        t = s.op("Tanh", [u])
+        sech2 = s.op("Sub", [s.const(1.0, like=x), s.op("Mul", [t, t])])
+        local = s.op("Add", [s.op("Mul", [half, s.op("Add", [s.const(1.0, like=x), t])]),
+                             s.op("Mul", [s.op("Mul", [half, x]), s.op("Mul", [sech2, du])])])
+    else:
+        cdf = s.op("Mul", [half, s.op("Add", [s.const(1.0, like=x),
+                                              s.op("Erf", [s.op("Mul", [x, s.const(1 / math.sqrt(2), like=x)])])])])
+        pdf = s.op("Mul", [s.const(1 / math.sqrt(2 * math.pi), like=x),
+                           s.op("Exp", [s.op("Mul", [s.op("Mul", [x, x]), s.const(-0.5, like=x)])])])
+        local = s.op("Add", [cdf, s.op("Mul", [x, pdf])])
+    return [s.op("Mul", [s.dy[0], local])]
+
+
+@gradient("Clip")
+def _clip(s: Step):
+    """dy where min <= x <= max (torch's clamp), bounds as constants; a bound that needs a gradient is refused."""
+    if s.wants(1) or s.wants(2):
+        raise s.unsupported("a bound depends on a parameter")
+    x, dy = s.x[0], s.dy[0]
+    if len(s.x) == 1 and ("min" in s.attrs or "max" in s.attrs):
+        raise s.unsupported("bounds as attributes (opset < 11)")
+    inside = None
+    for k, compare in ((1, "GreaterOrEqual"), (2, "LessOrEqual")):
+        if len(s.x) > k and s.x[k]:
+            test = s.op(compare, [x, s.x[k]])
+            inside = test if inside is None else s.op("And", [inside, test])
+    if inside is None:
+        return [dy]
+    return [s.op("Where", [inside, dy, s.const(0.0, like=dy)])] + [None] * (len(s.x) - 1)
+
+
+@gradient("Sum")
+def _sum(s: Step):
+    return _each(s, [lambda: s.dy[0]] * len(s.x))
+
+
+def _extremum(s: Step):
+    """Min / Max: dy to each input equal to the result, split evenly between the inputs that tie."""
+    y, dy = s.y[0], s.dy[0]
+    hits = [s.op("CastLike", [s.op("Equal", [x, y]), dy]) for x in s.x]
+    share = dy
+    if len(s.x) > 1:
+        count = s.op("Sum", hits)      # each of the result's shape
+        share = s.op("Div", [dy, count])
+    return _each(s, [(lambda h=h: s.op("Mul", [share, h])) for h in hits])
+
+
+gradient("Min")(_extremum)
+gradient("Max")(_extremum)
+
+
+@gradient("Dropout")
+def _dropout(s: Step):
+    """Inference form (no training_mode, or ratio 0): dy; training form: dy * mask / (1 - ratio), the mask
+    from the node's own output. (trainrun's train graphs feed masks as inputs: no Dropout remains there.)"""
+    training = len(s.x) > 2 and s.x[2] and bool(s.value(2))
+    ratio = float(s.value(1)) if len(s.x) > 1 and s.x[1] else 0.5
+    out = [None] * len(s.x)
+    if not training or ratio == 0.0:
+        out[0] = s.dy[0]
+        return out
+    if len(s.y) < 2 or not s.y[1]:
+        raise s.unsupported("training mode without its mask output (the mask is drawn at run time)")
+    keep = s.op("CastLike", [s.y[1], s.dy[0]])
+    out[0] = s.op("Mul", [s.op("Mul", [s.dy[0], keep]), s.const(1.0 / (1.0 - ratio), like=s.dy[0])])
+    return out

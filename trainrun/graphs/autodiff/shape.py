@@ -45,3 +45,8 @@ def _slice(s: Step):
     zeros = s.op("CastLike", [s.op("ConstantOfShape", [size]), x])
     flat = s.op("ScatterElements", [zeros, picked, s.op("Reshape", [s.dy[0], s.const([-1])])], axis=0)
     return [s.op("Reshape", [flat, shape])] + [None] * (len(s.x) - 1)
+
+
+@gradient("Expand")
+def _expand(s: Step):
+    return [s.sum_to(s.dy[0], 0), None]

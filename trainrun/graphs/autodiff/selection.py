@@ -1,0 +1,71 @@
+"""Gradients of ops that pick elements: dy goes back to the elements picked, added up where one is picked
+more than once. Gather along an axis other than 0 (the rows of a table are :mod:`.indexing`'s),
+GatherElements, GatherND (with batch_dims), ReduceMax / ReduceMin (dy split evenly between the elements
+that tie for the extreme, as torch.amax)."""
+
+from .core import Step, gradient
+
+
+def gather_along(s: Step):
+    """Gather along axis a: the axis moved to the front, dy's index axes to the front, ScatterND into zeros,
+    moved back."""
+    data, idx = s.x
+    r, q = s.emit.rank(data, s.node), s.emit.rank(idx, s.node)
+    a = s.attr("axis", 0) % r
+    front = [a] + [k for k in range(r) if k != a]
+    dy = s.op("Transpose", [s.dy[0]], perm=list(range(a, a + q)) + list(range(a)) + list(range(a + q, r - 1 + q)))
+    zeros = s.emit.zeros_like(s.op("Transpose", [data], perm=front), s.base)
+    spread = s.op("ScatterND", [zeros, s.op("Unsqueeze", [idx, s.const([-1])]), dy], reduction="add")
+    return [s.op("Transpose", [spread], perm=[front.index(k) for k in range(r)]), None]
+
+
+@gradient("GatherElements")
+def _gather_elements(s: Step):
+    data, idx = s.x
+    return [s.op("ScatterElements", [s.emit.zeros_like(data, s.base), idx, s.dy[0]], axis=s.attr("axis", 0),
+                 reduction="add"), None]
+
+
+@gradient("GatherND")
+def _gather_nd(s: Step):
+    """batch_dims b: each index tuple gets its b batch coordinates in front, then ScatterND adds dy up."""
+    data, idx = s.x
+    b = s.attr("batch_dims", 0)
+    if b:
+        q = s.emit.rank(idx, s.node)
+        coords_shape = s.op("Concat", [s.op("Shape", [idx], end=-1), s.const([1])], axis=0)
+        coords = []
+        for j in range(b):
+            size = s.op("Squeeze", [s.op("Shape", [idx], start=j, end=j + 1), s.const([0])])
+            along = s.op("Reshape", [s.op("Range", [s.const(0), size, s.const(1)]),
+                                     s.const([-1 if k == j else 1 for k in range(q)])])
+            coords.append(s.op("CastLike", [s.op("Expand", [along, coords_shape]), idx]))
+        idx = s.op("Concat", coords + [idx], axis=-1)
+    return [s.op("ScatterND", [s.emit.zeros_like(data, s.base), idx, s.dy[0]], reduction="add"), None]
+
+
+def _reduced_axes(s: Step):
+    """The reduced axes as a tensor name, or None for all of them."""
+    if len(s.x) > 1 and s.x[1]:
+        return s.x[1]
+    axes = s.attr("axes")
+    return s.const(list(axes)) if axes else None
+
+
+def _extreme(s: Step):
+    axes = _reduced_axes(s)
+    out = [None] * len(s.x)
+    if axes is None and s.attr("noop_with_empty_axes", 0):
+        out[0] = s.dy[0]
+        return out
+    x, y, dy = s.x[0], s.y[0], s.dy[0]
+    if not s.attr("keepdims", 1) and axes is not None:
+        y, dy = s.op("Unsqueeze", [y, axes]), s.op("Unsqueeze", [dy, axes])
+    hits = s.op("CastLike", [s.op("Equal", [x, y]), dy])
+    count = s.op("ReduceSum", [hits] + ([axes] if axes is not None else []), keepdims=1)
+    out[0] = s.op("Mul", [hits, s.op("Div", [dy, count])])
+    return out
+
+
+gradient("ReduceMax")(_extreme)
+gradient("ReduceMin")(_extreme)
