@@ -166,3 +166,47 @@ def test_accumulation_on_the_bound_buffers(tmp_path, bucket_bytes):
         for a, b in enumerate(micro):
             direct.forward_backward(b, accumulate=a > 0)
         assert np.array_equal(direct.grads, acc.grads)
+
+
+def test_prepare_passes_on_trainrun_graphs(tmp_path):
+    """prepare's passes over a train graph of trainrun's builder: train.recompute blocks (the forward in
+    dependency order first: recomputed nodes, the same bits), debug.tensors (chosen tensors as outputs,
+    the same gradients), engine.pad_products always (padded products, the values of the unpadded graph
+    to float32 rounding)."""
+    from test_strides import _gpt2, _padded
+    from trainrun.graphs.recompute import recomputed_nodes
+    gpt2 = dict(TINY, n_layer=3, dropout=0.1)
+    shapes = {"input_ids": ((4, 32), np.int64), "labels": ((4, 32), np.int64)}
+    rng = np.random.default_rng(0)
+    batch = {k: rng.integers(0, 300, (4, 32)) for k in shapes}
+    got = {}
+    for name, over in [("plain", {}), ("recompute", {"train": {"micro_batch_size": 4, "recompute": "blocks"}}),
+                       ("stats", {"debug": {"stats_every": 1, "tensors": ["*ln_f*"]}})]:
+        over.setdefault("train", {"micro_batch_size": 4})
+        cfg = C.from_dict({"model": {"gpt2": gpt2}, "data": {"seq_len": 32}, "run": {"output_dir": str(tmp_path / name),
+                           "seed": 3}, "graphs": {"builder": "trainrun"}, **over})
+        graphs_dir = prepare(cfg)
+        train = onnx.load(os.path.join(graphs_dir, "train.onnx"))
+        assert (recomputed_nodes(train) > 0) == (name == "recompute")
+        eng = Engine(graphs_dir, EngineOptions(threads=1, seed=3), shapes, shapes)
+        eng.load_weights()
+        got[name] = (eng.forward_backward(batch, accumulate=False, position=7), eng.grads.copy())
+        if name == "stats":
+            assert eng.stats_outputs and all("ln_f" in n for n in eng.stats_outputs)
+            assert all(np.isfinite(v).all() for v in eng.extra_train_outputs().values())
+    for name in ("recompute", "stats"):
+        assert got[name][0] == got["plain"][0] and np.array_equal(got[name][1], got["plain"][1]), name
+
+    grads = {}
+    for setting in ("always", "never"):
+        cfg, shape, shapes = _gpt2(tmp_path, seed=6, setting=setting)
+        cfg.graphs.builder = "trainrun"
+        graphs_dir = prepare(cfg)
+        assert bool(_padded(onnx.load(f"{graphs_dir}/train.onnx"))) == (setting == "always")
+        eng = Engine(graphs_dir, EngineOptions(threads=1), shapes, shapes)
+        eng.load_weights()
+        rng = np.random.default_rng(7)
+        eng.forward_backward({k: rng.integers(0, shape["vocab_size"], v[0]) for k, v in shapes.items()},
+                             accumulate=False)
+        grads[setting] = eng.grads.copy()
+    assert np.abs(grads["always"] - grads["never"]).max() <= 1e-5 * np.abs(grads["never"]).max()
