@@ -4,6 +4,9 @@ onnxruntime-training's builder on the same loss graph (real graphs, real session
 import hashlib
 import json
 import os
+import signal
+import subprocess
+import time
 
 import numpy as np
 import onnx
@@ -17,7 +20,7 @@ from trainrun.graphs.gradients import build_train_graph, builder, direct_gradien
 from trainrun.graphs.manifest import build_options, loss_graph, prepare, up_to_date
 from trainrun.graphs.names import GRAD_SUFFIX
 
-from conftest import TRAINRUN, run
+from conftest import MPIRUN, TRAINRUN, mpirun, rank_pids, read_metrics, run, write_config
 
 needs_ort_builder = pytest.mark.skipif(ort_builder_missing() is not None,
                                        reason="onnxruntime-training's gradient builder is not installed")
@@ -210,3 +213,76 @@ def test_prepare_passes_on_trainrun_graphs(tmp_path):
                              accumulate=False)
         grads[setting] = eng.grads.copy()
     assert np.abs(grads["always"] - grads["never"]).max() <= 1e-5 * np.abs(grads["never"]).max()
+
+
+def _losses(run_dir):
+    train, _ = read_metrics(run_dir)
+    return {s: train[s]["loss"] for s in sorted(train)}
+
+
+def test_trainrun_builder_end_to_end(tmp_path, byte_dataset):
+    """graphs.builder trainrun on `mpirun -np 2` (2 micro-batches a step, added by the engine): a run killed
+    after its step-5 checkpoint and resumed has the undisturbed run's losses and final weights bit for
+    bit; export, evaluate and generate work on it; its 10 losses are onnxruntime-training's builder's to
+    1e-5; a run of onnxruntime-training's graphs resumes on trainrun's (the weights have the same names)."""
+    common = {"graphs.builder": "trainrun", "train.max_steps": 10, "train.gradient_accumulation_steps": 2,
+              "checkpoint.every": 5}
+
+    def config(name, **over):
+        (tmp_path / name).mkdir()
+        return write_config(tmp_path / name / "c.yaml", byte_dataset, **{**common, **over})
+    mpirun(2, "--config", config("straight"))
+    ref = _losses(str(tmp_path / "straight/run"))
+    assert sorted(ref) == list(range(1, 11)) and ref[10] < ref[1]
+    manifest = json.load(open(tmp_path / "straight/run/graphs/manifest.json"))
+    assert manifest["builder"] == "trainrun"
+
+    cfg = config("killed")
+    proc = subprocess.Popen([MPIRUN, "-np", "2", TRAINRUN, "--config", cfg], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ, TRAINRUN_FAULT_STALL_STEP="8"))
+    committed = tmp_path / "killed/run/checkpoints/5/COMMITTED"
+    deadline = time.time() + 120
+    while time.time() < deadline and not committed.exists():
+        time.sleep(0.2)
+    try:
+        assert committed.exists(), "the run never wrote its step-5 checkpoint"
+        os.kill(rank_pids(str(tmp_path / "killed"))[1], signal.SIGKILL)
+        proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    mpirun(2, "resume", str(tmp_path / "killed/run"))
+    run_dir = str(tmp_path / "killed/run")
+    assert _losses(run_dir) == ref
+    for f in ("model.safetensors", "optimizer.safetensors"):
+        assert sha(os.path.join(run_dir, "checkpoints/10", f)) == \
+            sha(str(tmp_path / "straight/run/checkpoints/10" / f)), f
+
+    # the commands that read the run: export, evaluate, generate
+    exported = str(tmp_path / "m.onnx")
+    run([TRAINRUN, "export", run_dir, "--output", exported], check=0)
+    assert onnx.load(exported).graph.output[0].name == "logits"
+    out = str(tmp_path / "e.json")
+    run([MPIRUN, "-np", "2", TRAINRUN, "evaluate", run_dir, "--data", os.path.join(byte_dataset, "eval"),
+         "--batch", "8", "--output", out], check=0)
+    assert json.load(open(out))["samples"] > 0
+    p = run([TRAINRUN, "generate", run_dir, "--prompt", "def f(", "--max-new-tokens", "8", "--temperature", "0"],
+            check=0)
+    assert p.stdout.startswith("def f(")
+
+    if ort_builder_missing() is not None:
+        return
+    mpirun(2, "--config", config("ort", **{"graphs.builder": "onnxruntime"}))
+    theirs = _losses(str(tmp_path / "ort/run"))
+    assert sorted(theirs) == sorted(ref)
+    for s in ref:
+        assert ref[s] == pytest.approx(theirs[s], rel=1e-5), (s, ref[s], theirs[s])
+    # onnxruntime-training's graphs for 5 steps, then trainrun's
+    mpirun(2, "--config", config("across", **{"graphs.builder": "onnxruntime", "train.stop_at": 5}))
+    p = mpirun(2, "resume", str(tmp_path / "across/run"), "--set", "graphs.builder=trainrun")
+    assert "preparing graphs" in p.stdout
+    assert json.load(open(tmp_path / "across/run/graphs/manifest.json"))["builder"] == "trainrun"
+    got = _losses(str(tmp_path / "across/run"))
+    assert sorted(got) == list(range(1, 11))
+    for s in got:
+        assert got[s] == pytest.approx(theirs[s], rel=1e-5), (s, got[s], theirs[s])

@@ -221,12 +221,14 @@ def _train(tmp_path, data, name, ranks, **extra):
     return read_metrics(str(tmp_path / name))[0], summary, weights
 
 
-@pytest.mark.parametrize("dtype,accum", [("fp32", 1), ("bf16", 2)])
-def test_overlapped_buckets_train_bit_for_bit_as_one_allreduce(tmp_path, byte_dataset, dtype, accum):
+@pytest.mark.parametrize("dtype,accum,builder", [("fp32", 1, "auto"), ("bf16", 2, "auto"), ("fp32", 2, "trainrun")])
+def test_overlapped_buckets_train_bit_for_bit_as_one_allreduce(tmp_path, byte_dataset, dtype, accum, builder):
     """2 pretend nodes of one rank: the same losses, norms and final weights, bit for bit, with the gradients
     reduced in buckets during the backward pass (0.004 MiB: a bucket every tensor or two) as with one allreduce
-    after it; fp32 (a + b) and bf16 (rank-order sums of rounded values) both reduce elementwise."""
-    extra = {"distributed.reduce_dtype": dtype, "train.gradient_accumulation_steps": accum}
+    after it; fp32 (a + b) and bf16 (rank-order sums of rounded values) both reduce elementwise; trainrun's
+    gradient builder (its later micro-batches added by the engine before a bucket is handed on) too."""
+    extra = {"distributed.reduce_dtype": dtype, "train.gradient_accumulation_steps": accum,
+             "graphs.builder": builder}
     ref, ref_sum, ref_w = _train(tmp_path, byte_dataset, "one", 2, **extra)
     got, got_sum, got_w = _train(tmp_path, byte_dataset, "buckets", 2, **extra, **{
         "distributed.overlap_grad_reduce": True, "distributed.bucket_mb": 0.004})

@@ -31,14 +31,16 @@ ADAMW = {"name": "adamw", "lr": 3e-3, "weight_decay": 0.1, "max_grad_norm": 1.0}
 LAMB = {"name": "lamb", "lr": 1e-2, "weight_decay": 0.01, "max_grad_norm": 0.5}
 
 
-@pytest.mark.parametrize("ranks,optimizer", [(2, ADAMW), (3, LAMB), (2, LAMB), (3, ADAMW)],
-                         ids=["2-adamw", "3-lamb", "2-lamb", "3-adamw"])
-def test_stage1_losses_equal_stage0(tmp_path, byte_dataset, ranks, optimizer):
+@pytest.mark.parametrize("ranks,optimizer,builder", [(2, ADAMW, "auto"), (3, LAMB, "auto"), (2, LAMB, "auto"),
+                                                     (3, ADAMW, "auto"), (2, ADAMW, "trainrun")],
+                         ids=["2-adamw", "3-lamb", "2-lamb", "3-adamw", "2-adamw-trainrun-builder"])
+def test_stage1_losses_equal_stage0(tmp_path, byte_dataset, ranks, optimizer, builder):
     """50 steps on 2 and 3 ranks: stage 1's losses and gradient norms are stage 0's (1e-6), and its final
     weights too. The tiny GPT-2 (about 26k parameters) is cut into parts inside tensors on every rank
-    count here, so LAMB's trust ratio needs the sums of squares combined over ranks."""
-    ref, ref_dir = _train(tmp_path, byte_dataset, "s0", ranks, 0, optimizer)
-    got, got_dir = _train(tmp_path, byte_dataset, "s1", ranks, 1, optimizer)
+    count here, so LAMB's trust ratio needs the sums of squares combined over ranks. The same on the
+    train graph of trainrun's gradient builder (graphs.builder)."""
+    ref, ref_dir = _train(tmp_path, byte_dataset, "s0", ranks, 0, optimizer, **{"graphs.builder": builder})
+    got, got_dir = _train(tmp_path, byte_dataset, "s1", ranks, 1, optimizer, **{"graphs.builder": builder})
     assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
     for s in ref:
         assert abs(got[s]["loss"] - ref[s]["loss"]) <= 1e-6, (s, got[s]["loss"], ref[s]["loss"])

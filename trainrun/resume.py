@@ -27,7 +27,7 @@ SAFE_ON_RESUME = ("train.max_steps", "train.max_epochs", "train.max_time", "trai
                   "tensorboard.", "data.prefetch", "data.eval", "distributed.timeout_s", "distributed.backend",
                   "distributed.zero_stage", "distributed.intra_node", "distributed.overlap_grad_reduce",
                   "distributed.bucket_mb", "distributed.reduce_dtype",
-                  "profile.", "debug.")
+                  "profile.", "debug.", "graphs.")
 
 
 def resume_config(path: str, overrides: list[str], force: bool = False) -> tuple[C.Config, str]:
