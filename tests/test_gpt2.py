@@ -163,7 +163,7 @@ def test_cross_entropy_gradient_by_exp_matches_numpy(reduction, ignore_index, ra
 
 @pytest.mark.parametrize("head,axis", [("Gemm", 0), ("Transpose", 1)])
 def test_tied_embedding_gradient_matches_numpy(head, axis):
-    """graphs.gradients._scatter_tied_gradients on both of its paths: a head whose gradient is the embedding's shape
+    """graphs.ort_gradients._scatter_tied_gradients on both of its paths: a head whose gradient is the embedding's shape
     (Gemm(h, E, transB=1): rows scattered into it along axis 0) and a head through a Transpose
     (MatMul(h, Transpose(E)): scattered into the Transpose's input along axis 1), repeated ids, against
     the float64 NumPy gradient."""
@@ -203,9 +203,9 @@ def test_tied_embedding_gradient_matches_numpy(head, axis):
 def test_vocabulary_sized_loss_and_tied_gradient_match_transformers(tmp_path):
     """The cross-entropy as LogSoftmax + NegativeLogLikelihoodLoss, its gradient from Exp(log_prob), the
     tied embedding's gradient added by ScatterElements (graphs.losses.split_cross_entropy,
-    graphs.losses._cross_entropy_grad_by_exp, graphs.gradients._scatter_tied_gradients), every
+    graphs.losses._cross_entropy_grad_by_exp, graphs.ort_gradients._scatter_tied_gradients), every
     weight gradient a MatMul over a transposed input, no Gemm with transA
-    (graphs.gradients._untransposed_weight_gradients), against transformers' GPT-2 in float64: a vocabulary far
+    (graphs.ort_gradients._untransposed_weight_gradients), against transformers' GPT-2 in float64: a vocabulary far
     larger than the model, repeated tokens (the scatter must sum them), labels ignored by a non-default
     ignore_index, 2 threads; the loss and every gradient within 1e-5."""
     ignore_index = 0
@@ -249,7 +249,7 @@ def test_vocabulary_sized_loss_and_tied_gradient_match_transformers(tmp_path):
 
 @pytest.mark.parametrize("extra_use", [False, True])
 def test_gelu_gradient_by_hand_matches_numpy(extra_use):
-    """graphs.gradients._gelu_gradients: the built-in MLP's tanh-GELU (y * sigmoid(y (a + b y^2))) gets its
+    """graphs.ort_gradients._gelu_gradients: the built-in MLP's tanh-GELU (y * sigmoid(y (a + b y^2))) gets its
     gradient written by hand (no four-way Sum of the builder's chain) and it equals float64 NumPy's
     derivative; where y also feeds something else the builder's chain is kept (and is right too)."""
     n, d = 16, 24

@@ -14,6 +14,7 @@ import pytest
 from conftest import MPIRUN, ROOT, TRAINRUN, mpirun, read_metrics, run, write_config
 
 from trainrun import config as C
+from trainrun.graphs.gradients import ort_builder_missing
 from trainrun.graphs.manifest import load_manifest, prepare
 from trainrun.graphs.names import ACC_OUT_SUFFIX, LOSS, MASK_PREFIX
 from trainrun.errors import UsageError
@@ -268,9 +269,17 @@ def test_doctor_passes_on_two_ranks(tmp_path, byte_dataset):
     assert out.splitlines()[0].endswith(": rank(s) 0, 1)") and "MPI library: MPICH" in out
     assert not glob.glob(str(tmp_path / "run" / ".doctor-*"))   # the probe file is removed
     assert "onnxruntime 1.19.2" in out and "CPUExecutionProvider" in out
-    for check in ("versions", "allreduce", "bandwidth", "config", "run_dir", "data.train", "data.eval"):
+    for check in ("versions", "allreduce", "bandwidth", "config", "run_dir", "data.train", "data.eval", "builder"):
         assert any(line.split()[:2] == ["PASS", check] for line in out.splitlines()), (check, out)
     assert any(line.split()[:2] == ["SKIP", "graphs"] for line in out.splitlines())     # not prepared yet
+    # the gradient builder prepare would use (graphs.builder auto), and why
+    builder_line = next(line for line in out.splitlines() if line.split()[:2] == ["PASS", "builder"])
+    assert ("trainrun's own (graphs.builder: auto, and onnxruntime-training's builder is not available"
+            if ort_builder_missing() else
+            "onnxruntime-training's (graphs.builder: auto, and onnxruntime-training is installed)") in builder_line
+    proc = run([MPIRUN, "-np", "2", TRAINRUN, "doctor", "--config", cfg, "--size-mb", "1", "--iters", "1",
+                "--set", "graphs.builder=trainrun"], check=0, timeout=120)
+    assert "trainrun's own (graphs.builder: trainrun); same on all 2 rank(s)" in proc.stdout
     assert "GB/s" in out
     assert [line.split()[0] for line in out.splitlines() if "cpu," in line] == ["0", "1"]
 

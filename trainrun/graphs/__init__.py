@@ -15,7 +15,7 @@ Output, in ``<output_dir>/graphs/``:
 
 Parameters are graph inputs in every graph, so one set of flat buffers serves all
 sessions. Gradients come from onnxruntime-training's C++ gradient builder
-(needs no torch).
+(needs no torch) or trainrun's own (``graphs.builder``).
 
 One module per job, in the order ``prepare`` applies them:
 
@@ -25,10 +25,12 @@ One module per job, in the order ``prepare`` applies them:
 * :mod:`.losses`         the loss heads and eval metrics; the cross-entropy rewrites
 * :mod:`.dropout_nodes`  Dropout nodes off (Identity) or their masks as graph inputs
 * :mod:`.casts`          mixed precision: the Casts of fp16/bf16 and the ``loss_scale`` input
-* :mod:`.gradients`      the gradient graph and its rewrites; debug outputs
+* :mod:`.gradients`      the gradient graph by the builder ``graphs.builder`` picks; debug outputs
+* :mod:`.ort_gradients`  onnxruntime-training's builder, its accumulators and the rewrites of its output
 * :mod:`.manifest`       ``prepare`` itself, the manifest, ``load_manifest``, ``up_to_date``
 
-:mod:`.autodiff` (not yet used by ``prepare``): trainrun's own gradient builder in standard ONNX ops.
+:mod:`.autodiff`: trainrun's own gradient builder in standard ONNX ops (``graphs.builder: trainrun``; its train
+graph has the gradients as outputs, no accumulators and no ``lazy_reset_grad``).
 
 The run-time side of the manifest (which dataset feature feeds which input, the eval results) is
 :mod:`trainrun.feeding`.

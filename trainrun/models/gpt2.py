@@ -160,7 +160,7 @@ def build_gpt2(cfg: GPT2Config, weights: dict[str, np.ndarray], kv_cache: bool =
         m = layer_norm(h, p + ".ln_2")
         m = g.op("MatMul", [m, p + ".mlp.c_fc.weight"])
         # gelu_new from Add/Mul/Sigmoid: vectorised kernels (FastGelu's gradient is a scalar one-thread tanh
-        # loop, 21% of a gpt2-tiny step); the train graph differentiates it by hand (graphs.gradients)
+        # loop, 21% of a gpt2-tiny step); the train graph differentiates it by hand (graphs.ort_gradients)
         y = g.op("Add", [m, p + ".mlp.c_fc.bias"])
         poly = g.op("Add", [g.op("Mul", [g.op("Mul", [y, y]), "c_gelu_b"]), "c_gelu_a"])
         act = p + ".mlp.act"      # a stable name for debug.tensors

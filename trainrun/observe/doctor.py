@@ -24,6 +24,9 @@ table. Then the checks, each PASS, FAIL or SKIP:
                  and data.eval (names, sizes and a digest of each file:
                  sha256 of the whole file up to 64 MiB, above that of 16
                  evenly spaced 1 MiB pieces and the size);
+* ``builder``    the gradient builder prepare would use (``graphs.builder``; auto without
+                 --config) and why, the same on every rank; FAIL where the config names
+                 onnxruntime-training's and it is not installed;
 * ``graphs``     with --config: the user's model.onnx (if any) and the
                  prepared graphs under <output_dir>/graphs are the same on
                  every rank and match the sha256 their manifest records
@@ -44,9 +47,10 @@ import time
 
 import numpy as np
 
+from ..graphs.gradients import builder
 from ..graphs.manifest import load_manifest
 from ..comm import make_communicator
-from ..errors import TrainrunError
+from ..errors import TrainrunError, UsageError
 from ..rundir import sha256_file
 
 FULL_HASH_LIMIT = 64 << 20
@@ -243,6 +247,21 @@ def check_run_dir(comm, run_dir: str) -> tuple[str, str]:
     return "PASS", f"{run_dir}: a file written by rank 0 is read by every rank"
 
 
+def check_builder(comm, cfg) -> tuple[str, str]:
+    """Which gradient builder ``prepare`` would use on each rank (graphs.builder, auto without a config)."""
+    choice = cfg.graphs.builder if cfg is not None else "auto"
+    try:
+        mine = dict(zip(("builder", "why"), builder(choice)))
+    except UsageError as exc:
+        mine = {"error": exc.message}
+    everyone = comm.allgather_object(mine)
+    status, text = _same("builder", everyone, lambda a, b: f"{a['builder']} vs {b['builder']} ({b['why']})")
+    if status == "PASS":
+        name = {"onnxruntime": "onnxruntime-training's", "trainrun": "trainrun's own"}[everyone[0]["builder"]]
+        text = f"{name} ({everyone[0]['why']}); {text}"
+    return status, text
+
+
 def _same(name: str, values: list, describe) -> tuple[str, str]:
     ref = values[0]
     for r, v in enumerate(values):
@@ -309,6 +328,7 @@ def run_doctor(cfg=None, config_bytes: bytes = b"", overrides=(), size_mb: float
         checks.append(("versions", *_same("versions", [{k: f[k] for k in keys} for f in facts],
                                           lambda a, b: ", ".join(f"{k} {a[k]} vs {b[k]}" for k in keys
                                                                  if a[k] != b[k]))))
+        checks.append(("builder", *check_builder(comm, cfg)))
         checks.append(("allreduce", *check_allreduce(comm, device)))
         checks.append(("bandwidth", *measure_bandwidth(comm, device, size_mb, iters)))
         if node is not None:
