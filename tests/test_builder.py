@@ -123,6 +123,13 @@ def test_builder_choice(tmp_path):
     if missing:
         with pytest.raises(UsageError, match="graphs.builder: onnxruntime .*onnxruntime-training"):
             builder("onnxruntime")
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text(f"run: {{output_dir: {tmp_path / 'run'}}}\ngraphs: {{builder: onnxruntime}}\n"
+                       "model: {gpt2: {n_layer: 1, n_head: 2, n_embd: 32, n_positions: 32, vocab_size: 64}}\n"
+                       "data: {seq_len: 16}\n")
+        p = run([TRAINRUN, "prepare", "--config", str(cfg)], check=2)
+        assert "graphs.builder: onnxruntime needs onnxruntime-training's gradient builder" in p.stderr
+        assert "install onnxruntime-training" in p.stderr and not (tmp_path / "run/graphs").exists()
     else:
         assert builder("onnxruntime")[0] == "onnxruntime"
 

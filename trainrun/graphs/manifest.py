@@ -102,6 +102,7 @@ def loss_graph(cfg: Config, fwd, build: dict) -> tuple[onnx.ModelProto, dict | N
 
 def prepare(cfg: Config, out_dir: str | None = None) -> str:
     """Write the three graphs, the forward graph, the initial weights and the manifest."""
+    made_by, _ = builder(cfg.graphs.builder)       # a builder not installed: nothing written
     out_dir = out_dir or os.path.join(cfg.run.output_dir, "graphs")
     os.makedirs(out_dir, exist_ok=True)
     fwd = forward_from_config(cfg)
@@ -114,7 +115,6 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
     graph_inputs = fwd.params + list(states)       # parameters, then state: inputs of every graph
 
     build = build_options(cfg)
-    made_by, _ = builder(cfg.graphs.builder)
     loss_model, dropout = loss_graph(cfg, fwd, build)
     classes = num_classes(fwd) if fwd.loss is None and fwd.loss_type == "cross_entropy" else None
     # the built-in models' losses are over vocabularies; a user model's when its classes are that many
