@@ -293,3 +293,32 @@ def test_trainrun_builder_end_to_end(tmp_path, byte_dataset):
     assert sorted(got) == list(range(1, 11))
     for s in got:
         assert got[s] == pytest.approx(theirs[s], rel=1e-5), (s, got[s], theirs[s])
+
+
+def test_a_gather_on_axis_1_before_a_gemm_differentiates_under_onnxruntimes_optimizer():
+    """BERT's pooler: Gemm(Gather(h, 0, axis=1)). The gradient of a Gather on axis 1 with a scalar index
+    would move dy's axes by an identity Transpose, which onnxruntime's GemmTransposeFusion folds into the
+    Gemm before it as if it swapped the axes; the builder emits no identity Transpose. The gradients
+    against numpy, with onnxruntime's default optimizations."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+    from trainrun.graphs.autodiff import differentiate
+    f32 = TensorProto.FLOAT
+    nodes = [helper.make_node("Gather", ["h", "first"], ["cls"], axis=1),
+             helper.make_node("Gemm", ["cls", "w"], ["y"], transB=1),
+             helper.make_node("Mul", ["y", "y"], ["y2"]),
+             helper.make_node("ReduceSum", ["y2"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("h", f32, [3, 5, 4]),
+                                           helper.make_tensor_value_info("w", f32, [6, 4])],
+                              [helper.make_tensor_value_info("loss", f32, [])],
+                              [numpy_helper.from_array(np.array(0, np.int64), "first")])
+    train = differentiate(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), ["h", "w"])
+    rng = np.random.default_rng(0)
+    h, w = rng.standard_normal((3, 5, 4)).astype(np.float32), rng.standard_normal((6, 4)).astype(np.float32)
+    sess = ort.InferenceSession(train.SerializeToString(), providers=["CPUExecutionProvider"])
+    dh, dw = sess.run(["h_grad", "w_grad"], {"h": h, "w": w})
+    y = h[:, 0] @ w.T
+    want_dh = np.zeros_like(h)
+    want_dh[:, 0] = 2 * y @ w
+    np.testing.assert_allclose(dh, want_dh, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dw, 2 * y.T @ h[:, 0], rtol=1e-5, atol=1e-5)

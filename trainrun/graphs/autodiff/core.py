@@ -80,7 +80,11 @@ class Emitter:
         return name
 
     def op(self, op_type: str, inputs, base: str, outputs: int = 1, **attrs):
-        """Emit one node; its output name (a list when ``outputs`` > 1)."""
+        """Emit one node; its output name (a list when ``outputs`` > 1). A Transpose that keeps the axis
+        order is no node: onnxruntime's GemmTransposeFusion (basic level) folds a Transpose after a Gemm
+        into the Gemm whatever its perm, so an identity one would transpose the Gemm's result."""
+        if op_type == "Transpose" and list(attrs.get("perm", [None])) == list(range(len(attrs.get("perm", [])))):
+            return inputs[0]
         outs = [self.name(base if outputs == 1 else f"{base}.{k}") for k in range(outputs)]
         self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=self.name(f"{base}/{op_type}"),
                                            **attrs))
