@@ -193,12 +193,28 @@ def test_layer_norm_with_repeated_rows():
     check([node("LayerNormalization", ["x", "g"], axis=1)],
           {"x": rand(2, 3, 4), "g": rand(3, 4, seed=3)}, ["x", "g"],
           lambda t: torch.nn.functional.layer_norm(t["x"], (3, 4), t["g"]))
+    # float32: from the forward node's Mean and InvStdDev outputs (added to the node here)
+    check([node("LayerNormalization", ["x", "g", "b"], axis=-1, epsilon=1e-3)],
+          {"x": rand(4, 6, dtype=F32), "g": rand(6, seed=3, dtype=F32), "b": rand(6, seed=4, dtype=F32)},
+          ["x", "g", "b"], lambda t: torch.nn.functional.layer_norm(t["x"], (6,), t["g"], t["b"], eps=1e-3))
 
 
 def test_gather_rows_with_repeated_indices_sums_them():
     idx = np.array([[1, 3, 1], [0, 1, 4]])
     check([node("Gather", ["table", "idx"])], {"idx": idx, "table": rand(5, 4)}, ["table"],
           lambda t: t["table"][t["idx"]])
+
+
+def test_tied_embedding_and_head():
+    """A table read by a Gather (the embedding) and, transposed, by a MatMul (the tied head): the looked-up
+    rows are added into the head's gradient (before its Transpose), repeated indices summed."""
+    idx = np.array([[1, 3, 1], [0, 1, 4]])
+    nodes = [node("Gather", ["table", "idx"], ["e"]), node("Transpose", ["table"], ["tt"], perm=[1, 0]),
+             node("MatMul", ["e", "tt"])]
+    check(nodes, {"idx": idx, "table": rand(5, 4, dtype=F32)}, ["table"], lambda t: t["table"][t["idx"]] @ t["table"].T)
+    grad = differentiate(model_of(nodes, {"idx": idx, "table": rand(5, 4)}), ["table"], "loss")
+    ops = [n.op_type for n in grad.graph.node]
+    assert ops.count("ScatterElements") == 1 and "Sum" not in ops and "ScatterND" not in ops
 
 
 def test_mlp_stored_in_reverse_order_with_a_shared_tensor():

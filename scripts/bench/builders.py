@@ -7,9 +7,8 @@
 
 ``build`` makes the loss graph of a model as ``prepare`` does (``graphs.manifest.loss_graph``) and from it
 both train graphs in their direct form (gradients as outputs): onnxruntime-training's builder's
-(``build_train_graph``, the cross-entropy split, padded products, ``direct_gradients``: what trainrun
-runs today) and trainrun's (``graphs.autodiff.differentiate``, then the same cross-entropy split and
-padding); it writes them, a random batch (inputs.npz) and their node counts by op type. ``time``
+and trainrun's (``build_train_graph`` with ``builder`` onnxruntime, then ``direct_gradients``, and with
+``builder`` trainrun), each followed by the cross-entropy split and padded products, as ``prepare`` does; it writes them, a random batch (inputs.npz) and their node counts by op type. ``time``
 opens each graph in a session made as the engine makes it (``trainrun.sessions.session_options``, the
 same threads), binds the batch and preallocated gradient buffers once, and runs forward + backward in
 alternating blocks of steps in one process; tokens/s = tokens of a micro-batch / median step time
@@ -50,7 +49,6 @@ def config(model: str):
 
 
 def build(model: str, work: Path) -> None:
-    from trainrun.graphs import autodiff
     from trainrun.graphs.casts import restore_fp32
     from trainrun.graphs.forward import forward_from_config
     from trainrun.graphs.gradients import build_train_graph, direct_gradients
@@ -74,7 +72,7 @@ def build(model: str, work: Path) -> None:
     ort_graph, _ = direct_gradients(finish(build_train_graph(loss_model, fwd.params, model, keep=states)))
     timing["onnxruntime"] = time.perf_counter() - t
     t = time.perf_counter()
-    ours = finish(autodiff.differentiate(loss_model, fwd.params))
+    ours = finish(build_train_graph(loss_model, fwd.params, model, keep=states, builder="trainrun"))
     timing["trainrun"] = time.perf_counter() - t
     onnx.save(ort_graph, out / "onnxruntime.onnx")
     onnx.save(ours, out / "trainrun.onnx")

@@ -20,6 +20,10 @@ from ...errors import UsageError
 from ..names import GRAD_SUFFIX
 
 RULES: dict[str, Callable] = {}
+# finders of subgraphs differentiated as one (``find(nodes, consumers, emit)`` -> [(the subgraph's last
+# node, its other nodes, rule)]): the rule gets the last node's Step and returns {input: gradient} for the
+# tensors the subgraph reads; its other nodes then get no gradient of their own
+PATTERNS: list[Callable] = []
 
 # ops whose outputs carry no gradient (integers, booleans, or piecewise constant in their float inputs):
 # the walk stops there as at a constant
@@ -52,6 +56,8 @@ class Emitter:
         self.taken |= {t.name for t in list(g.input) + list(g.initializer) + list(g.output)}
         self.taken |= {node.name for node in g.node}
         self.dims, self.types = {}, {}
+        self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+        self.producer = {o: node for node in ordered for o in node.output if o}
         sorted_model = onnx.ModelProto()
         sorted_model.CopyFrom(model)
         del sorted_model.graph.node[:]
@@ -88,7 +94,33 @@ class Emitter:
         outs = [self.name(base if outputs == 1 else f"{base}.{k}") for k in range(outputs)]
         self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=self.name(f"{base}/{op_type}"),
                                            **attrs))
+        self.producer.update((o, self.nodes[-1]) for o in outs)
         return outs[0] if outputs == 1 else outs
+
+    def reduce(self, op_type: str, x: str, axes: list[int], base: str, keepdims: int = 1) -> str:
+        """A Reduce* over the static ``axes`` (an input from opset 18, ReduceSum's from 13; an attribute before)."""
+        if self.opset >= (13 if op_type == "ReduceSum" else 18):
+            return self.op(op_type, [x, self.const(list(axes), base)], base, keepdims=keepdims)
+        return self.op(op_type, [x], base, axes=list(axes), keepdims=keepdims)
+
+    def output(self, node: onnx.NodeProto, k: int) -> str:
+        """Output ``k`` of the forward ``node``, which is given that optional output (computed by the same
+        kernel, e.g. LayerNormalization's Mean and InvStdDev) where it leaves it out."""
+        while len(node.output) <= k:
+            node.output.append("")
+        if not node.output[k]:
+            node.output[k] = self.name(f"{node.output[0]}/output_{k}")
+            self.producer[node.output[k]] = node
+        return node.output[k]
+
+    def elem_type(self, name: str, default: str) -> int:
+        """The element type of ``name`` (that of ``default`` when not known)."""
+        return self.types.get(name) or self.types.get(default, 0)
+
+    def like(self, name: str, ref: str, base: str) -> str:
+        """``name`` cast to ``ref``'s element type, where the two differ (or are not known)."""
+        a, b = self.types.get(name), self.types.get(ref)
+        return name if a and a == b else self.op("CastLike", [name, ref], f"{base}/cast")
 
     def const(self, value, base: str, like: str | None = None) -> str:
         """A constant: int64, or a float cast like tensor ``like``."""
@@ -110,8 +142,15 @@ class Emitter:
         shape = self.op("Shape", [x], f"{base}/shape")
         return self.op("CastLike", [self.op("ConstantOfShape", [shape], f"{base}/zeros"), x], f"{base}/zeros")
 
-    def add_all(self, terms: list[str], base: str) -> str:
-        return terms[0] if len(terms) == 1 else self.op("Sum", terms, base)
+    def add_all(self, terms: list, base: str) -> str:
+        """The sum of a tensor's gradient contributions: names of dense tensors, and :class:`Rows` (rows
+        of a table), scattered with ScatterElements(add) into the dense sum (or into zeros) rather than
+        each written out as a dense table."""
+        dense = [t for t in terms if isinstance(t, str)]
+        total = None if not dense else dense[0] if len(dense) == 1 else self.op("Sum", dense, base)
+        for r in (t for t in terms if isinstance(t, Rows)):
+            total = r.scatter_into(self, total, base)
+        return total
 
     def sum_to(self, grad: str, target: str, base: str, grad_dims=None) -> str:
         """``grad`` (of a broadcast result, dims ``grad_dims`` if known) summed over the axes ``target``
@@ -139,6 +178,37 @@ class Emitter:
         return self.op("Reshape", [summed, tshape], base)
 
 
+class Rows:
+    """A gradient contribution that is the rows ``updates`` ([..., width]) at rows ``indices`` of a 2-D
+    ``table`` (an embedding's lookup), the other rows zero."""
+
+    def __init__(self, table: str, indices: str, updates: str, width: int):
+        self.table, self.indices, self.updates, self.width = table, indices, updates, width
+
+    def scatter_into(self, emit: Emitter, total: str | None, base: str) -> str:
+        """``total`` + these rows. Where ``total`` is a [width, rows] Transpose's output (a tied LM head's
+        gradient, as the MatMul's weight gradient wrote it), the rows go into the Transpose's input along
+        axis 1 and the Transpose writes the sum: one pass over the table less. On the CPU ScatterElements
+        adds serially, so repeated indices are summed in the same order every run."""
+        rows = emit.op("Reshape", [self.updates, emit.const([-1, self.width], base)], f"{base}/rows")
+        tp = emit.producer.get(total) if total is not None else None
+        if tp is not None and tp in emit.nodes and tp.op_type == "Transpose" \
+                and [list(a.ints) for a in tp.attribute if a.name == "perm"] in ([[1, 0]], []) \
+                and not any(total in n.input for n in emit.nodes):
+            emit.nodes.remove(tp)
+            rows = emit.op("Transpose", [rows], f"{base}/rows_t", perm=[1, 0])
+            where = emit.op("Expand", [emit.op("Reshape", [self.indices, emit.const([1, -1], base)], f"{base}/ids"),
+                                       emit.op("Shape", [rows], f"{base}/rows_shape")], f"{base}/where")
+            summed = emit.op("ScatterElements", [tp.input[0], where, rows], f"{base}/scatter", axis=1,
+                             reduction="add")
+            return emit.op("Transpose", [summed], base, perm=[1, 0])
+        if total is None:
+            total = emit.zeros_like(self.table, base)
+        where = emit.op("Expand", [emit.op("Reshape", [self.indices, emit.const([-1, 1], base)], f"{base}/ids"),
+                                   emit.op("Shape", [rows], f"{base}/rows_shape")], f"{base}/where")
+        return emit.op("ScatterElements", [total, where, rows], base, axis=0, reduction="add")
+
+
 class Step:
     """One node being differentiated: what a rule reads and the emitter it writes with."""
 
@@ -159,6 +229,9 @@ class Step:
 
     def const(self, value, like: str | None = None) -> str:
         return self.emit.const(value, self.base, like)
+
+    def reduce(self, op_type: str, x: str, axes: list[int], keepdims: int = 1) -> str:
+        return self.emit.reduce(op_type, x, axes, self.base, keepdims)
 
     def sum_to(self, grad: str, i: int, grad_dims=None) -> str:
         """``grad``, of output 0's shape unless ``grad_dims`` says otherwise, reduced to input ``i``'s."""
@@ -198,6 +271,12 @@ def topological(nodes) -> list[onnx.NodeProto]:
     return order
 
 
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    return out
+
+
 def _paths(nodes, params: list[str], loss: str, types: dict | None = None):
     """(the tensors that depend on a parameter, the tensors the loss depends on through them, the nodes
     between parameters and the loss in reverse dependency order) of the sorted ``nodes``. Gradients flow
@@ -230,10 +309,19 @@ def differentiate(model: onnx.ModelProto, params: list[str], loss: str = "loss")
     """``model`` with one more output per parameter, ``<param>_grad`` = d ``loss`` / d ``param`` (zeros
     for a parameter the loss does not depend on, :func:`unreached`). The forward's nodes come first, in
     dependency order, then the gradient's, in the order they run."""
+    model = _copy(model)        # rules may give a forward node an optional output (Emitter.output)
     g = model.graph
     nodes = topological(list(g.node))
     emit = Emitter(model, nodes)
     depends, _, on_path = _paths(nodes, params, loss, emit.types)
+    consumers: dict[str, list] = {}
+    for n in nodes:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    fused = {}
+    for find in PATTERNS:
+        for last, inner, rule in find(on_path, consumers, emit):
+            fused[id(last)] = rule
     emit.taken.update(f"{p}{GRAD_SUFFIX}" for p in params)
     grads: dict[str, list[str]] = {loss: [emit.op("Expand", [emit.const(1.0, "grad/seed", like=loss),
                                                            emit.op("Shape", [loss], "grad/seed/shape")],
@@ -245,6 +333,10 @@ def differentiate(model: onnx.ModelProto, params: list[str], loss: str = "loss")
         if n.op_type not in RULES or n.domain not in ("", "ai.onnx"):
             raise NoGradient(f"no gradient rule for op type '{n.op_type}' (node '{n.name}')")
         wants = {k for k, i in enumerate(n.input) if i in depends}
+        if id(n) in fused:
+            for name, dx in fused[id(n)](Step(emit, n, dy, wants)).items():
+                grads.setdefault(name, []).append(dx)
+            continue
         for k, dx in enumerate(RULES[n.op_type](Step(emit, n, dy, wants))):
             if dx is not None and k in wants:
                 grads.setdefault(n.input[k], []).append(dx)

@@ -1,14 +1,21 @@
-"""The gradient of Gather along axis 0 (an embedding table): rows added up by ScatterND, so repeated
-indices sum."""
+"""The gradient of Gather. Along axis 0 of a 2-D table (an embedding), the looked-up rows' gradients are
+a :class:`~.core.Rows` contribution: added with ScatterElements(add) into the table's other gradient
+(a tied LM head's) where there is one, so no dense zero table is written and summed; repeated indices
+sum. Along another axis (:func:`.selection.gather_along`), or rows of a table of another rank: dy added
+into zeros by ScatterND."""
 
-from .core import Step, gradient
+from .core import Rows, Step, gradient
 from .selection import gather_along
 
 
 @gradient("Gather")
 def _gather(s: Step):
-    if s.attr("axis", 0) != 0:
-        return gather_along(s)
     table, idx = s.x
+    rank = s.emit.rank(table, s.node)
+    if s.attr("axis", 0) % rank != 0:
+        return gather_along(s)
+    dims = s.emit.dims.get(table)
+    if rank == 2 and dims and dims[1] is not None:
+        return [Rows(table, idx, s.dy[0], dims[1]), None]
     rows = s.op("Unsqueeze", [idx, s.const([-1])])
     return [s.op("ScatterND", [s.emit.zeros_like(table, s.base), rows, s.dy[0]], reduction="add"), None]

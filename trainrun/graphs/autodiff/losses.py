@@ -42,15 +42,48 @@ def _dlogp(s: Step, scores: str):
     return s.op("Neg", [s.op("Mul", [s.op("Unsqueeze", [coeff, s.const([1])]), onehot])])
 
 
+def _reduction(s: Step) -> str:
+    reduction = s.attr("reduction", b"mean")
+    return reduction.decode() if isinstance(reduction, bytes) else reduction
+
+
+def _by_exp(s: Step, scores: str) -> str:
+    """The loss's gradient (mean or sum, no class weights, only the loss output read) as
+    Exp(log_prob) * r, then -r added at each label by an in-place ScatterElements: r = dY (/ the labels not
+    ignored, for mean), 0 on an ignored label's row. Three passes over the scores, where the onehot form
+    writes and reads several [N, C] tensors; log_prob is the forward node's own output (added where it
+    leaves it out)."""
+    labels, coeff = s.x[1], s.dy[0]
+    ignore = s.attr("ignore_index")
+    valid = None
+    if ignore is not None:
+        valid = s.op("Not", [s.op("Equal", [labels, s.op("CastLike", [s.const(ignore), labels])])])
+        labels = s.op("Where", [valid, labels, s.op("CastLike", [s.const(0), labels])])
+        weight = s.op("CastLike", [valid, scores])
+        coeff = s.op("Mul", [coeff, weight])
+        if _reduction(s) == "mean":
+            coeff = s.op("Div", [coeff, s.op("ReduceSum", [weight], keepdims=0)])
+    elif _reduction(s) == "mean":
+        coeff = s.op("Div", [coeff, s.op("CastLike", [s.op("Size", [labels]), scores])])
+    per_row = s.op("Unsqueeze", [s.op("Expand", [coeff, s.op("Shape", [labels])]), s.const([1])])
+    scaled = s.op("Mul", [s.op("Exp", [s.emit.output(s.node, 1)]), per_row])
+    return s.op("ScatterElements", [scaled, s.op("Unsqueeze", [labels, s.const([1])]), s.op("Neg", [per_row])],
+                axis=1, reduction="add")
+
+
 @gradient("SoftmaxCrossEntropyLoss")
 def _softmax_cross_entropy(s: Step):
     scores = s.x[0]
     out = [None] * len(s.x)
     if not s.wants(0):
         return out
+    if not (len(s.dy) > 1 and s.dy[1] is not None) and not (len(s.x) > 2 and s.x[2]) and s.dy[0] is not None \
+            and _reduction(s) != "none":
+        out[0] = _by_exp(s, scores)
+        return out
     terms = [t for t in (_dlogp(s, scores), s.dy[1] if len(s.dy) > 1 else None) if t is not None]
     dlogp = terms[0] if len(terms) == 1 else s.op("Add", terms)
-    logp = s.y[1] if len(s.y) > 1 and s.y[1] else s.op("LogSoftmax", [scores], axis=1)
+    logp = s.emit.output(s.node, 1)
     total = s.op("ReduceSum", [dlogp, s.const([1])], keepdims=1)
     out[0] = s.op("Sub", [dlogp, s.op("Mul", [s.op("Exp", [logp]), total])])
     return out

@@ -1,6 +1,28 @@
-"""Gradients of MatMul (batched, broadcast, 1-D operands) and Gemm."""
+"""Gradients of MatMul (batched, broadcast, 1-D operands) and Gemm.
+
+A weight's gradient (a MatMul's right operand a matrix, its left one [..., M, K] with every dim known) is
+X^T dY over the flattened rows, written as an explicit transpose of X and a plain MatMul: onnxruntime
+folds a Transpose into a product as a transposed left operand (FusedMatMul or Gemm transA), which MLAS runs
+by transposing it again, panel by panel, for every block of output columns, slower than the forward's
+product of the same size (docs/design.md, "Levers at GPT-2 124M"). The transpose is a Reshape [M, 1, K],
+Transpose [K, M, 1], Reshape [K, M]: a shape onnxruntime's MatmulTransposeFusion does not fold back."""
 
 from .core import Step, gradient
+
+
+def transposed(s: Step, x: str) -> str:
+    """The [K, M] transpose of the matrix ``x`` ([M, K]), in a form onnxruntime does not fold into a
+    product's transA."""
+    x3 = s.op("Reshape", [x, s.const([0, 1, -1])])
+    return s.op("Reshape", [s.op("Transpose", [x3], perm=[2, 0, 1]), s.const([0, -1])])
+
+
+def _weight_gradient(s: Step, a: str, dy: str, rank: int, bdims) -> str:
+    """X^T dY for MatMul(a [..., M, K], b [K, N]): the rows of every batch flattened, one product."""
+    k, n = bdims
+    x = a if rank == 2 else s.op("Reshape", [a, s.const([-1, k])])
+    d = dy if rank == 2 else s.op("Reshape", [dy, s.const([-1, n])])
+    return s.op("MatMul", [transposed(s, x), d])
 
 
 def _swap_last(s: Step, x: str, rank: int) -> str:
@@ -30,7 +52,9 @@ def _matmul(s: Step):
         da = s.op("MatMul", [dy, _swap_last(s, b2, max(rb, 2))])
         dims = None if batch is None else batch + [1 if ra == 1 else adims[-2], adims[-1]]
         out[0] = s.sum_to(da, 0, dims)
-    if s.wants(1):
+    if s.wants(1) and rb == 2 and ra >= 2 and bdims is not None:
+        out[1] = _weight_gradient(s, a, dy, ra, bdims)
+    elif s.wants(1):
         db = s.op("MatMul", [_swap_last(s, a2, max(ra, 2)), dy])
         if rb == 1:
             db = s.op("Squeeze", [db, s.const([-1])])
@@ -50,8 +74,12 @@ def _gemm(s: Step):
         out[0] = (s.op("Gemm", [b, dy], transA=tb, transB=1, alpha=alpha) if ta
                   else s.op("Gemm", [dy, b], transA=0, transB=1 - tb, alpha=alpha))
     if s.wants(1):
-        out[1] = (s.op("Gemm", [dy, a], transA=1, transB=ta, alpha=alpha) if tb
-                  else s.op("Gemm", [a, dy], transA=1 - ta, transB=0, alpha=alpha))
+        # without transA (the module's docstring): dY^T A = T(dY) A when B is transposed, A^T dY = T(A) dY
+        # when it is not (A^T = T(A); A already [K, M] with transA)
+        first, second = (dy, a) if tb else (a, dy)
+        lhs = first if (ta and not tb) else transposed(s, first)
+        out[1] = s.op("Gemm", [lhs, second], transA=0, transB=ta if tb else 0, alpha=alpha) if alpha != 1.0 \
+            else s.op("MatMul", [lhs, s.op("Transpose", [second], perm=[1, 0]) if tb and ta else second])
     if len(s.x) > 2 and s.x[2] and s.wants(2):
         out[2] = s.sum_to(s.op("Mul", [dy, s.const(beta, like=dy)]), 2)
     return out
