@@ -217,6 +217,27 @@ def test_tied_embedding_and_head():
     assert ops.count("ScatterElements") == 1 and "Sum" not in ops and "ScatterND" not in ops
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_gelu_written_with_a_sigmoid(shared):
+    """y * sigmoid(y * (a + b y^2)) differentiated as one (patterns.py); where its sigmoid also feeds the
+    loss, node by node."""
+    a, b = 1.5957691216057308, 0.0713548162726009
+    nodes = [node("MatMul", ["x", "m"], ["y"]), node("Mul", ["y", "y"], ["y2"]), node("Mul", ["y2", "b"], ["t"]),
+             node("Add", ["t", "a"], ["poly"]), node("Mul", ["y", "poly"], ["z"]), node("Sigmoid", ["z"], ["s"]),
+             node("Mul", ["y", "s"], ["act"]),
+             node("Add", ["act", "s"] if shared else ["act", "act"], ["out"])]
+
+    def fn(t):
+        y = t["x"] @ t["m"]
+        s = torch.sigmoid(y * (a + b * y * y))
+        return y * s + (s if shared else y * s)
+    inputs = {"x": rand(3, 4, seed=1), "m": rand(4, 5, seed=2)}
+    consts = {"a": np.array(a), "b": np.array(b)}
+    check(nodes, inputs, ["x", "m"], fn, initializers=consts, out="out")
+    grad = differentiate(model_of(nodes, inputs, consts, out="out"), ["x", "m"], "loss")
+    assert ("Sum" in [n.op_type for n in grad.graph.node if n.name.startswith("y_grad")]) == shared
+
+
 def test_mlp_stored_in_reverse_order_with_a_shared_tensor():
     """Embedding rows -> LayerNorm -> MatMul + bias -> Relu -> Gemm -> Softmax, times the mean of tanh(h0),
     the parameters as initializers and the nodes stored last first: h0 feeds both LayerNorm and Tanh, so its

@@ -11,6 +11,7 @@ on stock onnxruntime (``graphs.builder: trainrun``, :func:`trainrun.graphs.gradi
 * :mod:`.indexing`       Gather (an embedding table's rows)
 * :mod:`.selection`      Gather along other axes, GatherElements, GatherND, ReduceMax ReduceMin
 * :mod:`.losses`         SoftmaxCrossEntropyLoss NegativeLogLikelihoodLoss
+* :mod:`.patterns`       subgraphs differentiated as one (the tanh-GELU written with a Sigmoid)
 * :mod:`.conv`           Conv MaxPool AveragePool GlobalAveragePool BatchNormalization (2-D; training and
                          inference forms)
 
@@ -19,7 +20,7 @@ ArgMax, ...), carry no gradient. An op or case without a rule is a :class:`NoGra
 """
 
 from . import (conv, elementwise, indexing, losses, matrix, normalisation,  # noqa: F401 - registers the rules
-               reductions, selection, shape)
+               patterns, reductions, selection, shape)
 from .core import NoGradient, differentiate, gradient, unreached
 
 __all__ = ["NoGradient", "differentiate", "gradient", "unreached"]

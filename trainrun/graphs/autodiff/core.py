@@ -56,13 +56,14 @@ class Emitter:
         self.taken |= {t.name for t in list(g.input) + list(g.initializer) + list(g.output)}
         self.taken |= {node.name for node in g.node}
         self.dims, self.types = {}, {}
+        self.graph_outputs = {o.name for o in g.output}
         self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
         self.producer = {o: node for node in ordered for o in node.output if o}
         sorted_model = onnx.ModelProto()
         sorted_model.CopyFrom(model)
         del sorted_model.graph.node[:]
         sorted_model.graph.node.extend(ordered)
-        inferred = shape_inference.infer_shapes(sorted_model)
+        inferred = shape_inference.infer_shapes(sorted_model, data_prop=True)
         for vi in list(inferred.graph.input) + list(inferred.graph.value_info) + list(inferred.graph.output):
             t = vi.type.tensor_type
             if t.elem_type:

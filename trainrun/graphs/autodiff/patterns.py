@@ -1,0 +1,70 @@
+"""Subgraphs differentiated as one, where the chain of their nodes' own gradients makes more passes over
+a large tensor than a formula for the whole.
+
+The tanh-GELU written with a Sigmoid (the built-in GPT-2's MLP activation, [tokens, 4 width]):
+act = y * s, s = Sigmoid(z), z = y * poly, poly = a + b * y2, y2 = y * y. Node by node its gradient
+takes a dozen passes (a Mul's gradient per product, Sigmoid's, a Sum of y's four contributions);
+as one, d act / d y = s + y s (1 - s) (a + 3 b y^2), and with y (1 - s) = y - act (the forward's act):
+dy = dact * s * (1 + (y - act) * (a + 3 b y2)), seven passes with y2, s and act read from the forward.
+Only where y2, b y2, poly, z and s feed nothing else."""
+
+from .core import PATTERNS, Step
+
+
+def _other(node, name):
+    """The input of a two-input ``node`` that is not ``name`` (None if neither or both are)."""
+    a, b = node.input
+    return b if a == name and b != name else a if b == name and a != name else None
+
+
+def _gelu(nodes, consumers, emit):
+    producer = emit.producer
+    found = []
+
+    def made(name, op):
+        n = producer.get(name)
+        return n if n is not None and n.op_type == op and n.domain in ("", "ai.onnx") and len(n.input) == (
+            1 if op == "Sigmoid" else 2) else None
+
+    def scalar(name):
+        v = emit.values.get(name)
+        return float(v) if v is not None and v.size == 1 else None
+    for act in nodes:
+        if act.op_type != "Mul" or act.domain not in ("", "ai.onnx") or len(act.input) != 2:
+            continue
+        for s in act.input:
+            sig, y = made(s, "Sigmoid"), _other(act, s)
+            zmul = sig and made(sig.input[0], "Mul")
+            poly = zmul and y and _other(zmul, y)
+            add = poly and made(poly, "Add")
+            if not add:
+                continue
+            a = next((scalar(i) for i in add.input if scalar(i) is not None), None)
+            t = a is not None and _other(add, next(i for i in add.input if scalar(i) is not None))
+            tmul = t and made(t, "Mul")
+            if not tmul:
+                continue
+            b = next((scalar(i) for i in tmul.input if scalar(i) is not None), None)
+            y2 = b is not None and _other(tmul, next(i for i in tmul.input if scalar(i) is not None))
+            sq = y2 and made(y2, "Mul")
+            if not sq or list(sq.input) != [y, y]:
+                continue
+            inner = [sq, tmul, add, zmul, sig]
+            outputs = {o for n in inner for o in n.output}
+            if any(len(consumers.get(o, [])) != 1 for o in outputs) or outputs & emit.graph_outputs:
+                continue
+            found.append((act, inner, _gelu_rule(y, y2, s, a, b)))
+            break
+    return found
+
+
+def _gelu_rule(y, y2, s, a, b):
+    def rule(step: Step):
+        act = step.y[0]
+        slope = step.op("Add", [step.op("Mul", [y2, step.const(3 * b, like=y)]), step.const(a, like=y)])
+        inner = step.op("Add", [step.op("Mul", [step.op("Sub", [y, act]), slope]), step.const(1.0, like=y)])
+        return {y: step.op("Mul", [step.dy[0], step.op("Mul", [inner, s])])}
+    return rule
+
+
+PATTERNS.append(_gelu)
