@@ -205,6 +205,14 @@ def test_gather_rows_with_repeated_indices_sums_them():
           lambda t: t["table"][t["idx"]])
 
 
+def test_gather_of_one_position_along_axis_1():
+    """BERT's pooler reads x[:, 0] (a scalar index) into a Gemm: the gradient's transposes that keep the
+    order are not emitted (onnxruntime's GemmTransposeFusion would fold one into the Gemm)."""
+    check([node("Gather", ["x", "first"], ["g"], axis=1), node("Gemm", ["g", "m"], transB=1)],
+          {"x": rand(2, 3, 4), "m": rand(5, 4, seed=3)}, ["x", "m"], lambda t: t["x"][:, 0] @ t["m"].T,
+          initializers={"first": np.array(0)})
+
+
 def test_tied_embedding_and_head():
     """A table read by a Gather (the embedding) and, transposed, by a MatMul (the tied head): the looked-up
     rows are added into the head's gradient (before its Transpose), repeated indices summed."""
