@@ -8,6 +8,7 @@ included); AveragePool spreads dy / divisor with a ConvTranspose of each plane b
 Training-mode BatchNormalization differentiates through the batch's statistics."""
 
 from .core import Step, gradient
+from .selection import scatter_add
 
 
 def _geometry(s: Step, kernel):
@@ -94,9 +95,8 @@ def _max_pool(s: Step):
     indices = s.y[1] if len(s.y) > 1 and s.y[1] else s.op("MaxPool", [x], outputs=2, **s.attrs)[1]
     flat = s.const([-1])
     # onnxruntime's and ONNX's indices count over the whole input, batch and channel included
-    zeros = s.op("Reshape", [s.emit.zeros_like(x, s.base), flat])
-    spread = s.op("ScatterElements", [zeros, s.op("Reshape", [indices, flat]), s.op("Reshape", [s.dy[0], flat])],
-                  axis=0, reduction="add")
+    spread = scatter_add(s, "ScatterElements", s.op("Reshape", [x, flat]), s.op("Reshape", [indices, flat]),
+                         s.op("Reshape", [s.dy[0], flat]), axis=0)
     return [s.op("Reshape", [spread, s.op("Shape", [x])])]
 
 

@@ -1,11 +1,11 @@
 """The gradient of Gather. Along axis 0 of a 2-D table (an embedding), the looked-up rows' gradients are
 a :class:`~.core.Rows` contribution: added with ScatterElements(add) into the table's other gradient
 (a tied LM head's) where there is one, so no dense zero table is written and summed; repeated indices
-sum. Along another axis (:func:`.selection.gather_along`), or rows of a table of another rank: dy added
-into zeros by ScatterND."""
+sum. Along another axis (:func:`.selection.gather_along`), or rows of a table of another rank or of a
+float16 / bfloat16 table (:func:`.selection.scatter_add`): dy added into zeros by ScatterND."""
 
 from .core import Rows, Step, gradient
-from .selection import gather_along
+from .selection import gather_along, half, scatter_add
 
 
 @gradient("Gather")
@@ -15,7 +15,7 @@ def _gather(s: Step):
     if s.attr("axis", 0) % rank != 0:
         return gather_along(s)
     dims = s.emit.dims.get(table)
-    if rank == 2 and dims and dims[1] is not None:
+    if rank == 2 and dims and dims[1] is not None and not half(s, table):
         return [Rows(table, idx, s.dy[0], dims[1]), None]
     rows = s.op("Unsqueeze", [idx, s.const([-1])])
-    return [s.op("ScatterND", [s.emit.zeros_like(table, s.base), rows, s.dy[0]], reduction="add"), None]
+    return [scatter_add(s, "ScatterND", table, rows, s.dy[0]), None]

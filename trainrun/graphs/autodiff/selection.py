@@ -3,7 +3,27 @@ more than once. Gather along an axis other than 0 (the rows of a table are :mod:
 GatherElements, GatherND (with batch_dims), ReduceMax / ReduceMin (dy split evenly between the elements
 that tie for the extreme, as torch.amax)."""
 
+from onnx import TensorProto
+
 from .core import Step, gradient
+
+
+def half(s: Step, name: str) -> bool:
+    """Whether tensor ``name`` is float16 or bfloat16."""
+    return s.emit.types.get(name) in (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+
+
+def scatter_add(s: Step, op_type: str, like: str, indices: str, updates: str, **attrs) -> str:
+    """``op_type`` (ScatterND or ScatterElements) with reduction add of ``updates`` into zeros of ``like``'s
+    shape and type. float16 and bfloat16 are added in float32 and cast back: stock onnxruntime's CPU kernels
+    add in float, double and integers only (1.32: "MLFloat16 data type is not supported with ScatterND
+    opset 16 when reduction is 'add'"), and a sum of many rows is better in float32."""
+    if half(s, s.y[0]):
+        zeros = s.op("ConstantOfShape", [s.op("Shape", [like])])        # float32 zeros
+        added = s.op(op_type, [zeros, indices, s.op("Cast", [updates], to=TensorProto.FLOAT)], reduction="add",
+                     **attrs)
+        return s.op("CastLike", [added, like])
+    return s.op(op_type, [s.emit.zeros_like(like, s.base), indices, updates], reduction="add", **attrs)
 
 
 def gather_along(s: Step):
@@ -14,8 +34,7 @@ def gather_along(s: Step):
     a = s.attr("axis", 0) % r
     front = [a] + [k for k in range(r) if k != a]
     dy = _transpose(s, s.dy[0], list(range(a, a + q)) + list(range(a)) + list(range(a + q, r - 1 + q)))
-    zeros = s.emit.zeros_like(_transpose(s, data, front), s.base)
-    spread = s.op("ScatterND", [zeros, s.op("Unsqueeze", [idx, s.const([-1])]), dy], reduction="add")
+    spread = scatter_add(s, "ScatterND", _transpose(s, data, front), s.op("Unsqueeze", [idx, s.const([-1])]), dy)
     return [_transpose(s, spread, [front.index(k) for k in range(r)]), None]
 
 
@@ -28,8 +47,7 @@ def _transpose(s: Step, x: str, perm: list) -> str:
 @gradient("GatherElements")
 def _gather_elements(s: Step):
     data, idx = s.x
-    return [s.op("ScatterElements", [s.emit.zeros_like(data, s.base), idx, s.dy[0]], axis=s.attr("axis", 0),
-                 reduction="add"), None]
+    return [scatter_add(s, "ScatterElements", data, idx, s.dy[0], axis=s.attr("axis", 0)), None]
 
 
 @gradient("GatherND")
@@ -47,7 +65,7 @@ def _gather_nd(s: Step):
                                      s.const([-1 if k == j else 1 for k in range(q)])])
             coords.append(s.op("CastLike", [s.op("Expand", [along, coords_shape]), idx]))
         idx = s.op("Concat", coords + [idx], axis=-1)
-    return [s.op("ScatterND", [s.emit.zeros_like(data, s.base), idx, s.dy[0]], reduction="add"), None]
+    return [scatter_add(s, "ScatterND", data, idx, s.dy[0]), None]
 
 
 def _reduced_axes(s: Step):
