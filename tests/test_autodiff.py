@@ -605,3 +605,24 @@ def test_scatters_of_float16_gradients_add_in_float32():
     check([node("Cast", ["x"], ["x16"], to=half), node("MaxPool", ["x16"], ["m16"], kernel_shape=[2, 2]),
            node("Cast", ["m16"], to=1)], {"x": rand(1, 2, 4, 4, dtype=F32)}, ["x"],
           lambda t: torch.nn.functional.max_pool2d(t["x"].half().float(), 2, 1), tol=2e-3)
+
+
+@pytest.mark.parametrize("opset", [11, 13])
+def test_graphs_of_older_opsets_are_converted_to_the_rules_opset(opset):
+    """The rules write opset-16 ops (ScatterND's add, CastLike, Shape's start): an older graph is converted
+    to opset 16 first (Squeeze's axes and ReduceSum's from attributes to inputs), the gradient the same."""
+    axes = {"axes": [1]} if opset < 13 else {}
+    ins = ["m", "ax"] if opset >= 13 else ["m"]
+    model = model_of([node("Gather", ["table", "idx"], ["rows"]), node("ReduceSum", ["rows"] + ins[1:], ["m"],
+                                                                       keepdims=1, **axes),
+                      node("Squeeze", ins, ["q"], **axes), node("Tanh", ["q"])],
+                     {"idx": np.array([[1, 3, 1], [0, 1, 4]]), "table": rand(5, 4)},
+                     {"ax": np.array([1])} if opset >= 13 else {}, opset=opset)
+    grad = differentiate(model, ["table"], "loss")
+    assert grad.opset_import[0].version == 16
+    w = rand(2, 4, seed=3)
+    got = ort.InferenceSession(grad.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        ["table_grad"], {"idx": np.array([[1, 3, 1], [0, 1, 4]]), "table": rand(5, 4), "w": w})[0]
+    table = torch.tensor(rand(5, 4), requires_grad=True)
+    (torch.tanh(table[torch.tensor([[1, 3, 1], [0, 1, 4]])].sum(1)) * torch.tensor(w)).sum().backward()
+    np.testing.assert_allclose(got, table.grad.numpy(), rtol=1e-10, atol=1e-12)

@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper, shape_inference
+from onnx import helper, numpy_helper, shape_inference, version_converter
 
 from ...errors import UsageError
 from ..names import GRAD_SUFFIX
@@ -24,6 +24,10 @@ RULES: dict[str, Callable] = {}
 # node, its other nodes, rule)]): the rule gets the last node's Step and returns {input: gradient} for the
 # tensors the subgraph reads; its other nodes then get no gradient of their own
 PATTERNS: list[Callable] = []
+
+# the opset the rules write (ScatterND and ScatterElements with reduction add, CastLike, Shape's start and
+# end): an older graph is converted to it first
+MIN_OPSET = 16
 
 # ops whose outputs carry no gradient (integers, booleans, or piecewise constant in their float inputs):
 # the walk stops there as at a constant
@@ -297,6 +301,22 @@ def _paths(nodes, params: list[str], loss: str, types: dict | None = None):
     return depends, needed, on_path
 
 
+def _at_least(model: onnx.ModelProto, version: int) -> onnx.ModelProto:
+    """``model`` itself, or converted to opset ``version`` by onnx's version converter when older."""
+    current = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), version)
+    if current >= version:
+        return model
+    ordered = _copy(model)
+    del ordered.graph.node[:]
+    ordered.graph.node.extend(topological(list(model.graph.node)))
+    try:
+        return version_converter.convert_version(ordered, version)
+    except Exception as exc:        # onnx raises plain RuntimeError / ValueError / its C++ errors
+        raise NoGradient(f"the graph is opset {current}; trainrun's gradient builder writes opset {version} ops "
+                         f"and onnx's version converter could not convert it ({str(exc).splitlines()[0][:200]}): "
+                         f"export the model at opset {version} or newer") from None
+
+
 def unreached(model: onnx.ModelProto, params: list[str], loss: str = "loss") -> list[str]:
     """The parameters ``loss`` does not depend on (their gradient would be zero)."""
     g = model.graph
@@ -309,8 +329,9 @@ def unreached(model: onnx.ModelProto, params: list[str], loss: str = "loss") -> 
 def differentiate(model: onnx.ModelProto, params: list[str], loss: str = "loss") -> onnx.ModelProto:
     """``model`` with one more output per parameter, ``<param>_grad`` = d ``loss`` / d ``param`` (zeros
     for a parameter the loss does not depend on, :func:`unreached`). The forward's nodes come first, in
-    dependency order, then the gradient's, in the order they run."""
-    model = _copy(model)        # rules may give a forward node an optional output (Emitter.output)
+    dependency order, then the gradient's, in the order they run; a graph older than :data:`MIN_OPSET` is
+    converted to it first."""
+    model = _at_least(_copy(model), MIN_OPSET)      # rules may give a forward node an optional output
     g = model.graph
     nodes = topological(list(g.node))
     emit = Emitter(model, nodes)
