@@ -1,13 +1,15 @@
 """Whole train graphs: trainrun's gradient builder (graphs.builder trainrun) against onnxruntime-training's
 (graphs.gradients.build_train_graph, then direct_gradients) on the same loss graph, weights and batch, both
 run by onnxruntime: every parameter's gradient within 1e-6 of the largest element of onnxruntime-training's,
-the loss and the state updates (BatchNormalization's running statistics) the same. The CNN's to 1e-5: in
-float32 its BatchNorm gradients are sums of a few hundred cancelling products, and the two builders'
-formulations round apart by up to 5e-6 of the largest element (measured) while each is 1e-5 to 8e-5 from the
-float64 gradient (torch, tests/test_user_models.py's network): the float32 forward, the same in both,
-dominates. A gradient that is exactly 0 (:func:`exactly_zero`) is held to 1e-6 of the graph's largest. The loss graphs are
+the loss and the state updates (BatchNormalization's running statistics) the same. The loss graphs are
 prepare's own (graphs.manifest.loss_graph): GPT-2 with dropout masks and label smoothing, BERT with each
-task head, the CNN recipe (SqueezeNet with training-mode BatchNorm), and a user graph with its own loss."""
+task head, the CNN recipe (SqueezeNet with training-mode BatchNorm), and a user graph with its own loss.
+
+The CNN's to 1e-5: in float32 its BatchNorm gradients are sums of a few hundred cancelling products, and
+the two builders' formulations round apart by up to 5e-6 of the largest element (measured) while each is
+1e-5 to 8e-5 from the float64 gradient (torch, tests/test_user_models.py's network): the float32 forward,
+the same in both, dominates. A gradient that is exactly 0 (:func:`exactly_zero`) is held to 1e-6 of the
+graph's largest."""
 
 import os
 import sys

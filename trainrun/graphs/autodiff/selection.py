@@ -33,15 +33,10 @@ def gather_along(s: Step):
     r, q = s.emit.rank(data, s.node), s.emit.rank(idx, s.node)
     a = s.attr("axis", 0) % r
     front = [a] + [k for k in range(r) if k != a]
-    dy = _transpose(s, s.dy[0], list(range(a, a + q)) + list(range(a)) + list(range(a + q, r - 1 + q)))
-    spread = scatter_add(s, "ScatterND", _transpose(s, data, front), s.op("Unsqueeze", [idx, s.const([-1])]), dy)
-    return [_transpose(s, spread, [front.index(k) for k in range(r)]), None]
-
-
-def _transpose(s: Step, x: str, perm: list) -> str:
-    """``x`` transposed by ``perm``, or ``x`` itself for the identity (onnxruntime 1.19's optimizer
-    mishandles an identity Transpose after a Gemm: measured, the scatter got dy's axes swapped)."""
-    return x if perm == sorted(perm) else s.op("Transpose", [x], perm=perm)
+    dy = s.op("Transpose", [s.dy[0]], perm=list(range(a, a + q)) + list(range(a)) + list(range(a + q, r - 1 + q)))
+    spread = scatter_add(s, "ScatterND", s.op("Transpose", [data], perm=front), s.op("Unsqueeze", [idx, s.const([-1])]),
+                         dy)
+    return [s.op("Transpose", [spread], perm=[front.index(k) for k in range(r)]), None]
 
 
 @gradient("GatherElements")
