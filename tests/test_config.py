@@ -41,8 +41,7 @@ def test_shipped_configs_parse(path):
         assert [p.split(":")[0] for p in err.value.problems] == ["model.onnx"], err.value.problems
         return
     cfg = V.load_config(path)  # data dirs are only required to train
-    positions = {"gpt2": cfg.model.gpt2.n_positions, "bert": cfg.model.bert.max_position_embeddings}
-    assert cfg.data.seq_len <= positions[cfg.model.builtin]
+    assert cfg.data.seq_len <= C.positions(cfg.model.family_section())
 
 
 def test_loss_and_data_inputs_are_checked(tmp_path):

@@ -389,7 +389,7 @@ def _export_transformers(held: K.Pinned, output: str, tokenizer: str | None, ech
         raise UsageError(f"--output {output} already exists and is not an empty directory")
     weights = checkpoint_weights(held, manifest)
     for tied, source in family.transformers.tied.items():       # as the transformers class holds them
-        weights[tied] = weights[source]
+        weights.setdefault(tied, weights[source])               # (a head that is a parameter: untied)
     try:
         text = T.for_run(run_dir, tokenizer)
     except UsageError as exc:

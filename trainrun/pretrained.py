@@ -1,6 +1,7 @@
 """``model.init_from``: start a built-in model from pretrained weights.
 
-Sources: a transformers ``save_pretrained`` directory (config.json + model.safetensors), a bare
+Sources: a transformers ``save_pretrained`` directory (config.json + model.safetensors, or sharded:
+model.safetensors.index.json and its shards; float32, float16 or bfloat16 tensors, read as float32), a bare
 ``.safetensors`` file, or a trainrun run/checkpoint directory (its model.safetensors; weights only,
 the optimizer starts fresh). Tensor names are transformers': with or without the family's prefix
 (the base model's, e.g. GPT2Model's vs GPT2LMHeadModel's); the tied heads are the embedding (and bias)
@@ -15,12 +16,10 @@ config.load._fill_from_init_from and :func:`trainrun.validity.config_problems`.
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
-
-from safetensors import SafetensorError
-from safetensors.numpy import load_file
 
 from .checkpoint import Pinned, is_step_dir, pin, tensor_spans
 from .errors import UsageError
@@ -30,23 +29,76 @@ from .rundir import COMMITTED, checkpoints_dir
 FILE = "model.safetensors"      # a trainrun checkpoint's weights
 
 
-def _source(path: str) -> tuple[str, Pinned | None]:
-    """(the .safetensors file ``path`` names, None), or for a trainrun run/checkpoint directory (its
-    model.safetensors, its checkpoint held open: the run may prune it as it trains)."""
+INDEX = "model.safetensors.index.json"      # a sharded save_pretrained's {tensor: shard file}
+_FLOATS = {"F32": "<f4", "F16": "<f2", "F64": "<f8"}
+
+
+def _source(path: str) -> tuple[list[str], Pinned | None]:
+    """([the .safetensors file ``path`` names, or a transformers folder's model.safetensors or its index's
+    shards], None), or for a trainrun run/checkpoint directory ([its model.safetensors], its checkpoint held
+    open: the run may prune it as it trains)."""
     if os.path.isfile(path):
-        return path, None
+        return [path], None
+    if os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(os.path.join(path, INDEX)):
+        index = os.path.join(path, INDEX)
+        try:
+            with open(index, encoding="utf-8") as fh:
+                shards = sorted(set(json.load(fh)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise UsageError(f"model.init_from: {index}: not a safetensors index with a weight_map ({exc})") from None
+        return [os.path.join(path, shard) for shard in shards], None
     if os.path.isfile(os.path.join(path, "model.safetensors")) and os.path.isfile(os.path.join(path, "config.json")):
-        return os.path.join(path, "model.safetensors"), None
+        return [os.path.join(path, "model.safetensors")], None
     if not (os.path.isdir(checkpoints_dir(path)) or os.path.isfile(os.path.join(path, "state.json"))
             or os.path.exists(os.path.join(path, COMMITTED)) or is_step_dir(path)):
         raise UsageError(f"model.init_from: {path}: neither a .safetensors file, a transformers save_pretrained "
-                         f"directory (config.json + model.safetensors) nor a trainrun run/checkpoint "
-                         f"directory")
+                         f"directory (config.json + model.safetensors or {INDEX} and its shards) nor a trainrun "
+                         f"run/checkpoint directory")
     try:
         held = pin(path)
     except UsageError as exc:
         raise UsageError(f"model.init_from: {exc.message}") from None
-    return held.path(FILE), held
+    return [held.path(FILE)], held
+
+
+def _header(file: str) -> tuple[int, dict]:
+    """(where a .safetensors file's data start, {tensor: its dtype, shape and data_offsets})."""
+    try:
+        with open(file, "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            if not 0 < size <= os.fstat(fh.fileno()).st_size - 8:
+                raise ValueError(f"a header of {size} bytes")
+            header = json.loads(fh.read(size))
+        tensors = {name: t for name, t in header.items() if name != "__metadata__"}
+        for t in tensors.values():
+            t["shape"] = tuple(t["shape"])
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise UsageError(f"model.init_from: {file}: not a readable .safetensors file ({exc})") from None
+    return 8 + size, tensors
+
+
+def _read(file: str, start: int, name: str, t: dict) -> np.ndarray:
+    """Tensor ``name`` (header entry ``t``) of ``file`` as float32: F32 as it is, F16 / F64 / BF16 converted."""
+    begin, end = t["data_offsets"]
+    raw = np.fromfile(file, np.uint8, count=end - begin, offset=start + begin)
+    if t["dtype"] == "BF16":        # the upper half of a float32
+        return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(t["shape"])
+    if t["dtype"] not in _FLOATS:
+        raise UsageError(f"model.init_from: {file}: tensor '{name}' is {t['dtype']}, not a floating-point type")
+    return raw.view(_FLOATS[t["dtype"]]).astype(np.float32).reshape(t["shape"])
+
+
+def _label(files: list[str]) -> str:
+    return files[0] if len(files) == 1 else os.path.join(os.path.dirname(files[0]), INDEX)
+
+
+def _headers(files: list[str]) -> dict[str, tuple[str, int, dict]]:
+    """{tensor: (its file, where that file's data start, its header entry)} over ``files``."""
+    out = {}
+    for file in files:
+        start, tensors = _header(file)
+        out.update({name: (file, start, t) for name, t in tensors.items()})
+    return out
 
 
 def _fit(shapes: dict[str, tuple], tensors: dict[str, tuple], file: str, family) -> tuple[dict, list[str]]:
@@ -56,7 +108,7 @@ def _fit(shapes: dict[str, tuple], tensors: dict[str, tuple], file: str, family)
     prefix, tied, optional = (hf.prefix, hf.tied, hf.optional) if hf else ("", {}, ())
     found: dict[str, str] = {}
     for name in tensors:
-        ours = tied.get(name, name)
+        ours = name if name in shapes else tied.get(name, name)     # a head that is a parameter is not tied
         if prefix and ours not in shapes and prefix + ours in shapes:
             ours = prefix + ours
         if ours in shapes and (ours not in found or name == ours):   # the tensor itself wins over its tied twin
@@ -71,23 +123,18 @@ def _fit(shapes: dict[str, tuple], tensors: dict[str, tuple], file: str, family)
 
 
 def check(shapes: dict[str, tuple], path: str, family) -> list[str]:
-    """The problems :func:`load_into` would find, from the file's header alone (names and shapes; no
+    """The problems :func:`load_into` would find, from the files' headers alone (names and shapes; no
     tensor read): what ``trainrun config validate`` and training's start-up report."""
-    from safetensors import SafetensorError, safe_open
-    file = path
     try:
-        file, held = _source(path)
+        files, held = _source(path)
         if held is not None:
             with held:
                 tensors = _shapes(held.header(FILE)[1])
         else:
-            with safe_open(file, framework="numpy") as fh:
-                tensors = {name: fh.get_slice(name).get_shape() for name in fh.keys()}
+            tensors = {name: t["shape"] for name, (_, _, t) in _headers(files).items()}
     except UsageError as exc:
         return [exc.message.removeprefix("model.init_from: ")]
-    except (OSError, SafetensorError, ValueError) as exc:
-        return [f"{file}: not a readable .safetensors file ({exc})"]
-    return _fit(shapes, tensors, file, family)[1]
+    return _fit(shapes, tensors, _label(files), family)[1]
 
 
 def _shapes(header: dict) -> dict[str, tuple]:
@@ -96,24 +143,21 @@ def _shapes(header: dict) -> dict[str, tuple]:
 
 def load_into(weights: dict[str, np.ndarray], path: str, family) -> dict[str, np.ndarray]:
     """``weights`` (our names and shapes, freshly initialised) with every tensor ``path`` provides."""
-    file, held = _source(path)
+    files, held = _source(path)
     if held is not None:
         with held:
-            found = _fitting(weights, _shapes(held.header(FILE)[1]), file, family)
+            found = _fitting(weights, _shapes(held.header(FILE)[1]), files[0], family)
             start, spans = tensor_spans(held, FILE, list(found.values()), [weights[n].shape for n in found])
             out = dict(weights)
             for ours, (begin, _) in zip(found, spans):
                 out[ours] = np.empty(weights[ours].shape, np.float32)
                 held.readinto(FILE, out[ours], start + begin)
         return out
-    try:
-        tensors = load_file(file)
-    except (OSError, SafetensorError, ValueError) as exc:
-        raise UsageError(f"model.init_from: {file}: not a readable .safetensors file ({exc})") from None
-    found = _fitting(weights, {n: v.shape for n, v in tensors.items()}, file, family)
+    headers = _headers(files)
+    found = _fitting(weights, {name: t["shape"] for name, (_, _, t) in headers.items()}, _label(files), family)
     out = dict(weights)
     for ours, name in found.items():
-        out[ours] = np.ascontiguousarray(tensors[name], dtype=np.float32)
+        out[ours] = np.ascontiguousarray(_read(*headers[name][:2], name, headers[name][2]))
     return out
 
 

@@ -78,10 +78,10 @@ def config_problems(cfg: C.Config, base_dir: str = ".", need_data: bool = False)
         if not isinstance(source, dict):
             add("model.init_from", f"{file}: not a JSON object ({source})")
         else:
-            for key in section.CONFIG_JSON_SHAPE:
-                if key in source and getattr(section, key) != source[key]:
+            for key, value in C.config_json_values(section, source).items():
+                if key in section.CONFIG_JSON_SHAPE and getattr(section, key) != value:
                     add(f"model.{m.builtin}.{key}", f"{getattr(section, key)!r}, but model.init_from's {file} says "
-                        f"{source[key]!r} (leave model.{m.builtin} out to take it from there)")
+                        f"{value!r} (leave model.{m.builtin} out to take it from there)")
     family = _task_family(cfg, add)
     loss = m.loss
     if loss.output is not None and m.builtin is not None:

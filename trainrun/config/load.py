@@ -13,7 +13,7 @@ import yaml
 
 from ..errors import UsageError
 from .coerce import _build, _Problems
-from .model import FAMILIES, ModelConfig
+from .model import FAMILIES, ModelConfig, config_json_values
 from .schema import Config, _set
 
 
@@ -59,9 +59,8 @@ def _fill_from_init_from(cfg: Config, data: dict, base_dir: str) -> None:
             (isinstance(data.get("model"), dict) and data["model"].get(m.builtin) is not None):
         return
     section = m.family_section()
-    for key in section.CONFIG_JSON_SHAPE:
-        if key in found[1]:
-            setattr(section, key, type(getattr(section, key))(found[1][key]))
+    for key, value in config_json_values(section, found[1]).items():
+        setattr(section, key, value)
 
 
 # --------------------------------------------------------------------------- overrides

@@ -1,4 +1,4 @@
-"""The schema's ``model`` section: the built-in families' sections (GPT-2, BERT), the loss keys, the
+"""The schema's ``model`` section: the built-in families' sections (GPT-2, BERT, Llama), the loss keys, the
 families ``model.builtin`` names and the sections of families added from outside (``add_family_section``).
 
 What a family is beyond its section lives in trainrun/models/; this is the one other place that names the
@@ -7,7 +7,7 @@ built-in ones (the schema is where every user-facing key is written and document
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import ClassVar, Optional, Union
 
 from .fields import opt
 
@@ -83,6 +83,143 @@ class BertConfig:
         return []
 
 
+LLAMA_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+ROPE_TYPES = {"default": (), "linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+@dataclass
+class LlamaConfig:
+    model_type: str = opt("llama", choices=list(LLAMA_ARCHITECTURES))
+    """The transformers class (config.json's model_type): llama (LlamaForCausalLM: Llama 2/3, SmolLM2,
+    TinyLlama), qwen2 (Qwen2ForCausalLM: q/k/v biases, attention_bias true) or mistral (MistralForCausalLM)."""
+    vocab_size: int = opt(1024, min=2)
+    """Vocabulary size (tokens must be below it)."""
+    hidden_size: int = opt(128, min=1)
+    """Width of the residual stream."""
+    intermediate_size: int = opt(256, min=1)
+    """Width of each layer's SwiGLU MLP (gate_proj, up_proj)."""
+    num_hidden_layers: int = opt(2, min=1)
+    """Number of decoder layers."""
+    num_attention_heads: int = opt(4, min=1)
+    """Query heads per layer."""
+    num_key_value_heads: Optional[int] = opt(None, min=1)
+    """Key/value heads per layer (grouped-query attention; 1: multi-query); must divide
+    num_attention_heads. null: num_attention_heads."""
+    head_dim: Optional[int] = opt(None, min=2)
+    """Width of each head (even). null: hidden_size / num_attention_heads."""
+    rms_norm_eps: float = opt(1e-6, gt=0.0)
+    """Epsilon of every RMSNorm."""
+    rope_theta: float = opt(10000.0, gt=0.0)
+    """Base of the rotary embeddings' frequencies."""
+    rope_scaling: dict[str, Union[str, float]] = opt(factory=dict)
+    """Rotary scaling as transformers' rope_scaling: {} (none), {rope_type: linear, factor} or
+    {rope_type: llama3, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}."""
+    max_position_embeddings: int = opt(256, min=1)
+    """Longest sequence (the rotary tables' length)."""
+    sliding_window: Optional[int] = opt(None, min=1)
+    """mistral: its attention window; data.seq_len (and generate's window) must not exceed it. null: none."""
+    tie_word_embeddings: bool = False
+    """The LM head is the token embedding (SmolLM2, Llama 3.2 1B/3B); false: its own lm_head.weight."""
+    attention_bias: bool = False
+    """Biases on the q/k/v projections (qwen2: always) and, for llama, on o_proj."""
+    mlp_bias: bool = False
+    """Biases on gate_proj, up_proj and down_proj."""
+    bos_token_id: Optional[int] = opt(None, min=0)
+    """Beginning-of-sequence id written to config.json (null: the end-of-sequence id, as GPT-2's)."""
+    eos_token_id: Optional[int] = opt(None, min=0)
+    """End-of-sequence id written to config.json (null: the run's tokenizer's end-of-document id)."""
+    pad_token_id: Optional[int] = opt(None, min=0)
+    """Padding id written to config.json (null: none)."""
+    initializer_range: float = opt(0.02, gt=0.0)
+    """Std of the normal initialisation of the embeddings and projections."""
+
+    # the fields of a transformers config.json that fix the shape (model.init_from; from_config_json reads
+    # them and the token ids and initializer_range, which fill the section but need not agree with it)
+    CONFIG_JSON_SHAPE: ClassVar[tuple] = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
+                                          "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                          "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
+                                          "max_position_embeddings", "sliding_window", "tie_word_embeddings",
+                                          "attention_bias", "mlp_bias")
+
+    def __post_init__(self):        # the derived defaults written out are the defaults (null)
+        if self.num_key_value_heads == self.num_attention_heads:
+            self.num_key_value_heads = None
+        if self.head_dim and self.num_attention_heads and self.head_dim * self.num_attention_heads == self.hidden_size:
+            self.head_dim = None
+
+    @property
+    def POSITIONS(self) -> str:     # noqa: N802 - the field that is the longest sequence
+        small = self.sliding_window is not None and self.sliding_window < self.max_position_embeddings
+        return "sliding_window" if small else "max_position_embeddings"
+
+    @property
+    def heads_dim(self) -> int:
+        return self.head_dim or (self.hidden_size // self.num_attention_heads)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    def problems(self) -> list[tuple[str, str]]:
+        out = []
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            out.append(("num_attention_heads", f"must divide hidden_size ({self.hidden_size}), got "
+                        f"{self.num_attention_heads} (or give head_dim)"))
+        if self.heads_dim % 2:
+            out.append(("head_dim", f"must be even (the rotary embedding rotates halves), got {self.heads_dim}"))
+        if self.num_attention_heads % self.kv_heads:
+            out.append(("num_key_value_heads", f"must divide num_attention_heads ({self.num_attention_heads}), "
+                        f"got {self.kv_heads}"))
+        if self.model_type not in LLAMA_ARCHITECTURES:
+            out.append(("model_type", f"{self.model_type!r} is not one of: {', '.join(LLAMA_ARCHITECTURES)}"))
+        if self.model_type == "qwen2" and not self.attention_bias:
+            out.append(("attention_bias", "qwen2 has q/k/v biases: set it true"))
+        if self.sliding_window is not None and self.model_type != "mistral":
+            out.append(("sliding_window", f"a window is built for mistral only, not {self.model_type}"))
+        kind = self.rope_scaling.get("rope_type", "default") if self.rope_scaling else "default"
+        if kind not in ROPE_TYPES:
+            out.append(("rope_scaling", f"rope_type {kind!r} is not one of: {', '.join(ROPE_TYPES)}"))
+        else:
+            missing = [k for k in ROPE_TYPES[kind] if not isinstance(self.rope_scaling.get(k), (int, float))]
+            if missing:
+                out.append(("rope_scaling", f"rope_type {kind} needs {', '.join(missing)} (numbers)"))
+        return out
+
+    @staticmethod
+    def from_config_json(source: dict) -> dict:
+        """The section's values from a transformers config.json of LlamaForCausalLM, Qwen2ForCausalLM or
+        MistralForCausalLM: rope as transformers 4's rope_theta + rope_scaling or 5's rope_parameters."""
+        kind = source.get("model_type", "llama")
+        out = {k: source[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                      "num_attention_heads", "max_position_embeddings") if k in source}
+        out["model_type"] = kind
+        heads = source.get("num_attention_heads", 0)
+        out["num_key_value_heads"] = None if source.get("num_key_value_heads") == heads else \
+            source.get("num_key_value_heads")
+        head_dim = source.get("head_dim")      # the default written out by some versions: none of ours
+        out["head_dim"] = None if head_dim and heads and head_dim * heads == source.get("hidden_size") else head_dim
+        out["rms_norm_eps"] = float(source.get("rms_norm_eps", 1e-6))
+        rope = dict(source.get("rope_parameters") or source.get("rope_scaling") or {})
+        if "type" in rope:      # transformers 4's older name of rope_type
+            rope.setdefault("rope_type", rope.pop("type"))
+        out["rope_theta"] = float(rope.pop("rope_theta", source.get("rope_theta", 10000.0)))
+        out["rope_scaling"] = {} if rope.get("rope_type", "default") == "default" else \
+            {k: v if isinstance(v, str) else float(v) for k, v in rope.items() if v is not None}
+        out["tie_word_embeddings"] = bool(source.get("tie_word_embeddings", False))
+        out["attention_bias"] = True if kind == "qwen2" else bool(source.get("attention_bias", False))
+        out["mlp_bias"] = bool(source.get("mlp_bias", False))
+        window = source.get("sliding_window")
+        out["sliding_window"] = window if kind == "mistral" or (kind == "qwen2" and source.get("use_sliding_window")) \
+            else None
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            ids = source.get(key)
+            out[key] = ids[0] if isinstance(ids, list) and ids else ids if isinstance(ids, int) else None
+        if "initializer_range" in source:
+            out["initializer_range"] = float(source["initializer_range"])
+        return out
+
+
 @dataclass
 class LossConfig:
     type: str = opt("cross_entropy", choices=["cross_entropy", "mse", "l1"])
@@ -112,7 +249,7 @@ class LossConfig:
 # model.builtin's values: a family's name is that of its section below (the built-in families' sections
 # are part of the schema here; trainrun.models.registry adds a family defined elsewhere with
 # add_family_section). What a family is beyond its section lives in trainrun/models/.
-FAMILIES: dict[str, type] = {"gpt2": GPT2Config, "bert": BertConfig}
+FAMILIES: dict[str, type] = {"gpt2": GPT2Config, "bert": BertConfig, "llama": LlamaConfig}
 _BUILTIN_CHOICES = [*FAMILIES, None]
 _ADDED: dict[str, type] = {}        # sections of families added with add_family_section
 
@@ -120,6 +257,15 @@ _ADDED: dict[str, type] = {}        # sections of families added with add_family
 def positions(section) -> int:
     """The longest sequence a family's section covers."""
     return getattr(section, section.POSITIONS)
+
+
+def config_json_values(section, source: dict) -> dict:
+    """The values of ``section``'s fields (an instance) that a transformers config.json (``source``) fixes:
+    its ``from_config_json`` where it has one, else each of CONFIG_JSON_SHAPE that ``source`` holds."""
+    own = getattr(section, "from_config_json", None)
+    if own is not None:
+        return own(source)
+    return {k: type(getattr(section, k))(source[k]) for k in section.CONFIG_JSON_SHAPE if k in source}
 
 
 def add_family_section(name: str, section: type) -> None:
@@ -140,6 +286,8 @@ class ModelConfig:
     """Shape of the built-in GPT-2."""
     bert: BertConfig = opt(factory=BertConfig)
     """Shape of the built-in BERT (BertForPreTraining: MLM + NSP loss in the graph)."""
+    llama: LlamaConfig = opt(factory=LlamaConfig)
+    """Shape of the built-in Llama-family decoder (transformers' LlamaConfig names; Qwen2 and Mistral too)."""
     onnx: Optional[str] = opt(None, path="file")
     """A user's forward ONNX model (inputs -> logits); its initializers are the parameters."""
     inputs: list[str] = opt(factory=list)
@@ -162,7 +310,7 @@ class ModelConfig:
     """Classes of model.task's head (1: a regression); must equal the train dataset's num_labels."""
     init_from: Optional[str] = opt(None, path="any")
     """Start the built-in model from these weights: a transformers save_pretrained directory (config.json +
-    model.safetensors; its shape fields must match model.<builtin>, or fill it when the config gives no
+    model.safetensors, or model.safetensors.index.json and its shards; its shape fields must match model.<builtin>, or fill it when the config gives no
     such section), a .safetensors file, or a trainrun run/checkpoint directory (weights only)."""
 
     def __post_init__(self):

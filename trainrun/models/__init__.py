@@ -2,3 +2,4 @@
 
 from . import gpt2  # noqa: F401 - registers its family
 from . import bert  # noqa: F401 - registers its family
+from . import llama  # noqa: F401 - registers its family
