@@ -321,3 +321,19 @@ def test_two_ranks_train_resume_export_evaluate_and_generate(tmp_path, byte_data
     greedy = ["--prompt", "def f(", "--max-new-tokens", "12", "--temperature", "0"]
     texts = [run([TRAINRUN, "generate", src, *greedy], check=0).stdout for src in (run_dir, kv_out, onnx_out)]
     assert texts[0].startswith("def f(") and len(set(texts)) == 1, texts
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_init_from_a_half_precision_folder_reads_it_as_float32(tmp_path, dtype):
+    """A folder saved in bfloat16 or float16 (as released checkpoints are): the prepared weights are its
+    values, exactly, in float32."""
+    from safetensors.numpy import load_file
+    shape = VARIANTS["smollm2_tied"]
+    hf = hf_model(shape, random_weights(shape, 4)).to(getattr(torch, dtype))
+    hf.save_pretrained(tmp_path / "pre")
+    cfg = C.from_dict({"model": {"builtin": "llama", "init_from": str(tmp_path / "pre")}, "data": {"seq_len": 16},
+                       "run": {"output_dir": str(tmp_path / "run")}})
+    prepare(cfg)
+    ours = load_file(str(tmp_path / "run" / "graphs" / "weights.safetensors"))
+    state = {k: v.float().numpy() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    assert set(ours) == set(state) and all(np.array_equal(ours[k], state[k]) for k in state)
