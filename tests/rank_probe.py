@@ -2,7 +2,8 @@
 tests/rank_probe.py ARGS``): at exit it prints ``PEAK_RSS_KB <rank> <KiB>``, the process's peak resident set
 (getrusage: the whole run, set-up to export). ``TRAINRUN_PROBE_GATHER_PIECE=N``: ZeRO-1's checkpoint gathers
 the optimizer state in pieces of N elements (``trainrun.update._GATHER_CHUNK``), so a tiny model takes
-many."""
+many. ``TRAINRUN_PROBE_OUTER_DIR=D``: at each DiLoCo outer step each rank saves its replica's weights before it
+and the new weights after it (``D/rank<r>_step<s>_{before,after}.npy``)."""
 
 import atexit
 import os
@@ -14,10 +15,29 @@ def _peak() -> None:
           flush=True)
 
 
+def _record_outer_steps(out: str) -> None:
+    import numpy as np
+    from trainrun import diloco
+    step_of = diloco.DiLoCo.maybe_outer_step
+
+    def recorded(self, step):
+        before = np.array(self.engine.params)
+        result = step_of(self, step)
+        if result is not None:
+            rank = os.environ.get("PMI_RANK", "0")
+            np.save(os.path.join(out, f"rank{rank}_step{step}_before.npy"), before)
+            np.save(os.path.join(out, f"rank{rank}_step{step}_after.npy"), np.array(self.engine.params))
+        return result
+
+    diloco.DiLoCo.maybe_outer_step = recorded
+
+
 if __name__ == "__main__":
     atexit.register(_peak)
     from trainrun.cli import main
     if os.environ.get("TRAINRUN_PROBE_GATHER_PIECE"):
         from trainrun import update
         update._GATHER_CHUNK = int(os.environ["TRAINRUN_PROBE_GATHER_PIECE"])
+    if os.environ.get("TRAINRUN_PROBE_OUTER_DIR"):
+        _record_outer_steps(os.environ["TRAINRUN_PROBE_OUTER_DIR"])
     main()

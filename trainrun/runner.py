@@ -108,6 +108,7 @@ class TrainingRunner:
         self.train_ds, self.eval_sets, self.total_steps, self.loader = s.train_ds, s.eval_sets, s.total_steps, s.loader
         self.tokens, self.perplexity, self.manifest, self.threads = s.tokens, s.perplexity, s.manifest, s.threads
         self.engine, self.shard, self.grad_buckets, self.sampler = s.engine, s.shard, s.grad_buckets, s.sampler
+        self.sync = s.sync         # distributed.sync: every step, or DiLoCo's replicas and outer steps
         self.step = 0              # optimizer steps taken (including skipped non-finite ones)
         self.updates = 0           # successful updates: the optimizer's own step count
         self.skipped = 0
@@ -138,9 +139,10 @@ class TrainingRunner:
         """Parameters, optimizer state, step counters and the data position of ``ckpt`` (``force``:
         ``resume --force``, tensors the model or optimizer no longer takes are dropped with a warning)."""
         eng = self.engine
-        state = self.checkpoints.restore(ckpt, eng.layout, eng.params, self.shard.state,
+        state = self.checkpoints.restore(ckpt, eng.layout, eng.params, {**self.shard.state, **self.sync.restore_state()},
                                          (eng.state_layout, eng.state), state_range=(self.shard.lo, self.shard.hi),
                                          forced=force)
+        self.sync.load_state_dict(state, ckpt)
         self.loader.load_state_dict(state["loader"])
         self.step, self.updates, self.skipped = state["step"], state["updates"], state["skipped_steps"]
         self.early_stopping.load_state_dict(state.get("early_stopping") or {})
@@ -209,6 +211,8 @@ class TrainingRunner:
                          f"{self.step}: finishing the run (final evaluation, checkpoint, model.onnx)")
             if then.log:
                 self._log_step()
+            if "outer" in self.last:     # DiLoCo's outer step: bytes sent, time waiting, the replicas' drift
+                self.metrics.log(self.step, self.last["outer"])
             evaluated = self._evaluate_step() if then.evaluate else None
             early = then.patience and self.early_stopping.update(self.step, evaluated)
             # not while updates are being skipped (keep_last keeps good ones), unless the run stops here
@@ -260,6 +264,10 @@ class TrainingRunner:
         if finite and self.shard.sharded:
             self.shard.gather()
             timer.mark("allgather")
+        outer = self.sync.maybe_outer_step(self.step)
+        if outer:
+            result["outer"] = outer
+            timer.mark("outer")
         if stats:
             stats.finish(self.step, scale, result)
             timer.mark("stats")
@@ -284,17 +292,20 @@ class TrainingRunner:
         allreduce of a few scalars that also carries the background checkpoint's progress."""
         ck_done, ck_failed = self.checkpoints.status()
         self.stops_carried = self.signals.noted()
-        loss_total, norm_sq, ck_done, ck_failed, stop = self.comm.allreduce_scalars(
-            [loss_sum, self.shard.norm_sq_part(), ck_done, ck_failed, float(self.stops_carried > 0)], op="sum")
+        norms = [0.0] * self.sync.replicas       # each replica's squared norm (DiLoCo: each clips its own)
+        norms[self.sync.replica] = self.shard.norm_sq_part()
+        loss_total, ck_done, ck_failed, stop, *norms = self.comm.allreduce_scalars(
+            [loss_sum, ck_done, ck_failed, float(self.stops_carried > 0), *norms], op="sum")
         self.checkpoints.progress(ck_done, ck_failed)
-        finite = math.isfinite(norm_sq)     # NaN and inf propagate through the sum
+        norm_sq = norms[self.sync.replica]
+        finite = all(map(math.isfinite, norms))     # NaN and inf propagate through the sum
         grad_norm = math.sqrt(norm_sq) * self.grad_scale() if finite else float("inf")
         return loss_total / (self.accum * self.world), grad_norm, finite, bool(stop)
 
     def grad_scale(self) -> float:
         """The gradient buffer holds a sum over ranks and micro-batches (times the fp16 loss scale):
         this makes it the mean."""
-        return 1.0 / (self.accum * self.world * (self.scaler.scale if self.scaler else 1.0))
+        return 1.0 / (self.accum * self.shard.comm.world_size * (self.scaler.scale if self.scaler else 1.0))
 
     def clip_divisor(self, grad_norm: float) -> float:
         clip = self.cfg.optimizer.max_grad_norm
@@ -347,8 +358,9 @@ class TrainingRunner:
     def evaluate(self) -> dict:
         """Every eval set's metrics (:func:`trainrun.evaluate.evaluate_sets`), with this step's model state."""
         self.average_model_state()
-        evaluated = evaluate_sets(self.engine, self.comm, self.cfg, self.eval_sets, step=self.step,
-                                  perplexity=self.perplexity)
+        with self.sync.global_weights():     # DiLoCo: mid-round, the global weights, not this replica's
+            evaluated = evaluate_sets(self.engine, self.comm, self.cfg, self.eval_sets, step=self.step,
+                                      perplexity=self.perplexity)
         self.timer.mark("eval")
         return evaluated
 
@@ -376,11 +388,11 @@ class TrainingRunner:
                 "eval": evaluated, "best_metric": {"name": best, "value": evaluated[best],
                                                    "greater_is_better": C.greater_is_better(best)}
                 if evaluated and best in evaluated else None,
-                "early_stopping": self.early_stopping.state_dict()}
+                "early_stopping": self.early_stopping.state_dict(), "diloco": self.sync.state_dict()}
         self.average_model_state()
         # rank 0 alone writes the tensors; the others hash their parameters (and take part in the gathers
         # of stage 1's optimizer state)
-        buffers = {"params": self.engine.params, **self.shard.full_state()}
+        buffers = {"params": self.engine.params, **self.shard.full_state(), **self.sync.full_state()}
         model_state = (self.engine.state_layout, self.engine.state)
         self.checkpoints.save(self.step, self.engine.layout, buffers, meta, self.config_yaml, model_state)
         self.timer.mark("checkpoint")
@@ -441,6 +453,7 @@ class TrainingRunner:
         self.wire_bytes = self.shard.wire.sent_bytes     # the gradients' bytes on the wire (trainrun.wire)
         self.observe.close()
         self.shard.close()
+        self.sync.close()
 
     def _export(self, ckpt: str) -> Stopped | None:
         """rank 0: model.onnx from ``ckpt`` (:func:`trainrun.finish.export_model`), after dropping what

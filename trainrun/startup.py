@@ -13,6 +13,7 @@ import sys
 
 from . import checkpoint as K
 from . import config as C
+from . import diloco
 from . import faults
 from . import feeding
 from . import rundir
@@ -45,6 +46,7 @@ class Setup:
     engine: Engine
     shard: object               # the update (trainrun.update.build)
     grad_buckets: int           # distributed.overlap_grad_reduce's buckets; 0 without overlap
+    sync: object                # distributed.sync (trainrun.diloco.build): every step, or DiLoCo's replicas
     sampler: TrainingSampler | None    # train.sample_every (rank 0)
 
 
@@ -59,11 +61,16 @@ def set_up(cfg: C.Config, comm, *, resume_from: str | None, lock, config_yaml: s
     _prepare_run_dir(cfg, comm, resume_from, lock, config_yaml, log)
     manifest = _check_same_everywhere(cfg, comm, graphs_dir)
     faults.wait_until("WAIT_SIGNAL", comm.rank, 0, stop_flag)
-    threads, engine, shard, grad_buckets, sampler = _build_engine(cfg, comm, graphs_dir, manifest, train_ds)
+    sync = diloco.build(cfg, comm)      # the ranks the step reduces over: all, or this rank's replica
+    threads, engine, shard, grad_buckets, sampler = _build_engine(cfg, comm, graphs_dir, manifest, train_ds,
+                                                                  sync.comm)
+    sync.attach(engine, shard, total_steps)
+    if sync.describe():
+        log(sync.describe())
     return Setup(train_ds=train_ds, eval_sets=eval_sets, total_steps=total_steps,
                  tokens="input_ids" in train_ds.specs, perplexity=validity.logs_perplexity(cfg, train_ds),
                  loader=loader, manifest=manifest, threads=threads, engine=engine, shard=shard,
-                 grad_buckets=grad_buckets, sampler=sampler)
+                 grad_buckets=grad_buckets, sync=sync, sampler=sampler)
 
 
 def return_freed_memory() -> None:
@@ -152,9 +159,10 @@ def _check_same_everywhere(cfg: C.Config, comm, graphs_dir: str) -> dict:
     return manifest
 
 
-def _build_engine(cfg: C.Config, comm, graphs_dir: str, manifest: dict, train_ds):
+def _build_engine(cfg: C.Config, comm, graphs_dir: str, manifest: dict, train_ds, step_comm):
     """(threads, engine, update, gradient buckets, sampler): the sessions bound to the flat buffers, the
-    optimizer over them (or this rank's part), what this launch turns off said (rank 0)."""
+    optimizer over them (or this rank's part), what this launch turns off said (rank 0). ``step_comm``: the
+    ranks whose gradients the step reduces (the world, or this rank's DiLoCo replica)."""
     rank, world = comm.rank, comm.world_size
     threads = cfg.engine.threads
     if cfg.run.deterministic:
@@ -167,12 +175,12 @@ def _build_engine(cfg: C.Config, comm, graphs_dir: str, manifest: dict, train_ds
     node = None
     error = None
     try:     # intra_node: shared: parameters and gradients in the node's shared memory (None: the mpi path)
-        node = update.node_buffers(cfg, comm, manifest["num_params"])
+        node = update.node_buffers(cfg, step_comm, manifest["num_params"])
     except UsageError as exc:
         error = exc
     comm.agree(error)
     # buckets of gradients reduced during the backward pass: the train graph cut at them
-    overlaps = reducer.applies(cfg, comm, node)
+    overlaps = reducer.applies(cfg, step_comm, node)
     buckets = int(cfg.distributed.bucket_mb * 2**20) if overlaps else 0
     opts = EngineOptions(device=cfg.device, device_id=device_id, threads=threads,
                          graph_optimization=cfg.engine.graph_optimization,
@@ -193,14 +201,14 @@ def _build_engine(cfg: C.Config, comm, graphs_dir: str, manifest: dict, train_ds
         engine = Engine(graphs_dir, opts, shapes, shapes, feeds=feeds, buffers=node.buffers if node else None)
         engine.load_weights()
         # the optimizer over the whole buffers, or (partitioned) over this rank's part only
-        shard = update.build(cfg, comm, engine, node)
+        shard = update.build(cfg, step_comm, engine, node)
         grad_buckets = len(shard.reducer.buckets) if shard.reducer else 0
     except UsageError as exc:
         error = exc
     comm.agree(error)
     if rank == 0:    # what this launch turns off of the config, and why
         shared = (node.mem.node.world_size, node.mem.cross.world_size) if node else None
-        for note in validity.inactive(cfg, world, shared, overlaps, grad_buckets):
+        for note in validity.inactive(cfg, step_comm.world_size, shared, overlaps, grad_buckets):
             print(f"trainrun: warning: {note}", file=sys.stderr, flush=True)
     error, sampler = None, None
     if cfg.train.sample_every and rank == 0:

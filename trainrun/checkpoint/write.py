@@ -305,7 +305,8 @@ class Checkpointer:
         and checks the tensors against the model first (:func:`check_checkpoint`; ``forced``: by
         ``resume --force``, tensors no longer taken are dropped with a warning). ``state_range``
         (lo, hi): the optimizer state buffers hold elements lo:hi of the flat layout only (a ZeRO-1 part,
-        :mod:`trainrun.update`); by default all of it."""
+        :mod:`trainrun.update`); by default all of it. A state given as None is one the checkpoint may hold
+        but its owner reads (:meth:`trainrun.diloco.DiLoCo.load_state_dict`)."""
         error, saved, held = None, None, None
         try:
             held = pin(ckpt)        # every rank reads the files it opened here
@@ -332,6 +333,8 @@ class Checkpointer:
                 load_tensors_into(held, "model.safetensors", sl.names, sl.shapes, held_state)
                 from_host(buf, held_state)
             for name, buf in state.items():
+                if buf is None:     # checked above, read by its owner (another replica's weights)
+                    continue
                 if name not in saved["optimizer_states"]:
                     raise UsageError(f"{ckpt}: holds no optimizer state '{name}' (saved: "
                                      f"{saved['optimizer_states']}); the optimizer changed")

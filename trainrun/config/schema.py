@@ -253,6 +253,39 @@ class CheckpointConfig:
 
 
 @dataclass
+class OuterConfig:
+    lr: float = opt(0.7, gt=0.0)
+    """The outer optimizer's learning rate: the step taken along the replicas' mean outer gradient (the
+    round's start weights minus each replica's weights)."""
+    momentum: float = opt(0.9, min=0.0, max=0.999)
+    """The outer SGD's momentum (torch.optim.SGD's, dampening 0), kept in fp32."""
+    nesterov: bool = True
+    """Nesterov momentum, as torch.optim.SGD defines it (needs momentum > 0)."""
+
+
+@dataclass
+class DiLoCoConfig:
+    inner_steps: int = opt(100, min=1)
+    """Optimizer steps each replica takes on its own between two outer steps (the paper's H). The run's
+    last step is always an outer step."""
+    outer: OuterConfig = opt(factory=OuterConfig)
+    """The outer optimizer: SGD with (Nesterov) momentum over the replicas' mean outer gradient."""
+    group: int = opt(0, min=0)
+    """Ranks per replica: consecutive world ranks that reduce their gradients every step among
+    themselves as distributed.sync every_step does (shared memory, ZeRO-1 within the replica); 0: the
+    ranks of one node."""
+    fragments: int = opt(1, min=1)
+    """Parts of the model synchronised in turn (streaming DiLoCo): 1 synchronises all of it at each outer
+    step."""
+    overlap_steps: int = opt(0, min=0)
+    """Inner steps an outer exchange may run in the background before its result is applied (with
+    fragments > 1); 0: the exchange is waited for at the outer step."""
+    outer_dtype: str = opt("fp32", choices=["fp32", "bf16"])
+    """The outer gradients' type on the wire between replicas: fp32, or bf16 summed in fp32 (as
+    distributed.reduce_dtype's); the global weights and the outer momentum stay fp32."""
+
+
+@dataclass
 class DistributedConfig:
     backend: str = opt("auto", choices=["auto", "mpi", "nccl", "none"])
     """Gradient collectives: auto (nccl on cuda, mpi on cpu, none for one rank)."""
@@ -283,6 +316,12 @@ class DistributedConfig:
     bucket_mb: float = opt(4.0, gt=0.0)
     """Size of a gradient bucket (MiB) for overlap_grad_reduce: smaller starts the wire sooner and leaves
     less after the backward pass, but cuts the train graph into more parts."""
+    sync: str = opt("every_step", choices=["every_step", "diloco"])
+    """every_step: every rank's gradients are reduced at every step (data parallel). diloco: the ranks form
+    replicas (distributed.diloco.group) that train on their own and exchange only at outer steps, every
+    distributed.diloco.inner_steps steps (DiLoCo: for links too slow for a reduction per step)."""
+    diloco: DiLoCoConfig = opt(factory=DiLoCoConfig)
+    """Local steps with outer synchronisation (distributed.sync: diloco); see docs/distributed.md."""
 
 
 @dataclass

@@ -26,7 +26,8 @@ _TB_NAMES = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_no
              "tokens_per_sec": "train/tokens_per_sec", "samples_per_sec": "train/samples_per_sec",
              "eval_loss": "eval/loss",
              "eval_perplexity": "eval/perplexity", "skipped_steps": "train/skipped_steps",
-             "loss_scale": "train/loss_scale"}
+             "loss_scale": "train/loss_scale", "outer_bytes": "outer/bytes", "outer_wait_s": "outer/wait_s",
+             "outer_drift": "outer/drift", "outer_s": "outer/seconds"}
 
 
 # what an evaluation covered, not a metric: ``eval_samples`` of ``eval_dataset_samples`` (metrics.jsonl only)
