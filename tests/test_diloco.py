@@ -110,3 +110,115 @@ def test_outer_steps_match_a_numpy_reference(tmp_path, byte_dataset, nesterov):
     _, evals = read_metrics(run_dir)
     assert evals[3]["eval_loss"] == evals[2]["eval_loss"] and evals[5]["eval_loss"] == evals[4]["eval_loss"]
     assert evals[4]["eval_loss"] != evals[3]["eval_loss"]
+
+
+def test_kill_and_resume_mid_round_is_the_undisturbed_run(tmp_path, byte_dataset):
+    """bf16 outer gradients on the wire, Nesterov, an outer step every 3 steps: the job killed (SIGKILL to the
+    launcher's processes) while step 10's checkpoint is written, so the last committed one is step 5's
+    (mid-round: each replica's own weights, the outer state, the round's start), and resumed gives the
+    losses, evaluations, outer-step logs and final weights of the run nobody stopped, bit for bit. A resume
+    onto 4 replicas is refused naming the key."""
+    import json
+    import signal
+    import subprocess
+    import time
+
+    from conftest import MPIRUN, TRAINRUN, run
+    common = {"train.max_steps": 12, "train.eval_every": 4, "checkpoint.every": 5,
+              "distributed.sync": "diloco",
+              "distributed.diloco": {"inner_steps": 3, "group": 1, "outer_dtype": "bf16",
+                                     "outer": {"lr": 0.5, "momentum": 0.8}}}
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    straight.mkdir()
+    killed.mkdir()
+    mpirun(2, "--config", write_config(straight / "c.yaml", byte_dataset, **common))
+    cfg = write_config(killed / "c.yaml", byte_dataset, **common)
+    proc = subprocess.Popen([MPIRUN, "-np", "2", TRAINRUN, "--config", cfg], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=dict(os.environ, TRAINRUN_FAULT_STALL_CHECKPOINT="10"))
+    ck = killed / "run" / "checkpoints"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (ck / ".staging-10" / "model.safetensors").exists():
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert (ck / "5" / "COMMITTED").exists() and not (ck / "10").exists()
+    state = json.load(open(killed / "run" / "checkpoints" / "5" / "state.json"))
+    assert state["diloco"] == {"round_start": 3, "replicas": 2, "group": 1, "rounds": 1, "mid_round": True}
+    assert {"outer_weights", "outer_momentum", "replica1_weights", "replica1_exp_avg", "replica1_exp_avg_sq"} <= set(
+        state["optimizer_states"])
+    refused = run([MPIRUN, "-np", "4", TRAINRUN, "resume", str(killed / "run"), "--set",
+                   "train.micro_batch_size=2"], check=2)
+    assert "distributed.diloco.group" in refused.stderr and "saved by 2 replicas" in refused.stderr, refused.stderr
+    mpirun(2, "resume", str(killed / "run"))
+    rows = {}
+    for name, d in (("straight", straight), ("killed", killed)):
+        lines = [json.loads(line) for line in open(d / "run" / "metrics.jsonl")]
+        rows[name] = [{k: v for k, v in r.items() if k not in ("elapsed_s", "phase_ms", "samples_per_sec",
+                                                               "tokens_per_sec", "outer_wait_s", "outer_s")}
+                      for r in lines]
+    assert rows["killed"] == rows["straight"]
+    assert [r["step"] for r in rows["straight"] if "outer_bytes" in r] == [3, 6, 9, 12]
+    assert [r["step"] for r in rows["straight"] if "eval_loss" in r] == [4, 8, 12]
+    final = [open(d / "run" / "checkpoints" / "12" / "model.safetensors", "rb").read() for d in (straight, killed)]
+    assert final[0] == final[1]
+
+
+@pytest.mark.parametrize("layout", ["node_shared", "zero1"])
+def test_replicas_of_two_ranks_stop_and_resume_exactly(tmp_path, byte_dataset, layout):
+    """4 ranks as 2 replicas of 2: each a pretend node whose ranks share the parameters (group 0: the node;
+    each rank keeps the outer state of its slice), or 2 ranks on nodes of their own with ZeRO-1 between them
+    (group 2; each rank its ZeRO part). Stopped mid-round (train.stop_at 4, in the round 3..6) and resumed: the
+    losses, evaluations and final weights of the straight run, bit for bit; the outer step sends this rank's
+    part of the model only (fp32: 2 x (P-1)/P of it, P = 2 replicas)."""
+    import json
+    per_node, extra = {"node_shared": ("2", {}),
+                       "zero1": ("1", {"distributed.zero_stage": 1, "distributed.diloco.group": 2})}[layout]
+    env = {"TRAINRUN_RANKS_PER_NODE": per_node}
+    common = {"train.max_steps": 8, "train.micro_batch_size": 2, "train.eval_every": 4, "checkpoint.every": 4,
+              "distributed.sync": "diloco", "distributed.diloco.inner_steps": 3, **extra}
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    for d, more in ((straight, {}), (split, {"train.stop_at": 4})):
+        d.mkdir()
+        proc = mpirun(4, "--config", write_config(d / "c.yaml", byte_dataset, **common, **more), env=env)
+    assert "diloco: 2 replicas of 2 rank(s)" in proc.stdout
+    mpirun(4, "resume", str(split / "run"), env=env)
+    rows = {}
+    for d in (straight, split):
+        lines = [json.loads(line) for line in open(d / "run" / "metrics.jsonl")]
+        rows[d] = [{k: v for k, v in r.items() if k in ("step", "loss", "grad_norm", "eval_loss", "outer_drift",
+                                                        "outer_bytes")} for r in lines]
+    assert rows[split] == rows[straight]
+    n = sum(t.size for t in load_file(str(straight / "run" / "graphs" / "weights.safetensors")).values())
+    part = [r["outer_bytes"] for r in rows[straight] if "outer_bytes" in r]
+    assert len(part) == 3 and all(abs(b - 4 * n // 2) <= 8 for b in part), (part, n)
+    final = [open(d / "run" / "checkpoints" / "8" / "model.safetensors", "rb").read() for d in (straight, split)]
+    assert final[0] == final[1]
+
+
+def test_refusals_name_the_key(tmp_path, byte_dataset):
+    """Exit 2 naming the key: keys against each other (config validate), the model's tensors, one replica at
+    launch (2 ranks, group 2), one rank."""
+    from conftest import TRAINRUN, run
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"distributed.sync": "diloco",
+                                                              "distributed.diloco.group": 1})
+    cases = [
+        (["distributed.diloco.outer.momentum=0"], "distributed.diloco.outer.nesterov: needs "
+                                                  "distributed.diloco.outer.momentum > 0"),
+        (["distributed.diloco.inner_steps=4", "distributed.diloco.overlap_steps=4", "distributed.diloco.fragments=2"],
+         "distributed.diloco.overlap_steps: 4 must be less than distributed.diloco.inner_steps (4)"),
+        (["distributed.diloco.overlap_steps=1"], "distributed.diloco.overlap_steps: overlaps the exchange of one "
+                                                 "fragment"),
+        (["distributed.diloco.fragments=2"], "distributed.diloco.fragments: 2: streaming fragments are not "
+                                             "implemented yet"),
+        (["device=cuda"], "distributed.sync: diloco runs on the CPU over MPI"),
+    ]
+    for sets, message in cases:
+        args = [a for s in sets for a in ("--set", s)]
+        proc = run([TRAINRUN, "config", "validate", "--config", cfg, *args], check=2)
+        assert message in proc.stderr, (sets, proc.stderr)
+    proc = mpirun(2, "--config", cfg, "--set", "distributed.diloco.group=2", check=2)
+    assert "distributed.diloco.group: 2 gives one replica of 2 rank(s) on 2 rank(s)" in proc.stderr, proc.stderr
+    proc = run([TRAINRUN, "--config", cfg], check=2)
+    assert "distributed.sync: diloco needs several replicas; this run has 1 rank(s)" in proc.stderr, proc.stderr
+    assert not os.path.exists(tmp_path / "run" / "checkpoints")

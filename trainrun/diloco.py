@@ -33,8 +33,9 @@ gradient is formed in the gradient buffer, free between two steps.
 
 Checkpoints hold the global weights and the momentum (optimizer.safetensors ``outer_weights/``,
 ``outer_momentum/``), the round's start step (state.json ``diloco``) and, mid-round, each other replica's
-weights (``replica<j>_weights/``; replica 0's are the checkpoint's parameters): a resume continues the round
-bit for bit. A resume onto another number of replicas is refused.
+weights and inner optimizer state (``replica<j>_weights/``, ``replica<j>_<state>/``; replica 0's are the
+checkpoint's parameters and optimizer state): a resume continues the round bit for bit. A resume onto another
+number of replicas is refused.
 """
 
 from __future__ import annotations
@@ -46,14 +47,10 @@ import time
 import numpy as np
 
 from . import checkpoint as K
-from . import wire
+from . import update, wire
 from .comm import MPICommunicator, split_nodes
 from .errors import UsageError, collective
 from .flat import norm_sq
-from .update import ranks_per_node
-
-_PIECE = 1 << 20       # float32 elements per piece of another replica's weights gathered for a checkpoint
-
 
 def build(cfg, comm):
     """The synchronisation of ``distributed.sync`` on ``comm`` (the world; every rank calls it)."""
@@ -126,7 +123,7 @@ class DiLoCo:
                     f"ranks of the run"))
             comm = world.split(world.rank // k.group, "replica")
         else:
-            comm = split_nodes(world, ranks_per_node(world.world_size))[0]
+            comm = split_nodes(world, update.ranks_per_node(world.world_size))[0]
             comm.what = "replica"
         sizes = world.allgather_object(comm.world_size)
         replicas = world.world_size // comm.world_size
@@ -237,37 +234,52 @@ class DiLoCo:
             self.shard.gather()
 
     # ------------------------------------------------------------------ checkpoints
+    def _replica_states(self) -> list[str]:
+        """What each replica holds of its own: its weights and its inner optimizer's states."""
+        return ["weights", *self.shard.state]
+
     def full_state(self) -> dict:
-        """The outer state and (mid-round) the other replicas' weights, as the checkpoint writer takes
-        optimizer states: whole buffers on rank 0, or functions whose generators gather them in pieces."""
+        """The outer state and (mid-round) each other replica's weights and inner optimizer state, as the
+        checkpoint writer takes optimizer states: whole buffers on rank 0, or functions whose generators
+        gather them in pieces (every rank runs each to its end)."""
         s = self.shard
         out = {name: functools.partial(s._gather, buf) if s.sharded else buf for name, buf in self.state.items()}
         if not self.fresh:
-            out.update({f"replica{j}_weights": functools.partial(self._replica_pieces, j)
-                        for j in range(1, self.replicas)})
+            out.update({f"replica{j}_{name}": functools.partial(self._replica_pieces, j, name)
+                        for j in range(1, self.replicas) for name in self._replica_states()})
         return out
 
-    def _replica_pieces(self, j: int):
-        """Replica ``j``'s weights on world rank 0, in pieces: from its first rank (which holds all of them, as
-        every rank of a replica does after a step) over the first ranks' communicator."""
+    def _replica_pieces(self, j: int, name: str):
+        """Replica ``j``'s ``name`` ("weights" or an inner optimizer state) on world rank 0, in pieces: within
+        replica ``j`` on its first rank (every rank of a replica holds all of its weights after a step; a
+        partitioned state is gathered there piece by piece, :meth:`trainrun.update.Partitioned.full_state`),
+        then from that rank to world rank 0 over the replicas' first ranks."""
+        s, mine = self.shard, self.replica == j
+        whole = self.engine.params if name == "weights" else None if s.sharded else s.state[name]
+        parts = s._gather(s.state[name]) if mine and whole is None else None
         if self.comm.rank != 0:
+            for _ in parts or ():      # this rank's part of its replica's gather
+                pass
             return
         n = self.engine.params.size
+        step = min(update._GATHER_CHUNK, n)         # the pieces Partitioned's gather yields
         root = self.cross.rank == 0
-        out = np.empty(min(_PIECE, n), np.float32) if root else None
+        out = np.empty(step, np.float32) if root else None
         none = np.empty(0, np.float32)
-        for c0 in range(0, n, _PIECE):
-            c1 = min(c0 + _PIECE, n)
+        for c0 in range(0, n, step):
+            c1 = min(c0 + step, n)
             counts = [0] * self.cross.world_size
             counts[j] = c1 - c0
-            mine = self.engine.params[c0:c1] if self.cross.rank == j else none
-            self.cross.gather(mine, out[:c1 - c0] if root else None, counts, root=0)
+            piece = (whole[c0:c1] if whole is not None else next(parts)) if mine else none
+            self.cross.gather(piece, out[:c1 - c0] if root else None, counts, root=0)
             if root:
                 yield out[:c1 - c0]
 
     def restore_state(self) -> dict:
-        """The buffers a restore fills (``lo:hi`` of the saved tensors), and the states it only checks (None)."""
-        return {**self.state, **{f"replica{j}_weights": None for j in range(1, self.replicas)}}
+        """The buffers a restore fills (``lo:hi`` of the saved tensors), and the states it only checks (None:
+        the other replicas', read by :meth:`load_state_dict`)."""
+        return {**self.state, **{f"replica{j}_{name}": None for j in range(1, self.replicas)
+                                 for name in self._replica_states()}}
 
     def state_dict(self) -> dict:
         return {"round_start": self.round_start, "replicas": self.replicas, "group": self.comm.world_size,
@@ -275,7 +287,7 @@ class DiLoCo:
 
     def load_state_dict(self, state: dict, ckpt: str) -> None:
         """After the checkpoint's tensors were restored (every rank): the round's position, and this
-        replica's own weights where the checkpoint was taken mid-round."""
+        replica's own weights and inner optimizer state where the checkpoint was taken mid-round."""
         saved = state.get("diloco")
         if not saved:
             raise collective(UsageError(
@@ -288,13 +300,14 @@ class DiLoCo:
         self.round_start, self.rounds, self.fresh = saved["round_start"], saved["rounds"], not saved["mid_round"]
         if self.fresh or self.replica == 0:
             return
-        params = self.engine.params
+        layout, params, lo, hi = self.engine.layout, self.engine.params, self.lo, self.hi
         host = np.empty(params.size, np.float32)
-        with K.reading(ckpt) as held:
-            K.load_tensors_into(held, "optimizer.safetensors", self.engine.layout.names, self.engine.layout.shapes,
-                                host, prefix=f"replica{self.replica}_weights/")
         self._shared_barrier()      # every local rank's restore of the parameters is done
-        params[self.lo:self.hi] = host[self.lo:self.hi]
+        with K.reading(ckpt) as held:
+            for name in self._replica_states():
+                K.load_tensors_into(held, "optimizer.safetensors", layout.names, layout.shapes, host,
+                                    prefix=f"replica{self.replica}_{name}/")
+                (params[lo:hi] if name == "weights" else self.shard.state[name])[...] = host[lo:hi]
         self.shard.gather()
 
     def close(self) -> None:
