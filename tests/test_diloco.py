@@ -222,3 +222,32 @@ def test_refusals_name_the_key(tmp_path, byte_dataset):
     proc = run([TRAINRUN, "--config", cfg], check=2)
     assert "distributed.sync: diloco needs several replicas; this run has 1 rank(s)" in proc.stderr, proc.stderr
     assert not os.path.exists(tmp_path / "run" / "checkpoints")
+
+
+def test_doctor_estimates_the_inner_steps_a_link_needs(tmp_path, byte_dataset):
+    """`trainrun doctor` with a diloco config on 2 pretend nodes: one outer gradient's bytes (fp32, and half
+    with bf16) at the inter-node allreduce's measured rate against an inner step's computation (the phases
+    of the run directory's last metrics line): the inner steps that keep the link under 5% of the time. On
+    one node there is no link to estimate for."""
+    import math
+    import re
+
+    from conftest import MPIRUN, TRAINRUN, run
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 3})
+    mpirun(2, "--config", cfg)
+    n = sum(t.size for t in load_file(str(tmp_path / "run" / "graphs" / "weights.safetensors")).values())
+    doctor = [MPIRUN, "-np", "2", TRAINRUN, "doctor", "--config", cfg, "--size-mb", "1", "--iters", "2",
+              "--set", "distributed.sync=diloco"]
+    for dtype, nbytes in (("fp32", 4 * n), ("bf16", 2 * n)):
+        out = run(doctor + ["--set", f"distributed.diloco.outer_dtype={dtype}"], check=0,
+                  env={"TRAINRUN_RANKS_PER_NODE": "1"}).stdout
+        line = next(line for line in out.splitlines() if line.split()[:2] == ["PASS", "diloco"])
+        assert f"an outer gradient of {n:,} parameters ({dtype}: {nbytes:,} bytes)" in line, line
+        found = re.search(r"takes ~([\d.]+) ms .* computes ~([\d.]+) ms .*inner_steps >= (\d+) ", line)
+        assert found, line
+        link, step, need = found.groups()
+        link, step, need = float(link), float(step), int(need)
+        assert max(1, math.ceil((link - 0.05) / (0.05 * (step + 0.05)))) <= need \
+            <= max(1, math.ceil((link + 0.05) / (0.05 * (step - 0.05)))), line
+    out = run(doctor, check=0).stdout
+    assert "SKIP  diloco      one node: no link between nodes to estimate for" in out, out

@@ -31,6 +31,10 @@ table. Then the checks, each PASS, FAIL or SKIP:
                  prepared graphs under <output_dir>/graphs are the same on
                  every rank and match the sha256 their manifest records
                  (SKIP when not prepared yet).
+* ``diloco``     with a config of ``distributed.sync: diloco`` over several nodes:
+                 the inner steps that keep the link under 5% of the time (one
+                 outer gradient at the inter-node rate against one inner step's
+                 computation, from the run directory's metrics.jsonl).
 
 Exit 0 when nothing failed; otherwise rank 0 names the failing checks and
 every rank exits 1.
@@ -197,9 +201,11 @@ def _node_group(comm):
     return split_nodes(comm, ranks_per_node(comm.world_size))[0]
 
 
-def measure_node_bandwidth(comm, node, size_mb: float, iters: int) -> list[tuple[str, str, str]]:
+def measure_node_bandwidth(comm, node, size_mb: float, iters: int, link: dict | None = None
+                           ) -> list[tuple[str, str, str]]:
     """``intra-node`` (every node's ranks at once; the slowest node) and ``inter-node`` (node rank 0 of
-    every node) bandwidth, where there are several nodes (and, for intra-node, several ranks on one)."""
+    every node) bandwidth, where there are several nodes (and, for intra-node, several ranks on one);
+    ``link`` gets the inter-node allreduce's float32 count ``n``, seconds ``s`` and ``nodes``."""
     leaders = comm.allgather_object(node.rank == 0).count(True)
     if leaders < 2:
         return []
@@ -217,7 +223,47 @@ def measure_node_bandwidth(comm, node, size_mb: float, iters: int) -> list[tuple
     finally:
         cross.close()
     checks.append(("inter-node", "PASS", _bandwidth_text(n, t, leaders, iters) + ", one rank per node"))
+    if link is not None:
+        link.update(n=n, s=t, nodes=leaders)
     return checks
+
+
+LINK_SHARE = 0.05      # the share of the time diloco's estimate lets the outer steps take on the link
+
+
+def estimate_inner_steps(cfg, link: dict) -> tuple[str, str]:
+    """``diloco``: the inner steps (distributed.diloco.inner_steps) that keep the link between the nodes
+    under :data:`LINK_SHARE` of the time: one outer gradient (the model's float32, or bf16 with
+    ``outer_dtype``) over the link, at the inter-node allreduce's measured rate, against one inner step's
+    computation, read from the run directory's metrics.jsonl (its last line's phases but the reduction)."""
+    import json
+    import math
+    if not link:
+        return "SKIP", "one node: no link between nodes to estimate for"
+    graphs = os.path.join(cfg.run.output_dir, "graphs")
+    try:
+        params = load_manifest(graphs)["num_params"]
+    except (UsageError, OSError, KeyError):
+        return "SKIP", "the graphs are not prepared yet (trainrun prepare): the model's size is not known"
+    half = cfg.distributed.diloco.outer_dtype == "bf16"
+    nbytes = 4 * params // (2 if half else 1)
+    link_s = link["s"] * params / link["n"] / (2 if half else 1)
+    what = (f"an outer gradient of {params:,} parameters ({cfg.distributed.diloco.outer_dtype}: {nbytes:,} bytes) "
+            f"takes ~{link_s * 1e3:.1f} ms on the link between the {link['nodes']} nodes")
+    metrics = os.path.join(cfg.run.output_dir, "metrics.jsonl")
+    phases = None
+    if os.path.exists(metrics):
+        with open(metrics) as fh:
+            for line in fh:
+                row = json.loads(line)
+                phases = row.get("phase_ms", phases)
+    if not phases:
+        return "PASS", f"{what}; no step time yet ({metrics}: train a few steps first) to estimate inner_steps"
+    step_s = sum(v for k, v in phases.items() if k in ("data", "forward_backward", "norm", "optimizer",
+                                                        "allgather")) / 1e3
+    need = max(1, math.ceil(link_s / (LINK_SHARE * step_s)))
+    return "PASS", (f"{what}; an inner step computes ~{step_s * 1e3:.1f} ms ({metrics}): distributed.diloco."
+                    f"inner_steps >= {need} keeps the link under {LINK_SHARE:.0%} of the time")
 
 
 def check_run_dir(comm, run_dir: str) -> tuple[str, str]:
@@ -331,8 +377,9 @@ def run_doctor(cfg=None, config_bytes: bytes = b"", overrides=(), size_mb: float
         checks.append(("builder", *check_builder(comm, cfg)))
         checks.append(("allreduce", *check_allreduce(comm, device)))
         checks.append(("bandwidth", *measure_bandwidth(comm, device, size_mb, iters)))
+        link: dict = {}
         if node is not None:
-            checks += measure_node_bandwidth(comm, node, size_mb, iters)
+            checks += measure_node_bandwidth(comm, node, size_mb, iters, link)
         if cfg is not None:
             mine = hashlib.sha256(config_bytes + "\0".join(overrides).encode()).hexdigest()[:16]
             checks.append(("config", *_same("config", comm.allgather_object(mine),
@@ -354,6 +401,8 @@ def run_doctor(cfg=None, config_bytes: bytes = b"", overrides=(), size_mb: float
                 status, text = ("SKIP", "not prepared yet (trainrun prepare); "
                                 + ("model.onnx same on every rank" if "model.onnx" in graphs[0] else "nothing to check"))
             checks.append(("graphs", status, text))
+            if cfg.distributed.sync == "diloco":
+                checks.append(("diloco", *estimate_inner_steps(cfg, link)))
         comm.barrier()
     finally:
         if node is not None:
