@@ -187,5 +187,31 @@ def test_benchmarks_rendering_keeps_the_sections_it_did_not_render():
     assert report.merge("", "# t\n\n## Headline\n\n| claim |\n") == "# t\n\n## Headline\n\n| claim |\n"
 
 
+def test_benchmarks_a_section_measured_alone_replaces_only_its_own():
+    """scripts/bench/builders.py renders its section alone (report.render_only): the last file's preamble,
+    sections and headline rows stay; its own rows and section are added once, however often it runs."""
+    common, report = _report()
+    old = (ROOT / "BENCHMARKS.md").read_text()
+    rnd = lambda g, r=None: {"graphs": g, "loadavg": [1.0, 1.0, 1.0], "started": "2026-01-01", "cpu": "a CPU",  # noqa: E731
+                             **({"ratio": r} if r else {})}
+    mid = {"nodes": {"onnxruntime": 700, "trainrun": 900},
+           "time_1.19.2-training": [rnd({"onnxruntime": {"tokens_per_s": 100.0}, "trainrun": {"tokens_per_s": 98.0}},
+                                        0.98)],
+           "time_1.32.0": [rnd({"trainrun": {"tokens_per_s": 90.0}})],
+           "peak_1.19.2-training": [{"graphs": {"onnxruntime": {"peak_rss_mb": 500.0},
+                                                "trainrun": {"peak_rss_mb": 520.0}}}]}
+    R = {"builders": {"models": {"mid": mid}}}
+    once = report.merge(old, report.render_only(old, R))
+    assert report.merge(once, report.render_only(once, R)) == once
+    assert once.split("\n## ", 1)[0] == old.split("\n## ", 1)[0]
+    for h in re.findall(r"^## .*$", old, re.M):
+        assert once.count(h + "\n") == 1
+    assert set(_headline_rows(old)) < set(_headline_rows(once))
+    assert "same run (mid) | 0.98x | yes |" in once
+    assert "on stock onnxruntime 1.32.0 >= 0.95x the training build's (mid) | 0.90x | **no** |" in once
+    assert "peak RSS <= 1.05x onnxruntime-training's (mid) | 1.04x | yes |" in once
+    assert "| mid | 4 x 256 | 700 / 900 | 100 | 98 | 0.98 | 90 (1.32.0) | 0.90 | 500 / 520 | 1, 1.0–1.0 |" in once
+
+
 def anchors_of(text: str) -> set[str]:
     return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^## (.*)$", text, re.M)}

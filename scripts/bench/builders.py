@@ -13,7 +13,9 @@ opens each graph in a session made as the engine makes it (``trainrun.sessions.s
 same threads), binds the batch and preallocated gradient buffers once, and runs forward + backward in
 alternating blocks of steps in one process; tokens/s = tokens of a micro-batch / median step time
 (after warm-up). ``peak`` runs each graph in a process of its own (onnxruntime and numpy only) and
-records its peak resident set. Results go to WORK/<model>/results.json, merged per runtime.
+records its peak resident set. Results go to WORK/<model>/results.json, a list of rounds per runtime (run
+``time`` under both runtimes in turn, a few rounds, so that a shared machine's load hits them alike);
+``report`` writes BENCHMARKS.md's section from them (medians over the rounds), keeping the others.
 
 Models: ``mid`` and ``gpt2-124m`` (scripts/bench/common.py's shapes, one rank's micro-batch), ``bert``
 (configs/bert-tiny.yaml: micro-batch 16, seq 128, 20 predictions).
@@ -113,9 +115,11 @@ def batch(loss_model, weights: list[str], model: str) -> dict:
     return out
 
 
-def merge(path: Path, new: dict) -> None:
+def merge(path: Path, new: dict, append: bool = False) -> None:
+    """Update the results file ``path`` with ``new``; ``append``: each value added to a list (a round)."""
     old = json.loads(path.read_text()) if path.exists() else {}
-    old.update(new)
+    for k, v in new.items():
+        old[k] = old.get(k, []) + [v] if append else v
     path.write_text(json.dumps(old, indent=1))
 
 
@@ -176,10 +180,11 @@ def run_time(model: str, work: Path, steps: int, warmup: int, block: int, thread
     res = {k: {"median_s": float(np.median(v)), "min_s": float(np.min(v)), "steps": len(v),
                "tokens_per_s": tokens(model) / float(np.median(v)), "loss": loops[k].loss()} for k, v in times.items()}
     key = "time_" + ort.__version__ + ("-training" if _training() else "")
-    entry = {"threads": threads, "cpu": common.cpu_name(), "loadavg": common.loadavg(), "graphs": res}
+    entry = {"threads": threads, "cpu": common.cpu_name(), "loadavg": common.loadavg(), "graphs": res,
+             "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     if len(only) == 2:
         entry["ratio"] = res["trainrun"]["tokens_per_s"] / res["onnxruntime"]["tokens_per_s"]
-    merge(work / model / "results.json", {key: entry})
+    merge(work / model / "results.json", {key: entry}, append=True)
     print(json.dumps({key: entry}, indent=1))
 
 
@@ -214,8 +219,19 @@ def run_peak(model: str, work: Path, threads: int, steps: int, only: list[str]) 
     entry = {"graphs": res}
     if len(only) == 2:
         entry["ratio"] = res["trainrun"]["peak_rss_mb"] / res["onnxruntime"]["peak_rss_mb"]
-    merge(work / model / "results.json", {"peak_" + ort.__version__ + ("-training" if _training() else ""): entry})
+    merge(work / model / "results.json", {"peak_" + ort.__version__ + ("-training" if _training() else ""): entry},
+          append=True)
     print(json.dumps(entry, indent=1))
+
+
+def write_report(work: Path, output: Path) -> None:
+    """BENCHMARKS.md's section of this comparison from WORK's results (the other sections kept)."""
+    import report
+    models = {m: json.loads((work / m / "results.json").read_text()) for m in ("mid", "gpt2-124m", "bert")
+              if (work / m / "results.json").exists()}
+    old = output.read_text() if output.exists() else ""
+    output.write_text(report.merge(old, report.render_only(old, {"builders": {"models": models}})))
+    print(f"wrote {output}")
 
 
 def main() -> None:
@@ -223,7 +239,7 @@ def main() -> None:
         peak_one(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["build", "time", "peak"])
+    ap.add_argument("what", choices=["build", "time", "peak", "report"])
     ap.add_argument("--model", default="mid", choices=["mid", "gpt2-124m", "bert"])
     ap.add_argument("--work", type=Path, default=common.ROOT / "runs" / "builders")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per graph")
@@ -231,14 +247,17 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=2, help="steps of one graph before the other's")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads (a rank's: 1 at 2 ranks)")
     ap.add_argument("--only", default=",".join(GRAPHS), help="graphs to time: onnxruntime,trainrun")
+    ap.add_argument("--output", type=Path, default=common.ROOT / "BENCHMARKS.md", help="report: the file rewritten")
     args = ap.parse_args()
     only = [k for k in args.only.split(",") if k]
     if args.what == "build":
         build(args.model, args.work)
     elif args.what == "time":
         run_time(args.model, args.work, args.steps, args.warmup, args.block, args.threads, only)
-    else:
+    elif args.what == "peak":
         run_peak(args.model, args.work, args.threads, 3, only)
+    else:
+        write_report(args.work, args.output)
 
 
 if __name__ == "__main__":

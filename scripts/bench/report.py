@@ -27,6 +27,8 @@ CNN = "## A CNN against PyTorch DDP"
 COMM = "## Allreduce against raw MPI"
 MEMCAP = "## Memory under a per-rank cap"
 DATA = "## Data loader"
+BUILDERS = "## trainrun's gradient builder against onnxruntime-training's"
+BUILDER_MODELS = {"mid": "mid", "gpt2-124m": "GPT-2 124M", "bert": "BERT"}
 
 
 def anchor(heading: str) -> str:
@@ -192,7 +194,8 @@ def component_claims(R):
 
 
 def claims_of(R):
-    return matrix_claims(R) + g124m_claims(R) + bert_claims(R) + cnn_claims(R) + component_claims(R)
+    return (matrix_claims(R) + g124m_claims(R) + bert_claims(R) + cnn_claims(R) + builders_claims(R)
+            + component_claims(R))
 
 
 def headline(R, out):
@@ -448,8 +451,98 @@ def render(R) -> str:
     g124m_section(R, out)
     bert_section(R, out)
     cnn_section(R, out)
+    builders_section(R, out)
     components(R, out)
     return "\n".join(out).rstrip("\n") + "\n"
+
+
+def render_only(old: str, R) -> str:
+    """The sections ``R`` holds (a script that measures its own, as scripts/bench/builders.py) under
+    ``old``'s preamble, with their headline rows: for :func:`merge` with ``old``, which keeps the rest."""
+    out = [_sections(old)[0].rstrip("\n") + "\n"] if old else ["# trainrun benchmarks\n"]
+    headline(R, out)
+    matrix_section(R, out)
+    g124m_section(R, out)
+    bert_section(R, out)
+    cnn_section(R, out)
+    builders_section(R, out)
+    components(R, out)
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+# ---------------------------------------------------------------------- the two gradient builders
+def _builder_figures(res: dict) -> dict:
+    """Medians over the rounds of one model's scripts/bench/builders.py results: tokens/s per (runtime,
+    graph), the same-run ratio on the training build, stock onnxruntime's (its version), peak RSS."""
+    f = {"nodes": res.get("nodes", {}), "stock": None}
+    for key, rounds in res.items():
+        if key.startswith("time_"):
+            tps = {g: med([r["graphs"][g]["tokens_per_s"] for r in rounds if g in r["graphs"]])
+                   for g in ("onnxruntime", "trainrun")}
+            if key.endswith("-training"):
+                f["training"] = key[5:-len("-training")]
+                f["ort"], f["ours"] = tps["onnxruntime"], tps["trainrun"]
+                f["ratio"] = med([r["ratio"] for r in rounds if "ratio" in r])
+                f["rounds"] = len(rounds)
+                f["load"] = [r["loadavg"][0] for r in rounds]
+                f["started"], f["cpu"] = rounds[0].get("started"), rounds[0].get("cpu")
+            else:
+                f["stock"], f["stock_tps"] = key[5:], tps["trainrun"]
+        if key.startswith("peak_") and key.endswith("-training"):
+            last = rounds[-1]["graphs"]
+            f["rss"] = (last["onnxruntime"]["peak_rss_mb"], last["trainrun"]["peak_rss_mb"])
+    if f["stock"] and f.get("ort"):
+        f["stock_ratio"] = f["stock_tps"] / f["ort"]
+    return f
+
+
+def builders_claims(R):
+    models = (R.get("builders") or {}).get("models") or {}
+    if not models:
+        return []
+    F = {m: _builder_figures(r) for m, r in models.items()}
+    names = " / ".join(BUILDER_MODELS[m] for m in F)
+
+    def row(label, key, goal, fmt="{:.2f}x"):
+        vals = [F[m].get(key) for m in F]
+        return (f"{label} ({names})", " / ".join(na(v, fmt) for v in vals),
+                " / ".join(met(None if v is None else v >= goal if goal > 0 else v <= -goal) for v in vals), BUILDERS)
+    stock = next((f["stock"] for f in F.values() if f["stock"]), "(not run)")
+    for f in F.values():
+        f["rss_ratio"] = f["rss"][1] / f["rss"][0] if f.get("rss") else None
+    return [row("trainrun's gradient builder >= 0.95x onnxruntime-training's tokens/s, same run", "ratio", 0.95),
+            row(f"trainrun's builder on stock onnxruntime {stock} >= 0.95x the training build's", "stock_ratio", 0.95),
+            row("trainrun's builder's peak RSS <= 1.05x onnxruntime-training's", "rss_ratio", -1.05)]
+
+
+def builders_section(R, out):
+    models = (R.get("builders") or {}).get("models") or {}
+    if not models:
+        return
+    F = {m: _builder_figures(r) for m, r in models.items()}
+    some = next(iter(F.values()))
+    out.append(BUILDERS + "\n")
+    out.append("`scripts/bench/builders.py` (`build`, then `time` in rounds under onnxruntime-training "
+               f"{some.get('training')} and under stock onnxruntime in its own venv, `peak`, `report`), started "
+               f"{some.get('started')} on {some.get('cpu')}: each model's loss graph as `prepare` makes it, differentiated by "
+               "onnxruntime-training's builder (with trainrun's rewrites, `graphs/ort_gradients.py`, direct "
+               "gradients) and by trainrun's own (`graphs/autodiff/`), both then with the cross-entropy split and "
+               "padded products; forward + backward of one rank's micro-batch in a session as the engine makes it, "
+               "1 thread, the two graphs alternating in one process; tokens/s: median step. Peak RSS: each graph "
+               "run in a process of its own (onnxruntime and numpy imported: about 330 MB before the session).\n")
+    out.append("| model | tokens a step | nodes (onnxruntime / trainrun) | onnxruntime builder tokens/s | "
+               "trainrun builder | ratio | trainrun builder on stock | / training build's | peak RSS MB "
+               "(onnxruntime / trainrun) | rounds, load |")
+    out.append("|---|---|---|---|---|---|---|---|---|---|")
+    for m, f in F.items():
+        rss = f.get("rss") or (None, None)
+        tokens = {"bert": "16 x 128", "mid": "4 x 256", "gpt2-124m": "2 x 256"}.get(m, "?")
+        load = f"{f.get('rounds')}, {min(f['load']):.1f}–{max(f['load']):.1f}" if f.get("load") else "?"
+        out.append(f"| {BUILDER_MODELS[m]} | {tokens} | {f['nodes'].get('onnxruntime')} / {f['nodes'].get('trainrun')} "
+                   f"| {na(f.get('ort'), '{:,.0f}')} | {na(f.get('ours'), '{:,.0f}')} | {na(f.get('ratio'))} | "
+                   f"{na(f.get('stock_tps'), '{:,.0f}')} ({f['stock'] or '-'}) | {na(f.get('stock_ratio'))} | "
+                   f"{na(rss[0], '{:.0f}')} / {na(rss[1], '{:.0f}')} | {load} |")
+    out.append("")
 
 
 # ---------------------------------------------------------------------- keeping what this run did not render
