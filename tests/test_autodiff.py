@@ -292,7 +292,7 @@ def test_cases_a_rule_does_not_cover_are_named():
     with pytest.raises(NoGradient, match="SoftmaxCrossEntropyLoss node .*weights input needs a gradient"):
         differentiate(loss, ["x", "cw"], "loss")
     pool = model_of([node("MaxPool", ["x"], kernel_shape=[2, 2], auto_pad="SAME_UPPER")],
-                    {"x": rand(1, 1, 4, 4, dtype=F32)})
+                    {"x": rand(1, 1, 4, 4, dtype=F32)}, unknown_dims=True)
     with pytest.raises(NoGradient, match="MaxPool node 'maxpool_x'.*auto_pad"):
         differentiate(pool, ["x"], "loss")
 
@@ -626,3 +626,39 @@ def test_graphs_of_older_opsets_are_converted_to_the_rules_opset(opset):
     table = torch.tensor(rand(5, 4), requires_grad=True)
     (torch.tanh(table[torch.tensor([[1, 3, 1], [0, 1, 4]])].sum(1)) * torch.tensor(w)).sum().backward()
     np.testing.assert_allclose(got, table.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def same_pads(size, kernel, stride, upper):
+    """ONNX's SAME_UPPER / SAME_LOWER padding of one axis: (before, after)."""
+    total = max(0, (-(-size // stride) - 1) * stride + kernel - size)
+    small, big = total // 2, total - total // 2
+    return (small, big) if upper else (big, small)
+
+
+@pytest.mark.parametrize("auto_pad,kernel,stride", [("SAME_UPPER", 3, 2), ("SAME_LOWER", 2, 1), ("VALID", 3, 2)])
+def test_auto_pad_with_dims_known_when_the_graph_is_built(auto_pad, kernel, stride):
+    """auto_pad's padding worked out from the input's dims (a Keras / TensorFlow export's Conv and MaxPool);
+    SAME with the dims unknown until run time refused by name."""
+    x = rand(2, 2, 11, 10, dtype=F32, seed=1)
+    (top, bottom), (left, right) = [same_pads(n, kernel, stride, auto_pad == "SAME_UPPER") if auto_pad != "VALID"
+                                    else (0, 0) for n in (11, 10)]
+    check([node("Conv", ["x", "k"], ["c"], auto_pad=auto_pad, strides=[stride, stride]),
+           node("MaxPool", ["c"], auto_pad=auto_pad, kernel_shape=[kernel, kernel], strides=[stride, stride])],
+          {"x": x}, ["x", "k"],
+          lambda t: max_pool_padded(torch.nn.functional.conv2d(
+              torch.nn.functional.pad(t["x"], (left, right, top, bottom)), t["k"], stride=stride),
+              auto_pad, kernel, stride),
+          initializers={"k": rand(3, 2, kernel, kernel, dtype=F32, seed=2)})
+    if auto_pad == "VALID":
+        return
+    with pytest.raises(NoGradient, match=f"Conv node 'conv_x_k'.*auto_pad {auto_pad} with the input's dims unknown"):
+        differentiate(model_of([node("Conv", ["x", "k"], auto_pad=auto_pad)], {"x": x},
+                               {"k": rand(3, 2, 2, 2, dtype=F32)}, unknown_dims=True), ["x"], "loss")
+
+
+def max_pool_padded(y, auto_pad, kernel, stride):
+    if auto_pad == "VALID":
+        return torch.nn.functional.max_pool2d(y, kernel, stride)
+    (top, bottom), (left, right) = [same_pads(n, kernel, stride, auto_pad == "SAME_UPPER") for n in y.shape[2:]]
+    padded = torch.nn.functional.pad(y, (left, right, top, bottom), value=-float("inf"))
+    return torch.nn.functional.max_pool2d(padded, kernel, stride)

@@ -12,12 +12,28 @@ from .selection import scatter_add
 
 
 def _geometry(s: Step, kernel):
-    """(strides, pads, dilations) of a 2-D window op; explicit padding only."""
-    if s.attr("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
-        raise s.unsupported("auto_pad is not NOTSET (give explicit pads)")
+    """(strides, pads, dilations) of a 2-D window op; auto_pad's padding worked out from the input's dims,
+    which must then be known when the graph is built."""
     if len(kernel) != 2:
         raise s.unsupported("only 2-D windows are covered")
-    return (list(s.attr("strides", [1, 1])), list(s.attr("pads", [0, 0, 0, 0])), list(s.attr("dilations", [1, 1])))
+    strides, dilations = list(s.attr("strides", [1, 1])), list(s.attr("dilations", [1, 1]))
+    auto_pad = s.attr("auto_pad", b"NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    if auto_pad == "NOTSET":
+        return strides, list(s.attr("pads", [0, 0, 0, 0])), dilations
+    if auto_pad == "VALID":
+        return strides, [0, 0, 0, 0], dilations
+    dims = s.emit.static(s.x[0])
+    if dims is None:
+        raise s.unsupported(f"auto_pad {auto_pad} with the input's dims unknown when the graph is built "
+                            f"(give explicit pads)")
+    begin, end = [], []
+    for size, k, stride, dilation in zip(dims[2:], kernel, strides, dilations):
+        total = max(0, (-(-size // stride) - 1) * stride + (k - 1) * dilation + 1 - size)
+        small, big = total // 2, total - total // 2
+        begin.append(small if auto_pad == "SAME_UPPER" else big)
+        end.append(big if auto_pad == "SAME_UPPER" else small)
+    return strides, begin + end, dilations
 
 
 def _dims(s: Step, name: str):
