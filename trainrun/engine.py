@@ -579,7 +579,7 @@ class Engine:
 
     def _scratch(self):
         """The flat buffer a later micro-batch's gradients are written into (direct form), allocated once."""
-        if getattr(self, "scratch", None) is None or self.scratch.shape != self.grads.shape:
+        if self.scratch is None:
             self.scratch = self.xp.zeros(self.layout.total, np.float32)
         return self.scratch
 
@@ -597,21 +597,18 @@ class Engine:
         added in place into the gradient buffer once it is final (before ``between`` hands the bucket
         on), the rest after the run: one add per element, the InPlaceAccumulatorV2's sum
         (buffer + gradient, float32), no other copy."""
-        added = set()
+        added = []
 
-        def add(k):
+        def add(k, hand_on=True):
             lo, hi = self.buckets[k]
             g = self.grads[lo:hi]
             self.xp.add(g, self.scratch[lo:hi], out=g)
-            added.add(k)
-            if between is not None:
+            added.append(k)
+            if hand_on and between is not None:
                 between(k)
         self.train_s.run(add)
-        for k in range(len(self.buckets)):
-            if k not in added:
-                lo, hi = self.buckets[k]
-                g = self.grads[lo:hi]
-                self.xp.add(g, self.scratch[lo:hi], out=g)
+        for k in [k for k in range(len(self.buckets)) if k not in added]:
+            add(k, hand_on=False)
 
     @property
     def eval_batch_fixed(self) -> int | None:
