@@ -116,22 +116,24 @@ def test_trainrun_builder_errors(tmp_path):
 
 def test_builder_choice(tmp_path):
     """auto picks onnxruntime-training's builder exactly where it is importable; onnxruntime where it is not:
-    a UsageError naming the key and what to install."""
+    exit 2 naming the key and what to install, nothing written; trainrun prepare says which built the graphs."""
     missing = ort_builder_missing()
     assert builder("trainrun")[0] == "trainrun"
     assert builder("auto")[0] == ("trainrun" if missing else "onnxruntime")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"run: {{output_dir: {tmp_path / 'run'}}}\ngraphs: {{builder: onnxruntime}}\n"
+                   "model: {gpt2: {n_layer: 1, n_head: 2, n_embd: 32, n_positions: 32, vocab_size: 64}}\n"
+                   "data: {seq_len: 16}\n")
     if missing:
         with pytest.raises(UsageError, match="graphs.builder: onnxruntime .*onnxruntime-training"):
             builder("onnxruntime")
-        cfg = tmp_path / "c.yaml"
-        cfg.write_text(f"run: {{output_dir: {tmp_path / 'run'}}}\ngraphs: {{builder: onnxruntime}}\n"
-                       "model: {gpt2: {n_layer: 1, n_head: 2, n_embd: 32, n_positions: 32, vocab_size: 64}}\n"
-                       "data: {seq_len: 16}\n")
         p = run([TRAINRUN, "prepare", "--config", str(cfg)], check=2)
         assert "graphs.builder: onnxruntime needs onnxruntime-training's gradient builder" in p.stderr
         assert "install onnxruntime-training" in p.stderr and not (tmp_path / "run/graphs").exists()
     else:
         assert builder("onnxruntime")[0] == "onnxruntime"
+    p = run([TRAINRUN, "prepare", "--config", str(cfg), "--set", "graphs.builder=trainrun"], check=0)
+    assert "(gradients by trainrun's own builder, graphs.builder: trainrun)" in p.stdout
 
 
 @pytest.mark.parametrize("bucket_bytes", [0, 20_000])
@@ -238,7 +240,8 @@ def test_trainrun_builder_end_to_end(tmp_path, byte_dataset):
     def config(name, **over):
         (tmp_path / name).mkdir()
         return write_config(tmp_path / name / "c.yaml", byte_dataset, **{**common, **over})
-    mpirun(2, "--config", config("straight"))
+    p = mpirun(2, "--config", config("straight"))
+    assert "(gradients by trainrun's own builder: graphs.builder: trainrun)" in p.stdout
     ref = _losses(str(tmp_path / "straight/run"))
     assert sorted(ref) == list(range(1, 11)) and ref[10] < ref[1]
     manifest = json.load(open(tmp_path / "straight/run/graphs/manifest.json"))
@@ -287,7 +290,7 @@ def test_trainrun_builder_end_to_end(tmp_path, byte_dataset):
     # onnxruntime-training's graphs for 5 steps, then trainrun's
     mpirun(2, "--config", config("across", **{"graphs.builder": "onnxruntime", "train.stop_at": 5}))
     p = mpirun(2, "resume", str(tmp_path / "across/run"), "--set", "graphs.builder=trainrun")
-    assert "preparing graphs" in p.stdout
+    assert "preparing graphs" in p.stdout and "gradients by trainrun's own builder" in p.stdout
     assert json.load(open(tmp_path / "across/run/graphs/manifest.json"))["builder"] == "trainrun"
     got = _losses(str(tmp_path / "across/run"))
     assert sorted(got) == list(range(1, 11))

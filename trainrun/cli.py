@@ -170,7 +170,8 @@ def evaluate(source, data, steps, batch, output, force):
 def prepare(config_path, overrides, log_level, force):
     """Build the train, eval and optimizer graphs and initial weights into <output_dir>/graphs."""
     from .rundir import complete_checkpoints
-    from .graphs.manifest import prepare as run_prepare
+    from .graphs.gradients import BUILDER_NAMES
+    from .graphs.manifest import load_manifest, prepare as run_prepare
     from .lock import RunLock
     from .validity import check, load_config
     cfg = load_config(config_path, _with_log_level(overrides, log_level))
@@ -188,7 +189,9 @@ def prepare(config_path, overrides, log_level, force):
     finally:
         lock.release()
     if cfg.run.log_level != "warning":
-        click.echo(f"graphs written to {graphs}")
+        made_by = load_manifest(graphs)["builder"]
+        click.echo(f"graphs written to {graphs} (gradients by {BUILDER_NAMES[made_by]} builder, graphs.builder: "
+                   f"{cfg.graphs.builder})")
 
 
 @cli.group("config")

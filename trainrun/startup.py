@@ -25,6 +25,7 @@ from .data import TrainLoader
 from .engine import Engine, EngineOptions
 from .errors import TrainrunError, UsageError, collective
 from .generate import TrainingSampler
+from .graphs.gradients import BUILDER_NAMES, builder
 from .graphs.manifest import load_manifest, prepare, up_to_date
 from .observe import engine_options
 from .observe.trackers import Trackers, check_installed
@@ -120,7 +121,8 @@ def _prepare_run_dir(cfg: C.Config, comm, resume_from, lock, config_yaml: str, l
             with open(os.path.join(out, "config.yaml"), "w") as fh:
                 fh.write(config_yaml)
             if not up_to_date(graphs_dir, cfg):
-                log(f"preparing graphs in {graphs_dir}")
+                made_by, why = builder(cfg.graphs.builder)
+                log(f"preparing graphs in {graphs_dir} (gradients by {BUILDER_NAMES[made_by]} builder: {why})")
                 prepare(cfg, graphs_dir)
                 return_freed_memory()     # the model built in memory: not kept for the whole run
         except TrainrunError as exc:

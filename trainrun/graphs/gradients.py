@@ -17,7 +17,8 @@ from ..errors import TrainrunError, UsageError
 from .names import BUFFER_SUFFIX, GRAD_SUFFIX, LOSS, RESET
 from .ort_gradients import independent, ort_train_graph
 
-BUILDERS = ("onnxruntime", "trainrun")
+# the builders, as a message names them
+BUILDER_NAMES = {"onnxruntime": "onnxruntime-training's", "trainrun": "trainrun's own"}
 
 
 @lru_cache(maxsize=None)

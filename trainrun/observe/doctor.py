@@ -51,7 +51,7 @@ import time
 
 import numpy as np
 
-from ..graphs.gradients import builder
+from ..graphs.gradients import BUILDER_NAMES, builder
 from ..graphs.manifest import load_manifest
 from ..comm import make_communicator
 from ..errors import TrainrunError, UsageError
@@ -303,8 +303,7 @@ def check_builder(comm, cfg) -> tuple[str, str]:
     everyone = comm.allgather_object(mine)
     status, text = _same("builder", everyone, lambda a, b: f"{a['builder']} vs {b['builder']} ({b['why']})")
     if status == "PASS":
-        name = {"onnxruntime": "onnxruntime-training's", "trainrun": "trainrun's own"}[everyone[0]["builder"]]
-        text = f"{name} ({everyone[0]['why']}); {text}"
+        text = f"{BUILDER_NAMES[everyone[0]['builder']]} ({everyone[0]['why']}); {text}"
     return status, text
 
 
