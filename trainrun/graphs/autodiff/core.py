@@ -92,8 +92,9 @@ class Emitter:
 
     def op(self, op_type: str, inputs, base: str, outputs: int = 1, **attrs):
         """Emit one node; its output name (a list when ``outputs`` > 1). A Transpose that keeps the axis
-        order is no node: onnxruntime's GemmTransposeFusion (basic level) folds a Transpose after a Gemm
-        into the Gemm whatever its perm, so an identity one would transpose the Gemm's result."""
+        order is no node: onnxruntime 1.19's GemmTransposeFusion (basic level) folds a Transpose after a Gemm
+        into the Gemm whatever its perm, so an identity one would transpose the Gemm's result (1.30 does
+        not)."""
         if op_type == "Transpose" and list(attrs.get("perm", [None])) == list(range(len(attrs.get("perm", [])))):
             return inputs[0]
         outs = [self.name(base if outputs == 1 else f"{base}.{k}") for k in range(outputs)]
