@@ -231,7 +231,7 @@ def _losses(run_dir):
 
 def test_trainrun_builder_end_to_end(tmp_path, byte_dataset):
     """graphs.builder trainrun on `mpirun -np 2` (2 micro-batches a step, added by the engine): a run killed
-    after its step-5 checkpoint and resumed has the undisturbed run's losses and final weights bit for
+    after a checkpoint and resumed has the undisturbed run's losses and final weights bit for
     bit; export, evaluate and generate work on it; its 10 losses are onnxruntime-training's builder's to
     1e-5; a run of onnxruntime-training's graphs resumes on trainrun's (the weights have the same names)."""
     common = {"graphs.builder": "trainrun", "train.max_steps": 10, "train.gradient_accumulation_steps": 2,
@@ -247,15 +247,16 @@ def test_trainrun_builder_end_to_end(tmp_path, byte_dataset):
     manifest = json.load(open(tmp_path / "straight/run/graphs/manifest.json"))
     assert manifest["builder"] == "trainrun"
 
-    cfg = config("killed")
+    # checkpoints at 3 and 6 (the save at 6 commits 3's first), the ranks stalled at step 7, one killed
+    cfg = config("killed", **{"checkpoint.every": 3})
     proc = subprocess.Popen([MPIRUN, "-np", "2", TRAINRUN, "--config", cfg], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ, TRAINRUN_FAULT_STALL_STEP="8"))
-    committed = tmp_path / "killed/run/checkpoints/5/COMMITTED"
-    deadline = time.time() + 120
+                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ, TRAINRUN_FAULT_STALL_STEP="7"))
+    committed = tmp_path / "killed/run/checkpoints/3/COMMITTED"
+    deadline = time.time() + 240
     while time.time() < deadline and not committed.exists():
         time.sleep(0.2)
     try:
-        assert committed.exists(), "the run never wrote its step-5 checkpoint"
+        assert committed.exists(), "the run never committed its step-3 checkpoint"
         os.kill(rank_pids(str(tmp_path / "killed"))[1], signal.SIGKILL)
         proc.communicate(timeout=120)
     finally:
