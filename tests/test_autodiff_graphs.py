@@ -3,7 +3,7 @@
 run by onnxruntime: every parameter's gradient within 1e-6 of the largest element of onnxruntime-training's,
 the loss and the state updates (BatchNormalization's running statistics) the same. The loss graphs are
 prepare's own (graphs.manifest.loss_graph): GPT-2 with dropout masks and label smoothing, BERT with each
-task head, the CNN recipe (SqueezeNet with training-mode BatchNorm), and a user graph with its own loss.
+task head, Llama with grouped-query attention, the CNN recipe (SqueezeNet with training-mode BatchNorm), and a user graph with its own loss.
 
 The CNN's to 1e-5: in float32 its BatchNorm gradients are sums of a few hundred cancelling products, and
 the two builders' formulations round apart by up to 5e-6 of the largest element (measured) while each is
@@ -38,6 +38,8 @@ pytestmark = pytest.mark.skipif(ort_builder_missing() is not None,
 BERT = {"vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "intermediate_size": 128, "max_position_embeddings": 64, "hidden_dropout_prob": 0.1,
         "attention_probs_dropout_prob": 0.1}
+LLAMA = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "max_position_embeddings": 64}
 GPT2 = {"n_layer": 2, "n_head": 4, "n_embd": 64, "n_positions": 64, "vocab_size": 512, "dropout": 0.1}
 
 
@@ -52,6 +54,9 @@ def config(tmp_path, case):
         return C.load_config(os.path.join(ROOT, "configs", "bert-tiny.yaml"), [
             f"model.bert={BERT}", f"model.task={task}", f"model.num_labels={labels}", "data.seq_len=16",
             "train.micro_batch_size=4"])
+    if case == "llama":     # grouped-query attention, RMSNorm, rotary, SwiGLU
+        return C.from_dict({"model": {"builtin": "llama", "llama": LLAMA}, "data": {"seq_len": 16},
+                            "train": {"micro_batch_size": 2}})
     if case == "cnn":
         onnx.save(SQ.build(0.25, 24, batchnorm=True, seed=3), str(tmp_path / "sq.onnx"))
         return C.load_config(os.path.join(ROOT, "configs", "squeezenet-digits.yaml"), [
@@ -69,8 +74,9 @@ def feeds_for(cfg, fwd, model, dropout, rng):
     family = registry.of(cfg.model)
     if cfg.model.builtin == "bert":
         feeds.update(family.sample_batch(cfg.model.bert, rng))
-    elif cfg.model.builtin == "gpt2":
-        ids = rng.integers(0, GPT2["vocab_size"], (2, 32))
+    elif cfg.model.builtin in ("gpt2", "llama"):
+        ids = rng.integers(0, GPT2["vocab_size"] if cfg.model.builtin == "gpt2" else LLAMA["vocab_size"],
+                           (2, 32 if cfg.model.builtin == "gpt2" else 16))
         labels = np.roll(ids, -1, 1)
         labels[0, :3] = -100
         feeds.update(input_ids=ids, labels=labels)
@@ -93,7 +99,7 @@ def run(model, feeds):
     return dict(zip(names, sess.run(None, {k: v for k, v in feeds.items() if k in wanted})))
 
 
-CASES = ["gpt2", "bert", "bert_sequence", "bert_regression", "bert_token", "cnn", "own_loss"]
+CASES = ["gpt2", "bert", "bert_sequence", "bert_regression", "bert_token", "llama", "cnn", "own_loss"]
 
 
 @pytest.mark.parametrize("case", CASES)
