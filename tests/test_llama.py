@@ -18,6 +18,7 @@ from trainrun.graphs.manifest import prepare
 from trainrun.models.llama import build_llama, init_weights, param_count
 
 from conftest import MPIRUN, TRAINRUN, mpirun, read_metrics, run, write_config
+from test_finetune import labelled  # noqa: F401 - the fixture: `trainrun-data labelled` topics
 
 VARIANTS = {
     "llama3_gqa": dict(model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -128,8 +129,9 @@ def test_the_smollm2_recipe_is_smollm2_135m():
     assert param_count(cfg) == 134_515_008
 
 
-def make_engine(tmp_path, shape, batch, seq):
+def make_engine(tmp_path, shape, batch, seq, builder="auto"):
     cfg = C.from_dict({"model": {"builtin": "llama", "llama": shape}, "data": {"seq_len": seq},
+                       "graphs": {"builder": builder},
                        "train": {"micro_batch_size": batch}, "optimizer": {"name": "sgd"},
                        "run": {"output_dir": str(tmp_path), "seed": 3}})
     graphs_dir = prepare(cfg)
@@ -139,10 +141,12 @@ def make_engine(tmp_path, shape, batch, seq):
     return eng
 
 
+@pytest.mark.parametrize("builder", ["onnxruntime", "trainrun"])
 @pytest.mark.parametrize("variant", ["llama3_gqa", "smollm2_tied", "qwen2_bias"])
-def test_train_graph_gradients_match_torch(tmp_path, variant):
+def test_train_graph_gradients_match_torch(tmp_path, variant, builder):
+    """The train graph of either gradient builder (onnxruntime-training's, trainrun's own)."""
     shape = VARIANTS[variant]
-    eng = make_engine(tmp_path, shape, batch=2, seq=24)
+    eng = make_engine(tmp_path, shape, batch=2, seq=24, builder=builder)
     weights = random_weights(shape, seed=9)
     eng.params[:] = np.concatenate([weights[n].ravel() for n in eng.layout.names])
     hf = hf_model(shape, weights).train()
@@ -337,3 +341,78 @@ def test_init_from_a_half_precision_folder_reads_it_as_float32(tmp_path, dtype):
     ours = load_file(str(tmp_path / "run" / "graphs" / "weights.safetensors"))
     state = {k: v.float().numpy() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
     assert set(ours) == set(state) and all(np.array_equal(ours[k], state[k]) for k in state)
+
+
+@pytest.mark.parametrize("variant", ["llama3_gqa", "qwen2_bias"])
+def test_sequence_classification_matches_transformers(variant):
+    """model.task sequence_classification: the last token's state (input_mask's last one) -> score (no
+    bias); logits and loss = <Model>ForSequenceClassification's (which finds the last token that is not
+    pad_token_id 0) on right-padded rows."""
+    import onnx
+    import transformers
+    from trainrun.graphs.forward import forward_from_config
+    from trainrun.graphs.losses import with_loss
+    from trainrun.models import registry
+    shape = VARIANTS[variant]
+    cfg = C.from_dict({"model": {"builtin": "llama", "llama": shape, "task": "sequence_classification",
+                                 "num_labels": 3}, "data": {"seq_len": 16}})
+    family = registry.of(cfg.model)
+    assert family.transformers.optional == ("score.",) and "lm_head.weight" not in family.param_specs(cfg.model.llama)
+    weights = {n: w for n, w in random_weights(shape, 6).items() if n != "lm_head.weight"}
+    weights["score.weight"] = np.random.default_rng(1).normal(0, 0.3, (3, shape["hidden_size"])).astype(np.float32)
+    batch = family.sample_batch(cfg.model.llama, np.random.default_rng(0))
+    model = with_loss(forward_from_config(cfg), -100, keep_logits=True)
+    for init in model.graph.initializer:
+        if init.name in weights:
+            init.CopyFrom(onnx.numpy_helper.from_array(weights[init.name], init.name))
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, batch)))
+    body = {k: v for k, v in weights.items() if k != "score.weight"}
+    causal = hf_model(shape, {**body, "lm_head.weight": weights["model.embed_tokens.weight"]})   # its config
+    config = causal.config
+    config.num_labels, config.pad_token_id = 3, 0
+    cls = {"llama": transformers.LlamaForSequenceClassification,
+           "qwen2": transformers.Qwen2ForSequenceClassification}[shape["model_type"]]
+    hf = cls(config).eval()
+    loaded = hf.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in weights.items()}, strict=False)
+    assert not loaded.unexpected_keys and not loaded.missing_keys, loaded
+    with torch.no_grad():
+        ref = hf(input_ids=torch.from_numpy(batch["input_ids"]), attention_mask=torch.from_numpy(batch["input_mask"]),
+                 labels=torch.from_numpy(batch["labels"]))
+    assert relative(out["logits"], ref.logits.numpy()) < 1e-5
+    assert float(out["loss"]) == pytest.approx(ref.loss.item(), rel=1e-5)
+
+
+def test_a_classifier_fine_tuned_from_a_causal_lm_folder_trains_and_exports(tmp_path, labelled):
+    """A LlamaForCausalLM folder as model.init_from of a sequence_classification run (its lm_head left
+    out, score fresh) on `trainrun-data labelled` topics: it learns them; the export loads with
+    AutoModelForSequenceClassification (LlamaForSequenceClassification, the data's label names), its
+    logits the ONNX export's."""
+    import transformers
+    from safetensors.numpy import load_file
+    shape = dict(VARIANTS["llama3_gqa"], vocab_size=160, max_position_embeddings=16)
+    causal = hf_model(shape, random_weights(shape, 8))
+    causal.save_pretrained(tmp_path / "pre")
+    cfg_path = write_config(tmp_path / "c.yaml", labelled["cls"], **{
+        "model": {"builtin": "llama", "init_from": str(tmp_path / "pre"), "task": "sequence_classification",
+                  "num_labels": 3}, "data.seq_len": 16, "train.max_steps": 32, "train.eval_every": 32,
+        "train.eval_steps": 6})
+    run([TRAINRUN, "train", "--config", cfg_path], check=0)
+    run_dir = str(tmp_path / "run")
+    prepared = load_file(os.path.join(run_dir, "graphs", "weights.safetensors"))
+    state = causal.state_dict()
+    assert set(prepared) == set(state) - {"lm_head.weight"} | {"score.weight"}
+    assert all(np.array_equal(prepared[k], state[k].numpy()) for k in prepared if k != "score.weight")
+    _, evals = read_metrics(run_dir)
+    assert evals[32]["eval_loss"] < np.log(3) - 0.3 and evals[32]["eval_f1"] >= 0.8, evals[32]
+    run([TRAINRUN, "export", run_dir, "--format", "transformers", "--output", str(tmp_path / "hf")], check=0)
+    run([TRAINRUN, "export", run_dir, "--output", str(tmp_path / "m.onnx")], check=0)
+    auto = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "hf")).eval()
+    assert type(auto).__name__ == "LlamaForSequenceClassification" and auto.config.id2label[2] == "sport"
+    b = {"input_ids": np.array([[5, 9, 14, 22, 0, 0], [7, 3, 30, 11, 12, 40]], np.int64),
+                        "input_mask": np.array([[1, 1, 1, 1, 0, 0], [1] * 6], np.int64)}
+    with torch.no_grad():
+        logits = auto(input_ids=torch.from_numpy(b["input_ids"]),
+                      attention_mask=torch.from_numpy(b["input_mask"])).logits.numpy()
+    exported = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    assert relative(exported.run(["logits"], b)[0], logits) < 1e-5

@@ -298,13 +298,13 @@ class ModelConfig:
     frozen: list[str] = opt(factory=list)
     """Parameter name patterns (fnmatch) that are not trained."""
     task: Optional[str] = None
-    """The head on the built-in model (null: its own, pretraining for bert, causal_lm for gpt2):
+    """The head on the built-in model (null: its own, pretraining for bert, causal_lm for gpt2 and llama):
     `sequence_classification` (bert) puts a classifier on the pooled [CLS] token, as transformers'
     BertForSequenceClassification, trained on the dataset feature `labels` (`trainrun-data labelled`)
     with cross-entropy, or with mean squared error when num_labels is 1 (regression);
     `token_classification` (bert) a classifier on every token (BertForTokenClassification; labels -100
-    ignored); `sequence_classification` (gpt2): the last token's state -> `score` (GPT2ForSequenceClassification,
-    reading `input_ids` and `input_mask`). Eval adds `accuracy` and macro `f1` (regression: `pearson`,
+    ignored); `sequence_classification` (gpt2, llama): the last token's state -> `score` (GPT2ForSequenceClassification,
+    LlamaForSequenceClassification and Qwen2's and Mistral's, reading `input_ids` and `input_mask`). Eval adds `accuracy` and macro `f1` (regression: `pearson`,
     `spearman`)."""
     num_labels: int = opt(2, min=1)
     """Classes of model.task's head (1: a regression); must equal the train dataset's num_labels."""

@@ -18,8 +18,8 @@ import onnx
 from onnx import TensorProto, helper
 
 from ..config import GPT2Config
-from .onnx_builder import MASK_VALUE, Graph
-from .registry import Family, Transformers, register
+from .onnx_builder import CLS_INPUTS, MASK_VALUE, Graph, last_token_head, right_padded_sample
+from .registry import Family, Transformers, classifier_config, register
 
 def param_specs(cfg: GPT2Config) -> dict[str, tuple[tuple[int, ...], str]]:
     """Every parameter's shape and initialisation (``normal``, ``proj``: the residual projections'
@@ -170,7 +170,7 @@ def build_gpt2(cfg: GPT2Config, weights: dict[str, np.ndarray], kv_cache: bool =
 
     hf = g.op("Reshape", [layer_norm(h, "transformer.ln_f"), seq_shape])
     if num_labels is not None:
-        return _classify(g, hf, num_labels)
+        return last_token_head(g, hf, E, num_labels, "gpt2")
     g.nodes.append(helper.make_node("MatMul", [hf, g.op("Transpose", ["transformer.wte.weight"], perm=[1, 0])],
                                     ["logits"], name="lm_head"))
 
@@ -185,47 +185,9 @@ def build_gpt2(cfg: GPT2Config, weights: dict[str, np.ndarray], kv_cache: bool =
     return g.model("gpt2", inputs, outputs)
 
 
-def _classify(g, hf, num_labels: int) -> onnx.ModelProto:
-    """GPT2ForSequenceClassification's head: the last token's state (the last of ``input_mask``'s ones;
-    transformers finds it as the last token that is not ``pad_token_id``, the same on right-padded data
-    whose padding id appears nowhere else) -> ``score`` (no bias) -> ``logits`` [batch, num_labels]."""
-    g.const("c_one", np.array(1, np.int64))
-    g.const("c_axis1", np.array([1], np.int64))
-    g.const("c_last_axis", np.array([-1], np.int64))
-    last = g.op("Sub", [g.op("ReduceSum", ["input_mask", "c_axis1"], keepdims=0), "c_one"])           # [B]
-    pooled = g.op("GatherND", [hf, g.op("Unsqueeze", [last, "c_last_axis"])], batch_dims=1)         # [B, E]
-    g.nodes.append(helper.make_node("Gemm", [pooled, "score.weight"], ["logits"], name="score", transB=1))
-    ids = [helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "seq"]) for n in CLS_INPUTS]
-    return g.model("gpt2", ids, [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", num_labels])])
-
-
-CLS_INPUTS = ["input_ids", "input_mask"]
-
-
 def classifier_specs(cfg: GPT2Config, num_labels: int) -> dict:
     """GPT2ForSequenceClassification's parameters: the transformer's and ``score.weight`` [num_labels, n_embd]."""
     return {**param_specs(cfg), "score.weight": ((num_labels, cfg.n_embd), "normal")}
-
-
-def _classifier_config(num_labels: int):
-    def config(cfg: GPT2Config, eos_id: int | None) -> tuple[dict, dict]:
-        values, ids = _transformers_config(cfg, eos_id)
-        names = {str(i): f"LABEL_{i}" for i in range(num_labels)}
-        # pad_token_id 0: the padding of `trainrun-data labelled` samples, where the last token is found
-        return {**values, "num_labels": num_labels, "id2label": names, "pad_token_id": 0,
-                "label2id": {v: int(k) for k, v in names.items()},
-                "problem_type": "single_label_classification"}, {**ids, "pad_token_id": 0}
-    return config
-
-
-def _sample_classified(cfg: GPT2Config, num_labels: int, rng) -> dict[str, np.ndarray]:
-    """Right-padded rows (id 0 only as padding) and their labels."""
-    ids = rng.integers(1, cfg.vocab_size, (4, 16))
-    mask = np.ones((4, 16), np.int64)
-    for b, n in enumerate((16, 9, 3, 12)):
-        ids[b, n:], mask[b, n:] = 0, 0
-    return {"input_ids": ids.astype(np.int64), "input_mask": mask,
-            "labels": rng.integers(0, num_labels, 4).astype(np.int64)}
 
 
 def with_task(task: str, num_labels: int) -> Family:
@@ -235,9 +197,9 @@ def with_task(task: str, num_labels: int) -> Family:
         init_weights=lambda cfg, seed: init_weights(cfg, seed, classifier_specs(cfg, num_labels)),
         param_specs=lambda cfg: classifier_specs(cfg, num_labels), inputs=tuple(CLS_INPUTS),
         logits="logits", sequence_inputs=True, kv_cache=None,
-        sample_batch=lambda cfg, rng: _sample_classified(cfg, num_labels, rng),
+        sample_batch=lambda cfg, rng: right_padded_sample(cfg.vocab_size, num_labels, rng),
         transformers=dataclasses.replace(FAMILY.transformers, architecture="GPT2ForSequenceClassification", tied={},
-                                         optional=("score.",), config=_classifier_config(num_labels)),
+                                         optional=("score.",), config=classifier_config(_transformers_config, num_labels)),
         tasks=(), task=None)
 
 

@@ -12,6 +12,7 @@ Reshape/Transpose/Split/Concat/Neg/Slice, Gather, Range/Less/Where for the causa
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -21,8 +22,8 @@ from onnx import TensorProto, helper
 
 from ..config import LlamaConfig
 from ..config.model import LLAMA_ARCHITECTURES
-from .onnx_builder import MASK_VALUE, Graph
-from .registry import Family, Transformers, register
+from .onnx_builder import CLS_INPUTS, MASK_VALUE, Graph, last_token_head, right_padded_sample
+from .registry import Family, Transformers, classifier_config, register
 
 EMBED = "model.embed_tokens.weight"
 HEAD = "lm_head.weight"
@@ -59,7 +60,7 @@ def param_specs(cfg: LlamaConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     return s
 
 
-def init_weights(cfg: LlamaConfig, seed: int) -> dict[str, np.ndarray]:
+def init_weights(cfg: LlamaConfig, seed: int, specs: dict | None = None) -> dict[str, np.ndarray]:
     """transformers' initialisation: N(0, initializer_range) weights and embeddings, biases 0, RMSNorm 1.
     Deterministic in ``seed``."""
     rng = np.random.default_rng(seed)
@@ -68,7 +69,7 @@ def init_weights(cfg: LlamaConfig, seed: int) -> dict[str, np.ndarray]:
         if init == "normal":
             return (rng.standard_normal(shape, dtype=np.float32) * np.float32(cfg.initializer_range)).astype(np.float32)
         return (np.ones if init == "ones" else np.zeros)(shape, np.float32)
-    return {name: make(shape, init) for name, (shape, init) in param_specs(cfg).items()}
+    return {name: make(shape, init) for name, (shape, init) in (specs or param_specs(cfg)).items()}
 
 
 def layers_above(cfg: LlamaConfig, name: str) -> int:
@@ -110,7 +111,8 @@ def rotary_tables(cfg: LlamaConfig) -> tuple[np.ndarray, np.ndarray]:
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
-def build_llama(cfg: LlamaConfig, weights: dict[str, np.ndarray], kv_cache: bool = False) -> onnx.ModelProto:
+def build_llama(cfg: LlamaConfig, weights: dict[str, np.ndarray], kv_cache: bool = False,
+                num_labels: int | None = None) -> onnx.ModelProto:
     """The forward graph with ``weights`` as initializers; input ``input_ids`` int64 [batch, seq], output
     ``logits`` float32 [batch, seq, vocab].
 
@@ -118,6 +120,9 @@ def build_llama(cfg: LlamaConfig, weights: dict[str, np.ndarray], kv_cache: bool
     ``past.{i}.value`` [batch, num_key_value_heads, past, head_dim] (keys after the rotary embedding,
     transformers' cache layout; ``past`` may be 0) and returns ``present.{i}.key`` / ``present.{i}.value``
     [batch, num_key_value_heads, past + seq, head_dim]; positions start at ``past``.
+
+    ``num_labels``: <Model>ForSequenceClassification's head in place of the LM head (inputs ``input_ids``
+    and ``input_mask``, output ``logits`` [batch, num_labels]: :func:`~.onnx_builder.last_token_head`).
     """
     E, H, KV, D = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads, cfg.heads_dim
     G = H // KV
@@ -205,6 +210,8 @@ def build_llama(cfg: LlamaConfig, weights: dict[str, np.ndarray], kv_cache: bool
         h = g.op("Add", [h, linear(act, p + ".mlp.down_proj", cfg.mlp_bias)])
 
     hf = g.op("Reshape", [rms_norm(h, "model.norm.weight"), seq_shape])
+    if num_labels is not None:
+        return last_token_head(g, hf, E, num_labels, "llama")
     head = EMBED if cfg.tie_word_embeddings else HEAD
     g.nodes.append(helper.make_node("MatMul", [hf, g.op("Transpose", [head], perm=[1, 0])], ["logits"],
                                     name="lm_head"))
@@ -256,6 +263,37 @@ def _transformers_tokenizer(eos: str | None) -> tuple[dict, dict]:
     return ({"bos_token": eos, "eos_token": eos} if eos else {}), {}
 
 
+def classifier_specs(cfg: LlamaConfig, num_labels: int) -> dict:
+    """<Model>ForSequenceClassification's parameters: the decoder's (no LM head) and ``score.weight``
+    [num_labels, hidden_size]."""
+    specs = {n: spec for n, spec in param_specs(cfg).items() if n != HEAD}
+    return {**specs, "score.weight": ((num_labels, cfg.hidden_size), "normal")}
+
+
+def _sequence_classification(config):
+    """``config`` of the causal LM's class as that of its <Model>ForSequenceClassification."""
+    def classifier(cfg: LlamaConfig, eos_id: int | None) -> tuple[dict, dict]:
+        values, ids = config(cfg, eos_id)
+        name = LLAMA_ARCHITECTURES[cfg.model_type].replace("ForCausalLM", "ForSequenceClassification")
+        return {**values, "architectures": [name]}, ids
+    return classifier
+
+
+def with_task(task: str, num_labels: int) -> Family:
+    """The family with ``model.task``'s head: sequence_classification (LlamaForSequenceClassification's
+    last-token pooling, and Qwen2's and Mistral's)."""
+    return dataclasses.replace(
+        FAMILY, build=lambda cfg, w: build_llama(cfg, w, num_labels=num_labels),
+        init_weights=lambda cfg, seed: init_weights(cfg, seed, classifier_specs(cfg, num_labels)),
+        param_specs=lambda cfg: classifier_specs(cfg, num_labels), inputs=tuple(CLS_INPUTS), kv_cache=None,
+        sample_batch=lambda cfg, rng: right_padded_sample(cfg.vocab_size, num_labels, rng),
+        transformers=dataclasses.replace(FAMILY.transformers, architecture="LlamaForSequenceClassification", tied={},
+                                         optional=("score.",),
+                                         config=_sequence_classification(classifier_config(_transformers_config,
+                                                                                           num_labels))),
+        tasks=(), task=None)
+
+
 FAMILY = register(Family(
     name="llama", section=LlamaConfig, build=build_llama, init_weights=init_weights, param_specs=param_specs,
     inputs=("input_ids",), logits="logits", sequence_inputs=True,
@@ -263,4 +301,4 @@ FAMILY = register(Family(
     layers_above=layers_above,
     transformers=Transformers(architecture="LlamaForCausalLM", model_type="llama", prefix="model.",
                               tied={HEAD: EMBED}, config=_transformers_config, tokenizer=_transformers_tokenizer),
-    tasks=("causal_lm",)))
+    tasks=("causal_lm", "sequence_classification"), task=lambda task, n: with_task(task, n)))

@@ -1,11 +1,12 @@
 """What every built-in model's graph builder shares: the opset and IR version they write, the additive
-attention mask value, and :class:`Graph`, a minimal node emitter (unique names, initializers, nodes)."""
+attention mask value, :class:`Graph`, a minimal node emitter (unique names, initializers, nodes), and the
+decoders' last-token classification head (:func:`last_token_head`) with its sample batch."""
 
 from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 OPSET = 17
 IR_VERSION = 9
@@ -37,3 +38,31 @@ class Graph:
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="trainrun")
         model.ir_version = IR_VERSION
         return model
+
+
+CLS_INPUTS = ["input_ids", "input_mask"]
+
+
+def last_token_head(g: Graph, hidden: str, width: int, num_labels: int, name: str) -> onnx.ModelProto:
+    """A decoder's sequence classification head (transformers' <Model>ForSequenceClassification): the last
+    token's state (the last of ``input_mask``'s ones; transformers finds it as the last token that is not
+    ``pad_token_id``, the same on right-padded data whose padding id appears nowhere else) of ``hidden``
+    [batch, seq, width] -> ``score`` (no bias) -> ``logits`` [batch, num_labels]."""
+    g.const("c_one", np.array(1, np.int64))
+    g.const("c_axis1", np.array([1], np.int64))
+    g.const("c_last_axis", np.array([-1], np.int64))
+    last = g.op("Sub", [g.op("ReduceSum", ["input_mask", "c_axis1"], keepdims=0), "c_one"])           # [B]
+    pooled = g.op("GatherND", [hidden, g.op("Unsqueeze", [last, "c_last_axis"])], batch_dims=1)     # [B, width]
+    g.nodes.append(helper.make_node("Gemm", [pooled, "score.weight"], ["logits"], name="score", transB=1))
+    ids = [helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "seq"]) for n in CLS_INPUTS]
+    return g.model(name, ids, [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", num_labels])])
+
+
+def right_padded_sample(vocab_size: int, num_labels: int, rng) -> dict[str, np.ndarray]:
+    """Right-padded rows (id 0 only as padding) and their labels: a valid batch of a last-token head."""
+    ids = rng.integers(1, vocab_size, (4, 16))
+    mask = np.ones((4, 16), np.int64)
+    for b, n in enumerate((16, 9, 3, 12)):
+        ids[b, n:], mask[b, n:] = 0, 0
+    return {"input_ids": ids.astype(np.int64), "input_mask": mask,
+            "labels": rng.integers(0, num_labels, 4).astype(np.int64)}

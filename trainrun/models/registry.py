@@ -108,6 +108,19 @@ class Family:
         return dataclasses.replace(section, **{f: 0.0 for f in self.dropout_fields})
 
 
+def classifier_config(config: Callable[[Any, Optional[int]], tuple[dict, dict]], num_labels: int):
+    """A family's :attr:`Transformers.config` for its sequence classification head: ``config``'s values with
+    num_labels, LABEL_<i> names and pad_token_id 0 (the padding of ``trainrun-data labelled`` samples,
+    where transformers finds the last token)."""
+    def classifier(section, eos_id: Optional[int]) -> tuple[dict, dict]:
+        values, ids = config(section, eos_id)
+        names = {str(i): f"LABEL_{i}" for i in range(num_labels)}
+        return {**values, "num_labels": num_labels, "id2label": names, "pad_token_id": 0,
+                "label2id": {v: int(k) for k, v in names.items()},
+                "problem_type": "single_label_classification"}, {**ids, "pad_token_id": 0}
+    return classifier
+
+
 _FAMILIES: dict[str, Family] = {}
 
 
