@@ -662,3 +662,15 @@ def max_pool_padded(y, auto_pad, kernel, stride):
     (top, bottom), (left, right) = [same_pads(n, kernel, stride, auto_pad == "SAME_UPPER") for n in y.shape[2:]]
     padded = torch.nn.functional.pad(y, (left, right, top, bottom), value=-float("inf"))
     return torch.nn.functional.max_pool2d(padded, kernel, stride)
+
+
+def test_pad_constant_mode():
+    """Pad's constant mode (pads as a constant input, a nonzero fill); the fill value gets no gradient;
+    reflect mode refused by name."""
+    check([node("Pad", ["x", "pads", "fill"])], {"x": rand(2, 3, 4)}, ["x"],
+          lambda t: torch.nn.functional.pad(t["x"], (2, 0, 0, 1, 1, 0), value=0.5),
+          initializers={"pads": np.array([1, 0, 2, 0, 1, 0]), "fill": np.array(0.5)})
+    reflect = model_of([node("Pad", ["x", "pads"], mode="reflect")], {"x": rand(2, 4)},
+                       {"pads": np.array([0, 1, 0, 1])})
+    with pytest.raises(NoGradient, match="Pad node 'pad_x_pads'.*mode reflect"):
+        differentiate(reflect, ["x"], "loss")

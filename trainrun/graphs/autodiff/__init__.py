@@ -5,7 +5,7 @@ on stock onnxruntime (``graphs.builder: trainrun``, :func:`trainrun.graphs.gradi
 * :mod:`.elementwise`    Add Sub Mul Div Neg Pow Sqrt Exp Log Tanh Sigmoid Relu Erf Where Cast Identity Abs
                          Reciprocal Softplus LeakyRelu Gelu Clip Sum Min Max Dropout
 * :mod:`.matrix`         MatMul Gemm
-* :mod:`.shape`          Reshape Transpose Unsqueeze Squeeze Flatten Concat Slice Split Expand
+* :mod:`.shape`          Reshape Transpose Unsqueeze Squeeze Flatten Concat Slice Split Expand Pad
 * :mod:`.reductions`     ReduceSum ReduceMean Softmax LogSoftmax
 * :mod:`.normalisation`  LayerNormalization
 * :mod:`.indexing`       Gather (an embedding table's rows)

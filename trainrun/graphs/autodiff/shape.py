@@ -50,3 +50,21 @@ def _slice(s: Step):
 @gradient("Expand")
 def _expand(s: Step):
     return [s.sum_to(s.dy[0], 0), None]
+
+
+@gradient("Pad")
+def _pad(s: Step):
+    """Constant mode: dy cut back to the input (pads at least 0; an axes input, opset 18, names the padded
+    axes); the fill value gets none."""
+    mode = s.attr("mode", b"constant")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    if mode != "constant":
+        raise s.unsupported(f"mode {mode} (constant only)")
+    pads = [int(p) for p in s.value(1)]
+    if min(pads) < 0:
+        raise s.unsupported("a negative pad (a crop)")
+    rank = s.emit.rank(s.x[0], s.node)
+    axes = [int(a) % rank for a in s.value(3)] if len(s.x) > 3 and s.x[3] else list(range(rank))
+    begin = s.const(pads[:len(axes)])
+    ends = s.op("Add", [s.op("Gather", [s.op("Shape", [s.x[0]]), s.const(axes)]), begin])
+    return [s.op("Slice", [s.dy[0], begin, ends, s.const(axes)])] + [None] * (len(s.x) - 1)
