@@ -136,7 +136,7 @@ def export(checkpoint, output, fmt, kv_cache, tokenizer, opset, with_loss, best)
 @click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False),
               help="A tokenizer.json (default: the one the run recorded from its data).")
 def generate(source, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_samples, tokenizer):
-    """Sample text from a GPT-2: SOURCE is a model.onnx (an export; the run's tokenizer is looked
+    """Sample text from a GPT-2 or Llama-family model: SOURCE is a model.onnx (an export; the run's tokenizer is looked
     for beside it), a checkpoint or a run directory (its latest checkpoint). Tokens are printed as
     they come."""
     from .generate import run_generate

@@ -425,7 +425,7 @@ class Config:
     run: RunConfig = opt(factory=RunConfig)
     """Run identity and logging."""
     model: ModelConfig = opt(factory=ModelConfig)
-    """The model: a built-in GPT-2 or BERT, or a user's forward ONNX."""
+    """The model: a built-in GPT-2, BERT or Llama-family decoder, or a user's forward ONNX."""
     data: DataConfig = opt(factory=DataConfig)
     """Datasets."""
     train: TrainConfig = opt(factory=TrainConfig)
