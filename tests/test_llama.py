@@ -416,3 +416,31 @@ def test_a_classifier_fine_tuned_from_a_causal_lm_folder_trains_and_exports(tmp_
                       attention_mask=torch.from_numpy(b["input_mask"])).logits.numpy()
     exported = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
     assert relative(exported.run(["logits"], b)[0], logits) < 1e-5
+
+
+def test_bad_llama_sections_exit_2_naming_each_key(tmp_path, byte_dataset):
+    """model.llama's own checks, all reported at once, each with its key; and a section given beside an
+    init_from folder that disagrees with its config.json."""
+    bad = dict(VARIANTS["qwen2_bias"], vocab_size=300, num_key_value_heads=3, attention_bias=False,
+               rope_scaling={"rope_type": "yarn", "factor": 4.0}, sliding_window=16)
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, model={"builtin": "llama", "llama": bad})
+    p = run([TRAINRUN, "config", "validate", "--config", cfg], check=2)
+    for says in ("model.llama.num_key_value_heads: must divide num_attention_heads (4), got 3",
+                 "model.llama.attention_bias: qwen2 has q/k/v biases: set it true",
+                 "model.llama.rope_scaling: rope_type 'yarn' is not one of: default, linear, llama3",
+                 "model.llama.sliding_window: a window is built for mistral only, not qwen2"):
+        assert says in p.stderr, (says, p.stderr)
+    odd = dict(VARIANTS["llama3_gqa"], vocab_size=300, head_dim=None, hidden_size=66,
+               rope_scaling={"rope_type": "linear"})
+    cfg = write_config(tmp_path / "d.yaml", byte_dataset, model={"builtin": "llama", "llama": odd})
+    p = run([TRAINRUN, "config", "validate", "--config", cfg], check=2)
+    assert "model.llama.num_attention_heads: must divide hidden_size (66), got 4 (or give head_dim)" in p.stderr
+    assert "model.llama.rope_scaling: rope_type linear needs factor (numbers)" in p.stderr
+
+    shape = dict(VARIANTS["smollm2_tied"], vocab_size=300)
+    hf_model(shape, random_weights(shape, 1)).save_pretrained(tmp_path / "pre")
+    cfg = write_config(tmp_path / "e.yaml", byte_dataset, model={
+        "builtin": "llama", "init_from": str(tmp_path / "pre"), "llama": dict(shape, num_key_value_heads=1)})
+    p = run([TRAINRUN, "config", "validate", "--config", cfg], check=2)
+    assert f"model.llama.num_key_value_heads: 1, but model.init_from's {tmp_path / 'pre' / 'config.json'} says 3" \
+        in p.stderr
