@@ -1,15 +1,20 @@
 # trainrun: every target does its own set-up on a fresh clone.
-PYTHON ?= $(shell for p in python3.11 python3.12 python3.10 python3; do \
-             command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(not (3,10) <= sys.version_info[:2] <= (3,12))' && echo $$p && break; done)
+# Python 3.10 or newer, 3.11 preferred (the test extra's torch wheel); on 3.13 and newer the onnxruntime
+# is the stock one (pyproject.toml)
+PYTHON ?= $(shell for p in python3.11 python3.12 python3.10 python3.13 python3; do \
+             $$p -c 'import sys; sys.exit(sys.version_info[:2] < (3,10))' >/dev/null 2>&1 && echo $$p && break; done)
+# Python 3.13 for make test-py313: on PATH, else pyenv's
+PYTHON313 ?= $(shell for p in python3.13 $$(pyenv root 2>/dev/null)/versions/3.13*/bin/python3.13; do \
+             $$p -c 'import sys; sys.exit(sys.version_info[:2] != (3,13))' >/dev/null 2>&1 && echo $$p && break; done)
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP_RUN  := $(VENV)/.installed-run
 STAMP_TEST := $(VENV)/.installed-test
 
-.PHONY: setup setup-test test test-cluster test-gpu demo bench bench-124m bench-cluster docs clean
+.PHONY: setup setup-test test test-stock test-py313 test-cluster test-gpu demo bench bench-124m bench-cluster docs clean
 
 $(BIN)/python:
-	@test -n "$(PYTHON)" || { echo "trainrun needs Python 3.10-3.12 on PATH" >&2; exit 2; }
+	@test -n "$(PYTHON)" || { echo "trainrun needs Python 3.10 or newer on PATH" >&2; exit 2; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
@@ -28,6 +33,40 @@ setup-test: $(STAMP_TEST)
 test: $(STAMP_TEST)
 	$(BIN)/python -m pytest -q -m "not gpu and not cluster" $(PYTEST_ARGS)
 
+# The suite with stock onnxruntime instead of onnxruntime-training, in its own venv (.venv-stock, the same
+# Python as .venv): trainrun --no-deps, then the requirements Python 3.13 resolves to and the test extra
+# (scripts/requirements.py --stock). The tests that need onnxruntime-training itself (marker ort_training)
+# skip there, saying so.
+VENV_STOCK  := .venv-stock
+STAMP_STOCK := $(VENV_STOCK)/.installed-stock
+$(STAMP_STOCK): pyproject.toml scripts/requirements.py
+	@test -n "$(PYTHON)" || { echo "trainrun needs Python 3.10 or newer on PATH" >&2; exit 2; }
+	test -x $(VENV_STOCK)/bin/python || $(PYTHON) -m venv $(VENV_STOCK)
+	$(VENV_STOCK)/bin/pip install -q packaging
+	$(VENV_STOCK)/bin/pip install -q --no-deps -e .
+	$(VENV_STOCK)/bin/pip install -q $$($(VENV_STOCK)/bin/python scripts/requirements.py --stock test)
+	$(VENV_STOCK)/bin/pip uninstall -q -y onnxruntime-training onnxruntime-training-cpu 2>/dev/null; true
+	@touch $@
+
+test-stock: $(STAMP_STOCK)
+	PATH=$(CURDIR)/$(VENV_STOCK)/bin:$$PATH $(VENV_STOCK)/bin/python -m pytest -q -m "not gpu and not cluster" $(PYTEST_ARGS)
+
+# Python 3.13 (.venv-py313): trainrun with its plain dependencies (stock onnxruntime), the demo, then every
+# test that needs no torch: the test extra without torch and transformers (their tests skip, saying so)
+VENV_PY313  := .venv-py313
+STAMP_PY313 := $(VENV_PY313)/.installed-py313
+$(STAMP_PY313): pyproject.toml scripts/requirements.py
+	@test -n "$(PYTHON313)" || { echo "make test-py313 needs python3.13 (on PATH or pyenv's; or PYTHON313=...)" >&2; exit 2; }
+	test -x $(VENV_PY313)/bin/python || $(PYTHON313) -m venv $(VENV_PY313)
+	$(VENV_PY313)/bin/pip install -q packaging
+	$(VENV_PY313)/bin/pip install -q -e .
+	$(VENV_PY313)/bin/pip install -q $$($(VENV_PY313)/bin/python scripts/requirements.py --without torch --without transformers test)
+	@touch $@
+
+test-py313: $(STAMP_PY313)
+	PATH=$(CURDIR)/$(VENV_PY313)/bin:$$PATH bash scripts/demo.sh
+	PATH=$(CURDIR)/$(VENV_PY313)/bin:$$PATH $(VENV_PY313)/bin/python -m pytest -q -m "not gpu and not cluster" $(PYTEST_ARGS)
+
 # The multi-node suite (tests/test_cluster.py) on 2 pretend nodes (scripts/cluster/cluster.sh, root only) and
 # under a real SLURM on them (tests/test_slurm.py; as root, SLURM and munge are installed with apt-get when
 # missing): skipped where namespaces cannot be made or SLURM is missing, failed then under
@@ -44,7 +83,7 @@ test-cluster: $(STAMP_TEST)
 VENV_GPU  := .venv-gpu
 STAMP_GPU := $(VENV_GPU)/.installed-gpu
 $(STAMP_GPU): pyproject.toml
-	@test -n "$(PYTHON)" || { echo "trainrun needs Python 3.10-3.12 on PATH" >&2; exit 2; }
+	@test -n "$(PYTHON)" || { echo "trainrun needs Python 3.10 or newer on PATH" >&2; exit 2; }
 	test -x $(VENV_GPU)/bin/python || $(PYTHON) -m venv $(VENV_GPU)
 	$(VENV_GPU)/bin/pip install -q $(if $(WHEELS),--no-index --find-links $(WHEELS)) -e '.[gpu]' 'pytest>=8' 'pytest-timeout>=2.3'
 	@touch $@
@@ -75,4 +114,4 @@ docs: $(STAMP_RUN)
 	$(BIN)/python scripts/gen_config_docs.py
 
 clean:
-	rm -rf $(VENV) $(VENV_GPU) runs build *.egg-info
+	rm -rf $(VENV) $(VENV_GPU) $(VENV_STOCK) $(VENV_PY313) runs build *.egg-info

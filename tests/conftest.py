@@ -1,6 +1,8 @@
 """Shared test helpers: paths to the venv's tools and a subprocess runner with a timeout."""
 
+import functools
 import glob
+import importlib.util
 import os
 import subprocess
 import sys
@@ -12,6 +14,38 @@ BIN = os.path.dirname(sys.executable)
 TRAINRUN = os.path.join(BIN, "trainrun")
 TRAINRUN_DATA = os.path.join(BIN, "trainrun-data")
 MPIRUN = os.path.join(BIN, "mpirun")
+
+
+@functools.cache
+def ort_training_missing() -> str | None:
+    """Why onnxruntime-training's own gradient builder cannot run here (the stock onnxruntime is
+    installed: make test-stock, make test-py313), or None."""
+    from trainrun.sessions import import_onnxruntime
+    ort = import_onnxruntime()
+    if hasattr(ort.capi._pybind_state, "GradientGraphBuilder"):
+        return None
+    return (f"needs onnxruntime-training (its GradientGraphBuilder); this venv has the stock onnxruntime "
+            f"{ort.__version__}")
+
+
+def torch_missing() -> str | None:
+    """Why the test extra's torch and transformers cannot be used here (make test-py313), or None."""
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    return f"needs {' and '.join(missing)} (the test extra), not installed here" if missing else None
+
+
+def optional(module: str):
+    """``module`` (torch, transformers), or None where the test extra did not install it: a test module that
+    imports it this way marks the tests using it ``torch``, so that the others run without it."""
+    return None if importlib.util.find_spec(module) is None else importlib.import_module(module)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Markers ort_training and torch: skip, with the reason, where what the test needs is not installed."""
+    for item in items:
+        for marker, missing in (("ort_training", ort_training_missing), ("torch", torch_missing)):
+            if item.get_closest_marker(marker) is not None and (why := missing()):
+                item.add_marker(pytest.mark.skip(reason=why))
 
 
 def run(cmd, timeout=300, check=None, env=None, cwd=None):

@@ -6,11 +6,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from trainrun.graphs.autodiff import NoGradient, differentiate
 from trainrun.models.onnx_builder import OPSET
+
+torch = pytest.importorskip("torch", reason="needs torch (the test extra), not installed here")
 
 F64, F32 = np.float64, np.float32
 ONNX_TYPE = {F64: TensorProto.DOUBLE, F32: TensorProto.FLOAT}

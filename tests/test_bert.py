@@ -3,12 +3,13 @@
 import numpy as np
 import onnxruntime as ort
 import pytest
-import torch
 
 from trainrun import config as C
 from trainrun.graphs.manifest import prepare
 from trainrun.engine import Engine, EngineOptions
 from trainrun.models.bert import INPUTS, TIED, build_bert, init_weights, param_count, sample_inputs
+
+torch = pytest.importorskip("torch", reason="needs torch (the test extra), not installed here")
 
 SHAPES = [
     dict(vocab_size=97, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,

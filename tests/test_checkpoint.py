@@ -323,6 +323,7 @@ def test_checkpoint_write_holds_its_step_without_a_copy_of_the_buffers(tmp_path)
     assert peak < 3 * n * 4 / 2, peak
 
 
+@pytest.mark.torch
 def test_export_matches_transformers_and_runs_in_plain_onnxruntime(tmp_path, byte_dataset):
     # non-default LayerNorm epsilon (transformers must agree) and initialisation scale
     shape = {"n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 32, "vocab_size": 512,

@@ -101,6 +101,7 @@ def test_trained_wordpiece_is_the_same_bytes_in_another_process(built, tmp_path)
     assert tree_bytes(out) == tree_bytes(built / "a")
 
 
+@pytest.mark.torch
 def test_tokenizer_adds_cls_and_sep_as_the_samples_hold_them(built, tmp_path):
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast

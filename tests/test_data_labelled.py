@@ -71,6 +71,7 @@ def _bytes(d):
     return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
 
 
+@pytest.mark.torch
 def test_pairs_match_transformers_and_every_format_gives_the_same_bytes(tmp_path, tokenizer):
     import datasets
     import pyarrow as pa
@@ -155,6 +156,7 @@ def test_regression_ids_and_label_names(tmp_path, tokenizer):
     assert [int(s["labels"]) for s in R.tensor_samples(str(tmp_path / "names" / "train"))] == [i % 3 for i in range(12)]
 
 
+@pytest.mark.torch
 def test_token_classification_labels_first_subtokens_as_transformers_examples(tmp_path, tokenizer):
     from transformers import BertTokenizerFast
     rng = np.random.default_rng(3)

@@ -8,9 +8,8 @@ import os
 import numpy as np
 import onnx
 import pytest
-import torch
 
-from conftest import assert_matches_torch, hf_gpt2, mpirun, read_metrics, write_config
+from conftest import assert_matches_torch, hf_gpt2, mpirun, read_metrics, write_config, optional
 
 from trainrun import config as C
 from trainrun.graphs.dropout_nodes import dropout_masks
@@ -18,6 +17,8 @@ from trainrun.graphs.manifest import load_manifest, prepare
 from trainrun.graphs.names import MASK_PREFIX
 from trainrun.engine import Engine, EngineOptions
 from trainrun.models.gpt2 import build_gpt2, init_weights
+
+torch = optional("torch")
 
 SHAPE = dict(n_layer=2, n_head=4, n_embd=64, n_positions=64, vocab_size=300)
 
@@ -88,18 +89,18 @@ def test_masks_are_keyed_by_sample_not_by_micro_batch(tmp_path):
     assert not any(np.array_equal(other_seed.buffers[k], v) for k, v in halves[0].items())
 
 
-class FixedMask(torch.nn.Module):
+def fixed_mask(mask):
     """A dropout module that applies a given (already scaled) mask."""
+    class FixedMask(torch.nn.Module):
+        def forward(self, x):
+            assert x.shape == self.mask.shape
+            return x * self.mask
+    module = FixedMask()
+    module.mask = torch.from_numpy(mask)
+    return module
 
-    def __init__(self, mask):
-        super().__init__()
-        self.mask = torch.from_numpy(mask)
 
-    def forward(self, x):
-        assert x.shape == self.mask.shape
-        return x * self.mask
-
-
+@pytest.mark.torch
 def test_gradients_match_transformers_with_the_same_masks(tmp_path):
     eng = make_engine(tmp_path, 0.1, 4, 32)
     weights = {k: v.copy() for k, v in eng.layout.unflatten(eng.params).items()}
@@ -111,10 +112,10 @@ def test_gradients_match_transformers_with_the_same_masks(tmp_path):
     hf = hf_gpt2(SHAPE, weights).train()
     hf.set_attn_implementation("eager")
     # the graph's order: embeddings, then per block attention probabilities, attn c_proj, mlp c_proj
-    hf.transformer.drop = FixedMask(masks[0])
+    hf.transformer.drop = fixed_mask(masks[0])
     for i, block in enumerate(hf.transformer.h):
         block.attn.reorder_and_upcast_attn = True        # the eager path that calls attn_dropout
-        block.attn.attn_dropout, block.attn.resid_dropout, block.mlp.dropout = map(FixedMask, masks[1 + 3 * i:4 + 3 * i])
+        block.attn.attn_dropout, block.attn.resid_dropout, block.mlp.dropout = map(fixed_mask, masks[1 + 3 * i:4 + 3 * i])
     # float32 (eps 1.2e-7) with different summation orders in both libraries: errors relative to a tensor's
     # largest gradient stay a few eps times the reduction depth (sums over 128 tokens and 64..300 features),
     # measured <= 1e-6 here; 1e-5 leaves 10x for other CPUs/thread counts, while a wrong mask or a mask
@@ -198,6 +199,7 @@ def test_two_ranks_equal_one_rank_with_accumulation_with_dropout(tmp_path, byte_
     np.testing.assert_allclose(losses(str(tmp_path / "run")), losses(straight), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.torch
 def test_a_users_onnx_dropouts_become_masks(tmp_path):
     """transformers' GPT-2 exported by torch.onnx in training mode: its Dropouts in training mode get
     masks (the exporter writes SDPA's attention dropout without training_mode: ONNX's inference mode)."""

@@ -143,6 +143,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.torch
 def test_user_onnx_model_trains_like_the_reference_and_resumes_exactly(tmp_path, mlp_data, case):
     import yaml
     from safetensors.numpy import load_file

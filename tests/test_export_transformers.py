@@ -73,6 +73,7 @@ def _init_from_matches(tmp_path, data_dir, hf_dir, ckpt, **over):
         assert np.array_equal(again[name], final[name]), name
 
 
+@pytest.mark.torch
 def test_gpt2_loads_in_transformers_offline_and_matches_the_onnx_export(tmp_path, bpe_dataset):
     from tokenizers import Tokenizer
     model = {"builtin": "gpt2", "gpt2": {"n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 32,
@@ -114,6 +115,7 @@ def test_gpt2_loads_in_transformers_offline_and_matches_the_onnx_export(tmp_path
     assert (tmp_path / "hf2" / "tokenizer.json").read_bytes() == other.read_bytes()
 
 
+@pytest.mark.torch
 def test_bert_loads_as_bert_for_pretraining_and_matches_the_onnx_export(tmp_path):
     from tokenizers import Tokenizer
     from trainrun.config import BertConfig

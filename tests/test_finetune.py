@@ -8,13 +8,14 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 from safetensors.numpy import load_file
 
-from conftest import ROOT, TRAINRUN, TRAINRUN_DATA, mpirun, read_metrics, run, write_config
+from conftest import ROOT, TRAINRUN, TRAINRUN_DATA, mpirun, read_metrics, run, write_config, optional
 from trainrun import checkpoint as K
 from trainrun import config as C
 from trainrun.models import registry
+
+torch = optional("torch")
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import reference as R  # noqa: E402  (reads the .pb files without trainrun)
@@ -74,6 +75,7 @@ def _hf(task, num_labels, weights):
 
 @pytest.mark.parametrize("task, num_labels", [("sequence_classification", 3), ("sequence_classification", 1),
                                               ("token_classification", 4)])
+@pytest.mark.torch
 def test_logits_match_transformers(task, num_labels):
     """The prepared graph's logits (a regression's predictions too) and loss equal transformers' Bert
     For{Sequence,Token}Classification's (tokens labelled -100 ignored)."""
@@ -123,6 +125,7 @@ def _auto_logits(hf_dir, samples):
                             attention_mask=batch["input_mask"]).logits.numpy()
 
 
+@pytest.mark.torch
 def test_fine_tune_from_a_transformers_folder(tmp_path, labelled):
     """From a BertForPreTraining folder: the encoder and pooler are its weights, the classifier fresh
     (normal(0, 0.02), bias 0); the run's loss falls; eval_accuracy and eval_f1 equal scikit-learn's on
@@ -176,6 +179,7 @@ def test_fine_tune_from_a_transformers_folder(tmp_path, labelled):
     assert set(held) == set(exported) and all(np.array_equal(held[k], exported[k]) for k in held)
 
 
+@pytest.mark.torch
 def test_fine_tune_from_a_trainrun_pre_training_run(tmp_path, labelled):
     """The recipe's path (scripts/recipe_topics.py) in small: a BERT pre-trained by trainrun (masked LM and next
     sentence, `trainrun-data bert` with the labelled set's tokenizer) and exported with --format transformers is
@@ -220,6 +224,7 @@ def test_fine_tune_from_a_trainrun_pre_training_run(tmp_path, labelled):
     np.testing.assert_allclose(onnx_logits, logits, atol=1e-4)
 
 
+@pytest.mark.torch
 def test_regression_on_two_ranks_matches_scipy(tmp_path, labelled):
     """num_labels 1: mse; on 2 ranks eval_pearson / eval_spearman over both ranks' samples equal scipy's
     on the exported model's predictions (problem_type regression); keep_best ranks by eval_spearman and
@@ -252,6 +257,7 @@ def test_regression_on_two_ranks_matches_scipy(tmp_path, labelled):
     assert result["spearman"] == pytest.approx(evals[12]["eval_spearman"], abs=1e-6)
 
 
+@pytest.mark.torch
 def test_token_classification_run_and_export(tmp_path, labelled):
     """token_classification: a run's eval_accuracy / eval_f1 over the labelled tokens (the -100 ones left
     out) equal scikit-learn's on the predictions of the export, which AutoModelForTokenClassification loads."""
@@ -292,6 +298,7 @@ def test_token_classification_run_and_export(tmp_path, labelled):
 GPT2 = dict(n_layer=2, n_head=2, n_embd=32, n_positions=SEQ, vocab_size=160, dropout=0.0)
 
 
+@pytest.mark.torch
 def test_gpt2_sequence_classification_matches_transformers_and_trains(tmp_path, labelled):
     """gpt2 sequence_classification: the last token's state -> score (no bias); logits and loss equal
     GPT2ForSequenceClassification's (padding found by pad_token_id 0 there, by input_mask here); a run on

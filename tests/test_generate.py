@@ -51,6 +51,7 @@ def test_cache_passes_equal_one_full_pass():
         assert np.abs(out[0][r] - alone).max() <= 1e-4
 
 
+@pytest.mark.torch
 def test_greedy_tokens_equal_transformers_generate():
     import torch
     w = _weights(0)

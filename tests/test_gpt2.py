@@ -4,7 +4,6 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-import torch
 
 from trainrun import config as C
 from trainrun.graphs.gradients import build_train_graph, direct_gradients
@@ -14,7 +13,9 @@ from trainrun.graphs.names import GRAD_SUFFIX, LOSS, RESET
 from trainrun.engine import Engine, EngineOptions
 from trainrun.models.gpt2 import build_gpt2, init_weights, param_count
 
-from conftest import assert_matches_torch, hf_gpt2
+from conftest import assert_matches_torch, hf_gpt2, optional
+
+torch = optional("torch")
 
 SHAPES = [
     dict(n_layer=1, n_head=2, n_embd=32, n_positions=16, vocab_size=97),
@@ -24,6 +25,7 @@ SHAPES = [
 
 
 @pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.torch
 def test_logits_match_transformers(shape):
     gcfg = C.GPT2Config(**shape)
     weights = init_weights(gcfg, seed=7)
@@ -61,6 +63,7 @@ def make_engine(tmp_path, shape, batch, seq, **cfg_over):
     return eng
 
 
+@pytest.mark.torch
 def test_train_graph_gradients_match_torch(tmp_path, tiny_gpt2):
     eng = make_engine(tmp_path, tiny_gpt2, batch=4, seq=32, optimizer={"name": "sgd"})
     weights = {k: v.copy() for k, v in eng.layout.unflatten(eng.params).items()}
@@ -200,6 +203,7 @@ def test_tied_embedding_gradient_matches_numpy(head, axis):
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
+@pytest.mark.torch
 def test_vocabulary_sized_loss_and_tied_gradient_match_transformers(tmp_path):
     """The cross-entropy as LogSoftmax + NegativeLogLikelihoodLoss, its gradient from Exp(log_prob), the
     tied embedding's gradient added by ScatterElements (graphs.losses.split_cross_entropy,

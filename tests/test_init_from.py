@@ -6,7 +6,6 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 from safetensors.numpy import load_file
 
 from conftest import ROOT, TRAINRUN, TRAINRUN_DATA, mpirun, read_metrics, run, synthetic_text_dir, write_config
@@ -14,6 +13,8 @@ from test_bert import hf_forward
 from test_data_tools import expected_split
 from trainrun.models.bert import sample_inputs
 from trainrun import config as C
+
+torch = pytest.importorskip("torch", reason="needs torch (the test extra), not installed here")
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import reference as R  # noqa: E402

@@ -22,11 +22,13 @@ What float32 can promise on any machine, and so what is asserted:
 import os
 import sys
 
-import torch
+import pytest
 
 from trainrun import config as C
 
 from conftest import ROOT, adamw_windows, hf_gpt2, mpirun, read_metrics, write_config
+
+torch = pytest.importorskip("torch", reason="needs torch (the test extra), not installed here")
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import reference as R  # noqa: E402  (scripts/reference.py: the independent twins)

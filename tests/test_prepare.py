@@ -6,7 +6,6 @@ import os
 import numpy as np
 import onnx
 import pytest
-import torch
 import yaml
 from onnx import TensorProto, helper, numpy_helper
 
@@ -19,7 +18,9 @@ from trainrun.optim import state_names
 from trainrun.rundir import sha256_file
 from trainrun.update import optimizer_for
 
-from conftest import ROOT, TRAINRUN, run
+from conftest import ROOT, TRAINRUN, run, optional
+
+torch = optional("torch")
 
 
 def test_prepare_cli_writes_graphs(tmp_path):
@@ -73,6 +74,7 @@ def export_user_gpt2(path, shape, seq, pdrop=0.0):
     return hf
 
 
+@pytest.mark.torch
 def test_user_torch_onnx_gpt2_prepares_and_trains(tmp_path, tiny_gpt2):
     seq, batch = 16, 4
     hf = export_user_gpt2(tmp_path / "user.onnx", tiny_gpt2, seq)

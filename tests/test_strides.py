@@ -95,6 +95,7 @@ def _gpt2(tmp_path, seed, n_layer=1, setting="always", device="cpu"):
     return cfg, shape, {"input_ids": ((8, 128), np.int64), "labels": ((8, 128), np.int64)}
 
 
+@pytest.mark.torch
 def test_gpt2_with_1024_tokens_a_micro_batch_matches_transformers(tmp_path):
     """A micro-batch of 8 x 128 = 1024 tokens and an MLP of 1024: every weight gradient, the MLP's
     projection and its input's gradient are padded products in the train graph; the loss and every

@@ -144,6 +144,7 @@ FROZEN = ["features.0.*"]         # conv1 and its BatchNorm's scale/bias: not tr
 
 
 @pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.torch
 def test_squeezenet_matches_pytorch_on_the_same_batches(tmp_path, digits, world):
     """20 SGD steps (global batch 16: 1 rank x 16 or 2 ranks x 8, each normalising by its own batch) against
     PyTorch float64. From the SAME state a step is the same computation in another order, so the reference
@@ -432,6 +433,7 @@ def test_regression_trains_on_two_ranks_with_eval_mse_and_mae(tmp_path, tabular,
 
 
 @pytest.mark.parametrize("layout", ["classes_axis1", "sequence_last"])
+@pytest.mark.torch
 def test_cross_entropy_layouts_weights_and_accuracy_match_pytorch(tmp_path, layout):
     """class_axis 1 ([N, C, d], ONNX's layout) and -1 ([N, S, V]), with class weights and ignore_index: the
     eval graph's loss against torch's cross_entropy(weight, ignore_index), its top-1/top-5 sums against
@@ -484,6 +486,7 @@ def test_cross_entropy_layouts_weights_and_accuracy_match_pytorch(tmp_path, layo
 
 
 @pytest.mark.parametrize("case", ["axis1_weights", "last_weights", "vocab_split"])
+@pytest.mark.torch
 def test_label_smoothing_matches_torch(tmp_path, case):
     """model.loss.label_smoothing against torch.nn.functional.cross_entropy(label_smoothing=...) in float64,
     with ignore_index: class axis 1 and -1 with class weights, and 1100 classes (past SPLIT_MIN_CLASSES,
@@ -586,6 +589,7 @@ class TorchClassifier:
 
 
 @pytest.mark.parametrize("kind", ["cross_entropy", "nll_log_softmax"])
+@pytest.mark.torch
 def test_torch_exported_classifier_with_its_cross_entropy_trains_on_two_ranks(tmp_path, tabular, kind):
     """A classifier exported by torch.onnx.export whose output is its own cross-entropy (model.loss.output):
     trained with SGD on 2 ranks, each step's loss equals PyTorch's (float64, the same batches in the data's

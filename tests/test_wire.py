@@ -5,11 +5,12 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
-from conftest import TRAINRUN, mpirun, read_metrics, run, write_config
+from conftest import TRAINRUN, mpirun, read_metrics, run, write_config, optional
 from test_comm import results, run_ranks
 from trainrun.wire import from_bf16, to_bf16
+
+torch = optional("torch")
 
 
 def torch_bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -20,6 +21,7 @@ def torch_bf16(x: np.ndarray) -> np.ndarray:
     return torch.from_numpy(x).to(torch.bfloat16).to(torch.float32).numpy()
 
 
+@pytest.mark.torch
 def test_rounding_is_torchs_round_to_nearest_even():
     """Every rounding case (ties both ways, carries into the exponent, the largest finite values, subnormals,
     infinities, NaNs whose bits would wrap a naive rounding to zero or flip the sign) and random values."""
@@ -75,6 +77,7 @@ comm.close()
 
 
 @pytest.mark.parametrize("nprocs", [2, 3])
+@pytest.mark.torch
 def test_bf16_reduction_is_fp32_sums_of_bf16_rounded_values(tmp_path, nprocs):
     """Every rank ends with the same bits: bf16(fp32 sum in rank order of bf16(g_r)) (PyTorch's roundings), so
     within (2^-7 + P 2^-23) sum_r |g_r| of the exact (float64) sum, for each element; reduce_scatter leaves

@@ -1,0 +1,98 @@
+"""pyproject.toml and scripts/requirements.py: what a (non-editable) install holds, which onnxruntime each
+Python gets, and the requirement lists make test-stock and make test-py313 install."""
+
+import os
+import subprocess
+import sys
+import tomllib
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+
+from conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import requirements as R  # noqa: E402
+
+with open(os.path.join(ROOT, "pyproject.toml"), "rb") as _fh:
+    PYPROJECT = tomllib.load(_fh)
+
+
+def test_every_package_directory_is_installed():
+    """A wheel (pip install ., not -e) holds only the packages [tool.setuptools] lists: every directory
+    with an __init__.py under the mapped package directories must be there."""
+    tool = PYPROJECT["tool"]["setuptools"]
+    listed = set(tool["packages"])
+    found = set()
+    for package, directory in tool["package-dir"].items():
+        top = os.path.join(ROOT, directory)
+        for here, dirs, files in os.walk(top):
+            dirs[:] = [d for d in dirs if not d.startswith((".", "__"))]
+            if "__init__.py" in files:
+                rel = os.path.relpath(here, top)
+                found.add(package if rel == "." else package + "." + rel.replace(os.sep, "."))
+    missing = {p for p in found if not any(p == q for q in listed)}
+    assert not missing, f"pyproject.toml [tool.setuptools] packages lacks {sorted(missing)}"
+
+
+def _pinned(reqs):
+    return {Requirement(r).name: Requirement(r) for r in reqs}
+
+
+@pytest.mark.parametrize("python", ["3.10", "3.11", "3.12", "3.13", "3.14"])
+def test_requires_python_admits(python):
+    assert SpecifierSet(PYPROJECT["project"]["requires-python"]).contains(python + ".0")
+
+
+def test_onnxruntime_per_python():
+    """3.10-3.12: onnxruntime-training 1.19.2 and the onnx it reads (IR 10 at most); 3.13: stock onnxruntime
+    and an onnx with cp313 wheels; never both builds of the `onnxruntime` import package."""
+    import packaging.markers as M
+    for python, want in [("3.10", "onnxruntime-training"), ("3.11", "onnxruntime-training"),
+                         ("3.12", "onnxruntime-training-cpu"), ("3.13", "onnxruntime")]:
+        env = dict(M.default_environment(), python_version=python, python_full_version=python + ".0")
+        names = [Requirement(r) for r in PYPROJECT["project"]["dependencies"]]
+        chosen = {r.name: r for r in names if not r.marker or r.marker.evaluate(env)}
+        ort = [n for n in chosen if n.startswith("onnxruntime")]
+        assert ort == [want], (python, ort)
+        onnx = chosen["onnx"].specifier
+        assert onnx.contains("1.17.0") == (python != "3.13"), (python, onnx)
+        assert not onnx.contains("1.16.2") and onnx.contains("1.23.2") == (python == "3.13"), (python, onnx)
+
+
+def test_stock_requirement_list():
+    """make test-stock's list: stock onnxruntime (>= 1.20, the first with the ops trainrun's builder writes on
+    its CPU and CUDA providers) with the test extra's torch; make test-py313's: the test extra without torch."""
+    stock = _pinned(R.requirements(["test"], stock=True))
+    assert not [n for n in stock if n.startswith("onnxruntime-training")]
+    assert stock["onnxruntime"].specifier.contains("1.32.0") and not stock["onnxruntime"].specifier.contains("1.19.2")
+    assert "torch" in stock and "pytest" in stock and "numba" in stock
+    assert all(not Requirement(r).marker for r in R.requirements(["test"], stock=True))
+    here = _pinned(R.requirements([], stock=False))
+    assert ("onnxruntime" in here) == (sys.version_info >= (3, 13))
+    bare = _pinned(R.requirements(["test"], without=["torch", "Transformers"]))
+    assert "torch" not in bare and "transformers" not in bare and "pyarrow" in bare
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "requirements.py"), "nosuch"],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0 and "pyproject.toml has no extra nosuch" in proc.stderr
+
+
+def test_the_onnxruntime_in_use_reads_what_trainrun_writes():
+    """The graphs trainrun writes carry IR 9 whatever onnx writes by default (onnx >= 1.18: IR 11, which
+    onnxruntime 1.19 refuses): a session of the installed onnxruntime opens one."""
+    import numpy as np
+    from onnx import TensorProto, helper
+    from trainrun.graphs import onnx_edit
+    from trainrun.models import onnx_builder
+    from trainrun.sessions import import_onnxruntime
+    ort = import_onnxruntime()
+    g = onnx_builder.Graph()
+    y = g.op("Relu", ["x"])
+    model = g.model("relu", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                    [helper.make_tensor_value_info(y, TensorProto.FLOAT, [2])])
+    edited = onnx_edit.fresh(model, list(model.graph.node), list(model.graph.input), list(model.graph.output), [])
+    for m in (model, edited):
+        assert m.ir_version == 9
+        sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        assert sess.run(None, {"x": np.array([-1.0, 2.0], np.float32)})[0].tolist() == [0.0, 2.0]
