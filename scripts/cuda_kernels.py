@@ -1,9 +1,11 @@
-"""Derive trainrun/cuda_kernels.tsv: the element types onnxruntime-training 1.19.2's CUDA provider has a
-kernel for, per op. Run once per onnxruntime version (needs binutils' strings and c++filt):
+"""Derive a kernel table of trainrun/: the element types an onnxruntime build's CUDA provider has a kernel
+for, per op. Run once per onnxruntime build (needs binutils' strings and c++filt), from the provider library
+of its wheel (unzip it: no GPU and no install needed):
 
-    .venv/bin/python scripts/cuda_kernels.py \
-        .venv/lib/python3.11/site-packages/onnxruntime/capi/libonnxruntime_providers_cuda.so \
-        > trainrun/cuda_kernels.tsv
+    python scripts/cuda_kernels.py .venv/lib/python3.11/site-packages/onnxruntime/capi/libonnxruntime_providers_cuda.so \
+        "onnxruntime-training 1.19.2" > trainrun/cuda_kernels.tsv
+    python scripts/cuda_kernels.py onnxruntime_gpu-1.26.0/onnxruntime/capi/libonnxruntime_providers_cuda.so \
+        "onnxruntime-gpu 1.26.0" > trainrun/cuda_kernels_gpu.tsv
 
 The provider library is stripped of symbols, but keeps the RTTI type names of its kernel classes
 (``N11onnxruntime4cuda11SigmoidGradIfEE`` = ``onnxruntime::cuda::SigmoidGrad<float>``): a kernel
@@ -47,7 +49,7 @@ def split_args(args: str) -> list[str]:
     return out + [cur.strip()] if cur.strip() else out
 
 
-def main(library: str) -> None:
+def main(library: str, build: str) -> None:
     names = subprocess.run(["strings", "-n", "8", library], capture_output=True, text=True, check=True).stdout
     rtti = sorted({"_ZTS" + s for s in names.split() if NAME.match(s)})
     demangled = subprocess.run(["c++filt"], input="\n".join(rtti), capture_output=True, text=True,
@@ -69,7 +71,7 @@ def main(library: str) -> None:
             continue                      # an integer instantiation: the float types are what is checked
         for op in OPS.get(cls, [cls]):
             table.setdefault(op, set()).add(dtype or "*")
-    print("# op\tfloat element types with a CUDA kernel in onnxruntime-training 1.19.2 (* = not checked); "
+    print(f"# op\tfloat element types with a CUDA kernel in {build} (* = not checked); "
           "made by scripts/cuda_kernels.py")
     for op in sorted(table):
         types = table[op]
@@ -77,4 +79,4 @@ def main(library: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "onnxruntime-training 1.19.2")

@@ -1,6 +1,5 @@
 """Shared test helpers: paths to the venv's tools and a subprocess runner with a timeout."""
 
-import functools
 import glob
 import importlib.util
 import os
@@ -16,16 +15,12 @@ TRAINRUN_DATA = os.path.join(BIN, "trainrun-data")
 MPIRUN = os.path.join(BIN, "mpirun")
 
 
-@functools.cache
 def ort_training_missing() -> str | None:
     """Why onnxruntime-training's own gradient builder cannot run here (the stock onnxruntime is
     installed: make test-stock, make test-py313), or None."""
-    from trainrun.sessions import import_onnxruntime
-    ort = import_onnxruntime()
-    if hasattr(ort.capi._pybind_state, "GradientGraphBuilder"):
-        return None
-    return (f"needs onnxruntime-training (its GradientGraphBuilder); this venv has the stock onnxruntime "
-            f"{ort.__version__}")
+    from trainrun.graphs.gradients import ort_builder_missing
+    missing = ort_builder_missing()
+    return f"needs onnxruntime-training's gradient builder: {missing}" if missing else None
 
 
 def torch_missing() -> str | None:

@@ -22,8 +22,6 @@ from trainrun.graphs.names import GRAD_SUFFIX
 
 from conftest import MPIRUN, TRAINRUN, mpirun, rank_pids, read_metrics, run, write_config
 
-needs_ort_builder = pytest.mark.skipif(ort_builder_missing() is not None,
-                                       reason="onnxruntime-training's gradient builder is not installed")
 TINY = {"n_layer": 2, "n_head": 4, "n_embd": 64, "n_positions": 64, "vocab_size": 300}
 SHAPES = {"input_ids": ((2, 32), np.int64), "labels": ((2, 32), np.int64)}
 # the training build's ops: none may appear in a graph of trainrun's builder
@@ -53,7 +51,7 @@ def sha(path):
         return hashlib.sha256(fh.read()).hexdigest()
 
 
-@needs_ort_builder
+@pytest.mark.ort_training
 def test_trainrun_builder_prepares_gpt2_in_standard_ops(tmp_path):
     """prepare with graphs.builder trainrun: the manifest records it, the train graph is in the direct form
     (gradients as outputs, no accumulators, no training op), its gradients equal onnxruntime-training's to

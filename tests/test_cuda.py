@@ -34,28 +34,41 @@ def test_device_cuda_with_an_onnxruntime_lacking_the_cuda_provider_is_a_config_e
     assert ("CUDAExecutionProvider" in proc.stderr) != has_cuda, proc.stderr
 
 
-def _broken_libcudart(tmp_path):
-    """A site directory whose nvidia-cuda-runtime-cu11 library is not a shared object."""
+BUILDS = {11: ("onnxruntime_training-1.19.2", "Name: onnxruntime-training\nVersion: 1.19.2\n", "libcudart.so.11.0"),
+          12: ("onnxruntime_gpu-1.26.0", "Name: onnxruntime-gpu\nVersion: 1.26.0\n"
+               "Requires-Dist: nvidia-cuda-runtime-cu12~=12.0; extra == \"cuda\"\n", "libcudart.so.12")}
+
+
+def _broken_libcudart(tmp_path, major):
+    """A site directory with the metadata of onnxruntime's CUDA ``major`` build, whose
+    nvidia-cuda-runtime-cu<major> library is not a shared object."""
+    dist, metadata, soname = BUILDS[major]
+    (tmp_path / "site" / f"{dist}.dist-info").mkdir(parents=True)
+    (tmp_path / "site" / f"{dist}.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\n" + metadata)
     lib = tmp_path / "site" / "nvidia" / "cuda_runtime" / "lib"
     lib.mkdir(parents=True)
-    (lib / "libcudart.so.11.0").write_bytes(b"not an ELF file\n")
-    return str(tmp_path / "site"), str(lib / "libcudart.so.11.0")
+    (lib / soname).write_bytes(b"not an ELF file\n")
+    return str(tmp_path / "site"), str(lib / soname)
 
 
-def test_a_cuda_library_that_fails_to_load_is_reported_not_counted_as_no_gpu(tmp_path):
+@pytest.mark.parametrize("major", [11, 12])
+def test_a_cuda_library_that_fails_to_load_is_reported_not_counted_as_no_gpu(tmp_path, major):
     """cuda_device_count() reported 0 GPUs (every GPU test skipped, make test-gpu green) when a CUDA
-    library failed to load; setup() then returned its partial result on the next call."""
-    site, path = _broken_libcudart(tmp_path)
+    library failed to load; setup() then returned its partial result on the next call. The libraries
+    are those of the installed onnxruntime's CUDA build: CUDA 11 for onnxruntime-training, CUDA 12 for
+    onnxruntime-gpu 1.26 (read from its metadata)."""
+    site, path = _broken_libcudart(tmp_path, major)
     code = ("from trainrun import comm, cuda\n"
             "from trainrun.errors import TrainrunError\n"
+            "print('stack', cuda.stack())\n"
             "for f in (comm.cuda_device_count, cuda.setup):\n"
             "    try:\n        print('returned', f())\n"
             "    except TrainrunError as e:\n        print('raised', e)\n")
     proc = run([sys.executable, "-c", code], check=0, env={"PYTHONPATH": site})
     lines = proc.stdout.splitlines()
-    assert len(lines) == 2, proc.stdout
-    for line in lines:           # both calls, the second one included
-        assert line.startswith(f"raised cannot load {path} (pip package nvidia-cuda-runtime-cu11)"), proc.stdout
+    assert len(lines) == 3 and lines[0] == f"stack {major}", proc.stdout
+    for line in lines[1:]:           # both calls, the second one included
+        assert line.startswith(f"raised cannot load {path} (pip package nvidia-cuda-runtime-cu{major})"), proc.stdout
 
 
 def test_cuda_setup_sets_the_jit_environment_itself():
@@ -102,10 +115,13 @@ def test_a_session_that_falls_back_to_the_cpu_names_the_missing_provider_librari
         cuda.check_session(session, path, "train")
     msg = str(info.value)
     loaded = cuda.setup()
-    provider = ["libcudart.so.11.0", "libcublasLt.so.11", "libcublas.so.11", "libcufft.so.10", "libcurand.so.10",
-                "libcudnn.so.8", "libcudnn_ops_infer.so.8"]
+    provider = {11: ["libcudart.so.11.0", "libcublasLt.so.11", "libcublas.so.11", "libcufft.so.10", "libcurand.so.10",
+                     "libcudnn.so.8", "libcudnn_ops_infer.so.8"],
+                12: ["libcudart.so.12", "libcublasLt.so.12", "libcublas.so.12", "libcufft.so.11", "libcurand.so.10",
+                     "libcudnn.so.9", "libcudnn_graph.so.9"]}[cuda.stack()]
     for soname in provider:
         assert (soname in msg) == (soname not in loaded), (soname, msg)
+    assert f"pip install 'trainrun[{cuda.EXTRAS[cuda.stack()]}]'" in msg, msg
     assert "nvrtc" not in msg and "nccl" not in msg, msg
 
 
@@ -194,6 +210,7 @@ def test_prepare_for_cuda_refuses_an_op_without_a_kernel_for_its_type(tmp_path):
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     proc = run([TRAINRUN, "prepare", "--config", str(tmp_path / "c.yaml")], check=2)
     assert "user.onnx: device: cuda, but onnxruntime-training 1.19.2's CUDA provider has no kernel" in proc.stderr
+    assert "(trainrun/cuda_kernels.tsv)" in proc.stderr
     assert "train graph: node " in proc.stderr and "(SigmoidGrad, bfloat16)" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "graphs" / "train.onnx").exists()
     run([TRAINRUN, "prepare", "--config", str(tmp_path / "c.yaml"), "--set", "device=cpu"], check=0)

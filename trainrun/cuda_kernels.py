@@ -1,10 +1,13 @@
-"""Which float element types onnxruntime-training 1.19.2's CUDA provider has a kernel for, per op
-(``cuda_kernels.tsv``, derived from the provider library by ``scripts/cuda_kernels.py``), and the
+"""Which float element types the CUDA provider of the onnxruntime in use has a kernel for, per op (a
+table per build, derived from its provider library by ``scripts/cuda_kernels.py``: ``cuda_kernels.tsv``
+for onnxruntime-training 1.19.2's CUDA 11.8 build, ``cuda_kernels_gpu.tsv`` for stock onnxruntime-gpu
+1.26.0, the last CUDA 12 build; :func:`table` takes the one of :func:`trainrun.cuda.stack`), and the
 ``prepare``-time check of a graph against it (``device: cuda``): a node with no kernel for its type
 would stop the session's creation on the GPU, after the run has started. Runs without a GPU.
 
 An op the table lacks, or lists as ``*`` (its kernel is not a template of the element type), is not
-checked; the table does not tell opset versions apart."""
+checked; the table does not tell opset versions apart. Another onnxruntime-gpu release than the table's
+is checked against the table's."""
 
 from __future__ import annotations
 
@@ -25,16 +28,36 @@ GRADIENTS = {"Sigmoid": "SigmoidGrad", "Tanh": "TanhGrad", "Relu": "ReluGrad", "
              "BatchNormalization": "BatchNormalizationGrad", "LayerNormalization": "LayerNormalizationGrad"}
 
 
+TABLES = {11: "cuda_kernels.tsv", 12: "cuda_kernels_gpu.tsv"}
+
+
 @functools.cache
-def table() -> dict[str, set[str]]:
-    """op -> the float element types with a kernel ({"*"}: not checked)."""
-    out = {}
-    with open(os.path.join(os.path.dirname(__file__), "cuda_kernels.tsv")) as fh:
+def _read(name: str) -> tuple[str, dict[str, set[str]]]:
+    build, out = "?", {}
+    with open(os.path.join(os.path.dirname(__file__), name)) as fh:
         for line in fh:
-            if line.strip() and not line.startswith("#"):
+            if line.startswith("#"):
+                build = line.split(" kernel in ", 1)[1].split(" (")[0] if " kernel in " in line else build
+            elif line.strip():
                 op, types = line.rstrip("\n").split("\t")
                 out[op] = set(types.split(","))
-    return out
+    return build, out
+
+
+def table_file() -> str:
+    """The table of the installed onnxruntime's CUDA build (a CUDA 13 build: the CUDA 12 table)."""
+    from .cuda import stack
+    return TABLES.get(stack(), TABLES[12])
+
+
+def build() -> str:
+    """The onnxruntime build :func:`table` was derived from (e.g. ``onnxruntime-gpu 1.26.0``)."""
+    return _read(table_file())[0]
+
+
+def table() -> dict[str, set[str]]:
+    """op -> the float element types with a kernel ({"*"}: not checked)."""
+    return _read(table_file())[1]
 
 
 def has_kernel(op: str, dtype: str) -> bool:
@@ -73,5 +96,5 @@ def check(graphs: dict[str, onnx.ModelProto], source: str) -> None:
     problems = [f"{name} graph: node '{n.name}' ({n.op_type}, {dtype})" for name, model in graphs.items()
                 for n, dtype in node_types(model) if not has_kernel(n.op_type, dtype)]
     if problems:
-        raise UsageError(f"{source}: device: cuda, but onnxruntime-training 1.19.2's CUDA provider has no "
-                         f"kernel for these ops in these types (trainrun/cuda_kernels.tsv)", problems)
+        raise UsageError(f"{source}: device: cuda, but {build()}'s CUDA provider has no kernel for these ops "
+                         f"in these types (trainrun/{table_file()})", problems)
