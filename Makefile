@@ -75,17 +75,24 @@ test-cluster: $(STAMP_TEST)
 	scripts/cluster/cluster.sh install-slurm
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q -rs -m cluster tests/test_cluster.py tests/test_slurm.py $(PYTEST_ARGS)
 
-# The GPU suite (tests/test_gpu.py and every test marked gpu) in its own venv, .venv-gpu: the gpu extra
+# The GPU suite (tests/test_gpu.py and every test marked gpu) in its own venv, .venv-$(GPU): the extra GPU
 # and pytest only (no torch: with torch installed, importing onnxruntime-training imports it, and torch's
-# own CUDA libraries would load before trainrun's CUDA 11 ones). From the index, or offline from a wheel
-# directory (make test-gpu WHEELS=/path/to/wheels). Refuses an onnxruntime without the CUDA provider;
-# fails (TRAINRUN_REQUIRE_GPU=1), not skips, where no GPU is visible.
-VENV_GPU  := .venv-gpu
+# own CUDA libraries would load before trainrun's). GPU=gpu (the default): onnxruntime-training's CUDA 11.8
+# build, Python 3.10-3.11; GPU=gpu-cu12: stock onnxruntime-gpu for CUDA 12 in place of the CPU build
+# (scripts/requirements.py --stock), trainrun's own gradient builder. From the index, or offline from a
+# wheel directory (make test-gpu WHEELS=/path/to/wheels). Refuses an onnxruntime without the CUDA
+# provider; fails (TRAINRUN_REQUIRE_GPU=1), not skips, where no GPU is visible.
+GPU       ?= gpu
+VENV_GPU  := .venv-$(GPU)
 STAMP_GPU := $(VENV_GPU)/.installed-gpu
-$(STAMP_GPU): pyproject.toml
+PIP_GPU    = $(VENV_GPU)/bin/pip install -q $(if $(WHEELS),--no-index --find-links $(WHEELS))
+$(STAMP_GPU): pyproject.toml scripts/requirements.py
 	@test -n "$(PYTHON)" || { echo "trainrun needs Python 3.10 or newer on PATH" >&2; exit 2; }
 	test -x $(VENV_GPU)/bin/python || $(PYTHON) -m venv $(VENV_GPU)
-	$(VENV_GPU)/bin/pip install -q $(if $(WHEELS),--no-index --find-links $(WHEELS)) -e '.[gpu]' 'pytest>=8' 'pytest-timeout>=2.3'
+	$(PIP_GPU) packaging
+	$(PIP_GPU) --no-deps -e .
+	$(PIP_GPU) $$($(VENV_GPU)/bin/python scripts/requirements.py $(if $(filter gpu-cu12,$(GPU)),--stock) $(GPU)) \
+	    'pytest>=8' 'pytest-timeout>=2.3'
 	@touch $@
 
 test-gpu: $(STAMP_GPU)
@@ -114,4 +121,4 @@ docs: $(STAMP_RUN)
 	$(BIN)/python scripts/gen_config_docs.py
 
 clean:
-	rm -rf $(VENV) $(VENV_GPU) $(VENV_STOCK) $(VENV_PY313) runs build *.egg-info
+	rm -rf $(VENV) .venv-gpu .venv-gpu-cu12 $(VENV_STOCK) $(VENV_PY313) runs build *.egg-info

@@ -8,6 +8,8 @@ running Python.
 Python too: every marker is evaluated as on Python 3.13. onnxruntime-training and stock onnxruntime both
 install the ``onnxruntime`` import package, so they cannot share a venv, and an extra cannot take a
 dependency away: ``make test-stock`` installs this list instead.
+An extra that brings ``onnxruntime-gpu`` (gpu-cu12) replaces the CPU build: the list then holds no other
+onnxruntime distribution.
 --without: leave these distributions out (``make test-py313``: the test extra without torch and
 transformers, whose tests skip there).
 
@@ -49,6 +51,9 @@ def requirements(extras=(), stock=False, without=()) -> list[str]:
         req.marker = None
         if str(req) not in out:
             out.append(str(req))
+    if any(Requirement(r).name == "onnxruntime-gpu" for r in out):
+        out = [r for r in out if Requirement(r).name == "onnxruntime-gpu"
+               or not Requirement(r).name.startswith("onnxruntime")]
     return out
 
 

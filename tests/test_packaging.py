@@ -96,3 +96,18 @@ def test_the_onnxruntime_in_use_reads_what_trainrun_writes():
         assert m.ir_version == 9
         sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
         assert sess.run(None, {"x": np.array([-1.0, 2.0], np.float32)})[0].tolist() == [0.0, 2.0]
+
+
+def test_gpu_cu12_replaces_the_cpu_onnxruntime():
+    """make test-gpu GPU=gpu-cu12: onnxruntime-gpu's CUDA 12 builds (1.20-1.26; 1.27 and later are CUDA 13)
+    in place of every other build of the `onnxruntime` import package, with cupy and NCCL for CUDA 12;
+    the default gpu extra keeps onnxruntime-training's CUDA 11.8 build."""
+    reqs = _pinned(R.requirements(["gpu-cu12"], stock=True))
+    assert [n for n in reqs if n.startswith("onnxruntime")] == ["onnxruntime-gpu"]
+    spec = reqs["onnxruntime-gpu"].specifier
+    assert spec.contains("1.26.0") and spec.contains("1.20.0") and not spec.contains("1.27.0")
+    assert {"cupy-cuda12x", "nvidia-nccl-cu12", "nvidia-cudnn-cu12", "nvidia-cuda-runtime-cu12"} <= set(reqs)
+    assert not [n for n in reqs if n.endswith("-cu11") or n == "cupy-cuda11x"]
+    cu11 = _pinned(R.requirements(["gpu"], stock=False))
+    if sys.version_info < (3, 12):
+        assert "onnxruntime-training" in cu11 and "cupy-cuda11x" in cu11

@@ -54,19 +54,21 @@ STACKS = {
         ("cuda_runtime", ["libcudart.so.12"]),
         ("cuda_nvrtc", ["libnvrtc.so.12", "libnvrtc-builtins.so.12*"]),
         ("cublas", ["libcublasLt.so.12", "libcublas.so.12"]),
+        ("nvjitlink", ["libnvJitLink.so.12"]),
         ("cufft", ["libcufft.so.11"]),
         ("curand", ["libcurand.so.10"]),
         # cuDNN 9: libcudnn.so.9 is a shim that opens libcudnn_graph.so.9 and the engines by soname
         ("cudnn", ["libcudnn_graph.so.9", "libcudnn_engines_precompiled.so.9",
-                   "libcudnn_engines_runtime_compiled.so.9", "libcudnn_heuristic.so.9", "libcudnn_ops.so.9",
-                   "libcudnn_cnn.so.9", "libcudnn_adv.so.9", "libcudnn.so.9"]),
+                   "libcudnn_engines_runtime_compiled.so.9", "libcudnn_engines_tensor_ir.so.9",
+                   "libcudnn_heuristic.so.9", "libcudnn_ops.so.9", "libcudnn_cnn.so.9", "libcudnn_adv.so.9",
+                   "libcudnn.so.9"]),
         ("nccl", ["libnccl.so.2"]),
     ),
 }
 # the extra that installs each stack
 EXTRAS = {11: "gpu", 12: "gpu-cu12"}
 # the packages of the libraries onnxruntime's CUDA provider links (NVRTC and NCCL are cupy's)
-PROVIDER_NEEDS = ("cuda_runtime", "cublas", "cudnn", "cufft", "curand")
+PROVIDER_NEEDS = ("cuda_runtime", "cublas", "cudnn", "cufft", "curand", "nvjitlink")
 ENVIRONMENT = {"CUDA_MODULE_LOADING": "LAZY", "CUDA_CACHE_MAXSIZE": str(4 << 30)}
 
 _loaded: dict[str, str] | None = None
