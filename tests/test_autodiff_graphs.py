@@ -3,7 +3,8 @@
 run by onnxruntime: every parameter's gradient within 1e-6 of the largest element of onnxruntime-training's,
 the loss and the state updates (BatchNormalization's running statistics) the same. The loss graphs are
 prepare's own (graphs.manifest.loss_graph): GPT-2 with dropout masks and label smoothing, BERT with each
-task head, Llama with grouped-query attention, the CNN recipe (SqueezeNet with training-mode BatchNorm), and a user graph with its own loss.
+task head, Llama with grouped-query attention, GPT-2's and Llama's sequence classification heads, the CNN
+recipe (SqueezeNet with training-mode BatchNorm), and a user graph with its own loss.
 
 The CNN's to 1e-5: in float32 its BatchNorm gradients are sums of a few hundred cancelling products, and
 the two builders' formulations round apart by up to 5e-6 of the largest element (measured) while each is
@@ -48,6 +49,11 @@ def config(tmp_path, case):
         cfg = config(tmp_path, case[:-len("_dynamic")])
         cfg.engine.static_shapes = False
         return cfg
+    if case in ("gpt2_sequence", "llama_sequence"):      # the last-token classification head
+        family = case.split("_")[0]
+        return C.from_dict({"model": {"builtin": family, family: GPT2 if family == "gpt2" else LLAMA,
+                                      "task": "sequence_classification", "num_labels": 3},
+                            "data": {"seq_len": 16}, "train": {"micro_batch_size": 4}})
     if case == "gpt2":
         return C.load_config(os.path.join(ROOT, "configs", "gpt2-tiny.yaml"), [
             f"model.gpt2={GPT2}", "model.loss.label_smoothing=0.1", "data.seq_len=32", "train.micro_batch_size=2"])
@@ -76,8 +82,8 @@ def feeds_for(cfg, fwd, model, dropout, rng):
     feeds = {p: (inits[p] + rng.normal(0, 0.05, inits[p].shape)).astype(inits[p].dtype) for p in fwd.params}
     feeds.update({s: inits[s] for s in (fwd.states or {})})
     family = registry.of(cfg.model)
-    if cfg.model.builtin == "bert":
-        feeds.update(family.sample_batch(cfg.model.bert, rng))
+    if cfg.model.builtin == "bert" or cfg.model.task == "sequence_classification":
+        feeds.update(family.sample_batch(getattr(cfg.model, cfg.model.builtin), rng))
     elif cfg.model.builtin in ("gpt2", "llama"):
         ids = rng.integers(0, GPT2["vocab_size"] if cfg.model.builtin == "gpt2" else LLAMA["vocab_size"],
                            (2, 32 if cfg.model.builtin == "gpt2" else 16))
@@ -103,8 +109,8 @@ def run(model, feeds):
     return dict(zip(names, sess.run(None, {k: v for k, v in feeds.items() if k in wanted})))
 
 
-CASES = ["gpt2", "bert", "bert_sequence", "bert_regression", "bert_token", "llama", "cnn", "own_loss", "gpt2_dynamic",
-         "cnn_dynamic"]
+CASES = ["gpt2", "gpt2_sequence", "bert", "bert_sequence", "bert_regression", "bert_token", "llama", "llama_sequence",
+         "cnn", "own_loss", "gpt2_dynamic", "cnn_dynamic"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -112,7 +118,7 @@ def test_trainrun_gradients_equal_onnxruntime_trainings(tmp_path, case):
     cfg = config(tmp_path, case)
     fwd = forward_from_config(cfg)
     model, dropout = loss_graph(cfg, fwd, build_options(cfg))
-    if case in ("gpt2", "gpt2_dynamic", "bert", "bert_token"):
+    if case in ("gpt2", "gpt2_dynamic", "gpt2_sequence", "bert", "bert_token"):
         assert dropout and dropout["masks"], "dropout masks are inputs of the loss graph"
     if case.endswith("_dynamic"):
         batch = next(i for i in model.graph.input if i.name == fwd.inputs[0]).type.tensor_type.shape.dim[0]
