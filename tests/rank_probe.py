@@ -3,7 +3,8 @@ tests/rank_probe.py ARGS``): at exit it prints ``PEAK_RSS_KB <rank> <KiB>``, the
 (getrusage: the whole run, set-up to export). ``TRAINRUN_PROBE_GATHER_PIECE=N``: ZeRO-1's checkpoint gathers
 the optimizer state in pieces of N elements (``trainrun.update._GATHER_CHUNK``), so a tiny model takes
 many. ``TRAINRUN_PROBE_OUTER_DIR=D``: at each DiLoCo outer step each rank saves its replica's weights before it
-and the new weights after it (``D/rank<r>_step<s>_{before,after}.npy``)."""
+and the new weights after it (``D/rank<r>_step<s>_{before,after}.npy``; with ``TRAINRUN_PROBE_OUTER_ALL=1`` at
+every step)."""
 
 import atexit
 import os
@@ -23,7 +24,7 @@ def _record_outer_steps(out: str) -> None:
     def recorded(self, step):
         before = np.array(self.engine.params)
         result = step_of(self, step)
-        if result is not None:
+        if result is not None or os.environ.get("TRAINRUN_PROBE_OUTER_ALL"):
             rank = os.environ.get("PMI_RANK", "0")
             np.save(os.path.join(out, f"rank{rank}_step{step}_before.npy"), before)
             np.save(os.path.join(out, f"rank{rank}_step{step}_after.npy"), np.array(self.engine.params))

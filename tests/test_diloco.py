@@ -144,7 +144,8 @@ def test_kill_and_resume_mid_round_is_the_undisturbed_run(tmp_path, byte_dataset
     proc.communicate(timeout=60)
     assert (ck / "5" / "COMMITTED").exists() and not (ck / "10").exists()
     state = json.load(open(killed / "run" / "checkpoints" / "5" / "state.json"))
-    assert state["diloco"] == {"round_start": 3, "replicas": 2, "group": 1, "rounds": 1, "mid_round": True}
+    assert state["diloco"] == {"round_start": 3, "replicas": 2, "group": 1, "rounds": 1, "mid_round": True,
+                               "in_flight": None}
     assert {"outer_weights", "outer_momentum", "replica1_weights", "replica1_exp_avg", "replica1_exp_avg_sq"} <= set(
         state["optimizer_states"])
     refused = run([MPIRUN, "-np", "4", TRAINRUN, "resume", str(killed / "run"), "--set",
@@ -205,12 +206,15 @@ def test_refusals_name_the_key(tmp_path, byte_dataset):
     cases = [
         (["distributed.diloco.outer.momentum=0"], "distributed.diloco.outer.nesterov: needs "
                                                   "distributed.diloco.outer.momentum > 0"),
-        (["distributed.diloco.inner_steps=4", "distributed.diloco.overlap_steps=4", "distributed.diloco.fragments=2"],
-         "distributed.diloco.overlap_steps: 4 must be less than distributed.diloco.inner_steps (4)"),
+        (["distributed.diloco.inner_steps=4", "distributed.diloco.overlap_steps=2", "distributed.diloco.fragments=2"],
+         "distributed.diloco.overlap_steps: 2 must be less than distributed.diloco.inner_steps / fragments (4 / 2)"),
+        (["distributed.diloco.inner_steps=4", "distributed.diloco.fragments=5"],
+         "distributed.diloco.fragments: 5 fragments take their turns within a round of distributed.diloco."
+         "inner_steps (4) steps: at most that many"),
         (["distributed.diloco.overlap_steps=1"], "distributed.diloco.overlap_steps: overlaps the exchange of one "
                                                  "fragment"),
-        (["distributed.diloco.fragments=2"], "distributed.diloco.fragments: 2: streaming fragments are not "
-                                             "implemented yet"),
+        (["distributed.diloco.inner_steps=2000", "distributed.diloco.fragments=1000"],
+         "distributed.diloco.fragments: 1000 fragments of whole tensors, but the model has 28 parameter tensors"),
         (["device=cuda"], "distributed.sync: diloco runs on the CPU over MPI"),
     ]
     for sets, message in cases:
@@ -251,3 +255,88 @@ def test_doctor_estimates_the_inner_steps_a_link_needs(tmp_path, byte_dataset):
             <= max(1, math.ceil((link + 0.05) / (0.05 * (step - 0.05)))), line
     out = run(doctor, check=0).stdout
     assert "SKIP  diloco      one node: no link between nodes to estimate for" in out, out
+
+
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_streaming_fragments_match_a_numpy_reference(tmp_path, byte_dataset, overlap):
+    """fragments 2 of whole tensors (trainrun.diloco.fragments), inner_steps 4: fragment 0's outer step 2
+    steps into each round, fragment 1's at its end, the run's last step (11) all of it. With overlap_steps 1
+    each exchange starts at its step and is applied one step later: the fragment's new global weights plus
+    what the replica learned meanwhile. Each rank records its weights around every step's call; a NumPy
+    reference of the algorithm from the recorded replicas gives every step's new weights to float32
+    rounding (1e-6 of the weights' scale), on both replicas; the log has one line per exchange."""
+    import json
+    from trainrun.diloco import fragments
+    rec = tmp_path / "outer"
+    rec.mkdir()
+    k = {"inner_steps": 4, "group": 1, "fragments": 2, "overlap_steps": overlap,
+         "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True}}
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 11, "train.micro_batch_size": 2,
+                                                             "distributed.sync": "diloco", "distributed.diloco": k})
+    mpirun_probe(2, "--config", cfg, env={"TRAINRUN_PROBE_OUTER_DIR": str(rec), "TRAINRUN_PROBE_OUTER_ALL": "1"})
+    run_dir = str(tmp_path / "run")
+    manifest = json.load(open(os.path.join(run_dir, "graphs", "manifest.json")))["params"]
+    init = load_file(os.path.join(run_dir, "graphs", "weights.safetensors"))
+    start = np.concatenate([init[p["name"]].ravel() for p in manifest]).astype(np.float64)
+    sizes = [int(np.prod(p["shape"])) for p in manifest]
+    frags = fragments(list(np.cumsum([0] + sizes[:-1])), sum(sizes), 2)
+    assert len(frags) == 2 and 0 < frags[0][1] < sum(sizes)
+    before = {s: [np.load(rec / f"rank{r}_step{s}_before.npy") for r in range(2)] for s in range(1, 12)}
+    after = {s: [np.load(rec / f"rank{r}_step{s}_after.npy") for r in range(2)] for s in range(1, 12)}
+    weights, momentum, sent, expect = start.copy(), np.zeros_like(start), {}, {}
+
+    def outer(a, b, g):
+        momentum[a:b] = 0.9 * momentum[a:b] + g
+        weights[a:b] -= 0.7 * (g + 0.9 * momentum[a:b])
+
+    for step in range(1, 12):
+        mine = [w.astype(np.float64) for w in before[step]]
+        due = [f for f, o in enumerate((2, 0)) if step % 4 == o]
+        if overlap and step - 1 in sent and step < 11 + 1:          # apply the exchange started a step ago
+            (a, b), own = sent.pop(step - 1)
+            old = weights[a:b].copy()
+            outer(a, b, np.mean([d for d in own], axis=0))
+            for r in range(2):
+                mine[r][a:b] += own[r] - old + weights[a:b]
+        if step == 11:
+            outer(0, len(start), np.mean([weights - m for m in mine], axis=0))
+            mine = [weights.copy() for _ in mine]
+        elif due and overlap:
+            a, b = frags[due[0]]
+            sent[step] = ((a, b), [weights[a:b] - m[a:b] for m in mine])
+        elif due:
+            a, b = frags[due[0]]
+            outer(a, b, np.mean([weights[a:b] - m[a:b] for m in mine], axis=0))
+            for m in mine:
+                m[a:b] = weights[a:b]
+        for r in range(2):
+            assert np.abs(after[step][r] - mine[r]).max() <= 1e-6 * np.abs(start).max(), (step, r)
+    rows = [r for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "outer_bytes" in r]
+    assert [r["step"] for r in rows] == ([3, 5, 7, 9, 11] if overlap else [2, 4, 6, 8, 10, 11])
+
+
+def test_stop_with_a_fragment_in_flight_and_resume_exactly(tmp_path, byte_dataset):
+    """fragments 2, overlap_steps 1: stopped at step 6 (train.stop_at) while fragment 0's exchange started
+    there is in flight: the checkpoint waits for its sums and holds them with each replica's own outer
+    gradient (state.json names the exchange); the resumed run applies it at step 7 and ends bit for bit
+    the run nobody stopped (losses, drift, evaluations, final weights; the stopped session's own evaluation
+    at its last step aside)."""
+    import json
+    common = {"train.max_steps": 11, "train.eval_every": 5, "checkpoint.every": 3, "distributed.sync": "diloco",
+              "distributed.diloco": {"inner_steps": 4, "group": 1, "fragments": 2, "overlap_steps": 1}}
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    for d, more in ((straight, {}), (split, {"train.stop_at": 6})):
+        d.mkdir()
+        mpirun(2, "--config", write_config(d / "c.yaml", byte_dataset, **common, **more))
+    state = json.load(open(split / "run" / "checkpoints" / "6" / "state.json"))
+    assert state["diloco"]["in_flight"][:2] == [0, 6], state["diloco"]
+    assert {"outer_sent", "outer_summed", "replica1_outer_sent"} <= set(state["optimizer_states"])
+    mpirun(2, "resume", str(split / "run"))
+    rows = {}
+    for d in (straight, split):
+        lines = [json.loads(line) for line in open(d / "run" / "metrics.jsonl")]
+        rows[d] = [{k: v for k, v in r.items() if k in ("step", "loss", "grad_norm", "eval_loss", "outer_drift")}
+                   for r in lines if not (d == split and r["step"] == 6 and "eval_loss" in r)]   # stop_at's
+    assert rows[split] == rows[straight]
+    final = [open(d / "run" / "checkpoints" / "11" / "model.safetensors", "rb").read() for d in (straight, split)]
+    assert final[0] == final[1]

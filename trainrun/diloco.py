@@ -31,6 +31,12 @@ momentum b are kept in fp32 for this rank's part of the parameters only (the par
 the new weights reach the rest of the replica as the step's own update does (``shard.gather``). The outer
 gradient is formed in the gradient buffer, free between two steps.
 
+Streaming (``fragments`` F > 1): the model cut into F runs of whole tensors (:func:`fragments`), fragment f's
+outer step (f + 1) H / F steps into each round. With ``overlap_steps`` T its exchange runs in the background
+(a :class:`trainrun.reducer.BucketReducer`, one bucket per fragment) and is applied T steps later: the
+fragment's global weights take the outer SGD step, the replica's fragment becomes them plus what it learned
+in those T steps. The run's last step synchronises the whole model.
+
 Checkpoints hold the global weights and the momentum (optimizer.safetensors ``outer_weights/``,
 ``outer_momentum/``), the round's start step (state.json ``diloco``) and, mid-round, each other replica's
 weights and inner optimizer state (``replica<j>_weights/``, ``replica<j>_<state>/``; replica 0's are the
@@ -47,7 +53,7 @@ import time
 import numpy as np
 
 from . import checkpoint as K
-from . import update, wire
+from . import reducer, update, wire
 from .comm import MPICommunicator, split_nodes
 from .errors import UsageError, collective
 from .flat import norm_sq
@@ -57,6 +63,18 @@ def build(cfg, comm):
     if cfg.distributed.sync != "diloco":
         return EveryStep(comm)
     return DiLoCo.split(cfg.distributed.diloco, comm)
+
+
+def fragments(offsets: list[int], total: int, n: int) -> list[tuple[int, int]]:
+    """``n`` contiguous ranges of whole tensors (``offsets``: where each tensor starts in a flat buffer of
+    ``total`` elements) of about equal size: each cut at the tensor boundary nearest to its share."""
+    bounds = [*offsets, total]
+    cuts = [0]
+    for f in range(1, n):       # leaving a boundary for each fragment after this one
+        want = f * total / n
+        cuts.append(min((c for c in bounds[:len(bounds) - (n - f)] if c > cuts[-1]), key=lambda c: abs(c - want)))
+    cuts.append(total)
+    return list(zip(cuts, cuts[1:]))
 
 
 class EveryStep:
@@ -143,62 +161,150 @@ class DiLoCo:
         nesterov = ", Nesterov" if k.outer.nesterov else ""
         return (f"diloco: {self.replicas} replicas of {self.comm.world_size} rank(s), an outer step every "
                 f"{k.inner_steps} step(s) (outer SGD lr {k.outer.lr:g}, momentum {k.outer.momentum:g}{nesterov}, "
-                f"{k.outer_dtype} on the wire)")
+                f"{k.outer_dtype} on the wire"
+                + (f"; {k.fragments} fragments in turn" if k.fragments > 1 else "")
+                + (f", each exchanged over {k.overlap_steps} step(s)" if k.overlap_steps else "") + ")")
 
     def attach(self, engine, shard, total_steps: int) -> None:
-        """The round's start weights from the engine's parameters (this rank's part ``shard.lo:hi``)."""
+        """The round's start weights from the engine's parameters (this rank's part ``shard.lo:hi``), the
+        fragments (this rank's share of each) and, with ``overlap_steps``, the exchange in the background."""
+        k = self.cfg
         self.engine, self.shard, self.total_steps = engine, shard, total_steps
-        self.lo, self.hi = shard.lo, shard.hi
-        self.weights = np.array(engine.params[self.lo:self.hi], np.float32)
-        self.momentum = np.zeros(self.hi - self.lo, np.float32)
+        self.lo, self.hi = lo, hi = shard.lo, shard.hi
+        self.weights = np.array(engine.params[lo:hi], np.float32)
+        self.momentum = np.zeros(hi - lo, np.float32)
         self.state = {"outer_weights": self.weights, "outer_momentum": self.momentum}
         self._backup = None
+        # fragment f: elements parts[f] of this rank's part; its outer steps where step % H == offsets[f]
+        self.parts = [(min(max(a, lo), hi) - lo, min(max(b, lo), hi) - lo)
+                      for a, b in fragments(engine.layout.offsets, engine.layout.total, k.fragments)]
+        self.offsets = [(f + 1) * k.inner_steps // k.fragments % k.inner_steps for f in range(k.fragments)]
+        self.pending = None        # (fragment, the step its exchange started) of an exchange in flight
+        self._started = None       # its (bytes sent before, drift, weights) for the log
+        self.background = None
+        if k.overlap_steps:
+            # the fragment's outer gradient, sent (kept: the replica's own) and summed over the replicas
+            self.sent, self.summed = np.zeros(hi - lo, np.float32), np.zeros(hi - lo, np.float32)
+            self.state.update(outer_sent=self.sent, outer_summed=self.summed)
+            if self.cross.threads_ok():
+                self.background = reducer.BucketReducer(self.cross, self.summed, self.parts, k.outer_dtype)
 
     # ------------------------------------------------------------------ the outer step
     def maybe_outer_step(self, step: int) -> dict | None:
-        """After optimizer step ``step`` (every rank): the outer step where the round ends (every
-        ``inner_steps`` steps, and at the run's last step); its metrics, else None."""
-        if step % self.cfg.inner_steps and step != self.total_steps:
-            self.fresh = False
+        """After optimizer step ``step`` (every rank): the exchange of a fragment that is due (every
+        ``inner_steps`` steps, fragment f ``offsets[f]`` steps into the round; with ``overlap_steps`` its
+        result applied that many steps later), and at the run's last step every fragment's; its metrics, else
+        None."""
+        k, last = self.cfg, step == self.total_steps
+        if self.pending and (last or step - self.pending[1] >= k.overlap_steps):
+            applied = self._apply(step)
+        else:
+            applied = None
+        due = [f for f, o in enumerate(self.offsets) if step % k.inner_steps == o]
+        self.fresh = False
+        if last:
+            done = self._sync(0, self.hi - self.lo)
+            self.fresh = True
+        elif due and k.overlap_steps:
+            self._start(due[0], step)
+            done = None
+        elif due:
+            a, b = self.parts[due[0]][0], self.parts[due[-1]][1]
+            done = self._sync(a, b)
+            self.fresh = k.fragments == 1
+        else:
+            done = None
+        if done is None and applied is None:
             return None
+        self.round_start = step
+        self.rounds += 1
+        return self._metrics(*(done or applied))
+
+    def _sync(self, a: int, b: int) -> tuple:
+        """The outer step of elements ``a:b`` of this rank's part, waited for: the replicas' mean outer
+        gradient, the outer SGD step, the replica given the new global weights."""
         t0 = time.perf_counter()
-        params, lo, hi = self.engine.params, self.lo, self.hi
-        delta = self.engine.grads[:hi - lo]          # free until the next step's backward pass
-        np.subtract(self.weights, params[lo:hi], out=delta)
-        drift_sq, weights_sq = norm_sq(delta), norm_sq(self.weights)
+        params, lo = self.engine.params, self.lo
+        delta = self.engine.grads[:b - a]          # free until the next step's backward pass
+        np.subtract(self.weights[a:b], params[lo + a:lo + b], out=delta)
+        drift = self._drift(norm_sq(delta), norm_sq(self.weights[a:b]))
         sent = self.wire.sent_bytes
         t1 = time.perf_counter()
-        self.wire.allreduce_(delta)
+        if b > a:
+            self.wire.allreduce_(delta)
         waited = time.perf_counter() - t1
         delta *= np.float32(1.0 / self.replicas)
-        self._outer_sgd(delta)
-        params[lo:hi] = self.weights
+        self._outer_sgd(delta, a, b)
+        params[lo + a:lo + b] = self.weights[a:b]
         self.shard.gather()
-        self.round_start, self.fresh = step, True
-        self.rounds += 1
-        # one part of each replica counts (the ranks whose parts are distinct), every rank its wait
-        counts = float(self._distinct_part())
-        drift_sq, weights_sq, waited_sum = self.world.allreduce_scalars(
-            [counts * drift_sq, counts * weights_sq, waited], op="sum")
-        return {"outer_bytes": self.wire.sent_bytes - sent,
-                "outer_wait_s": round(waited_sum / self.world.world_size, 6),
-                "outer_drift": float(np.sqrt(drift_sq / max(weights_sq, 1e-30))),
-                "outer_s": round(time.perf_counter() - t0, 6)}
+        return t0, self.wire.sent_bytes - sent, waited, drift
 
-    def _outer_sgd(self, g: np.ndarray) -> None:
-        """torch.optim.SGD's step (dampening 0, no weight decay) on the global weights with gradient ``g``
-        (overwritten)."""
+    def _start(self, f: int, step: int) -> None:
+        """Fragment ``f``'s outer gradient sent in the background (``overlap_steps``): applied (and logged) by
+        :meth:`_apply` that many steps later."""
+        (a, b), params, lo = self.parts[f], self.engine.params, self.lo
+        np.subtract(self.weights[a:b], params[lo + a:lo + b], out=self.sent[a:b])
+        self.summed[a:b] = self.sent[a:b]
+        wire_ = self.background.wire if self.background else self.wire
+        self._started = (wire_.sent_bytes, self._drift(norm_sq(self.sent[a:b]), norm_sq(self.weights[a:b])))
+        if b > a and self.background:
+            self.background.bucket_ready(f)
+        elif b > a:         # MPI allows no second thread here: the same sums, now
+            self.wire.allreduce_(self.summed[a:b])
+        self.pending = (f, step)
+
+    def _apply(self, step: int) -> tuple:
+        """The exchange in flight waited for (the time waited: what the link took beyond the overlap) and
+        applied: the outer SGD step on the fragment's global weights, and the replica's fragment moved to them
+        with what it learned since the exchange started (replica + own outer gradient - old global + new)."""
+        t0 = time.perf_counter()
+        f, _ = self.pending
+        self.pending = None
+        (a, b), params, lo = self.parts[f], self.engine.params, self.lo
+        if self.background:
+            self.background.wait()
+        waited = time.perf_counter() - t0
+        g = self.summed[a:b]
+        g *= np.float32(1.0 / self.replicas)
+        mine = params[lo + a:lo + b]
+        mine += self.sent[a:b]
+        mine -= self.weights[a:b]
+        self._outer_sgd(g, a, b)
+        mine += self.weights[a:b]
+        self.shard.gather()
+        sent, drift = self._started       # sent None: started before a resume
+        self._started = None
+        wire_ = self.background.wire if self.background else self.wire
+        return t0, 0 if sent is None else wire_.sent_bytes - sent, waited, drift
+
+    def _drift(self, drift_sq: float, weights_sq: float) -> float:
+        """The replicas' drift from the global weights (root mean square over replicas of ||replica - global||
+        / ||global||) from each rank's squared norms of its part (each part counted once per replica)."""
+        counts = float(self._distinct_part())
+        drift_sq, weights_sq = self.world.allreduce_scalars([counts * drift_sq, counts * weights_sq], op="sum")
+        return float(np.sqrt(drift_sq / max(weights_sq, 1e-30)))
+
+    def _metrics(self, t0: float, nbytes: int, waited: float, drift: float) -> dict:
+        """The outer step's log line: bytes this rank sent, the ranks' mean wait, the replicas' drift (of the
+        fragment exchanged, when its exchange started)."""
+        waited_sum = self.world.allreduce_scalars([waited], op="sum")[0]
+        return {"outer_bytes": nbytes, "outer_wait_s": round(waited_sum / self.world.world_size, 6),
+                "outer_drift": drift, "outer_s": round(time.perf_counter() - t0, 6)}
+
+    def _outer_sgd(self, g: np.ndarray, a: int, b: int) -> None:
+        """torch.optim.SGD's step (dampening 0, no weight decay) on elements ``a:b`` of the global weights with
+        gradient ``g`` (overwritten)."""
         o = self.cfg.outer
         mu = np.float32(o.momentum)
         if o.momentum:
-            b = self.momentum
-            b *= mu
-            b += g
+            m = self.momentum[a:b]
+            m *= mu
+            m += g
             if o.nesterov:
-                g += mu * b
+                g += mu * m
             else:
-                g[...] = b
-        self.weights -= np.float32(o.lr) * g
+                g[...] = m
+        self.weights[a:b] -= np.float32(o.lr) * g
 
     def _distinct_part(self) -> bool:
         """Whether this rank's part of the replica's parameters is counted (each part once per replica)."""
@@ -234,15 +340,22 @@ class DiLoCo:
             self.shard.gather()
 
     # ------------------------------------------------------------------ checkpoints
-    def _replica_states(self) -> list[str]:
-        """What each replica holds of its own: its weights and its inner optimizer's states."""
-        return ["weights", *self.shard.state]
+    def _replica_states(self) -> dict:
+        """What each replica holds of its own: its weights (None: the engine's parameters), its inner
+        optimizer's states and, with an exchange in the background, the outer gradient it sent (this rank's
+        part of each)."""
+        own = {"weights": None, **self.shard.state}
+        if self.cfg.overlap_steps:
+            own["outer_sent"] = self.sent
+        return own
 
     def full_state(self) -> dict:
         """The outer state and (mid-round) each other replica's weights and inner optimizer state, as the
         checkpoint writer takes optimizer states: whole buffers on rank 0, or functions whose generators
         gather them in pieces (every rank runs each to its end)."""
         s = self.shard
+        if self.background:         # an exchange in flight: its sums are part of the state
+            self.background.wait()
         out = {name: functools.partial(s._gather, buf) if s.sharded else buf for name, buf in self.state.items()}
         if not self.fresh:
             out.update({f"replica{j}_{name}": functools.partial(self._replica_pieces, j, name)
@@ -254,9 +367,9 @@ class DiLoCo:
         replica ``j`` on its first rank (every rank of a replica holds all of its weights after a step; a
         partitioned state is gathered there piece by piece, :meth:`trainrun.update.Partitioned.full_state`),
         then from that rank to world rank 0 over the replicas' first ranks."""
-        s, mine = self.shard, self.replica == j
-        whole = self.engine.params if name == "weights" else None if s.sharded else s.state[name]
-        parts = s._gather(s.state[name]) if mine and whole is None else None
+        s, mine, buf = self.shard, self.replica == j, self._replica_states()[name]
+        whole = self.engine.params if name == "weights" else None if s.sharded else buf
+        parts = s._gather(buf) if mine and whole is None else None
         if self.comm.rank != 0:
             for _ in parts or ():      # this rank's part of its replica's gather
                 pass
@@ -283,7 +396,8 @@ class DiLoCo:
 
     def state_dict(self) -> dict:
         return {"round_start": self.round_start, "replicas": self.replicas, "group": self.comm.world_size,
-                "rounds": self.rounds, "mid_round": not self.fresh}
+                "rounds": self.rounds, "mid_round": not self.fresh,
+                "in_flight": [*self.pending, self._started[1]] if self.pending else None}
 
     def load_state_dict(self, state: dict, ckpt: str) -> None:
         """After the checkpoint's tensors were restored (every rank): the round's position, and this
@@ -298,18 +412,23 @@ class DiLoCo:
                 f"rank(s), this launch makes {self.replicas} of {self.comm.world_size}; a resume continues the "
                 f"replicas' rounds: launch {saved['replicas']} replicas (mpirun -np and distributed.diloco.group)"))
         self.round_start, self.rounds, self.fresh = saved["round_start"], saved["rounds"], not saved["mid_round"]
+        if saved.get("in_flight"):      # an exchange in flight: its sums restored, applied when due
+            f, started, drift = saved["in_flight"]
+            self.pending, self._started = (f, started), (None, drift)
         if self.fresh or self.replica == 0:
             return
         layout, params, lo, hi = self.engine.layout, self.engine.params, self.lo, self.hi
         host = np.empty(params.size, np.float32)
         self._shared_barrier()      # every local rank's restore of the parameters is done
         with K.reading(ckpt) as held:
-            for name in self._replica_states():
+            for name, buf in self._replica_states().items():
                 K.load_tensors_into(held, "optimizer.safetensors", layout.names, layout.shapes, host,
                                     prefix=f"replica{self.replica}_{name}/")
-                (params[lo:hi] if name == "weights" else self.shard.state[name])[...] = host[lo:hi]
+                (params[lo:hi] if buf is None else buf)[...] = host[lo:hi]
         self.shard.gather()
 
     def close(self) -> None:
+        if self.background:
+            self.background.close()
         self.cross.close()
         self.comm.close()

@@ -225,12 +225,13 @@ def _distributed(cfg: C.Config, add) -> None:
         if k.outer.nesterov and not k.outer.momentum:
             add("distributed.diloco.outer.nesterov", "needs distributed.diloco.outer.momentum > 0 (as "
                 "torch.optim.SGD)")
-        if k.overlap_steps and k.overlap_steps >= k.inner_steps:
-            add("distributed.diloco.overlap_steps", f"{k.overlap_steps} must be less than "
-                f"distributed.diloco.inner_steps ({k.inner_steps}): an exchange ends before the next one starts")
-        if k.fragments > 1:
-            add("distributed.diloco.fragments", f"{k.fragments}: streaming fragments are not implemented yet; "
-                f"use 1 (the whole model at each outer step)")
+        if k.fragments > k.inner_steps:
+            add("distributed.diloco.fragments", f"{k.fragments} fragments take their turns within a round of "
+                f"distributed.diloco.inner_steps ({k.inner_steps}) steps: at most that many")
+        elif k.overlap_steps and k.overlap_steps >= k.inner_steps // k.fragments:
+            add("distributed.diloco.overlap_steps", f"{k.overlap_steps} must be less than distributed.diloco."
+                f"inner_steps / fragments ({k.inner_steps} / {k.fragments}): an exchange ends before the next "
+                f"fragment's starts")
         if k.overlap_steps and k.fragments == 1:
             add("distributed.diloco.overlap_steps", "overlaps the exchange of one fragment with the inner steps "
                 "of the others: needs distributed.diloco.fragments > 1")
@@ -270,6 +271,7 @@ def check(cfg: C.Config, world_size: int = 1, datasets: bool = True):
     if specs is not None:
         shapes = {name: shape for name, (shape, _) in specs.items()}
         problems += _memory(cfg, shapes, world_size)
+        problems += _fragments(cfg, shapes)
         from .optim import group_problems
         problems += group_problems(cfg.optimizer, [n for n in shapes if not any(
             fnmatch.fnmatchcase(n, p) for p in cfg.model.frozen)])
@@ -356,6 +358,15 @@ def physical_memory() -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def _fragments(cfg: C.Config, shapes: dict) -> list[str]:
+    """distributed.diloco.fragments: whole parameter tensors each, so no more than the model has."""
+    d = cfg.distributed
+    if d.sync == "diloco" and d.diloco.fragments > len(shapes):
+        return [f"distributed.diloco.fragments: {d.diloco.fragments} fragments of whole tensors, but the model has "
+                f"{len(shapes)} parameter tensors"]
+    return []
 
 
 def _memory(cfg: C.Config, shapes: dict, world_size: int) -> list[str]:

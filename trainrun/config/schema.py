@@ -275,11 +275,13 @@ class DiLoCoConfig:
     themselves as distributed.sync every_step does (shared memory, ZeRO-1 within the replica); 0: the
     ranks of one node."""
     fragments: int = opt(1, min=1)
-    """Parts of the model synchronised in turn (streaming DiLoCo): 1 synchronises all of it at each outer
-    step."""
+    """Parts of the model (contiguous runs of whole tensors of about equal size) synchronised in turn
+    (streaming DiLoCo): fragment f's outer step comes (f + 1) x inner_steps / fragments steps into each
+    round, so the link carries 1 / fragments of the model at a time; 1: all of it at each outer step."""
     overlap_steps: int = opt(0, min=0)
-    """Inner steps an outer exchange may run in the background before its result is applied (with
-    fragments > 1); 0: the exchange is waited for at the outer step."""
+    """With fragments > 1: a fragment's exchange runs in the background over this many inner steps, then is
+    applied (the fragment's new global weights plus what the replica learned meanwhile); less than
+    inner_steps / fragments. 0: each exchange is waited for at its outer step."""
     outer_dtype: str = opt("fp32", choices=["fp32", "bf16"])
     """The outer gradients' type on the wire between replicas: fp32, or bf16 summed in fp32 (as
     distributed.reduce_dtype's); the global weights and the outer momentum stay fp32."""
