@@ -324,3 +324,25 @@ def test_a_gather_on_axis_1_before_a_gemm_differentiates_under_onnxruntimes_opti
     want_dh[:, 0] = 2 * y @ w
     np.testing.assert_allclose(dh, want_dh, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(dw, 2 * y.T @ h[:, 0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_mixed_precision_train_graphs_of_trainrun_builder(tmp_path, precision):
+    """train.precision fp16/bf16 on device cuda (prepared here, no GPU needed): trainrun's train graph keeps
+    float32 gradient outputs, the fp32 islands of the cast pass (LayerNorm, Softmax, the loss) compute in
+    float32, and the graph passes the CUDA provider's kernel check; fp16's loss_scale stays an input."""
+    from onnx import TensorProto
+    from trainrun import cuda_kernels
+    cfg = cfg_for(tmp_path, "trainrun", train={"micro_batch_size": 2, "precision": precision}, device="cuda")
+    graphs_dir = prepare(cfg)
+    train = onnx.load(os.path.join(graphs_dir, "train.onnx"))
+    low = TensorProto.FLOAT16 if precision == "fp16" else TensorProto.BFLOAT16
+    assert all(o.type.tensor_type.elem_type == TensorProto.FLOAT for o in train.graph.output)
+    ops = {n.op_type for n in train.graph.node}
+    assert not ops & TRAINING_OPS and "Cast" in ops
+    types = cuda_kernels.tensor_types(train)
+    assert any(t == low for t in types.values())
+    for n, dtype in cuda_kernels.node_types(train, types):
+        if n.op_type in ("LayerNormalization", "Softmax", "LogSoftmax", "NegativeLogLikelihoodLoss"):
+            assert dtype == "float", (n.name, dtype)
+    assert ("loss_scale" in {i.name for i in train.graph.input}) == (precision == "fp16")
