@@ -178,14 +178,14 @@ def test_accumulation_on_the_bound_buffers(tmp_path, bucket_bytes):
         assert np.array_equal(direct.grads, acc.grads)
 
 
-def test_prepare_passes_on_trainrun_graphs(tmp_path):
+@pytest.mark.parametrize("dropout", [0.1, 0.0])
+def test_prepare_passes_on_trainrun_graphs(tmp_path, dropout):
     """prepare's passes over a train graph of trainrun's builder: train.recompute blocks (the forward in
-    dependency order first: recomputed nodes, the same bits), debug.tensors (chosen tensors as outputs,
-    the same gradients), engine.pad_products always (padded products, the values of the unpadded graph
-    to float32 rounding)."""
-    from test_strides import _gpt2, _padded
+    dependency order first: recomputed nodes, each node and tensor named once, though the blocks read
+    shapes computed once before them; the same bits), debug.tensors (chosen tensors as outputs, the same
+    gradients)."""
     from trainrun.graphs.recompute import recomputed_nodes
-    gpt2 = dict(TINY, n_layer=3, dropout=0.1)
+    gpt2 = dict(TINY, n_layer=3, dropout=dropout)
     shapes = {"input_ids": ((4, 32), np.int64), "labels": ((4, 32), np.int64)}
     rng = np.random.default_rng(0)
     batch = {k: rng.integers(0, 300, (4, 32)) for k in shapes}
@@ -198,6 +198,8 @@ def test_prepare_passes_on_trainrun_graphs(tmp_path):
         graphs_dir = prepare(cfg)
         train = onnx.load(os.path.join(graphs_dir, "train.onnx"))
         assert (recomputed_nodes(train) > 0) == (name == "recompute")
+        outputs = [o for n in train.graph.node for o in n.output]
+        assert len(set(outputs)) == len(outputs) and len({n.name for n in train.graph.node}) == len(train.graph.node)
         eng = Engine(graphs_dir, EngineOptions(threads=1, seed=3), shapes, shapes)
         eng.load_weights()
         got[name] = (eng.forward_backward(batch, accumulate=False, position=7), eng.grads.copy())
@@ -207,6 +209,11 @@ def test_prepare_passes_on_trainrun_graphs(tmp_path):
     for name in ("recompute", "stats"):
         assert got[name][0] == got["plain"][0] and np.array_equal(got[name][1], got["plain"][1]), name
 
+
+def test_pad_products_on_trainrun_graphs(tmp_path):
+    """engine.pad_products always on a train graph of trainrun's builder: padded products, the values of the
+    unpadded graph to float32 rounding."""
+    from test_strides import _gpt2, _padded
     grads = {}
     for setting in ("always", "never"):
         cfg, shape, shapes = _gpt2(tmp_path, seed=6, setting=setting)

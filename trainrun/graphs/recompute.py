@@ -107,6 +107,7 @@ def recompute_blocks(train: onnx.ModelProto, params: list[str], loss: str, sourc
                 stash[b].add(o)
 
     renamed: dict[str, str] = {}
+    made: set[str] = set()          # the gated tensors written so far
     inserts: dict[int, list[onnx.NodeProto]] = defaultdict(list)   # before node k: these duplicates
     for b, tensors in sorted(stash.items()):
         need, todo = set(), [producer[t] for t in tensors]
@@ -130,7 +131,10 @@ def recompute_blocks(train: onnx.ModelProto, params: list[str], loss: str, sourc
                                               axis=0))
             dups.append(onnx.helper.make_node("Cast", [gate + "/one"], [gate], name=gate, to=onnx.TensorProto.BOOL))
             for t in ext:      # Where(gate, t, t) == t, a scalar gate broadcasts to any shape
-                gated[t] = f"{t}{SUFFIX}/gated"
+                # a tensor several blocks read (a shape computed once before the blocks, which trainrun's
+                # gradient builder keeps and onnxruntime-training's folds): gated once per block
+                gated[t] = f"{t}{SUFFIX}/gated" if f"{t}{SUFFIX}/gated" not in made else f"{t}{SUFFIX}/{b}/gated"
+                made.add(gated[t])
                 dups.append(onnx.helper.make_node("Where", [gate, t, t], [gated[t]], name=gated[t]))
         for k in sorted(need):
             d = onnx.NodeProto()
