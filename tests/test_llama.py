@@ -444,3 +444,32 @@ def test_bad_llama_sections_exit_2_naming_each_key(tmp_path, byte_dataset):
     p = run([TRAINRUN, "config", "validate", "--config", cfg], check=2)
     assert f"model.llama.num_key_value_heads: 1, but model.init_from's {tmp_path / 'pre' / 'config.json'} says 3" \
         in p.stderr
+
+
+def test_config_json_fields_the_family_does_not_build_exit_2_naming_each(tmp_path, byte_dataset):
+    """A folder's config.json that asks for math the family does not build (another activation, attention
+    dropout, the sliced projections of pretraining_tp, a rope scaling other than linear/llama3) is refused
+    with each field and its value named, instead of a silu model without them."""
+    import json
+    shape = dict(VARIANTS["smollm2_tied"], vocab_size=300)
+    hf_model(shape, random_weights(shape, 1)).save_pretrained(tmp_path / "pre")
+    file = tmp_path / "pre" / "config.json"
+    config = json.loads(file.read_text())
+    file.write_text(json.dumps(dict(config, hidden_act="gelu", attention_dropout=0.1, pretraining_tp=2)))
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, model={"builtin": "llama", "init_from": str(tmp_path / "pre")})
+    p = run([TRAINRUN, "config", "validate", "--config", cfg], check=2)
+    for says in (f"model.init_from: {file}: hidden_act 'gelu' is not built (the MLP is SwiGLU: silu only)",
+                 f"model.init_from: {file}: attention_dropout 0.1 is not built (no dropout: 0 only)",
+                 f"model.init_from: {file}: pretraining_tp 2 is not built (1 only)"):
+        assert says in p.stderr, (says, p.stderr)
+    for rope in ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+                 {"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4},
+                 {"rope_type": "dynamic", "factor": 2.0}):
+        kind = rope.get("rope_type") or rope.get("type")
+        rewritten = {k: v for k, v in config.items() if k != "rope_parameters"}
+        file.write_text(json.dumps(dict(rewritten, rope_theta=10000.0, rope_scaling=rope)))
+        p = run([TRAINRUN, "config", "validate", "--config", cfg], check=2)
+        assert f"model.llama.rope_scaling: rope_type {kind!r} is not one of: default, linear, llama3" in p.stderr, \
+            p.stderr
+    file.write_text(json.dumps(dict(config, hidden_act="silu", attention_dropout=0.0, pretraining_tp=1)))
+    run([TRAINRUN, "config", "validate", "--config", cfg], check=0)

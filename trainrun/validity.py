@@ -78,6 +78,8 @@ def config_problems(cfg: C.Config, base_dir: str = ".", need_data: bool = False)
         if not isinstance(source, dict):
             add("model.init_from", f"{file}: not a JSON object ({source})")
         else:
+            for key, problem in getattr(section, "config_json_problems", lambda _: [])(source):
+                add("model.init_from", f"{file}: {key} {problem}")
             for key, value in C.config_json_values(section, source).items():
                 if key in section.CONFIG_JSON_SHAPE and getattr(section, key) != value:
                     add(f"model.{m.builtin}.{key}", f"{getattr(section, key)!r}, but model.init_from's {file} says "

@@ -205,7 +205,7 @@ class LlamaConfig:
             rope.setdefault("rope_type", rope.pop("type"))
         out["rope_theta"] = float(rope.pop("rope_theta", source.get("rope_theta", 10000.0)))
         out["rope_scaling"] = {} if rope.get("rope_type", "default") == "default" else \
-            {k: v if isinstance(v, str) else float(v) for k, v in rope.items() if v is not None}
+            {k: float(v) if isinstance(v, (int, float)) else v for k, v in rope.items() if v is not None}
         out["tie_word_embeddings"] = bool(source.get("tie_word_embeddings", False))
         out["attention_bias"] = True if kind == "qwen2" else bool(source.get("attention_bias", False))
         out["mlp_bias"] = bool(source.get("mlp_bias", False))
@@ -217,6 +217,18 @@ class LlamaConfig:
             out[key] = ids[0] if isinstance(ids, list) and ids else ids if isinstance(ids, int) else None
         if "initializer_range" in source:
             out["initializer_range"] = float(source["initializer_range"])
+        return out
+
+    @staticmethod
+    def config_json_problems(source: dict) -> list[tuple[str, str]]:
+        """(field, why) of each config.json field whose value asks for math the family does not build
+        (rope_scaling's types are model.llama.rope_scaling's own check)."""
+        out = []
+        for key, default, built in (("hidden_act", "silu", "the MLP is SwiGLU: silu only"),
+                                    ("attention_dropout", 0.0, "no dropout: 0 only"), ("pretraining_tp", 1, "1 only")):
+            value = source.get(key, default)
+            if value is not None and value != default:
+                out.append((key, f"{value!r} is not built ({built})"))
         return out
 
 
