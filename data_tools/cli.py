@@ -128,7 +128,8 @@ def tokens(inputs, more_inputs, output, tokenizer_path, train_bpe, use_bytes, us
 
     Each text file is a document; each record of a .jsonl, .jsonl.gz, .parquet or
     .arrow file or of a datasets save_to_disk folder (its --text-field) is one.
-    Every document is followed by the end-of-document token. The same input and
+    Every document is framed by the special tokens its tokenizer's post-processor adds (Llama's BOS) and
+    followed by the end-of-document token (once). The same input and
     options give the same bytes, whatever the number of workers.
     """
     from tqdm import tqdm
@@ -202,13 +203,15 @@ def _batches(sizes, limit=CHUNK_BYTES):
 
 
 def _encode_in_process(files, refs, sizes, field, encoder, report):
-    """Token ids of the documents ``refs`` with the end-of-document id after each, as a stream of arrays."""
-    eos = np.array([encoder.eos_id])
+    """Token ids of the documents ``refs``, each framed by the encoder's ``start`` and ``end`` ids (the
+    tokenizer's special tokens, the end-of-document id), as a stream of arrays."""
     texts = read_documents(files, refs, field)
     for count, size in _batches(sizes):
         for ids in encoder.encode([next(texts) for _ in range(count)]):
+            if len(encoder.start):
+                yield encoder.start
             yield ids
-            yield eos
+            yield encoder.end
         report(size)
 
 

@@ -43,6 +43,7 @@ class BytesEncoder:
     """UTF-8 bytes as tokens 0..255; EOS is 256."""
 
     vocab_size, eos_id, tokenizer, tokenizer_id, tokenizer_json = 257, 256, None, BYTES_TOKENIZER_ID, None
+    start, end = np.zeros(0, np.int64), np.array([256], np.int64)   # the ids before and after each document
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
         return [np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts]
@@ -61,6 +62,7 @@ class TokenizerEncoder:
         tokenizer.no_padding()
         self.tokenizer_json = tokenizer.to_str(pretty=True)    # what tokenizer.json holds
         self.tokenizer_id = "sha256:" + hashlib.sha256(self.tokenizer_json.encode("utf-8")).hexdigest()
+        self.start, self.end = _framing(tokenizer, self.eos_id)
         self.fast = _gpt2_like(tokenizer)
         self._byte_chars = _byte_level_chars() if self.fast else None
         added = [t.content for t in tokenizer.get_added_tokens_decoder().values()]
@@ -98,7 +100,7 @@ class TokenizerEncoder:
         return [("".join(parts), fast) for parts, fast in units]
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
-        """Token ids of each text (no special tokens added)."""
+        """Token ids of each text (no special tokens added: see ``start`` and ``end``)."""
         units = [(d, part, fast) for d, text in enumerate(texts) for part, fast in self._units(text) if part]
         ids: list[np.ndarray] = [None] * len(units)
         slow = [u for u, (_, _, fast) in enumerate(units) if not fast]
@@ -149,6 +151,16 @@ def _cut(text: str, cut: re.Pattern) -> list[str]:
     """``text`` split before the second-to-last character of each match of ``cut``."""
     bounds = [0, *(m.end() - 2 for m in cut.finditer(text)), len(text)]
     return [text[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def _framing(tokenizer, eos_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ids before and after each document: the special tokens the tokenizer's post-processor adds
+    around a text (``encode(text, add_special_tokens=True)``: Llama's BOS, a template's BOS and EOS), then
+    the end-of-document token unless they already end with it."""
+    probe = tokenizer.encode(tokenizer.id_to_token(eos_id), add_special_tokens=True)
+    text = [k for k, s in enumerate(probe.sequence_ids) if s is not None]
+    start, end = probe.ids[:text[0]], probe.ids[text[-1] + 1:]
+    return np.array(start, np.int64), np.array(end if end[-1:] == [eos_id] else end + [eos_id], np.int64)
 
 
 def _gpt2_like(tokenizer) -> bool:

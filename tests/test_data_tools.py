@@ -155,6 +155,33 @@ def test_tokens_bpe_deterministic_and_decodes(corpus, tmp_path):
     assert "the tokenizer has no end-of-document token '<nope>'" in proc.stderr
 
 
+def test_tokens_add_the_special_tokens_of_the_tokenizers_post_processor(corpus, tmp_path):
+    """A tokenizer whose post-processor frames each text (Llama 2's ``<s> $A``, Llama 3's BOS, a template
+    with BOS and EOS): each document is its encoding with the special tokens added, then the end-of-document
+    token unless the template already ended it with that one; 1 or 2 tokenizer processes, the same bytes."""
+    from tokenizers import processors
+    docs = [d.decode("utf-8", "replace") for _, d in corpus_docs(corpus)]
+    tok = train_bpe(docs, 400, progress=False, length=len(docs))
+    tok.add_special_tokens(["<s>", "</s>"])
+    bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+    train, _ = expected_split(corpus_docs(corpus), 0.01)
+    texts = [d.decode("utf-8", "replace") for d in train]
+    for template, end in (("<s> $A </s>", []), ("<s> $A", [eos])):
+        tok.post_processor = processors.TemplateProcessing(single=template, special_tokens=[("<s>", bos),
+                                                                                             ("</s>", eos)])
+        tok.save(str(tmp_path / "tokenizer.json"))
+        outs = [tmp_path / f"{template}-{workers}" for workers in ("1", "2")]
+        for out, workers in zip(outs, ("1", "2")):
+            run([TRAINRUN_DATA, "tokens", "--input", str(corpus), "--output", str(out), "--tokenizer",
+                 str(tmp_path / "tokenizer.json"), "--eos", "</s>", "--workers", workers, "--no-progress"], check=0)
+        assert tree_bytes(outs[0]) == tree_bytes(outs[1]), template
+        m, tokens = shard_tokens(outs[0] / "train")
+        expected = [i for t in texts for i in tok.encode(t).ids + end]
+        assert tokens.tolist() == expected, template
+        assert expected[0] == bos and expected[-1] == eos and m["eos_id"] == eos
+        assert np.count_nonzero(tokens == bos) == np.count_nonzero(tokens == eos) == len(texts)
+
+
 def test_tokens_positional_inputs_and_exclude(corpus, tmp_path):
     """Inputs as arguments; --exclude replaces the default exclusions: excluding notes leaves lib."""
     a, b = tmp_path / "a", tmp_path / "b"
