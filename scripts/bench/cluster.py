@@ -11,7 +11,10 @@ rank): one run on n1 alone (``1x1``), then at every rate each variant on n1 + n2
 * ``fp32``          one allreduce after the backward pass (the behaviour before overlap_grad_reduce);
 * ``fp32-overlap``  ``distributed.overlap_grad_reduce: true`` (buckets of ``--bucket-mb``);
 * ``bf16``          ``distributed.reduce_dtype: bf16``, one reduction after the backward pass;
-* ``bf16-overlap``  both.
+* ``bf16-overlap``  both;
+* ``diloco-h10``    ``distributed.sync: diloco``, an outer step every 10 steps (and at the last): nothing
+                    crosses the link between two outer steps (wire bytes/step 0: the replicas' reduction
+                    has one rank).
 
 Scaling efficiency = tokens/s on 2 nodes / (2 x tokens/s on one node); tokens/s over the steps after the
 warm-up (metrics.jsonl's ``elapsed_s``), the median over rounds. ``exposed`` = the step time on 2 nodes minus
@@ -44,8 +47,10 @@ VARIANTS = {
     "fp32-overlap": ["distributed.overlap_grad_reduce=true"],
     "bf16": ["distributed.reduce_dtype=bf16", "distributed.overlap_grad_reduce=false"],
     "bf16-overlap": ["distributed.reduce_dtype=bf16", "distributed.overlap_grad_reduce=true"],
+    # each node a replica of its own; the timed window of mid (steps 4-15) holds the outer steps of 10 and 15
+    "diloco-h10": ["distributed.sync=diloco", "distributed.diloco.inner_steps=10"],
 }
-MODEL_VARIANTS = {"gpt2-124m": ["fp32", "fp32-overlap", "bf16-overlap"]}     # default: all of VARIANTS
+MODEL_VARIANTS = {"gpt2-124m": ["fp32", "fp32-overlap", "bf16-overlap", "diloco-h10"]}   # default: all of VARIANTS
 STEPS = {"mid": (3, 12), "gpt2-124m": (2, 4)}          # (warm-up, timed) steps per run
 MICRO = {"mid": 4, "gpt2-124m": 2}
 
