@@ -60,7 +60,7 @@ $(STAMP_PY313): pyproject.toml scripts/requirements.py
 	test -x $(VENV_PY313)/bin/python || $(PYTHON313) -m venv $(VENV_PY313)
 	$(VENV_PY313)/bin/pip install -q packaging
 	$(VENV_PY313)/bin/pip install -q -e .
-	$(VENV_PY313)/bin/pip install -q $$($(VENV_PY313)/bin/python scripts/requirements.py --without torch --without transformers test)
+	$(VENV_PY313)/bin/pip install -q $$($(VENV_PY313)/bin/python scripts/requirements.py --without torch --without transformers --without peft test)
 	@touch $@
 
 test-py313: $(STAMP_PY313)

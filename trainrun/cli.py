@@ -85,10 +85,13 @@ def resume(run_dir, overrides, log_level, force):
 @cli.command()
 @click.argument("checkpoint", type=click.Path())
 @click.option("--output", "-o", required=True, type=click.Path(),
-              help="Output ONNX file (--format onnx) or directory (--format transformers).")
-@click.option("--format", "fmt", type=click.Choice(["onnx", "transformers"]), default="onnx", show_default=True,
+              help="Output ONNX file (--format onnx) or directory (--format transformers or peft).")
+@click.option("--format", "fmt", type=click.Choice(["onnx", "transformers", "peft"]), default="onnx",
+              show_default=True,
               help="onnx: an inference model; transformers: a save_pretrained directory (a built-in model "
-                   "family with a transformers class).")
+                   "family with a transformers class); both the full model, a LoRA run's adapters merged; "
+                   "peft: a LoRA run's adapters (adapter_config.json, adapter_model.safetensors) for "
+                   "PeftModel.from_pretrained.")
 @click.option("--kv-cache", is_flag=True,
               help="A language model (a family that generates text): an inference graph with past/present "
                    "keys and values (for trainrun generate).")
@@ -101,9 +104,9 @@ def resume(run_dir, overrides, log_level, force):
 def export(checkpoint, output, fmt, kv_cache, tokenizer, opset, with_loss, best):
     """Write an inference model from a checkpoint (offline, no MPI): an ONNX file, or a
     transformers directory (config.json, model.safetensors, tokenizer)."""
-    from .export import export_checkpoint, export_transformers
-    if fmt == "transformers" and (kv_cache or with_loss or opset is not None):
-        raise UsageError("--format transformers takes none of --kv-cache, --with-loss, --opset")
+    from .export import export_checkpoint, export_peft, export_transformers
+    if fmt != "onnx" and (kv_cache or with_loss or opset is not None):
+        raise UsageError(f"--format {fmt} takes none of --kv-cache, --with-loss, --opset")
     if tokenizer and fmt != "transformers":
         raise UsageError("--tokenizer goes with --format transformers")
     if kv_cache and with_loss:
@@ -113,6 +116,8 @@ def export(checkpoint, output, fmt, kv_cache, tokenizer, opset, with_loss, best)
         checkpoint = best_of_run(checkpoint)
     if fmt == "transformers":
         export_transformers(checkpoint, output, tokenizer=tokenizer, echo=click.echo)
+    elif fmt == "peft":
+        export_peft(checkpoint, output, echo=click.echo)
     else:
         export_checkpoint(checkpoint, output, opset=opset, with_loss=with_loss, kv_cache=kv_cache, echo=click.echo)
 

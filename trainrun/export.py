@@ -28,6 +28,7 @@ from safetensors.numpy import save_file
 from . import checkpoint as K
 from . import faults
 from .graphs.gradients import add_outputs, keep_outputs, reads
+from .graphs.lora import adapter_names, merged
 from .graphs.manifest import load_manifest
 from .graphs.names import METRIC_PREFIX
 from .graphs.onnx_edit import IR_VERSION
@@ -210,6 +211,18 @@ def checkpoint_weights(ckpt, manifest: dict) -> dict[str, np.ndarray]:
     return weights
 
 
+def lora_weights(graphs_dir: str, manifest: dict, weights: dict) -> dict[str, np.ndarray]:
+    """``weights`` (a checkpoint's) as the full model: for a LoRA run (``model.lora``), the base weights of
+    its forward graph with the adapters merged into them (W + B A alpha / r); else ``weights`` itself."""
+    lora = manifest.get("lora")
+    if not lora:
+        return weights
+    base = set(lora["base"])
+    forward = onnx.load(os.path.join(graphs_dir, "forward.onnx"))
+    frozen = {t.name: numpy_helper.to_array(t) for t in forward.graph.initializer if t.name in base}
+    return merged({**frozen, **weights}, manifest["model"]["lora"], lora["in_out"])
+
+
 def kv_cache_model(manifest: dict, weights, where: str):
     """The model family's inference graph with the attention cache (dropout off) holding ``weights()``."""
     family = registry.of_manifest(manifest)
@@ -274,7 +287,23 @@ def _export(held: K.Pinned, output: str, opset, with_loss, kv_cache, verify, ech
     K.verify(held)
     tensors = checkpoint_tensors(held, manifest)      # streamed from the file into the model: no copy held
 
-    if kv_cache:
+    full = None
+    if manifest.get("lora") and not with_loss:       # a LoRA run: the full model, the adapters merged
+        full = lora_weights(graphs_dir, manifest, checkpoint_weights(held, manifest))
+        family = registry.of_manifest(manifest)
+        section = family.without_dropout(family.shape_of(manifest))
+        if kv_cache:
+            model = kv_cache_model(manifest, lambda: full, where=ckpt)
+        elif family.inference is not None:
+            model = family.inference(section)
+            used = reads(model.graph.node)
+            model.graph.initializer.extend(numpy_helper.from_array(v, n) for n, v in full.items() if n in used)
+            kept = [i for i in model.graph.input if i.name not in full]
+            del model.graph.input[:]
+            model.graph.input.extend(kept)
+        else:
+            model = family.build(section, full)
+    elif kv_cache:
         model = kv_cache_model(manifest, dict, where=ckpt)      # the graph alone; the weights follow
     else:
         model = None if with_loss else inference_model(graphs_dir, manifest, ckpt, loss_only_ok=with_loss is None)
@@ -284,7 +313,7 @@ def _export(held: K.Pinned, output: str, opset, with_loss, kv_cache, verify, ech
                      f"{output} is the graph with its loss (as export --with-loss), which takes the labels too")
             model = onnx.load(os.path.join(graphs_dir, "eval.onnx"))
     read = reads(model.graph.node)
-    written = [t for t in tensors if t.name in read]       # what a graph without its loss still reads
+    written = [t for t in tensors if t.name in read and full is None]   # what a graph without its loss still reads
     if opset is not None:
         current = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
         if opset != current:
@@ -387,7 +416,7 @@ def _export_transformers(held: K.Pinned, output: str, tokenizer: str | None, ech
                             "a user graph, which has no transformers class") + "; export it as onnx")
     if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
         raise UsageError(f"--output {output} already exists and is not an empty directory")
-    weights = checkpoint_weights(held, manifest)
+    weights = lora_weights(os.path.join(run_dir, "graphs"), manifest, checkpoint_weights(held, manifest))
     for tied, source in family.transformers.tied.items():       # as the transformers class holds them
         weights.setdefault(tied, weights[source])               # (a head that is a parameter: untied)
     try:
@@ -420,4 +449,50 @@ def _export_transformers(held: K.Pinned, output: str, tokenizer: str | None, ech
         shutil.rmtree(stage, ignore_errors=True)
         raise
     echo(f"exported {output} ({family.transformers.architecture}, {', '.join(sorted(os.listdir(output)))}) from {ckpt}")
+    return output
+
+
+# model.task -> PEFT's task_type (a family's own task: causal_lm for the decoders, none for BERT's pretraining)
+_PEFT_TASKS = {"causal_lm": "CAUSAL_LM", "sequence_classification": "SEQ_CLS", "token_classification": "TOKEN_CLS"}
+
+
+def export_peft(checkpoint: str, output: str, *, echo=print) -> str:
+    """Write a LoRA run's adapters as PEFT saves them: adapter_config.json and adapter_model.safetensors
+    (``base_model.model.<module>.lora_A.weight`` ..., and the parameters of modules_to_save), which
+    ``PeftModel.from_pretrained`` loads onto the base model. Staged beside ``output`` and moved into place."""
+    with K.pin(checkpoint) as held:
+        ckpt = held.dir
+        manifest = load_manifest(os.path.join(rundir.run_dir_of(ckpt), "graphs"))
+        lora = manifest["model"].get("lora")
+        if not manifest.get("lora") or not lora:
+            raise UsageError(f"--format peft: {ckpt} is not a LoRA run (no model.lora): it has no adapters; "
+                             f"export it as onnx or transformers")
+        if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
+            raise UsageError(f"--output {output} already exists and is not an empty directory")
+        weights = checkpoint_weights(held, manifest)
+    family = registry.of_manifest(manifest)
+    task = manifest["model"].get("task") or (family.tasks[0] if family.tasks else None)
+    targets = sorted({n.rsplit(".lora_A.", 1)[0].rsplit(".", 1)[-1] for n in weights if ".lora_A." in n})
+    config = {"peft_type": "LORA", "task_type": _PEFT_TASKS.get(task), "r": lora["r"], "lora_alpha": lora["alpha"],
+              "lora_dropout": lora["dropout"], "target_modules": list(lora["target_modules"]) or targets,
+              "modules_to_save": list(lora["modules_to_save"]) or None,
+              "fan_in_fan_out": bool(manifest["lora"]["in_out"]), "bias": "none", "inference_mode": True,
+              "init_lora_weights": True, "base_model_name_or_path": manifest["model"].get("init_from")}
+    parent = os.path.dirname(os.path.abspath(output))
+    os.makedirs(parent, exist_ok=True)
+    stage = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    try:
+        save_file({f"base_model.model.{n}": np.ascontiguousarray(v) for n, v in weights.items()},
+                  os.path.join(stage, "adapter_model.safetensors"), metadata={"format": "pt"})
+        rundir.as_created(os.path.join(stage, "adapter_model.safetensors"))
+        with open(os.path.join(stage, "adapter_config.json"), "w") as fh:
+            json.dump(config, fh, indent=2)
+            fh.write("\n")
+        if os.path.isdir(output):
+            os.rmdir(output)
+        os.replace(rundir.as_created(stage), output)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    echo(f"exported {output} (PEFT LoRA adapters, r {lora['r']}, {len(weights)} tensors) from {ckpt}")
     return output

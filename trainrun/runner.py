@@ -141,7 +141,8 @@ class TrainingRunner:
         eng = self.engine
         state = self.checkpoints.restore(ckpt, eng.layout, eng.params, {**self.shard.state, **self.sync.restore_state()},
                                          (eng.state_layout, eng.state), state_range=(self.shard.lo, self.shard.hi),
-                                         forced=force)
+                                         forced=force,
+                                         lora_base=(self.manifest.get("lora") or {}).get("base_sha256"))
         self.sync.load_state_dict(state, ckpt)
         self.loader.load_state_dict(state["loader"])
         self.step, self.updates, self.skipped = state["step"], state["updates"], state["skipped_steps"]
@@ -384,7 +385,8 @@ class TrainingRunner:
                 "lr_schedule": {"step": self.step, "total_steps": self.total_steps,
                                 "lr": learning_rate(self.step, cfg.optimizer.lr, self.total_steps, cfg.lr_schedule)},
                 "world_size": self.world, "global_batch": self.global_batch, "seed": cfg.run.seed,
-                "graphs": self.manifest["files"], "eval_loss": self._first_eval_loss(evaluated),
+                "graphs": self.manifest["files"], "lora_base": (self.manifest.get("lora") or {}).get("base_sha256"),
+                "eval_loss": self._first_eval_loss(evaluated),
                 "eval": evaluated, "best_metric": {"name": best, "value": evaluated[best],
                                                    "greater_is_better": C.greater_is_better(best)}
                 if evaluated and best in evaluated else None,

@@ -134,6 +134,11 @@ def config_problems(cfg: C.Config, base_dir: str = ".", need_data: bool = False)
         add("lr_schedule.min_lr", f"{cfg.lr_schedule.min_lr} exceeds optimizer.lr ({o.lr})")
     if t.sample_every and (family is None or family.kv_cache is None):
         add("train.sample_every", f"samples need model.builtin {' or '.join(registry.generating())}")
+    elif t.sample_every and m.lora is not None:
+        add("train.sample_every", "samples the full model's weights; with model.lora, sample from an export "
+            "(trainrun generate RUN_DIR)")
+    if m.lora is not None and m.builtin is None:
+        add("model.lora", f"adapts a built-in model ({families}); for a model.onnx use model.frozen")
     _distributed(cfg, add)
     if t.max_steps and cfg.profile.start_step > t.max_steps:
         add("profile.start_step", f"{cfg.profile.start_step} is after the last step (train.max_steps = "

@@ -218,21 +218,31 @@ MODEL_GRAPHS = ("forward.onnx", "eval.onnx")
 
 
 def check_checkpoint(ckpt, names, graphs: tuple[str, dict] | None = None, *, optimizer_states=None,
-                     forced: bool = False) -> None:
+                     forced: bool = False, lora_base: str | None = None) -> None:
     """What every reader of a checkpoint calls before it reads a tensor: ``ckpt`` against the graphs it
     is to be used with. ``graphs``: (their directory, its manifest); a checkpoint whose state.json
     records other sha256 for the model's graphs was trained with other graphs: a UsageError naming both.
     ``names``: the tensors the graphs take (parameters, then model state); ``optimizer_states``: the
     optimizer states to be read (None: optimizer.safetensors is not read). A tensor of the checkpoint
     that none of them takes is a UsageError naming it; when the user ``forced`` a change of the model or
-    optimizer (``resume --force``), a warning listing what is dropped. ``ckpt``: a path or a :class:`Pinned`
+    optimizer (``resume --force``), a warning listing what is dropped. ``lora_base``: the sha256 of the
+    model.lora base weights the tensors are to be used with (the manifest's, when ``graphs`` is given): a
+    checkpoint whose adapters were trained on others is a UsageError, forced or not. ``ckpt``: a path or a :class:`Pinned`
     checkpoint."""
     with reading(ckpt) as held:
-        _check_checkpoint(held, names, graphs, optimizer_states, forced)
+        _check_checkpoint(held, names, graphs, optimizer_states, forced,
+                          lora_base=lora_base)
 
 
-def _check_checkpoint(held: Pinned, names, graphs, optimizer_states, forced) -> None:
+def _check_checkpoint(held: Pinned, names, graphs, optimizer_states, forced, lora_base) -> None:
     ckpt = held.dir
+    if graphs is not None:
+        lora_base = (graphs[1].get("lora") or {}).get("base_sha256")
+    base = read_state(held).get("lora_base")
+    if base != lora_base and (base or lora_base):
+        raise UsageError(f"{ckpt}: its LoRA adapters were trained on other base weights than this model's "
+                         f"(model.lora, model.init_from): base weights sha256 {base or 'none (no model.lora)'} "
+                         f"in {ckpt}/state.json, {lora_base or 'none (no model.lora)'} now")
     if graphs is not None:
         graphs_dir, manifest = graphs
         saved = read_state(held).get("graphs") or {}       # checkpoints before it recorded none

@@ -18,7 +18,7 @@ nothing of trainrun but ``errors``.
 from .fields import opt  # noqa: F401
 from .load import (Checks, absolutize, apply_overrides, from_dict, init_from_config_json,  # noqa: F401
                    load_config, parse_override, path_fields, read_yaml, resolve_path)
-from .model import (FAMILIES, BertConfig, GPT2Config, LlamaConfig, LossConfig, ModelConfig,  # noqa: F401
+from .model import (FAMILIES, BertConfig, GPT2Config, LlamaConfig, LoraConfig, LossConfig, ModelConfig,  # noqa: F401
                     add_family_section, config_json_values, positions)
 from .schema import (DEFAULT_MAX_STEPS, EVAL_NAME, CheckpointConfig, Config, DataConfig,  # noqa: F401
                      DebugConfig, DistributedConfig, EarlyStoppingConfig, EngineConfig, GraphsConfig, LoggingConfig,

@@ -258,6 +258,26 @@ class LossConfig:
     (model.builtin gpt2) comes from the plain cross-entropy, `eval_ce`. train.precision fp32 only."""
 
 
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (PEFT's LoRA, its names and meanings) on a built-in model's linear layers: each
+    targeted layer y = x W (+ b) gains (dropout(x) A^T B^T) alpha / r, A [r, in] initialised as PEFT does
+    (kaiming-uniform), B [out, r] zeros. The base weights are frozen; the adapters (and modules_to_save) alone train."""
+    r: int = opt(8, min=1)
+    """The adapters' rank."""
+    alpha: float = opt(8.0, gt=0.0)
+    """PEFT's lora_alpha: the adapters' output is scaled by alpha / r."""
+    dropout: float = opt(0.0, min=0.0, max=0.99)
+    """PEFT's lora_dropout: dropout on each adapter's input (trainrun's dropout masks)."""
+    target_modules: list[str] = opt(factory=list)
+    """Linear layers to adapt, matched as PEFT matches them against the transformers module names (a name
+    equal to an entry or ending in `.<entry>`); empty: PEFT's default for the family (gpt2 `c_attn`, llama
+    `q_proj`, `v_proj`, bert `query`, `value`). An entry that matches no linear layer is an error."""
+    modules_to_save: list[str] = opt(factory=list)
+    """Modules trained in full beside the adapters (e.g. `score`, a classification head), matched as
+    target_modules."""
+
+
 # model.builtin's values: a family's name is that of its section below (the built-in families' sections
 # are part of the schema here; trainrun.models.registry adds a family defined elsewhere with
 # add_family_section). What a family is beyond its section lives in trainrun/models/.
@@ -309,6 +329,9 @@ class ModelConfig:
     """How the loss is computed from the forward graph's outputs."""
     frozen: list[str] = opt(factory=list)
     """Parameter name patterns (fnmatch) that are not trained."""
+    lora: Optional[LoraConfig] = None
+    """Train low-rank adapters (PEFT's LoRA) on the built-in model's frozen weights (null: train the
+    weights themselves); see docs/models.md, "LoRA"."""
     task: Optional[str] = None
     """The head on the built-in model (null: its own, pretraining for bert, causal_lm for gpt2 and llama):
     `sequence_classification` (bert) puts a classifier on the pooled [CLS] token, as transformers'

@@ -17,6 +17,7 @@ from ..data import outside
 from ..errors import UsageError
 from ..models import registry
 from ..pretrained import load_into
+from .lora import add_adapters
 from .onnx_edit import value_dims
 
 @dataclass
@@ -32,6 +33,7 @@ class Forward:
     class_axis: int = -1            # cross_entropy: -1 classes last (flattened to [N, C]); 1 ONNX's [N, C, d...]
     class_weights: list | None = None
     states: dict | None = None      # BatchNormalization running stats: {initializer: output with its update}
+    lora: dict | None = None        # model.lora: {"base": the frozen weights, "in_out": modules with W [in, out]}
 
 
 def forward_from_config(cfg: Config) -> Forward:
@@ -41,7 +43,12 @@ def forward_from_config(cfg: Config) -> Forward:
         return _check_forward(_load_user_onnx(m.onnx), list(m.inputs), m.loss, m.frozen, source=m.onnx)
     section = family.shape(m)
     weights = _pretrained(family.init_weights(section, cfg.run.seed), m)
-    return Forward(model=family.build(section, weights), params=_trainable(list(weights), m.frozen, family.name),
+    model, params = family.build(section, weights), _trainable(list(weights), m.frozen, family.name)
+    if m.lora is not None:
+        model, in_out, trainable = add_adapters(model, weights, m.lora, family.name, family.inputs[0], cfg.run.seed)
+        params = _trainable(trainable, m.frozen, family.name)
+        lora = {"base": [n for n in weights if n not in params], "in_out": in_out}
+    return Forward(model=model, params=params, lora=lora if m.lora else None,
                    inputs=list(family.inputs), logits=family.logits,
                    labels=None if family.loss else m.loss.labels, loss=family.loss,
                    loss_type=family.loss_type if family.loss is None else "cross_entropy")

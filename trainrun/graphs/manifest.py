@@ -20,6 +20,7 @@ from .recompute import recompute_blocks
 from ..rundir import as_created, sha256_file
 from .casts import cast_pass, restore_fp32, scale_loss
 from .dropout_nodes import dropout_masks, dropout_off
+from .lora import digest as lora_digest
 from .forward import batchnorm_inference, drop_outputs, forward_from_config, num_classes
 from .gradients import add_outputs, build_train_graph, builder, select_outputs
 from .losses import SPLIT_MIN_CLASSES, metric_outputs, split_cross_entropy, with_loss
@@ -167,6 +168,10 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
         "states": [{"name": n, "shape": [int(d) for d in inits[n].dims], "output": o} for n, o in states.items()],
         "metrics": metric_names(metric_outputs(evalg)),
         "model": to_dict(cfg.model),
+        # model.lora: the frozen base weights (their sha256 checked on resume), the adapted modules whose
+        # weight is stored [in, out] (export merges the adapters into them)
+        "lora": {**fwd.lora, "base_sha256": lora_digest({n: numpy_helper.to_array(inits[n]) for n in fwd.lora["base"]})}
+        if fwd.lora else None,
         "optimizer": to_dict(cfg.optimizer),
         "build": build,
         "stats_outputs": stats_outputs,

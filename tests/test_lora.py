@@ -1,0 +1,245 @@
+"""model.lora: PEFT's LoRA on every built-in family, against peft itself (the same base weights and
+adapters in a transformers model wrapped by peft.get_peft_model)."""
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+from trainrun import config as C
+from trainrun.engine import Engine, EngineOptions
+from trainrun.graphs.manifest import prepare
+
+from conftest import ROOT, TRAINRUN, mpirun, read_metrics, run, write_config
+from test_llama import VARIANTS, hf_model, random_weights, relative
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import reference as R  # noqa: E402
+
+GPT2 = {"n_layer": 2, "n_head": 4, "n_embd": 32, "n_positions": 32, "vocab_size": 512}
+LLAMA = dict(VARIANTS["llama3_gqa"], vocab_size=512, max_position_embeddings=32)
+
+
+def gpt2_folder(path, seed: int):
+    """A GPT2LMHeadModel save_pretrained folder, every weight random (no dropout)."""
+    import transformers
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(**GPT2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                  activation_function="gelu_new", bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def llama_folder(path, seed: int):
+    model = hf_model(LLAMA, random_weights(LLAMA, seed, scale=0.1))
+    model.save_pretrained(path)
+    return str(path)
+
+
+FAMILIES = {
+    # family: (folder maker, lora section, peft's extra LoraConfig keys)
+    "gpt2": (gpt2_folder, {"r": 4, "alpha": 8.0, "target_modules": ["c_attn", "c_proj"], "modules_to_save": ["ln_f"]},
+             {"fan_in_fan_out": True}),
+    "llama": (llama_folder, {"r": 2, "alpha": 5.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}, {}),
+}
+
+
+def peft_model(folder: str, lora: dict, extra: dict, adapters: dict):
+    """transformers' model of ``folder`` wrapped by peft with trainrun's adapters (and saved modules) loaded."""
+    import peft
+    import transformers
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").float()
+    model = peft.get_peft_model(base, peft.LoraConfig(
+        r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora.get("dropout", 0.0),
+        target_modules=lora["target_modules"], modules_to_save=lora.get("modules_to_save"), **extra))
+    named = dict(model.named_parameters())
+    for ours, value in adapters.items():
+        theirs = peft_name(ours, lora)
+        assert named[theirs].shape == value.shape, (theirs, named[theirs].shape, value.shape)
+        with torch.no_grad():
+            named[theirs].copy_(torch.from_numpy(value))
+    trainable = {n for n, p in named.items() if p.requires_grad}
+    assert trainable == {peft_name(n, lora) for n in adapters}, trainable ^ {peft_name(n, lora) for n in adapters}
+    return model
+
+
+def peft_name(ours: str, lora: dict) -> str:
+    """Our parameter name in a peft model (adapter "default")."""
+    for kind in ("lora_A", "lora_B"):
+        if f".{kind}." in ours:
+            return "base_model.model." + ours.replace(f".{kind}.", f".{kind}.default.")
+    module, leaf = ours.rsplit(".", 1)
+    return f"base_model.model.{module}.modules_to_save.default.{leaf}"
+
+
+@pytest.mark.parametrize("family,builder", [("gpt2", "onnxruntime"), ("llama", "onnxruntime"), ("llama", "trainrun")])
+def test_lora_gradients_match_peft(tmp_path, family, builder):
+    """The train graph's loss and the adapters' gradients (random B, so that A's count) = peft's, with
+    either gradient builder; only the adapters (and modules_to_save) are parameters."""
+    make, lora, extra = FAMILIES[family]
+    folder = make(tmp_path / "base", seed=4)
+    batch_size, seq = 2, 16
+    cfg = C.from_dict({"model": {"builtin": family, "init_from": folder, "lora": lora}, "data": {"seq_len": seq},
+                       "graphs": {"builder": builder}, "train": {"micro_batch_size": batch_size},
+                       "optimizer": {"name": "sgd"}, "run": {"output_dir": str(tmp_path / "run"), "seed": 3}})
+    graphs_dir = prepare(cfg)
+    manifest = json.load(open(os.path.join(graphs_dir, "manifest.json")))
+    names = [p["name"] for p in manifest["params"]]
+    assert all(".lora_A." in n or ".lora_B." in n or n.startswith("transformer.ln_f.") for n in names), names
+    shapes = {"input_ids": ((batch_size, seq), np.int64), "labels": ((batch_size, seq), np.int64)}
+    eng = Engine(graphs_dir, EngineOptions(threads=2), shapes, shapes)
+    eng.load_weights()
+    initial = eng.layout.unflatten(eng.params.copy())
+    for n, v in initial.items():      # PEFT's initialisation: A kaiming-uniform (bound 1/sqrt(in)), B zeros
+        if ".lora_A." in n:
+            assert v.shape[0] == lora["r"] and 0 < np.abs(v).max() <= 1 / np.sqrt(v.shape[1])
+        if ".lora_B." in n:
+            assert v.shape[1] == lora["r"] and not v.any()
+    rng = np.random.default_rng(7)
+    adapters = {n: (rng.standard_normal(v.shape).astype(np.float32) * np.float32(0.1) if ".lora_" in n else v)
+                for n, v in initial.items()}
+    eng.params[:] = np.concatenate([adapters[n].ravel() for n in eng.layout.names])
+    V = (GPT2 if family == "gpt2" else LLAMA)["vocab_size"]
+    batch = {"input_ids": rng.integers(0, V, (batch_size, seq)), "labels": rng.integers(0, V, (batch_size, seq))}
+    loss = eng.forward_backward(batch, accumulate=False)
+    model = peft_model(folder, lora, extra, adapters).train()
+    logits = model(input_ids=torch.from_numpy(batch["input_ids"])).logits
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, V), torch.from_numpy(batch["labels"]).reshape(-1))
+    ref.backward()
+    assert loss == pytest.approx(ref.item(), rel=1e-5)
+    named = dict(model.named_parameters())
+    grads = eng.layout.unflatten(eng.grads)
+    worst = max((relative(grads[n], named[peft_name(n, lora)].grad.numpy()), n) for n in grads)
+    assert worst[0] < 1e-5, worst
+
+
+def test_bad_lora_sections_exit_2_naming_the_key(tmp_path, byte_dataset):
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"model.lora": {"r": 0}})
+    p = run([TRAINRUN, "config", "validate", "--config", cfg], check=2)
+    assert "model.lora.r" in p.stderr
+    cfg = write_config(tmp_path / "d.yaml", byte_dataset, **{"model.lora": {"target_modules": ["c_attn", "q_proj"]}})
+    p = run([TRAINRUN, "--config", cfg], check=2)
+    assert "model.lora.target_modules: 'q_proj' matches no linear layer" in p.stderr
+    assert "'c_attn'" not in p.stderr
+    cfg = write_config(tmp_path / "e.yaml", byte_dataset, **{"model.lora": {"modules_to_save": ["score"]}})
+    p = run([TRAINRUN, "--config", cfg], check=2)
+    assert "model.lora.modules_to_save: 'score' matches no module" in p.stderr
+    cfg = write_config(tmp_path / "f.yaml", byte_dataset, **{"train.max_steps": 1})
+    run([TRAINRUN, "train", "--config", cfg], check=0)
+    p = run([TRAINRUN, "export", str(tmp_path / "run"), "--format", "peft", "--output", str(tmp_path / "a")], check=2)
+    assert "--format peft" in p.stderr and "not a LoRA run (no model.lora)" in p.stderr
+    assert not os.path.exists(tmp_path / "a")
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_twenty_steps_equal_a_peft_loop_and_export_merged_and_as_peft(tmp_path, byte_dataset, family):
+    """20 SGD steps of trainrun (1 rank) from a transformers folder = a PyTorch loop over peft's model on
+    the same batches (reference.py's order): each loss and the final adapters to 1e-5. Then export:
+    ``--format peft`` loaded by PeftModel.from_pretrained onto the base gives the logits of trainrun's
+    (merged) ONNX export to 1e-5; ``--format transformers`` holds the weights of peft's merge_and_unload."""
+    import onnxruntime as ort
+    import peft
+    import transformers
+    make, lora, extra = FAMILIES[family]
+    folder = make(tmp_path / "base", seed=4)
+    seq, batch, lr, seed, steps = 32, 4, 0.05, 5, 20
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{
+        "model": {"builtin": family, "init_from": folder, "lora": lora}, "data.seq_len": seq,
+        "train.micro_batch_size": batch, "train.max_steps": steps, "run.seed": seed,
+        "optimizer": {"name": "sgd", "lr": lr, "max_grad_norm": 0.0}, "lr_schedule": {"name": "constant"},
+        "checkpoint": {"every": 0, "keep_last": 1}})
+    run([TRAINRUN, "train", "--config", cfg], check=0)
+    run_dir = str(tmp_path / "run")
+    train, _ = read_metrics(run_dir)
+    initial = load_file(os.path.join(run_dir, "graphs", "weights.safetensors"))
+    model = peft_model(folder, lora, extra, initial).train()
+    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    opt = torch.optim.SGD(list(named.values()), lr=lr)
+    batches = R.global_batches(os.path.join(byte_dataset, "train"), seq, batch, seed)
+    for t in range(1, steps + 1):
+        ids, labels = next(batches)
+        logits = model(input_ids=torch.from_numpy(ids)).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 torch.from_numpy(labels).reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        assert train[t]["loss"] == pytest.approx(loss.item(), rel=1e-5), t
+    assert train[steps]["loss"] < train[1]["loss"]
+    final = load_file(os.path.join(run_dir, "checkpoints", str(steps), "model.safetensors"))
+    assert set(final) == set(initial)
+    worst = max((relative(final[n], named[peft_name(n, lora)].detach().numpy()), n) for n in final)
+    assert worst[0] < 1e-5, worst
+
+    # the three exports
+    run([TRAINRUN, "export", run_dir, "--format", "peft", "--output", str(tmp_path / "adapter")], check=0)
+    run([TRAINRUN, "export", run_dir, "--output", str(tmp_path / "m.onnx")], check=0)
+    run([TRAINRUN, "export", run_dir, "--format", "transformers", "--output", str(tmp_path / "hf")], check=0)
+    adapter_config = json.load(open(tmp_path / "adapter" / "adapter_config.json"))
+    assert adapter_config["peft_type"] == "LORA" and adapter_config["r"] == lora["r"]
+    assert adapter_config["lora_alpha"] == lora["alpha"] and adapter_config["task_type"] == "CAUSAL_LM"
+    assert adapter_config["base_model_name_or_path"] == folder
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").float()
+    loaded = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    ids = np.random.default_rng(2).integers(0, 256, (2, seq))
+    with torch.no_grad():
+        theirs = loaded(input_ids=torch.from_numpy(ids)).logits.numpy()
+    exported = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    assert not any(".lora_" in i.name for i in exported.get_inputs())
+    ours = exported.run(["logits"], {"input_ids": ids})[0]
+    assert relative(ours, theirs) < 1e-5
+    merged = {k: v.numpy() for k, v in loaded.merge_and_unload().state_dict().items()}
+    written = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert set(written) <= set(merged) and not any(".lora_" in k for k in written)
+    worst = max((relative(written[k], merged[k]), k) for k in written)
+    assert worst[0] < 1e-5, worst
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), attn_implementation="eager")
+    with torch.no_grad():
+        assert relative(hf(input_ids=torch.from_numpy(ids)).logits.numpy(), theirs) < 1e-5
+
+
+def test_resume_is_exact_with_zero1_and_adapter_dropout_and_checks_the_base(tmp_path, byte_dataset):
+    """2 ranks, ZeRO-1, AdamW, adapter dropout: stopped at step 4 and resumed = straight (bitwise: losses and
+    the final adapters); the optimizer state is the adapters' (exp_avg/exp_avg_sq of each adapter, nothing
+    of the base). Resumed onto other base weights (model.init_from): exit 2 naming the mismatch."""
+    folder = gpt2_folder(tmp_path / "base", seed=4)
+    lora = {"r": 2, "alpha": 4.0, "dropout": 0.2, "target_modules": ["c_attn", "c_fc"]}
+
+    def start(name, **extra):
+        cfg = write_config(tmp_path / f"{name}.yaml", byte_dataset, **{
+            "run.output_dir": str(tmp_path / name), "model": {"builtin": "gpt2", "init_from": folder, "lora": lora},
+            "train.max_steps": 8, "train.micro_batch_size": 2, "distributed.zero_stage": 1,
+            "checkpoint": {"every": 4, "keep_last": 3}, **extra})
+        mpirun(2, "--config", cfg)
+        return str(tmp_path / name)
+
+    straight = start("straight")
+    split = start("split", **{"train.stop_at": 4})
+    mpirun(2, "resume", os.path.join(split, "checkpoints", "4"), "--set", "train.stop_at=0")
+    a, b = read_metrics(straight)[0], read_metrics(split)[0]
+    assert sorted(a) == sorted(b) == list(range(1, 9))
+    assert [a[s]["loss"] for s in a] == [b[s]["loss"] for s in a]
+    wa = load_file(os.path.join(straight, "checkpoints", "8", "model.safetensors"))
+    wb = load_file(os.path.join(split, "checkpoints", "8", "model.safetensors"))
+    assert set(wa) == set(wb) and all(np.array_equal(wa[k], wb[k]) for k in wa)
+    assert all(".lora_A." in k or ".lora_B." in k for k in wa) and len(wa) == 2 * 2 * 2
+    moments = load_file(os.path.join(straight, "checkpoints", "8", "optimizer.safetensors"))
+    assert {k: v.shape for k, v in moments.items()} == {f"{s}/{k}": v.shape for k, v in wa.items()
+                                                         for s in ("exp_avg", "exp_avg_sq")}
+    manifest = json.load(open(os.path.join(straight, "graphs", "manifest.json")))
+    assert manifest["num_params"] == sum(v.size for v in wa.values())
+
+    other = gpt2_folder(tmp_path / "other", seed=5)
+    p = run([TRAINRUN, "resume", os.path.join(straight, "checkpoints", "8"), "--set", f"model.init_from={other}",
+             "--set", "train.max_steps=9", "--force"], check=2)
+    assert "LoRA adapters were trained on other base weights" in p.stderr, p.stderr
