@@ -22,8 +22,11 @@ def table_rows():
 def config_keys(cls=C.Config, prefix=""):
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            yield from config_keys(hints[f.name], f"{prefix}{f.name}.")
+        arms = [a for a in typing.get_args(hints[f.name]) if a is not type(None)]
+        section = arms[0] if typing.get_origin(hints[f.name]) is typing.Union and len(arms) == 1 \
+            and dataclasses.is_dataclass(arms[0]) else hints[f.name]
+        if dataclasses.is_dataclass(section):      # a section, or one that may be null (model.lora)
+            yield from config_keys(section, f"{prefix}{f.name}.")
         else:
             yield prefix + f.name
 

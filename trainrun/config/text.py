@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import typing
 import inspect
 import json
 from typing import Any
@@ -99,11 +100,20 @@ def markdown_reference() -> str:
     (the texts ``trainrun config show`` prints); ``make docs`` writes it."""
     sections: list[tuple[str, Any]] = []
 
+    def nullable(obj, f):
+        """The section class of a field that is null or a section (model.lora), else None."""
+        hint = typing.get_type_hints(type(obj))[f.name]
+        arms = [a for a in typing.get_args(hint) if a is not type(None)]
+        return arms[0] if typing.get_origin(hint) is typing.Union and len(arms) == 1 \
+            and dataclasses.is_dataclass(arms[0]) else None
+
     def walk(obj, prefix):
         sections.append((prefix, obj))
         for f in dataclasses.fields(obj):
             if dataclasses.is_dataclass(getattr(obj, f.name)):
                 walk(getattr(obj, f.name), f"{prefix}{f.name}.")
+            elif getattr(obj, f.name) is None and nullable(obj, f):     # its keys' defaults when given
+                walk(nullable(obj, f)(), f"{prefix}{f.name}.")
 
     walk(Config(), "")
 
@@ -137,6 +147,8 @@ def markdown_reference() -> str:
             doc = docs.get(f.name, "").replace("|", "\\|")
             if dataclasses.is_dataclass(v):
                 lines.append(f"| `{prefix}{f.name}` | [section](#{anchor(prefix + f.name)}) | | {doc} |")
+            elif v is None and nullable(obj, f):
+                lines.append(f"| `{prefix}{f.name}` | `null` | a [section](#{anchor(prefix + f.name)}) | {doc} |")
             else:
                 lines.append(f"| `{prefix}{f.name}` | `{flow(v)}` | {allowed(f.metadata)} | {doc} |")
     return "\n".join(lines) + "\n"

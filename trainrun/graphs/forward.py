@@ -45,7 +45,7 @@ def forward_from_config(cfg: Config) -> Forward:
     weights = _pretrained(family.init_weights(section, cfg.run.seed), m)
     model, params = family.build(section, weights), _trainable(list(weights), m.frozen, family.name)
     if m.lora is not None:
-        model, in_out, trainable = add_adapters(model, weights, m.lora, family.name, family.inputs[0], cfg.run.seed)
+        model, in_out, trainable = add_adapters(model, weights, m.lora, family, cfg.run.seed)
         params = _trainable(trainable, m.frozen, family.name)
         lora = {"base": [n for n in weights if n not in params], "in_out": in_out}
     return Forward(model=model, params=params, lora=lora if m.lora else None,

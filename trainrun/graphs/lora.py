@@ -2,13 +2,14 @@
 family in this one place.
 
 Each targeted linear layer ``y = x W (+ b)`` (a MatMul or Gemm reading the parameter ``<module>.weight``
-and nothing else reading it) becomes ``y + (dropout(x) A^T B^T) * alpha / r`` with the new parameters
-``<module>.lora_A.weight`` [r, in] (kaiming-uniform with a = sqrt(5), as PEFT initialises it: U(-1/sqrt(in),
-1/sqrt(in))) and ``<module>.lora_B.weight`` [out, r] (zeros). Module names are the transformers ones the
-families' parameters carry; ``target_modules`` and ``modules_to_save`` match them as PEFT does (the name
-itself or a name ending in ``.<entry>``). The base weights stay initializers (frozen); the adapters and the
-parameters of ``modules_to_save`` are the trainable parameters. The adapter's dropout is a Dropout node on
-its input, seen as [batch, -1, in] (trainrun's masks are drawn per sample: graphs.dropout_nodes)."""
+and nothing else reading it; the families run them on rows, x [rows, in]) becomes
+``y + Gemm(Gemm(dropout(x), A^T), B^T, alpha / r)`` with the new parameters ``<module>.lora_A.weight``
+[r, in] (kaiming-uniform with a = sqrt(5), as PEFT initialises it: U(-1/sqrt(in), 1/sqrt(in))) and
+``<module>.lora_B.weight`` [out, r] (zeros). Module names are the transformers ones the families'
+parameters carry; ``target_modules`` and ``modules_to_save`` match them as PEFT does (the name itself or
+a name ending in ``.<entry>``). The base weights stay initializers (frozen); the adapters and the
+parameters of ``modules_to_save`` are the trainable parameters. The adapter's dropout is a Dropout node
+on its input seen as [batch, -1, in] (trainrun's masks are drawn per sample: graphs.dropout_nodes)."""
 
 from __future__ import annotations
 
@@ -20,11 +21,6 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import UsageError
-
-# PEFT's default target modules of each transformers model type
-DEFAULT_TARGETS = {"gpt2": ["c_attn"], "llama": ["q_proj", "v_proj"], "qwen2": ["q_proj", "v_proj"],
-                   "mistral": ["q_proj", "v_proj"], "bert": ["query", "value"]}
-
 
 def matches(module: str, entry: str) -> bool:
     """PEFT's match of a module name against a target_modules / modules_to_save entry."""
@@ -56,10 +52,10 @@ def linear_modules(model: onnx.ModelProto, weights) -> dict[str, tuple[int, onnx
     return out
 
 
-def targets(lora, model_type: str, modules) -> list[str]:
-    """The modules ``lora.target_modules`` (or the family's default) names; UsageError naming an entry
+def targets(lora, model_type: str, modules, default=()) -> list[str]:
+    """The modules ``lora.target_modules`` (or ``default``, the family's) names; UsageError naming an entry
     that matches no linear layer."""
-    entries = list(lora.target_modules) or DEFAULT_TARGETS.get(model_type, [])
+    entries = list(lora.target_modules) or list(default)
     if not entries:
         raise UsageError(f"model.lora.target_modules: {model_type} has no default target modules; name them")
     problems = [f"model.lora.target_modules: '{e}' matches no linear layer of the {model_type} model (its linear "
@@ -94,13 +90,14 @@ def init_adapters(lora, shapes: dict[str, tuple[int, int]], seed: int) -> dict[s
     return out
 
 
-def add_adapters(model: onnx.ModelProto, weights: dict, lora, model_type: str, batch_input: str,
-                 seed: int) -> tuple[onnx.ModelProto, list[str], list[str]]:
-    """``model`` (the forward graph, ``weights`` its parameters) with the adapters; returns (the new graph,
+def add_adapters(model: onnx.ModelProto, weights: dict, lora, family, seed: int
+                 ) -> tuple[onnx.ModelProto, list[str], list[str]]:
+    """``model`` (the forward graph of ``family``, ``weights`` its parameters) with the adapters; returns (the new graph,
     the adapted modules whose weight is stored [in, out], the trainable parameters: the adapters, then
     modules_to_save's)."""
+    model_type, batch_input = family.name, family.inputs[0]
     modules = linear_modules(model, weights)
-    chosen = targets(lora, model_type, modules)
+    chosen = targets(lora, model_type, modules, family.lora_targets)
     shapes = {}
     for m in chosen:
         _, node, out_in = modules[m]

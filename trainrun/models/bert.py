@@ -410,4 +410,4 @@ FAMILY = register(Family(
     transformers=Transformers(architecture="BertForPreTraining", model_type="bert", prefix="bert.", tied=TIED,
                               optional=("cls.",), config=_transformers_config, tokenizer=_transformers_tokenizer),
     tasks=("pretraining", "sequence_classification", "token_classification"), task=lambda task, n: with_task(task, n),
-    regression=("sequence_classification",), metrics=METRICS))
+    regression=("sequence_classification",), metrics=METRICS, lora_targets=("query", "value")))

@@ -233,4 +233,5 @@ FAMILY = register(Family(
     transformers=Transformers(architecture="GPT2LMHeadModel", model_type="gpt2", prefix="transformer.",
                               tied={"lm_head.weight": "transformer.wte.weight"},
                               config=_transformers_config, tokenizer=_transformers_tokenizer),
-    tasks=("causal_lm", "sequence_classification"), task=lambda task, n: with_task(task, n)))
+    tasks=("causal_lm", "sequence_classification"), task=lambda task, n: with_task(task, n),
+    lora_targets=("c_attn",)))

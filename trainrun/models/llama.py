@@ -301,4 +301,5 @@ FAMILY = register(Family(
     layers_above=layers_above,
     transformers=Transformers(architecture="LlamaForCausalLM", model_type="llama", prefix="model.",
                               tied={HEAD: EMBED}, config=_transformers_config, tokenizer=_transformers_tokenizer),
-    tasks=("causal_lm", "sequence_classification"), task=lambda task, n: with_task(task, n)))
+    tasks=("causal_lm", "sequence_classification"), task=lambda task, n: with_task(task, n),
+    lora_targets=("q_proj", "v_proj")))

@@ -95,6 +95,8 @@ class Family:
     """The tasks whose head may be a regression (``model.num_labels`` 1: one output, mse)."""
     metrics: tuple[str, ...] = ()
     """The eval metrics ``loss``'s own graph outputs (``metric/<name>/sum`` and ``/count``)."""
+    lora_targets: tuple[str, ...] = ()
+    """``model.lora.target_modules``' default: PEFT's for the family's transformers model type."""
 
     def shape(self, model: C.ModelConfig):
         """This family's section of ``model`` (a ModelConfig)."""
