@@ -12,7 +12,7 @@ from onnx import TensorProto, numpy_helper
 
 from conftest import TRAINRUN, run, write_config
 from trainrun import config as C
-from trainrun.graphs.casts import cast_pass, FP32_OPS, scale_loss
+from trainrun.graphs.casts import PRECISIONS, cast_pass, FP32_OPS, scale_loss
 from trainrun.graphs.dropout_nodes import dropout_masks
 from trainrun.graphs.forward import forward_from_config
 from trainrun.graphs.gradients import build_train_graph
@@ -63,6 +63,26 @@ def test_cast_after_each_parameter_fp32_islands_and_fp32_gradients(tiny_gpt2, pr
     ins = {i.name: i.type.tensor_type.elem_type for i in train.graph.input}
     for p in fwd.params:       # the master parameters and their gradient buffers stay float32
         assert ins[p] == ins[p + BUFFER_SUFFIX] == TensorProto.FLOAT
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_values_of_integers_and_constants_alone_keep_float32(precision):
+    """The Llama family's rotary angles (positions x inverse frequencies, their cos and sin) and causal mask
+    come from integers and constants only: they keep float32 (a position above 256 is not exact in bf16,
+    above 2048 not in fp16) and are cast to the compute type only where an activation reads them."""
+    cfg = C.Config()
+    cfg.model.builtin = "llama"
+    cfg.model.llama = C.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=2,
+                                    num_hidden_layers=1, max_position_embeddings=8192)
+    fwd = forward_from_config(cfg)
+    model = cast_pass(params_to_inputs(with_loss(fwd, -100, keep_logits=False), fwd.params), precision)
+    inferred = onnx.shape_inference.infer_shapes(model)
+    types = {v.name: v.type.tensor_type.elem_type for v in list(inferred.graph.value_info) + list(inferred.graph.input)}
+    trig = [n for n in model.graph.node if n.op_type in ("Cos", "Sin")]
+    assert len(trig) == 2 and all(types[n.input[0]] == types[n.output[0]] == TensorProto.FLOAT for n in trig)
+    ints = [n for n in model.graph.node if n.op_type == "Cast" and types.get(n.input[0]) == TensorProto.INT64]
+    assert ints and all(n.attribute[0].i == TensorProto.FLOAT for n in ints)
+    assert any(n.op_type == "MatMul" and types[n.output[0]] == PRECISIONS[precision] for n in model.graph.node)
 
 
 def test_fp16_forward_on_cpu_close_to_fp32(tiny_gpt2):

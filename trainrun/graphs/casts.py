@@ -28,7 +28,8 @@ def cast_pass(model: onnx.ModelProto, precision: str) -> onnx.ModelProto:
     type, so the parameter buffers stay float32 and their gradients come back to float32 through
     Cast's gradient. :data:`FP32_OPS` (LayerNorm, Softmax, the loss, decomposed-norm arithmetic, and
     Constants) keep float32: their float inputs are cast up and their outputs cast down where a
-    low-precision op reads them. A Cast to float32 in the graph casts to the compute type instead.
+    low-precision op reads them; so do the values computed from integers and constants alone (positions,
+    rotary angles, masks). Another Cast to float32 in the graph casts to the compute type instead.
     Float32 initializers get a Cast too (onnxruntime folds it). Graph outputs keep their types."""
     low = PRECISIONS[precision]
     if low is None:
@@ -39,8 +40,16 @@ def cast_pass(model: onnx.ModelProto, precision: str) -> onnx.ModelProto:
               + list(inferred.graph.output) if v.type.tensor_type.elem_type == TensorProto.FLOAT}
     floats |= {t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT}
 
+    # values of integers and constants alone (positions, rotary angles, masks): float32, a few per step, and
+    # exact where the compute type is not (an integer above 256 in bf16, above 2048 in fp16)
+    varying = {i.name for i in model.graph.input if i.name in floats}
+    for n in model.graph.node:
+        if varying.intersection(n.input):
+            varying.update(n.output)
+
     def keeps_fp32(n) -> bool:     # and the ops that, or whose gradient, lack a kernel in the compute type
-        return n.op_type in FP32_OPS or not cuda_kernels.computes_in(n.op_type, cuda_kernels.FLOATS[low])
+        return n.op_type in FP32_OPS or not cuda_kernels.computes_in(n.op_type, cuda_kernels.FLOATS[low]) \
+            or not varying.intersection(n.input)
     low_made = {n.output[i] for n in model.graph.node if not keeps_fp32(n) for i in range(len(n.output))
                 if n.output[i] in floats}
     casts, made = [], {}
@@ -63,7 +72,7 @@ def cast_pass(model: onnx.ModelProto, precision: str) -> onnx.ModelProto:
                 n.input[i] = cast(t, TensorProto.FLOAT)
             elif not keep and t not in low_made:
                 n.input[i] = cast(t, low)
-        if n.op_type == "Cast" and n.attribute[0].i == TensorProto.FLOAT:
+        if n.op_type == "Cast" and n.attribute[0].i == TensorProto.FLOAT and not keep:
             n.attribute[0].i = low
         nodes.append(n)
     # every Cast goes right after the tensor it reads is made (inputs first)

@@ -7,7 +7,8 @@ embeddings applied as transformers applies them, ``x cos + rotate_half(x) sin`` 
 head (its own ``lm_head.weight``, or the token embedding when ``tie_word_embeddings``). Parameter names and
 layouts are those of transformers' state dict (Linear weights [out, in]), so weights move between the two
 unchanged. Standard ONNX ops only (Gemm, MatMul, Mul, Add, Div, Sqrt, ReduceMean, Sigmoid, Softmax,
-Reshape/Transpose/Split/Concat/Neg/Slice, Gather, Range/Less/Where for the causal mask). No torch needed.
+Reshape/Transpose/Split/Concat/Neg, Gather, Range/Less/Where for the causal mask, Cast/Cos/Sin for the
+rotary angles of the graph's positions). No torch needed.
 """
 
 from __future__ import annotations
@@ -103,14 +104,6 @@ def inverse_frequencies(cfg: LlamaConfig) -> np.ndarray:
     return inv
 
 
-def rotary_tables(cfg: LlamaConfig) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin [max_position_embeddings, head_dim] of every position: the angles position x inverse
-    frequency in float32 (transformers' product), their cos and sin rounded once to float32."""
-    angles = (np.arange(cfg.max_position_embeddings, dtype=np.float32)[:, None] * inverse_frequencies(cfg)[None, :])
-    angles = np.concatenate([angles, angles], axis=1).astype(np.float64)
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-
-
 def build_llama(cfg: LlamaConfig, weights: dict[str, np.ndarray], kv_cache: bool = False,
                 num_labels: int | None = None) -> onnx.ModelProto:
     """The forward graph with ``weights`` as initializers; input ``input_ids`` int64 [batch, seq], output
@@ -130,9 +123,7 @@ def build_llama(cfg: LlamaConfig, weights: dict[str, np.ndarray], kv_cache: bool
     g = Graph()
     for name, value in weights.items():
         g.const(name, value)
-    cos, sin = rotary_tables(cfg)
-    g.const("rope_cos", cos)
-    g.const("rope_sin", sin)
+    g.const("rope_inv_freq", inverse_frequencies(cfg))
     g.const("c_zero1", np.array([0], np.int64))
     g.const("c_zero", np.array(0, np.int64))
     g.const("c_one", np.array(1, np.int64))
@@ -165,10 +156,14 @@ def build_llama(cfg: LlamaConfig, weights: dict[str, np.ndarray], kv_cache: bool
     seq = g.op("Shape", ["input_ids"], start=1, end=2)                        # [1]
     past = g.op("Shape", ["past.0.key"], start=2, end=3) if kv_cache else "c_zero1"
     total = g.op("Add", [past, seq])
-    cos = g.op("Slice", ["rope_cos", past, total, "c_zero1"])                 # [S, D] of positions past..total
-    sin = g.op("Slice", ["rope_sin", past, total, "c_zero1"])
     # the causal mask [S, T]: query row r (position past + r) sees keys 0..past + r
     rows = g.op("Range", [g.op("Squeeze", [past, "c_zero1"]), g.op("Squeeze", [total, "c_zero1"]), "c_one"])
+    # cos and sin [S, D] of positions past..total, as transformers computes them: the angles position x
+    # inverse frequency in float32, each half of the head the same, cos and sin in float32
+    angles = g.op("Mul", [g.op("Unsqueeze", [g.op("Cast", [rows], to=TensorProto.FLOAT), "c_axis_rows"]),
+                          "rope_inv_freq"])
+    angles = g.op("Concat", [angles, angles], axis=-1)
+    cos, sin = g.op("Cos", [angles]), g.op("Sin", [angles])
     keys = g.op("Range", ["c_zero", g.op("Squeeze", [total, "c_zero1"]), "c_one"])
     future = g.op("Less", [g.op("Unsqueeze", [rows, "c_axis_rows"]), keys])
     mask = g.op("Where", [future, "c_mask", "c_unmasked"])
