@@ -92,7 +92,8 @@ def test_trainrun_builder_prepares_gpt2_in_standard_ops(tmp_path):
 
 def test_trainrun_builder_errors(tmp_path):
     """An op trainrun's builder has no rule for: a UsageError naming the op, the node and the other builder;
-    a parameter the loss does not depend on: the message of onnxruntime-training's builder."""
+    a parameter the loss does not depend on: the message of onnxruntime-training's builder; one it reads
+    through an op without a gradient only (Round): that op and node named."""
     from onnx import TensorProto, helper
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
     w = helper.make_tensor_value_info("w", TensorProto.FLOAT, [3, 3])
@@ -110,6 +111,11 @@ def test_trainrun_builder_errors(tmp_path):
     text = err.value.render()
     assert "m.onnx" in text and "Hardmax" in text and "the_hardmax" in text, text
     assert "graphs.builder: onnxruntime" in text, text
+    # read by the loss through an op without a gradient only: that op named, not "does not depend"
+    model.graph.node[1].CopyFrom(helper.make_node("Round", ["h"], ["y"], name="rnd"))
+    with pytest.raises(UsageError, match=r"m.onnx: trainrun's gradient builder cannot differentiate this graph: "
+                                         r"operator Round \(node 'rnd'\) has no gradient \(the only paths from w "):
+        build_train_graph(model, ["w"], "m.onnx", builder="trainrun")
 
 
 def test_builder_choice(tmp_path):

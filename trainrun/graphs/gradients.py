@@ -61,14 +61,21 @@ def build_train_graph(loss_model: onnx.ModelProto, params: list[str], source: st
     ``loss``, ``keep``, then ``<param>_grad`` per parameter, no accumulators."""
     if builder == "onnxruntime":
         return ort_train_graph(loss_model, params, source, keep)
-    from .autodiff import NoGradient, differentiate, unreached
+    from .autodiff import NoGradient, blocked_by, differentiate, unreached
+    cannot = f"{source}: trainrun's gradient builder cannot differentiate this graph: "
     missing = unreached(loss_model, params, LOSS)
+    stops = blocked_by(loss_model, missing, LOSS) if missing else []
+    if stops:       # the loss reads them, through ops without a gradient only (a Round of a weight)
+        named = [f"operator {n.op_type}{f' (node {n.name!r})' if n.name else ''} has no gradient" for n in stops]
+        raise UsageError(cannot + "; ".join(named[:3]) + f" (the only paths from {', '.join(missing[:5])}"
+                         f"{' ...' if len(missing) > 5 else ''} to the loss); freeze the parameters that feed it "
+                         f"(model.frozen) or express it with differentiable operators")
     if missing:
         raise independent(source, missing)
     try:
         model = differentiate(loss_model, params, LOSS)
     except NoGradient as exc:
-        raise UsageError(f"{source}: trainrun's gradient builder cannot differentiate this graph: {exc}",
+        raise UsageError(cannot + str(exc),
                          ["onnxruntime-training's builder may (graphs.builder: onnxruntime, where "
                           "onnxruntime-training is installed); or freeze the parameters that feed the operator "
                           "(model.frozen)"]) from None

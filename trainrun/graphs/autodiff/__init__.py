@@ -21,6 +21,6 @@ ArgMax, ...), carry no gradient. An op or case without a rule is a :class:`NoGra
 
 from . import (conv, elementwise, indexing, losses, matrix, normalisation,  # noqa: F401 - registers the rules
                patterns, reductions, selection, shape)
-from .core import NoGradient, differentiate, gradient, unreached
+from .core import NoGradient, blocked_by, differentiate, gradient, unreached
 
-__all__ = ["NoGradient", "differentiate", "gradient", "unreached"]
+__all__ = ["NoGradient", "blocked_by", "differentiate", "gradient", "unreached"]

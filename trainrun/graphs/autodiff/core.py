@@ -318,6 +318,23 @@ def _at_least(model: onnx.ModelProto, version: int) -> onnx.ModelProto:
                          f"export the model at opset {version} or newer") from None
 
 
+def blocked_by(model: onnx.ModelProto, params: list[str], loss: str = "loss") -> list[onnx.NodeProto]:
+    """The nodes of :data:`NO_GRADIENT`'s ops on the paths from ``params`` to ``loss`` (e.g. a Round of a
+    weight): why the loss, which reads ``params``, gets no gradient from them."""
+    nodes = topological(list(model.graph.node))
+    depends = set(params)
+    for n in nodes:
+        if any(i in depends for i in n.input):
+            depends.update(o for o in n.output if o)
+    needed, found = {loss}, []
+    for n in reversed(nodes):
+        if any(o in needed for o in n.output) and any(i in depends for i in n.input):
+            needed.update(i for i in n.input if i in depends)
+            if n.op_type in NO_GRADIENT:
+                found.append(n)
+    return found[::-1]
+
+
 def unreached(model: onnx.ModelProto, params: list[str], loss: str = "loss") -> list[str]:
     """The parameters ``loss`` does not depend on (their gradient would be zero)."""
     g = model.graph
