@@ -15,9 +15,9 @@ from trainrun import config as C
 from trainrun.graphs.casts import PRECISIONS, cast_pass, FP32_OPS, scale_loss
 from trainrun.graphs.dropout_nodes import dropout_masks
 from trainrun.graphs.forward import forward_from_config
-from trainrun.graphs.gradients import build_train_graph
+from trainrun.graphs.gradients import build_train_graph, builder
 from trainrun.graphs.losses import with_loss
-from trainrun.graphs.names import BUFFER_SUFFIX
+from trainrun.graphs.names import BUFFER_SUFFIX, GRAD_SUFFIX
 from trainrun.graphs.onnx_edit import params_to_inputs
 from trainrun.precision import LossScaler
 
@@ -59,10 +59,13 @@ def test_cast_after_each_parameter_fp32_islands_and_fp32_gradients(tiny_gpt2, pr
         if n.op_type == "MatMul":
             assert types[n.output[0]] == elem, n.name
     assert ("loss_scale" in {i.name for i in model.graph.input}) == (precision == "fp16")
-    train = build_train_graph(model, fwd.params, "gpt2")
+    made_by = builder("auto")[0]       # onnxruntime-training's where installed, else trainrun's
+    train = build_train_graph(model, fwd.params, "gpt2", builder=made_by)
     ins = {i.name: i.type.tensor_type.elem_type for i in train.graph.input}
-    for p in fwd.params:       # the master parameters and their gradient buffers stay float32
-        assert ins[p] == ins[p + BUFFER_SUFFIX] == TensorProto.FLOAT
+    grads = {o.name: o.type.tensor_type.elem_type for o in train.graph.output} if made_by == "trainrun" else \
+        {p + GRAD_SUFFIX: ins[p + BUFFER_SUFFIX] for p in fwd.params}
+    for p in fwd.params:       # the master parameters and their gradients (or gradient buffers) stay float32
+        assert ins[p] == grads[p + GRAD_SUFFIX] == TensorProto.FLOAT
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
