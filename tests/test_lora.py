@@ -243,3 +243,48 @@ def test_resume_is_exact_with_zero1_and_adapter_dropout_and_checks_the_base(tmp_
     p = run([TRAINRUN, "resume", os.path.join(straight, "checkpoints", "8"), "--set", f"model.init_from={other}",
              "--set", "train.max_steps=9", "--force"], check=2)
     assert "LoRA adapters were trained on other base weights" in p.stderr, p.stderr
+
+
+def test_bert_lora_gradients_match_peft(tmp_path):
+    """BERT (BertForPreTraining: MLM + NSP loss in the graph) from a transformers folder with adapters on every
+    query, value and dense layer (attention output, intermediate, output, pooler, the MLM transform): the loss
+    and the adapters' gradients = peft's on BertForPreTraining."""
+    import peft
+    import transformers
+    from test_bert import TINY, hf_bert, hf_forward
+    from trainrun.models.bert import INPUTS, init_weights, sample_inputs
+    rng = np.random.default_rng(3)
+    base = {n: v + rng.standard_normal(v.shape).astype(np.float32) * np.float32(0.02)
+            for n, v in init_weights(C.BertConfig(**TINY), 1).items()}
+    hf_bert(TINY, base).save_pretrained(tmp_path / "base")
+    lora = {"r": 3, "alpha": 6.0, "target_modules": ["query", "value", "dense"]}
+    batch_size, seq, preds = 4, 32, 6
+    cfg = C.from_dict({"model": {"builtin": "bert", "init_from": str(tmp_path / "base"), "lora": lora,
+                                 "bert": {**TINY, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}},
+                       "data": {"seq_len": seq}, "train": {"micro_batch_size": batch_size},
+                       "optimizer": {"name": "sgd"}, "run": {"output_dir": str(tmp_path / "run"), "seed": 3}})
+    graphs_dir = prepare(cfg)
+    dims = {"input_ids": (seq,), "segment_ids": (seq,), "input_mask": (seq,), "masked_lm_positions": (preds,),
+            "masked_lm_ids": (preds,), "next_sentence_labels": ()}
+    shapes = {k: ((batch_size, *dims[k]), np.int64) for k in INPUTS}
+    eng = Engine(graphs_dir, EngineOptions(threads=2), shapes, shapes)
+    eng.load_weights()
+    initial = eng.layout.unflatten(eng.params.copy())
+    assert len(initial) == 2 * TINY["num_hidden_layers"] * 5 + 2 * 2     # + the pooler's and the transform's
+    adapters = {n: rng.standard_normal(v.shape).astype(np.float32) * np.float32(0.1) for n, v in initial.items()}
+    eng.params[:] = np.concatenate([adapters[n].ravel() for n in eng.layout.names])
+    batch = sample_inputs(cfg.model.bert, batch_size, seq, preds, np.random.default_rng(1))
+    loss = eng.forward_backward(batch, accumulate=False)
+    model = peft.get_peft_model(transformers.BertForPreTraining.from_pretrained(str(tmp_path / "base")),
+                                peft.LoraConfig(r=3, lora_alpha=6.0, target_modules=lora["target_modules"]))
+    named = dict(model.named_parameters())
+    with torch.no_grad():
+        for n, v in adapters.items():
+            named[peft_name(n, lora)].copy_(torch.from_numpy(v))
+    assert {n for n, p in named.items() if p.requires_grad} == {peft_name(n, lora) for n in adapters}
+    ref = hf_forward(model.train(), batch).loss
+    ref.backward()
+    assert loss == pytest.approx(ref.item(), rel=1e-5)
+    grads = eng.layout.unflatten(eng.grads)
+    worst = max((relative(grads[n], named[peft_name(n, lora)].grad.numpy()), n) for n in grads)
+    assert worst[0] < 1e-5, worst
