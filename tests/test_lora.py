@@ -15,6 +15,7 @@ from trainrun.engine import Engine, EngineOptions
 from trainrun.graphs.manifest import prepare
 
 from conftest import ROOT, TRAINRUN, mpirun, read_metrics, run, write_config
+from test_finetune import labelled  # noqa: F401 - the fixture: `trainrun-data labelled` topics
 from test_llama import VARIANTS, hf_model, random_weights, relative
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -185,6 +186,9 @@ def test_twenty_steps_equal_a_peft_loop_and_export_merged_and_as_peft(tmp_path, 
     run([TRAINRUN, "export", run_dir, "--format", "peft", "--output", str(tmp_path / "adapter")], check=0)
     run([TRAINRUN, "export", run_dir, "--output", str(tmp_path / "m.onnx")], check=0)
     run([TRAINRUN, "export", run_dir, "--format", "transformers", "--output", str(tmp_path / "hf")], check=0)
+    # the attention-cache graph holds the merged weights too (export checks it against the eval graph)
+    assert "attention cache" in run([TRAINRUN, "export", run_dir, "--kv-cache", "--output",
+                                     str(tmp_path / "kv.onnx")], check=0).stdout
     adapter_config = json.load(open(tmp_path / "adapter" / "adapter_config.json"))
     assert adapter_config["peft_type"] == "LORA" and adapter_config["r"] == lora["r"]
     assert adapter_config["lora_alpha"] == lora["alpha"] and adapter_config["task_type"] == "CAUSAL_LM"
@@ -288,3 +292,40 @@ def test_bert_lora_gradients_match_peft(tmp_path):
     grads = eng.layout.unflatten(eng.grads)
     worst = max((relative(grads[n], named[peft_name(n, lora)].grad.numpy()), n) for n in grads)
     assert worst[0] < 1e-5, worst
+
+
+def test_a_lora_classifier_from_a_causal_lm_folder_trains_and_exports_as_peft(tmp_path, labelled):
+    """The recipe's fine-tune: a LlamaForCausalLM folder, model.task sequence_classification, adapters with
+    dropout on q_proj and v_proj and `score` in modules_to_save. It learns the topics; its --format peft
+    export (task_type SEQ_CLS, score saved) loaded by PeftModel.from_pretrained onto
+    LlamaForSequenceClassification of the folder gives the merged ONNX export's logits, and the merged
+    transformers export loaded by AutoModelForSequenceClassification the same."""
+    import onnxruntime as ort
+    import peft
+    import transformers
+    shape = dict(VARIANTS["llama3_gqa"], vocab_size=160, max_position_embeddings=16)
+    hf_model(shape, random_weights(shape, 8)).save_pretrained(tmp_path / "pre")
+    lora = {"r": 4, "alpha": 8.0, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"], "modules_to_save": ["score"]}
+    cfg_path = write_config(tmp_path / "c.yaml", labelled["cls"], **{
+        "model": {"builtin": "llama", "init_from": str(tmp_path / "pre"), "task": "sequence_classification",
+                  "num_labels": 3, "lora": lora}, "data.seq_len": 16, "train.max_steps": 32,
+        "train.eval_every": 32, "train.eval_steps": 6, "optimizer.lr": 1e-2})
+    run([TRAINRUN, "train", "--config", cfg_path], check=0)
+    run_dir = str(tmp_path / "run")
+    _, evals = read_metrics(run_dir)
+    assert evals[32]["eval_loss"] < np.log(3), evals[32]
+    for fmt, out in (("peft", "adapter"), ("transformers", "hf"), ("onnx", "m.onnx")):
+        run([TRAINRUN, "export", run_dir, "--format", fmt, "--output", str(tmp_path / out)], check=0)
+    assert json.load(open(tmp_path / "adapter" / "adapter_config.json"))["task_type"] == "SEQ_CLS"
+    b = {"input_ids": np.array([[5, 9, 14, 22, 0, 0], [7, 3, 30, 11, 12, 40]], np.int64),
+         "input_mask": np.array([[1, 1, 1, 1, 0, 0], [1] * 6], np.int64)}
+    ours = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"]).run(["logits"], b)[0]
+    base = transformers.LlamaForSequenceClassification.from_pretrained(str(tmp_path / "pre"), num_labels=3,
+                                                                       pad_token_id=0)
+    loaded = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    auto = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "hf")).eval()
+    with torch.no_grad():
+        for model in (loaded, auto):
+            logits = model(input_ids=torch.from_numpy(b["input_ids"]),
+                           attention_mask=torch.from_numpy(b["input_mask"])).logits.numpy()
+            assert relative(ours, logits) < 1e-5, type(model).__name__
