@@ -1,4 +1,4 @@
-"""What a user would pick instead: transformers' GPT2LMHeadModel + torch.optim.AdamW,
+"""What a user would pick instead: transformers' GPT2LMHeadModel (or LlamaForCausalLM) + torch.optim.AdamW,
 single process or DistributedDataParallel (gloo), on trainrun's data and batches.
 
     # DDP, 2 ranks x 1 thread
@@ -33,7 +33,10 @@ import common  # noqa: E402
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, choices=list(common.MODELS))
+    ap.add_argument("--model", choices=list(common.MODELS), help="a GPT-2 shape (or --llama)")
+    ap.add_argument("--llama", metavar="CONFIG", help="in place of GPT-2: transformers' LlamaForCausalLM (attention "
+                    "SDPA) of this trainrun config's model.llama (e.g. configs/smollm2-135m.yaml), at --seq-len")
+    ap.add_argument("--seq-len", type=int, help="--llama: the sequence length")
     ap.add_argument("--micro-batch", type=int, required=True, help="sequences per rank per step")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, help="timed steps (default: the model's)")
@@ -49,7 +52,14 @@ def main() -> int:
                     help="cuda: DDP with NCCL, rank r on GPU local_rank (GPU mode, NOT YET RUN on a GPU)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    m = common.MODELS[args.model]
+    if (args.model is None) == (args.llama is None) or (args.llama and not (args.seq_len and args.steps)):
+        ap.error("give --model, or --llama with --seq-len and --steps")
+    if args.llama:
+        from trainrun.config import load_config
+        section = load_config(args.llama).model.llama
+        m = argparse.Namespace(seq_len=args.seq_len, vocab_size=section.vocab_size, steps=args.steps, warmup=0)
+    else:
+        m = common.MODELS[args.model]
     steps = args.steps or m.steps
     warmup = m.warmup if args.warmup is None else args.warmup
 
@@ -78,10 +88,20 @@ def main() -> int:
     if world > 1:
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     torch.manual_seed(args.seed)
-    cfg = GPT2Config(n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, n_positions=m.n_positions,
-                     vocab_size=m.vocab_size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                     activation_function="gelu_new", bos_token_id=0, eos_token_id=0)
-    model = GPT2LMHeadModel(cfg)
+    if args.llama:
+        from transformers import LlamaConfig, LlamaForCausalLM
+        c = section
+        model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+            num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.kv_heads, head_dim=c.heads_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+            max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
+            attention_bias=c.attention_bias, mlp_bias=c.mlp_bias, attn_implementation="sdpa"))
+    else:
+        model = GPT2LMHeadModel(GPT2Config(n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd,
+                                           n_positions=m.n_positions, vocab_size=m.vocab_size, resid_pdrop=0.0,
+                                           embd_pdrop=0.0, attn_pdrop=0.0, activation_function="gelu_new",
+                                           bos_token_id=0, eos_token_id=0))
     if args.weights:
         from safetensors.numpy import load_file
         w = load_file(args.weights)
