@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -71,7 +72,7 @@ def main() -> int:
                     "--micro-batch", str(MICRO), "--threads", "1", "--warmup", str(args.warmup),
                     "--steps", str(args.steps), "--data", str(data / "train"),
                     "--weights", str(run / "graphs" / "weights.safetensors"), "--out", str(out_json)],
-                   check=True, timeout=1800, env=dict(__import__("os").environ, OMP_NUM_THREADS="1"))
+                   check=True, timeout=1800, env=dict(os.environ, OMP_NUM_THREADS="1"))
     r = common.read_json(out_json)
     ddp = {"wall_s": round(time.perf_counter() - t0, 1), "tokens_per_sec": RANKS * MICRO * SEQ / (r["step_ms_median"] / 1e3),
            "train_rss_mb": r["peak_rss_mb"], "attn": r["attn_implementation"]}
@@ -101,7 +102,7 @@ def main() -> int:
     head = [report.HEADLINE + "\n", "| claim | measured | met | section |", "|---|---|---|---|",
             f"| SmolLM2-135M at seq 512, 2x1: >= 1.3x PyTorch DDP tokens/s, peak RSS <= DDP's | {ratio:.2f}x, "
             f"{max(ours['train_rss_mb']):.0f} vs {min(ddp['train_rss_mb']):.0f} MB | "
-            f"{'yes' if ratio >= 1.3 and rss_ok else 'no'} (one loaded run) | [{SECTION[3:]}]({report.anchor(SECTION)}) |", ""]
+            f"{'yes' if ratio >= 1.3 and rss_ok else '**no**'} (one loaded run) | [{SECTION[3:]}]({report.anchor(SECTION)}) |", ""]
     pre = report._sections(old)[0] if old else "# trainrun benchmarks\n\n"
     new = pre.rstrip("\n") + "\n\n" + "\n".join(head) + "\n" + "\n".join(section)
     Path(args.output).write_text(report.merge(old, new))
