@@ -9,7 +9,6 @@ import os
 import numpy as np
 import onnxruntime as ort
 import pytest
-import torch
 
 from trainrun import config as C
 from trainrun.engine import Engine, EngineOptions
@@ -17,8 +16,10 @@ from trainrun.generate import Decoder, generate
 from trainrun.graphs.manifest import prepare
 from trainrun.models.llama import build_llama, init_weights, param_count
 
-from conftest import MPIRUN, TRAINRUN, mpirun, read_metrics, run, write_config
+from conftest import MPIRUN, TRAINRUN, mpirun, optional, read_metrics, run, write_config
 from test_finetune import labelled  # noqa: F401 - the fixture: `trainrun-data labelled` topics
+
+torch = optional("torch")
 
 VARIANTS = {
     "llama3_gqa": dict(model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -84,6 +85,7 @@ def relative(ours, ref) -> float:
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.torch
 def test_logits_match_transformers(variant):
     shape = VARIANTS[variant]
     cfg = section(shape)
@@ -114,6 +116,7 @@ def test_initialisation_is_seeded_and_llama_like():
     assert (a["model.layers.0.self_attn.q_proj.bias"] == 0).all()
 
 
+@pytest.mark.torch
 def test_the_smollm2_recipe_is_smollm2_135m():
     """configs/smollm2-135m.yaml: transformers' LlamaForCausalLM of the config.json export writes has
     our parameters, name for name and shape for shape (134,515,008 of them)."""
@@ -143,6 +146,7 @@ def make_engine(tmp_path, shape, batch, seq, builder="auto"):
 
 @pytest.mark.parametrize("builder", ["onnxruntime", "trainrun"])
 @pytest.mark.parametrize("variant", ["llama3_gqa", "smollm2_tied", "qwen2_bias"])
+@pytest.mark.torch
 def test_train_graph_gradients_match_torch(tmp_path, variant, builder):
     """The train graph of either gradient builder (onnxruntime-training's, trainrun's own)."""
     shape = VARIANTS[variant]
@@ -168,6 +172,7 @@ def test_train_graph_gradients_match_torch(tmp_path, variant, builder):
 
 
 @pytest.mark.parametrize("variant", ["llama3_gqa", "smollm2_tied", "qwen2_bias"])
+@pytest.mark.torch
 def test_greedy_generation_through_the_cache_matches_transformers(variant):
     shape = VARIANTS[variant]
     cfg = section(shape)
@@ -219,6 +224,7 @@ def pretrained_folder(path, shape: dict, seed: int, tokenizer: str, max_shard_si
 
 @pytest.mark.parametrize("variant,sharded,transformers4", [("llama3_gqa", True, False), ("qwen2_bias", False, True),
                                                            ("smollm2_tied", False, False), ("mistral_window", True, True)])
+@pytest.mark.torch
 def test_init_from_a_transformers_folder_and_export_back_bit_for_bit(tmp_path, bpe_dataset, variant, sharded,
                                                                       transformers4):
     """model.init_from a LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM folder (sharded with an
@@ -280,6 +286,7 @@ TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_lay
                           "original_max_position_embeddings": 32})
 
 
+@pytest.mark.torch
 def test_two_ranks_train_resume_export_evaluate_and_generate(tmp_path, byte_dataset):
     """A tiny llama on 2 ranks: stopped at step 3 and resumed to 6 = 6 steps straight, bit for bit; the
     ONNX and attention-cache exports (checked against the eval graph), the transformers export
@@ -328,6 +335,7 @@ def test_two_ranks_train_resume_export_evaluate_and_generate(tmp_path, byte_data
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.torch
 def test_init_from_a_half_precision_folder_reads_it_as_float32(tmp_path, dtype):
     """A folder saved in bfloat16 or float16 (as released checkpoints are): the prepared weights are its
     values, exactly, in float32."""
@@ -344,6 +352,7 @@ def test_init_from_a_half_precision_folder_reads_it_as_float32(tmp_path, dtype):
 
 
 @pytest.mark.parametrize("variant", ["llama3_gqa", "qwen2_bias"])
+@pytest.mark.torch
 def test_sequence_classification_matches_transformers(variant):
     """model.task sequence_classification: the last token's state (input_mask's last one) -> score (no
     bias); logits and loss = <Model>ForSequenceClassification's (which finds the last token that is not
@@ -383,6 +392,7 @@ def test_sequence_classification_matches_transformers(variant):
     assert float(out["loss"]) == pytest.approx(ref.loss.item(), rel=1e-5)
 
 
+@pytest.mark.torch
 def test_a_classifier_fine_tuned_from_a_causal_lm_folder_trains_and_exports(tmp_path, labelled):
     """A LlamaForCausalLM folder as model.init_from of a sequence_classification run (its lm_head left
     out, score fresh) on `trainrun-data labelled` topics: it learns them; the export loads with
@@ -418,6 +428,7 @@ def test_a_classifier_fine_tuned_from_a_causal_lm_folder_trains_and_exports(tmp_
     assert relative(exported.run(["logits"], b)[0], logits) < 1e-5
 
 
+@pytest.mark.torch
 def test_bad_llama_sections_exit_2_naming_each_key(tmp_path, byte_dataset):
     """model.llama's own checks, all reported at once, each with its key; and a section given beside an
     init_from folder that disagrees with its config.json."""

@@ -111,3 +111,22 @@ def test_gpu_cu12_replaces_the_cpu_onnxruntime():
     cu11 = _pinned(R.requirements(["gpu"], stock=False))
     if sys.version_info < (3, 12):
         assert "onnxruntime-training" in cu11 and "cupy-cuda11x" in cu11
+
+
+def test_test_modules_import_torch_optionally():
+    """make test-py313 runs the suite without torch and transformers: no test module may import them at
+    its top (a collection error there); it takes them with pytest.importorskip (every test needs them)
+    or conftest's optional() with the torch marker on the tests that do."""
+    import ast
+    heavy = {"torch", "transformers", "peft"}
+    offenders = []
+    for name in sorted(os.listdir(os.path.join(ROOT, "tests"))):
+        if not name.endswith(".py"):
+            continue
+        with open(os.path.join(ROOT, "tests", name), encoding="utf-8") as fh:
+            tree = ast.parse(fh.read())
+        for node in tree.body:
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{name}:{node.lineno} imports {m}" for m in mods if m.split(".")[0] in heavy]
+    assert not offenders, offenders
