@@ -8,9 +8,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, synthetic_text_dir
 
 
+@pytest.mark.torch
 def test_the_recipe_and_its_bench_run_beside_the_stand_in(tmp_path):
     files = sorted(glob.glob(os.path.join(synthetic_text_dir(str(tmp_path / "text"), max_bytes=120_000), "*.py")))
     text = tmp_path / "input.txt"

@@ -219,6 +219,7 @@ def test_second_ctrl_c_during_the_save_exits_130_leaving_nothing_that_looks_comm
     assert not glob.glob(str(ckpts / "*" / rundir.COMMITTED))
 
 
+@pytest.mark.torch
 def test_a_trainrun_process_never_imports_torch(tmp_path, byte_dataset):
     """torch is installed here (the test extra), and onnxruntime-training's package check imports it with
     ORTModule (1.5 s of every start), and so does tensorboardX's writer (1.8 s): the CLI leaves it out, a run

@@ -152,6 +152,7 @@ def _cuda_config(tmp_path, model: str, precision: str) -> dict:
 
 
 @pytest.mark.parametrize("model", ["gpt2", "bert", "squeezenet"])
+@pytest.mark.ort_training
 def test_cuda_graphs_have_a_kernel_for_every_op_and_keep_the_fp32_islands(tmp_path, model):
     """prepare for device: cuda in fp32, fp16 and bf16 passes the kernel check, and in the saved train
     graph (what onnxruntime's pre-training optimisation left), and for fp16 also in the graph a session
@@ -190,6 +191,7 @@ def test_cuda_graphs_have_a_kernel_for_every_op_and_keep_the_fp32_islands(tmp_pa
             assert ("SigmoidGrad", "float") in ops and ("SigmoidGrad", "bfloat16") not in ops, ops
 
 
+@pytest.mark.ort_training
 def test_prepare_for_cuda_refuses_an_op_without_a_kernel_for_its_type(tmp_path):
     """A user model computing a Sigmoid in bfloat16 itself: its gradient, SigmoidGrad, has no bfloat16
     kernel in the CUDA provider. prepare says so before writing graphs (exit 2), naming node, op and

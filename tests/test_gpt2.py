@@ -115,6 +115,7 @@ def test_eval_graph_matches_train_loss(tmp_path, tiny_gpt2):
 
 @pytest.mark.parametrize("reduction,ignore_index,rank", [("mean", 2, 2), ("sum", None, 2), ("mean", None, 3),
                                                          ("sum", 1, 3)])
+@pytest.mark.ort_training
 def test_cross_entropy_gradient_by_exp_matches_numpy(reduction, ignore_index, rank):
     """graphs.losses._cross_entropy_grad_by_exp in every form it takes (mean or sum, with or without
     ignore_index, class axis 1 of a 2-D or 3-D input) against the float64 NumPy gradient of
@@ -165,6 +166,7 @@ def test_cross_entropy_gradient_by_exp_matches_numpy(reduction, ignore_index, ra
 
 
 @pytest.mark.parametrize("head,axis", [("Gemm", 0), ("Transpose", 1)])
+@pytest.mark.ort_training
 def test_tied_embedding_gradient_matches_numpy(head, axis):
     """graphs.ort_gradients._scatter_tied_gradients on both of its paths: a head whose gradient is the embedding's shape
     (Gemm(h, E, transB=1): rows scattered into it along axis 0) and a head through a Transpose
@@ -252,6 +254,7 @@ def test_vocabulary_sized_loss_and_tied_gradient_match_transformers(tmp_path):
 
 
 @pytest.mark.parametrize("extra_use", [False, True])
+@pytest.mark.ort_training
 def test_gelu_gradient_by_hand_matches_numpy(extra_use):
     """graphs.ort_gradients._gelu_gradients: the built-in MLP's tanh-GELU (y * sigmoid(y (a + b y^2))) gets its
     gradient written by hand (no four-way Sum of the builder's chain) and it equals float64 NumPy's

@@ -7,7 +7,6 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 from safetensors.numpy import load_file
 
 from trainrun import config as C
@@ -15,8 +14,9 @@ from trainrun.engine import Engine, EngineOptions
 from trainrun.graphs.manifest import prepare
 
 from conftest import ROOT, TRAINRUN, mpirun, read_metrics, run, write_config
-from test_finetune import labelled  # noqa: F401 - the fixture: `trainrun-data labelled` topics
-from test_llama import VARIANTS, hf_model, random_weights, relative
+torch = pytest.importorskip("torch", reason="needs torch (the test extra), not installed here")
+from test_finetune import labelled  # noqa: F401,E402 - the fixture: `trainrun-data labelled` topics
+from test_llama import VARIANTS, hf_model, random_weights, relative  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import reference as R  # noqa: E402

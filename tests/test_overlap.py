@@ -244,6 +244,7 @@ def test_overlapped_buckets_train_bit_for_bit_as_one_allreduce(tmp_path, byte_da
     assert got_sum["wire_bytes_per_step"] == ref_sum["wire_bytes_per_step"]
 
 
+@pytest.mark.ort_training
 def test_statistics_steps_and_overlapped_steps_interleave(tmp_path, byte_dataset):
     """debug.stats_every 2 with debug.tensors (outputs onnxruntime allocates, read from the segment that makes
     them): the statistics steps reduce after the backward pass (they read the local gradients first), the
