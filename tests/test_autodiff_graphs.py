@@ -24,7 +24,7 @@ from onnx import numpy_helper
 from conftest import ROOT
 from trainrun import config as C
 from trainrun.graphs.forward import forward_from_config
-from trainrun.graphs.gradients import build_train_graph, direct_gradients, ort_builder_missing
+from trainrun.graphs.gradients import build_train_graph, direct_gradients
 from trainrun.graphs.manifest import build_options, loss_graph
 from trainrun.graphs.names import GRAD_SUFFIX, LOSS, MASK_PREFIX
 from trainrun.models import registry
@@ -33,8 +33,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import squeezenet_digits as SQ  # noqa: E402  (the CNN recipe's model builder)
 from test_user_models import mlp  # noqa: E402  (a graph that computes its own loss)
 
-pytestmark = pytest.mark.skipif(ort_builder_missing() is not None,
-                                reason="onnxruntime-training's gradient builder is not installed")
+pytestmark = pytest.mark.ort_training      # against onnxruntime-training's builder: skipped, saying so, without it
 
 BERT = {"vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "intermediate_size": 128, "max_position_embeddings": 64, "hidden_dropout_prob": 0.1,
