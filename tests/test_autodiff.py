@@ -675,3 +675,55 @@ def test_pad_constant_mode():
                        {"pads": np.array([0, 1, 0, 1])})
     with pytest.raises(NoGradient, match="Pad node 'pad_x_pads'.*mode reflect"):
         differentiate(reflect, ["x"], "loss")
+
+
+def test_gpt2_train_graph_in_the_cheaper_forms(tmp_path):
+    """The built-in GPT-2's train graph as prepare makes it (static shapes): LayerNormalization's gradient
+    from the forward's Mean/InvStdDev (no recomputed deviation), the tied embedding's rows scattered into
+    the head's gradient (no zero table, no ScatterND), the GELU as one subgraph (no y-gradient Sum of its
+    four products), broadcast axes fixed when built (no run-time axis search per layer), and, after
+    onnxruntime's optimizations, every weight gradient a plain MatMul over an explicitly transposed input."""
+    import collections
+
+    from conftest import ROOT
+    from trainrun.config.load import load_config
+    from trainrun.graphs.forward import forward_from_config
+    from trainrun.graphs.manifest import build_options, loss_graph
+    cfg = load_config(f"{ROOT}/configs/gpt2-tiny.yaml", ["data.train=null", "data.eval=null"])
+    fwd = forward_from_config(cfg)
+    loss_model, _ = loss_graph(cfg, fwd, build_options(cfg))
+    model = differentiate(loss_model, fwd.params, "loss")
+    ops = collections.Counter(n.op_type for n in model.graph.node)
+    layers = cfg.model.gpt2.n_layer
+    assert ops["Reciprocal"] == ops["Sqrt"] == ops["ScatterND"] == 0, ops
+    assert ops["NonZero"] <= 1, ops           # the position table's slice (one [positions, width] sum)
+    producer = {o: n for n in model.graph.node for o in n.output}
+    chain = [producer["transformer.wte.weight_grad"]]
+    while len(chain) < 3:
+        chain.append(producer[chain[-1].input[0]])
+    assert [n.op_type for n in chain] == ["Identity", "Transpose", "ScatterElements"]
+    assert producer[chain[-1].input[0]].op_type == "MatMul"          # the head's [width, vocab] gradient
+    ce = next(n for n in model.graph.node if n.name == "grad/loss_sce/ScatterElements")   # by Exp(log_prob)
+    assert [producer[ce.input[0]].op_type, producer[producer[ce.input[0]].input[0]].op_type] == ["Mul", "Exp"]
+    for n in model.graph.node:
+        if n.op_type == "LayerNormalization":
+            assert len(n.output) == 3 and all(producer.get(o) is n for o in n.output)
+    act = [n for n in model.graph.node if n.output[0].endswith("mlp.act") and not n.name.startswith("grad/")]
+    assert len(act) == layers
+    for n in act:
+        y_grad = [m for m in model.graph.node if m.op_type == "Sum" and m.output[0] == f"{n.input[0]}_grad"]
+        assert not y_grad
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    optimized = onnx.load(options.optimized_model_filepath)
+    made = {o: n for n in optimized.graph.node for o in n.output}
+    weights = [p for p in fwd.params if len(fwd_dims(fwd, p)) == 2 and "wte" not in p and "wpe" not in p]
+    assert len(weights) == 4 * layers
+    for p in weights:
+        n = made[f"{p}_grad"]
+        assert n.op_type == "MatMul" and made[n.input[0]].op_type == "Reshape", (p, n.op_type)
+
+
+def fwd_dims(fwd, name):
+    return next(list(t.dims) for t in fwd.model.graph.initializer if t.name == name)

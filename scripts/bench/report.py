@@ -528,8 +528,10 @@ def builders_section(R, out):
                "onnxruntime-training's builder (with trainrun's rewrites, `graphs/ort_gradients.py`, direct "
                "gradients) and by trainrun's own (`graphs/autodiff/`), both then with the cross-entropy split and "
                "padded products; forward + backward of one rank's micro-batch in a session as the engine makes it, "
-               "1 thread, the two graphs alternating in one process; tokens/s: median step. Peak RSS: each graph "
-               "run in a process of its own (onnxruntime and numpy imported: about 330 MB before the session).\n")
+               "1 thread, the two graphs alternating in one process; tokens/s: median step, medians over the rounds. "
+               "The stock column is another process, timed after each training-build round: on a loaded machine its "
+               "rounds vary far more than the same-run ratio, the claim of record. Peak RSS: each graph run in a "
+               "process of its own (onnxruntime and numpy imported: about 330 MB before the session).\n")
     out.append("| model | tokens a step | nodes (onnxruntime / trainrun) | onnxruntime builder tokens/s | "
                "trainrun builder | ratio | trainrun builder on stock | / training build's | peak RSS MB "
                "(onnxruntime / trainrun) | rounds, load |")
