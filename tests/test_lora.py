@@ -184,11 +184,20 @@ def test_twenty_steps_equal_a_peft_loop_and_export_merged_and_as_peft(tmp_path, 
 
     # the three exports
     run([TRAINRUN, "export", run_dir, "--format", "peft", "--output", str(tmp_path / "adapter")], check=0)
-    run([TRAINRUN, "export", run_dir, "--output", str(tmp_path / "m.onnx")], check=0)
+    run([TRAINRUN, "export", run_dir, "--output", os.path.join(run_dir, "m.onnx")], check=0)
     run([TRAINRUN, "export", run_dir, "--format", "transformers", "--output", str(tmp_path / "hf")], check=0)
     # the attention-cache graph holds the merged weights too (export checks it against the eval graph)
     assert "attention cache" in run([TRAINRUN, "export", run_dir, "--kv-cache", "--output",
-                                     str(tmp_path / "kv.onnx")], check=0).stdout
+                                     os.path.join(run_dir, "kv.onnx")], check=0).stdout
+    _, evals = read_metrics(run_dir)
+    out = str(tmp_path / "eval.json")
+    run([TRAINRUN, "evaluate", run_dir, "--data", os.path.join(byte_dataset, "eval"), "--batch", "4", "--steps", "2",
+         "--output", out], check=0)
+    assert json.load(open(out))["loss"] == pytest.approx(evals[steps]["eval_loss"], rel=1e-5)
+    greedy = ["--prompt", "def f(", "--max-new-tokens", "8", "--temperature", "0"]
+    texts = [run([TRAINRUN, "generate", src, *greedy], check=0).stdout
+             for src in (run_dir, os.path.join(run_dir, "kv.onnx"), os.path.join(run_dir, "m.onnx"))]
+    assert texts[0].startswith("def f(") and len(set(texts)) == 1, texts
     adapter_config = json.load(open(tmp_path / "adapter" / "adapter_config.json"))
     assert adapter_config["peft_type"] == "LORA" and adapter_config["r"] == lora["r"]
     assert adapter_config["lora_alpha"] == lora["alpha"] and adapter_config["task_type"] == "CAUSAL_LM"
@@ -198,7 +207,7 @@ def test_twenty_steps_equal_a_peft_loop_and_export_merged_and_as_peft(tmp_path, 
     ids = np.random.default_rng(2).integers(0, 256, (2, seq))
     with torch.no_grad():
         theirs = loaded(input_ids=torch.from_numpy(ids)).logits.numpy()
-    exported = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    exported = ort.InferenceSession(os.path.join(run_dir, "m.onnx"), providers=["CPUExecutionProvider"])
     assert not any(".lora_" in i.name for i in exported.get_inputs())
     ours = exported.run(["logits"], {"input_ids": ids})[0]
     assert relative(ours, theirs) < 1e-5
