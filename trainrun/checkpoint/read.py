@@ -227,8 +227,8 @@ def check_checkpoint(ckpt, names, graphs: tuple[str, dict] | None = None, *, opt
     that none of them takes is a UsageError naming it; when the user ``forced`` a change of the model or
     optimizer (``resume --force``), a warning listing what is dropped. ``lora_base``: the sha256 of the
     model.lora base weights the tensors are to be used with (the manifest's, when ``graphs`` is given): a
-    checkpoint whose adapters were trained on others is a UsageError, forced or not. ``ckpt``: a path or a :class:`Pinned`
-    checkpoint."""
+    checkpoint whose adapters were trained on others is a UsageError, forced or not. ``ckpt``: a path or a
+    :class:`Pinned` checkpoint."""
     with reading(ckpt) as held:
         _check_checkpoint(held, names, graphs, optimizer_states, forced,
                           lora_base=lora_base)

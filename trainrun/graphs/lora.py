@@ -92,9 +92,9 @@ def init_adapters(lora, shapes: dict[str, tuple[int, int]], seed: int) -> dict[s
 
 def add_adapters(model: onnx.ModelProto, weights: dict, lora, family, seed: int
                  ) -> tuple[onnx.ModelProto, list[str], list[str]]:
-    """``model`` (the forward graph of ``family``, ``weights`` its parameters) with the adapters; returns (the new graph,
-    the adapted modules whose weight is stored [in, out], the trainable parameters: the adapters, then
-    modules_to_save's)."""
+    """``model`` (the forward graph of ``family``, ``weights`` its parameters) with the adapters; returns
+    (the new graph, the adapted modules whose weight is stored [in, out], the trainable parameters: the
+    adapters, then modules_to_save's)."""
     model_type, batch_input = family.name, family.inputs[0]
     modules = linear_modules(model, weights)
     chosen = targets(lora, model_type, modules, family.lora_targets)
