@@ -135,6 +135,9 @@ def test_bad_lora_sections_exit_2_naming_the_key(tmp_path, byte_dataset):
     cfg = write_config(tmp_path / "e.yaml", byte_dataset, **{"model.lora": {"modules_to_save": ["score"]}})
     p = run([TRAINRUN, "--config", cfg], check=2)
     assert "model.lora.modules_to_save: 'score' matches no module" in p.stderr
+    cfg = write_config(tmp_path / "g.yaml", byte_dataset, **{"model.lora": {}, "train.sample_every": 5})
+    p = run([TRAINRUN, "config", "validate", "--config", cfg], check=2)
+    assert "train.sample_every: samples the full model's weights; with model.lora" in p.stderr, p.stderr
     cfg = write_config(tmp_path / "f.yaml", byte_dataset, **{"train.max_steps": 1})
     run([TRAINRUN, "train", "--config", cfg], check=0)
     p = run([TRAINRUN, "export", str(tmp_path / "run"), "--format", "peft", "--output", str(tmp_path / "a")], check=2)
