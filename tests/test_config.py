@@ -188,7 +188,7 @@ def test_config_show_describes_what_the_code_does():
     shown = run([TRAINRUN, "config", "show"], check=0).stdout
     assert "host = the same rule as fused in-place loops compiled by Numba" in shown
     assert "chunked" not in shown
-    assert "# The model: a built-in GPT-2 or BERT, or a user's forward ONNX." in shown
+    assert "# The model: a built-in GPT-2, BERT or Llama-family decoder, or a user's forward ONNX." in shown
 
 
 def test_cli_help_lists_commands():
