@@ -206,6 +206,7 @@ def test_tied_embedding_gradient_matches_numpy(head, axis):
 
 
 @pytest.mark.torch
+@pytest.mark.ort_training
 def test_vocabulary_sized_loss_and_tied_gradient_match_transformers(tmp_path):
     """The cross-entropy as LogSoftmax + NegativeLogLikelihoodLoss, its gradient from Exp(log_prob), the
     tied embedding's gradient added by ScatterElements (graphs.losses.split_cross_entropy,
