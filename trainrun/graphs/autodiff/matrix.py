@@ -48,7 +48,10 @@ def _matmul(s: Step):
     if ydims is not None and adims is not None and bdims is not None:
         batch = ydims[:len(ydims) - (ra > 1) - (rb > 1)]
     out = [None, None]
-    if s.wants(0):
+    if s.wants(0) and ra == 2 and rb == 2:
+        # dY W^T as a Gemm with transB (the form engine.pad_products pads without materialising W^T)
+        out[0] = s.op("Gemm", [dy, b], transB=1)
+    elif s.wants(0):
         da = s.op("MatMul", [dy, _swap_last(s, b2, max(rb, 2))])
         dims = None if batch is None else batch + [1 if ra == 1 else adims[-2], adims[-1]]
         out[0] = s.sum_to(da, 0, dims)
