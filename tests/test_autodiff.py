@@ -681,7 +681,8 @@ def test_gpt2_train_graph_in_the_cheaper_forms(tmp_path):
     """The built-in GPT-2's train graph as prepare makes it (static shapes): LayerNormalization's gradient
     from the forward's Mean/InvStdDev (no recomputed deviation), the tied embedding's rows scattered into
     the head's gradient (no zero table, no ScatterND), the GELU as one subgraph (no y-gradient Sum of its
-    four products), broadcast axes fixed when built (no run-time axis search per layer), and, after
+    four products), broadcast axes fixed when built (no run-time axis search per layer), input gradients
+    by Gemm transB, and, after
     onnxruntime's optimizations, every weight gradient a plain MatMul over an explicitly transposed input."""
     import collections
 
@@ -720,6 +721,9 @@ def test_gpt2_train_graph_in_the_cheaper_forms(tmp_path):
     made = {o: n for n in optimized.graph.node for o in n.output}
     weights = [p for p in fwd.params if len(fwd_dims(fwd, p)) == 2 and "wte" not in p and "wpe" not in p]
     assert len(weights) == 4 * layers
+    # the input gradient dY W^T as Gemm transB, which engine.pad_products pads without materialising W^T
+    assert {n.input[1] for n in model.graph.node if n.op_type == "Gemm" and n.name.startswith("grad/")
+            and any(a.name == "transB" and a.i == 1 for a in n.attribute)} >= set(weights)
     for p in weights:
         n = made[f"{p}_grad"]
         assert n.op_type == "MatMul" and made[n.input[0]].op_type == "Reshape", (p, n.op_type)
