@@ -359,3 +359,50 @@ def test_mixed_precision_train_graphs_of_trainrun_builder(tmp_path, precision):
         if n.op_type in ("LayerNormalization", "Softmax", "LogSoftmax", "NegativeLogLikelihoodLoss"):
             assert dtype == "float", (n.name, dtype)
     assert ("loss_scale" in {i.name for i in train.graph.input}) == (precision == "fp16")
+
+
+# The other runtime's venv, for the cross-runtime comparison: run under stock onnxruntime (make test-stock)
+# the variable names the training build's bin dir, run under the training build it names the stock one's.
+OTHER_RUNTIME = {True: "TRAINRUN_TRAINING_BUILD", False: "TRAINRUN_STOCK_BUILD"}
+HAS_BUILDER = "import onnxruntime.capi._pybind_state as s; print(hasattr(s, 'GradientGraphBuilder'))"
+
+
+def test_fifty_steps_on_stock_onnxruntime_equal_the_training_builds(tmp_path, byte_dataset):
+    """50 steps of graphs.builder trainrun on stock onnxruntime, `mpirun -np 2`, have the losses of the same
+    config trained with graphs.builder onnxruntime on the onnxruntime-training build, to 1e-5 relative per
+    step. One runtime is this venv's, the other's bin dir is named by TRAINRUN_TRAINING_BUILD (this venv
+    stock) or TRAINRUN_STOCK_BUILD (this venv the training build); without it the test skips, or fails where
+    TRAINRUN_REQUIRE_STOCK_COMPARISON=1 (make test-stock with .venv there)."""
+    here_stock = ort_builder_missing() is not None
+    var = OTHER_RUNTIME[here_stock]
+    other = os.environ.get(var)
+    if not other:
+        why = (f"{var} is not set (the other onnxruntime's venv bin dir; make test-stock sets "
+               f"TRAINRUN_TRAINING_BUILD to .venv/bin where make setup-test made it)")
+        if os.environ.get("TRAINRUN_REQUIRE_STOCK_COMPARISON") == "1":
+            pytest.fail(f"TRAINRUN_REQUIRE_STOCK_COMPARISON=1 but {why}")
+        pytest.skip(why)
+    here = os.path.dirname(TRAINRUN)
+    p = run([os.path.join(other, "python"), "-c", HAS_BUILDER], check=0)
+    assert p.stdout.strip() == str(here_stock), f"{var}={other}: its onnxruntime is the same kind as this one's"
+    stock, training = (here, other) if here_stock else (other, here)
+
+    def losses(name, bin_dir, builder_name, *extra):
+        (tmp_path / name).mkdir()
+        cfg = write_config(tmp_path / name / "c.yaml", byte_dataset, **{
+            "graphs.builder": builder_name, "train.max_steps": 50, "train.gradient_accumulation_steps": 2,
+            "train.micro_batch_size": 2})
+        p = run([os.path.join(bin_dir, "mpirun"), "-np", "2", os.path.join(bin_dir, "trainrun"), "--config", cfg,
+                 *extra], check=0, env={"PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")})
+        assert f"graphs.builder: {builder_name}" in p.stdout, p.stdout
+        got = _losses(str(tmp_path / name / "run"))
+        assert sorted(got) == list(range(1, 51))
+        return got
+
+    ours = losses("stock", stock, "trainrun")
+    theirs = losses("training", training, "onnxruntime")
+    assert ours[50] < ours[1] - 0.5                         # it trains
+    worst = max(abs(ours[s] - theirs[s]) / abs(theirs[s]) for s in ours)
+    print(f"max relative loss difference over 50 steps: {worst:.2e}")
+    for s in ours:
+        assert ours[s] == pytest.approx(theirs[s], rel=1e-5), (s, ours[s], theirs[s])
