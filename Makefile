@@ -49,7 +49,8 @@ $(STAMP_STOCK): pyproject.toml scripts/requirements.py
 	@touch $@
 
 test-stock: $(STAMP_STOCK)
-	PATH=$(CURDIR)/$(VENV_STOCK)/bin:$$PATH $(VENV_STOCK)/bin/python -m pytest -q -m "not gpu and not cluster" $(PYTEST_ARGS)
+	PATH=$(CURDIR)/$(VENV_STOCK)/bin:$$PATH $(if $(wildcard $(BIN)/python),TRAINRUN_TRAINING_BUILD=$(CURDIR)/$(BIN) \
+	TRAINRUN_REQUIRE_STOCK_COMPARISON=1) $(VENV_STOCK)/bin/python -m pytest -q -m "not gpu and not cluster" $(PYTEST_ARGS)
 
 # Python 3.13 (.venv-py313): trainrun with its plain dependencies (stock onnxruntime), the demo, then every
 # test that needs no torch: the test extra without torch and transformers (their tests skip, saying so)
