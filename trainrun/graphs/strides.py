@@ -55,7 +55,7 @@ def cpu_vendor() -> str:
 def _shapes(model: onnx.ModelProto) -> dict[str, tuple[int, list]]:
     """name -> (element type, dims) for every tensor whose type onnx knows or infers."""
     try:
-        model = shape_inference.infer_shapes(model, strict_mode=False)
+        model = shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
     except Exception:  # noqa: BLE001 - an uninferable graph: nothing is known, nothing padded
         pass
     out = {}
