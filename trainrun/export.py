@@ -429,25 +429,8 @@ def _export_transformers(held: K.Pinned, output: str, tokenizer: str | None, ech
     files = _hf_files(family, family.shape_of(manifest), text, text.eos_id if text is not None else None)
     if manifest.get("task_labels"):
         files["config.json"].update(_label_map(held, manifest["task_labels"], echo))
-    parent = os.path.dirname(os.path.abspath(output))
-    os.makedirs(parent, exist_ok=True)
-    stage = tempfile.mkdtemp(prefix=".export-", dir=parent)
-    try:
-        save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, os.path.join(stage, "model.safetensors"),
-                  metadata={"format": "pt"})
-        rundir.as_created(os.path.join(stage, "model.safetensors"))
-        if text is not None and text.tokenizer is not None:
-            shutil.copyfile(text.path, os.path.join(stage, "tokenizer.json"))
-        for name, obj in files.items():
-            with open(os.path.join(stage, name), "w") as fh:
-                json.dump(obj, fh, indent=2)
-                fh.write("\n")
-        if os.path.isdir(output):
-            os.rmdir(output)
-        os.replace(rundir.as_created(stage), output)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
+    _write_folder(output, "model.safetensors", weights, files,
+                  text.path if text is not None and text.tokenizer is not None else None)
     echo(f"exported {output} ({family.transformers.architecture}, {', '.join(sorted(os.listdir(output)))}) from {ckpt}")
     return output
 
@@ -478,21 +461,32 @@ def export_peft(checkpoint: str, output: str, *, echo=print) -> str:
               "modules_to_save": list(lora["modules_to_save"]) or None,
               "fan_in_fan_out": bool(manifest["lora"]["in_out"]), "bias": "none", "inference_mode": True,
               "init_lora_weights": True, "base_model_name_or_path": manifest["model"].get("init_from")}
+    _write_folder(output, "adapter_model.safetensors", {f"base_model.model.{n}": v for n, v in weights.items()},
+                  {"adapter_config.json": config})
+    echo(f"exported {output} (PEFT LoRA adapters, r {lora['r']}, {len(weights)} tensors) from {ckpt}")
+    return output
+
+
+def _write_folder(output: str, tensors_file: str, weights: dict, files: dict, tokenizer: str | None = None) -> None:
+    """A folder as transformers and PEFT save them: ``weights`` in safetensors (``tensors_file``), each of
+    ``files`` as JSON, the tokenizer.json ``tokenizer`` copied; staged beside ``output`` and moved into place
+    (``output`` absent or an empty folder), so a stop leaves either nothing or the whole folder."""
     parent = os.path.dirname(os.path.abspath(output))
     os.makedirs(parent, exist_ok=True)
     stage = tempfile.mkdtemp(prefix=".export-", dir=parent)
     try:
-        save_file({f"base_model.model.{n}": np.ascontiguousarray(v) for n, v in weights.items()},
-                  os.path.join(stage, "adapter_model.safetensors"), metadata={"format": "pt"})
-        rundir.as_created(os.path.join(stage, "adapter_model.safetensors"))
-        with open(os.path.join(stage, "adapter_config.json"), "w") as fh:
-            json.dump(config, fh, indent=2)
-            fh.write("\n")
+        save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, os.path.join(stage, tensors_file),
+                  metadata={"format": "pt"})
+        rundir.as_created(os.path.join(stage, tensors_file))
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, os.path.join(stage, "tokenizer.json"))
+        for name, obj in files.items():
+            with open(os.path.join(stage, name), "w") as fh:
+                json.dump(obj, fh, indent=2)
+                fh.write("\n")
         if os.path.isdir(output):
             os.rmdir(output)
         os.replace(rundir.as_created(stage), output)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-    echo(f"exported {output} (PEFT LoRA adapters, r {lora['r']}, {len(weights)} tensors) from {ckpt}")
-    return output

@@ -446,6 +446,11 @@ def render(R) -> str:
                f"{v.get('transformers')}, MPICH {v.get('mpich')}"
                + (f"; 1-minute load average {min(la):.1f}–{max(la):.1f}. Rounds alternate the setups so that a shared "
                   "machine's load hits them alike." if la else ".") + "\n")
+    return _body(R, out)
+
+
+def _body(R, out: list) -> str:
+    """``out`` (the preamble) with the headline rows and every section ``R`` holds, as one text."""
     headline(R, out)
     matrix_section(R, out)
     g124m_section(R, out)
@@ -460,14 +465,7 @@ def render_only(old: str, R) -> str:
     """The sections ``R`` holds (a script that measures its own, as scripts/bench/builders.py) under
     ``old``'s preamble, with their headline rows: for :func:`merge` with ``old``, which keeps the rest."""
     out = [_sections(old)[0].rstrip("\n") + "\n"] if old else ["# trainrun benchmarks\n"]
-    headline(R, out)
-    matrix_section(R, out)
-    g124m_section(R, out)
-    bert_section(R, out)
-    cnn_section(R, out)
-    builders_section(R, out)
-    components(R, out)
-    return "\n".join(out).rstrip("\n") + "\n"
+    return _body(R, out)
 
 
 # ---------------------------------------------------------------------- the two gradient builders
