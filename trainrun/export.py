@@ -28,7 +28,7 @@ from safetensors.numpy import save_file
 from . import checkpoint as K
 from . import faults
 from .graphs.gradients import add_outputs, keep_outputs, reads
-from .graphs.lora import adapter_names, merged
+from .graphs.lora import merged
 from .graphs.manifest import load_manifest
 from .graphs.names import METRIC_PREFIX
 from .graphs.onnx_edit import IR_VERSION

@@ -165,7 +165,7 @@ def _build_engine(cfg: C.Config, comm, graphs_dir: str, manifest: dict, train_ds
     """(threads, engine, update, gradient buckets, sampler): the sessions bound to the flat buffers, the
     optimizer over them (or this rank's part), what this launch turns off said (rank 0). ``step_comm``: the
     ranks whose gradients the step reduces (the world, or this rank's DiLoCo replica)."""
-    rank, world = comm.rank, comm.world_size
+    rank = comm.rank
     threads = cfg.engine.threads
     if cfg.run.deterministic:
         threads = 1

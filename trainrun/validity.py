@@ -60,7 +60,7 @@ def config_problems(cfg: C.Config, base_dir: str = ".", need_data: bool = False)
     def add(key: str, message: str) -> None:
         problems.append(f"{key}: {message}")
 
-    m, t, o, d = cfg.model, cfg.train, cfg.optimizer, cfg.distributed
+    m, t, o = cfg.model, cfg.train, cfg.optimizer
     families = ", ".join(C.FAMILIES)
     if m.builtin is None and m.onnx is None:
         add("model", f"set either model.builtin ({families}) or model.onnx (a forward graph)")

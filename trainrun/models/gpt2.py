@@ -15,10 +15,10 @@ import re
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import helper
 
 from ..config import GPT2Config
-from .onnx_builder import CLS_INPUTS, MASK_VALUE, Graph, last_token_head, right_padded_sample
+from .onnx_builder import CLS_INPUTS, MASK_VALUE, Graph, decoder_io, last_token_head, right_padded_sample
 from .registry import Family, Transformers, classifier_config, register
 
 def param_specs(cfg: GPT2Config) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -174,15 +174,7 @@ def build_gpt2(cfg: GPT2Config, weights: dict[str, np.ndarray], kv_cache: bool =
     g.nodes.append(helper.make_node("MatMul", [hf, g.op("Transpose", ["transformer.wte.weight"], perm=[1, 0])],
                                     ["logits"], name="lm_head"))
 
-    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"])]
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", cfg.vocab_size])]
-    for i in range(cfg.n_layer if kv_cache else 0):
-        for name in ("key", "value"):
-            inputs.append(helper.make_tensor_value_info(f"past.{i}.{name}", TensorProto.FLOAT,
-                                                        ["batch", H, "past", D]))
-            outputs.append(helper.make_tensor_value_info(f"present.{i}.{name}", TensorProto.FLOAT,
-                                                         ["batch", H, "past_seq", D]))
-    return g.model("gpt2", inputs, outputs)
+    return g.model("gpt2", *decoder_io(cfg.vocab_size, cfg.n_layer, H, D, kv_cache))
 
 
 def classifier_specs(cfg: GPT2Config, num_labels: int) -> dict:

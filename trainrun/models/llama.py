@@ -23,7 +23,7 @@ from onnx import TensorProto, helper
 
 from ..config import LlamaConfig
 from ..config.model import LLAMA_ARCHITECTURES
-from .onnx_builder import CLS_INPUTS, MASK_VALUE, Graph, last_token_head, right_padded_sample
+from .onnx_builder import CLS_INPUTS, MASK_VALUE, Graph, decoder_io, last_token_head, right_padded_sample
 from .registry import Family, Transformers, classifier_config, register
 
 EMBED = "model.embed_tokens.weight"
@@ -211,15 +211,7 @@ def build_llama(cfg: LlamaConfig, weights: dict[str, np.ndarray], kv_cache: bool
     g.nodes.append(helper.make_node("MatMul", [hf, g.op("Transpose", [head], perm=[1, 0])], ["logits"],
                                     name="lm_head"))
 
-    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"])]
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", cfg.vocab_size])]
-    for i in range(cfg.num_hidden_layers if kv_cache else 0):
-        for name in ("key", "value"):
-            inputs.append(helper.make_tensor_value_info(f"past.{i}.{name}", TensorProto.FLOAT,
-                                                        ["batch", KV, "past", D]))
-            outputs.append(helper.make_tensor_value_info(f"present.{i}.{name}", TensorProto.FLOAT,
-                                                         ["batch", KV, "past_seq", D]))
-    return g.model("llama", inputs, outputs)
+    return g.model("llama", *decoder_io(cfg.vocab_size, cfg.num_hidden_layers, KV, D, kv_cache))
 
 
 def param_count(cfg: LlamaConfig) -> int:

@@ -66,3 +66,17 @@ def right_padded_sample(vocab_size: int, num_labels: int, rng) -> dict[str, np.n
         ids[b, n:], mask[b, n:] = 0, 0
     return {"input_ids": ids.astype(np.int64), "input_mask": mask,
             "labels": rng.integers(0, num_labels, 4).astype(np.int64)}
+
+
+def decoder_io(vocab_size: int, layers: int, kv_heads: int, head_dim: int, kv_cache: bool) -> tuple[list, list]:
+    """A decoder's graph inputs and outputs: input_ids -> logits, and with ``kv_cache`` each layer's
+    past/present key and value ([batch, kv_heads, positions, head_dim])."""
+    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"])]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", vocab_size])]
+    for i in range(layers if kv_cache else 0):
+        for name in ("key", "value"):
+            inputs.append(helper.make_tensor_value_info(f"past.{i}.{name}", TensorProto.FLOAT,
+                                                        ["batch", kv_heads, "past", head_dim]))
+            outputs.append(helper.make_tensor_value_info(f"present.{i}.{name}", TensorProto.FLOAT,
+                                                         ["batch", kv_heads, "past_seq", head_dim]))
+    return inputs, outputs
