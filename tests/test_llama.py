@@ -457,6 +457,7 @@ def test_bad_llama_sections_exit_2_naming_each_key(tmp_path, byte_dataset):
         in p.stderr
 
 
+@pytest.mark.torch
 def test_config_json_fields_the_family_does_not_build_exit_2_naming_each(tmp_path, byte_dataset):
     """A folder's config.json that asks for math the family does not build (another activation, attention
     dropout, the sliced projections of pretraining_tp, a rope scaling other than linear/llama3) is refused
