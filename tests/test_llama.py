@@ -16,7 +16,7 @@ from trainrun.generate import Decoder, generate
 from trainrun.graphs.manifest import prepare
 from trainrun.models.llama import build_llama, init_weights, param_count
 
-from conftest import MPIRUN, TRAINRUN, mpirun, optional, read_metrics, run, write_config
+from conftest import MPIRUN, TRAINRUN, assert_matches_torch, mpirun, optional, read_metrics, run, write_config
 from test_finetune import labelled  # noqa: F401 - the fixture: `trainrun-data labelled` topics
 
 torch = optional("torch")
@@ -159,16 +159,8 @@ def test_train_graph_gradients_match_torch(tmp_path, variant, builder):
     batch = {"input_ids": rng.integers(0, V, (2, 24)), "labels": rng.integers(0, V, (2, 24))}
     batch["labels"][0, :5] = -100
     loss = eng.forward_backward(batch, accumulate=False)
-    logits = hf(torch.from_numpy(batch["input_ids"])).logits
-    ref_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), torch.from_numpy(batch["labels"]).reshape(-1),
-                                                 ignore_index=-100)
-    ref_loss.backward()
-    assert loss == pytest.approx(ref_loss.item(), rel=1e-5)
-    named = dict(hf.named_parameters())
-    grads = eng.layout.unflatten(eng.grads)
-    assert set(grads) == set(named)
-    worst = max((relative(grads[n], named[n].grad.numpy()), n) for n in grads)
-    assert worst[0] < 1e-5, worst
+    assert_matches_torch(eng, loss, hf, batch, V, rel=1e-5)
+    assert set(eng.layout.unflatten(eng.grads)) == set(dict(hf.named_parameters()))
 
 
 @pytest.mark.parametrize("variant", ["llama3_gqa", "smollm2_tied", "qwen2_bias"])
