@@ -134,6 +134,7 @@ def test_bad_lora_sections_exit_2_naming_the_key(tmp_path, byte_dataset):
     p = run([TRAINRUN, "--config", cfg], check=2)
     assert "model.lora.target_modules: 'q_proj' matches no linear layer" in p.stderr
     assert "'c_attn'" not in p.stderr
+    assert not (tmp_path / "run" / "graphs").exists()      # the refused model wrote nothing
     cfg = write_config(tmp_path / "e.yaml", byte_dataset, **{"model.lora": {"modules_to_save": ["score"]}})
     p = run([TRAINRUN, "--config", cfg], check=2)
     assert "model.lora.modules_to_save: 'score' matches no module" in p.stderr

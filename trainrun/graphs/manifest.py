@@ -105,9 +105,9 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
     """Write the three graphs, the forward graph, the initial weights and the manifest."""
     made_by, _ = builder(cfg.graphs.builder)       # a builder not installed: nothing written
     out_dir = out_dir or os.path.join(cfg.run.output_dir, "graphs")
-    os.makedirs(out_dir, exist_ok=True)
     fwd = forward_from_config(cfg)
     check_groups(cfg.optimizer, fwd.params)
+    os.makedirs(out_dir, exist_ok=True)     # after the model's own checks: a refused model writes nothing
     source = cfg.model.onnx or cfg.model.builtin
     inits = {t.name: t for t in fwd.model.graph.initializer}
     states = dict(fwd.states or {})
