@@ -130,14 +130,24 @@ def test_bad_lora_sections_exit_2_naming_the_key(tmp_path, byte_dataset):
     cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"model.lora": {"r": 0}})
     p = run([TRAINRUN, "config", "validate", "--config", cfg], check=2)
     assert "model.lora.r" in p.stderr
+    # an entry that matches nothing: validate (from the parameter names, no graph built) and training say the
+    # same, naming the key, the entry and what the model has
     cfg = write_config(tmp_path / "d.yaml", byte_dataset, **{"model.lora": {"target_modules": ["c_attn", "q_proj"]}})
-    p = run([TRAINRUN, "--config", cfg], check=2)
-    assert "model.lora.target_modules: 'q_proj' matches no linear layer" in p.stderr
-    assert "'c_attn'" not in p.stderr
+    for cmd in (["config", "validate"], ["train"]):
+        p = run([TRAINRUN, *cmd, "--config", cfg], check=2)
+        assert ("model.lora.target_modules: 'q_proj' matches no linear layer of the gpt2 model (its linear layers "
+                "end in: c_attn, c_fc, c_proj)") in p.stderr, (cmd, p.stderr)
+        assert "'c_attn'" not in p.stderr
     assert not (tmp_path / "run" / "graphs").exists()      # the refused model wrote nothing
-    cfg = write_config(tmp_path / "e.yaml", byte_dataset, **{"model.lora": {"modules_to_save": ["score"]}})
-    p = run([TRAINRUN, "--config", cfg], check=2)
-    assert "model.lora.modules_to_save: 'score' matches no module" in p.stderr
+    cfg = write_config(tmp_path / "e.yaml", byte_dataset, **{"model.lora": {"modules_to_save": ["score", "ln_f"]}})
+    for cmd in (["config", "validate"], ["train"]):
+        p = run([TRAINRUN, *cmd, "--config", cfg], check=2)
+        assert ("model.lora.modules_to_save: 'score' matches no module of the gpt2 model (its modules end in: "
+                "c_attn, c_fc, c_proj, ln_1, ln_2, ln_f, wpe, wte)") in p.stderr, (cmd, p.stderr)
+        assert "'ln_f'" not in p.stderr
+    cfg = write_config(tmp_path / "w.yaml", byte_dataset, **{"model.lora": {"target_modules": ["wte"]}})
+    p = run([TRAINRUN, "config", "validate", "--config", cfg], check=2)     # an embedding is no linear layer
+    assert "model.lora.target_modules: 'wte' matches no linear layer" in p.stderr, p.stderr
     cfg = write_config(tmp_path / "g.yaml", byte_dataset, **{"model.lora": {}, "train.sample_every": 5})
     p = run([TRAINRUN, "config", "validate", "--config", cfg], check=2)
     assert "train.sample_every: samples the full model's weights; with model.lora" in p.stderr, p.stderr

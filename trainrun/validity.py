@@ -40,6 +40,7 @@ from .checkpoint import is_step_dir
 from .cuda import cuda_provider_problem
 from .errors import UsageError
 from .graphs import forward as F
+from .graphs import lora
 from .graphs.losses import head_metrics
 from .graphs.names import METRIC_PREFIX, metric_names
 from .models import registry
@@ -282,6 +283,8 @@ def check(cfg: C.Config, world_size: int = 1, datasets: bool = True):
         from .optim import group_problems
         problems += group_problems(cfg.optimizer, [n for n in shapes if not any(
             fnmatch.fnmatchcase(n, p) for p in cfg.model.frozen)])
+        if cfg.model.lora is not None:
+            problems += lora.problems(cfg.model.lora, family, shapes)
         if cfg.model.init_from:
             problems += [f"model.init_from: {p}" for p in pretrained.check(shapes, cfg.model.init_from, family)]
     fwd = None

@@ -52,29 +52,47 @@ def linear_modules(model: onnx.ModelProto, weights) -> dict[str, tuple[int, onnx
     return out
 
 
-def targets(lora, model_type: str, modules, default=()) -> list[str]:
-    """The modules ``lora.target_modules`` (or ``default``, the family's) names; UsageError naming an entry
-    that matches no linear layer."""
-    entries = list(lora.target_modules) or list(default)
+def layers(shapes: dict, family) -> list[str]:
+    """The modules ``target_modules`` may name, from the parameters' {name: shape} alone (no graph): every
+    ``<module>.weight`` of two dims that is not one of the family's lookup tables (``family.embeddings``)."""
+    return [n[:-len(".weight")] for n, s in shapes.items()
+            if n.endswith(".weight") and len(s) == 2 and n not in family.embeddings]
+
+
+def _ends(modules) -> str:
+    return ", ".join(sorted({m.rsplit(".", 1)[-1] for m in modules}))
+
+
+def problems(lora, family, shapes: dict) -> list[str]:
+    """Every entry of ``lora.target_modules`` (or the family's default) that matches no linear layer and of
+    ``lora.modules_to_save`` that matches no module, from the parameters' {name: shape}: what ``config
+    validate`` and prepare refuse, each naming the key, the entry and what the model has."""
+    entries = list(lora.target_modules) or list(family.lora_targets)
     if not entries:
-        raise UsageError(f"model.lora.target_modules: {model_type} has no default target modules; name them")
-    problems = [f"model.lora.target_modules: '{e}' matches no linear layer of the {model_type} model (its linear "
-                f"layers end in: {', '.join(sorted({m.rsplit('.', 1)[-1] for m in modules}))})"
-                for e in entries if not any(matches(m, e) for m in modules)]
-    if problems:
-        raise UsageError("model.lora: the target modules are not the model's", problems)
-    return [m for m in modules if any(matches(m, e) for e in entries)]
+        return [f"model.lora.target_modules: {family.name} has no default target modules; name them"]
+    linear = layers(shapes, family)
+    out = [f"model.lora.target_modules: '{e}' matches no linear layer of the {family.name} model (its linear "
+           f"layers end in: {_ends(linear)})" for e in entries if not any(matches(m, e) for m in linear)]
+    modules = [n.rsplit(".", 1)[0] for n in shapes]
+    return out + [f"model.lora.modules_to_save: '{e}' matches no module of the {family.name} model (its modules "
+                  f"end in: {_ends(modules)})" for e in lora.modules_to_save if not any(matches(m, e) for m in modules)]
 
 
-def saved(lora, names, model_type: str) -> list[str]:
-    """The parameters of ``lora.modules_to_save``'s modules; UsageError naming an entry that matches none."""
-    def module(n):
-        return n.rsplit(".", 1)[0]
-    problems = [f"model.lora.modules_to_save: '{e}' matches no module of the {model_type} model"
-                for e in lora.modules_to_save if not any(matches(module(n), e) for n in names)]
-    if problems:
-        raise UsageError("model.lora: the modules to save are not the model's", problems)
-    return [n for n in names if any(matches(module(n), e) for e in lora.modules_to_save)]
+def check(lora, family, shapes: dict) -> None:
+    """:func:`problems` as one UsageError (exit 2)."""
+    if found := problems(lora, family, shapes):
+        raise UsageError("model.lora: the modules it names are not the model's", found)
+
+
+def targets(lora, family, shapes: dict) -> list[str]:
+    """The modules ``lora.target_modules`` (or the family's default) names."""
+    entries = list(lora.target_modules) or list(family.lora_targets)
+    return [m for m in layers(shapes, family) if any(matches(m, e) for e in entries)]
+
+
+def saved(lora, names) -> list[str]:
+    """The parameters of ``lora.modules_to_save``'s modules."""
+    return [n for n in names if any(matches(n.rsplit(".", 1)[0], e) for e in lora.modules_to_save)]
 
 
 def init_adapters(lora, shapes: dict[str, tuple[int, int]], seed: int) -> dict[str, np.ndarray]:
@@ -95,15 +113,21 @@ def add_adapters(model: onnx.ModelProto, weights: dict, lora, family, seed: int
     """``model`` (the forward graph of ``family``, ``weights`` its parameters) with the adapters; returns
     (the new graph, the adapted modules whose weight is stored [in, out], the trainable parameters: the
     adapters, then modules_to_save's)."""
-    model_type, batch_input = family.name, family.inputs[0]
+    batch_input = family.inputs[0]
+    shapes = {n: np.shape(w) for n, w in weights.items()}
+    check(lora, family, shapes)
     modules = linear_modules(model, weights)
-    chosen = targets(lora, model_type, modules, family.lora_targets)
-    shapes = {}
+    chosen = targets(lora, family, shapes)
+    if missing := [m for m in chosen if m not in modules]:     # a family whose embeddings do not say all
+        raise UsageError(f"model.lora.target_modules: {', '.join(missing)} of the {family.name} model "
+                         f"{'is not a linear layer' if len(missing) == 1 else 'are not linear layers'} "
+                         f"(family.embeddings names the lookup tables)")
+    sizes = {}
     for m in chosen:
         _, node, out_in = modules[m]
         rows, cols = weights[node.input[1]].shape
-        shapes[m] = (cols, rows) if out_in else (rows, cols)
-    adapters = init_adapters(lora, shapes, seed)
+        sizes[m] = (cols, rows) if out_in else (rows, cols)
+    adapters = init_adapters(lora, sizes, seed)
     scale = float(np.float32(lora.alpha) / np.float32(lora.r))
     consts = []
     nodes_before = []
@@ -130,7 +154,7 @@ def add_adapters(model: onnx.ModelProto, weights: dict, lora, family, seed: int
         new = []
         if lora.dropout > 0:       # dropped as [batch, -1, in] (masks per sample), back to x's rows
             width = f"{m}/lora_width"
-            consts.append(numpy_helper.from_array(np.array([shapes[m][0]], np.int64), width))
+            consts.append(numpy_helper.from_array(np.array([sizes[m][0]], np.int64), width))
             shape = f"{m}/lora_shape"
             new += [helper.make_node("Concat", ["lora_batch", "lora_rows", width], [shape], name=shape, axis=0),
                     helper.make_node("Reshape", [x, shape], [f"{m}/lora_x"], name=f"{m}/lora_x"),
@@ -151,7 +175,7 @@ def add_adapters(model: onnx.ModelProto, weights: dict, lora, family, seed: int
     del out.graph.node[:]
     out.graph.node.extend(nodes)
     out.graph.initializer.extend(consts + [numpy_helper.from_array(v, k) for k, v in adapters.items()])
-    trainable = list(adapters) + saved(lora, list(weights), model_type)
+    trainable = list(adapters) + saved(lora, list(weights))
     return out, [m for m in chosen if not modules[m][2]], trainable
 
 

@@ -410,4 +410,5 @@ FAMILY = register(Family(
     transformers=Transformers(architecture="BertForPreTraining", model_type="bert", prefix="bert.", tied=TIED,
                               optional=("cls.",), config=_transformers_config, tokenizer=_transformers_tokenizer),
     tasks=("pretraining", "sequence_classification", "token_classification"), task=lambda task, n: with_task(task, n),
-    regression=("sequence_classification",), metrics=METRICS, lora_targets=("query", "value")))
+    regression=("sequence_classification",), metrics=METRICS, lora_targets=("query", "value"),
+    embeddings=tuple(f"bert.embeddings.{e}_embeddings.weight" for e in ("word", "position", "token_type"))))

@@ -226,4 +226,4 @@ FAMILY = register(Family(
                               tied={"lm_head.weight": "transformer.wte.weight"},
                               config=_transformers_config, tokenizer=_transformers_tokenizer),
     tasks=("causal_lm", "sequence_classification"), task=lambda task, n: with_task(task, n),
-    lora_targets=("c_attn",)))
+    lora_targets=("c_attn",), embeddings=("transformer.wte.weight", "transformer.wpe.weight")))

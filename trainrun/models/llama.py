@@ -289,4 +289,4 @@ FAMILY = register(Family(
     transformers=Transformers(architecture="LlamaForCausalLM", model_type="llama", prefix="model.",
                               tied={HEAD: EMBED}, config=_transformers_config, tokenizer=_transformers_tokenizer),
     tasks=("causal_lm", "sequence_classification"), task=lambda task, n: with_task(task, n),
-    lora_targets=("q_proj", "v_proj")))
+    lora_targets=("q_proj", "v_proj"), embeddings=(EMBED,)))

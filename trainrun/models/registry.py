@@ -97,6 +97,9 @@ class Family:
     """The eval metrics ``loss``'s own graph outputs (``metric/<name>/sum`` and ``/count``)."""
     lora_targets: tuple[str, ...] = ()
     """``model.lora.target_modules``' default: PEFT's for the family's transformers model type."""
+    embeddings: tuple[str, ...] = ()
+    """Its two-dim parameters read as lookup tables (Gather), not by a linear layer: ``model.lora`` cannot
+    target them."""
 
     def shape(self, model: C.ModelConfig):
         """This family's section of ``model`` (a ModelConfig)."""
