@@ -319,34 +319,59 @@ def test_bert_lora_gradients_match_peft(tmp_path):
     assert worst[0] < 1e-5, worst
 
 
-def test_a_lora_classifier_from_a_causal_lm_folder_trains_and_exports_as_peft(tmp_path, labelled):
-    """The recipe's fine-tune: a LlamaForCausalLM folder, model.task sequence_classification, adapters with
-    dropout on q_proj and v_proj and `score` in modules_to_save. It learns the topics; its --format peft
-    export (task_type SEQ_CLS, score saved) loaded by PeftModel.from_pretrained onto
-    LlamaForSequenceClassification of the folder gives the merged ONNX export's logits, and the merged
-    transformers export loaded by AutoModelForSequenceClassification the same."""
+def test_the_smollm2_recipe_pretrains_then_fine_tunes_a_lora_classifier_and_exports_it(tmp_path, labelled):
+    """The recipe as docs/models.md and configs/smollm2-135m.yaml give it, its commands in order on the
+    config file shrunk by --set: `trainrun-data tokens` on a text folder, pre-training, `export --format
+    transformers`, then model.task sequence_classification from that folder with adapters (dropout) on
+    q_proj and v_proj and `score` in modules_to_save. It learns the topics; its --format peft export (task_type
+    SEQ_CLS, score saved) loaded by PeftModel.from_pretrained onto LlamaForSequenceClassification of the
+    pre-trained folder gives the merged ONNX export's logits, and the merged transformers export loaded by
+    AutoModelForSequenceClassification the same."""
     import onnxruntime as ort
     import peft
     import transformers
-    shape = dict(VARIANTS["llama3_gqa"], vocab_size=160, max_position_embeddings=16)
-    hf_model(shape, random_weights(shape, 8)).save_pretrained(tmp_path / "pre")
-    lora = {"r": 4, "alpha": 8.0, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"], "modules_to_save": ["score"]}
-    cfg_path = write_config(tmp_path / "c.yaml", labelled["cls"], **{
-        "model": {"builtin": "llama", "init_from": str(tmp_path / "pre"), "task": "sequence_classification",
-                  "num_labels": 3, "lora": lora}, "data.seq_len": 16, "train.max_steps": 32,
-        "train.eval_every": 32, "train.eval_steps": 6, "optimizer.lr": 1e-2})
-    run([TRAINRUN, "train", "--config", cfg_path], check=0)
-    run_dir = str(tmp_path / "run")
+    from conftest import TRAINRUN_DATA
+    from test_finetune import WORDS
+    recipe = os.path.join(ROOT, "configs", "smollm2-135m.yaml")
+    tokenizer = os.path.join(labelled["cls"], "tokenizer.json")
+    texts = tmp_path / "corpus"
+    texts.mkdir()
+    rng = np.random.default_rng(0)
+    words = sorted(w for ws in WORDS.values() for w in ws)
+    for i in range(24):
+        (texts / f"doc{i}.txt").write_text(" ".join(rng.choice(words, 80)) + "\n")
+    run([TRAINRUN_DATA, "tokens", "--input", str(texts), "--output", str(tmp_path / "data"), "--tokenizer", tokenizer,
+         "--eos", "[SEP]", "--eval-fraction", "0.25", "--no-progress"], check=0)
+    tiny = ["model.llama.hidden_size=64", "model.llama.intermediate_size=96", "model.llama.num_hidden_layers=2",
+            "model.llama.num_attention_heads=4", "model.llama.num_key_value_heads=2", "model.llama.vocab_size=160",
+            "model.llama.max_position_embeddings=32", "train.micro_batch_size=4", "train.gradient_accumulation_steps=1",
+            "train.eval_steps=2", "train.log_every=1", "lr_schedule.warmup_steps=1", "checkpoint.every=0"]
+
+    def sets(*values):
+        return [a for v in (*tiny, *values) for a in ("--set", v)]
+    pre_run = str(tmp_path / "runs" / "smollm2-135m")
+    run([TRAINRUN, "--config", recipe, *sets(f"run.output_dir={pre_run}", f"data.train={tmp_path / 'data' / 'train'}",
+                                           f"data.eval={tmp_path / 'data' / 'eval'}", "data.seq_len=32",
+                                           "train.max_steps=6", "train.eval_every=6")], check=0)
+    pre = str(tmp_path / "smollm2-out")
+    run([TRAINRUN, "export", pre_run, "--format", "transformers", "--output", pre], check=0)
+    run_dir = str(tmp_path / "runs" / "smollm2-topics")
+    run([TRAINRUN, "--config", recipe, *sets(
+        f"model.init_from={pre}", "model.task=sequence_classification", "model.num_labels=3",
+        "model.lora={r: 4, alpha: 8, dropout: 0.1, target_modules: [q_proj, v_proj], modules_to_save: [score]}",
+        f"run.output_dir={run_dir}", f"data.train={labelled['cls']}/train", f"data.eval={labelled['cls']}/eval",
+        "data.seq_len=16", "train.max_steps=32", "train.eval_every=32", "train.eval_steps=6", "optimizer.lr=1e-2",
+        "lr_schedule.warmup_steps=0")], check=0)
     _, evals = read_metrics(run_dir)
     assert evals[32]["eval_loss"] < np.log(3), evals[32]
     for fmt, out in (("peft", "adapter"), ("transformers", "hf"), ("onnx", "m.onnx")):
         run([TRAINRUN, "export", run_dir, "--format", fmt, "--output", str(tmp_path / out)], check=0)
-    assert json.load(open(tmp_path / "adapter" / "adapter_config.json"))["task_type"] == "SEQ_CLS"
+    adapter = json.load(open(tmp_path / "adapter" / "adapter_config.json"))
+    assert adapter["task_type"] == "SEQ_CLS" and adapter["base_model_name_or_path"] == pre, adapter
     b = {"input_ids": np.array([[5, 9, 14, 22, 0, 0], [7, 3, 30, 11, 12, 40]], np.int64),
          "input_mask": np.array([[1, 1, 1, 1, 0, 0], [1] * 6], np.int64)}
     ours = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"]).run(["logits"], b)[0]
-    base = transformers.LlamaForSequenceClassification.from_pretrained(str(tmp_path / "pre"), num_labels=3,
-                                                                       pad_token_id=0)
+    base = transformers.LlamaForSequenceClassification.from_pretrained(pre, num_labels=3, pad_token_id=0)
     loaded = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
     auto = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "hf")).eval()
     with torch.no_grad():
