@@ -77,6 +77,24 @@ def hf_gpt2(shape: dict, weights: dict):
     return model
 
 
+def loss_graph_outputs(cfg, weights: dict, batch: dict) -> dict:
+    """{output: value} of ``cfg``'s forward graph with its loss (logits kept), every one of ``weights`` loaded
+    into its initializer, run by an onnxruntime session on ``batch``."""
+    import onnxruntime as ort
+    from onnx import numpy_helper
+    from trainrun.graphs.forward import forward_from_config
+    from trainrun.graphs.losses import with_loss
+    model = with_loss(forward_from_config(cfg), -100, keep_logits=True)
+    loaded = set()
+    for init in model.graph.initializer:
+        if init.name in weights:
+            init.CopyFrom(numpy_helper.from_array(weights[init.name], init.name))
+            loaded.add(init.name)
+    assert loaded == set(weights), set(weights) - loaded
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, batch)))
+
+
 def assert_matches_torch(eng, loss, hf, batch, vocab, rel):
     """The engine's loss and gradient buffer (of ``batch``, just run) against ``hf``'s: the loss to 1e-5,
     each gradient's largest error to ``rel`` times its largest magnitude."""

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import ROOT, TRAINRUN, TRAINRUN_DATA, mpirun, read_metrics, run, write_config, optional
+from conftest import ROOT, TRAINRUN, TRAINRUN_DATA, loss_graph_outputs, mpirun, optional, read_metrics, run, write_config
 from trainrun import checkpoint as K
 from trainrun import config as C
 from trainrun.models import registry
@@ -79,9 +79,6 @@ def _hf(task, num_labels, weights):
 def test_logits_match_transformers(task, num_labels):
     """The prepared graph's logits (a regression's predictions too) and loss equal transformers' Bert
     For{Sequence,Token}Classification's (tokens labelled -100 ignored)."""
-    import onnxruntime as ort
-    from trainrun.graphs.forward import forward_from_config
-    from trainrun.graphs.losses import with_loss
     cfg = C.from_dict({"model": {"builtin": "bert", "task": task, "num_labels": num_labels,
                                  "bert": {**BERT, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}},
                        "data": {"seq_len": SEQ}})
@@ -92,20 +89,14 @@ def test_logits_match_transformers(task, num_labels):
     for w in weights.values():
         w += np.random.default_rng(w.size).normal(0, 0.02, w.shape).astype(np.float32)
     batch = family.sample_batch(cfg.model.bert, np.random.default_rng(0))
-    fwd = forward_from_config(cfg)
-    model = with_loss(fwd, -100, keep_logits=True)
-    for init in model.graph.initializer:
-        if init.name in weights:
-            init.CopyFrom(__import__("onnx").numpy_helper.from_array(weights[init.name], init.name))
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, batch)))
+    out = loss_graph_outputs(cfg, weights, batch)
     with torch.no_grad():
         ref = _hf(task, num_labels, weights)(input_ids=torch.from_numpy(batch["input_ids"]),
                                              token_type_ids=torch.from_numpy(batch["segment_ids"]),
                                              attention_mask=torch.from_numpy(batch["input_mask"]),
                                              labels=torch.from_numpy(batch["labels"]))
     logits = ref.logits.numpy()
-    np.testing.assert_allclose(out[fwd.logits], logits[:, 0] if num_labels == 1 else logits, atol=1e-4)
+    np.testing.assert_allclose(out[family.logits], logits[:, 0] if num_labels == 1 else logits, atol=1e-4)
     assert float(out["loss"]) == pytest.approx(ref.loss.item(), rel=1e-4)
 
 
@@ -303,11 +294,8 @@ def test_gpt2_sequence_classification_matches_transformers_and_trains(tmp_path, 
     """gpt2 sequence_classification: the last token's state -> score (no bias); logits and loss equal
     GPT2ForSequenceClassification's (padding found by pad_token_id 0 there, by input_mask here); a run on
     labelled data; its export loads with AutoModelForSequenceClassification, logits as the ONNX export's."""
-    import onnx
     import onnxruntime as ort
     from transformers import AutoModelForSequenceClassification, GPT2Config, GPT2ForSequenceClassification
-    from trainrun.graphs.forward import forward_from_config
-    from trainrun.graphs.losses import with_loss
     cfg = C.from_dict({"model": {"builtin": "gpt2", "task": "sequence_classification", "num_labels": 3,
                                  "gpt2": GPT2}, "data": {"seq_len": SEQ}})
     family = registry.of(cfg.model)
@@ -316,12 +304,7 @@ def test_gpt2_sequence_classification_matches_transformers_and_trains(tmp_path, 
     for w in weights.values():
         w += np.random.default_rng(w.size).normal(0, 0.02, w.shape).astype(np.float32)
     batch = family.sample_batch(cfg.model.gpt2, np.random.default_rng(0))
-    model = with_loss(forward_from_config(cfg), -100, keep_logits=True)
-    for init in model.graph.initializer:
-        if init.name in weights:
-            init.CopyFrom(onnx.numpy_helper.from_array(weights[init.name], init.name))
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, batch)))
+    out = loss_graph_outputs(cfg, weights, batch)
     hf = GPT2ForSequenceClassification(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=SEQ, vocab_size=160,
                                                   num_labels=3, pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
                                                   attn_pdrop=0.0)).eval()

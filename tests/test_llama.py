@@ -16,7 +16,8 @@ from trainrun.generate import Decoder, generate
 from trainrun.graphs.manifest import prepare
 from trainrun.models.llama import build_llama, init_weights, param_count
 
-from conftest import MPIRUN, TRAINRUN, assert_matches_torch, mpirun, optional, read_metrics, run, write_config
+from conftest import (MPIRUN, TRAINRUN, assert_matches_torch, loss_graph_outputs, mpirun, optional, read_metrics, run,
+                      write_config)
 from test_finetune import labelled  # noqa: F401 - the fixture: `trainrun-data labelled` topics
 
 torch = optional("torch")
@@ -349,10 +350,7 @@ def test_sequence_classification_matches_transformers(variant):
     """model.task sequence_classification: the last token's state (input_mask's last one) -> score (no
     bias); logits and loss = <Model>ForSequenceClassification's (which finds the last token that is not
     pad_token_id 0) on right-padded rows."""
-    import onnx
     import transformers
-    from trainrun.graphs.forward import forward_from_config
-    from trainrun.graphs.losses import with_loss
     from trainrun.models import registry
     shape = VARIANTS[variant]
     cfg = C.from_dict({"model": {"builtin": "llama", "llama": shape, "task": "sequence_classification",
@@ -362,12 +360,7 @@ def test_sequence_classification_matches_transformers(variant):
     weights = {n: w for n, w in random_weights(shape, 6).items() if n != "lm_head.weight"}
     weights["score.weight"] = np.random.default_rng(1).normal(0, 0.3, (3, shape["hidden_size"])).astype(np.float32)
     batch = family.sample_batch(cfg.model.llama, np.random.default_rng(0))
-    model = with_loss(forward_from_config(cfg), -100, keep_logits=True)
-    for init in model.graph.initializer:
-        if init.name in weights:
-            init.CopyFrom(onnx.numpy_helper.from_array(weights[init.name], init.name))
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, batch)))
+    out = loss_graph_outputs(cfg, weights, batch)
     body = {k: v for k, v in weights.items() if k != "score.weight"}
     causal = hf_model(shape, {**body, "lm_head.weight": weights["model.embed_tokens.weight"]})   # its config
     config = causal.config
