@@ -467,7 +467,8 @@ def bert(inputs, more_inputs, output, tokenizer_path, train_wordpiece, seq_len, 
 @click.option("--label-field", required=True, help="The column / field of the label (token classification: "
                                                    "one per word, a string or a list).")
 @click.option("--tokenizer", "tokenizer_path", required=True, type=click.Path(exists=True, dir_okay=False),
-              help="A BERT WordPiece tokenizer.json ([PAD] = 0, [CLS], [SEP]).")
+              help="A BERT WordPiece tokenizer.json ([PAD] = 0, [CLS], [SEP]), or a causal LM's without [CLS] and "
+                   "[SEP] (GPT-2's, SmolLM2's: its own special tokens).")
 @click.option("--seq-len", type=click.IntRange(min=4), default=128, show_default=True,
               help="Tokens per sample (longer texts truncated, longest first).")
 @click.option("--task", type=click.Choice(("sequence_classification", "token_classification")),
@@ -486,8 +487,9 @@ def labelled(inputs, eval_inputs, output, text_field, text_pair_field, label_fie
     """Labelled text as fine-tuning samples (.pb): DIR/train, DIR/eval, DIR/tokenizer.json.
 
     Each row gives input_ids, segment_ids, input_mask and labels ([CLS] text [SEP]
-    (pair [SEP]), truncated longest-first, padded with 0). The label map is saved in
-    the manifests (id2label, label2id, num_labels, problem_type).
+    (pair [SEP]), or a causal LM tokenizer's own special tokens, truncated
+    longest-first, padded with 0). The label map is saved in the manifests (id2label,
+    label2id, num_labels, problem_type).
     """
     import hashlib
     from .bert import Vocab, with_template
@@ -522,9 +524,13 @@ def labelled(inputs, eval_inputs, output, text_field, text_pair_field, label_fie
     labels = Labels([v for part in rows.values() for v in label_values(part, task)], label_field, regression,
                     names)
     tokenizer = load_tokenizer(tokenizer_path)
-    vocab = Vocab(tokenizer, f"--tokenizer {tokenizer_path}")
     tokenizer.no_padding()
-    with_template(tokenizer, vocab)
+    if tokenizer.token_to_id("[CLS]") is None and tokenizer.token_to_id("[SEP]") is None:
+        vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)     # a causal LM's: its own special tokens
+    else:
+        vocab = Vocab(tokenizer, f"--tokenizer {tokenizer_path}")
+        with_template(tokenizer, vocab)
+        vocab_size = vocab.size
     tokenizer.enable_truncation(max_length=seq_len, strategy="longest_first")
     out = Path(output)
     _prepare_output(out, ["train", "eval", "tokenizer.json"], overwrite)
@@ -536,7 +542,7 @@ def labelled(inputs, eval_inputs, output, text_field, text_pair_field, label_fie
             writer = TensorShardWriter(Path(tmp) / part, 10000)
             for sample in encode(part_rows, tokenizer, labels, task, seq_len, bool(text_pair_field)):
                 writer.add(sample)
-            m = writer.close(tokenizer_file="../tokenizer.json", vocab_size=vocab.size, seq_len=seq_len, task=task,
+            m = writer.close(tokenizer_file="../tokenizer.json", vocab_size=vocab_size, seq_len=seq_len, task=task,
                              text_field=text_field, text_pair_field=text_pair_field, label_field=label_field,
                              **labels.manifest())
             summary.append(f"{part}: {m['num_samples']:,} samples in {len(m['files'])} file(s)")

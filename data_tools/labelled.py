@@ -13,7 +13,7 @@ whitespace or a list of words; the label goes to the word's first sub-token, the
 tokens get -100 (ignored), as transformers' examples do.
 
 Encoding: the tokenizer's own pipeline with BERT's post-processor (``[CLS] A [SEP] (B [SEP])``, type ids
-0 then 1), truncated to ``seq_len`` longest-first (the tokenizers library's, the one transformers' fast
+0 then 1; a causal LM's tokenizer, without [CLS] and [SEP], keeps its own special tokens), truncated to ``seq_len`` longest-first (the tokenizers library's, the one transformers' fast
 tokenizers call), padded with id 0. Sample tensors: ``input_ids``, ``segment_ids``, ``input_mask`` (int64
 [seq_len], the names trainrun/models/bert.py takes) and ``labels`` (int64 [], float32 [] for a regression,
 int64 [seq_len] for token classification).

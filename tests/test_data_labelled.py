@@ -270,3 +270,32 @@ def test_the_topics_recipe_names_a_missing_package_before_any_work(tmp_path):
     assert ("recipe_topics: note: scikit-learn is not installed: the TF-IDF + logistic regression row will be "
             "left out (`make setup-test` installs it)" in proc.stderr), proc.stderr
     assert "Traceback" not in proc.stderr and not work.exists()
+
+
+def test_a_causal_lm_tokenizer_keeps_its_own_special_tokens(tmp_path):
+    """A byte-level BPE with a BOS post-processor and no [CLS] / [SEP] (as SmolLM2's and Llama's, for their
+    sequence classifiers): each sample is the tokenizer's own encoding (BOS then the text), truncated to
+    --seq-len, padded with 0 (input_mask says where the text ends), its tokenizer.json written unchanged."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([" ".join(WORDS)] * 3, trainers.BpeTrainer(
+        vocab_size=200, special_tokens=["<|endoftext|>", "<s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    tok.save(str(tmp_path / "bpe.json"))
+    rows = _rows(12)
+    _write_jsonl(tmp_path / "rows.jsonl", rows)
+    _labelled([tmp_path / "rows.jsonl"], tmp_path / "out", str(tmp_path / "bpe.json"), "--text-field", "premise",
+              "--label-field", "label", "--eval-fraction", "0")
+    samples = R.tensor_samples(str(tmp_path / "out" / "train"))
+    written = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
+    assert len(samples) == len(rows)
+    for row, s in zip(rows, samples):
+        ids = tok.encode(row["premise"]).ids[:SEQ]
+        assert ids[0] == tok.token_to_id("<s>") and written.encode(row["premise"]).ids == tok.encode(row["premise"]).ids
+        n = len(ids)
+        assert list(s["input_ids"][:n]) == ids and not s["input_ids"][n:].any(), (row, s["input_ids"])
+        assert list(s["input_mask"]) == [1] * n + [0] * (SEQ - n) and not s["segment_ids"].any()
+        assert int(s["labels"]) == sorted(NAMES).index(row["label"])
+    assert _manifest(tmp_path / "out" / "train")["vocab_size"] == tok.get_vocab_size(with_added_tokens=True)

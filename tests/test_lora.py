@@ -15,7 +15,6 @@ from trainrun.graphs.manifest import prepare
 
 from conftest import ROOT, TRAINRUN, mpirun, read_metrics, run, write_config
 torch = pytest.importorskip("torch", reason="needs torch (the test extra), not installed here")
-from test_finetune import labelled  # noqa: F401,E402 - the fixture: `trainrun-data labelled` topics
 from test_llama import VARIANTS, hf_model, random_weights, relative  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -319,11 +318,12 @@ def test_bert_lora_gradients_match_peft(tmp_path):
     assert worst[0] < 1e-5, worst
 
 
-def test_the_smollm2_recipe_pretrains_then_fine_tunes_a_lora_classifier_and_exports_it(tmp_path, labelled):
+def test_the_smollm2_recipe_pretrains_then_fine_tunes_a_lora_classifier_and_exports_it(tmp_path):
     """The recipe as docs/models.md and configs/smollm2-135m.yaml give it, its commands in order on the
     config file shrunk by --set: `trainrun-data tokens` on a text folder, pre-training, `export --format
-    transformers`, then model.task sequence_classification from that folder with adapters (dropout) on
-    q_proj and v_proj and `score` in modules_to_save. It learns the topics; its --format peft export (task_type
+    transformers`, `trainrun-data labelled` with the pre-training's byte-level BPE (no [CLS], as SmolLM2's), then
+    model.task sequence_classification from that folder with adapters (dropout) on q_proj and v_proj and `score`
+    in modules_to_save. It learns the topics; its --format peft export (task_type
     SEQ_CLS, score saved) loaded by PeftModel.from_pretrained onto LlamaForSequenceClassification of the
     pre-trained folder gives the merged ONNX export's logits, and the merged transformers export loaded by
     AutoModelForSequenceClassification the same."""
@@ -331,19 +331,23 @@ def test_the_smollm2_recipe_pretrains_then_fine_tunes_a_lora_classifier_and_expo
     import peft
     import transformers
     from conftest import TRAINRUN_DATA
-    from test_finetune import WORDS
+    from test_finetune import WORDS, _rows
     recipe = os.path.join(ROOT, "configs", "smollm2-135m.yaml")
-    tokenizer = os.path.join(labelled["cls"], "tokenizer.json")
     texts = tmp_path / "corpus"
     texts.mkdir()
     rng = np.random.default_rng(0)
     words = sorted(w for ws in WORDS.values() for w in ws)
     for i in range(24):
         (texts / f"doc{i}.txt").write_text(" ".join(rng.choice(words, 80)) + "\n")
-    run([TRAINRUN_DATA, "tokens", "--input", str(texts), "--output", str(tmp_path / "data"), "--tokenizer", tokenizer,
-         "--eos", "[SEP]", "--eval-fraction", "0.25", "--no-progress"], check=0)
+    run([TRAINRUN_DATA, "tokens", "--input", str(texts), "--output", str(tmp_path / "data"), "--train-bpe", "300",
+         "--eval-fraction", "0.25", "--no-progress"], check=0)
+    (tmp_path / "topics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows(96, 0)))
+    topics = str(tmp_path / "data" / "topics")
+    run([TRAINRUN_DATA, "labelled", "--input", str(tmp_path / "topics.jsonl"), "--text-field", "text", "--label-field",
+         "topic", "--tokenizer", str(tmp_path / "data" / "tokenizer.json"), "--seq-len", "16", "--eval-fraction",
+         "0.25", "--output", topics], check=0)
     tiny = ["model.llama.hidden_size=64", "model.llama.intermediate_size=96", "model.llama.num_hidden_layers=2",
-            "model.llama.num_attention_heads=4", "model.llama.num_key_value_heads=2", "model.llama.vocab_size=160",
+            "model.llama.num_attention_heads=4", "model.llama.num_key_value_heads=2", "model.llama.vocab_size=300",
             "model.llama.max_position_embeddings=32", "train.micro_batch_size=4", "train.gradient_accumulation_steps=1",
             "train.eval_steps=2", "train.log_every=1", "lr_schedule.warmup_steps=1", "checkpoint.every=0"]
 
@@ -359,7 +363,7 @@ def test_the_smollm2_recipe_pretrains_then_fine_tunes_a_lora_classifier_and_expo
     run([TRAINRUN, "--config", recipe, *sets(
         f"model.init_from={pre}", "model.task=sequence_classification", "model.num_labels=3",
         "model.lora={r: 4, alpha: 8, dropout: 0.1, target_modules: [q_proj, v_proj], modules_to_save: [score]}",
-        f"run.output_dir={run_dir}", f"data.train={labelled['cls']}/train", f"data.eval={labelled['cls']}/eval",
+        f"run.output_dir={run_dir}", f"data.train={topics}/train", f"data.eval={topics}/eval",
         "data.seq_len=16", "train.max_steps=32", "train.eval_every=32", "train.eval_steps=6", "optimizer.lr=1e-2",
         "lr_schedule.warmup_steps=0")], check=0)
     _, evals = read_metrics(run_dir)
