@@ -2,6 +2,7 @@
 the README stays a short entry point that reaches every page, and the user docs tell no history
 and keep measured figures in BENCHMARKS.md."""
 
+import argparse
 import re
 import sys
 from pathlib import Path
@@ -212,6 +213,48 @@ def test_benchmarks_a_section_measured_alone_replaces_only_its_own():
     assert "on stock onnxruntime 1.32.0 >= 0.95x the training build's (mid) | 0.90x | **no** |" in once
     assert "peak RSS <= 1.05x onnxruntime-training's (mid) | 1.04x | yes |" in once
     assert "| mid | 4 x 256 | 700 / 900 | 100 | 98 | 0.98 | 90 (1.32.0) | 0.90 | 500 / 520 | 1, 1.0–1.0 |" in once
+
+
+def _smollm2_results(load0: float) -> dict:
+    def side(tps, rss, opt, grad, **kw):
+        return {"tokens_per_sec": tps, "train_rss_mb": rss, "optimizer_state_bytes": opt, "grad_bytes_per_step": grad,
+                "wall_s": 60.0, **kw}
+    ddp = dict(attn="sdpa", trainable_params=921600)
+    return {"started": "2026-01-01 00:00 UTC", "machine": {"cpu": "a CPU", "cores": 2},
+            "load": [load0, 2.0, 2.0, 2.0, 2.0],
+            "full": {"trainrun": side(199.0, [3000.0, 2900.0], 1_076_000_000, 538_000_000),
+                     "ddp": side(140.0, [4400.0, 4300.0], 1_076_000_000, 538_000_000, **ddp)},
+            "lora": {"trainrun": side(320.0, [2000.0, 1900.0], 7_372_800, 3_686_400),
+                     "ddp": side(200.0, [3000.0, 3000.0], 7_372_800, 3_686_400, **ddp)}}
+
+
+def test_benchmarks_smollm2_section_states_the_load_and_the_full_and_lora_claims():
+    """scripts/bench/smollm2.py's section: the measured load averages, "SHARED" and rough only where the load
+    before any run was above LOAD_SHARED; a headline row for full fine-tuning and one for LoRA (tokens/s against
+    DDP + peft, optimizer state and allreduced bytes against full fine-tuning's), replacing its old rows."""
+    common, report = _report()
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+    try:
+        import smollm2
+    finally:
+        sys.path.pop(0)
+    old = (ROOT / "BENCHMARKS.md").read_text()
+    args = argparse.Namespace(warmup=2, steps=3)
+    link = f"]({report.anchor(smollm2.SECTION)})"
+    idle = smollm2.render(_smollm2_results(0.4), args, old)
+    assert smollm2.render(_smollm2_results(0.4), args, idle) == idle
+    section = idle.split(smollm2.SECTION + "\n", 1)[1].split("\n## ", 1)[0]
+    assert "SHARED" not in section and "rough" not in section
+    assert "idle before the runs (1-minute load average 0.40" in section and "0.40, 2.00, 2.00, 2.00, 2.00" in section
+    rows = [r for r in _headline_rows(idle) if link in r]
+    assert len(rows) == 2
+    assert "| 1.42x, 3000 vs 4300 MB | yes (one run) |" in rows[0]
+    assert "LoRA r 16" in rows[1] and "| 1.60x; 0.69% and 0.69% | yes (one run) |" in rows[1]
+    assert "| LoRA r 16 | trainrun | 320.0 | 2000 / 1900 | 7.4 | 3.7 |" in section
+    shared = smollm2.render(_smollm2_results(3.96), args, old)
+    section = shared.split(smollm2.SECTION + "\n", 1)[1].split("\n## ", 1)[0]
+    assert "SHARED with other jobs (1-minute load average 3.96 before any run" in section
+    assert all("(one run on a shared box)" in r for r in _headline_rows(shared) if link in r)
 
 
 def anchors_of(text: str) -> set[str]:

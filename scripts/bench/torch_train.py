@@ -15,6 +15,13 @@ step: forward, mean cross-entropy, backward (DDP allreduces gradient buckets
 during it), clip_grad_norm_(1.0), AdamW (betas 0.9/0.95, eps 1e-8, weight
 decay 0.1 except biases and LayerNorms), the learning rate set every step.
 Timed per phase with perf_counter; the first ``--warmup`` steps are not timed.
+
+``--lora R`` (with ``--llama``): PEFT's LoRA instead, ``get_peft_model(model, LoraConfig(r=R,
+lora_alpha=--lora-alpha, target_modules=--lora-targets, lora_dropout=0))`` on the loaded base weights, the
+adapters started from ``--weights``' ``<module>.lora_A.weight`` / ``lora_B.weight`` (trainrun's, when the file
+is a ``model.lora`` run's), AdamW over the trainable parameters only (DDP then reduces their gradients
+alone). The output records the optimizer's state bytes (every tensor of ``opt.state`` after the last step)
+and the trainable parameters' gradient bytes, what DDP's buckets carry each step.
 """
 
 from __future__ import annotations
@@ -48,12 +55,17 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--lr-warmup", type=int, default=4, help="trainrun's cosine schedule: warmup steps")
     ap.add_argument("--min-lr", type=float, default=3e-4)
+    ap.add_argument("--lora", type=int, metavar="R", help="--llama: PEFT's LoRA of rank R on the frozen model")
+    ap.add_argument("--lora-alpha", type=float, default=32.0, help="--lora: PEFT's lora_alpha")
+    ap.add_argument("--lora-targets", default="q_proj,v_proj", help="--lora: target_modules, comma-separated")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="cuda: DDP with NCCL, rank r on GPU local_rank (GPU mode, NOT YET RUN on a GPU)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if (args.model is None) == (args.llama is None) or (args.llama and not (args.seq_len and args.steps)):
         ap.error("give --model, or --llama with --seq-len and --steps")
+    if args.lora and not args.llama:
+        ap.error("--lora needs --llama")
     if args.llama:
         from trainrun.config import load_config
         section = load_config(args.llama).model.llama
@@ -102,13 +114,27 @@ def main() -> int:
                                            n_positions=m.n_positions, vocab_size=m.vocab_size, resid_pdrop=0.0,
                                            embd_pdrop=0.0, attn_pdrop=0.0, activation_function="gelu_new",
                                            bos_token_id=0, eos_token_id=0))
+    w = {}
     if args.weights:
         from safetensors.numpy import load_file
         w = load_file(args.weights)
-        model.load_state_dict({k: torch.from_numpy(v) for k, v in w.items()}, strict=False)
+        model.load_state_dict({k: torch.from_numpy(v) for k, v in w.items() if ".lora_" not in k}, strict=False)
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=args.lora, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                                                 target_modules=args.lora_targets.split(",")))
+        theirs = {k: torch.from_numpy(v) for k, v in w.items() if ".lora_" in k}
+        if theirs:      # trainrun's "<module>.lora_A.weight" is peft's "base_model.model.<module>.lora_A.default.weight"
+            mine = {"base_model.model." + k.replace(".weight", ".default.weight"): v for k, v in theirs.items()}
+            own = dict(model.named_parameters())
+            missing = [k for k in mine if k not in own] + [k for k in own if ".lora_" in k and k not in mine]
+            if missing:
+                raise SystemExit(f"torch_train: the adapters of {args.weights} are not peft's: {missing[:4]}")
+            model.load_state_dict(mine, strict=False)
     model.to(dev).train()
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    decay = [p for n, p in trainable if p.ndim >= 2]
+    no_decay = [p for n, p in trainable if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
@@ -137,7 +163,7 @@ def main() -> int:
         loss.backward()
         sync()
         t3 = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_([p for _, p in trainable], 1.0)
         sync()
         t4 = time.perf_counter()
         n_step[0] += 1
@@ -183,8 +209,13 @@ def main() -> int:
             "phase_shares": {k: round(v / total, 4) for k, v in phases.items()},
             "peak_rss_mb": [round(float(r[0].item()), 1) for r in all_rss],
             "vm_peak_mb": [round(float(r[1].item()), 1) for r in all_rss],
-            "final_loss": losses[-1], "attn_implementation": getattr(model.config, "_attn_implementation", None),
-            "torch": torch.__version__,
+            "first_loss": losses[0], "final_loss": losses[-1], "attn_implementation": getattr(model.config, "_attn_implementation", None),
+            "torch": torch.__version__, "trainable_params": sum(p.numel() for _, p in trainable),
+            "grad_allreduce_bytes": sum(p.numel() * p.element_size() for _, p in trainable) if world > 1 else 0,
+            "optimizer_state_bytes": sum(t.numel() * t.element_size() for st in opt.state.values()
+                                         for t in st.values() if torch.is_tensor(t)),
+            **({"lora": {"r": args.lora, "alpha": args.lora_alpha, "targets": args.lora_targets.split(",")}}
+               if args.lora else {}),
         })
     # destroy_process_group() can wait forever for a peer that already left (seen with gloo):
     # everything is written, so leave without tearing down
