@@ -14,10 +14,12 @@ get_peft_model with the same LoraConfig, the base weights and adapters trainrun 
 
 tokens/s: trainrun the median of metrics.jsonl's per-step tokens/s after the warm-up, DDP from its median step.
 Optimizer state: trainrun the tensor bytes of the end checkpoint's optimizer.safetensors, DDP every tensor of
-torch's ``opt.state``. Gradient bytes per step: trainrun summary.json's ``wire_bytes_per_step`` (what each rank
-sent for the gradient allreduce, counted by trainrun.wire: on 2 ranks the whole fp32 gradient buffer), DDP the
-trainable parameters' gradient bytes its buckets allreduce. The 1-minute load average is read before any run
-(before the data too) and after each: above LOAD_SHARED before, the box was shared and the section says so.
+torch's ``opt.state``. Gradient bytes reduced per step: trainrun the bytes of the rank's flat fp32 gradient buffer
+that the step's one reduction covers (trainrun_rank.py reads it off the engine; on one node the ranks sum it by
+reading each other's shared-memory buffers, so summary.json's ``wire_bytes_per_step``, kept in results.json, is
+0 there), DDP the trainable parameters' gradient bytes its buckets allreduce.
+The 1-minute load average is read before any run (before the data too) and after each: above LOAD_SHARED
+before, the box was shared and the section says so.
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ def trainrun(work: Path, data: Path, args, extra: list[str]) -> dict:
     out["first_loss"] = next(r["loss"] for r in recs if r.get("step") == 1)
     rss = [common.read_json(p) for p in sorted(work.glob("rss-*.json"))]
     out["train_rss_mb"] = [r.get("train_peak_rss_mb", r["peak_rss_mb"]) for r in rss]
-    out["grad_bytes_per_step"] = common.read_json(run / "summary.json")["wire_bytes_per_step"]
+    out["grad_bytes_per_step"] = rss[0]["grad_buffer_bytes"]
+    out["wire_bytes_per_step"] = common.read_json(run / "summary.json")["wire_bytes_per_step"]
     ckpt = max((p for p in (run / "checkpoints").iterdir() if (p / "optimizer.safetensors").exists()),
                key=lambda p: p.stat().st_mtime)
     out["optimizer_state_bytes"] = tensor_bytes(ckpt / "optimizer.safetensors")
@@ -118,7 +121,8 @@ def render(R: dict, args, old: str) -> str:
     full, lora, load, m = R["full"], R["lora"], R["load"], R["machine"]
     ratio = {k: R[k]["trainrun"]["tokens_per_sec"] / R[k]["ddp"]["tokens_per_sec"] for k in ("full", "lora")}
     rss_ok = {k: max(R[k]["trainrun"]["train_rss_mb"]) <= min(R[k]["ddp"]["train_rss_mb"]) for k in ("full", "lora")}
-    share = {k: lora["trainrun"][k] / full["trainrun"][k] for k in ("optimizer_state_bytes", "grad_bytes_per_step")}
+    share = {k: lora["trainrun"][k] / full["trainrun"][k] if full["trainrun"][k] else float("inf")
+             for k in ("optimizer_state_bytes", "grad_bytes_per_step")}
     shared = load[0] > LOAD_SHARED
     loads = ", ".join(f"{x:.2f}" for x in load)
     box = (f"SHARED with other jobs (1-minute load average {load[0]:.2f} before any run, above {LOAD_SHARED}): "
@@ -142,17 +146,18 @@ def render(R: dict, args, old: str) -> str:
                f"{m.get('cores')} cores, {box}. 1-minute load average {loads} before any run and after each "
                f"(trainrun full, DDP full, trainrun LoRA, DDP LoRA). `.venv/bin/python scripts/bench/smollm2.py`.\n",
                "Optimizer state: trainrun the end checkpoint's optimizer.safetensors (tensor bytes), PyTorch "
-               "`opt.state`'s tensors. Gradient bytes per step: trainrun summary.json's `wire_bytes_per_step` "
-               "(what each rank sent for the gradient allreduce; on 2 ranks the whole fp32 gradient buffer), "
-               "PyTorch the trainable parameters' gradients DDP's buckets allreduce.\n",
+               "`opt.state`'s tensors. Gradient bytes reduced per step: trainrun the rank's flat fp32 gradient "
+               "buffer, which the step's one reduction covers (on one node by reading the other rank's "
+               "shared-memory buffer: nothing on a wire), PyTorch the trainable parameters' gradients DDP's "
+               "buckets allreduce.\n",
                "| training | setup | tokens/s | peak RSS per rank (MB, training steps) | optimizer state (MB) | "
-               "gradient bytes allreduced per step (MB) | run wall time (s) |",
+               "gradient bytes reduced per step (MB) | run wall time (s) |",
                "|---|---|---|---|---|---|---|", *rows, "",
                f"Full fine-tuning: trainrun / DDP {ratio['full']:.2f}x tokens/s (target {GOALS['full']}x); peak RSS "
                f"per rank {'at most' if rss_ok['full'] else 'above'} DDP's.",
                f"LoRA r {LORA['r']}: trainrun / DDP + peft {ratio['lora']:.2f}x tokens/s (target {GOALS['lora']}x); "
                f"peak RSS per rank {'at most' if rss_ok['lora'] else 'above'} DDP + peft's; trainrun's optimizer "
-               f"state {100 * share['optimizer_state_bytes']:.2f}% and gradient bytes allreduced per step "
+               f"state {100 * share['optimizer_state_bytes']:.2f}% and gradient bytes reduced per step "
                f"{100 * share['grad_bytes_per_step']:.2f}% of its full fine-tuning's (target under "
                f"{100 * GOALS['lora_share']:.0f}%).\n"]
     lora_ok = ratio["lora"] >= GOALS["lora"] and max(share.values()) < GOALS["lora_share"]
@@ -164,7 +169,7 @@ def render(R: dict, args, old: str) -> str:
             f"{min(full['ddp']['train_rss_mb']):.0f} MB | "
             f"{'yes' if ratio['full'] >= GOALS['full'] and rss_ok['full'] else '**no**'} {how} | {link} |",
             f"| SmolLM2-135M LoRA r {LORA['r']} at seq 512, 2x1: >= {GOALS['lora']}x PyTorch DDP + peft tokens/s; "
-            f"optimizer state and gradient bytes allreduced < {100 * GOALS['lora_share']:.0f}% of full "
+            f"optimizer state and gradient bytes reduced < {100 * GOALS['lora_share']:.0f}% of full "
             f"fine-tuning's | {ratio['lora']:.2f}x; {100 * share['optimizer_state_bytes']:.2f}% and "
             f"{100 * share['grad_bytes_per_step']:.2f}% | {'yes' if lora_ok else '**no**'} {how} | {link} |", ""]
     pre = report._sections(old)[0] if old else "# trainrun benchmarks\n\n"

@@ -17,7 +17,8 @@ metrics.jsonl shows, for code versions that do not log it).
 Besides the peak RSS of the whole run, the peak RSS reached before the first
 checkpoint is written (``train_peak_rss_mb``: the training steps alone; the
 end-of-run checkpoint snapshot and, on rank 0, the export come after it) is
-recorded when trainrun's runner has a ``TrainingRunner.save`` method to hook.
+recorded when trainrun's runner has a ``TrainingRunner.save`` method to hook; with it the bytes of the
+rank's flat gradient buffer (``grad_buffer_bytes``: what the step's gradient reduction covers).
 """
 
 from __future__ import annotations
@@ -100,6 +101,9 @@ def main() -> None:
 
             def save(self, *a, **kw):
                 marks.setdefault("train_peak_rss_mb", round(common.peak_rss_mb(), 1))
+                grads = getattr(getattr(self, "engine", None), "grads", None)
+                if grads is not None:
+                    marks.setdefault("grad_buffer_bytes", int(grads.nbytes))
                 return original_save(self, *a, **kw)
             runner.TrainingRunner.save = save
         except (ImportError, AttributeError):
