@@ -36,6 +36,10 @@ import sysconfig
 import time
 from pathlib import Path
 
+from safetensors.numpy import load_file
+
+from trainrun.graphs.lora import digest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import report  # noqa: E402
@@ -87,17 +91,18 @@ def trainrun(work: Path, data: Path, args, extra: list[str]) -> dict:
     ckpt = max((p for p in (run / "checkpoints").iterdir() if (p / "optimizer.safetensors").exists()),
                key=lambda p: p.stat().st_mtime)
     out["optimizer_state_bytes"] = tensor_bytes(ckpt / "optimizer.safetensors")
-    out["weights"] = str(run / "graphs" / "weights.safetensors")
+    out["weights"] = [str(run / "graphs" / "weights.safetensors")]
+    out["base_sha256"] = (common.read_json(run / "graphs" / "manifest.json").get("lora") or {}).get("base_sha256")
     return out
 
 
-def ddp(work: Path, data: Path, args, weights: str, extra: list[str]) -> dict:
+def ddp(work: Path, data: Path, args, weights: list[str], extra: list[str]) -> dict:
     out_json = work / "ddp.json"
     t0 = time.perf_counter()
     subprocess.run([str(common.BIN / "torchrun"), "--nproc_per_node", str(RANKS), "--master_port", "29731",
                     str(common.HERE / "torch_train.py"), "--llama", str(CONFIG), "--seq-len", str(SEQ),
                     "--micro-batch", str(MICRO), "--threads", "1", "--warmup", str(args.warmup),
-                    "--steps", str(args.steps), "--data", str(data / "train"), "--weights", weights,
+                    "--steps", str(args.steps), "--data", str(data / "train"), *(x for w in weights for x in ("--weights", w)),
                     "--lr-warmup", str(LR_WARMUP), "--min-lr", "0", "--out", str(out_json), *extra],
                    check=True, timeout=1800, env=dict(os.environ, OMP_NUM_THREADS="1"))
     r = common.read_json(out_json)
@@ -199,7 +204,13 @@ def main() -> int:
     for k, sets, extra in (("full", [], []), ("lora", lora_sets, lora_args)):
         ours = trainrun(work / k, data, args, sets)
         load.append(load1())
-        theirs = ddp(work / k, data, args, ours["weights"], extra)
+        weights = ours["weights"]
+        if k == "lora":     # its weights.safetensors holds the adapters; the frozen base is the full run's start
+            full = R["full"]["trainrun"]["weights"]
+            if digest(load_file(full[0])) != ours["base_sha256"]:
+                raise SystemExit(f"smollm2: the model.lora run's base weights are not {full[0]}")
+            weights = full + weights
+        theirs = ddp(work / k, data, args, weights, extra)
         load.append(load1())
         R[k] = {"trainrun": ours, "ddp": theirs}
     common.write_json(work / "results.json", R)

@@ -18,8 +18,8 @@ Timed per phase with perf_counter; the first ``--warmup`` steps are not timed.
 
 ``--lora R`` (with ``--llama``): PEFT's LoRA instead, ``get_peft_model(model, LoraConfig(r=R,
 lora_alpha=--lora-alpha, target_modules=--lora-targets, lora_dropout=0))`` on the loaded base weights, the
-adapters started from ``--weights``' ``<module>.lora_A.weight`` / ``lora_B.weight`` (trainrun's, when the file
-is a ``model.lora`` run's), AdamW over the trainable parameters only (DDP then reduces their gradients
+adapters started from ``--weights``' ``<module>.lora_A.weight`` / ``lora_B.weight`` (a ``model.lora`` run's
+weights.safetensors holds the adapters alone: give the base's file too), AdamW over the trainable parameters only (DDP then reduces their gradients
 alone). The output records the optimizer's state bytes (every tensor of ``opt.state`` after the last step)
 and the trainable parameters' gradient bytes, what DDP's buckets carry each step.
 """
@@ -50,7 +50,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, help="untimed steps first (default: the model's)")
     ap.add_argument("--window", type=int, help="steps per window of the best-window figure (default: warmup)")
     ap.add_argument("--data", default=str(common.ROOT / "data" / "stdlib" / "train"))
-    ap.add_argument("--weights", help="trainrun's weights.safetensors (else transformers' own init)")
+    ap.add_argument("--weights", action="append", help="trainrun's weights.safetensors (else transformers' own "
+                    "init); repeatable, e.g. --lora: the full run's (the base) and the model.lora run's (the adapters)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--lr-warmup", type=int, default=4, help="trainrun's cosine schedule: warmup steps")
@@ -117,7 +118,9 @@ def main() -> int:
     w = {}
     if args.weights:
         from safetensors.numpy import load_file
-        w = load_file(args.weights)
+        w = {k: v for f in args.weights for k, v in load_file(f).items()}
+        if args.lora and all(".lora_" in k for k in w):
+            raise SystemExit(f"torch_train: {args.weights} hold adapters only: give the base weights too")
         model.load_state_dict({k: torch.from_numpy(v) for k, v in w.items() if ".lora_" not in k}, strict=False)
     if args.lora:
         from peft import LoraConfig, get_peft_model
