@@ -249,7 +249,7 @@ def test_benchmarks_smollm2_section_states_the_load_and_the_full_and_lora_claims
     rows = [r for r in _headline_rows(idle) if link in r]
     assert len(rows) == 2
     assert "| 1.42x, 3000 vs 4300 MB | yes (one run) |" in rows[0]
-    assert "LoRA r 16" in rows[1] and "| 1.60x; 0.69% and 0.69% | yes (one run) |" in rows[1]
+    assert "LoRA r 16" in rows[1] and "| 1.60x; 0.69% and 0.69% (peak RSS 2000 vs 3000 MB) | yes (one run) |" in rows[1]
     assert "| LoRA r 16 | trainrun | 320.0 | 2000 / 1900 | 7.4 | 3.7 |" in section
     shared = smollm2.render(_smollm2_results(3.96), args, old)
     section = shared.split(smollm2.SECTION + "\n", 1)[1].split("\n## ", 1)[0]

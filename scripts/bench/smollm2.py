@@ -176,7 +176,8 @@ def render(R: dict, args, old: str) -> str:
             f"| SmolLM2-135M LoRA r {LORA['r']} at seq 512, 2x1: >= {GOALS['lora']}x PyTorch DDP + peft tokens/s; "
             f"optimizer state and gradient bytes reduced < {100 * GOALS['lora_share']:.0f}% of full "
             f"fine-tuning's | {ratio['lora']:.2f}x; {100 * share['optimizer_state_bytes']:.2f}% and "
-            f"{100 * share['grad_bytes_per_step']:.2f}% | {'yes' if lora_ok else '**no**'} {how} | {link} |", ""]
+            f"{100 * share['grad_bytes_per_step']:.2f}% (peak RSS {max(lora['trainrun']['train_rss_mb']):.0f} vs "
+            f"{min(lora['ddp']['train_rss_mb']):.0f} MB) | {'yes' if lora_ok else '**no**'} {how} | {link} |", ""]
     pre = report._sections(old)[0] if old else "# trainrun benchmarks\n\n"
     new = pre.rstrip("\n") + "\n\n" + "\n".join(head) + "\n" + "\n".join(section)
     return report.merge(old, new)
