@@ -2,6 +2,7 @@
 is needed; the pretend cluster's test is in test_cluster.py."""
 
 import glob
+import json
 import os
 
 import numpy as np
@@ -340,3 +341,35 @@ def test_stop_with_a_fragment_in_flight_and_resume_exactly(tmp_path, byte_datase
     assert rows[split] == rows[straight]
     final = [open(d / "run" / "checkpoints" / "11" / "model.safetensors", "rb").read() for d in (straight, split)]
     assert final[0] == final[1]
+
+
+def test_replicas_step_on_their_own_between_world_steps(tmp_path, byte_dataset):
+    """With DiLoCo the step's scalars are summed over the world only where the world must agree (log_every 3
+    here: steps 3, 6 and the last, 8; no evaluation, checkpoint or sample between); between them each replica
+    sums its own. A non-finite gradient on replica 1 at step 2 makes replica 1 alone skip its update: replica
+    0 logs no skipped step and the run goes on (every-step training skips on every rank). Without the fault
+    the metrics lines at the world steps are the ones of the same run summing over the world at every step
+    (log_every 1): the world's mean loss, replica 0's gradient norm, the outer steps and the final weights,
+    bit for bit."""
+    common = {"train.max_steps": 8, "distributed.sync": "diloco",
+              "distributed.diloco": {"inner_steps": 4, "group": 1}}
+    runs = {}
+    for name, extra, env in (("every", {"train.log_every": 1}, None), ("third", {"train.log_every": 3}, None),
+                             ("nan", {"train.log_every": 3}, {"TRAINRUN_FAULT_NAN_GRAD": "1:2"})):
+        d = tmp_path / name
+        d.mkdir()
+        mpirun(2, "--config", write_config(d / "c.yaml", byte_dataset, **common, **extra), env=env)
+        runs[name] = str(d / "run")
+    every, _ = read_metrics(runs["every"])
+    third, _ = read_metrics(runs["third"])
+    assert sorted(third) == [3, 6, 8]
+    for step in (3, 6, 8):
+        assert (third[step]["loss"], third[step]["grad_norm"]) == (every[step]["loss"], every[step]["grad_norm"])
+    outer = {name: [(r["step"], r["outer_bytes"], r["outer_drift"])
+                    for r in map(json.loads, open(os.path.join(runs[name], "metrics.jsonl"))) if "outer_bytes" in r]
+             for name in ("every", "third")}
+    assert outer["third"] == outer["every"] and [s for s, *_ in outer["every"]] == [4, 8]
+    assert _checkpoint_weights(runs["third"], 8).tobytes() == _checkpoint_weights(runs["every"], 8).tobytes()
+    nan, _ = read_metrics(runs["nan"])
+    assert [nan[s]["skipped_steps"] for s in (3, 6, 8)] == [0, 0, 0]
+    assert all(np.isfinite(nan[s]["loss"]) for s in (3, 6, 8))

@@ -167,6 +167,7 @@ class TrainingRunner:
         start, first_step, startup = time.perf_counter(), self.step, process_age()
         end = min(self.total_steps, t.stop_at) if t.stop_at else self.total_steps
         self.last, self.last_eval = {}, None     # the last step's result, the last evaluation
+        self.end = end
         self._window = (start, self.step, dict(self.timer.total))   # since the last metrics line
         exit_code = 1
         try:
@@ -243,7 +244,8 @@ class TrainingRunner:
         timer.mark("forward_backward")
         self.shard.reduce()
         timer.mark("allreduce")
-        loss, grad_norm, finite, stop = self.step_scalars(loss_sum)
+        world = self.world_step(self.step + 1)
+        loss, grad_norm, finite, stop, give_up = self.step_scalars(loss_sum, world)
         timer.mark("norm")
         self.step += 1
         lr = learning_rate(self.step, self.cfg.optimizer.lr, self.total_steps, self.cfg.lr_schedule)
@@ -258,7 +260,7 @@ class TrainingRunner:
             self.skipped += 1           # an fp16 overflow: the scaler halved its scale; not a divergence
             self.log(f"step {self.step}: fp16 overflow, update skipped; loss scale now {self.scaler.scale:g}")
         else:
-            self.skip_step()
+            self.skip_step(give_up)
         if finite and self.scaler:
             self.scaler.update(True)
         timer.mark("optimizer")
@@ -288,20 +290,44 @@ class TrainingRunner:
                 stats.micro_batch()
         return loss_sum
 
-    def step_scalars(self, loss_sum: float) -> tuple[float, float, bool, bool]:
-        """(mean loss, gradient norm, finite on every rank, a stop signal reached some rank), from one
-        allreduce of a few scalars that also carries the background checkpoint's progress."""
+    def world_step(self, step: int) -> bool:
+        """Whether ``step``'s scalars are summed over the world: always with every-step training; with DiLoCo
+        only where the world must agree or the world's mean is read (a metrics line, an evaluation, a
+        checkpoint, a sample, debug statistics, the run's end, a checkpoint write in flight, fp16's loss
+        scale). Between them each replica sums its own (its ranks only): no round trip over the slow link
+        and no wait for the slowest replica at every step; a stop signal is carried at the next world step."""
+        if self.sync.replicas == 1:
+            return True
+        t, every = self.cfg.train, (lambda n: bool(n) and step % n == 0)
+        return (step >= self.end or self.scaler is not None or self.checkpoints.writer.pending_step is not None
+                or any(map(every, (t.log_every, t.eval_every, self.cfg.checkpoint.every, t.sample_every,
+                                   self.cfg.debug.stats_every))))
+
+    def step_scalars(self, loss_sum: float, world: bool = True) -> tuple[float, float, bool, bool, bool]:
+        """(mean loss, gradient norm, finite, a stop signal reached some rank, some rank's non-finite steps
+        in a row reach the limit with this one), from one allreduce of a few scalars over the world (``world``:
+        it also carries the background checkpoint's progress and the stop flags) or, at DiLoCo's steps
+        between two world steps (:meth:`world_step`), over this rank's replica: its loss and its norm."""
+        norm_part = self.shard.norm_sq_part()
+        if not world:
+            comm = self.sync.comm
+            loss_total, norm_sq = comm.allreduce_scalars([loss_sum, norm_part], op="sum") \
+                if comm.world_size > 1 else (loss_sum, norm_part)
+            finite = math.isfinite(norm_sq)
+            grad_norm = math.sqrt(norm_sq) * self.grad_scale() if finite else float("inf")
+            return loss_total / (self.accum * comm.world_size), grad_norm, finite, False, False
         ck_done, ck_failed = self.checkpoints.status()
         self.stops_carried = self.signals.noted()
         norms = [0.0] * self.sync.replicas       # each replica's squared norm (DiLoCo: each clips its own)
-        norms[self.sync.replica] = self.shard.norm_sq_part()
-        loss_total, ck_done, ck_failed, stop, *norms = self.comm.allreduce_scalars(
-            [loss_sum, ck_done, ck_failed, float(self.stops_carried > 0), *norms], op="sum")
+        norms[self.sync.replica] = norm_part
+        limit = float(self.nonfinite_in_a_row + 1 >= MAX_NONFINITE_IN_A_ROW)
+        loss_total, ck_done, ck_failed, stop, limit, *norms = self.comm.allreduce_scalars(
+            [loss_sum, ck_done, ck_failed, float(self.stops_carried > 0), limit, *norms], op="sum")
         self.checkpoints.progress(ck_done, ck_failed)
         norm_sq = norms[self.sync.replica]
         finite = all(map(math.isfinite, norms))     # NaN and inf propagate through the sum
         grad_norm = math.sqrt(norm_sq) * self.grad_scale() if finite else float("inf")
-        return loss_total / (self.accum * self.world), grad_norm, finite, bool(stop)
+        return loss_total / (self.accum * self.world), grad_norm, finite, bool(stop), bool(limit)
 
     def grad_scale(self) -> float:
         """The gradient buffer holds a sum over ranks and micro-batches (times the fp16 loss scale):
@@ -317,11 +343,12 @@ class TrainingRunner:
         self.updates += 1
         self.shard.step(lr, self.updates, grad_scale)
 
-    def skip_step(self) -> None:
-        """Every rank saw the same non-finite flag: skip the update; too many in a row stop the run."""
+    def skip_step(self, give_up: bool) -> None:
+        """The ranks that step together saw the same non-finite flag: skip the update; too many in a row stop
+        the run (``give_up``: agreed by every rank at a world step, :meth:`step_scalars`)."""
         self.skipped += 1
         self.nonfinite_in_a_row += 1
-        if self.nonfinite_in_a_row >= MAX_NONFINITE_IN_A_ROW:
+        if give_up:
             self.checkpoints.finish()     # a write still in flight holds good weights: commit it first
             raise collective(TrainrunError(
                 f"{self.nonfinite_in_a_row} steps in a row had non-finite gradients (last at step {self.step}); "

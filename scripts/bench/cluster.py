@@ -28,9 +28,10 @@ the step time alone: what the reduction (and the wire's CPU work on the node's o
 
 The timed window of a DiLoCo variant is the steady state of its rounds: a fragment's exchange starts every
 P = H / F steps (one of them every P steps, round after round), so the window is a whole number of periods,
-the timed steps rounded up to a multiple of P, and it starts after at least T warm-up steps (so that it holds
-as many exchanges applied as started); the run's last step, where every fragment is synchronised at once,
-comes one step after the window and is not timed. With F > 1 the fragments differ in size by up to a
+the timed steps rounded up to a multiple of P, and it starts after a warm-up of whole periods, at least the
+warm-up asked for and T steps (so that it holds as many exchanges applied as started); a metrics line comes
+every P steps (where a DiLoCo step sums its scalars over the world); the run's last step, where every
+fragment is synchronised at once, comes one step after the window and is not timed. With F > 1 the fragments differ in size by up to a
 tensor: a window of a multiple of H holds each once. The DiLoCo sub-table gives, from metrics.jsonl's
 ``outer_*`` records in the window, the bytes rank 0 sent per round (H steps) and the mean time the ranks
 waited for the link per exchange (``outer_wait_s``: with overlap, what the link took beyond T steps).
@@ -95,17 +96,19 @@ def variant_sets(tag: str) -> list[str]:
             f"distributed.diloco.outer_dtype={k['dtype']}"]
 
 
-def window(tag: str, warmup: int, steps: int) -> tuple[int, int, int]:
-    """(warm-up, timed steps, run steps) of variant ``tag``: for DiLoCo the timed steps a whole number of
-    periods H / F, the warm-up at least T, and one step after the window (the run's last, which synchronises
-    the whole model); every-step variants as given."""
+def window(tag: str, warmup: int, steps: int) -> tuple[int, int, int, int]:
+    """(warm-up, timed steps, run steps, log_every) of variant ``tag``: every-step variants as given, a
+    metrics line every step; DiLoCo's in whole periods P = H / F: the warm-up at least ``warmup`` and T, the
+    timed steps at least ``steps``, a metrics line every P steps (a DiLoCo step sums its scalars over the
+    world only at a metrics line), and one step after the window (the run's last, which synchronises the
+    whole model)."""
     k = diloco_of(tag)
     if k is None:
-        return warmup, steps, warmup + steps
+        return warmup, steps, warmup + steps, 1
     period = max(1, k["H"] // k["F"])
+    warm = period * math.ceil(max(warmup, k["T"], 1) / period)
     timed = period * math.ceil(steps / period)
-    warm = max(warmup, k["T"])
-    return warm, timed, warm + timed + 1
+    return warm, timed, warm + timed + 1, period
 
 
 def per_model(text: str | None, default: dict, parse) -> dict:
@@ -163,15 +166,16 @@ def outer_records(run: Path, warmup: int, end: int) -> list[dict]:
 
 
 def one_run(work: Path, m: common.BenchModel, graphs: Path, data: str, tag: str, nodes: int, sets: list[str],
-            warmup: int, steps: int, micro: int, bucket_mb: float, run_steps: int | None = None) -> dict:
+            warmup: int, steps: int, micro: int, bucket_mb: float, run_steps: int | None = None,
+            log_every: int = 1) -> dict:
     """One run of ``nodes`` nodes timed over steps ``warmup`` + 1 .. ``warmup + steps`` (``run_steps``: the
-    run's length when longer)."""
+    run's length when longer), a metrics line every ``log_every`` steps."""
     d = work / "runs" / m.name / tag
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     shutil.copytree(graphs, d / "graphs")
     all_sets = common.run_sets(m, d, data, micro, 1, warmup, (run_steps or warmup + steps) - warmup) + [
-        "train.log_every=1", f"distributed.bucket_mb={bucket_mb}", *sets]
+        f"train.log_every={log_every}", f"distributed.bucket_mb={bucket_mb}", *sets]
     argv = [str(BIN / "trainrun"), "--config", str(common.CONFIG)] + [x for s in all_sets for x in ("--set", s)]
     hosts = ",".join(f"n{i + 1}" for i in range(nodes))
     cmd = [str(CLUSTER), "mpirun", "-hosts", hosts, "-ppn", "1", "-np", str(nodes), *argv]
@@ -343,9 +347,9 @@ def main() -> int:
                 for rate in args.rates.split(","):
                     cluster("rate", rate)
                     for tag in tags:
-                        warm, timed, length = window(tag, warmup, steps)
+                        warm, timed, length, log_every = window(tag, warmup, steps)
                         r = one_run(work, m, graphs, data, f"{rate}-{tag}-r{rnd}", 2, variant_sets(tag), warm, timed,
-                                    micro, args.bucket_mb, length)
+                                    micro, args.bucket_mb, length, log_every)
                         print(f"{name} {rate} {tag} round {rnd}: {r['tokens_per_sec']} tokens/s "
                               f"(buckets {r.get('grad_buckets')}"
                               + (f", {r['outer_steps']} exchanges in {r['timed_steps']} timed steps, waiting "
