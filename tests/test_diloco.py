@@ -166,13 +166,53 @@ def test_kill_and_resume_mid_round_is_the_undisturbed_run(tmp_path, byte_dataset
     assert final[0] == final[1]
 
 
+def _assert_exports_global_weights(run_dir, step, exported, eval_data, tmp_path):
+    """Checkpoint ``step`` was taken mid-round: its parameters are replica 0's, its optimizer.safetensors'
+    ``outer_weights/`` the global weights the run evaluates. ``exported`` (the run's model.onnx, written at
+    that step) and an offline ``trainrun export`` of the checkpoint give the eval graph's logits on the global
+    weights (to float32 rounding: 1e-5), not on replica 0's; ``trainrun evaluate`` of the checkpoint gives the
+    eval loss the run logged at that step (the same samples: eval_steps batches of micro_batch_size x 4)."""
+    import json
+
+    import onnxruntime as ort
+
+    from conftest import TRAINRUN, run
+    ckpt = os.path.join(run_dir, "checkpoints", str(step))
+    assert json.load(open(os.path.join(ckpt, "state.json")))["diloco"]["mid_round"] is True
+    replica0 = load_file(os.path.join(ckpt, "model.safetensors"))
+    outer = {k.split("/", 1)[1]: v for k, v in load_file(os.path.join(ckpt, "optimizer.safetensors")).items()
+             if k.startswith("outer_weights/")}
+    assert outer.keys() == replica0.keys()
+    assert max(np.abs(outer[n] - replica0[n]).max() for n in outer) > 1e-3     # the replica moved in the round
+    ids = np.random.default_rng(0).integers(0, 512, (2, 32)).astype(np.int64)
+    eval_graph = ort.InferenceSession(os.path.join(run_dir, "graphs", "eval.onnx"), providers=["CPUExecutionProvider"])
+    feeds = {i.name: ids for i in eval_graph.get_inputs() if i.name in ("input_ids", "labels")}
+
+    def logits_of(weights):
+        return eval_graph.run(["logits"], {**feeds, **weights})[0]
+
+    want, replica = logits_of(outer), logits_of(replica0)
+    assert np.abs(want - replica).max() > 1e-3
+    offline = str(tmp_path / f"step{step}.onnx")
+    out = run([TRAINRUN, "export", ckpt, "--output", offline]).stdout
+    assert "DiLoCo's global weights (checkpoint taken mid-round; its parameters are replica 0's)" in out, out
+    for path in (exported, offline):
+        got = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(["logits"], {"input_ids": ids})[0]
+        assert np.abs(got - want).max() <= 1e-5, path
+    _, evals = read_metrics(run_dir)
+    res = str(tmp_path / f"eval{step}.json")
+    run([TRAINRUN, "evaluate", ckpt, "--data", eval_data, "--steps", "2", "--batch", "8", "--output", res])
+    assert json.load(open(res))["loss"] == pytest.approx(evals[step]["eval_loss"], rel=1e-5)
+
+
 @pytest.mark.parametrize("layout", ["node_shared", "zero1"])
 def test_replicas_of_two_ranks_stop_and_resume_exactly(tmp_path, byte_dataset, layout):
     """4 ranks as 2 replicas of 2: each a pretend node whose ranks share the parameters (group 0: the node;
     each rank keeps the outer state of its slice), or 2 ranks on nodes of their own with ZeRO-1 between them
     (group 2; each rank its ZeRO part). Stopped mid-round (train.stop_at 4, in the round 3..6) and resumed: the
     losses, evaluations and final weights of the straight run, bit for bit; the outer step sends this rank's
-    part of the model only (fp32: 2 x (P-1)/P of it, P = 2 replicas)."""
+    part of the model only (fp32: 2 x (P-1)/P of it, P = 2 replicas). The stop's checkpoint, mid-round,
+    exports the global weights, the stored parts of every rank reassembled (:func:`_assert_exports_global_weights`)."""
     import json
     per_node, extra = {"node_shared": ("2", {}),
                        "zero1": ("1", {"distributed.zero_stage": 1, "distributed.diloco.group": 2})}[layout]
@@ -184,6 +224,9 @@ def test_replicas_of_two_ranks_stop_and_resume_exactly(tmp_path, byte_dataset, l
         d.mkdir()
         proc = mpirun(4, "--config", write_config(d / "c.yaml", byte_dataset, **common, **more), env=env)
     assert "diloco: 2 replicas of 2 rank(s)" in proc.stdout
+    assert "DiLoCo's global weights" in proc.stdout, proc.stdout        # model.onnx at the stop, mid-round
+    _assert_exports_global_weights(str(split / "run"), 4, str(split / "run" / "model.onnx"),
+                                   os.path.join(byte_dataset, "eval"), tmp_path)
     mpirun(4, "resume", str(split / "run"), env=env)
     rows = {}
     for d in (straight, split):

@@ -82,13 +82,28 @@ def _model_tensors(ckpt: K.Pinned, manifest: dict) -> tuple[FlatLayout, FlatLayo
     return layout, states
 
 
+GLOBAL_WEIGHTS = "DiLoCo's global weights (checkpoint taken mid-round; its parameters are replica 0's)"
+
+
+def parameters_of(ckpt: K.Pinned) -> tuple[str, str, str | None]:
+    """Where the model's parameters of a checkpoint lie: (file, key prefix, what they are where not plain).
+    A ``distributed.sync: diloco`` checkpoint taken mid-round holds replica 0's weights as its parameters and
+    the global weights, the ones the run evaluates, whole in optimizer.safetensors ``outer_weights/``: those."""
+    if (K.read_state(ckpt).get("diloco") or {}).get("mid_round"):
+        return "optimizer.safetensors", "outer_weights/", GLOBAL_WEIGHTS
+    return "model.safetensors", "", None
+
+
 def checkpoint_tensors(ckpt: K.Pinned, manifest: dict) -> list[Weight]:
-    """Where the parameters (then the non-parameter state) of a checkpoint lie in its model.safetensors."""
+    """Where the parameters (:func:`parameters_of`), then the non-parameter state (model.safetensors), of a
+    checkpoint lie."""
     layout, states = _model_tensors(ckpt, manifest)
-    names, shapes = layout.names + states.names, layout.shapes + states.shapes
-    start, spans = K.tensor_spans(ckpt, "model.safetensors", names, shapes)
-    return [Weight(n, tuple(s), ckpt, "model.safetensors", start + off, size)
-            for n, s, (off, size) in zip(names, shapes, spans)]
+    out = []
+    for (file, prefix, _), names, shapes in ((parameters_of(ckpt), layout.names, layout.shapes),
+                                             (("model.safetensors", "", None), states.names, states.shapes)):
+        start, spans = K.tensor_spans(ckpt, file, [prefix + n for n in names], shapes)
+        out += [Weight(n, tuple(s), ckpt, file, start + off, size) for n, s, (off, size) in zip(names, shapes, spans)]
+    return out
 
 
 def mapped_weights(weights: list[Weight]) -> dict[str, np.ndarray]:
@@ -196,13 +211,14 @@ def sample_batch(graphs_dir: str, manifest: dict, rng_seed: int = 0) -> dict[str
 
 
 def checkpoint_weights(ckpt, manifest: dict) -> dict[str, np.ndarray]:
-    """The parameters (and the non-parameter state) of a verified checkpoint (a path or a
-    :class:`checkpoint.Pinned` one), by name."""
+    """The parameters (:func:`parameters_of`) and the non-parameter state of a verified checkpoint (a path
+    or a :class:`checkpoint.Pinned` one), by name."""
     with K.reading(ckpt) as ckpt:
         K.verify(ckpt)
         layout, states = _model_tensors(ckpt, manifest)
         flat = np.empty(layout.total, np.float32)
-        K.load_tensors_into(ckpt, "model.safetensors", layout.names, layout.shapes, flat)
+        file, prefix, _ = parameters_of(ckpt)
+        K.load_tensors_into(ckpt, file, layout.names, layout.shapes, flat, prefix=prefix)
         weights = layout.unflatten(flat)
         if states.names:          # the model's non-parameter state (BatchNorm running stats), after the parameters
             held = np.empty(states.total, np.float32)
@@ -351,7 +367,8 @@ def _export(held: K.Pinned, output: str, opset, with_loss, kv_cache, verify, ech
     unique = list(dict.fromkeys(names))
     ref = dict(zip(unique, ref_sess.run(unique, {**batch, **mapped_weights(tensors)})))
     diff = max(float(np.abs(np.asarray(o, np.float64) - ref[n]).max()) for n, o in zip(names, ours))
-    echo(f"exported {output} from {ckpt}: max |logits - eval graph| = {diff:.3g} on a "
+    what = parameters_of(held)[2]
+    echo(f"exported {output} from {ckpt}{f': {what};' if what else ':'} max |logits - eval graph| = {diff:.3g} on a "
          f"{'x'.join(map(str, batch[manifest['inputs'][0]].shape))} sample ({', '.join(unique)}"
          f"{'; also without the masked positions, at them' if len(names) > len(unique) else ''})"
          f"{' (attention cache: half the sample, then the rest after it)' if kv_cache else ''}")
@@ -431,7 +448,9 @@ def _export_transformers(held: K.Pinned, output: str, tokenizer: str | None, ech
         files["config.json"].update(_label_map(held, manifest["task_labels"], echo))
     _write_folder(output, "model.safetensors", weights, files,
                   text.path if text is not None and text.tokenizer is not None else None)
-    echo(f"exported {output} ({family.transformers.architecture}, {', '.join(sorted(os.listdir(output)))}) from {ckpt}")
+    what = parameters_of(held)[2]
+    echo(f"exported {output} ({family.transformers.architecture}, {', '.join(sorted(os.listdir(output)))}) from {ckpt}"
+         + (f": {what}" if what else ""))
     return output
 
 
