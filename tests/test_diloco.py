@@ -171,7 +171,8 @@ def _assert_exports_global_weights(run_dir, step, exported, eval_data, tmp_path)
     ``outer_weights/`` the global weights the run evaluates. ``exported`` (the run's model.onnx, written at
     that step) and an offline ``trainrun export`` of the checkpoint give the eval graph's logits on the global
     weights (to float32 rounding: 1e-5), not on replica 0's; ``trainrun evaluate`` of the checkpoint gives the
-    eval loss the run logged at that step (the same samples: eval_steps batches of micro_batch_size x 4)."""
+    eval loss the run logged at that step (the same samples: eval_steps batches of micro_batch_size x 4); the
+    transformers export holds them too."""
     import json
 
     import onnxruntime as ort
@@ -196,6 +197,11 @@ def _assert_exports_global_weights(run_dir, step, exported, eval_data, tmp_path)
     offline = str(tmp_path / f"step{step}.onnx")
     out = run([TRAINRUN, "export", ckpt, "--output", offline]).stdout
     assert "DiLoCo's global weights (checkpoint taken mid-round; its parameters are replica 0's)" in out, out
+    folder = str(tmp_path / f"step{step}-hf")
+    out = run([TRAINRUN, "export", ckpt, "--format", "transformers", "--output", folder]).stdout
+    assert "DiLoCo's global weights (checkpoint taken mid-round; its parameters are replica 0's)" in out, out
+    hf = load_file(os.path.join(folder, "model.safetensors"))
+    assert hf.keys() >= outer.keys() and all(np.array_equal(hf[n], outer[n]) for n in outer)
     for path in (exported, offline):
         got = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(["logits"], {"input_ids": ids})[0]
         assert np.abs(got - want).max() <= 1e-5, path
