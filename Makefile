@@ -33,6 +33,16 @@ setup-test: $(STAMP_TEST)
 test: $(STAMP_TEST)
 	$(BIN)/python -m pytest -q -m "not gpu and not cluster" $(PYTEST_ARGS)
 
+# A venv beside .venv for another onnxruntime or Python: $(call side_venv,VENV,PYTHON,message where PYTHON
+# is empty,pip install arguments for trainrun,scripts/requirements.py arguments); no commas in any of them
+define side_venv
+@test -n "$(2)" || { echo "$(3)" >&2; exit 2; }
+test -x $(1)/bin/python || $(2) -m venv $(1)
+$(1)/bin/pip install -q packaging
+$(1)/bin/pip install -q $(4)
+$(1)/bin/pip install -q $$($(1)/bin/python scripts/requirements.py $(5))
+endef
+
 # The suite with stock onnxruntime instead of onnxruntime-training, in its own venv (.venv-stock, the same
 # Python as .venv): trainrun --no-deps, then the requirements Python 3.13 resolves to and the test extra
 # (scripts/requirements.py --stock). The tests that need onnxruntime-training itself (marker ort_training)
@@ -40,11 +50,7 @@ test: $(STAMP_TEST)
 VENV_STOCK  := .venv-stock
 STAMP_STOCK := $(VENV_STOCK)/.installed-stock
 $(STAMP_STOCK): pyproject.toml scripts/requirements.py
-	@test -n "$(PYTHON)" || { echo "trainrun needs Python 3.10 or newer on PATH" >&2; exit 2; }
-	test -x $(VENV_STOCK)/bin/python || $(PYTHON) -m venv $(VENV_STOCK)
-	$(VENV_STOCK)/bin/pip install -q packaging
-	$(VENV_STOCK)/bin/pip install -q --no-deps -e .
-	$(VENV_STOCK)/bin/pip install -q $$($(VENV_STOCK)/bin/python scripts/requirements.py --stock test)
+	$(call side_venv,$(VENV_STOCK),$(PYTHON),trainrun needs Python 3.10 or newer on PATH,--no-deps -e .,--stock test)
 	$(VENV_STOCK)/bin/pip uninstall -q -y onnxruntime-training onnxruntime-training-cpu 2>/dev/null; true
 	@touch $@
 
@@ -57,11 +63,7 @@ test-stock: $(STAMP_STOCK)
 VENV_PY313  := .venv-py313
 STAMP_PY313 := $(VENV_PY313)/.installed-py313
 $(STAMP_PY313): pyproject.toml scripts/requirements.py
-	@test -n "$(PYTHON313)" || { echo "make test-py313 needs python3.13 (on PATH or pyenv's; or PYTHON313=...)" >&2; exit 2; }
-	test -x $(VENV_PY313)/bin/python || $(PYTHON313) -m venv $(VENV_PY313)
-	$(VENV_PY313)/bin/pip install -q packaging
-	$(VENV_PY313)/bin/pip install -q -e .
-	$(VENV_PY313)/bin/pip install -q $$($(VENV_PY313)/bin/python scripts/requirements.py --without torch --without transformers --without peft test)
+	$(call side_venv,$(VENV_PY313),$(PYTHON313),make test-py313 needs python3.13 (on PATH or pyenv's; or PYTHON313=...),-e .,--without torch --without transformers --without peft test)
 	@touch $@
 
 test-py313: $(STAMP_PY313)
