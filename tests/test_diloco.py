@@ -422,3 +422,52 @@ def test_replicas_step_on_their_own_between_world_steps(tmp_path, byte_dataset):
     nan, _ = read_metrics(runs["nan"])
     assert [nan[s]["skipped_steps"] for s in (3, 6, 8)] == [0, 0, 0]
     assert all(np.isfinite(nan[s]["loss"]) for s in (3, 6, 8))
+
+
+POLL_PROBE = """
+import threading, time
+import numpy as np
+from trainrun import diloco
+from trainrun.comm.mpi import MPICommunicator
+
+def wakeups(t):
+    for line in open(f"/proc/self/task/{t.native_id}/status"):
+        if line.startswith("voluntary_ctxt_switches"):
+            return int(line.split()[1])
+
+comm = MPICommunicator()
+buf = np.ones(1000, np.float32)
+ex = diloco.exchange(comm, buf, [(0, 1000)], "fp32")
+if comm.rank == 1:
+    time.sleep(1.5)                 # the other replica's fragment comes late: rank 0's exchange waits
+ex.bucket_ready(0)
+time.sleep(0.1)
+(t,) = [t for t in threading.enumerate() if t.name.startswith("trainrun-reduce")]
+w0, t0 = wakeups(t), time.monotonic()
+while not ex._pending[-1].done():
+    time.sleep(0.01)
+w1, t1 = wakeups(t), time.monotonic()
+ex.wait()
+assert np.all(buf == 2.0)
+if comm.rank == 0:
+    print(f"WAKEUPS {w1 - w0} {t1 - t0:.3f}", flush=True)
+ex.close()
+comm.close()
+"""
+
+
+def test_an_exchange_in_flight_polls_every_few_milliseconds(tmp_path):
+    """overlap_steps' background exchange (fp32) waits for the other replica polling every
+    diloco.EXCHANGE_POLL_S, not every 100 us as the gradient buckets' does: its thread shares the node's cores
+    with the inner steps for the whole exchange (a link's seconds). The other replica's fragment comes 1.5 s
+    late: rank 0's thread wakes (voluntary context switches, /proc) at most twice per poll period meanwhile,
+    and the sums are right."""
+    import sys
+    from conftest import MPIRUN, run
+    script = tmp_path / "poll.py"
+    script.write_text(POLL_PROBE)
+    out = run([MPIRUN, "-np", "2", sys.executable, str(script)], check=0).stdout
+    wakes, waited = out.split("WAKEUPS ")[1].split()[:2]
+    assert float(waited) > 0.5, out
+    from trainrun import diloco
+    assert int(wakes) / float(waited) <= 2 / diloco.EXCHANGE_POLL_S, out

@@ -65,6 +65,21 @@ def build(cfg, comm):
     return DiLoCo.split(cfg.distributed.diloco, comm)
 
 
+# How often the background exchange of an fp32 fragment polls MPI: on 2 pretend nodes its allreduce moved at
+# the link's rate polled every 100 us or every 2 ms alike (11 MB at 100 Mbit/s, 77 MB at 1 Gbit/s), while the
+# computation beside it kept 69-74% of its speed at a poll every 100 us against 89-100% every 2 ms (100
+# Mbit/s; docs/design.md). bf16's two collectives advance only at a poll (every 2 ms: 3-4x slower), so they
+# keep trainrun.comm.base.QUIET_SLEEP_S.
+EXCHANGE_POLL_S = 2e-3
+
+
+def exchange(cross, summed, parts: list[tuple[int, int]], outer_dtype: str) -> reducer.BucketReducer:
+    """The background exchange of ``overlap_steps``: one bucket per fragment (``parts`` of ``summed``) summed
+    over the replicas (``cross``), polled every :data:`EXCHANGE_POLL_S` with fp32 on the wire."""
+    return reducer.BucketReducer(cross, summed, parts, outer_dtype,
+                                 poll_s=EXCHANGE_POLL_S if outer_dtype == "fp32" else None)
+
+
 def fragments(offsets: list[int], total: int, n: int) -> list[tuple[int, int]]:
     """``n`` contiguous ranges of whole tensors (``offsets``: where each tensor starts in a flat buffer of
     ``total`` elements) of about equal size: each cut at the tensor boundary nearest to its share."""
@@ -187,7 +202,7 @@ class DiLoCo:
             self.sent, self.summed = np.zeros(hi - lo, np.float32), np.zeros(hi - lo, np.float32)
             self.state.update(outer_sent=self.sent, outer_summed=self.summed)
             if self.cross.threads_ok():
-                self.background = reducer.BucketReducer(self.cross, self.summed, self.parts, k.outer_dtype)
+                self.background = exchange(self.cross, self.summed, self.parts, k.outer_dtype)
 
     # ------------------------------------------------------------------ the outer step
     def maybe_outer_step(self, step: int) -> dict | None:

@@ -50,15 +50,17 @@ def applies(cfg, comm, node) -> bool:
 class BucketReducer:
     """The buckets ``buckets`` (``(lo, hi)`` element ranges of ``buffer``, from its end) of a flat buffer
     summed over the ranks of ``comm`` (an :class:`trainrun.comm.MPICommunicator`), each in the background
-    as soon as it is final; ``reduce_dtype``: the wire (``distributed.reduce_dtype``). Every rank of
-    ``comm`` builds it (the duplicate communicator is a collective). See the module's docstring."""
+    as soon as it is final; ``reduce_dtype``: the wire (``distributed.reduce_dtype``); ``poll_s``: how often
+    the background thread polls (default ``trainrun.comm.base.QUIET_SLEEP_S``). Every rank of ``comm``
+    builds it (the duplicate communicator is a collective). See the module's docstring."""
 
-    def __init__(self, comm, buffer, buckets: list[tuple[int, int]], reduce_dtype: str = "fp32"):
+    def __init__(self, comm, buffer, buckets: list[tuple[int, int]], reduce_dtype: str = "fp32",
+                 poll_s: float | None = None):
         self.buffer, self.buckets = buffer, list(buckets)
         self._comm = comm.dup("gradient buckets")
         self._hurry = threading.Event()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="trainrun-reduce", initializer=wait_quietly,
-                                        initargs=(self._hurry,))
+                                        initargs=(self._hurry, poll_s))
         self._pending: list = []
         self.wire = wire.make(self._comm, reduce_dtype)
 

@@ -22,11 +22,13 @@ UCX_SHM_MIN = 64 << 20     # bytes free in /dev/shm below which UCX's posix tran
 _quiet = threading.local()
 
 
-def wait_quietly(hurry: threading.Event) -> None:
-    """The calling thread's collectives poll every ``QUIET_SLEEP_S`` instead of spinning, and spin while
-    ``hurry`` is set: for a thread that communicates while the main thread computes, whose owner sets
-    ``hurry`` when the main thread waits for it too (:class:`trainrun.reducer.BucketReducer`)."""
+def wait_quietly(hurry: threading.Event, poll_s: float | None = None) -> None:
+    """The calling thread's collectives poll every ``poll_s`` (default ``QUIET_SLEEP_S``) instead of
+    spinning, and spin while ``hurry`` is set: for a thread that communicates while the main thread
+    computes, whose owner sets ``hurry`` when the main thread waits for it too
+    (:class:`trainrun.reducer.BucketReducer`)."""
     _quiet.hurry = hurry
+    _quiet.poll_s = base.QUIET_SLEEP_S if poll_s is None else float(poll_s)
 
 
 class MPICommunicator(Communicator):
@@ -60,7 +62,7 @@ class MPICommunicator(Communicator):
         hurry = getattr(_quiet, "hurry", None)
         quiet = hurry is not None
         spin_until, deadline = start + (0.0 if quiet else base.SPIN_S), start + self.timeout_s
-        sleep = base.QUIET_SLEEP_S if quiet else base.MIN_SLEEP_S
+        sleep = _quiet.poll_s if quiet else base.MIN_SLEEP_S
         try:
             while not request.Test():
                 now = time.monotonic()
