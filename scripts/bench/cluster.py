@@ -258,8 +258,8 @@ def render(results: dict) -> str:
             lines += [""] if lines[-1] else []
             lines += ["DiLoCo (`distributed.sync: diloco`, each node a replica; H inner steps a round, F fragments, "
                       "each exchange overlapped with T inner steps): the timed window is a whole number of periods "
-                      "H / F after at least T warm-up steps, the run's last step (the whole model synchronised) "
-                      "after it; outer bytes: what rank 0 sent per round of H steps; wait: the ranks' mean time "
+                      "H / F after a warm-up of whole periods (at least T steps), a metrics line every period, the "
+                      "run's last step (the whole model synchronised) after the window; outer bytes: what rank 0 sent per round of H steps; wait: the ranks' mean time "
                       "waiting for the link per exchange (metrics.jsonl's `outer_wait_s`).", "",
                       "| link | variant | H | F | T | outer dtype | timed steps | tokens/s (2 nodes) | scaling efficiency | "
                       "of two alone at once | step (s) | exposed per step (s) | outer bytes per round | "
