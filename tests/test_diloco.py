@@ -52,6 +52,38 @@ def test_one_inner_step_outer_lr_one_equals_every_step_data_parallel(tmp_path, b
                                [ref_train[s]["loss"] for s in range(1, 7)], rtol=1e-6)
 
 
+def test_diloco_starts_from_an_every_step_checkpoint(tmp_path, byte_dataset):
+    """``resume --force --set distributed.sync=diloco`` of an every-step run's checkpoint: the replicas start
+    from its weights (the round's global weights) and inner optimizer state, the outer momentum zero. With
+    inner SGD, inner_steps 1, outer lr 1 and momentum 0 the continued run is every-step training's own steps
+    (to float32 rounding, as in the test above); its checkpoints then hold the outer state."""
+    from conftest import MPIRUN, TRAINRUN, run
+    sgd = {"name": "sgd", "lr": 0.2, "momentum": 0.0, "max_grad_norm": 0.0, "weight_decay": 0.0}
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 6, "checkpoint.every": 1,
+                                                              "checkpoint.keep_last": 100, "optimizer": sgd})
+    mpirun(2, "--config", cfg)
+    every = str(tmp_path / "run")
+    got_dir = str(tmp_path / "diloco")
+    mpirun(2, "--config", cfg, "--set", "train.max_steps=3", "--set", "run.output_dir=" + got_dir)
+    sets = ["train.max_steps=6", "distributed.sync=diloco", "distributed.diloco.group=1",
+            "distributed.diloco.inner_steps=1", "distributed.diloco.outer.lr=1", "distributed.diloco.outer.momentum=0",
+            "distributed.diloco.outer.nesterov=false"]
+    args = [MPIRUN, "-np", "2", TRAINRUN, "resume", got_dir, *[a for s in sets for a in ("--set", s)]]
+    proc = run(args, check=2)       # a change of the synchronisation is not the same run: --force
+    assert "distributed.sync: 'every_step' -> 'diloco'" in proc.stderr, proc.stderr
+    proc = run(args + ["--force"])
+    assert "resumed from" in proc.stdout and "diloco: 2 replicas of 1 rank(s)" in proc.stdout, proc.stdout
+    for step in range(4, 7):
+        ref, got = _checkpoint_weights(every, step), _checkpoint_weights(got_dir, step)
+        assert np.abs(ref - _checkpoint_weights(every, 3)).max() > 1e-5
+        scale = max(1.0, np.abs(ref).max())
+        assert np.abs(got - ref).max() <= 2 * np.finfo(np.float32).eps * scale * step, step
+        saved = json.loads(open(os.path.join(got_dir, "checkpoints", str(step), "state.json")).read())
+        assert saved["diloco"]["round_start"] == step and saved["diloco"]["replicas"] == 2
+    outer = load_file(os.path.join(got_dir, "checkpoints", "6", "optimizer.safetensors"))
+    assert any(k.startswith("outer_weights/") for k in outer) and any(k.startswith("outer_momentum/") for k in outer)
+
+
 def _reference_outer(start, replicas_by_step, lr, mu, nesterov):
     """DiLoCo's outer step in NumPy (float64), torch.optim.SGD's momentum (dampening 0): the global weights
     after each outer step, from the replicas' weights before it."""

@@ -41,7 +41,9 @@ Checkpoints hold the global weights and the momentum (optimizer.safetensors ``ou
 ``outer_momentum/``), the round's start step (state.json ``diloco``) and, mid-round, each other replica's
 weights and inner optimizer state (``replica<j>_weights/``, ``replica<j>_<state>/``; replica 0's are the
 checkpoint's parameters and optimizer state): a resume continues the round bit for bit. A resume onto another
-number of replicas is refused.
+number of replicas is refused. A resume of an every-step run's checkpoint (``resume --force --set
+distributed.sync=diloco``) starts DiLoCo there: its weights are the first round's global weights, the outer
+momentum zero, its inner optimizer state kept (the paper starts from a pre-trained model).
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ class EveryStep:
     def full_state(self) -> dict:
         return {}
 
-    def restore_state(self) -> dict:
+    def restore_state(self, saved: dict | None = None) -> dict:
         return {}
 
     def state_dict(self) -> dict | None:
@@ -403,9 +405,12 @@ class DiLoCo:
             if root:
                 yield out[:c1 - c0]
 
-    def restore_state(self) -> dict:
+    def restore_state(self, saved: dict | None = None) -> dict:
         """The buffers a restore fills (``lo:hi`` of the saved tensors), and the states it only checks (None:
-        the other replicas', read by :meth:`load_state_dict`)."""
+        the other replicas', read by :meth:`load_state_dict`); none where ``saved`` (the checkpoint's
+        state.json) is an every-step run's: DiLoCo starts from it."""
+        if saved is not None and not saved.get("diloco"):
+            return {}
         return {**self.state, **{f"replica{j}_{name}": None for j in range(1, self.replicas)
                                  for name in self._replica_states()}}
 
@@ -418,9 +423,11 @@ class DiLoCo:
         """After the checkpoint's tensors were restored (every rank): the round's position, and this
         replica's own weights and inner optimizer state where the checkpoint was taken mid-round."""
         saved = state.get("diloco")
-        if not saved:
-            raise collective(UsageError(
-                f"{ckpt}: was saved with distributed.sync every_step; it holds no outer state for diloco"))
+        if not saved:       # an every-step run's checkpoint: its weights are the global weights of a first round
+            self.weights[...] = np.asarray(self.engine.params[self.lo:self.hi], np.float32)
+            self.momentum[...] = 0.0
+            self.round_start, self.rounds, self.fresh = state["step"], 0, True
+            return
         if saved["replicas"] != self.replicas:
             raise collective(UsageError(
                 f"distributed.diloco.group: {ckpt} was saved by {saved['replicas']} replicas of {saved['group']} "
