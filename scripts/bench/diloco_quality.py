@@ -61,6 +61,17 @@ def variants(args) -> dict[str, list[str]]:
     return v
 
 
+def launch(work: Path, name: str, head: list[str], sets: list[str], check: bool = True) -> None:
+    argv = [str(common.BIN / "mpirun"), "-np", "2", str(common.BIN / "trainrun"), *head,
+            *[x for s in sets for x in ("--set", s)]]
+    t0 = time.time()
+    with open(work / f"{name}.log", "w") as log:
+        rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, cwd=common.ROOT).returncode
+    if rc and (check or rc != 75):      # 75: stopped at train.stop_at, resumable
+        raise SystemExit(f"{name} failed (exit {rc}): see {work / f'{name}.log'}")
+    print(f"{name}: {time.time() - t0:.0f} s", flush=True)
+
+
 def records(run: Path) -> list[dict]:
     path = run / "metrics.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
@@ -89,6 +100,9 @@ def main() -> int:
     ap.add_argument("--extra", action="append", help="NAME=set,set (diloco sets of another variant)")
     ap.add_argument("--outer-lr", type=float, default=0.7)
     ap.add_argument("--outer-momentum", type=float, default=0.9, help="Nesterov where > 0")
+    ap.add_argument("--warm-start", type=int, default=0, help="DiLoCo runs continue every-step training's "
+                    "checkpoint of this step (resume --force --set distributed.sync=diloco), as the paper starts "
+                    "from a pre-trained model; 0: from the initial weights")
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-steps", type=int, default=32)
@@ -111,17 +125,26 @@ def main() -> int:
                             "--output", args.data, "--train-bpe", "1024", "--include", "*.py", "--eval-fraction",
                             "0.02", "--no-progress", "--overwrite"], check=True)
     results = {}
+    warm = None
+    if args.warm_start:
+        warm = work / f"every-step-to-{args.warm_start}"
+        if args.fresh or not (warm / "checkpoints" / str(args.warm_start) / "state.json").exists():
+            shutil.rmtree(warm, ignore_errors=True)
+            launch(work, warm.name, ["--config", str(common.CONFIG)], base_sets(args, warm) + [
+                "distributed.sync=every_step", f"train.stop_at={args.warm_start}",
+                f"checkpoint.every={args.warm_start}"], check=False)
     for name, sets in variants(args).items():
         run = work / name
         done = [r for r in records(run) if r.get("step") == args.steps and "eval_loss" in r]
         if args.fresh or not done:
             shutil.rmtree(run, ignore_errors=True)
-            argv = [str(common.BIN / "mpirun"), "-np", "2", str(common.BIN / "trainrun"), "--config",
-                    str(common.CONFIG)] + [x for s in base_sets(args, run) + sets for x in ("--set", s)]
-            t0 = time.time()
-            with open(work / f"{name}.log", "w") as log:
-                subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, check=True, cwd=common.ROOT)
-            print(f"{name}: {time.time() - t0:.0f} s", flush=True)
+            if warm is not None and name != "every-step":
+                shutil.copytree(warm, run, ignore=shutil.ignore_patterns("checkpoints"))
+                shutil.copytree(warm / "checkpoints" / str(args.warm_start),
+                                run / "checkpoints" / str(args.warm_start))
+                launch(work, name, ["resume", str(run), "--force"], sets)
+            else:
+                launch(work, name, ["--config", str(common.CONFIG)], base_sets(args, run) + sets)
         recs = records(run)
         outer = [r for r in recs if "outer_bytes" in r]
         results[name] = {"sets": sets, "evals": evals(run), "outer_steps": len(outer),
@@ -151,9 +174,13 @@ def render(args, results: dict) -> str:
            f"(cosine, warm-up {args.warmup}, to {args.lr / 10:g}), outer SGD lr {args.outer_lr:g}"
            f"{f' with Nesterov momentum {args.outer_momentum:g}' if args.outer_momentum else ', no momentum'} "
            f"unless named; eval loss on {args.eval_steps} batches a rank every {args.eval_every} steps (DiLoCo: on "
-           f"the global weights). Data: the standard library's .py files, BPE 1024, 2% held out. The losses do "
+           f"the global weights). "
+           + (f"The DiLoCo runs continue every-step training's checkpoint of step {args.warm_start} "
+              f"(`trainrun resume --force --set distributed.sync=diloco`; the paper starts from a pre-trained "
+              f"model): steps 1-{args.warm_start} are every-step's. " if args.warm_start else "")
+           + f"Data: the standard library's .py files, BPE 1024, 2% held out. The losses do "
            f"not depend on the machine's load. Command: `.venv/bin/python scripts/bench/diloco_quality.py "
-           f"--steps {args.steps} --outer-lr {args.outer_lr:g} --outer-momentum {args.outer_momentum:g}`.", "",
+           f"--steps {args.steps}{f' --warm-start {args.warm_start}' if args.warm_start else ''} --outer-lr {args.outer_lr:g} --outer-momentum {args.outer_momentum:g}`.", "",
            "| variant | outer steps | eval loss at the end | vs every-step | steps to every-step's final loss | "
            "bytes across replicas (per rank) |", "|---|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
