@@ -6,6 +6,7 @@ import os
 import sys
 
 import numpy as np
+import onnx
 import pytest
 from safetensors.numpy import load_file
 
@@ -98,6 +99,18 @@ def test_lora_gradients_match_peft(tmp_path, family, builder):
     manifest = json.load(open(os.path.join(graphs_dir, "manifest.json")))
     names = [p["name"] for p in manifest["params"]]
     assert all(".lora_A." in n or ".lora_B." in n or n.startswith("transformer.ln_f.") for n in names), names
+    # the frozen base: inputs of every graph (no constants of theirs), its values once in frozen.safetensors,
+    # no gradient of it in the train graph
+    frozen = [f["name"] for f in manifest["frozen"]]
+    assert sorted(frozen) == sorted(manifest["lora"]["base"]) and not set(frozen) & set(names)
+    assert sorted(load_file(os.path.join(graphs_dir, "frozen.safetensors"))) == sorted(frozen)
+    for graph in ("train", "eval", "forward"):
+        g = onnx.load(os.path.join(graphs_dir, f"{graph}.onnx")).graph
+        assert not {t.name for t in g.initializer} & set(frozen), graph
+        assert set(frozen) <= {i.name for i in g.input}, graph
+    train_graph = onnx.load(os.path.join(graphs_dir, "train.onnx")).graph
+    made = {o for n in train_graph.node for o in n.output} | {o.name for o in train_graph.output}
+    assert not [f for f in frozen if f + "_grad" in made or f + "_grad.accumulation.buffer" in made]
     shapes = {"input_ids": ((batch_size, seq), np.int64), "labels": ((batch_size, seq), np.int64)}
     eng = Engine(graphs_dir, EngineOptions(threads=2), shapes, shapes)
     eng.load_weights()
@@ -246,13 +259,21 @@ def test_resume_is_exact_with_zero1_and_adapter_dropout_and_checks_the_base(tmp_
     def start(name, **extra):
         cfg = write_config(tmp_path / f"{name}.yaml", byte_dataset, **{
             "run.output_dir": str(tmp_path / name), "model": {"builtin": "gpt2", "init_from": folder, "lora": lora},
-            "train.max_steps": 8, "train.micro_batch_size": 2, "distributed.zero_stage": 1,
+            "train.max_steps": 8, "train.micro_batch_size": 2, "distributed.zero_stage": 1, "data.eval": None,
             "checkpoint": {"every": 4, "keep_last": 3}, **extra})
-        mpirun(2, "--config", cfg)
-        return str(tmp_path / name)
+        out = mpirun(2, "--config", cfg)
+        return str(tmp_path / name), out.stdout + out.stderr
 
-    straight = start("straight")
-    split = start("split", **{"train.stop_at": 4})
+    straight, out = start("straight", **{"run.log_level": "devinfo", "debug.save_graphs": True})
+    # both ranks bind the one frozen base of their node (shared memory, beside the parameters); no eval data:
+    # the eval graph is never opened (debug.save_graphs writes each graph a session opens)
+    manifest = json.load(open(os.path.join(straight, "graphs", "manifest.json")))
+    frozen = sum(int(np.prod(f["shape"])) for f in manifest["frozen"])
+    line = f"one {4 * manifest['num_params']:,}-byte parameter buffer and one {4 * frozen:,}-byte frozen buffer per node"
+    assert out.count(line) == 2, out
+    saved = os.listdir(os.path.join(straight, "debug", "graphs"))
+    assert "train.onnx" in saved and "eval.onnx" not in saved, saved
+    split, _ = start("split", **{"train.stop_at": 4})
     mpirun(2, "resume", os.path.join(split, "checkpoints", "4"), "--set", "train.stop_at=0")
     a, b = read_metrics(straight)[0], read_metrics(split)[0]
     assert sorted(a) == sorted(b) == list(range(1, 9))
@@ -264,7 +285,6 @@ def test_resume_is_exact_with_zero1_and_adapter_dropout_and_checks_the_base(tmp_
     moments = load_file(os.path.join(straight, "checkpoints", "8", "optimizer.safetensors"))
     assert {k: v.shape for k, v in moments.items()} == {f"{s}/{k}": v.shape for k, v in wa.items()
                                                          for s in ("exp_avg", "exp_avg_sq")}
-    manifest = json.load(open(os.path.join(straight, "graphs", "manifest.json")))
     assert manifest["num_params"] == sum(v.size for v in wa.values())
 
     other = gpt2_folder(tmp_path / "other", seed=5)

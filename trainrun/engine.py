@@ -30,7 +30,7 @@ from . import cuda
 from . import feeding
 from .graphs import segments
 from .graphs.gradients import direct_gradients
-from .graphs.manifest import load_manifest
+from .graphs.manifest import FROZEN_FILE, load_manifest
 from .graphs.names import ACC_OUT_SUFFIX, BUFFER_SUFFIX, LOSS, MASK_PREFIX, METRIC_PREFIX, RESET
 from .dropout import DropoutMasks
 from .errors import TrainrunError, UsageError
@@ -314,6 +314,12 @@ class Engine:
 
     ``buffers``: (params, grads) allocated by the caller (host arrays of the layout's size, e.g. views of
     shared memory that several ranks' sessions bind to, :mod:`trainrun.update`); by default the engine's own.
+    ``frozen``: the buffer of the frozen weights (the manifest's ``frozen``: model.frozen's, model.lora's
+    base), graph inputs of every graph like the parameters, allocated by the caller likewise (once per node)
+    or the engine's own; ``fill_frozen``: whether this engine fills it from the graphs' frozen.safetensors
+    (False: another rank of the node does, before any graph runs).
+    ``lazy_eval``: the eval session is opened when first used (:attr:`eval_s`), not at start-up (a run
+    without eval data evaluates nothing).
 
     ``batch_shapes``: dataset feature -> (shape, dtype) of one micro-batch; ``feeds``: graph input ->
     the feature that feeds it (:func:`trainrun.feeding.feeds`, by default equal names and the labels
@@ -327,7 +333,8 @@ class Engine:
     """
 
     def __init__(self, graphs_dir: str, opts: EngineOptions, batch_shapes: dict, eval_batch_shapes: dict,
-                 feeds: dict | None = None, buffers: tuple | None = None):
+                 feeds: dict | None = None, buffers: tuple | None = None, frozen=None, fill_frozen: bool = True,
+                 lazy_eval: bool = False):
         self.dir = graphs_dir
         self.opts = opts
         self.manifest = load_manifest(graphs_dir)
@@ -363,6 +370,17 @@ class Engine:
         self.state_layout = FlatLayout.from_manifest({"params": self.manifest.get("states", [])})
         self.state = xp.zeros(self.state_layout.total, np.float32)
         self.state_next = xp.zeros(self.state_layout.total, np.float32)
+        self.frozen_layout = FlatLayout.from_manifest({"params": self.manifest.get("frozen", [])})
+        if frozen is None:
+            frozen = xp.zeros(self.frozen_layout.total, np.float32)
+        elif not (isinstance(frozen, np.ndarray) and frozen.dtype == np.float32 and xp is np
+                  and frozen.shape == (self.frozen_layout.total,) and frozen.flags.c_contiguous):
+            raise TrainrunError(f"engine: the frozen buffer must be a contiguous float32 host array of "
+                                f"{self.frozen_layout.total} elements")
+        self.frozen = frozen
+        if fill_frozen:
+            self._load_frozen()
+        self.lazy_eval = lazy_eval
         self.label_check = self._label_check()
         self.masks = self._masks(self.manifest.get("dropout"), opts.seed)
 
@@ -374,7 +392,7 @@ class Engine:
     def reopen(self, opts: EngineOptions) -> tuple:
         """(Re-)create the three sessions with ``opts`` (e.g. profiling on), bound to the same buffers.
         Returns the previous sessions and options for :meth:`restore`."""
-        old = (getattr(self, "train_s", None), getattr(self, "eval_s", None), getattr(self, "opt_s", None),
+        old = (getattr(self, "train_s", None), getattr(self, "_eval_s", None), getattr(self, "opt_s", None),
                self.opts)
         self.opts = opts
         train = os.path.join(self.dir, "train.onnx")
@@ -394,9 +412,11 @@ class Engine:
         else:
             self.train_s = _Bound(train, opts, "train", None if model is None else model.SerializeToString(),
                                   recompute=recompute)
-        self.eval_s = _Bound(os.path.join(self.dir, "eval.onnx"), opts, "eval")
+        self._eval_s = None
         self.opt_s = None
         self._bind_all()
+        if not self.lazy_eval:
+            self._open_eval()
         if self._graph_optimizer is not None:
             self._open_optimizer()
         return old
@@ -427,7 +447,7 @@ class Engine:
         self._graph_optimizer.bind(self.opt_s)
 
     def restore(self, old: tuple) -> None:
-        self.train_s, self.eval_s, self.opt_s, self.opts = old
+        self.train_s, self._eval_s, self.opt_s, self.opts = old
         if self.opt_s is not None:
             self._graph_optimizer.bind(self.opt_s)
 
@@ -468,34 +488,95 @@ class Engine:
             {k: self.xp.zeros(v.shape, v.dtype) for k, v in masks.buffers.items()}
         return masks
 
+    @property
+    def eval_s(self):
+        """The eval session, opened and bound on first use (``lazy_eval``); None once closed."""
+        if self._eval_s is None and self.train_s is not None:
+            self._open_eval()
+        return self._eval_s
+
+    @property
+    def eval_metrics(self) -> dict:
+        """The eval graph's metric outputs (name -> float32 scalar) of its last run."""
+        return self._eval_metrics if self.eval_s is not None else {}
+
+    def _open_eval(self) -> None:
+        self._eval_s = _Bound(os.path.join(self.dir, "eval.onnx"), self.opts, "eval")
+        self._bind_eval()
+
+    def _load_frozen(self) -> None:
+        """The frozen buffer filled from the graphs' frozen.safetensors, one tensor at a time."""
+        if not self.frozen_layout.names:
+            return
+        from safetensors import safe_open
+        path = os.path.join(self.dir, FROZEN_FILE)
+        with safe_open(path, framework="np") as f:
+            held = set(f.keys())
+            for i, name in enumerate(self.frozen_layout.names):
+                if name not in held:
+                    raise UsageError(f"{path}: no tensor '{name}' (prepare the graphs again)")
+                v = self.frozen_layout.view(self.frozen, i)
+                t = f.get_tensor(name)
+                if t.shape != v.shape:
+                    raise UsageError(f"{path}: tensor '{name}' has shape {t.shape}, the graphs take {v.shape} "
+                                     f"(prepare the graphs again)")
+                v[...] = self.xp.asarray(t)
+
+    def _bind_frozen(self, bound) -> None:
+        for i, name in enumerate(self.frozen_layout.names):
+            if name in bound.input_names:
+                bound.bind_in(name, self.frozen_layout.view(self.frozen, i))
+
+    def _bind_eval(self) -> None:
+        L, S, e = self.layout, self.state_layout, self._eval_s
+        self._check_inputs(e, self.eval_batch)
+        for name, arr in self.eval_batch.items():
+            e.bind_in(name, arr)
+        for i, name in enumerate(S.names):
+            e.bind_in(name, S.view(self.state, i))
+        for i, name in enumerate(L.names):
+            e.bind_in(name, L.view(self.params, i))
+        self._bind_frozen(e)
+        e.bind_out(LOSS, self.eval_loss)
+        # eval metrics (metric/<name>/sum|count, float32 scalars) to host scalars; the logits stay unbound:
+        # onnxruntime then never copies them out (they are only an output for `export --with-loss`)
+        self._eval_metrics = {}
+        for out in e.session.get_outputs():
+            if out.name.startswith(METRIC_PREFIX):
+                if out.type != "tensor(float)" or any(d not in (1,) for d in (out.shape or [])):
+                    raise UsageError(f"{e.path}: eval-metric output '{out.name}' must be a float32 scalar "
+                                     f"(it is {out.type} of shape {out.shape})")
+                self._eval_metrics[out.name] = np.zeros(out.shape or (), np.float32)
+                e.bind_out(out.name, self._eval_metrics[out.name])
+        # a task head's logits (manifest task_labels): read back after each eval step (:attr:`eval_logits`)
+        if self.manifest.get("task_labels"):
+            e.binding.bind_output(self.manifest["logits"], "cpu")
+
     def _bind_all(self) -> None:
         L, S = self.layout, self.state_layout
-        t, e = self.train_s, self.eval_s
+        t = self.train_s
         self._check_inputs(t, self.batch)
-        self._check_inputs(e, self.eval_batch)
         for name, arr in self.batch.items():
             t.bind_in(name, arr)
         for name, arr in (self.mask_dev if self.masks else {}).items():
             t.check_shape(name, arr.shape)
             t.bind_in(name, arr)
-        known = set(L.names) | set(S.names) | set(self.batch) | {RESET, self.manifest.get("loss_scale")}
+        known = set(L.names) | set(S.names) | set(self.frozen_layout.names) | set(self.batch) \
+            | {RESET, self.manifest.get("loss_scale")}
         missing = [n for n in t.input_names if n not in known
                    and not n.startswith(MASK_PREFIX) and not n.endswith(BUFFER_SUFFIX)]
         if missing:
             raise UsageError(f"graph input(s) neither parameters nor fed by a dataset feature: {', '.join(missing)} "
                              f"(feed each with data.inputs: {{INPUT: FEATURE}})")
-        for name, arr in self.eval_batch.items():
-            e.bind_in(name, arr)
         for i, (name, out) in enumerate(zip(S.names, (s["output"] for s in self.manifest.get("states", [])))):
             t.bind_in(name, S.view(self.state, i))
-            e.bind_in(name, S.view(self.state, i))
             t.bind_out(out, S.view(self.state_next, i))
+        self._bind_frozen(t)
         self.flags = []
         self._grads_bound = self.grads      # where the gradient outputs are bound (forward_backward)
         for i, name in enumerate(L.names):
             p, g = L.view(self.params, i), L.view(self.grads, i)
             t.bind_in(name, p)
-            e.bind_in(name, p)
             if self.grad_outputs:
                 t.bind_out(self.grad_outputs[name], g)
                 continue
@@ -510,21 +591,7 @@ class Engine:
         t.bind_out(LOSS, self.loss)
         for name in self.stats_outputs:     # onnxruntime allocates them, on the device, each run
             t.bind_allocated(name)
-        e.bind_out(LOSS, self.eval_loss)
-        # eval metrics (metric/<name>/sum|count, float32 scalars) to host scalars; the logits stay unbound:
-        # onnxruntime then never copies them out (they are only an output for `export --with-loss`)
-        self.eval_metrics = {}
-        for out in e.session.get_outputs():
-            if out.name.startswith(METRIC_PREFIX):
-                if out.type != "tensor(float)" or any(d not in (1,) for d in (out.shape or [])):
-                    raise UsageError(f"{e.path}: eval-metric output '{out.name}' must be a float32 scalar "
-                                     f"(it is {out.type} of shape {out.shape})")
-                self.eval_metrics[out.name] = np.zeros(out.shape or (), np.float32)
-                e.bind_out(out.name, self.eval_metrics[out.name])
-        # a task head's logits (manifest task_labels): read back after each eval step (:attr:`eval_logits`)
         self.eval_logits = None
-        if self.manifest.get("task_labels"):
-            e.binding.bind_output(self.manifest["logits"], "cpu")
 
 
     # ------------------------------------------------------------------ steps
@@ -644,8 +711,8 @@ class Engine:
     def close(self) -> None:
         """Drop the sessions and every buffer (the end of a run: what follows, e.g. rank 0's export,
         then does not stack on top of them)."""
-        self.train_s = self.eval_s = self.opt_s = self._graph_optimizer = None
-        self.params = self.grads = self.state = self.state_next = self.masks = None
+        self.train_s = self._eval_s = self.opt_s = self._graph_optimizer = None
+        self.params = self.grads = self.state = self.state_next = self.masks = self.frozen = None
         self.batch, self.eval_batch = {}, {}
 
     def load_weights(self, path: str | None = None) -> None:

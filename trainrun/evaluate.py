@@ -38,7 +38,7 @@ from .comm import make_communicator
 from .data import eval_batches, open_dataset
 from .engine import check_inputs
 from .errors import TrainrunError, UsageError
-from .export import checkpoint_weights
+from .export import checkpoint_weights, frozen_tensors, held_graphs, mapped_weights
 from .models import registry
 from .observe.task_metrics import TaskMetrics
 from .sessions import session_options
@@ -96,7 +96,8 @@ def run_evaluate(source: str, data: str, *, steps: int | None, batch: int | None
         if missing:
             raise UsageError(f"--data {data}: lacks the features the model reads "
                              f"(its features: {', '.join(ds.specs)})", missing)
-        weights = checkpoint_weights(held, manifest)
+        with held_graphs(os.path.join(run_dir, "graphs"), manifest) as graphs:     # and the frozen weights
+            weights = {**mapped_weights(frozen_tensors(graphs, manifest)), **checkpoint_weights(held, manifest)}
         held.close()
         so = session_options(max(1, _cores() // max(1, comm.local_size)))
         eval_path = os.path.join(run_dir, "graphs", "eval.onnx")

@@ -29,7 +29,7 @@ from . import checkpoint as K
 from . import faults
 from .graphs.gradients import add_outputs, keep_outputs, reads
 from .graphs.lora import merged
-from .graphs.manifest import load_manifest
+from .graphs.manifest import FROZEN_FILE, load_manifest
 from .graphs.names import METRIC_PREFIX
 from .graphs.onnx_edit import IR_VERSION
 from . import config as C
@@ -104,6 +104,22 @@ def checkpoint_tensors(ckpt: K.Pinned, manifest: dict) -> list[Weight]:
         start, spans = K.tensor_spans(ckpt, file, [prefix + n for n in names], shapes)
         out += [Weight(n, tuple(s), ckpt, file, start + off, size) for n, s, (off, size) in zip(names, shapes, spans)]
     return out
+
+
+def frozen_tensors(graphs: K.Held, manifest: dict) -> list[Weight]:
+    """Where the frozen weights (the manifest's ``frozen``: model.frozen's, model.lora's base) lie in the
+    graphs' frozen.safetensors (``graphs``: the graphs folder with it held open)."""
+    layout = FlatLayout.from_manifest({"params": manifest.get("frozen", [])})
+    if not layout.names:
+        return []
+    start, spans = K.tensor_spans(graphs, FROZEN_FILE, layout.names, layout.shapes)
+    return [Weight(n, tuple(s), graphs, FROZEN_FILE, start + off, size)
+            for n, s, (off, size) in zip(layout.names, layout.shapes, spans)]
+
+
+def held_graphs(graphs_dir: str, manifest: dict) -> K.Held:
+    """The graphs folder with its frozen.safetensors held open (when the run has frozen weights)."""
+    return K.Held(graphs_dir, [FROZEN_FILE] if manifest.get("frozen") else [])
 
 
 def mapped_weights(weights: list[Weight]) -> dict[str, np.ndarray]:
@@ -227,15 +243,15 @@ def checkpoint_weights(ckpt, manifest: dict) -> dict[str, np.ndarray]:
     return weights
 
 
-def lora_weights(graphs_dir: str, manifest: dict, weights: dict) -> dict[str, np.ndarray]:
-    """``weights`` (a checkpoint's) as the full model: for a LoRA run (``model.lora``), the base weights of
-    its forward graph with the adapters merged into them (W + B A alpha / r); else ``weights`` itself."""
+def full_weights(graphs_dir: str, manifest: dict, weights: dict) -> dict[str, np.ndarray]:
+    """``weights`` (a checkpoint's) as the full model: with the frozen weights (the graphs'
+    frozen.safetensors, mapped from the file), and for a LoRA run (``model.lora``) the adapters merged into
+    the base (W + B A alpha / r)."""
+    with held_graphs(graphs_dir, manifest) as graphs:
+        frozen = mapped_weights(frozen_tensors(graphs, manifest))
     lora = manifest.get("lora")
     if not lora:
-        return weights
-    base = set(lora["base"])
-    forward = onnx.load(os.path.join(graphs_dir, "forward.onnx"))
-    frozen = {t.name: numpy_helper.to_array(t) for t in forward.graph.initializer if t.name in base}
+        return {**frozen, **weights}
     return merged({**frozen, **weights}, manifest["model"]["lora"], lora["in_out"])
 
 
@@ -291,21 +307,24 @@ def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None,
     the eval graph, said, when the model outputs nothing but its loss and metrics (a user graph that
     returns its loss only); False: the inference model or a UsageError."""
     with K.pin(checkpoint) as held:       # its files stay readable if the run training on prunes it
-        return _export(held, output, opset, with_loss, kv_cache, verify, echo)
+        graphs_dir = os.path.join(rundir.run_dir_of(held.dir), "graphs")
+        with held_graphs(graphs_dir, load_manifest(graphs_dir)) as graphs:
+            return _export(held, graphs, output, opset, with_loss, kv_cache, verify, echo)
 
 
-def _export(held: K.Pinned, output: str, opset, with_loss, kv_cache, verify, echo) -> float:
+def _export(held: K.Pinned, graphs: K.Held, output: str, opset, with_loss, kv_cache, verify, echo) -> float:
     import onnxruntime as ort
 
     ckpt = held.dir
-    graphs_dir = os.path.join(rundir.run_dir_of(ckpt), "graphs")
+    graphs_dir = graphs.dir
     manifest = load_manifest(graphs_dir)
     K.verify(held)
-    tensors = checkpoint_tensors(held, manifest)      # streamed from the file into the model: no copy held
+    # streamed from the files into the model: no copy held; the frozen weights from the graphs folder
+    tensors = checkpoint_tensors(held, manifest) + frozen_tensors(graphs, manifest)
 
     full = None
     if manifest.get("lora") and not with_loss:       # a LoRA run: the full model, the adapters merged
-        full = lora_weights(graphs_dir, manifest, checkpoint_weights(held, manifest))
+        full = full_weights(graphs_dir, manifest, checkpoint_weights(held, manifest))
         family = registry.of_manifest(manifest)
         section = family.without_dropout(family.shape_of(manifest))
         if kv_cache:
@@ -433,7 +452,7 @@ def _export_transformers(held: K.Pinned, output: str, tokenizer: str | None, ech
                             "a user graph, which has no transformers class") + "; export it as onnx")
     if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
         raise UsageError(f"--output {output} already exists and is not an empty directory")
-    weights = lora_weights(os.path.join(run_dir, "graphs"), manifest, checkpoint_weights(held, manifest))
+    weights = full_weights(os.path.join(run_dir, "graphs"), manifest, checkpoint_weights(held, manifest))
     for tied, source in family.transformers.tied.items():       # as the transformers class holds them
         weights.setdefault(tied, weights[source])               # (a head that is a parameter: untied)
     try:

@@ -26,7 +26,7 @@ from . import rundir
 from . import tokenizer as T
 from .checkpoint import pin
 from .errors import UsageError
-from .export import checkpoint_weights, kv_cache_model, lora_weights
+from .export import checkpoint_weights, full_weights, kv_cache_model
 from .flat import FlatLayout, to_host
 from .models import registry
 from .sessions import session_options
@@ -136,7 +136,7 @@ def load_source(source: str, threads: int = 0) -> tuple[Decoder, str]:
     with pin(source) as ckpt:        # held open: the run may prune it as it trains
         run_dir = rundir.run_dir_of(ckpt.dir)
         manifest = load_manifest(os.path.join(run_dir, "graphs"))
-        model = kv_cache_model(manifest, lambda: lora_weights(os.path.join(run_dir, "graphs"), manifest,
+        model = kv_cache_model(manifest, lambda: full_weights(os.path.join(run_dir, "graphs"), manifest,
                                                               checkpoint_weights(ckpt, manifest)), where=ckpt.dir)
     n_positions = C.positions(registry.of_manifest(manifest).shape_of(manifest))
     sess = ort.InferenceSession(model.SerializeToString(), session_options(threads),

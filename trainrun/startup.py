@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import os
 import platform
 import sys
@@ -177,7 +178,8 @@ def _build_engine(cfg: C.Config, comm, graphs_dir: str, manifest: dict, train_ds
     node = None
     error = None
     try:     # intra_node: shared: parameters and gradients in the node's shared memory (None: the mpi path)
-        node = update.node_buffers(cfg, step_comm, manifest["num_params"])
+        frozen = sum(math.prod(f["shape"]) for f in manifest.get("frozen", []))
+        node = update.node_buffers(cfg, step_comm, manifest["num_params"], frozen)
     except UsageError as exc:
         error = exc
     comm.agree(error)
@@ -200,7 +202,11 @@ def _build_engine(cfg: C.Config, comm, graphs_dir: str, manifest: dict, train_ds
         logged = validity.eval_metrics(cfg, train_ds, manifest=manifest)
         if problems := validity.eval_metric_problems(cfg, logged):
             raise UsageError(f"{len(problems)} problem(s) in the configuration", problems)
-        engine = Engine(graphs_dir, opts, shapes, shapes, feeds=feeds, buffers=node.buffers if node else None)
+        # the frozen weights once per node too: node rank 0 fills them before any rank runs a graph (the
+        # agreement below waits for every rank); no eval data: the eval graph opened only if something evaluates
+        engine = Engine(graphs_dir, opts, shapes, shapes, feeds=feeds, buffers=node.buffers if node else None,
+                        frozen=node.frozen if node else None, fill_frozen=node is None or node.mem.node.rank == 0,
+                        lazy_eval=not cfg.data.eval_sets())
         engine.load_weights()
         # the optimizer over the whole buffers, or (partitioned) over this rank's part only
         shard = update.build(cfg, step_comm, engine, node)
@@ -240,7 +246,9 @@ def header(cfg: C.Config, comm, threads: int, shard, num_params: int, train_ds, 
         node = getattr(shard, "node", None)
         log("intra-node: " + (f"shared (node rank {node.mem.node.rank} of {node.mem.node.world_size}, "
                                f"node {node.mem.cross.rank} of {node.mem.cross.world_size}; one "
-                               f"{node.params.nbytes:,}-byte parameter buffer per node)" if node else "mpi"),
+                               f"{node.params.nbytes:,}-byte parameter buffer "
+                               + (f"and one {node.frozen.nbytes:,}-byte frozen buffer " if node.frozen is not None
+                                  else "") + "per node)" if node else "mpi"),
             all_ranks=True)
     else:   # what differs from the defaults; the whole file is <output_dir>/config.yaml (devinfo prints it)
         log(f"config (what differs from the defaults; all of it in "

@@ -108,17 +108,20 @@ def optimizer_for(engine, cfg_optimizer, kernel: str = "auto", depths: dict | No
 
 
 class NodeBuffers:
-    """The parameters (one buffer per node) and every local rank's gradient buffer, in shared memory."""
+    """The parameters and the frozen weights (one buffer each per node) and every local rank's gradient
+    buffer, in shared memory."""
 
-    def __init__(self, mem: NodeMemory, n: int):
+    def __init__(self, mem: NodeMemory, n: int, frozen: int = 0):
         self.mem = mem
-        mem.require(4 * n * (1 + mem.node.world_size))     # one parameter buffer + every rank's gradients
+        # one parameter buffer + every rank's gradients + the frozen weights
+        mem.require(4 * (n * (1 + mem.node.world_size) + frozen))
         self.params = mem.allocate(n, per_rank=False)[0]
         self.grads = mem.allocate(n, per_rank=True)
+        self.frozen = mem.allocate(frozen, per_rank=False)[0] if frozen else None
         self.buffers = (self.params, self.grads[mem.node.rank])     # for Engine(buffers=...)
 
     def close(self) -> None:
-        self.params = self.grads = self.buffers = None
+        self.params = self.grads = self.buffers = self.frozen = None
         self.mem.close()
 
 
@@ -137,8 +140,8 @@ def ranks_per_node(world_size: int) -> int | None:
     return k
 
 
-def node_buffers(cfg, comm, n: int) -> NodeBuffers | None:
-    """Shared memory for ``distributed.intra_node: shared`` where it applies (several ranks per node, the
+def node_buffers(cfg, comm, n: int, frozen: int = 0) -> NodeBuffers | None:
+    """Shared memory for ``distributed.intra_node: shared`` (``n`` parameters, ``frozen`` frozen weights) where it applies (several ranks per node, the
     CPU, the MPI backend, the host optimizer kernel, no debug.stats_every); None for the mpi path. Where
     MPI-3 shared windows cannot be had: a warning (rank 0) and None. Every rank calls it."""
     if (cfg.distributed.intra_node != "shared" or not isinstance(comm, MPICommunicator) or cfg.device != "cpu"
@@ -150,7 +153,7 @@ def node_buffers(cfg, comm, n: int) -> NodeBuffers | None:
         if mem.node.world_size == 1:        # one rank per node: nothing to share
             mem.close()
             return None
-        return NodeBuffers(mem, n)
+        return NodeBuffers(mem, n, frozen)
     except SharedMemoryUnavailable as e:
         if comm.rank == 0:
             print(f"trainrun: warning: distributed.intra_node: shared is not available here ({e}); "

@@ -122,6 +122,23 @@ class Pinned:
             raise UsageError(f"{self.path(name)}: not a readable safetensors file: {exc}") from None
 
 
+class Held(Pinned):
+    """Files of a folder that is no checkpoint (the graphs' frozen.safetensors) held open and read as a
+    checkpoint's are (:func:`tensor_spans`, a memory map); no marker nor checksums to check."""
+
+    def __init__(self, folder: str, names):
+        self.dir, self._fds, self.sums = folder, {}, {}
+        d = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            for name in names:
+                self._open(name, d)
+        except FileNotFoundError:
+            self.close()
+            raise UsageError(f"{os.path.join(folder, name)}: not found (prepare the graphs again)") from None
+        finally:
+            os.close(d)
+
+
 _PIN_TRIES = 10
 
 

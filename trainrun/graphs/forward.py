@@ -5,6 +5,7 @@ external data, checked against ``model.inputs`` / ``model.loss``), its trainable
 from __future__ import annotations
 
 import copy
+import dataclasses
 import fnmatch
 import os
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ class Forward:
     class_weights: list | None = None
     states: dict | None = None      # BatchNormalization running stats: {initializer: output with its update}
     lora: dict | None = None        # model.lora: {"base": the frozen weights, "in_out": modules with W [in, out]}
+    # the frozen weights (model.frozen's, model.lora's base): graph inputs bound to the frozen flat buffer
+    frozen: list[str] = dataclasses.field(default_factory=list)
 
 
 def forward_from_config(cfg: Config) -> Forward:
@@ -49,6 +52,7 @@ def forward_from_config(cfg: Config) -> Forward:
         params = _trainable(trainable, m.frozen, family.name)
         lora = {"base": [n for n in weights if n not in params], "in_out": in_out}
     return Forward(model=model, params=params, lora=lora if m.lora else None,
+                   frozen=[n for n in weights if n not in params],
                    inputs=list(family.inputs), logits=family.logits,
                    labels=None if family.loss else m.loss.labels, loss=family.loss,
                    loss_type=family.loss_type if family.loss is None else "cross_entropy")
@@ -124,7 +128,9 @@ def _check_forward(model, inputs, loss, frozen, source) -> Forward:
     model, states = _batchnorm_states(model)
     floats = [t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT and len(t.dims) > 0
               and t.name not in states]
-    fwd = Forward(model=model, params=_trainable(floats, frozen, source), inputs=list(inputs), logits=logits,
+    params = _trainable(floats, frozen, source)
+    fwd = Forward(model=model, params=params, frozen=[n for n in floats if n not in params], inputs=list(inputs),
+                  logits=logits,
                   labels=labels, loss=loss.output, loss_type=loss.type, class_axis=loss.class_axis,
                   class_weights=list(loss.weights) or None, states=states or None)
     if fwd.loss is None and fwd.loss_type == "cross_entropy":

@@ -36,8 +36,10 @@ FORMAT_VERSION = 1
 # LogSoftmax + NegativeLogLikelihoodLoss, tied embedding gradients added by ScatterElements; 3: weight
 # gradients by MatMul over an explicitly transposed input (no Gemm transA); 4: the cross-entropy's gradient
 # from Exp(log_prob) (_cross_entropy_grad_by_exp); 5: a tied head's gradient scattered into before its
-# Transpose; 6: products over a multiple of 1024 float32 padded (graphs/strides.py, engine.pad_products)
-GRAPH_VERSION = 6
+# Transpose; 6: products over a multiple of 1024 float32 padded (graphs/strides.py, engine.pad_products);
+# 7: the frozen weights (model.frozen, model.lora's base) graph inputs, their values in frozen.safetensors
+GRAPH_VERSION = 7
+FROZEN_FILE = "frozen.safetensors"
 
 
 def build_options(cfg: Config) -> dict:
@@ -89,7 +91,7 @@ def loss_graph(cfg: Config, fwd, build: dict) -> tuple[onnx.ModelProto, dict | N
     states = dict(fwd.states or {})
     loss_model = params_to_inputs(with_loss(fwd, cfg.model.loss.ignore_index, keep_logits=False,
                                             label_smoothing=cfg.model.loss.label_smoothing),
-                                  fwd.params + list(states))
+                                  fwd.params + list(states) + fwd.frozen)
     loss_model.graph.output.extend(helper.make_tensor_value_info(out, inits[st].data_type, list(inits[st].dims))
                                    for st, out in states.items())     # the state's updates
     loss_model, dropout = dropout_masks(loss_model, fwd.inputs, source)
@@ -111,9 +113,12 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
     source = cfg.model.onnx or cfg.model.builtin
     inits = {t.name: t for t in fwd.model.graph.initializer}
     states = dict(fwd.states or {})
+    fwd.frozen = [n for n in fwd.frozen if n in inits]
     weights = {p: numpy_helper.to_array(inits[p]) for p in fwd.params + list(states)}
     shapes = [(p, tuple(int(d) for d in inits[p].dims)) for p in fwd.params]
-    graph_inputs = fwd.params + list(states)       # parameters, then state: inputs of every graph
+    # parameters, then state, then the frozen weights: inputs of every graph (the frozen ones bound to one
+    # buffer filled from frozen.safetensors, as the parameters are: never constants of a session)
+    graph_inputs = fwd.params + list(states) + fwd.frozen
 
     build = build_options(cfg)
     loss_model, dropout = loss_graph(cfg, fwd, build)
@@ -142,9 +147,14 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
     files = {"train": train, "eval": evalg, "forward": forward, "optimizer": optimizer}
     for name, model in files.items():
         _save(model, os.path.join(out_dir, f"{name}.onnx"))
-    tmp = os.path.join(out_dir, "weights.safetensors.tmp")
-    save_file(weights, tmp)
-    os.replace(as_created(tmp), os.path.join(out_dir, "weights.safetensors"))
+    tensors = {"weights.safetensors": weights}
+    frozen = {n: numpy_helper.to_array(inits[n]) for n in fwd.frozen}
+    if frozen:
+        tensors[FROZEN_FILE] = frozen
+    for name, values in tensors.items():
+        tmp = os.path.join(out_dir, name + ".tmp")
+        save_file(values, tmp)
+        os.replace(as_created(tmp), os.path.join(out_dir, name))
 
     import onnxruntime
     manifest = {
@@ -170,15 +180,17 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
         "model": to_dict(cfg.model),
         # model.lora: the frozen base weights (their sha256 checked on resume), the adapted modules whose
         # weight is stored [in, out] (export merges the adapters into them)
-        "lora": {**fwd.lora, "base_sha256": lora_digest({n: numpy_helper.to_array(inits[n]) for n in fwd.lora["base"]})}
+        "lora": {**fwd.lora, "base_sha256": lora_digest({n: frozen[n] for n in fwd.lora["base"]})}
         if fwd.lora else None,
+        # the frozen weights: graph inputs, their values in frozen.safetensors (the engine's frozen buffer)
+        "frozen": [{"name": n, "shape": list(frozen[n].shape)} for n in fwd.frozen],
         "optimizer": to_dict(cfg.optimizer),
         "build": build,
         "stats_outputs": stats_outputs,
         "dropout": dropout,
         "loss_scale": LOSS_SCALE if build["precision"] == "fp16" else None,
         "files": {f"{n}.onnx": sha256_file(os.path.join(out_dir, f"{n}.onnx")) for n in files}
-                 | {"weights.safetensors": sha256_file(os.path.join(out_dir, "weights.safetensors"))},
+                 | {f: sha256_file(os.path.join(out_dir, f)) for f in tensors},
         "onnxruntime": onnxruntime.__version__,
         "onnx": onnx.__version__,
     }
