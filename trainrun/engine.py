@@ -24,10 +24,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from safetensors.numpy import load_file
+from safetensors import safe_open
 
 from . import cuda
 from . import feeding
+from .feeding import ORT_TYPES, check_inputs
 from .graphs import segments
 from .graphs.gradients import direct_gradients
 from .graphs.manifest import FROZEN_FILE, load_manifest
@@ -36,35 +37,6 @@ from .dropout import DropoutMasks
 from .errors import TrainrunError, UsageError
 from .flat import FlatLayout, from_host, is_cupy, norm_sq
 from .sessions import disabled_optimizers, session_options
-
-_ORT_TYPES = {"tensor(float)": np.dtype(np.float32), "tensor(double)": np.dtype(np.float64),
-              "tensor(float16)": np.dtype(np.float16), "tensor(int64)": np.dtype(np.int64),
-              "tensor(int32)": np.dtype(np.int32), "tensor(int8)": np.dtype(np.int8),
-              "tensor(uint8)": np.dtype(np.uint8), "tensor(bool)": np.dtype(bool)}
-
-
-def check_inputs(session, path: str, batch: dict, feeds: dict, hint: str = "") -> None:
-    """Every data input of ``session``'s graph (``path``) that ``batch`` feeds (graph input -> array, fed
-    by the dataset feature ``feeds[input]``) has its declared element type and dims, a fixed batch dim
-    included: else a UsageError naming the feature, the input and both (``hint`` added to the first line)."""
-    problems = []
-    for i in session.get_inputs():
-        if i.name not in batch:
-            continue
-        arr, feature = batch[i.name], feeds[i.name]
-        want = _ORT_TYPES.get(i.type)
-        shape_ok = len(i.shape) == arr.ndim and all(not isinstance(d, int) or d == s
-                                                    for d, s in zip(i.shape, arr.shape))
-        if want != arr.dtype or not shape_ok:
-            batch_note = "" if shape_ok or not (i.shape and isinstance(i.shape[0], int)
-                                                and i.shape[0] != arr.shape[0]) else \
-                f" (its batch dim is fixed to {i.shape[0]}, the micro-batch has {arr.shape[0]})"
-            problems.append(f"feature '{feature}' ({arr.dtype}, per sample {list(arr.shape[1:])}) does not fit "
-                            f"graph input '{i.name}' ({want or i.type}, per sample {list(i.shape[1:])}, "
-                            f"batch dim {i.shape[0] if i.shape else '-'}){batch_note}")
-    if problems:
-        raise UsageError(f"{path}: the data does not fit the graph's inputs{hint}", problems)
-
 
 @dataclass
 class EngineOptions:
@@ -230,7 +202,7 @@ class _Segmented:
                 part.bind_allocated(name)
             self.takes.append([n for n in handed if n not in outputs])
             for name in self.takes[-1]:
-                self._none[name] = ort.OrtValue.ortvalue_from_numpy(np.zeros(1, _ORT_TYPES[made[name].type]))
+                self._none[name] = ort.OrtValue.ortvalue_from_numpy(np.zeros(1, ORT_TYPES[made[name].type]))
             self.parts.append(part)
         live = [p for p in self.parts if p is not None]
         self.sessions = [p.session for p in live]
@@ -314,12 +286,9 @@ class Engine:
 
     ``buffers``: (params, grads) allocated by the caller (host arrays of the layout's size, e.g. views of
     shared memory that several ranks' sessions bind to, :mod:`trainrun.update`); by default the engine's own.
-    ``frozen``: the buffer of the frozen weights (the manifest's ``frozen``: model.frozen's, model.lora's
-    base), graph inputs of every graph like the parameters, allocated by the caller likewise (once per node)
-    or the engine's own; ``fill_frozen``: whether this engine fills it from the graphs' frozen.safetensors
-    (False: another rank of the node does, before any graph runs).
-    ``lazy_eval``: the eval session is opened when first used (:attr:`eval_s`), not at start-up (a run
-    without eval data evaluates nothing).
+    ``frozen``: the frozen weights' buffer (manifest ``frozen``, graph inputs as the parameters), the caller's
+    (once per node) or the engine's; ``fill_frozen`` False: another rank fills it from frozen.safetensors.
+    ``lazy_eval``: the eval session opened on first use (:attr:`eval_s`), not at start-up.
 
     ``batch_shapes``: dataset feature -> (shape, dtype) of one micro-batch; ``feeds``: graph input ->
     the feature that feeds it (:func:`trainrun.feeding.feeds`, by default equal names and the labels
@@ -378,8 +347,8 @@ class Engine:
             raise TrainrunError(f"engine: the frozen buffer must be a contiguous float32 host array of "
                                 f"{self.frozen_layout.total} elements")
         self.frozen = frozen
-        if fill_frozen:
-            self._load_frozen()
+        if fill_frozen and self.frozen_layout.names:
+            self._fill(os.path.join(self.dir, FROZEN_FILE), [(self.frozen_layout, self.frozen)])
         self.lazy_eval = lazy_eval
         self.label_check = self._label_check()
         self.masks = self._masks(self.manifest.get("dropout"), opts.seed)
@@ -504,29 +473,6 @@ class Engine:
         self._eval_s = _Bound(os.path.join(self.dir, "eval.onnx"), self.opts, "eval")
         self._bind_eval()
 
-    def _load_frozen(self) -> None:
-        """The frozen buffer filled from the graphs' frozen.safetensors, one tensor at a time."""
-        if not self.frozen_layout.names:
-            return
-        from safetensors import safe_open
-        path = os.path.join(self.dir, FROZEN_FILE)
-        with safe_open(path, framework="np") as f:
-            held = set(f.keys())
-            for i, name in enumerate(self.frozen_layout.names):
-                if name not in held:
-                    raise UsageError(f"{path}: no tensor '{name}' (prepare the graphs again)")
-                v = self.frozen_layout.view(self.frozen, i)
-                t = f.get_tensor(name)
-                if t.shape != v.shape:
-                    raise UsageError(f"{path}: tensor '{name}' has shape {t.shape}, the graphs take {v.shape} "
-                                     f"(prepare the graphs again)")
-                v[...] = self.xp.asarray(t)
-
-    def _bind_frozen(self, bound) -> None:
-        for i, name in enumerate(self.frozen_layout.names):
-            if name in bound.input_names:
-                bound.bind_in(name, self.frozen_layout.view(self.frozen, i))
-
     def _bind_eval(self) -> None:
         L, S, e = self.layout, self.state_layout, self._eval_s
         self._check_inputs(e, self.eval_batch)
@@ -536,7 +482,8 @@ class Engine:
             e.bind_in(name, S.view(self.state, i))
         for i, name in enumerate(L.names):
             e.bind_in(name, L.view(self.params, i))
-        self._bind_frozen(e)
+        for i, name in enumerate(self.frozen_layout.names):
+            e.bind_in(name, self.frozen_layout.view(self.frozen, i))
         e.bind_out(LOSS, self.eval_loss)
         # eval metrics (metric/<name>/sum|count, float32 scalars) to host scalars; the logits stay unbound:
         # onnxruntime then never copies them out (they are only an output for `export --with-loss`)
@@ -571,7 +518,9 @@ class Engine:
         for i, (name, out) in enumerate(zip(S.names, (s["output"] for s in self.manifest.get("states", [])))):
             t.bind_in(name, S.view(self.state, i))
             t.bind_out(out, S.view(self.state_next, i))
-        self._bind_frozen(t)
+        for i, name in enumerate(self.frozen_layout.names):
+            if name in t.input_names:       # (a train graph cut in segments: in those that read it)
+                t.bind_in(name, self.frozen_layout.view(self.frozen, i))
         self.flags = []
         self._grads_bound = self.grads      # where the gradient outputs are bound (forward_backward)
         for i, name in enumerate(L.names):
@@ -717,18 +666,20 @@ class Engine:
 
     def load_weights(self, path: str | None = None) -> None:
         """Fill the parameter buffer from a safetensors file (default: the initial weights)."""
-        path = path or os.path.join(self.dir, "weights.safetensors")
-        tensors = load_file(path)
-        for layout, flat, i, name in [(L, f, i, n) for L, f in ((self.layout, self.params),
-                                                                (self.state_layout, self.state))
-                                      for i, n in enumerate(L.names)]:
-            if name not in tensors:
-                raise UsageError(f"{path}: no tensor '{name}'")
-            v = layout.view(flat, i)
-            if tensors[name].shape != v.shape:
-                raise UsageError(f"{path}: tensor '{name}' has shape {tensors[name].shape}, "
-                                 f"the model expects {v.shape}")
-            v[...] = self.xp.asarray(tensors[name])
+        self._fill(path or os.path.join(self.dir, "weights.safetensors"),
+                   [(self.layout, self.params), (self.state_layout, self.state)])
+
+    def _fill(self, path: str, parts) -> None:
+        """Each (layout, flat buffer) of ``parts`` filled from the safetensors file ``path``, a tensor at a time."""
+        with safe_open(path, framework="np") as f:
+            held = set(f.keys())
+            for layout, flat, i, name in [(L, b, i, n) for L, b in parts for i, n in enumerate(L.names)]:
+                if name not in held:
+                    raise UsageError(f"{path}: no tensor '{name}'")
+                v, t = layout.view(flat, i), f.get_tensor(name)
+                if t.shape != v.shape:
+                    raise UsageError(f"{path}: tensor '{name}' has shape {t.shape}, the model expects {v.shape}")
+                v[...] = self.xp.asarray(t)
 
     def extra_train_outputs(self) -> dict:
         """The train graph's statistics outputs (debug.tensors) of its last run, on the host."""

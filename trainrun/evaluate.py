@@ -36,7 +36,7 @@ from . import tokenizer
 from . import validity
 from .comm import make_communicator
 from .data import eval_batches, open_dataset
-from .engine import check_inputs
+from .feeding import check_inputs
 from .errors import TrainrunError, UsageError
 from .export import checkpoint_weights, frozen_tensors, held_graphs, mapped_weights
 from .models import registry

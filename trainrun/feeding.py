@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from .errors import UsageError
 from .graphs.names import METRIC_PREFIX, metric_names
 
@@ -37,3 +39,32 @@ def eval_results(loss: float, sums: dict[str, float], perplexity: bool = True) -
     if perplexity and "ce" in result:
         result["perplexity"] = math.exp(min(result["ce"], 80.0))
     return result
+
+
+ORT_TYPES = {"tensor(float)": np.dtype(np.float32), "tensor(double)": np.dtype(np.float64),
+              "tensor(float16)": np.dtype(np.float16), "tensor(int64)": np.dtype(np.int64),
+              "tensor(int32)": np.dtype(np.int32), "tensor(int8)": np.dtype(np.int8),
+              "tensor(uint8)": np.dtype(np.uint8), "tensor(bool)": np.dtype(bool)}
+
+
+def check_inputs(session, path: str, batch: dict, feeds: dict, hint: str = "") -> None:
+    """Every data input of ``session``'s graph (``path``) that ``batch`` feeds (graph input -> array, fed
+    by the dataset feature ``feeds[input]``) has its declared element type and dims, a fixed batch dim
+    included: else a UsageError naming the feature, the input and both (``hint`` added to the first line)."""
+    problems = []
+    for i in session.get_inputs():
+        if i.name not in batch:
+            continue
+        arr, feature = batch[i.name], feeds[i.name]
+        want = ORT_TYPES.get(i.type)
+        shape_ok = len(i.shape) == arr.ndim and all(not isinstance(d, int) or d == s
+                                                    for d, s in zip(i.shape, arr.shape))
+        if want != arr.dtype or not shape_ok:
+            batch_note = "" if shape_ok or not (i.shape and isinstance(i.shape[0], int)
+                                                and i.shape[0] != arr.shape[0]) else \
+                f" (its batch dim is fixed to {i.shape[0]}, the micro-batch has {arr.shape[0]})"
+            problems.append(f"feature '{feature}' ({arr.dtype}, per sample {list(arr.shape[1:])}) does not fit "
+                            f"graph input '{i.name}' ({want or i.type}, per sample {list(i.shape[1:])}, "
+                            f"batch dim {i.shape[0] if i.shape else '-'}){batch_note}")
+    if problems:
+        raise UsageError(f"{path}: the data does not fit the graph's inputs{hint}", problems)
