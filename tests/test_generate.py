@@ -160,8 +160,9 @@ def test_samples_during_training_leave_the_training_numbers_unchanged(tmp_path, 
     import struct
     from tensorboardX.proto import event_pb2
     from conftest import mpirun, read_metrics
+    # a frozen weight too: the samples read it as training does, from the engine's frozen buffer
     common = {"train.max_steps": 6, "train.eval_every": 3, "model.gpt2.vocab_size": 257,
-              "tensorboard": {"enabled": True}}
+              "model.frozen": ["transformer.wpe.weight"], "tensorboard": {"enabled": True}}
     runs = {}
     for name, extra in (("plain", {}), ("sampled", {"train.sample_every": 3, "train.sample_prompt": "def f"})):
         os.makedirs(tmp_path / name)
@@ -186,6 +187,15 @@ def test_samples_during_training_leave_the_training_numbers_unchanged(tmp_path, 
                     texts[event.step] = v.tensor.string_val[0].decode()
             i += 12 + n + 4
     assert sorted(texts) == [3, 6] and all("def f" in t for t in texts.values())
+    # the frozen weight left as it started (the graphs' frozen.safetensors), bit for bit, in the export
+    from safetensors.numpy import load_file
+    import onnx
+    from onnx import numpy_helper
+    start = load_file(str(tmp_path / "sampled" / "run" / "graphs" / "frozen.safetensors"))
+    assert list(start) == ["transformer.wpe.weight"]
+    exported = {t.name: numpy_helper.to_array(t) for t in
+                onnx.load(str(tmp_path / "sampled" / "run" / "model.onnx")).graph.initializer}
+    np.testing.assert_array_equal(exported["transformer.wpe.weight"], start["transformer.wpe.weight"])
     # a model without a GPT-2 tokenizer cannot be sampled: refused before training
     os.makedirs(tmp_path / "bad")
     cfg = write_config(tmp_path / "bad" / "c.yaml", byte_dataset, **common, **{
