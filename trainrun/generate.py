@@ -27,7 +27,7 @@ from . import tokenizer as T
 from .checkpoint import pin
 from .errors import UsageError
 from .export import checkpoint_weights, full_weights, kv_cache_model
-from .flat import FlatLayout, to_host
+from .flat import FlatLayout, is_cupy, to_host
 from .models import registry
 from .sessions import session_options
 
@@ -182,25 +182,31 @@ def run_generate(source: str, prompt: str, *, max_new_tokens: int, temperature: 
 
 class TrainingSampler:
     """``train.sample_every``: samples from the weights being trained (rank 0). The attention-cache graph is
-    built once with the parameters as inputs, fed views of a host copy of the flat parameter buffer, so
-    training's own buffers and random streams are never touched."""
+    built once with the parameters and the frozen weights as inputs, fed views of a host copy of the flat
+    parameter buffer and of the engine's frozen buffer (``frozen``: its layout and buffer; a host one
+    viewed in place, a GPU one copied once, as it never changes), so training's own buffers and random
+    streams are never touched."""
 
     NEW_TOKENS, TOP_K = 64, 40
 
-    def __init__(self, manifest: dict, data_dir: str, prompt: str, threads: int):
+    def __init__(self, manifest: dict, data_dir: str, prompt: str, threads: int, frozen: tuple):
         import onnxruntime as ort
         self.text = T.for_data(data_dir)
         self.prompt = self.text.encode(prompt)
         if not self.prompt:
             raise UsageError(f"train.sample_prompt: {prompt!r} encodes to no tokens")
         self.layout = FlatLayout.from_manifest(manifest)
+        frozen_layout, frozen_buf = frozen
+        if is_cupy(frozen_buf):
+            frozen_buf = frozen_buf.get()
         model = kv_cache_model(manifest, lambda: {}, where="train.sample_every")
-        model.graph.input.extend(onnx_inputs(self.layout))
+        model.graph.input.extend(onnx_inputs(self.layout) + onnx_inputs(frozen_layout))
         n_positions = C.positions(registry.of_manifest(manifest).shape_of(manifest))
         self.session = ort.InferenceSession(model.SerializeToString(), session_options(threads),
                                             providers=["CPUExecutionProvider"])
         self.host = np.empty(self.layout.total, np.float32)
-        self.decoder = Decoder(_WithWeights(self.session, self.layout.unflatten(self.host)), n_positions)
+        weights = {**frozen_layout.unflatten(frozen_buf), **self.layout.unflatten(self.host)}
+        self.decoder = Decoder(_WithWeights(self.session, weights), n_positions)
 
     def sample(self, params, seed: int, step: int) -> str:
         to_host(params, self.host)

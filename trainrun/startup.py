@@ -221,7 +221,8 @@ def _build_engine(cfg: C.Config, comm, graphs_dir: str, manifest: dict, train_ds
     error, sampler = None, None
     if cfg.train.sample_every and rank == 0:
         try:
-            sampler = TrainingSampler(manifest, cfg.data.train, cfg.train.sample_prompt, threads)
+            sampler = TrainingSampler(manifest, cfg.data.train, cfg.train.sample_prompt, threads,
+                                      (engine.frozen_layout, engine.frozen))
         except UsageError as exc:
             error = exc
     if cfg.train.sample_every:
