@@ -193,12 +193,6 @@ def render(args, results: dict) -> str:
         out.append(f"Best H here: **{best}**, {r['vs_every_step'] * 100:+.2f}% against every-step's "
                    f"{results['every-step']['final']:.4f} (target: within 2%: "
                    f"{'met' if abs(r['vs_every_step']) <= 0.02 or r['vs_every_step'] < 0 else '**not met**'}).")
-    out += ["", "Eval loss along the runs:", "",
-            "| step | " + " | ".join(results) + " |", "|---:|" + "---:|" * len(results)]
-    steps = sorted({s for r in results.values() for s, _ in r["evals"]})
-    for s in steps:
-        row = [f"{dict(r['evals']).get(s, float('nan')):.4f}" for r in results.values()]
-        out.append(f"| {s} | " + " | ".join(row) + " |")
     out += ["", END]
     return "\n".join(out)
 
