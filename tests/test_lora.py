@@ -144,19 +144,17 @@ def test_bad_lora_sections_exit_2_naming_the_key(tmp_path, byte_dataset):
     assert "model.lora.r" in p.stderr
     # an entry that matches nothing: validate (from the parameter names, no graph built) and training say the
     # same, naming the key, the entry and what the model has
-    cfg = write_config(tmp_path / "d.yaml", byte_dataset, **{"model.lora": {"target_modules": ["c_attn", "q_proj"]}})
-    for cmd in (["config", "validate"], ["train"]):
-        p = run([TRAINRUN, *cmd, "--config", cfg], check=2)
-        assert ("model.lora.target_modules: 'q_proj' matches no linear layer of the gpt2 model (its linear layers "
-                "end in: c_attn, c_fc, c_proj)") in p.stderr, (cmd, p.stderr)
-        assert "'c_attn'" not in p.stderr
-    assert not (tmp_path / "run" / "graphs").exists()      # the refused model wrote nothing
-    cfg = write_config(tmp_path / "e.yaml", byte_dataset, **{"model.lora": {"modules_to_save": ["score", "ln_f"]}})
-    for cmd in (["config", "validate"], ["train"]):
-        p = run([TRAINRUN, *cmd, "--config", cfg], check=2)
-        assert ("model.lora.modules_to_save: 'score' matches no module of the gpt2 model (its modules end in: "
-                "c_attn, c_fc, c_proj, ln_1, ln_2, ln_f, wpe, wte)") in p.stderr, (cmd, p.stderr)
-        assert "'ln_f'" not in p.stderr
+    for name, key, entries, good, message in [
+            ("d", "target_modules", ["c_attn", "q_proj"], "c_attn", "target_modules: 'q_proj' matches no linear layer of the "
+             "gpt2 model (its linear layers end in: c_attn, c_fc, c_proj)"),
+            ("e", "modules_to_save", ["score", "ln_f"], "ln_f", "modules_to_save: 'score' matches no module of the gpt2 "
+             "model (its modules end in: c_attn, c_fc, c_proj, ln_1, ln_2, ln_f, wpe, wte)")]:
+        cfg = write_config(tmp_path / f"{name}.yaml", byte_dataset, **{"model.lora": {key: entries}})
+        for cmd in (["config", "validate"], ["train"]):
+            p = run([TRAINRUN, *cmd, "--config", cfg], check=2)
+            assert "model.lora." + message in p.stderr, (cmd, p.stderr)
+            assert f"'{good}'" not in p.stderr     # the entry that matches is not named
+        assert not (tmp_path / "run" / "graphs").exists()      # the refused model wrote nothing
     cfg = write_config(tmp_path / "w.yaml", byte_dataset, **{"model.lora": {"target_modules": ["wte"]}})
     p = run([TRAINRUN, "config", "validate", "--config", cfg], check=2)     # an embedding is no linear layer
     assert "model.lora.target_modules: 'wte' matches no linear layer" in p.stderr, p.stderr

@@ -139,7 +139,8 @@ class TrainingRunner:
         """Parameters, optimizer state, step counters and the data position of ``ckpt`` (``force``:
         ``resume --force``, tensors the model or optimizer no longer takes are dropped with a warning)."""
         eng = self.engine
-        state = self.checkpoints.restore(ckpt, eng.layout, eng.params, {**self.shard.state, **self.sync.restore_state(K.read_state(ckpt))},
+        buffers = {**self.shard.state, **self.sync.restore_state(K.read_state(ckpt))}
+        state = self.checkpoints.restore(ckpt, eng.layout, eng.params, buffers,
                                          (eng.state_layout, eng.state), state_range=(self.shard.lo, self.shard.hi),
                                          forced=force,
                                          lora_base=(self.manifest.get("lora") or {}).get("base_sha256"))
