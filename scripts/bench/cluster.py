@@ -4,7 +4,7 @@ one node alone; side by side in one run, the variants alternated within each rou
 
     .venv/bin/python scripts/bench/cluster.py [--models mid,gpt2-124m] [--rates off,10gbit,1gbit,100mbit]
         [--variants fp32,diloco-h100-f4-o2-bf16] [--micro-batch 4 | mid=1,gpt2-124m=2]
-        [--steps 3:12 | mid=3:12,gpt2-124m=2:4] [--rounds 3] [--data DIR] [--work runs/bench-cluster]
+        [--steps 3:12 | mid=3:12,gpt2-124m=2:4] [--rounds 3 | mid=3,gpt2-124m=1] [--data DIR] [--work runs/bench-cluster]
         [--output BENCHMARKS.md]
 
 Per model (scripts/bench/common.py's shapes; micro-batch ``--micro-batch``, default 4 for mid, 2 for 124M, a
@@ -71,6 +71,7 @@ DEFAULT_VARIANTS = [*VARIANTS, "diloco-h10"]
 MODEL_VARIANTS = {"gpt2-124m": ["fp32", "fp32-overlap", "bf16-overlap", "diloco-h10"]}   # default: DEFAULT_VARIANTS
 STEPS = {"mid": (3, 12), "gpt2-124m": (2, 4)}          # (warm-up, timed) steps per run
 MICRO = {"mid": 4, "gpt2-124m": 2}
+ROUNDS = {"mid": 3, "gpt2-124m": 1}
 DILOCO = re.compile(r"diloco-h(?P<h>[1-9][0-9]*)(?:-f(?P<f>[1-9][0-9]*))?(?:-o(?P<o>[1-9][0-9]*))?(?P<bf16>-bf16)?")
 
 
@@ -112,7 +113,7 @@ def window(tag: str, warmup: int, steps: int) -> tuple[int, int, int, int]:
 
 
 def per_model(text: str | None, default: dict, parse) -> dict:
-    """``--micro-batch`` / ``--steps``: one value for every model, or ``model=value`` pairs over ``default``."""
+    """``--micro-batch`` / ``--steps`` / ``--rounds``: one value for every model, or ``model=value`` pairs over ``default``."""
     out = dict(default)
     if not text:
         return out
@@ -233,7 +234,7 @@ def render(results: dict) -> str:
              f"{mach.get('cpu')}, {mach.get('cores')} cores ({mach.get('hypervisor', 'bare metal')}): 2 pretend nodes "
              f"(scripts/cluster/cluster.sh: network namespaces, one core each, a veth per node shaped by tc tbf), one "
              f"rank a node, 1 thread; against one rank alone on node n1. {results['when']}, "
-             f"{results['rounds']} round(s), medians. Command: `{results['command']}`.", ""]
+             f"rounds: {results['rounds']}, medians. Command: `{results['command']}`.", ""]
     for name, mres in results["models"].items():
         base = mres["1x1"]
         lines += [f"**{name}** ({mres['params'] / 1e6:.1f}M parameters, {mres['grad_mb']:.0f} MB of fp32 gradients, "
@@ -242,7 +243,7 @@ def render(results: dict) -> str:
                   + (f"; two ranks alone at once, one a node, nothing exchanged: {pair:,.0f} tokens/s "
                      f"({pair / (2 * base):.2f} of twice one alone: what the box's shared caches and memory "
                      f"take when both cores compute)" if (pair := mres.get('2 alone')) else "") + ".", "",
-                  "| link | variant | tokens/s (2 nodes) | scaling efficiency | of two alone at once | step (s) | "
+                  "| link | variant | tokens/s (2 nodes) | scaling efficiency (rounds' range) | of two alone at once | step (s) | "
                   "exposed per step (s) | wire bytes/step |", "|---|---|---:|---:|---:|---:|---:|---:|"]
         rows = [(rate, tag, r) for rate, per in mres["2x1"].items() for tag, r in per.items()]
         every = [x for x in rows if diloco_of(x[1]) is None]
@@ -261,8 +262,8 @@ def render(results: dict) -> str:
                       "H / F after a warm-up of whole periods (at least T steps), a metrics line every period, the "
                       "run's last step (the whole model synchronised) after the window; outer bytes: what rank 0 sent per round of H steps; wait: the ranks' mean time "
                       "waiting for the link per exchange (metrics.jsonl's `outer_wait_s`).", "",
-                      "| link | variant | H | F | T | outer dtype | timed steps | tokens/s (2 nodes) | scaling efficiency | "
-                      "of two alone at once | step (s) | exposed per step (s) | outer bytes per round | "
+                      "| link | variant | H | F | T | outer dtype | timed steps | tokens/s (2 nodes) | scaling efficiency "
+                      "(rounds' range) | of two alone at once | step (s) | exposed per step (s) | outer bytes per round | "
                       "wait per exchange (s) |", "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
             for rate, tag, r in local:
                 k = diloco_of(tag)
@@ -281,7 +282,9 @@ def render(results: dict) -> str:
 def _shared_cells(r: dict, base: float, mres: dict) -> str:
     """tokens/s, scaling efficiency, of two alone at once, step and exposed per step: a 2-node row's cells."""
     of_pair = f"{r['tokens_per_sec'] / pair:.2f}" if (pair := mres.get("2 alone")) else ""
-    return (f"{r['tokens_per_sec']:,.0f} | {r['tokens_per_sec'] / (2 * base):.2f} | {of_pair} | {r['step_s']:.3f} | "
+    each = r.get("all_tokens_per_sec") or []
+    spread = f" ({min(each) / (2 * base):.2f}-{max(each) / (2 * base):.2f})" if len(each) > 1 else ""
+    return (f"{r['tokens_per_sec']:,.0f} | {r['tokens_per_sec'] / (2 * base):.2f}{spread} | {of_pair} | {r['step_s']:.3f} | "
             f"{r['step_s'] - mres['step_1x1_s']:+.3f}")
 
 
@@ -305,7 +308,8 @@ def main() -> int:
     ap.add_argument("--steps", help="WARM-UP:TIMED steps a run: for every model, or model=W:T pairs (default "
                     f"{','.join(f'{k}={w}:{t}' for k, (w, t) in STEPS.items())}; other models 3:8; DiLoCo "
                     "variants round the window up to whole periods, see above)")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of mid (124M: one)")
+    ap.add_argument("--rounds", help="rounds a model: N for every model, or model=N pairs (default "
+                    f"{','.join(f'{k}={v}' for k, v in ROUNDS.items())}; other models 1)")
     ap.add_argument("--bucket-mb", type=float, default=4.0)
     ap.add_argument("--data", help="token dataset with a 1024 vocabulary (default: data/stdlib/train, else built)")
     ap.add_argument("--work", default=str(ROOT / "runs" / "bench-cluster"))
@@ -314,6 +318,7 @@ def main() -> int:
     args = ap.parse_args()
     micro_of = per_model(args.micro_batch, MICRO, int)
     steps_by = per_model(args.steps, STEPS, steps_of)
+    rounds_of = per_model(args.rounds, ROUNDS, int)
     for tag in (args.variants or "").split(","):
         if tag:
             diloco_of(tag)           # an unknown name refused before the cluster is made
@@ -324,7 +329,7 @@ def main() -> int:
     (work / "logs").mkdir(parents=True, exist_ok=True)
     data = args.data or _dataset(work)
     results = {"machine": common.machine(), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               "rounds": f"{args.rounds} (124M: 1)", "bucket_mb": args.bucket_mb, "models": {},
+               "rounds": ", ".join(f"{k} {rounds_of.get(k, 1)}" for k in args.models.split(",")), "bucket_mb": args.bucket_mb, "models": {},
                "command": "make bench-cluster" if len(sys.argv) == 1 else "scripts/bench/cluster.py "
                + " ".join(sys.argv[1:])}
     cluster("up", "2")
@@ -336,7 +341,7 @@ def main() -> int:
             graphs = variants.prepare(work, m, micro, data)
             raw: dict = {"1x1": [], "2x1": {}}
             tags = args.variants.split(",") if args.variants else MODEL_VARIANTS.get(name, DEFAULT_VARIANTS)
-            for rnd in range(args.rounds if name == "mid" else 1):
+            for rnd in range(rounds_of.get(name, 1)):
                 cluster("rate", "off")
                 r = one_run(work, m, graphs, data, f"1x1-r{rnd}", 1, [], warmup, steps, micro, args.bucket_mb)
                 print(f"{name} 1x1 round {rnd}: {r['tokens_per_sec']} tokens/s", flush=True)

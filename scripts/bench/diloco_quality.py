@@ -2,7 +2,8 @@
 ``distributed.sync: diloco`` at several inner-step counts H, on the same data, batches, schedule and
 initial weights; the eval loss of each (on the global weights for DiLoCo) along the run.
 
-    .venv/bin/python scripts/bench/diloco_quality.py [--steps 1000] [--h 10,50,100,500] [--extra NAME=SETS]
+    .venv/bin/python scripts/bench/diloco_quality.py [--steps 1000] [--micro-batch 1] [--h 10,50,100,500]
+        [--warm-start 200] [--extra NAME=SETS] [--step-time every-step=S --step-time NAME=S]
         [--work runs/bench/diloco-quality] [--output BENCHMARKS.md]
 
 Every run: ``mpirun -np 2`` on this machine, each rank a replica of one rank (``distributed.diloco.group
@@ -13,8 +14,10 @@ momentum 0.9) for every H; ``--extra`` variants name their own.
 A run whose metrics.jsonl already ends at the last step is not run again (``--fresh`` to rerun all).
 
 Steps to target: the first eval step at which a run's eval loss is at most every-step training's final
-eval loss (linear between two evals), the figure that, times a step's time at a link rate
-(``make bench-cluster``), gives the wall time to that loss.
+eval loss (linear between two evals). A variant may run longer than ``--steps`` (``train.max_steps=N`` in its
+``--extra`` sets; its loss at ``--steps`` is the equal-tokens figure) to reach it; ``--step-time`` gives the
+seconds a step takes at one link rate (``make bench-cluster``) and so the wall time to that loss, a warm
+start's steps counted at every-step training's time. The block in BENCHMARKS.md is one per micro-batch.
 """
 
 from __future__ import annotations
@@ -31,7 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 HEADING = "### DiLoCo's eval loss at equal tokens (`scripts/bench/diloco_quality.py`)"
-BEGIN, END = "<!-- diloco-quality: begin -->", "<!-- diloco-quality: end -->"
+
+
+def markers(micro_batch: int) -> tuple[str, str]:
+    """The lines around this script's block in BENCHMARKS.md: a block per micro-batch."""
+    tag = "diloco-quality" + (f" micro-batch {micro_batch}" if micro_batch != 1 else "")
+    return f"<!-- {tag}: begin -->", f"<!-- {tag}: end -->"
 
 
 def base_sets(args, out: Path) -> list[str]:
@@ -59,6 +67,36 @@ def variants(args) -> dict[str, list[str]]:
         name, sets = spec.split("=", 1)
         v[name] = ["distributed.sync=diloco", "distributed.diloco.group=1"] + sets.split(",")
     return v
+
+
+def run_steps(args, sets: list[str]) -> int:
+    """The last step of a variant: ``--steps`` unless its sets give ``train.max_steps`` (a longer run, to see
+    the step at which it reaches every-step training's final loss)."""
+    given = [s.split("=", 1)[1] for s in sets if s.startswith("train.max_steps=")]
+    return int(given[-1]) if given else args.steps
+
+
+def wall_time(args, results: dict) -> list[str]:
+    """Wall time to every-step training's final loss at a link rate, from the seconds a step takes there
+    (``--step-time NAME=S``, measured by ``make bench-cluster``); a warm start's steps at every-step's time."""
+    times = {k: float(v) for k, v in (x.split("=", 1) for x in args.step_time or [])}
+    if "every-step" not in times:
+        return []
+    base = args.steps * times["every-step"]
+    out = [f"Wall time to every-step training's final loss at the link of `--step-time`: every-step {args.steps} "
+           f"steps x {times['every-step']:g} s = {base:,.0f} s."]
+    for name, t in times.items():
+        to = results.get(name, {}).get("steps_to_target")
+        if name == "every-step":
+            continue
+        if to is None:
+            out.append(f"{name}: does not reach it in its {results[name]['end'][0]} steps.")
+            continue
+        wall = args.warm_start * times["every-step"] + (to - args.warm_start) * t
+        out.append(f"{name}: reaches it at step {to:.0f} (of {results[name]['end'][0]}): {args.warm_start} steps x "
+                   f"{times['every-step']:g} s + {to - args.warm_start:.0f} x {t:g} s = **{wall:,.0f} s, "
+                   f"{wall / base:.2f}x** every-step's (target: at most 0.6x).")
+    return out
 
 
 def launch(work: Path, name: str, head: list[str], sets: list[str], check: bool = True) -> None:
@@ -112,6 +150,8 @@ def main() -> int:
                     "files, BPE 1024, 2%% held out, made in WORK/data)")
     ap.add_argument("--work", default=str(common.ROOT / "runs" / "bench" / "diloco-quality"))
     ap.add_argument("--output", default=str(common.ROOT / "BENCHMARKS.md"))
+    ap.add_argument("--step-time", action="append", help="NAME=SECONDS a step at one link rate (from make "
+                    "bench-cluster), every-step's and a variant's: the wall time to every-step's final loss")
     ap.add_argument("--fresh", action="store_true")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
@@ -135,7 +175,8 @@ def main() -> int:
                 f"checkpoint.every={args.warm_start}"], check=False)
     for name, sets in variants(args).items():
         run = work / name
-        done = [r for r in records(run) if r.get("step") == args.steps and "eval_loss" in r]
+        last = run_steps(args, sets)
+        done = [r for r in records(run) if r.get("step") == last and "eval_loss" in r]
         if args.fresh or not done:
             shutil.rmtree(run, ignore_errors=True)
             if warm is not None and name != "every-step":
@@ -151,14 +192,15 @@ def main() -> int:
                          "outer_bytes": sum(r["outer_bytes"] for r in outer)}
     base = results["every-step"]["evals"][-1][1]
     for r in results.values():
-        r["final"] = r["evals"][-1][1]
+        r["final"] = dict(r["evals"])[args.steps]         # at equal tokens, also for a longer run
+        r["end"] = r["evals"][-1]
         r["vs_every_step"] = r["final"] / base - 1
         r["steps_to_target"] = steps_to(r["evals"], base)
     common.write_json(work / "quality.json", {"args": vars(args), "machine": common.machine(), "results": results})
     text = render(args, results)
     print(text)
     if not args.no_write:
-        write_section(Path(args.output), text)
+        write_section(Path(args.output), text, *markers(args.micro_batch))
     return 0
 
 
@@ -167,7 +209,8 @@ def render(args, results: dict) -> str:
     tokens = 2 * args.micro_batch * m.seq_len
     diloco = {k: v for k, v in results.items() if k != "every-step"}
     best = min(diloco, key=lambda k: diloco[k]["final"]) if diloco else None
-    out = [BEGIN, "",
+    begin, end = markers(args.micro_batch)
+    out = [begin, "",
            f"mid GPT-2 ({m.n_layer} x {m.n_embd}, seq {m.seq_len}, vocabulary {m.vocab_size}), 2 replicas of one rank "
            f"(`mpirun -np 2`, `distributed.diloco.group: 1`) against every-step data parallelism on the same 2 ranks: "
            f"{args.steps} steps of {tokens:,} tokens ({args.steps * tokens:,} tokens), AdamW lr {args.lr:g} "
@@ -180,8 +223,11 @@ def render(args, results: dict) -> str:
               f"model): steps 1-{args.warm_start} are every-step's. " if args.warm_start else "")
            + f"Data: the standard library's .py files, BPE 1024, 2% held out. The losses do "
            f"not depend on the machine's load. Command: `.venv/bin/python scripts/bench/diloco_quality.py "
-           f"--steps {args.steps}{f' --warm-start {args.warm_start}' if args.warm_start else ''} --outer-lr {args.outer_lr:g} --outer-momentum {args.outer_momentum:g}`.", "",
-           "| variant | outer steps | eval loss at the end | vs every-step | steps to every-step's final loss | "
+           f"--steps {args.steps} --micro-batch {args.micro_batch}{f' --warm-start {args.warm_start}' if args.warm_start else ''} "
+           f"--outer-lr {args.outer_lr:g} --outer-momentum {args.outer_momentum:g}"
+           f"{''.join(f' --step-time {t}' for t in args.step_time or [])}` (variants past the H list: "
+           f"`--extra NAME=SETS` with their sets, named by them). Outer steps and bytes: the whole run.", "",
+           f"| variant | outer steps | eval loss at step {args.steps} | vs every-step | steps to every-step's final loss | "
            "bytes across replicas (per rank) |", "|---|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
         to = f"{r['steps_to_target']:.0f}" if r["steps_to_target"] is not None else "not reached"
@@ -193,16 +239,16 @@ def render(args, results: dict) -> str:
         out.append(f"Best H here: **{best}**, {r['vs_every_step'] * 100:+.2f}% against every-step's "
                    f"{results['every-step']['final']:.4f} (target: within 2%: "
                    f"{'met' if abs(r['vs_every_step']) <= 0.02 or r['vs_every_step'] < 0 else '**not met**'}).")
-    out += ["", END]
+    out += ["", " ".join(wall_time(args, results)), "", end] if args.step_time else ["", end]
     return "\n".join(out)
 
 
-def write_section(path: Path, text: str) -> None:
+def write_section(path: Path, text: str, begin: str, end: str) -> None:
     old = path.read_text() if path.exists() else ""
-    if BEGIN in old and END in old:
-        new = old[:old.index(BEGIN)] + text + old[old.index(END) + len(END):]
+    if begin in old and end in old:
+        new = old[:old.index(begin)] + text + old[old.index(end) + len(end):]
     else:
-        new = old.rstrip("\n") + "\n\n" + HEADING + "\n\n" + text + "\n"
+        new = old.rstrip("\n") + "\n\n" + ("" if HEADING in old else HEADING + "\n\n") + text + "\n"
     path.write_text(new)
 
 
