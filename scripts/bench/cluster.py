@@ -281,10 +281,10 @@ def render(results: dict) -> str:
 
 def _shared_cells(r: dict, base: float, mres: dict) -> str:
     """tokens/s, scaling efficiency, of two alone at once, step and exposed per step: a 2-node row's cells."""
-    of_pair = f"{r['tokens_per_sec'] / pair:.2f}" if (pair := mres.get("2 alone")) else ""
+    of_pair = f"{r['tokens_per_sec'] / pair:.3f}" if (pair := mres.get("2 alone")) else ""
     each = r.get("all_tokens_per_sec") or []
-    spread = f" ({min(each) / (2 * base):.2f}-{max(each) / (2 * base):.2f})" if len(each) > 1 else ""
-    return (f"{r['tokens_per_sec']:,.0f} | {r['tokens_per_sec'] / (2 * base):.2f}{spread} | {of_pair} | {r['step_s']:.3f} | "
+    spread = f" ({min(each) / (2 * base):.3f}-{max(each) / (2 * base):.3f})" if len(each) > 1 else ""
+    return (f"{r['tokens_per_sec']:,.0f} | {r['tokens_per_sec'] / (2 * base):.3f}{spread} | {of_pair} | {r['step_s']:.3f} | "
             f"{r['step_s'] - mres['step_1x1_s']:+.3f}")
 
 

@@ -33,7 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-HEADING = "### DiLoCo's eval loss at equal tokens (`scripts/bench/diloco_quality.py`)"
+H_LIST = "10,50,100,500"
+HEADING = "### DiLoCo's eval loss at equal tokens, and the wall time to a loss (`scripts/bench/diloco_quality.py`)"
 
 
 def markers(micro_batch: int) -> tuple[str, str]:
@@ -134,7 +135,7 @@ def steps_to(curve: list[tuple[int, float]], target: float) -> float | None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=1000)
-    ap.add_argument("--h", default="10,50,100,500")
+    ap.add_argument("--h", default=H_LIST)
     ap.add_argument("--extra", action="append", help="NAME=set,set (diloco sets of another variant)")
     ap.add_argument("--outer-lr", type=float, default=0.7)
     ap.add_argument("--outer-momentum", type=float, default=0.9, help="Nesterov where > 0")
@@ -210,7 +211,7 @@ def render(args, results: dict) -> str:
     diloco = {k: v for k, v in results.items() if k != "every-step"}
     best = min(diloco, key=lambda k: diloco[k]["final"]) if diloco else None
     begin, end = markers(args.micro_batch)
-    out = [begin, "",
+    out = [begin,
            f"mid GPT-2 ({m.n_layer} x {m.n_embd}, seq {m.seq_len}, vocabulary {m.vocab_size}), 2 replicas of one rank "
            f"(`mpirun -np 2`, `distributed.diloco.group: 1`) against every-step data parallelism on the same 2 ranks: "
            f"{args.steps} steps of {tokens:,} tokens ({args.steps * tokens:,} tokens), AdamW lr {args.lr:g} "
@@ -223,7 +224,8 @@ def render(args, results: dict) -> str:
               f"model): steps 1-{args.warm_start} are every-step's. " if args.warm_start else "")
            + f"Data: the standard library's .py files, BPE 1024, 2% held out. The losses do "
            f"not depend on the machine's load. Command: `.venv/bin/python scripts/bench/diloco_quality.py "
-           f"--steps {args.steps} --micro-batch {args.micro_batch}{f' --warm-start {args.warm_start}' if args.warm_start else ''} "
+           f"--steps {args.steps} --micro-batch {args.micro_batch}{f' --h {args.h}' if args.h != H_LIST else ''}"
+           f"{f' --warm-start {args.warm_start}' if args.warm_start else ''} "
            f"--outer-lr {args.outer_lr:g} --outer-momentum {args.outer_momentum:g}"
            f"{''.join(f' --step-time {t}' for t in args.step_time or [])}` (variants past the H list: "
            f"`--extra NAME=SETS` with their sets, named by them). Outer steps and bytes: the whole run.", "",
@@ -239,8 +241,8 @@ def render(args, results: dict) -> str:
         out.append(f"Best H here: **{best}**, {r['vs_every_step'] * 100:+.2f}% against every-step's "
                    f"{results['every-step']['final']:.4f} (target: within 2%: "
                    f"{'met' if abs(r['vs_every_step']) <= 0.02 or r['vs_every_step'] < 0 else '**not met**'}).")
-    out += ["", " ".join(wall_time(args, results)), "", end] if args.step_time else ["", end]
-    return "\n".join(out)
+    out[-1] += "".join(" " + x for x in wall_time(args, results))
+    return "\n".join(out + [end])
 
 
 def write_section(path: Path, text: str, begin: str, end: str) -> None:
