@@ -87,9 +87,11 @@ def wall_time(args, results: dict) -> list[str]:
     out = [f"Wall time to every-step training's final loss at the link of `--step-time`: every-step {args.steps} "
            f"steps x {times['every-step']:g} s = {base:,.0f} s."]
     for name, t in times.items():
-        to = results.get(name, {}).get("steps_to_target")
         if name == "every-step":
             continue
+        if name not in results:
+            raise SystemExit(f"--step-time {name}: no variant of that name in this run")
+        to = results[name]["steps_to_target"]
         if to is None:
             out.append(f"{name}: does not reach it in its {results[name]['end'][0]} steps.")
             continue
@@ -192,7 +194,9 @@ def main() -> int:
         results[name] = {"sets": sets, "evals": evals(run), "outer_steps": len(outer),
                          "outer_bytes": sum(r["outer_bytes"] for r in outer)}
     base = results["every-step"]["evals"][-1][1]
-    for r in results.values():
+    for name, r in results.items():
+        if args.steps not in dict(r["evals"]):
+            raise SystemExit(f"{name}: no eval at step {args.steps} (--eval-every must divide --steps)")
         r["final"] = dict(r["evals"])[args.steps]         # at equal tokens, also for a longer run
         r["end"] = r["evals"][-1]
         r["vs_every_step"] = r["final"] / base - 1
