@@ -346,7 +346,8 @@ def test_streaming_fragments_match_a_numpy_reference(tmp_path, byte_dataset, ove
     each exchange starts at its step and is applied one step later: the fragment's new global weights plus
     what the replica learned meanwhile. Each rank records its weights around every step's call; a NumPy
     reference of the algorithm from the recorded replicas gives every step's new weights to float32
-    rounding (1e-6 of the weights' scale), on both replicas; the log has one line per exchange."""
+    rounding (1e-6 of the weights' scale), on both replicas; the log has one line per exchange, its drift the
+    reference's (the replicas' outer gradients sent against the fragment's global weights)."""
     import json
     from trainrun.diloco import fragments
     rec = tmp_path / "outer"
@@ -365,7 +366,10 @@ def test_streaming_fragments_match_a_numpy_reference(tmp_path, byte_dataset, ove
     assert len(frags) == 2 and 0 < frags[0][1] < sum(sizes)
     before = {s: [np.load(rec / f"rank{r}_step{s}_before.npy") for r in range(2)] for s in range(1, 12)}
     after = {s: [np.load(rec / f"rank{r}_step{s}_after.npy") for r in range(2)] for s in range(1, 12)}
-    weights, momentum, sent, expect = start.copy(), np.zeros_like(start), {}, {}
+    weights, momentum, sent, drifts = start.copy(), np.zeros_like(start), {}, {}
+
+    def drift(own, w):          # root mean square over replicas of ||replica - global|| / ||global||
+        return np.sqrt(np.mean([np.sum(d * d) for d in own]) / np.sum(w * w))
 
     def outer(a, b, g):
         momentum[a:b] = 0.9 * momentum[a:b] + g
@@ -381,13 +385,16 @@ def test_streaming_fragments_match_a_numpy_reference(tmp_path, byte_dataset, ove
             for r in range(2):
                 mine[r][a:b] += own[r] - old + weights[a:b]
         if step == 11:
+            drifts[step] = drift([weights - m for m in mine], weights)
             outer(0, len(start), np.mean([weights - m for m in mine], axis=0))
             mine = [weights.copy() for _ in mine]
         elif due and overlap:
             a, b = frags[due[0]]
             sent[step] = ((a, b), [weights[a:b] - m[a:b] for m in mine])
+            drifts[step + 1] = drift(sent[step][1], weights[a:b])
         elif due:
             a, b = frags[due[0]]
+            drifts[step] = drift([weights[a:b] - m[a:b] for m in mine], weights[a:b])
             outer(a, b, np.mean([weights[a:b] - m[a:b] for m in mine], axis=0))
             for m in mine:
                 m[a:b] = weights[a:b]
@@ -395,6 +402,7 @@ def test_streaming_fragments_match_a_numpy_reference(tmp_path, byte_dataset, ove
             assert np.abs(after[step][r] - mine[r]).max() <= 1e-6 * np.abs(start).max(), (step, r)
     rows = [r for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "outer_bytes" in r]
     assert [r["step"] for r in rows] == ([3, 5, 7, 9, 11] if overlap else [2, 4, 6, 8, 10, 11])
+    np.testing.assert_allclose([r["outer_drift"] for r in rows], [drifts[r["step"]] for r in rows], rtol=1e-5)
 
 
 def test_stop_with_a_fragment_in_flight_and_resume_exactly(tmp_path, byte_dataset):

@@ -197,7 +197,7 @@ class DiLoCo:
                       for a, b in fragments(engine.layout.offsets, engine.layout.total, k.fragments)]
         self.offsets = [(f + 1) * k.inner_steps // k.fragments % k.inner_steps for f in range(k.fragments)]
         self.pending = None        # (fragment, the step its exchange started) of an exchange in flight
-        self._started = None       # its (bytes sent before, drift, weights) for the log
+        self._started = None       # the wire's bytes sent before it (None: started before a resume), for the log
         self.background = None
         if k.overlap_steps:
             # the fragment's outer gradient, sent (kept: the replica's own) and summed over the replicas
@@ -244,7 +244,7 @@ class DiLoCo:
         params, lo = self.engine.params, self.lo
         delta = self.engine.grads[:b - a]          # free until the next step's backward pass
         np.subtract(self.weights[a:b], params[lo + a:lo + b], out=delta)
-        drift = self._drift(norm_sq(delta), norm_sq(self.weights[a:b]))
+        drift = (norm_sq(delta), norm_sq(self.weights[a:b]))
         sent = self.wire.sent_bytes
         t1 = time.perf_counter()
         if b > a:
@@ -258,12 +258,13 @@ class DiLoCo:
 
     def _start(self, f: int, step: int) -> None:
         """Fragment ``f``'s outer gradient sent in the background (``overlap_steps``): applied (and logged) by
-        :meth:`_apply` that many steps later."""
+        :meth:`_apply` that many steps later. Nothing here waits for the other replicas (no collective on the
+        world: the drift is summed with the apply's log line)."""
         (a, b), params, lo = self.parts[f], self.engine.params, self.lo
         np.subtract(self.weights[a:b], params[lo + a:lo + b], out=self.sent[a:b])
         self.summed[a:b] = self.sent[a:b]
         wire_ = self.background.wire if self.background else self.wire
-        self._started = (wire_.sent_bytes, self._drift(norm_sq(self.sent[a:b]), norm_sq(self.weights[a:b])))
+        self._started = wire_.sent_bytes
         if b > a and self.background:
             self.background.bucket_ready(f)
         elif b > a:         # MPI allows no second thread here: the same sums, now
@@ -273,44 +274,44 @@ class DiLoCo:
     def _apply(self, step: int) -> tuple:
         """The exchange in flight waited for (the time waited: what the link took beyond the overlap) and
         applied: the outer SGD step on the fragment's global weights, and the replica's fragment moved to them
-        with what it learned since the exchange started (replica + own outer gradient - old global + new)."""
+        with what it learned since the exchange started (replica + own outer gradient - the outer step). The
+        drift is that of the outer gradient sent (it and the fragment's global weights are as they were at the
+        start, also after a resume)."""
         t0 = time.perf_counter()
         f, _ = self.pending
         self.pending = None
         (a, b), params, lo = self.parts[f], self.engine.params, self.lo
+        drift = (norm_sq(self.sent[a:b]), norm_sq(self.weights[a:b]))
+        t1 = time.perf_counter()
         if self.background:
             self.background.wait()
-        waited = time.perf_counter() - t0
+        waited = time.perf_counter() - t1
         g = self.summed[a:b]
         g *= np.float32(1.0 / self.replicas)
+        self._outer_sgd(g, a, b)            # g: the step the global weights took
         mine = params[lo + a:lo + b]
         mine += self.sent[a:b]
-        mine -= self.weights[a:b]
-        self._outer_sgd(g, a, b)
-        mine += self.weights[a:b]
+        mine -= g
         self.shard.gather()
-        sent, drift = self._started       # sent None: started before a resume
-        self._started = None
+        sent, self._started = self._started, None       # sent None: started before a resume
         wire_ = self.background.wire if self.background else self.wire
         return t0, 0 if sent is None else wire_.sent_bytes - sent, waited, drift
 
-    def _drift(self, drift_sq: float, weights_sq: float) -> float:
-        """The replicas' drift from the global weights (root mean square over replicas of ||replica - global||
-        / ||global||) from each rank's squared norms of its part (each part counted once per replica)."""
+    def _metrics(self, t0: float, nbytes: int, waited: float, drift: tuple[float, float]) -> dict:
+        """The outer step's log line, from one allreduce over the world: bytes this rank sent, the ranks' mean
+        wait, the replicas' drift from the global weights (of the fragment exchanged, when its exchange
+        started: root mean square over replicas of ||replica - global|| / ||global||, from each rank's squared
+        norms of its part, ``drift``, each part counted once per replica)."""
         counts = float(self._distinct_part())
-        drift_sq, weights_sq = self.world.allreduce_scalars([counts * drift_sq, counts * weights_sq], op="sum")
-        return float(np.sqrt(drift_sq / max(weights_sq, 1e-30)))
-
-    def _metrics(self, t0: float, nbytes: int, waited: float, drift: float) -> dict:
-        """The outer step's log line: bytes this rank sent, the ranks' mean wait, the replicas' drift (of the
-        fragment exchanged, when its exchange started)."""
-        waited_sum = self.world.allreduce_scalars([waited], op="sum")[0]
+        waited_sum, drift_sq, weights_sq = self.world.allreduce_scalars(
+            [waited, counts * drift[0], counts * drift[1]], op="sum")
         return {"outer_bytes": nbytes, "outer_wait_s": round(waited_sum / self.world.world_size, 6),
-                "outer_drift": drift, "outer_s": round(time.perf_counter() - t0, 6)}
+                "outer_drift": float(np.sqrt(drift_sq / max(weights_sq, 1e-30))),
+                "outer_s": round(time.perf_counter() - t0, 6)}
 
     def _outer_sgd(self, g: np.ndarray, a: int, b: int) -> None:
         """torch.optim.SGD's step (dampening 0, no weight decay) on elements ``a:b`` of the global weights with
-        gradient ``g`` (overwritten)."""
+        gradient ``g``, in place: ``g`` ends as the step taken (the weights minus it)."""
         o = self.cfg.outer
         mu = np.float32(o.momentum)
         if o.momentum:
@@ -321,7 +322,9 @@ class DiLoCo:
                 g += mu * m
             else:
                 g[...] = m
-        self.weights[a:b] -= np.float32(o.lr) * g
+        if o.lr != 1:
+            g *= np.float32(o.lr)
+        self.weights[a:b] -= g
 
     def _distinct_part(self) -> bool:
         """Whether this rank's part of the replica's parameters is counted (each part once per replica)."""
@@ -417,7 +420,7 @@ class DiLoCo:
     def state_dict(self) -> dict:
         return {"round_start": self.round_start, "replicas": self.replicas, "group": self.comm.world_size,
                 "rounds": self.rounds, "mid_round": not self.fresh,
-                "in_flight": [*self.pending, self._started[1]] if self.pending else None}
+                "in_flight": [*self.pending] if self.pending else None}
 
     def load_state_dict(self, state: dict, ckpt: str) -> None:
         """After the checkpoint's tensors were restored (every rank): the round's position, and this
@@ -435,8 +438,8 @@ class DiLoCo:
                 f"replicas' rounds: launch {saved['replicas']} replicas (mpirun -np and distributed.diloco.group)"))
         self.round_start, self.rounds, self.fresh = saved["round_start"], saved["rounds"], not saved["mid_round"]
         if saved.get("in_flight"):      # an exchange in flight: its sums restored, applied when due
-            f, started, drift = saved["in_flight"]
-            self.pending, self._started = (f, started), (None, drift)
+            f, started = saved["in_flight"][:2]      # a third item, the drift, in older checkpoints
+            self.pending, self._started = (f, started), None
         if self.fresh or self.replica == 0:
             return
         layout, params, lo, hi = self.engine.layout, self.engine.params, self.lo, self.hi

@@ -3,7 +3,7 @@
 initial weights; the eval loss of each (on the global weights for DiLoCo) along the run.
 
     .venv/bin/python scripts/bench/diloco_quality.py [--steps 1000] [--micro-batch 1] [--h 10,50,100,500]
-        [--warm-start 200] [--extra NAME=SETS] [--step-time every-step=S --step-time NAME=S]
+        [--warm-start 200] [--seed N] [--extra NAME=SETS] [--step-time every-step=S --step-time NAME=S]
         [--work runs/bench/diloco-quality] [--output BENCHMARKS.md]
 
 Every run: ``mpirun -np 2`` on this machine, each rank a replica of one rank (``distributed.diloco.group
@@ -51,7 +51,7 @@ def base_sets(args, out: Path) -> list[str]:
     return sets + [f"data.eval={args.data}/eval", f"train.eval_every={args.eval_every}",
                    f"train.eval_steps={args.eval_steps}", f"train.log_every={args.eval_every}",
                    f"optimizer.lr={args.lr}", f"lr_schedule.warmup_steps={args.warmup}",
-                   f"lr_schedule.min_lr={args.lr / 10}"]
+                   f"lr_schedule.min_lr={args.lr / 10}"] + ([f"run.seed={args.seed}"] if args.seed is not None else [])
 
 
 def outer_sets(args) -> list[str]:
@@ -145,6 +145,8 @@ def main() -> int:
                     "checkpoint of this step (resume --force --set distributed.sync=diloco), as the paper starts "
                     "from a pre-trained model; 0: from the initial weights")
     ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--seed", type=int, help="run.seed of every run: the initial weights and the data order "
+                    "(default: the bench config's)")
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-steps", type=int, default=32)
     ap.add_argument("--lr", type=float, default=2e-3)
@@ -229,6 +231,7 @@ def render(args, results: dict) -> str:
            + f"Data: the standard library's .py files, BPE 1024, 2% held out. The losses do "
            f"not depend on the machine's load. Command: `.venv/bin/python scripts/bench/diloco_quality.py "
            f"--steps {args.steps} --micro-batch {args.micro_batch}{f' --h {args.h}' if args.h != H_LIST else ''}"
+           f"{f' --seed {args.seed}' if args.seed is not None else ''}"
            f"{f' --warm-start {args.warm_start}' if args.warm_start else ''} "
            f"--outer-lr {args.outer_lr:g} --outer-momentum {args.outer_momentum:g}"
            f"{''.join(f' --step-time {t}' for t in args.step_time or [])}` (variants past the H list: "
