@@ -201,7 +201,9 @@ class DiLoCo:
         self.background = None
         if k.overlap_steps:
             # the fragment's outer gradient, sent (kept: the replica's own) and summed over the replicas
-            self.sent, self.summed = np.zeros(hi - lo, np.float32), np.zeros(hi - lo, np.float32)
+            # written here (not np.zeros' pages mapped at the first touch): a fragment's first exchange would
+            # otherwise fault them in on the step that starts it
+            self.sent, self.summed = np.full(hi - lo, 0.0, np.float32), np.full(hi - lo, 0.0, np.float32)
             self.state.update(outer_sent=self.sent, outer_summed=self.summed)
             if self.cross.threads_ok():
                 self.background = exchange(self.cross, self.summed, self.parts, k.outer_dtype)
