@@ -385,8 +385,9 @@ def test_streaming_fragments_match_a_numpy_reference(tmp_path, byte_dataset, ove
             for r in range(2):
                 mine[r][a:b] += own[r] - old + weights[a:b]
         if step == 11:
-            drifts[step] = drift([weights - m for m in mine], weights)
-            outer(0, len(start), np.mean([weights - m for m in mine], axis=0))
+            own = [weights - m for m in mine]
+            drifts[step] = drift(own, weights)
+            outer(0, len(start), np.mean(own, axis=0))
             mine = [weights.copy() for _ in mine]
         elif due and overlap:
             a, b = frags[due[0]]
@@ -394,8 +395,9 @@ def test_streaming_fragments_match_a_numpy_reference(tmp_path, byte_dataset, ove
             drifts[step + 1] = drift(sent[step][1], weights[a:b])
         elif due:
             a, b = frags[due[0]]
-            drifts[step] = drift([weights[a:b] - m[a:b] for m in mine], weights[a:b])
-            outer(a, b, np.mean([weights[a:b] - m[a:b] for m in mine], axis=0))
+            own = [weights[a:b] - m[a:b] for m in mine]
+            drifts[step] = drift(own, weights[a:b])
+            outer(a, b, np.mean(own, axis=0))
             for m in mine:
                 m[a:b] = weights[a:b]
         for r in range(2):
