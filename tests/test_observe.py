@@ -362,3 +362,59 @@ def test_moments_merge_exactly_and_count_non_finite_values():
     big = summarize(np.array([3e38, -3e38], np.float32))         # float32 extremes: no overflow
     assert big["std"] == pytest.approx(3e38, rel=1e-6) and big["mean"] == 0.0
     assert summarize(np.full(4, np.nan, np.float32))["mean"] is None
+
+
+def gpt2_forward_flops(shape: dict, batch: int, seq: int) -> int:
+    """GPT-2's forward matrix-product FLOPs, counted by hand: per token and layer the q/k/v, projection and
+    MLP products (12 d^2 multiply-adds) and attention's two products over the whole sequence (2 T d), the
+    tied LM head (V d) once; 2 FLOPs a multiply-add."""
+    L, d, V = shape["n_layer"], shape["n_embd"], shape["vocab_size"]
+    return 2 * batch * seq * (L * (12 * d * d + 2 * seq * d) + V * d)
+
+
+def test_mfu_in_log_lines_and_summary(twin_runs):
+    """MFU: the model FLOPs of a step are GPT-2's own count (3 x forward, every rank's micro-batch), the
+    peak is both ranks' measured one, and the log lines, metrics.jsonl and summary.json carry it."""
+    run_dir, proc, cfg_path = twin_runs["a"]
+    cfg = C.load_config(cfg_path)
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    shape = {"n_layer": cfg.model.gpt2.n_layer, "n_embd": cfg.model.gpt2.n_embd,
+             "vocab_size": cfg.model.gpt2.vocab_size}
+    expected = 3 * gpt2_forward_flops(shape, cfg.train.micro_batch_size, cfg.data.seq_len) * 2   # 2 ranks
+    assert summary["model_flops_per_step"] == expected, (summary, expected)
+    assert summary["peak_flops"] > 1e8, summary            # two ranks' measured MatMul peak
+    whole = summary["model_flops_per_step"] * summary["steps"] / summary["time_s"] / summary["peak_flops"]
+    assert summary["mfu"] == pytest.approx(whole, rel=0.01)     # time_s is rounded to the ms
+    train, _ = read_metrics(run_dir)
+    assert all(0 < r["mfu"] for r in train.values()), train
+    _, proc_b, _ = twin_runs["b"]       # info and above print the line: "| mfu 12.3% |"
+    assert "| mfu " in proc_b.stdout and "%" in proc_b.stdout.split("| mfu ")[1].split("|")[0]
+
+
+def test_flops_of_convolutions_and_products():
+    """The forward FLOPs of Conv (groups, strides), ConvTranspose, Gemm (transposed A) and a batched MatMul
+    against the multiply-adds counted from each op's definition."""
+    from onnx import TensorProto, helper
+    from trainrun.observe.flops import forward_flops
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], strides=[2, 2], pads=[1, 1, 1, 1], group=2),
+             helper.make_node("ConvTranspose", ["c", "wt"], ["t"], strides=[2, 2]),
+             helper.make_node("Flatten", ["t"], ["f"]),
+             helper.make_node("Gemm", ["ft", "g"], ["y"], transA=1),
+             helper.make_node("MatMul", ["p", "q"], ["z"])]
+    vi = helper.make_tensor_value_info
+    graph = helper.make_graph(nodes, "g", [vi("x", TensorProto.FLOAT, ["b", 4, 9, 9]),
+                                           vi("ft", TensorProto.FLOAT, [5, 3]),
+                                           vi("p", TensorProto.FLOAT, ["b", 3, 7, 6]),
+                                           vi("q", TensorProto.FLOAT, [6, 8])],
+                              [vi("y", TensorProto.FLOAT, None), vi("z", TensorProto.FLOAT, None),
+                               vi("f", TensorProto.FLOAT, None)],
+                              [helper.make_tensor(n, TensorProto.FLOAT, dims, [0.0] * int(np.prod(dims)))
+                               for n, dims in (("w", [6, 2, 3, 3]), ("wt", [6, 3, 2, 2]), ("g", [5, 10]))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    b = 2
+    conv = 2 * (b * 6 * 5 * 5) * (2 * 3 * 3)              # output [2, 6, 5, 5], 2 input channels a group
+    convt = 2 * (b * 6 * 5 * 5) * (3 * 2 * 2)             # each input element through 3 x 2 x 2 weights
+    gemm = 2 * (3 * 10) * 5                               # A^T [3, 5] @ [5, 10]
+    matmul = 2 * (b * 3 * 7 * 8) * 6
+    assert forward_flops(model, {"x": (b, 4, 9, 9), "p": (b, 3, 7, 6)}) == conv + convt + gemm + matmul
+    assert forward_flops(model, {}) is None            # batch dims unknown: no count, no MFU

@@ -38,6 +38,7 @@ from .evaluate import evaluate_sets
 from .finish import export_model, model_is_current, write_summary
 from .lock import RunLock
 from .observe import Observer, apply_log_level
+from .observe.flops import Utilisation
 from .observe.metrics import Metrics
 from .observe.timer import PhaseTimer, process_age
 from .precision import make_scaler
@@ -109,6 +110,8 @@ class TrainingRunner:
         self.tokens, self.perplexity, self.manifest, self.threads = s.tokens, s.perplexity, s.manifest, s.threads
         self.engine, self.shard, self.grad_buckets, self.sampler = s.engine, s.shard, s.grad_buckets, s.sampler
         self.sync = s.sync         # distributed.sync: every step, or DiLoCo's replicas and outer steps
+        # the model FLOPs of a step and the ranks' measured peak: the MFU of the log lines and summary.json
+        self.utilisation = Utilisation(self.engine, comm, self.threads, self.accum)
         self.step = 0              # optimizer steps taken (including skipped non-finite ones)
         self.updates = 0           # successful updates: the optimizer's own step count
         self.skipped = 0
@@ -366,9 +369,11 @@ class TrainingRunner:
         phase_ms = {k: round(1e3 * (v - phases.get(k, 0.0)) / steps, 3)
                     for k, v in self.timer.total.items() if v > phases.get(k, 0.0)}
         self._window = (now, self.step, dict(self.timer.total))
+        mfu = self.utilisation.of(steps, now - since)
         self.metrics.log(self.step, {"loss": last["loss"], "lr": last["lr"], "grad_norm": last["grad_norm"],
                                      "samples_per_sec": sps,
                                      **({"tokens_per_sec": sps * self.cfg.data.seq_len} if self.tokens else {}),
+                                     **({"mfu": mfu} if mfu is not None else {}),
                                      "skipped_steps": self.skipped, "phase_ms": phase_ms,
                                      **({"loss_scale": last["loss_scale"]} if self.scaler else {})})
         self.timer.mark("log")
@@ -503,6 +508,8 @@ class TrainingRunner:
             "samples": ran * self.global_batch, "samples_per_sec": ran * self.global_batch / max(elapsed, 1e-9),
             **({"tokens": ran * self.tokens_per_step,
                 "tokens_per_sec": ran * self.tokens_per_step / max(elapsed, 1e-9)} if self.tokens else {}),
+            # model FLOP/s utilisation over the session's wall time (the log lines': over their window)
+            **self.utilisation.summary(ran, elapsed),
             "final_loss": self.last.get("loss"), "final_eval_loss": self._first_eval_loss(self.last_eval),
             **({"final_eval": self.last_eval} if self.last_eval else {}), "world_size": self.world,
             "phase_shares": {k: round(v, 4) for k, v in self.timer.shares().items()},

@@ -23,7 +23,7 @@ import time
 from ..sessions import import_without_torch
 
 _TB_NAMES = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
-             "tokens_per_sec": "train/tokens_per_sec", "samples_per_sec": "train/samples_per_sec",
+             "tokens_per_sec": "train/tokens_per_sec", "samples_per_sec": "train/samples_per_sec", "mfu": "train/mfu",
              "eval_loss": "eval/loss",
              "eval_perplexity": "eval/perplexity", "skipped_steps": "train/skipped_steps",
              "loss_scale": "train/loss_scale", "outer_bytes": "outer/bytes", "outer_wait_s": "outer/wait_s",
@@ -134,6 +134,7 @@ class Metrics:
                     else f"{values['samples_per_sec']:,.1f} samples/s")
             self.echo(f"step {step:>6}/{self.total} | loss {values['loss']:.4f} | lr {values['lr']:.2e} | "
                       f"grad_norm {values['grad_norm']:.3f} | {rate} | "
+                      + (f"mfu {100 * values['mfu']:.1f}% | " if "mfu" in values else "") +
                       f"eta {fmt_duration(eta) if math.isfinite(eta) else '?'}")
         evals: dict = {}      # per eval set: its metrics (perplexity where the runner gives it)
         for k, v in values.items():

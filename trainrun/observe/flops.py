@@ -1,0 +1,232 @@
+"""Model FLOP/s utilisation (MFU): how close a run's steps come to the machine's matrix products.
+
+MFU = the model's training FLOPs per second / the peak FLOP/s of the run's own devices, as nanoGPT's
+``estimate_mfu`` and torchtitan report it, with two differences: the FLOPs are counted from the run's
+forward graph, not from a formula of one architecture, and the peak is measured, not read from a data sheet.
+
+* **Model FLOPs** (:func:`training_flops`): the multiply-adds of the forward graph's matrix products
+  (MatMul, Gemm, Conv, ConvTranspose, Einsum's contractions), each 2 FLOPs, at the shapes of one micro-batch,
+  times 3 for forward and backward (the backward pass computes two products per forward product: the
+  gradients of both operands). This is the PaLM / nanoGPT convention: what the model needs, not what the
+  graphs run (a recomputed block, ``train.recompute``, is not counted twice; a frozen weight's gradient,
+  which LoRA never computes, is counted, so LoRA's MFU reads as on the full model's work). Elementwise ops
+  are not counted: on any model where MFU means something they are a few percent of the FLOPs.
+* **Peak** (:func:`measured_peak`): every rank times a square float32 MatMul in onnxruntime with the
+  engine's threads and execution provider (MLAS on the CPU, cuBLAS on a GPU), best of a few runs, at
+  start-up, all ranks at once: so ranks that share a machine's cores, caches or memory bandwidth measure
+  the peak they share. The run's peak is the sum over ranks.
+
+A graph whose matrix products' shapes cannot be inferred has no model FLOPs (None): the run logs no MFU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import numpy as np
+
+PRODUCTS = ("MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "FusedMatMul")
+
+
+def _dims(vi) -> list | None:
+    t = vi.type.tensor_type
+    if not t.HasField("shape"):
+        return None
+    dims = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
+    return None if any(d is None or d < 0 for d in dims) else dims
+
+
+def _with_static_inputs(model, shapes: dict):
+    """A copy of ``model`` whose graph inputs named in ``shapes`` (name -> shape) have those dims."""
+    import onnx
+    fixed = onnx.ModelProto()
+    fixed.CopyFrom(model)
+    for vi in fixed.graph.input:
+        if vi.name in shapes:
+            dims = vi.type.tensor_type.shape.dim
+            want = list(shapes[vi.name])
+            if len(dims) != len(want):
+                continue
+            for d, n in zip(dims, want):
+                d.Clear()
+                d.dim_value = int(n)
+    return fixed
+
+
+def _inferred(model) -> dict:
+    """Every value's static dims (name -> list) that shape inference finds: onnx's, then onnxruntime's
+    symbolic shape inference where onnx's leaves a product's operand unknown."""
+    import onnx
+    known: dict = {}
+
+    def collect(m):
+        g = m.graph
+        for vi in [*g.input, *g.value_info, *g.output]:
+            if (d := _dims(vi)) is not None:
+                known.setdefault(vi.name, d)
+        for t in g.initializer:
+            known.setdefault(t.name, list(t.dims))
+
+    try:
+        collect(onnx.shape_inference.infer_shapes(model, data_prop=True))
+    except Exception:  # noqa: BLE001 - a graph onnx cannot infer: try onnxruntime's, below
+        collect(model)
+    if all(x in known for n in model.graph.node if n.op_type in PRODUCTS for x in n.input[:2] if x):
+        return known
+    try:
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+        collect(SymbolicShapeInference.infer_shapes(model, auto_merge=True, guess_output_rank=True))
+    except Exception:  # noqa: BLE001 - left as onnx inferred it
+        pass
+    return known
+
+
+def _attr(node, name: str, default):
+    for a in node.attribute:
+        if a.name == name:
+            import onnx
+            return onnx.helper.get_attribute_value(a)
+    return default
+
+
+def _einsum_flops(node, known: dict) -> float | None:
+    """2 x the product of every index's size (the contraction's multiply-adds), for explicit equations
+    without ellipses."""
+    eq = _attr(node, "equation", b"")
+    eq = (eq.decode() if isinstance(eq, bytes) else eq).replace(" ", "")
+    if "..." in eq:
+        return None
+    lhs = eq.split("->")[0].split(",")
+    sizes: dict = {}
+    for term, name in zip(lhs, node.input):
+        dims = known.get(name)
+        if dims is None or len(dims) != len(term):
+            return None
+        sizes.update(zip(term, dims))
+    return 2.0 * math.prod(sizes.values())
+
+
+def _product_flops(node, known: dict) -> float | None:
+    """The forward FLOPs of one matrix product (None: its shapes are unknown)."""
+    op = node.op_type
+    if op == "Einsum":
+        return _einsum_flops(node, known)
+    a, b = (known.get(x) for x in node.input[:2])
+    out = known.get(node.output[0])
+    if op in ("MatMul", "FusedMatMul"):
+        if a is None or b is None or out is None:
+            return None
+        k = a[-1] if len(a) > 1 or op == "MatMul" else a[0]
+        if op == "FusedMatMul" and _attr(node, "transA", 0) and len(a) > 1:
+            k = a[-2]
+        return 2.0 * math.prod(out) * k
+    if op == "Gemm":
+        if a is None or out is None:
+            return None
+        k = a[0] if _attr(node, "transA", 0) else a[1]
+        return 2.0 * math.prod(out) * k
+    if op == "Conv":             # each output element: C_in / group x the kernel's size multiply-adds
+        if b is None or out is None:
+            return None
+        return 2.0 * math.prod(out) * math.prod(b[1:])
+    if op == "ConvTranspose":    # each input element scattered through C_out / group x the kernel
+        if a is None or b is None:
+            return None
+        return 2.0 * math.prod(a) * math.prod(b[1:])
+    return None
+
+
+def forward_flops(model, shapes: dict) -> float | None:
+    """The forward FLOPs of ``model``'s matrix products with its inputs at ``shapes`` (name -> shape);
+    None when some product's shapes cannot be inferred."""
+    known = _inferred(_with_static_inputs(model, shapes))
+    total = 0.0
+    for node in model.graph.node:
+        if node.op_type in PRODUCTS:
+            flops = _product_flops(node, known)
+            if flops is None:
+                return None
+            total += flops
+    return total
+
+
+def training_flops(graphs_dir: str, shapes: dict) -> float | None:
+    """Model FLOPs of one micro-batch's forward and backward pass (3 x the forward graph's products), the
+    batch's inputs at ``shapes`` (name -> shape); None where they cannot be counted."""
+    import onnx
+    path = os.path.join(graphs_dir, "forward.onnx")
+    if not os.path.exists(path):
+        return None
+    try:
+        model = onnx.load(path, load_external_data=False)
+    except Exception:  # noqa: BLE001 - no MFU rather than no run
+        return None
+    fwd = forward_flops(model, shapes)
+    return None if fwd is None else 3.0 * fwd
+
+
+def measured_peak(session, threads: int, n: int = 1024, repeats: int = 3, min_s: float = 0.005) -> float:
+    """This rank's peak float32 FLOP/s: the best of ``repeats`` runs of an n x n MatMul in onnxruntime on
+    ``session``'s execution provider (with its options) and ``threads`` intra-op threads, operands on the
+    provider's device; n doubles (up to 4096) until one product takes ``min_s``, so that a fast device's
+    product is not over before it is timed."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from ..sessions import session_options
+    providers = session.get_providers()
+    options = session.get_provider_options()
+    cuda = providers[0] == "CUDAExecutionProvider"
+    device, device_id = ("cuda", int(options[providers[0]].get("device_id", 0))) if cuda else ("cpu", 0)
+    rng = np.random.default_rng(0)
+    while True:
+        g = helper.make_graph([helper.make_node("MatMul", ["a", "b"], ["c"])], "peak",
+                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, [n, n]) for x in "ab"],
+                              [helper.make_tensor_value_info("c", TensorProto.FLOAT, [n, n])])
+        model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+        model.ir_version = 9
+        sess = ort.InferenceSession(model.SerializeToString(), session_options(max(1, threads), spinning=False),
+                                    providers=providers, provider_options=[options.get(p, {}) for p in providers])
+        binding = sess.io_binding()
+        # the OrtValues are kept alive while bound (the binding holds only their memory's address)
+        held = [ort.OrtValue.ortvalue_from_numpy(rng.random((n, n), np.float32), device, device_id)
+                for _ in "ab"] + [ort.OrtValue.ortvalue_from_shape_and_type([n, n], np.float32, device, device_id)]
+        binding.bind_ortvalue_input("a", held[0])
+        binding.bind_ortvalue_input("b", held[1])
+        binding.bind_ortvalue_output("c", held[2])
+        sess.run_with_iobinding(binding)     # warm-up: packing, allocation, kernel selection
+        best = math.inf
+        for _ in range(repeats):
+            t = time.perf_counter()
+            sess.run_with_iobinding(binding)
+            if cuda:
+                binding.synchronize_outputs()
+            best = min(best, time.perf_counter() - t)
+        if best >= min_s or n >= 4096:
+            return 2.0 * n ** 3 / best
+        n *= 2
+
+
+class Utilisation:
+    """A run's MFU: the model FLOPs of a global step (every rank's micro-batches) against the sum of the
+    ranks' measured peaks. Built on every rank (one scalar allreduce: collective)."""
+
+    def __init__(self, engine, comm, threads: int, accum: int):
+        shapes = {name: buf.shape for name, buf in engine.batch.items()}
+        micro = training_flops(engine.dir, shapes)
+        self.step_flops = None if micro is None else micro * accum * comm.world_size
+        self.rank_peak = measured_peak(engine.train_s.sessions[0], threads)
+        self.peak = comm.allreduce_scalars([self.rank_peak])[0]
+
+    def of(self, steps: int, seconds: float) -> float | None:
+        """The MFU of ``steps`` global steps in ``seconds`` (None: the model's FLOPs are unknown)."""
+        if self.step_flops is None or seconds <= 0 or self.peak <= 0:
+            return None
+        return self.step_flops * steps / seconds / self.peak
+
+    def summary(self, steps: int, seconds: float) -> dict:
+        """summary.json's figures: the MFU over the session, the model FLOPs of a step, the run's peak."""
+        return {"mfu": self.of(steps, seconds), "model_flops_per_step": self.step_flops,
+                "peak_flops": self.peak}
