@@ -11,7 +11,7 @@ BIN    := $(VENV)/bin
 STAMP_RUN  := $(VENV)/.installed-run
 STAMP_TEST := $(VENV)/.installed-test
 
-.PHONY: setup setup-test test test-stock test-py313 test-cluster test-gpu demo bench bench-124m bench-cluster docs clean
+.PHONY: setup setup-test test test-fast test-stock test-py313 test-cluster test-gpu demo bench bench-124m bench-cluster docs clean
 
 $(BIN)/python:
 	@test -n "$(PYTHON)" || { echo "trainrun needs Python 3.10 or newer on PATH" >&2; exit 2; }
@@ -32,6 +32,11 @@ setup-test: $(STAMP_TEST)
 
 test: $(STAMP_TEST)
 	$(BIN)/python -m pytest -q -m "not gpu and not cluster" $(PYTEST_ARGS)
+
+# The edit loop: the tests that start no process (no trainrun, mpirun or trainrun-data run; tests/conftest.py's
+# starts_process decides, and a test that starts one anyway fails there, naming itself)
+test-fast: $(STAMP_TEST)
+	TRAINRUN_FAST=1 $(BIN)/python -m pytest -q -m "not gpu and not cluster" $(PYTEST_ARGS)
 
 # A venv beside .venv for another onnxruntime or Python: $(call side_venv,VENV,PYTHON,message where PYTHON
 # is empty,pip install arguments for trainrun,scripts/requirements.py arguments); no commas in any of them

@@ -2,7 +2,9 @@
 
 import glob
 import importlib.util
+import inspect
 import os
+import re
 import subprocess
 import sys
 
@@ -36,11 +38,61 @@ def optional(module: str):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Markers ort_training and torch: skip, with the reason, where what the test needs is not installed."""
+    """Markers ort_training and torch: skip, with the reason, where what the test needs is not installed.
+    ``make test-fast`` (TRAINRUN_FAST=1): only the tests that start no process (:func:`starts_process`)."""
     for item in items:
         for marker, missing in (("ort_training", ort_training_missing), ("torch", torch_missing)):
             if item.get_closest_marker(marker) is not None and (why := missing()):
                 item.add_marker(pytest.mark.skip(reason=why))
+    if os.environ.get("TRAINRUN_FAST") == "1":
+        slow = [item for item in items if starts_process(item)]
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if item not in slow]
+
+
+# a call that starts a process: the helpers here (run, mpirun, mpirun_probe), subprocess, os.fork/exec*
+_PROCESS_CALL = re.compile(r"(?<![.\w])(run|mpirun|mpirun_probe)\s*\(|\bsubprocess\.|\bos\.(fork|exec\w*|spawn\w*|system)\b"
+                           r"|\bmultiprocessing\b|\bPopen\b")
+
+
+def _calls_process(fn, seen: set) -> bool:
+    """Whether ``fn``'s source, or a function of its module that it names (transitively), starts a process."""
+    if fn in seen or not callable(fn):
+        return False
+    seen.add(fn)
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return False
+    if _PROCESS_CALL.search(source):
+        return True
+    scope = getattr(inspect.getmodule(fn), "__dict__", {})
+    return any(inspect.isfunction(scope.get(name)) and _calls_process(scope[name], seen)
+               for name in set(re.findall(r"\b([A-Za-z_]\w*)\s*\(", source)))
+
+
+def starts_process(item) -> bool:
+    """Whether a collected test starts a process (its function, a fixture of its closure or a helper either
+    calls); marker ``process`` says so where the source does not show it."""
+    if item.get_closest_marker("process") is not None:
+        return True
+    seen: set = set()
+    fns = [getattr(item, "function", None)]
+    info = getattr(item, "_fixtureinfo", None)
+    for name, defs in (info.name2fixturedefs.items() if info else ()):
+        if name != "_fast_lane_starts_no_process":
+            fns += [d.func for d in defs]
+    return any(_calls_process(getattr(f, "__wrapped__", f), seen) for f in fns if f is not None)
+
+
+@pytest.fixture(autouse=True)
+def _fast_lane_starts_no_process(monkeypatch):
+    """Under ``make test-fast`` a test that starts a process anyway fails, naming it (mark it ``process``)."""
+    if os.environ.get("TRAINRUN_FAST") == "1":
+        def refuse(self, *args, **kwargs):
+            raise AssertionError("make test-fast runs only tests that start no process: this one does "
+                                 "(mark it @pytest.mark.process)")
+        monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
 
 
 def run(cmd, timeout=300, check=None, env=None, cwd=None):

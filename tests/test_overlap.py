@@ -196,6 +196,7 @@ run(main, make_communicator("mpi", timeout_s=20))
 """
 
 
+@pytest.mark.process
 def test_buckets_reduce_on_a_communicator_of_their_own(tmp_path):
     """The overlap's one component (trainrun.reducer.BucketReducer) on a plain flat buffer: a bucket's
     allreduce in its background thread and a collective of the main thread (the step's scalars) started in

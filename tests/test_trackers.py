@@ -176,6 +176,7 @@ def test_a_missing_tracker_library_or_store_is_a_usage_error(tmp_path, byte_data
     assert proc.stderr.count("logging.mlflow: cannot start the tracker run") == 1, proc.stderr
 
 
+@pytest.mark.process     # wandb starts its service process
 def test_the_tracker_runs_end_as_the_run_ended(tmp_path):
     """Exit 75 (stopped by a signal, resumable): MLflow KILLED, W&B marked preempting, then a failure:
     FAILED; the same Trackers the runner uses, over real stores."""
@@ -198,6 +199,7 @@ def test_the_tracker_runs_end_as_the_run_ended(tmp_path):
     assert statuses == ["KILLED", "FAILED"]
 
 
+@pytest.mark.process     # wandb starts its service process
 def test_non_finite_values_reach_tensorboard_mlflow_and_wandb(tmp_path):
     """A NaN loss and an infinite gradient norm (a diverging run) are logged as they are, by the runner's
     Metrics over a real event file, MLflow file store and W&B offline run."""
