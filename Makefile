@@ -64,11 +64,11 @@ test-stock: $(STAMP_STOCK)
 	TRAINRUN_REQUIRE_STOCK_COMPARISON=1) $(VENV_STOCK)/bin/python -m pytest -q -m "not gpu and not cluster" $(PYTEST_ARGS)
 
 # Python 3.13 (.venv-py313): trainrun with its plain dependencies (stock onnxruntime), the demo, then every
-# test that needs no torch: the test extra without torch and transformers (their tests skip, saying so)
+# test that needs no torch: the test extra without torch, transformers, peft and onnxscript (their tests skip, saying so)
 VENV_PY313  := .venv-py313
 STAMP_PY313 := $(VENV_PY313)/.installed-py313
 $(STAMP_PY313): pyproject.toml scripts/requirements.py
-	$(call side_venv,$(VENV_PY313),$(PYTHON313),make test-py313 needs python3.13 (on PATH or pyenv's; or PYTHON313=...),-e .,--without torch --without transformers --without peft test)
+	$(call side_venv,$(VENV_PY313),$(PYTHON313),make test-py313 needs python3.13 (on PATH or pyenv's; or PYTHON313=...),-e .,--without torch --without transformers --without peft --without onnxscript test)
 	@touch $@
 
 test-py313: $(STAMP_PY313)

@@ -67,15 +67,33 @@ def test_stock_requirement_list():
     stock = _pinned(R.requirements(["test"], stock=True))
     assert not [n for n in stock if n.startswith("onnxruntime-training")]
     assert stock["onnxruntime"].specifier.contains("1.32.0") and not stock["onnxruntime"].specifier.contains("1.19.2")
-    assert "torch" in stock and "pytest" in stock and "numba" in stock
+    assert "torch" in stock and "pytest" in stock and "numba" in stock and "onnxscript" in stock
     assert all(not Requirement(r).marker for r in R.requirements(["test"], stock=True))
     here = _pinned(R.requirements([], stock=False))
     assert ("onnxruntime" in here) == (sys.version_info >= (3, 13))
-    bare = _pinned(R.requirements(["test"], without=["torch", "Transformers"]))
-    assert "torch" not in bare and "transformers" not in bare and "pyarrow" in bare
+    bare = _pinned(R.requirements(["test"], without=["torch", "Transformers", "onnxscript"]))
+    assert "torch" not in bare and "transformers" not in bare and "onnxscript" not in bare and "pyarrow" in bare
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "requirements.py"), "nosuch"],
                           capture_output=True, text=True)
     assert proc.returncode != 0 and "pyproject.toml has no extra nosuch" in proc.stderr
+
+
+def test_onnxscript_installs_beside_the_pinned_onnx():
+    """torch's default exporter (dynamo=True) needs onnxscript: the test extra's bound admits the release
+    installed here, whose own onnx requirement admits the onnx pinned for this Python (1.17.0 below 3.13)."""
+    from importlib import metadata
+    test = _pinned(R.requirements(["test"]))
+    assert "onnxscript" in test
+    try:
+        version, requires = metadata.version("onnxscript"), metadata.requires("onnxscript") or []
+    except metadata.PackageNotFoundError:
+        pytest.skip("onnxscript is not installed here (make test-py313 leaves it out with torch)")
+    assert test["onnxscript"].specifier.contains(version), version
+    onnx_req = [Requirement(r) for r in requires if Requirement(r).name == "onnx"]
+    pinned = test["onnx"].specifier
+    assert onnx_req and all(r.specifier.contains(metadata.version("onnx")) for r in onnx_req)
+    if sys.version_info < (3, 13):
+        assert pinned.contains("1.17.0") and all(r.specifier.contains("1.17.0") for r in onnx_req)
 
 
 def test_the_onnxruntime_in_use_reads_what_trainrun_writes():

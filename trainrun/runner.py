@@ -162,7 +162,7 @@ class TrainingRunner:
         t = self.cfg.train
         if self.is_main and self.cfg.data.train:     # set-up passed: generate and export find the tokenizer here
             record_tokenizer(self.cfg.data.train, self.out)
-        header(self.cfg, self.comm, self.threads, self.shard, self.manifest["num_params"], self.train_ds,
+        header(self.cfg, self.comm, self.threads, self.shard, self.manifest, self.train_ds,
                self._length(), self.log)
         # before the clocks: a W&B run takes seconds to start
         self.metrics.trackers = start_trackers(self.cfg, self.comm, bool(self.resume_from), self.log)

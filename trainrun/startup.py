@@ -230,10 +230,11 @@ def _build_engine(cfg: C.Config, comm, graphs_dir: str, manifest: dict, train_ds
     return threads, engine, shard, grad_buckets, sampler
 
 
-def header(cfg: C.Config, comm, threads: int, shard, num_params: int, train_ds, length: str, log) -> None:
+def header(cfg: C.Config, comm, threads: int, shard, manifest: dict, train_ds, length: str, log) -> None:
     """The run's start lines: what differs from the default config (devinfo: all of it, and each rank's
     place: host, threads, its part of the parameters, the node's shared memory), then one line of the
-    run's shape; ``length``: how long the run is, as the config says it."""
+    run's shape and one of what trains; ``length``: how long the run is, as the config says it."""
+    num_params = manifest["num_params"]
     world, accum, mb = comm.world_size, cfg.train.gradient_accumulation_steps, cfg.train.micro_batch_size
     global_batch = cfg.global_batch(world)
     if cfg.run.log_level in ("devinfo", "verbose"):
@@ -259,6 +260,24 @@ def header(cfg: C.Config, comm, threads: int, shard, num_params: int, train_ds, 
         f"{num_params:,} parameters | global batch {global_batch} ({mb} x {accum} accum x {world} ranks) | "
         + (f"{global_batch * cfg.data.seq_len:,} tokens/step | " if tokens else "")
         + f"optimizer {cfg.optimizer.name} | {train_ds.num_samples:,} train samples | {length}")
+    log(trained_line(manifest))
+
+
+def trained_line(manifest: dict, shown: int = 4) -> str:
+    """What trains and what is frozen, and why (model.frozen, a buffer of torch's exporter, LoRA's base),
+    the names of each reason's first ``shown`` tensors."""
+    frozen = manifest.get("frozen") or []
+    line = (f"trained: {len(manifest['params'])} tensors, {manifest['num_params']:,} elements; "
+            f"frozen: {len(frozen)} tensors")
+    if not frozen:
+        return line
+    by_why: dict[str, list[str]] = {}
+    for f in frozen:
+        by_why.setdefault(f.get("why", "model.frozen"), []).append(f["name"])
+    elements = sum(math.prod(f["shape"]) for f in frozen)
+    parts = [f"{why}: " + ", ".join(names[:shown]) + (f" (+{len(names) - shown} more)" if len(names) > shown else "")
+             for why, names in by_why.items()]
+    return line + f", {elements:,} elements ({'; '.join(parts)})"
 
 
 def start_trackers(cfg: C.Config, comm, resumed: bool, log) -> Trackers | None:

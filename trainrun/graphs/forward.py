@@ -1,6 +1,6 @@
 """The forward graph, before any training surgery: a built-in model's or a user's ONNX (loaded with its
-external data, checked against ``model.inputs`` / ``model.loss``), its trainable parameters
-(``model.frozen``) and BatchNormalization running statistics."""
+external data, checked against ``model.inputs`` / ``model.loss``, read as torch's exporter left it:
+:mod:`.exporters`), its trainable parameters (``model.frozen``) and BatchNormalization running statistics."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from ..data import outside
 from ..errors import UsageError
 from ..models import registry
 from ..pretrained import load_into
+from .exporters import from_torch
 from .lora import add_adapters
 from .onnx_edit import value_dims
 
@@ -37,6 +38,7 @@ class Forward:
     lora: dict | None = None        # model.lora: {"base": the frozen weights, "in_out": modules with W [in, out]}
     # the frozen weights (model.frozen's, model.lora's base): graph inputs bound to the frozen flat buffer
     frozen: list[str] = dataclasses.field(default_factory=list)
+    why: dict = dataclasses.field(default_factory=dict)    # {frozen weight: why it is frozen}
 
 
 def forward_from_config(cfg: Config) -> Forward:
@@ -51,8 +53,9 @@ def forward_from_config(cfg: Config) -> Forward:
         model, in_out, trainable = add_adapters(model, weights, m.lora, family, cfg.run.seed)
         params = _trainable(trainable, m.frozen, family.name)
         lora = {"base": [n for n in weights if n not in params], "in_out": in_out}
-    return Forward(model=model, params=params, lora=lora if m.lora else None,
-                   frozen=[n for n in weights if n not in params],
+    frozen = [n for n in weights if n not in params]
+    return Forward(model=model, params=params, lora=lora if m.lora else None, frozen=frozen,
+                   why={n: "lora base" if m.lora and n in lora["base"] else FROZEN_WHY for n in frozen},
                    inputs=list(family.inputs), logits=family.logits,
                    labels=None if family.loss else m.loss.labels, loss=family.loss,
                    loss_type=family.loss_type if family.loss is None else "cross_entropy")
@@ -125,11 +128,13 @@ def _check_forward(model, inputs, loss, frozen, source) -> Forward:
                             f"choose a new name for the labels input")
     if problems:
         raise UsageError(f"{source}: the forward graph does not match the config", problems)
+    model, not_params = from_torch(model, source)
     model, states = _batchnorm_states(model)
     floats = [t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT and len(t.dims) > 0
               and t.name not in states]
-    params = _trainable(floats, frozen, source)
-    fwd = Forward(model=model, params=params, frozen=[n for n in floats if n not in params], inputs=list(inputs),
+    params = _trainable([n for n in floats if n not in not_params], frozen, source)
+    why = {n: not_params.get(n, FROZEN_WHY) for n in floats if n not in params}
+    fwd = Forward(model=model, params=params, frozen=list(why), why=why, inputs=list(inputs),
                   logits=logits,
                   labels=labels, loss=loss.output, loss_type=loss.type, class_axis=loss.class_axis,
                   class_weights=list(loss.weights) or None, states=states or None)
@@ -189,6 +194,9 @@ def batchnorm_inference(model: onnx.ModelProto) -> onnx.ModelProto:
                     a.i = 0
             del n.output[1:]
     return model
+
+
+FROZEN_WHY = "model.frozen"
 
 
 def _trainable(names: list[str], frozen: list[str], source: str) -> list[str]:

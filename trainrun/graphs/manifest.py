@@ -37,8 +37,10 @@ FORMAT_VERSION = 1
 # gradients by MatMul over an explicitly transposed input (no Gemm transA); 4: the cross-entropy's gradient
 # from Exp(log_prob) (_cross_entropy_grad_by_exp); 5: a tied head's gradient scattered into before its
 # Transpose; 6: products over a multiple of 1024 float32 padded (graphs/strides.py, engine.pad_products);
-# 7: the frozen weights (model.frozen, model.lora's base) graph inputs, their values in frozen.safetensors
-GRAPH_VERSION = 7
+# 7: the frozen weights (model.frozen, model.lora's base) graph inputs, their values in frozen.safetensors;
+# 8: a graph of torch's dynamo exporter read as torch trained it (graphs/exporters.py: training-mode
+# BatchNorm, buffers frozen, transposed Linear weights under torch's names)
+GRAPH_VERSION = 8
 FROZEN_FILE = "frozen.safetensors"
 
 
@@ -183,7 +185,8 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
         "lora": {**fwd.lora, "base_sha256": lora_digest({n: frozen[n] for n in fwd.lora["base"]})}
         if fwd.lora else None,
         # the frozen weights: graph inputs, their values in frozen.safetensors (the engine's frozen buffer)
-        "frozen": [{"name": n, "shape": list(frozen[n].shape)} for n in fwd.frozen],
+        "frozen": [{"name": n, "shape": list(frozen[n].shape), "why": fwd.why.get(n, "model.frozen")}
+                   for n in fwd.frozen],
         "optimizer": to_dict(cfg.optimizer),
         "build": build,
         "stats_outputs": stats_outputs,
