@@ -684,7 +684,8 @@ def conv_model(path, scale, seed=0):
     inputs: the same outputs to float32 rounding, several units where they are ~1e8."""
     rng = np.random.default_rng(seed)
     w = {"cw": (rng.normal(0, 1, (4, 2, 3)) * scale).astype(np.float32),
-         "cs": rng.uniform(0.5, 2, (4, 1)).astype(np.float32), "cb": (rng.normal(0, 0.1, (4, 1)) * scale).astype(np.float32)}
+         "cs": rng.uniform(0.5, 2, (4, 1)).astype(np.float32),
+         "cb": (rng.normal(0, 0.1, (4, 1)) * scale).astype(np.float32)}
     nodes = [helper.make_node("Conv", ["x", "cw"], ["c"]), helper.make_node("Mul", ["c", "cs"], ["m"]),
              helper.make_node("Add", ["m", "cb"], ["a"]), helper.make_node("Flatten", ["a"], ["out"])]
     g = helper.make_graph(nodes, "conv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 2, 8])],
