@@ -354,3 +354,71 @@ def test_bad_task_values_exit_2_naming_the_key(tmp_path, labelled, over, says):
     cfg = _config(tmp_path, labelled["cls"], **over)
     p = run([TRAINRUN, "train", "--config", cfg], check=2)
     assert says in p.stderr + p.stdout
+
+
+def _head_reference(samples, logits, regression, micro, ranks):
+    """The eval results of a task head over every sample in numpy, from the exported model's ``logits``:
+    loss as the mean of the micro-batch losses weighed by their samples, the micro-batches split as
+    data.eval_batches documents (step s: samples s*G .. s*G+G-1, rank r the r-th ``micro`` of them; the
+    rest one last step split over the ranks in order); accuracy and macro F1 / mse, Pearson, Spearman
+    over all samples."""
+    from scipy.stats import pearsonr, spearmanr
+    from sklearn.metrics import accuracy_score, f1_score
+    labels = np.stack([s["labels"] for s in samples])
+    n, group = len(samples), micro * ranks
+    whole = n // group * group
+    parts = [range(first, first + micro) for first in range(0, whole, micro)]
+    parts += [range(whole + r * (n - whole) // ranks, whole + (r + 1) * (n - whole) // ranks) for r in range(ranks)]
+    parts = [p for p in parts if len(p)]
+    assert len(parts[-1]) < micro         # the case under test: a partial last batch
+
+    def loss(idx):
+        x, y = logits[idx].astype(np.float64), labels[idx]
+        if regression:
+            return np.mean((x.reshape(-1) - y) ** 2)
+        keep = y != -100
+        x, y = x[keep], y[keep]
+        top = x.max(-1, keepdims=True)
+        return np.mean(np.log(np.exp(x - top).sum(-1)) + top[:, 0] - x[np.arange(len(y)), y])
+    ref = {"loss": sum(loss(np.array(p)) * len(p) for p in parts) / n}
+    if regression:
+        x, y = logits.reshape(-1).astype(np.float64), labels.astype(np.float64)
+        ref.update(mse=np.mean((x - y) ** 2), pearson=pearsonr(x, y)[0], spearman=spearmanr(x, y)[0])
+    else:
+        keep = labels != -100
+        y, p = labels[keep], logits.argmax(-1)[keep]
+        ref.update(accuracy=accuracy_score(y, p), f1=f1_score(y, p, average="macro"))
+    return ref
+
+
+@pytest.mark.parametrize("kind, task, num_labels", [("cls", "sequence_classification", 3),
+                                                    ("reg", "sequence_classification", 1),
+                                                    ("tok", "token_classification", 3)])
+def test_task_head_evaluates_a_partial_last_batch_on_two_ranks(tmp_path, labelled, kind, task, num_labels):
+    """Every task head on 2 ranks, micro-batch 5: the 24 eval samples are 2 whole steps of 10 and a last
+    step of 2 per rank. The in-training evaluation (eval_steps past the set's end) and `trainrun evaluate`
+    on 2 ranks cover all 24, their loss and metrics those of numpy over the exported model's logits."""
+    import onnxruntime as ort
+    micro, ranks = 5, 2
+    cfg = _config(tmp_path, labelled[kind], **{
+        "model.task": task, "model.num_labels": num_labels, "train.micro_batch_size": micro,
+        "train.max_steps": 8, "train.eval_every": 4, "train.eval_steps": 10, "lr_schedule.warmup_steps": 1,
+        "optimizer.lr": 1e-2})
+    mpirun(ranks, "train", "--config", cfg)
+    run_dir = str(tmp_path / "run")
+    _, evals = read_metrics(run_dir)
+    run([TRAINRUN, "export", run_dir, "--output", str(tmp_path / "m.onnx")], check=0)
+    samples = R.tensor_samples(os.path.join(labelled[kind], "eval"))
+    assert len(samples) == 24
+    sess = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    (logits,) = sess.run(["logits"], {i.name: np.stack([s[i.name] for s in samples]) for i in sess.get_inputs()})
+    ref = _head_reference(samples, logits, num_labels == 1, micro, ranks)
+    mpirun(ranks, "evaluate", run_dir, "--data", os.path.join(labelled[kind], "eval"), "--output",
+           str(tmp_path / "e.json"))
+    result = json.loads((tmp_path / "e.json").read_text())
+    assert evals[4]["eval_samples"] == evals[8]["eval_samples"] == result["samples"] == 24
+    assert result["batch"] == micro * ranks
+    for name, value in ref.items():
+        # float32 logits of batches of other sizes: the loss to rounding; metrics of the argmax / ranks alike
+        assert evals[8][f"eval_{name}"] == pytest.approx(value, rel=1e-4, abs=1e-6), name
+        assert result[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name

@@ -675,3 +675,67 @@ def test_bad_data_for_the_graph_is_named_and_exits_2(tmp_path, tabular, case):
     for part in expected:
         assert part in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def conv_model(path, scale, seed=0):
+    """x [b, 2, 8] -> Conv (4 channels, width 3) -> x ``cs`` [4, 1] -> + ``cb`` [4, 1] -> Flatten: out [b, 24],
+    the conv weights (and so the outputs) scaled by ``scale``. The exported model holds the weights as
+    initializers, which onnxruntime folds (the scale and bias into the conv); the eval graph takes them as
+    inputs: the same outputs to float32 rounding, several units where they are ~1e8."""
+    rng = np.random.default_rng(seed)
+    w = {"cw": (rng.normal(0, 1, (4, 2, 3)) * scale).astype(np.float32),
+         "cs": rng.uniform(0.5, 2, (4, 1)).astype(np.float32),
+         "cb": (rng.normal(0, 0.1, (4, 1)) * scale).astype(np.float32)}
+    nodes = [helper.make_node("Conv", ["x", "cw"], ["c"]), helper.make_node("Mul", ["c", "cs"], ["m"]),
+             helper.make_node("Add", ["m", "cb"], ["a"]), helper.make_node("Flatten", ["a"], ["out"])]
+    g = helper.make_graph(nodes, "conv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 2, 8])],
+                          [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["b", 24])],
+                          [numpy_helper.from_array(v, k) for k, v in w.items()])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.save(m, str(path))
+
+
+def np_conv_model(w, x):
+    """conv_model's output in float64."""
+    w = {k: v.astype(np.float64) for k, v in w.items()}
+    windows = np.stack([x[:, :, t:t + 3] for t in range(6)], axis=2).astype(np.float64)     # [b, 2, 6, 3]
+    return (np.einsum("bitk,cik->bct", windows, w["cw"]) * w["cs"] + w["cb"]).reshape(len(x), 24)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e7])
+def test_export_check_is_relative_to_the_outputs_magnitude(tmp_path, scale):
+    """The end-of-run check of the export against the eval graph allows 1e-4 + 1e-5 x the largest |output|:
+    a model whose outputs are ~1e8 (several units of float32 rounding apart between the export's folded
+    weights and the eval graph) finishes its run with exit 0 and an export that equals NumPy's float64
+    forward to 1e-6 of the outputs; the same run's forward graph with one weight 0.1% off is refused by
+    `trainrun export` (exit 1, naming the output), whatever the scale."""
+    import onnxruntime as ort
+    rng = np.random.default_rng(4)
+    for split, n in (("train", 32), ("eval", 16)):
+        x = rng.normal(0, 1, (n, 2, 8)).astype(np.float32)
+        np.savez(tmp_path / f"{split}.npz", x=x, target=(rng.normal(0, 3, (n, 24)) * scale).astype(np.float32))
+        tensors(tmp_path / f"{split}.npz", tmp_path / split)
+    conv_model(tmp_path / "m.onnx", scale)
+    cfg = small_run(tmp_path, {"loss": {"type": "mse", "logits": "out"}}, str(tmp_path),
+                    data={"inputs": {"labels": "target"}}, train={"max_steps": 2})
+    p = run([TRAINRUN, "--config", cfg], check=0)
+    diff = float(p.stdout.split("max |logits - eval graph| = ")[1].split()[0])
+    run_dir = tmp_path / "run"
+    trained = load_file(str(run_dir / "checkpoints" / "2" / "model.safetensors"))
+    x = np.load(tmp_path / "eval.npz")["x"]
+    sess = ort.InferenceSession(str(run_dir / "model.onnx"), providers=["CPUExecutionProvider"])
+    ref = np_conv_model(trained, x)
+    assert np.abs(sess.run(["out"], {"x": x})[0] - ref).max() <= 1e-6 * np.abs(ref).max()
+    if scale > 1:       # what an absolute bound of 1e-4 refused (exit 1 after a successful run)
+        assert 1e-4 < diff <= 1e-5 * np.abs(ref).max(), (diff, np.abs(ref).max())
+
+    forward = onnx.load(str(run_dir / "graphs" / "forward.onnx"))       # cs 0.1% off: a wrong weight
+    mul = next(nd for nd in forward.graph.node if nd.op_type == "Mul")
+    mul.input[list(mul.input).index("cs")] = "cs_wrong"
+    forward.graph.node.insert(0, helper.make_node("Mul", ["cs", "off"], ["cs_wrong"]))
+    forward.graph.node.insert(0, helper.make_node("Constant", [], ["off"],
+                                                  value=numpy_helper.from_array(np.array(1.001, np.float32))))
+    onnx.save(forward, str(run_dir / "graphs" / "forward.onnx"))
+    p = run([TRAINRUN, "export", str(run_dir), "--output", str(tmp_path / "wrong.onnx")], check=1)
+    assert "the exported model differs from the eval graph by" in p.stderr and "in 'out'" in p.stderr, p.stderr

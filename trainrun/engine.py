@@ -485,8 +485,7 @@ class Engine:
         for i, name in enumerate(self.frozen_layout.names):
             e.bind_in(name, self.frozen_layout.view(self.frozen, i))
         e.bind_out(LOSS, self.eval_loss)
-        # eval metrics (metric/<name>/sum|count, float32 scalars) to host scalars; the logits stay unbound:
-        # onnxruntime then never copies them out (they are only an output for `export --with-loss`)
+        # eval metrics (metric/<name>/sum|count, float32 scalars) to host scalars; other outputs unbound: never copied
         self._eval_metrics = {}
         for out in e.session.get_outputs():
             if out.name.startswith(METRIC_PREFIX):
@@ -495,9 +494,8 @@ class Engine:
                                      f"(it is {out.type} of shape {out.shape})")
                 self._eval_metrics[out.name] = np.zeros(out.shape or (), np.float32)
                 e.bind_out(out.name, self._eval_metrics[out.name])
-        # a task head's logits (manifest task_labels): read back after each eval step (:attr:`eval_logits`)
-        if self.manifest.get("task_labels"):
-            e.binding.bind_output(self.manifest["logits"], "cpu")
+        # a task head's logits (manifest task_labels): onnxruntime's, read back after each run (:meth:`evaluate`)
+        self._eval_allocated = [self.manifest["logits"]] if self.manifest.get("task_labels") else []
 
     def _bind_all(self) -> None:
         L, S = self.layout, self.state_layout
@@ -634,10 +632,12 @@ class Engine:
                      if i.name in self.eval_batch and i.shape and isinstance(i.shape[0], int)), None)
 
     def evaluate(self, batch: dict) -> float:
-        """Loss of one eval micro-batch; its metric sums and counts are then in :attr:`eval_metrics`.
-        A micro-batch smaller than the engine's (an evaluation's last) runs in buffers of its own size,
-        bound for that run only."""
+        """Loss of one eval micro-batch; its metric sums and counts are then in :attr:`eval_metrics`. A micro-batch
+        smaller than the engine's (an evaluation's last) runs in buffers of its own size, bound for that run only;
+        an output onnxruntime allocates (batch-sized logits) is bound anew each run (a binding keeps the last's)."""
         n = len(batch[self.feeds[next(iter(self.eval_batch))]])
+        for name in self._eval_allocated:
+            self.eval_s.binding.bind_output(name, "cpu")
         if n == next(iter(self.eval_batch.values())).shape[0]:
             self.set_batch(batch, self.eval_batch)
             self.eval_s.run()
@@ -653,7 +653,7 @@ class Engine:
             finally:
                 for name, arr in self.eval_batch.items():
                     self.eval_s.bind_in(name, arr, keep=False)
-        if self.manifest.get("task_labels"):
+        if self._eval_allocated:
             self.eval_logits = self.eval_s.binding.get_outputs()[-1].numpy()
         return float(self.eval_loss)
 
