@@ -1,0 +1,172 @@
+"""trainrun's gradient builder on the ops of activations, trigonometry, more reductions, tiling, scatters, TopK,
+Einsum and Resize, without torch (the py313 leg runs it): per op a tiny graph, loss = ReduceSum(y * w) with
+random w, the builder's gradients run in onnxruntime against central finite differences of the loss in
+float64: onnxruntime's forward graph in float64 where its CPU kernel has float64, else a NumPy reference of
+the op (the gradient graph then in float32, with a float32 bound).
+
+Bounds: the differences take a step of 1e-5 (1 for an op linear in its input, whose difference is exact), so in
+float64 their error is about step^2 |f'''| + eps / step, below 1e-9 for these losses of order 1-10: 1e-6
+relative leaves three orders of margin. A gradient graph computed in float32 is off by a few float32 roundings
+per op it chains (unit roundoff 6e-8, chains of up to ~20 ops): 2e-5 relative of the gradient's largest."""
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from trainrun.graphs.autodiff import NoGradient, differentiate
+
+F64, F32 = np.float64, np.float32
+OPSET = 18
+
+
+def model_of(nodes, inputs: dict, consts: dict = (), out="y", opset=OPSET):
+    """loss = ReduceSum(out * w): ``inputs`` graph inputs (name -> array), ``consts`` initializers; w, an input
+    too, of out's type and any shape."""
+    dtype = next(a.dtype for a in inputs.values() if a.dtype.kind == "f")
+    elem = helper.np_dtype_to_tensor_dtype(dtype)
+    nodes = list(nodes) + [helper.make_node("Mul", [out, "w"], ["weighted"], name="weigh"),
+                           helper.make_node("ReduceSum", ["weighted"], ["loss"], name="loss", keepdims=0)]
+    vis = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
+           for n, a in inputs.items()]
+    graph = helper.make_graph(nodes, "g", vis + [helper.make_tensor_value_info("w", elem, None)],
+                              [helper.make_tensor_value_info("loss", elem, [])],
+                              [numpy_helper.from_array(np.asarray(a), n) for n, a in dict(consts).items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 9
+    return model
+
+
+def session(model):
+    """onnxruntime's basic optimizations only: the extended ones fuse into com.microsoft ops without float64
+    kernels; the graph as built is what is checked."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def run_out(model, feeds, out):
+    """The forward value of tensor ``out``."""
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    probe.graph.output.append(helper.make_tensor_value_info(out, probe.graph.output[0].type.tensor_type.elem_type,
+                                                            None))
+    return session(probe).run([out], {**feeds, "w": np.zeros(1, feeds_dtype(feeds))})[0]
+
+
+def feeds_dtype(feeds):
+    return next(a.dtype for a in feeds.values() if a.dtype.kind == "f")
+
+
+def finite_differences(loss_of, values: dict, param: str, step: float) -> np.ndarray:
+    """d loss / d values[param] by central differences, element by element, in float64."""
+    x = values[param].astype(F64)
+    grad = np.zeros_like(x)
+    for k in np.ndindex(x.shape):
+        h = step * max(1.0, abs(x[k])) if step < 1 else step
+        for sign in (1, -1):
+            moved = x.copy()
+            moved[k] += sign * h
+            grad[k] += sign * loss_of({**values, param: moved})
+        grad[k] /= 2 * h
+    return grad
+
+
+def check(nodes, inputs: dict, params, consts: dict = (), ref=None, linear=False, out="y", opset=OPSET, seed=0):
+    """The builder's gradients of ``params`` against central differences: of onnxruntime's forward graph in
+    float64 (inputs of float64), or of ``ref`` (NumPy, float64: name -> array -> ``out``) for float32 inputs.
+    Returns the gradient graph."""
+    model = model_of(nodes, inputs, consts, out, opset)
+    feeds = dict(inputs)
+    dtype = feeds_dtype(feeds)
+    w = np.random.default_rng(seed).standard_normal(run_out(model, feeds, out).shape).astype(dtype)
+    grad_model = differentiate(model, list(params), "loss")
+    assert {n.domain for n in grad_model.graph.node} <= {"", "ai.onnx"}
+    got = session(grad_model).run([f"{p}_grad" for p in params], {**feeds, "w": w})
+    if dtype == F64:
+        assert ref is None, "float64 inputs: the differences are of onnxruntime's own forward graph"
+        forward = session(model)
+
+        def loss_of(values):
+            return float(forward.run(["loss"], {**values, "w": w})[0])
+        tol = 1e-6
+    else:
+        assert ref is not None, "float32 inputs: the differences need a float64 NumPy reference of the op"
+        consts64 = {n: np.asarray(a).astype(F64) if np.asarray(a).dtype.kind == "f" else np.asarray(a)
+                    for n, a in dict(consts).items()}
+
+        def loss_of(values):
+            return float((ref({**consts64, **values}) * w.astype(F64)).sum())
+        tol = 2e-5
+    values = {n: a.astype(F64) if a.dtype.kind == "f" else a for n, a in feeds.items()}
+    for p, g in zip(params, got):
+        want = finite_differences(loss_of, values, p, 1.0 if linear else 1e-5)
+        assert g.shape == want.shape, p
+        np.testing.assert_allclose(g, want, rtol=tol, atol=tol * max(1.0, np.abs(want).max()), err_msg=p)
+    return grad_model
+
+
+def rand(*shape, dtype=F64, seed=0, low=None, high=None, away=()):
+    """Normal values (uniform in [low, high] when given), each at least 0.05 from the points in ``away`` (the
+    kinks of piecewise ops)."""
+    rng = np.random.default_rng(seed + 31 * len(shape) + sum(shape))
+    a = rng.uniform(low, high, shape) if low is not None else rng.standard_normal(shape)
+    for point in away:
+        near = np.abs(a - point) < 0.05
+        a[near] = point + np.where(a[near] >= point, 0.05, -0.05) * 2
+    return a.astype(dtype)
+
+
+def node(op, ins, outs=("y",), **attrs):
+    return helper.make_node(op, list(ins), list(outs), name=f"{op.lower()}_{'_'.join(i for i in ins if i)}", **attrs)
+
+
+def sigmoid(x):
+    return 1 / (1 + np.exp(-x))
+
+
+SELU_ALPHA, SELU_GAMMA = 1.67326319217681884765625, 1.05070102214813232421875
+
+# op, attributes, dtype (float32 where onnxruntime's CPU kernel is float only), input range and kinks,
+# NumPy reference (float32 ops only)
+UNARY = [
+    ("HardSigmoid", {}, F64, dict(low=-4, high=4, away=(-2.5, 2.5)), None),
+    ("HardSigmoid", dict(alpha=0.5, beta=0.25), F64, dict(low=-3, high=3, away=(-0.5, 1.5)), None),
+    ("HardSwish", {}, F64, dict(low=-5, high=5, away=(-3, 3)), None),
+    ("Elu", {}, F64, dict(away=(0,)), None),
+    ("Elu", dict(alpha=0.3), F64, dict(away=(0,)), None),
+    ("Selu", {}, F64, dict(away=(0,)), None),
+    ("Selu", dict(alpha=1.2, gamma=0.7), F64, dict(away=(0,)), None),
+    ("Celu", {}, F32, dict(away=(0,)), lambda x: np.maximum(0, x) + np.minimum(0, np.exp(x) - 1)),
+    ("Celu", dict(alpha=2.0), F32, dict(away=(0,)), lambda x: np.maximum(0, x) + np.minimum(0, 2 * (np.exp(x / 2) - 1))),
+    ("Softsign", {}, F64, {}, None),
+    ("Softplus", {}, F64, {}, None),
+    ("Mish", {}, F64, {}, None),
+    ("ThresholdedRelu", {}, F64, dict(low=-2, high=3, away=(1,)), None),
+    ("ThresholdedRelu", dict(alpha=-0.5), F64, dict(away=(-0.5,)), None),
+    ("Sin", {}, F64, dict(low=-4, high=4), None),
+    ("Cos", {}, F32, dict(low=-4, high=4), np.cos),
+    ("Tan", {}, F32, dict(low=-1.2, high=1.2), np.tan),
+    ("Asin", {}, F32, dict(low=-0.9, high=0.9), np.arcsin),
+    ("Acos", {}, F32, dict(low=-0.9, high=0.9), np.arccos),
+    ("Atan", {}, F32, dict(low=-3, high=3), np.arctan),
+    ("Sinh", {}, F32, {}, np.sinh),
+    ("Cosh", {}, F32, {}, np.cosh),
+    ("Asinh", {}, F32, dict(low=-3, high=3), np.arcsinh),
+    ("Acosh", {}, F32, dict(low=1.2, high=4), np.arccosh),
+    ("Atanh", {}, F32, dict(low=-0.9, high=0.9), np.arctanh),
+]
+
+
+@pytest.mark.parametrize("op,attrs,dtype,values,ref", UNARY,
+                         ids=[f"{u[0]}{'-' + '-'.join(map(str, u[1].values())) if u[1] else ''}" for u in UNARY])
+def test_unary_ops(op, attrs, dtype, values, ref):
+    check([node(op, ["x"], **attrs)], {"x": rand(3, 5, dtype=dtype, **values)}, ["x"],
+          ref=(lambda v: ref(v["x"])) if ref else None)
+
+
+@pytest.mark.parametrize("slope_shape", [(3, 1), (1,), (4,), (2, 3, 4), (1, 1, 1)])
+def test_prelu_sums_the_slope_gradient_back_to_its_broadcast_shape(slope_shape):
+    check([node("PRelu", ["x", "slope"])], {"x": rand(2, 3, 4, away=(0,)), "slope": rand(*slope_shape, seed=3)},
+          ["x", "slope"])
