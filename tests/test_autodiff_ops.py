@@ -75,8 +75,8 @@ def finite_differences(loss_of, values: dict, param: str, step: float) -> np.nda
 
 def check(nodes, inputs: dict, params, consts: dict = (), ref=None, linear=False, out="y", opset=OPSET, seed=0):
     """The builder's gradients of ``params`` against central differences: of onnxruntime's forward graph in
-    float64 (inputs of float64), or of ``ref`` (NumPy, float64: name -> array -> ``out``) for float32 inputs.
-    Returns the gradient graph."""
+    float64 (inputs of float64), or of ``ref`` (NumPy, float64: name -> array -> ``out``; needed for float32
+    inputs). Returns the gradient graph."""
     model = model_of(nodes, inputs, consts, out, opset)
     feeds = dict(inputs)
     dtype = feeds_dtype(feeds)
@@ -84,21 +84,19 @@ def check(nodes, inputs: dict, params, consts: dict = (), ref=None, linear=False
     grad_model = differentiate(model, list(params), "loss")
     assert {n.domain for n in grad_model.graph.node} <= {"", "ai.onnx"}
     got = session(grad_model).run([f"{p}_grad" for p in params], {**feeds, "w": w})
-    if dtype == F64:
-        assert ref is None, "float64 inputs: the differences are of onnxruntime's own forward graph"
+    tol = 1e-6 if dtype == F64 else 2e-5
+    if ref is None:
+        assert dtype == F64, "float32 inputs: the differences need a float64 NumPy reference of the op"
         forward = session(model)
 
         def loss_of(values):
             return float(forward.run(["loss"], {**values, "w": w})[0])
-        tol = 1e-6
     else:
-        assert ref is not None, "float32 inputs: the differences need a float64 NumPy reference of the op"
         consts64 = {n: np.asarray(a).astype(F64) if np.asarray(a).dtype.kind == "f" else np.asarray(a)
                     for n, a in dict(consts).items()}
 
         def loss_of(values):
             return float((ref({**consts64, **values}) * w.astype(F64)).sum())
-        tol = 2e-5
     values = {n: a.astype(F64) if a.dtype.kind == "f" else a for n, a in feeds.items()}
     for p, g in zip(params, got):
         want = finite_differences(loss_of, values, p, 1.0 if linear else 1e-5)
@@ -170,3 +168,43 @@ def test_unary_ops(op, attrs, dtype, values, ref):
 def test_prelu_sums_the_slope_gradient_back_to_its_broadcast_shape(slope_shape):
     check([node("PRelu", ["x", "slope"])], {"x": rand(2, 3, 4, away=(0,)), "slope": rand(*slope_shape, seed=3)},
           ["x", "slope"])
+
+
+REDUCTIONS = {"ReduceL2": lambda x, ax, k: np.sqrt((x * x).sum(ax, keepdims=k)),
+              "ReduceLogSumExp": lambda x, ax, k: np.log(np.exp(x).sum(ax, keepdims=k)),
+              "ReduceSumSquare": lambda x, ax, k: (x * x).sum(ax, keepdims=k),
+              "ReduceL1": lambda x, ax, k: np.abs(x).sum(ax, keepdims=k),
+              "ReduceProd": lambda x, ax, k: x.prod(ax, keepdims=k)}
+
+
+def reduce_case(op, x, axes, keepdims, opset, consts=()):
+    """``op`` over ``axes`` (None: all), as an attribute before opset 18 and an input from it."""
+    if axes is None or opset < 18:
+        return [node(op, ["x"], keepdims=keepdims, **({"axes": axes} if axes is not None else {}))], {}
+    return [node(op, ["x", "ax"], keepdims=keepdims)], {"ax": np.array(axes)}
+
+
+@pytest.mark.parametrize("op", sorted(REDUCTIONS))
+@pytest.mark.parametrize("axes,keepdims,opset", [([1], 0, 17), ([0, 2], 1, 17), ([-1], 0, 18), ([0, 2], 1, 18),
+                                                 (None, 0, 18), (None, 1, 17)])
+def test_reductions_with_axes_as_attribute_or_input(op, axes, keepdims, opset):
+    """onnxruntime's CPU kernels: ReduceProd, and ReduceL1 / ReduceL2 before opset 18, in float32 only;
+    ReduceL2's float64 kernel takes a float32 square root (1e-8 off): the differences are of NumPy's. ReduceProd
+    with zeros: one in a slice (its gradient there the product of the others), two in another (all 0)."""
+    dtype = F32 if op == "ReduceProd" or (op in ("ReduceL1", "ReduceL2") and opset < 18) else F64
+    x = rand(2, 3, 4, dtype=dtype, low=0.3 if op == "ReduceLogSumExp" else None, high=2,
+             away=(0,) if op == "ReduceL1" else ())
+    if op == "ReduceProd":
+        x[0, 1, 2] = 0
+        x[1, 2, 0] = x[1, 0, 0] = 0
+    nodes, consts = reduce_case(op, x, axes, keepdims, opset)
+    ax = tuple(axes) if axes is not None else None
+    check(nodes, {"x": x}, ["x"], consts, opset=opset,
+          ref=(lambda v: REDUCTIONS[op](v["x"], ax, bool(keepdims))) if dtype == F32 or op == "ReduceL2" else None)
+
+
+def test_reductions_without_axes_and_noop_are_the_identity():
+    """(The spec's identity; onnxruntime 1.19's ReduceL1 and ReduceL2 of float64 reduce all axes then.)"""
+    for op in ("ReduceSumSquare", "ReduceLogSumExp"):
+        grad = check([node(op, ["x", ""], noop_with_empty_axes=1)], {"x": rand(2, 3)}, ["x"])
+        assert not [n for n in grad.graph.node if n.name.startswith(f"grad/{op.lower()}")]      # dy itself
