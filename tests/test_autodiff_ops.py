@@ -208,3 +208,49 @@ def test_reductions_without_axes_and_noop_are_the_identity():
     for op in ("ReduceSumSquare", "ReduceLogSumExp"):
         grad = check([node(op, ["x", ""], noop_with_empty_axes=1)], {"x": rand(2, 3)}, ["x"])
         assert not [n for n in grad.graph.node if n.name.startswith(f"grad/{op.lower()}")]      # dy itself
+
+
+def test_tile():
+    check([node("Tile", ["x", "r"])], {"x": rand(2, 1, 3)}, ["x"], {"r": np.array([2, 3, 1])})
+
+
+@pytest.mark.parametrize("upper", [0, 1])
+@pytest.mark.parametrize("k", [None, -1, 2])
+def test_trilu(upper, k):
+    check([node("Trilu", ["x"] + (["k"] if k is not None else []), upper=upper)], {"x": rand(2, 3, 4)}, ["x"],
+          {"k": np.array(k)} if k is not None else {})
+
+
+@pytest.mark.parametrize("exclusive", [0, 1])
+@pytest.mark.parametrize("reverse", [0, 1])
+@pytest.mark.parametrize("axis", [1, -1])
+def test_cumsum(exclusive, reverse, axis):
+    check([node("CumSum", ["x", "axis"], exclusive=exclusive, reverse=reverse)], {"x": rand(2, 3, 4)}, ["x"],
+          {"axis": np.array(axis)})
+
+
+@pytest.mark.parametrize("mode", ["DCR", "CRD"])
+def test_depth_to_space_and_space_to_depth(mode):
+    check([node("DepthToSpace", ["x"], blocksize=2, mode=mode)], {"x": rand(2, 8, 2, 3)}, ["x"], linear=True)
+    check([node("SpaceToDepth", ["x"], blocksize=2)], {"x": rand(1, 2, 4, 6)}, ["x"], linear=True)
+
+
+@pytest.mark.parametrize("reduction", ["none", "add"])
+def test_scatter_elements_and_scatter_nd(reduction):
+    """Repeated indices with reduction add (each update's gradient its position's dy)."""
+    idx = np.array([[1, 0, 2], [0, 2, 2]]) if reduction == "add" else np.array([[1, 0, 2], [0, 2, 1]])
+    check([node("ScatterElements", ["d", "i", "u"], axis=1, reduction=reduction)],
+          {"d": rand(2, 4), "u": rand(2, 3, seed=1)}, ["d", "u"], {"i": idx}, linear=True)
+    nd = np.array([[[0, 1], [1, 3]], [[1, 0], [1, 3 if reduction == "add" else 2]]])
+    check([node("ScatterND", ["d", "i", "u"], reduction=reduction)], {"d": rand(2, 4, 3), "u": rand(2, 2, 3, seed=1)},
+          ["d", "u"], {"i": nd}, linear=True)
+    check([node("ScatterND", ["d", "i", "u"], reduction=reduction)], {"d": rand(3, 2), "u": rand(2, 2, seed=1)},
+          ["d", "u"], {"i": np.array([[2], [0]])}, linear=True)
+
+
+@pytest.mark.parametrize("axis,largest,k", [(-1, 1, 2), (0, 0, 1), (1, 1, 3)])
+def test_top_k_values(axis, largest, k):
+    check([node("TopK", ["x", "k"], ["y", "i"], axis=axis, largest=largest)], {"x": rand(3, 4)}, ["x"],
+          {"k": np.array([k])})
+    check([node("TopK", ["x", "k"], ["y", "i"], axis=axis, largest=largest, sorted=0)], {"x": rand(3, 4)}, ["x"],
+          {"k": np.array([k])})
