@@ -21,14 +21,15 @@ F64, F32 = np.float64, np.float32
 OPSET = 18
 
 
-def model_of(nodes, inputs: dict, consts: dict = (), out="y", opset=OPSET):
-    """loss = ReduceSum(out * w): ``inputs`` graph inputs (name -> array), ``consts`` initializers; w, an input
-    too, of out's type and any shape."""
+def model_of(nodes, inputs: dict, consts: dict = (), out="y", opset=OPSET, symbolic=False):
+    """loss = ReduceSum(out * w): ``inputs`` graph inputs (name -> array; their dims declared, or named only if
+    ``symbolic``), ``consts`` initializers; w, an input too, of out's type and any shape."""
     dtype = next(a.dtype for a in inputs.values() if a.dtype.kind == "f")
     elem = helper.np_dtype_to_tensor_dtype(dtype)
     nodes = list(nodes) + [helper.make_node("Mul", [out, "w"], ["weighted"], name="weigh"),
                            helper.make_node("ReduceSum", ["weighted"], ["loss"], name="loss", keepdims=0)]
-    vis = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
+    vis = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype),
+                                         [f"{n}{k}" for k in range(a.ndim)] if symbolic else a.shape)
            for n, a in inputs.items()]
     graph = helper.make_graph(nodes, "g", vis + [helper.make_tensor_value_info("w", elem, None)],
                               [helper.make_tensor_value_info("loss", elem, [])],
@@ -73,11 +74,12 @@ def finite_differences(loss_of, values: dict, param: str, step: float) -> np.nda
     return grad
 
 
-def check(nodes, inputs: dict, params, consts: dict = (), ref=None, linear=False, out="y", opset=OPSET, seed=0):
+def check(nodes, inputs: dict, params, consts: dict = (), ref=None, linear=False, out="y", opset=OPSET, seed=0,
+          symbolic=False):
     """The builder's gradients of ``params`` against central differences: of onnxruntime's forward graph in
     float64 (inputs of float64), or of ``ref`` (NumPy, float64: name -> array -> ``out``; needed for float32
     inputs). Returns the gradient graph."""
-    model = model_of(nodes, inputs, consts, out, opset)
+    model = model_of(nodes, inputs, consts, out, opset, symbolic)
     feeds = dict(inputs)
     dtype = feeds_dtype(feeds)
     w = np.random.default_rng(seed).standard_normal(run_out(model, feeds, out).shape).astype(dtype)
@@ -254,3 +256,22 @@ def test_top_k_values(axis, largest, k):
           {"k": np.array([k])})
     check([node("TopK", ["x", "k"], ["y", "i"], axis=axis, largest=largest, sorted=0)], {"x": rand(3, 4)}, ["x"],
           {"k": np.array([k])})
+
+
+EINSUM = [("ij,jk->ik", (2, 3), (3, 4)), ("bhqd,bhkd->bhqk", (2, 2, 3, 4), (2, 2, 5, 4)), ("ij,jk", (2, 3), (3, 4)),
+          ("ii->i", (3, 3)), ("ii", (3, 3)), ("ij->", (2, 3)), ("ij->i", (2, 3)), ("ji", (2, 3)), ("i,j->ij", (2,), (3,)),
+          ("ij,ij->ij", (1, 3), (2, 3)), ("...ij,...jk->...ik", (2, 1, 3, 4), (1, 5, 4, 2)),
+          ("i...j,j->...i", (2, 4, 5, 3), (3,)), ("iij,jk->ik", (3, 3, 2), (2, 4)), ("ijk,k->", (2, 3, 4), (4,)),
+          ("bIj,bJj->bIJ", (2, 3, 4), (2, 2, 4)), ("ij,jk,kl->il", (2, 3), (3, 4), (4, 2)), ("iji->j", (3, 2, 3)),
+          ("...", (2, 3)), ("i j , j k -> k i", (2, 3), (3, 4))]
+
+
+@pytest.mark.parametrize("symbolic", [False, True])
+@pytest.mark.parametrize("case", EINSUM, ids=[e[0].replace(" ", "_") for e in EINSUM])
+def test_einsum(case, symbolic):
+    """Every operand's gradient: contractions, diagonals, sums inside one operand, size-1 dims broadcast (by
+    '...' and by a letter), an implicit output; with dims known when the graph is built, and not."""
+    equation, *shapes = case
+    names = [f"x{k}" for k in range(len(shapes))]
+    check([node("Einsum", names, equation=equation)],
+          {n: rand(*shape, seed=k) for k, (n, shape) in enumerate(zip(names, shapes))}, names, symbolic=symbolic)

@@ -19,7 +19,7 @@ Integer and boolean tensors, and the outputs of :data:`.core.NO_GRADIENT`'s ops 
 ArgMax, ...), carry no gradient. An op or case without a rule is a :class:`NoGradient` naming the node.
 """
 
-from . import (conv, elementwise, indexing, losses, matrix, normalisation,  # noqa: F401 - registers the rules
+from . import (conv, einsum, elementwise, indexing, losses, matrix, normalisation,  # noqa: F401 - registers rules
                patterns, reductions, selection, shape)
 from .core import NoGradient, blocked_by, differentiate, gradient, unreached
 
