@@ -47,13 +47,14 @@ def session(model):
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def run_out(model, feeds, out):
-    """The forward value of tensor ``out``."""
+def forward_of(model, out):
+    """A session of ``model`` whose output is tensor ``out``."""
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
-    probe.graph.output.append(helper.make_tensor_value_info(out, probe.graph.output[0].type.tensor_type.elem_type,
-                                                            None))
-    return session(probe).run([out], {**feeds, "w": np.zeros(1, feeds_dtype(feeds))})[0]
+    elem = probe.graph.output[0].type.tensor_type.elem_type
+    del probe.graph.output[:]
+    probe.graph.output.append(helper.make_tensor_value_info(out, elem, None))
+    return session(probe)
 
 
 def feeds_dtype(feeds):
@@ -77,22 +78,25 @@ def finite_differences(loss_of, values: dict, param: str, step: float) -> np.nda
 def check(nodes, inputs: dict, params, consts: dict = (), ref=None, linear=False, out="y", opset=OPSET, seed=0,
           symbolic=False):
     """The builder's gradients of ``params`` against central differences: of onnxruntime's forward graph in
-    float64 (inputs of float64), or of ``ref`` (NumPy, float64: name -> array -> ``out``; needed for float32
-    inputs). Returns the gradient graph."""
+    float64 (inputs of float64), or of ``ref`` (NumPy, float64: name -> array -> ``out``), needed for float32
+    inputs unless the op is ``linear`` in them (then the differences of onnxruntime's float32 output, summed in
+    float64, are exact but for that output's rounding). Returns the gradient graph."""
     model = model_of(nodes, inputs, consts, out, opset, symbolic)
     feeds = dict(inputs)
     dtype = feeds_dtype(feeds)
-    w = np.random.default_rng(seed).standard_normal(run_out(model, feeds, out).shape).astype(dtype)
+    forward = forward_of(model, out)
+    y = forward.run([out], {**feeds, "w": np.zeros(1, dtype)})[0]
+    w = np.random.default_rng(seed).standard_normal(y.shape).astype(dtype)
     grad_model = differentiate(model, list(params), "loss")
     assert {n.domain for n in grad_model.graph.node} <= {"", "ai.onnx"}
     got = session(grad_model).run([f"{p}_grad" for p in params], {**feeds, "w": w})
     tol = 1e-6 if dtype == F64 else 2e-5
     if ref is None:
-        assert dtype == F64, "float32 inputs: the differences need a float64 NumPy reference of the op"
-        forward = session(model)
+        assert dtype == F64 or linear, "float32 inputs: the differences need a float64 NumPy reference of the op"
 
         def loss_of(values):
-            return float(forward.run(["loss"], {**values, "w": w})[0])
+            cast = {n: v.astype(dtype) if v.dtype.kind == "f" else v for n, v in values.items()}
+            return float((forward.run([out], {**cast, "w": w})[0].astype(F64) * w.astype(F64)).sum())
     else:
         consts64 = {n: np.asarray(a).astype(F64) if np.asarray(a).dtype.kind == "f" else np.asarray(a)
                     for n, a in dict(consts).items()}
@@ -275,3 +279,62 @@ def test_einsum(case, symbolic):
     names = [f"x{k}" for k in range(len(shapes))]
     check([node("Einsum", names, equation=equation)],
           {n: rand(*shape, seed=k) for k, (n, shape) in enumerate(zip(names, shapes))}, names, symbolic=symbolic)
+
+
+F32_SCALES = np.array([1, 1, 2, 1.5], F32)
+RESIZE = {
+    "nearest": ({}, dict(scales=F32_SCALES)),
+    "nearest asymmetric floor": (dict(coordinate_transformation_mode="asymmetric", nearest_mode="floor"),
+                                 dict(scales=F32_SCALES)),
+    "nearest ceil down": (dict(nearest_mode="ceil"), dict(scales=np.array([1, 1, 0.7, 0.5], F32))),
+    "linear": (dict(mode="linear"), dict(scales=F32_SCALES)),
+    "linear align_corners sizes": (dict(mode="linear", coordinate_transformation_mode="align_corners"),
+                                   dict(sizes=np.array([1, 2, 5, 7]))),
+    "linear pytorch_half_pixel down": (dict(mode="linear", coordinate_transformation_mode="pytorch_half_pixel"),
+                                       dict(scales=np.array([1, 1, 0.5, 0.5], F32))),
+    "linear antialias down": (dict(mode="linear", antialias=1), dict(scales=np.array([1, 1, 0.6, 0.5], F32))),
+    "cubic": (dict(mode="cubic", cubic_coeff_a=-0.5), dict(scales=F32_SCALES)),
+    "cubic exclude_outside": (dict(mode="cubic", exclude_outside=1), dict(sizes=np.array([1, 2, 4, 7]))),
+    "tf_crop_and_resize": (dict(mode="linear", coordinate_transformation_mode="tf_crop_and_resize",
+                                extrapolation_value=5.0),
+                           dict(roi=np.array([0, 0, 0.2, -0.1, 1, 1, 0.9, 0.8], F32), scales=F32_SCALES)),
+    "axes": (dict(mode="linear", axes=[3, 2]), dict(scales=np.array([1.5, 2], F32))),     # (1.19 reads -2 wrong)
+    "half_pixel_symmetric": (dict(mode="linear", coordinate_transformation_mode="half_pixel_symmetric"),
+                             dict(sizes=np.array([1, 2, 5, 7]))),
+}
+
+
+@pytest.mark.parametrize("symbolic", [False, True])
+@pytest.mark.parametrize("case", sorted(RESIZE))
+def test_resize(case, symbolic):
+    """onnxruntime's Resize is float32 only (and linear in x: the differences are exact)."""
+    attrs, given = RESIZE[case]
+    inputs = ["x"] + [k if k in given else "" for k in ("roi", "scales", "sizes")]
+    while not inputs[-1]:
+        inputs.pop()
+    check([node("Resize", inputs, **attrs)], {"x": rand(1, 2, 3, 4, dtype=F32)}, ["x"], given, linear=True,
+          symbolic=symbolic, opset=19 if case == "half_pixel_symmetric" else OPSET)
+
+
+def test_resize_of_an_opset_11_graph_with_sizes_and_empty_scales():
+    """torch.onnx's form of F.interpolate(size=...): an empty roi and scales, the sizes; opset 11, converted."""
+    check([node("Resize", ["x", "roi", "scales", "sizes"], mode="linear",
+                coordinate_transformation_mode="pytorch_half_pixel")], {"x": rand(1, 1, 3, 4, dtype=F32)}, ["x"],
+          {"roi": np.zeros(0, F32), "scales": np.zeros(0, F32), "sizes": np.array([1, 1, 6, 3])}, linear=True, opset=11)
+
+
+def test_refused_cases_are_named():
+    aspect = model_of([node("Resize", ["x", "", "", "sizes"], keep_aspect_ratio_policy="not_larger")],
+                      {"x": rand(1, 1, 3, 4, dtype=F32)}, {"sizes": np.array([1, 1, 6, 6])})
+    with pytest.raises(NoGradient, match="Resize node 'resize_x_sizes'.*keep_aspect_ratio_policy not_larger"):
+        differentiate(aspect, ["x"], "loss")
+    scale = model_of([node("Resize", ["x", "", "s"])], {"x": rand(1, 1, 3, 4, dtype=F32), "s": F32_SCALES})
+    with pytest.raises(NoGradient, match="Resize node 'resize_x_s'.*scales or sizes depend on a parameter"):
+        differentiate(scale, ["x", "s"], "loss")
+    scatter = model_of([node("ScatterElements", ["d", "i", "u"], reduction="max")], {"d": rand(3), "u": rand(2)},
+                       {"i": np.array([0, 2])})
+    with pytest.raises(NoGradient, match="ScatterElements node 'scatterelements_d_i_u'.*reduction max"):
+        differentiate(scatter, ["d"], "loss")
+    einsum = model_of([node("Einsum", ["a", "b"], equation="ij->j")], {"a": rand(2, 3), "b": rand(3)})
+    with pytest.raises(NoGradient, match="Einsum node 'einsum_a_b'.*names 1 operands, the node has 2"):
+        differentiate(einsum, ["a"], "loss")
