@@ -212,6 +212,12 @@ def test_reductions_without_axes_and_noop_are_the_identity():
     for op in ("ReduceSumSquare", "ReduceLogSumExp"):
         grad = check([node(op, ["x", ""], noop_with_empty_axes=1)], {"x": rand(2, 3)}, ["x"])
         assert not [n for n in grad.graph.node if n.name.startswith(f"grad/{op.lower()}")]      # dy itself
+        check([node(op, ["x", "ax"], noop_with_empty_axes=1)], {"x": rand(2, 3)}, ["x"], {"ax": np.zeros(0, np.int64)})
+    for keepdims in (0, 1):     # an empty list of axes without noop: all axes
+        check([node("ReduceSumSquare", ["x", "ax"], keepdims=keepdims)], {"x": rand(2, 3)}, ["x"],
+              {"ax": np.zeros(0, np.int64)})
+        check([node("ReduceSum", ["x", "ax"], keepdims=keepdims, noop_with_empty_axes=1)], {"x": rand(2, 3)}, ["x"],
+              {"ax": np.zeros(0, np.int64)})
 
 
 def test_tile():
@@ -337,3 +343,10 @@ def test_refused_cases_are_named():
     einsum = model_of([node("Einsum", ["a", "b"], equation="ij->j")], {"a": rand(2, 3), "b": rand(3)})
     with pytest.raises(NoGradient, match="Einsum node 'einsum_a_b'.*names 1 operands, the node has 2"):
         differentiate(einsum, ["a"], "loss")
+
+
+@pytest.mark.parametrize("op", ["Ceil", "Floor", "Round", "Sign"])
+def test_piecewise_constant_ops_pass_no_gradient(op):
+    """y = x * op(x): the derivative op(x) away from the steps (op(x) a constant to the walk)."""
+    steps = np.arange(-3, 3.5, 0.5)         # Ceil's and Floor's at integers, Round's at halves, Sign's at 0
+    check([node(op, ["x"], ["c"]), node("Mul", ["x", "c"])], {"x": rand(3, 4, low=-3, high=3, away=steps)}, ["x"])

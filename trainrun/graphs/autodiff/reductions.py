@@ -5,9 +5,11 @@ from .core import Step, gradient
 
 
 def _axes(s: Step):
-    """The reduced axes as a tensor name (from the attribute or the input), or None for all."""
+    """The reduced axes as a tensor name (from the attribute or the input), or None for all (or none, with
+    noop_with_empty_axes) where they are not given or a constant empty list."""
     if len(s.x) > 1 and s.x[1]:
-        return s.x[1]
+        value = s.emit.values.get(s.x[1])
+        return None if value is not None and value.size == 0 else s.x[1]
     axes = s.attr("axes")
     return s.const(list(axes)) if axes else None
 
@@ -47,13 +49,6 @@ def _log_softmax(s: Step):
     return [s.op("Sub", [dy, s.op("Mul", [s.op("Exp", [y]), total])])]
 
 
-def _constant_empty_axes(s: Step) -> bool:
-    """The axes, an input, are a constant empty list."""
-    if len(s.x) > 1 and s.x[1] and s.x[1] in s.emit.values:
-        return s.emit.values[s.x[1]].size == 0
-    return False
-
-
 def _kept(s: Step, t: str) -> str:
     """``t`` of the reduced output's shape with the reduced axes kept (size 1): it broadcasts against x."""
     axes = _axes(s)
@@ -66,7 +61,7 @@ def _reduction_rule(s: Step, local):
     """dy * local(step, y kept, x), dy and y broadcast over the reduced axes; with noop_with_empty_axes and no
     axes the op is the identity (the spec: the input unchanged), its gradient dy."""
     out = [None] * len(s.x)
-    if s.attr("noop_with_empty_axes", 0) and (_axes(s) is None or _constant_empty_axes(s)):
+    if s.attr("noop_with_empty_axes", 0) and _axes(s) is None:
         out[0] = s.dy[0]
     else:
         out[0] = s.op("Mul", [_kept(s, s.dy[0]), local(s, _kept(s, s.y[0]), s.x[0])])
