@@ -178,7 +178,8 @@ REDUCTIONS = {"ReduceL2": lambda x, ax, k: np.sqrt((x * x).sum(ax, keepdims=k)),
               "ReduceLogSumExp": lambda x, ax, k: np.log(np.exp(x).sum(ax, keepdims=k)),
               "ReduceSumSquare": lambda x, ax, k: (x * x).sum(ax, keepdims=k),
               "ReduceL1": lambda x, ax, k: np.abs(x).sum(ax, keepdims=k),
-              "ReduceProd": lambda x, ax, k: x.prod(ax, keepdims=k)}
+              "ReduceProd": lambda x, ax, k: x.prod(ax, keepdims=k),
+              "ReduceMean": lambda x, ax, k: x.mean(ax, keepdims=k)}
 
 
 def reduce_case(op, x, axes, keepdims, opset, consts=()):
