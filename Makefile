@@ -124,7 +124,8 @@ bench-124m: $(STAMP_TEST)
 bench-cluster: $(STAMP_TEST)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python scripts/bench/cluster.py
 
-# docs/configuration.md from the config schema (tests/test_docs.py checks it is up to date)
+# docs/configuration.md from the config schema, docs/models.md's table of ops with gradient rules from the builder
+# (tests/test_docs.py checks both are up to date)
 docs: $(STAMP_RUN)
 	$(BIN)/python scripts/gen_config_docs.py
 

@@ -299,8 +299,9 @@ def test_cases_a_rule_does_not_cover_are_named():
 
 
 def test_an_op_without_a_rule_is_named():
-    model = model_of([node("Cos", ["x"], ["c"]), node("Mul", ["c", "x"])], {"x": rand(3, dtype=F32)})
-    with pytest.raises(NoGradient, match="no gradient rule for op type 'Cos' \\(node 'cos_x'\\)") as e:
+    model = model_of([node("LpNormalization", ["x"], ["c"]), node("Mul", ["c", "x"])], {"x": rand(3, dtype=F32)})
+    with pytest.raises(NoGradient,
+                       match="no gradient rule for op type 'LpNormalization' \\(node 'lpnormalization_x'\\)") as e:
         differentiate(model, ["x"], "loss")
     assert e.value.exit_code == 2
 
@@ -586,9 +587,6 @@ def test_more_refused_cases_are_named():
                        {"r": np.array(0.5, np.float32), "t": np.array(True)})
     with pytest.raises(NoGradient, match="Dropout node 'dropout_x_r_t'.*mask output"):
         differentiate(dropout, ["x"], "loss")
-    einsum = model_of([node("Einsum", ["a", "b"], equation="ij,jk->ik")], {"a": rand(2, 3), "b": rand(3, 2)})
-    with pytest.raises(NoGradient, match="no gradient rule for op type 'Einsum'"):
-        differentiate(einsum, ["a"], "loss")
 
 
 def test_scatters_of_float16_gradients_add_in_float32():

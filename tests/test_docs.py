@@ -49,6 +49,24 @@ def test_configuration_reference_is_up_to_date():
     assert "| `optimizer.name` | `adamw` | `adam`, `adamw`, `lamb`, `sgd` |" in text
 
 
+def test_ops_with_gradient_rules_table_is_up_to_date():
+    """docs/models.md's table of ops with gradient rules is the one scripts/gen_config_docs.py writes from the
+    builder's registry."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gen_config_docs
+    finally:
+        sys.path.pop(0)
+    from trainrun.graphs.autodiff import covered_ops
+    text = (DOCS / "models.md").read_text()
+    assert text == gen_config_docs.with_ops_table(text), \
+        "docs/models.md's table of ops with gradient rules is out of date: run `make docs`"
+    table = text.partition(gen_config_docs.BEGIN)[2].partition(gen_config_docs.END)[0]
+    for module, ops in covered_ops().items():
+        assert f"| `{module}` | {', '.join(ops)} |" in table
+    assert "Einsum" in covered_ops()["einsum"] and "Resize" in covered_ops()["resize"]
+
+
 @pytest.mark.parametrize("doc", LINKED, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_relative_link_resolves(doc):
     bad = []

@@ -2,25 +2,47 @@
 on stock onnxruntime (``graphs.builder: trainrun``, :func:`trainrun.graphs.gradients.build_train_graph`).
 
 * :mod:`.core`           the backward walk, the rule registry, the emitter of new nodes
-* :mod:`.elementwise`    Add Sub Mul Div Neg Pow Sqrt Exp Log Tanh Sigmoid Relu Erf Where Cast Identity Abs
-                         Reciprocal Softplus LeakyRelu Gelu Clip Sum Min Max Dropout
+* :mod:`.elementwise`    arithmetic, activations (Relu ... HardSwish Mish PRelu), trigonometry, Where Cast Clip
+                         Sum Min Max Dropout
 * :mod:`.matrix`         MatMul Gemm
-* :mod:`.shape`          Reshape Transpose Unsqueeze Squeeze Flatten Concat Slice Split Expand Pad
-* :mod:`.reductions`     ReduceSum ReduceMean Softmax LogSoftmax
+* :mod:`.einsum`         Einsum
+* :mod:`.shape`          Reshape Transpose Unsqueeze Squeeze Flatten Concat Slice Split Expand Pad Tile Trilu
+                         CumSum DepthToSpace SpaceToDepth
+* :mod:`.reductions`     ReduceSum ReduceMean ReduceL1 ReduceL2 ReduceSumSquare ReduceLogSumExp ReduceProd
+                         Softmax LogSoftmax
 * :mod:`.normalisation`  LayerNormalization
 * :mod:`.indexing`       Gather (an embedding table's rows)
-* :mod:`.selection`      Gather along other axes, GatherElements, GatherND, ReduceMax ReduceMin
+* :mod:`.selection`      Gather along other axes, GatherElements, GatherND, ReduceMax ReduceMin, TopK,
+                         ScatterElements ScatterND
 * :mod:`.losses`         SoftmaxCrossEntropyLoss NegativeLogLikelihoodLoss
 * :mod:`.patterns`       subgraphs differentiated as one (the tanh-GELU written with a Sigmoid)
 * :mod:`.conv`           Conv MaxPool AveragePool GlobalAveragePool BatchNormalization (2-D; training and
                          inference forms)
+* :mod:`.resize`         Resize
 
+:func:`covered_ops` lists them all (docs/models.md's table: :func:`ops_markdown`).
 Integer and boolean tensors, and the outputs of :data:`.core.NO_GRADIENT`'s ops (Shape, Size, comparisons,
 ArgMax, ...), carry no gradient. An op or case without a rule is a :class:`NoGradient` naming the node.
 """
 
-from . import (conv, elementwise, indexing, losses, matrix, normalisation,  # noqa: F401 - registers the rules
-               patterns, reductions, selection, shape)
-from .core import NoGradient, blocked_by, differentiate, gradient, unreached
+from . import (conv, einsum, elementwise, indexing, losses, matrix, normalisation,  # noqa: F401 - registers rules
+               patterns, reductions, resize, selection, shape)
+from .core import NO_GRADIENT, RULES, NoGradient, blocked_by, differentiate, gradient, unreached
 
-__all__ = ["NoGradient", "blocked_by", "differentiate", "gradient", "unreached"]
+__all__ = ["NoGradient", "blocked_by", "covered_ops", "differentiate", "gradient", "ops_markdown", "unreached"]
+
+
+def covered_ops() -> dict[str, list[str]]:
+    """The op types with a gradient rule, sorted, by the module of rules that holds each."""
+    out: dict[str, list[str]] = {}
+    for op in sorted(RULES):
+        out.setdefault(RULES[op].__module__.rsplit(".", 1)[-1], []).append(op)
+    return dict(sorted(out.items()))
+
+
+def ops_markdown() -> str:
+    """The table of docs/models.md's "Ops with gradient rules" (``make docs`` writes it, tests/test_docs.py
+    checks it)."""
+    rows = [f"| `{module}` | {', '.join(ops)} |" for module, ops in covered_ops().items()]
+    rows.append(f"| no gradient (the walk stops there) | {', '.join(sorted(NO_GRADIENT))} |")
+    return "\n".join(["| module of rules | op types |", "|---|---|", *rows]) + "\n"

@@ -195,3 +195,112 @@ def _dropout(s: Step):
     keep = s.op("CastLike", [s.y[1], s.dy[0]])
     out[0] = s.op("Mul", [s.op("Mul", [s.dy[0], keep]), s.const(1.0 / (1.0 - ratio), like=s.dy[0])])
     return out
+
+
+def _where(s: Step, cond: str, a: str, b: str) -> str:
+    return s.op("Where", [cond, a, b])
+
+
+def _f(s: Step, value: float) -> str:
+    """A float constant of x's type."""
+    return s.const(value, like=s.x[0])
+
+
+def _hard_sigmoid_local(s: Step, alpha: float, beta: float) -> tuple[str, str]:
+    """(alpha x + beta, whether it is strictly inside (0, 1): where HardSigmoid has slope alpha)."""
+    x = s.x[0]
+    v = s.op("Add", [s.op("Mul", [x, _f(s, alpha)]), _f(s, beta)])
+    inside = s.op("And", [s.op("Greater", [v, _f(s, 0.0)]), s.op("Less", [v, _f(s, 1.0)])])
+    return v, inside
+
+
+@gradient("HardSigmoid")
+def _hard_sigmoid(s: Step):
+    alpha = s.attr("alpha", 0.2)
+    _, inside = _hard_sigmoid_local(s, alpha, s.attr("beta", 0.5))
+    return [_where(s, inside, s.op("Mul", [s.dy[0], _f(s, alpha)]), _f(s, 0.0))]
+
+
+@gradient("HardSwish")
+def _hard_swish(s: Step):
+    """x HardSigmoid(x) with alpha 1/6, beta 0.5: v + x / 6 inside, 0 below, 1 above (torch's hardswish)."""
+    alpha = 1.0 / 6.0
+    v, inside = _hard_sigmoid_local(s, alpha, 0.5)
+    slope = _where(s, inside, s.op("Add", [v, s.op("Mul", [s.x[0], _f(s, alpha)])]),
+                   s.op("CastLike", [s.op("GreaterOrEqual", [v, _f(s, 1.0)]), s.x[0]]))
+    return [s.op("Mul", [s.dy[0], slope])]
+
+
+def _exponential_below_zero(s: Step, scale: float, alpha: float):
+    """Elu (scale 1) and Selu: slope scale above 0, y + scale alpha at or below (y = scale alpha (e^x - 1))."""
+    positive = s.op("Greater", [s.x[0], _f(s, 0.0)])
+    slope = _where(s, positive, _f(s, scale), s.op("Add", [s.y[0], _f(s, scale * alpha)]))
+    return [s.op("Mul", [s.dy[0], slope])]
+
+
+gradient("Elu")(lambda s: _exponential_below_zero(s, 1.0, s.attr("alpha", 1.0)))
+gradient("Selu")(lambda s: _exponential_below_zero(s, s.attr("gamma", 1.05070102214813232421875),
+                                                    s.attr("alpha", 1.67326319217681884765625)))
+
+
+@gradient("Celu")
+def _celu(s: Step):
+    """max(0, x) + min(0, alpha (e^(x / alpha) - 1)): 1 above 0, e^(x / alpha) at or below."""
+    x = s.x[0]
+    below = s.op("Exp", [s.op("Div", [x, _f(s, s.attr("alpha", 1.0))])])
+    return [s.op("Mul", [s.dy[0], _where(s, s.op("Greater", [x, _f(s, 0.0)]), _f(s, 1.0), below)])]
+
+
+@gradient("ThresholdedRelu")
+def _thresholded_relu(s: Step):
+    return [_where(s, s.op("Greater", [s.x[0], _f(s, s.attr("alpha", 1.0))]), s.dy[0], _f(s, 0.0))]
+
+
+@gradient("PRelu")
+def _prelu(s: Step):
+    """x below 0 times the slope (broadcast to x): dy slope there, dy elsewhere; the slope's gradient dy x below
+    0, summed back to the slope's shape."""
+    x, slope, dy = s.x[0], s.x[1], s.dy[0]
+    negative = s.op("Less", [x, _f(s, 0.0)])
+    return _each(s, [lambda: _where(s, negative, s.op("Mul", [dy, slope]), dy),
+                     lambda: _where(s, negative, s.op("Mul", [dy, x]), _f(s, 0.0))])
+
+
+
+
+@gradient("Mish")
+def _mish(s: Step):
+    """x tanh(softplus x): tanh(sp) + x sigmoid(x) (1 - tanh(sp)^2)."""
+    x = s.x[0]
+    t = s.op("Tanh", [s.op("Softplus", [x])])
+    sech2 = s.op("Sub", [_f(s, 1.0), s.op("Mul", [t, t])])
+    slope = s.op("Add", [t, s.op("Mul", [s.op("Mul", [x, s.op("Sigmoid", [x])]), sech2])])
+    return [s.op("Mul", [s.dy[0], slope])]
+
+
+def _square(s: Step, name: str) -> str:
+    return s.op("Mul", [name, name])
+
+
+def _cos(s: Step, x: str) -> str:
+    """cos x as 1 - 2 sin^2(x / 2): onnxruntime's CPU kernel of Cos (and of most trigonometry) is float only."""
+    return s.op("Sub", [_f(s, 1.0), s.op("Mul", [_f(s, 2.0), _square(s, s.op("Sin", [s.op("Mul", [x, _f(s, 0.5)])]))])])
+
+
+def _inverse_sqrt(s: Step, a: float, b: float) -> str:
+    """1 / sqrt(a + b x^2)."""
+    return s.op("Reciprocal", [s.op("Sqrt", [s.op("Add", [_f(s, a), s.op("Mul", [_f(s, b), _square(s, s.x[0])])])])])
+
+
+_unary("Softsign", lambda s: s.op("Reciprocal", [_square(s, s.op("Add", [_f(s, 1.0), s.op("Abs", [s.x[0]])]))]))
+_unary("Sin", lambda s: _cos(s, s.x[0]))
+_unary("Cos", lambda s: s.op("Neg", [s.op("Sin", [s.x[0]])]))
+_unary("Tan", lambda s: s.op("Add", [_f(s, 1.0), _square(s, s.y[0])]))
+_unary("Asin", lambda s: _inverse_sqrt(s, 1.0, -1.0))
+_unary("Acos", lambda s: s.op("Neg", [_inverse_sqrt(s, 1.0, -1.0)]))
+_unary("Atan", lambda s: s.op("Reciprocal", [s.op("Add", [_f(s, 1.0), _square(s, s.x[0])])]))
+_unary("Sinh", lambda s: s.op("Cosh", [s.x[0]]))
+_unary("Cosh", lambda s: s.op("Sinh", [s.x[0]]))
+_unary("Asinh", lambda s: _inverse_sqrt(s, 1.0, 1.0))
+_unary("Acosh", lambda s: _inverse_sqrt(s, -1.0, 1.0))
+_unary("Atanh", lambda s: s.op("Reciprocal", [s.op("Sub", [_f(s, 1.0), _square(s, s.x[0])])]))

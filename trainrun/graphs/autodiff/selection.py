@@ -1,7 +1,8 @@
 """Gradients of ops that pick elements: dy goes back to the elements picked, added up where one is picked
 more than once. Gather along an axis other than 0 (the rows of a table are :mod:`.indexing`'s),
 GatherElements, GatherND (with batch_dims), ReduceMax / ReduceMin (dy split evenly between the elements
-that tie for the extreme, as torch.amax)."""
+that tie for the extreme, as torch.amax), TopK's values; and their inverses, ScatterElements and ScatterND
+(reduction none or add)."""
 
 from onnx import TensorProto
 
@@ -88,3 +89,36 @@ def _extreme(s: Step):
 
 gradient("ReduceMax")(_extreme)
 gradient("ReduceMin")(_extreme)
+
+
+def _reduction(s: Step) -> str:
+    r = s.attr("reduction", b"none")
+    return r.decode() if isinstance(r, bytes) else r
+
+
+def _scatter(s: Step, gather: str, **attrs):
+    """ScatterElements / ScatterND: data's gradient dy where nothing was written over it (all of dy with
+    reduction add), the updates' dy gathered at their indices. (With repeated indices and reduction none the
+    spec leaves the winner open: every update written to a position gets its dy, as torch's scatter.)"""
+    data, idx, updates = s.x
+    reduction = _reduction(s)
+    if reduction not in ("none", "add"):
+        raise s.unsupported(f"reduction {reduction} (none and add only)")
+    out = [None, None, None]
+    if s.wants(0):
+        out[0] = s.dy[0] if reduction == "add" else \
+            s.op(s.node.op_type, [s.dy[0], idx, s.emit.zeros_like(updates, s.base)], **attrs)
+    if s.wants(2):
+        out[2] = s.op(gather, [s.dy[0], idx], **attrs)
+    return out
+
+
+gradient("ScatterElements")(lambda s: _scatter(s, "GatherElements", axis=s.attr("axis", 0)))
+gradient("ScatterND")(lambda s: _scatter(s, "GatherND"))
+
+
+@gradient("TopK")
+def _top_k(s: Step):
+    """The values' dy back at their indices along the axis (the indices carry no gradient)."""
+    indices = s.emit.output(s.node, 1)
+    return [scatter_add(s, "ScatterElements", s.x[0], indices, s.dy[0], axis=s.attr("axis", -1)), None]

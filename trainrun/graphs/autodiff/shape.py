@@ -68,3 +68,52 @@ def _pad(s: Step):
     begin = s.const(pads[:len(axes)])
     ends = s.op("Add", [s.op("Gather", [s.op("Shape", [s.x[0]]), s.const(axes)]), begin])
     return [s.op("Slice", [s.dy[0], begin, ends, s.const(axes)])] + [None] * (len(s.x) - 1)
+
+
+@gradient("Tile")
+def _tile(s: Step):
+    """dy as [r0, n0, r1, n1, ...] (repeats r, x's dims n), summed over the repeats."""
+    rank = s.emit.rank(s.x[0], s.node)
+    pairs = s.op("Concat", [s.op("Unsqueeze", [s.x[1], s.const([1])]),
+                            s.op("Unsqueeze", [s.op("Shape", [s.x[0]]), s.const([1])])], axis=1)
+    split = s.op("Reshape", [s.dy[0], s.op("Reshape", [pairs, s.const([-1])])])
+    return [s.op("ReduceSum", [split, s.const(list(range(0, 2 * rank, 2)))], keepdims=0), None]
+
+
+@gradient("Trilu")
+def _trilu(s: Step):
+    """The same triangle of dy (k an optional input)."""
+    return [s.op("Trilu", [s.dy[0]] + s.x[1:2], upper=s.attr("upper", 1)), None][:len(s.x)]
+
+
+@gradient("CumSum")
+def _cumsum(s: Step):
+    """The sums run the other way: dx_j = sum over i >= j of dy_i (i > j when exclusive)."""
+    return [s.op("CumSum", [s.dy[0], s.x[1]], exclusive=s.attr("exclusive", 0),
+                 reverse=1 - s.attr("reverse", 0)), None]
+
+
+def _blocks(s: Step, b: int) -> str:
+    """[N, C / b^2, H, b, W, b] of x [N, C, H, W]."""
+    shape = s.op("Shape", [s.x[0]])
+    nc = s.op("Div", [s.op("Slice", [shape, s.const([0]), s.const([2])]), s.const([1, b * b])])
+    h, w = (s.op("Slice", [shape, s.const([k]), s.const([k + 1])]) for k in (2, 3))
+    return s.op("Concat", [nc, h, s.const([b]), w, s.const([b])], axis=0)
+
+
+@gradient("DepthToSpace")
+def _depth_to_space(s: Step):
+    """A permutation of x: DCR's inverse is SpaceToDepth; CRD's, dy in blocks [N, C', H, b1, W, b2] moved back
+    to [N, C', b1, b2, H, W] (CRD reads the channels as [C', b1, b2])."""
+    b = s.attr("blocksize")
+    mode = s.attr("mode", b"DCR")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    if mode == "DCR":
+        return [s.op("SpaceToDepth", [s.dy[0]], blocksize=b)]
+    blocks = s.op("Reshape", [s.dy[0], _blocks(s, b)])
+    return [s.op("Reshape", [s.op("Transpose", [blocks], perm=[0, 1, 3, 5, 2, 4]), s.op("Shape", [s.x[0]])])]
+
+
+@gradient("SpaceToDepth")
+def _space_to_depth(s: Step):
+    return [s.op("DepthToSpace", [s.dy[0]], blocksize=s.attr("blocksize"), mode="DCR")]
