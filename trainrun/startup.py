@@ -216,7 +216,8 @@ def _build_engine(cfg: C.Config, comm, graphs_dir: str, manifest: dict, train_ds
     comm.agree(error)
     if rank == 0:    # what this launch turns off of the config, and why
         shared = (node.mem.node.world_size, node.mem.cross.world_size) if node else None
-        for note in validity.inactive(cfg, step_comm.world_size, shared, overlaps, grad_buckets):
+        for note in validity.inactive(cfg, step_comm.world_size, shared, overlaps, grad_buckets,
+                                      comm.world_size // step_comm.world_size):
             print(f"trainrun: warning: {note}", file=sys.stderr, flush=True)
     error, sampler = None, None
     if cfg.train.sample_every and rank == 0:
