@@ -84,6 +84,34 @@ def test_diloco_starts_from_an_every_step_checkpoint(tmp_path, byte_dataset):
     assert any(k.startswith("outer_weights/") for k in outer) and any(k.startswith("outer_momentum/") for k in outer)
 
 
+def test_every_step_resumes_a_mid_round_checkpoint_from_its_global_weights(tmp_path, byte_dataset):
+    """``resume --force --set distributed.sync=every_step`` of a DiLoCo checkpoint taken mid-round (stop_at 4,
+    in the round 3..6): the resumed run's first step starts from the checkpoint's global weights (its
+    optimizer.safetensors ``outer_weights/``, what export and evaluate read), not from its parameters (replica
+    0's), on every rank; the outer state it drops is said in one short line, not listed tensor by tensor."""
+    from conftest import mpirun_probe
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{
+        "train.max_steps": 8, "train.stop_at": 4, "train.micro_batch_size": 2, "distributed.sync": "diloco",
+        "distributed.diloco": {"inner_steps": 3, "group": 1}})
+    mpirun(2, "--config", cfg)
+    run_dir = str(tmp_path / "run")
+    ckpt = os.path.join(run_dir, "checkpoints", "4")
+    assert json.load(open(os.path.join(ckpt, "state.json")))["diloco"]["mid_round"] is True
+    rec = tmp_path / "first"
+    rec.mkdir()
+    proc = mpirun_probe(2, "resume", run_dir, "--force", "--set", "distributed.sync=every_step", env={"TRAINRUN_PROBE_FIRST_DIR": str(rec)})
+    names = [p["name"] for p in json.load(open(os.path.join(run_dir, "graphs", "manifest.json")))["params"]]
+    outer = load_file(os.path.join(ckpt, "optimizer.safetensors"))
+    replica0 = load_file(os.path.join(ckpt, "model.safetensors"))
+    global_weights = np.concatenate([outer["outer_weights/" + n].ravel() for n in names])
+    assert not np.array_equal(global_weights, np.concatenate([replica0[n].ravel() for n in names]))
+    for r in range(2):
+        assert np.array_equal(np.load(rec / f"rank{r}_first.npy"), global_weights), r
+    said = [line for line in proc.stderr.splitlines() if "DiLoCo" in line or "outer_" in line or "dropped" in line]
+    assert len(said) == 1 and len(said[0]) < 300, said
+    assert "continues from its global weights" in said[0], said
+
+
 def _reference_outer(start, replicas_by_step, lr, mu, nesterov):
     """DiLoCo's outer step in NumPy (float64), torch.optim.SGD's momentum (dampening 0): the global weights
     after each outer step, from the replicas' weights before it."""
