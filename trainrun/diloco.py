@@ -76,6 +76,13 @@ def build(cfg, comm):
 EXCHANGE_POLL_S = 2e-3
 
 
+# What the start-up advice cites (BENCHMARKS.md, "DiLoCo's eval loss at equal tokens" and "DiLoCo across the
+# slow link"): 2 replicas, inner_steps 50 and 100, eval loss above every-step training's at equal tokens from
+# the initial weights and continuing every-step training's checkpoint; the streamed exchange's scaling
+# efficiency at 100 Mbit/s.
+COLD_LOSS, WARM_LOSS, STREAMED = "+13-15%", "+4.9-5.5%", "0.97"
+
+
 def exchange(cross, summed, parts: list[tuple[int, int]], outer_dtype: str) -> reducer.BucketReducer:
     """The background exchange of ``overlap_steps``: one bucket per fragment (``parts`` of ``summed``) summed
     over the replicas (``cross``), polled every :data:`EXCHANGE_POLL_S` with fp32 on the wire."""
@@ -170,6 +177,9 @@ class EveryStep:
     def describe(self) -> str | None:
         return None
 
+    def advice(self, cold_start: bool) -> str | None:
+        return None
+
     def close(self) -> None:
         pass
 
@@ -224,6 +234,22 @@ class DiLoCo:
                 f"{k.outer_dtype} on the wire"
                 + (f"; {k.fragments} fragments in turn" if k.fragments > 1 else "")
                 + (f", each exchanged over {k.overlap_steps} step(s)" if k.overlap_steps else "") + ")")
+
+    def advice(self, cold_start: bool) -> str | None:
+        """One line for the run's start where its config describes a regime the measurements advise against
+        (docs/distributed.md, "When to choose DiLoCo"; BENCHMARKS.md): DiLoCo from the initial weights
+        (``cold_start``: no resume, no model.init_from) instead of from an every-step checkpoint, and an
+        exchange each outer step waits for (``overlap_steps`` 0); None where neither."""
+        parts = []
+        if cold_start:
+            parts.append(f"from the initial weights DiLoCo (inner_steps 50-100) ended {COLD_LOSS} above every-step "
+                         f"training's eval loss, from an every-step checkpoint {WARM_LOSS}: train with distributed.sync "
+                         f"every_step first, then `trainrun resume RUN --force --set distributed.sync=diloco`")
+        if not self.cfg.overlap_steps:
+            parts.append(f"each outer step waits for {'the whole model' if self.cfg.fragments == 1 else 'a fragment'}"
+                         f" on the link: over a slow link stream it (distributed.diloco.fragments 4, overlap_steps "
+                         f"2-6 kept {STREAMED} of linear at 100 Mbit/s; `trainrun doctor` measures the link)")
+        return "advice (docs/distributed.md, When to choose DiLoCo): " + "; ".join(parts) if parts else None
 
     def attach(self, engine, shard, total_steps: int) -> None:
         """The round's start weights from the engine's parameters (this rank's part ``shard.lo:hi``), the

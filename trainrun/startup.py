@@ -69,6 +69,8 @@ def set_up(cfg: C.Config, comm, *, resume_from: str | None, lock, config_yaml: s
     sync.attach(engine, shard, total_steps)
     if sync.describe():
         log(sync.describe())
+    if advice := sync.advice(cold_start=resume_from is None and not cfg.model.init_from):
+        log(advice)
     return Setup(train_ds=train_ds, eval_sets=eval_sets, total_steps=total_steps,
                  tokens="input_ids" in train_ds.specs, perplexity=validity.logs_perplexity(cfg, train_ds),
                  loader=loader, manifest=manifest, threads=threads, engine=engine, shard=shard,
