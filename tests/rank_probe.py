@@ -4,7 +4,8 @@ tests/rank_probe.py ARGS``): at exit it prints ``PEAK_RSS_KB <rank> <KiB>``, the
 the optimizer state in pieces of N elements (``trainrun.update._GATHER_CHUNK``), so a tiny model takes
 many. ``TRAINRUN_PROBE_OUTER_DIR=D``: at each DiLoCo outer step each rank saves its replica's weights before it
 and the new weights after it (``D/rank<r>_step<s>_{before,after}.npy``; with ``TRAINRUN_PROBE_OUTER_ALL=1`` at
-every step)."""
+every step). ``TRAINRUN_PROBE_FIRST_DIR=D``: each rank saves its parameters as its first step starts
+(``D/rank<r>_first.npy``)."""
 
 import atexit
 import os
@@ -33,6 +34,20 @@ def _record_outer_steps(out: str) -> None:
     diloco.DiLoCo.maybe_outer_step = recorded
 
 
+def _record_first_step(out: str) -> None:
+    import numpy as np
+    from trainrun import runner
+    step_of = runner.TrainingRunner.train_step
+
+    def recorded(self):
+        path = os.path.join(out, f"rank{os.environ.get('PMI_RANK', '0')}_first.npy")
+        if not os.path.exists(path):
+            np.save(path, np.array(self.engine.params))
+        return step_of(self)
+
+    runner.TrainingRunner.train_step = recorded
+
+
 if __name__ == "__main__":
     atexit.register(_peak)
     from trainrun.cli import main
@@ -41,4 +56,6 @@ if __name__ == "__main__":
         update._GATHER_CHUNK = int(os.environ["TRAINRUN_PROBE_GATHER_PIECE"])
     if os.environ.get("TRAINRUN_PROBE_OUTER_DIR"):
         _record_outer_steps(os.environ["TRAINRUN_PROBE_OUTER_DIR"])
+    if os.environ.get("TRAINRUN_PROBE_FIRST_DIR"):
+        _record_first_step(os.environ["TRAINRUN_PROBE_FIRST_DIR"])
     main()

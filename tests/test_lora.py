@@ -51,7 +51,8 @@ FAMILIES = {
     # family: (folder maker, lora section, peft's extra LoraConfig keys)
     "gpt2": (gpt2_folder, {"r": 4, "alpha": 8.0, "target_modules": ["c_attn", "c_proj"], "modules_to_save": ["ln_f"]},
              {"fan_in_fan_out": True}),
-    "llama": (llama_folder, {"r": 2, "alpha": 5.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}, {}),
+    # lm_head: LLAMA's own (untied), a linear layer PEFT adapts like the others
+    "llama": (llama_folder, {"r": 2, "alpha": 5.0, "target_modules": ["q_proj", "v_proj", "down_proj", "lm_head"]}, {}),
 }
 
 
@@ -158,6 +159,13 @@ def test_bad_lora_sections_exit_2_naming_the_key(tmp_path, byte_dataset):
     cfg = write_config(tmp_path / "w.yaml", byte_dataset, **{"model.lora": {"target_modules": ["wte"]}})
     p = run([TRAINRUN, "config", "validate", "--config", cfg], check=2)     # an embedding is no linear layer
     assert "model.lora.target_modules: 'wte' matches no linear layer" in p.stderr, p.stderr
+    # nor is a head tied to it (GPT-2's, a tied Llama's): refused by validate with that reason, and the linear
+    # layers offered do not name it
+    cfg = write_config(tmp_path / "h.yaml", byte_dataset, **{"model.lora": {"target_modules": ["lm_head"]}})
+    p = run([TRAINRUN, "config", "validate", "--config", cfg], check=2)
+    assert ("model.lora.target_modules: 'lm_head' is the gpt2 model's head tied to its token embedding "
+            "transformer.wte.weight, a lookup table: LoRA adapts an untied head only (its linear layers end in: "
+            "c_attn, c_fc, c_proj)") in p.stderr, p.stderr
     cfg = write_config(tmp_path / "g.yaml", byte_dataset, **{"model.lora": {}, "train.sample_every": 5})
     p = run([TRAINRUN, "config", "validate", "--config", cfg], check=2)
     assert "train.sample_every: samples the full model's weights; with model.lora" in p.stderr, p.stderr

@@ -393,6 +393,44 @@ def test_a_signal_during_set_up_stops_before_the_first_step(tmp_path, byte_datas
     assert max(read_metrics(str(run_dir))[0]) == 6
 
 
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler of its own for ``sig`` (SigCgt of /proc/<pid>/status)."""
+    with open(f"/proc/{pid}/status") as fh:
+        mask = next(line.split()[1] for line in fh if line.startswith("SigCgt:"))
+    return bool(int(mask, 16) >> (sig - 1) & 1)
+
+
+@pytest.mark.parametrize("sig,ranks", [("SIGTERM", 1), ("SIGINT", 1), ("SIGTERM", 2)])
+def test_a_signal_during_start_up_says_so_and_exits_75(tmp_path, byte_dataset, sig, ranks):
+    """A stop signal in the command's first moments (to `trainrun train`, or to `mpirun -np 2 trainrun train`,
+    which forwards it), sent as soon as every trainrun process catches SIGTERM: that is before onnxruntime or
+    numpy is loaded into it (its /proc maps), and the job exits 75, "stopped, resumable", with one line saying
+    what happened and nothing written, not the launcher's bare 15 (or 130) and silence."""
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset)
+    cmd = [TRAINRUN, "train", "--config", cfg]
+    with open(tmp_path / "job.out", "w") as out, open(tmp_path / "job.err", "w") as err:
+        proc = subprocess.Popen(cmd if ranks == 1 else [MPIRUN, "-np", "2", *cmd], stdout=out, stderr=err)
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, _texts(tmp_path)
+        pids = [proc.pid] if ranks == 1 else list(rank_pids(cfg).values())
+        try:
+            if len(pids) == ranks and all(_catches(p, signal.SIGTERM) for p in pids):
+                loaded = [open(f"/proc/{p}/maps").read() for p in pids]
+                break
+        except (OSError, StopIteration):      # a rank not started yet, or between exec and its /proc entry
+            pass
+        time.sleep(0.002)
+    proc.send_signal(getattr(signal, sig))
+    assert _finish(proc) == STOPPED_EXIT, _texts(tmp_path)
+    heavy = [[lib for lib in ("onnxruntime", "numpy") if lib in m] for m in loaded]
+    assert heavy == [[]] * ranks, heavy        # caught before the heavy imports
+    out, err = _texts(tmp_path)
+    assert err == (f"trainrun: stopped by {sig} during start-up, before any step: nothing was written; run the "
+                   f"same command again\n"), err
+    assert out == "" and not (tmp_path / "run").exists()
+
+
 def _end_config(tmp_path, byte_dataset, **more):
     # 6 steps: evaluations at 3 and 6, checkpoints at 3 and 6; the last step's are the final ones
     return write_config(tmp_path / "c.yaml", byte_dataset, **{

@@ -143,6 +143,22 @@ def test_the_owner_acts_at_start_and_resume(tmp_path, byte_dataset):
         assert json.load(fh)["final_step"] == 4
 
 
+def test_diloco_replicas_of_one_rank_say_why_overlap_is_off(tmp_path, byte_dataset):
+    """DiLoCo on 2 ranks, each replica one rank, with overlap_grad_reduce and reduce_dtype bf16: rank 0 says
+    once each that they are off because a replica has one rank (nothing to reduce within it), not that the
+    run has one rank."""
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{
+        "train.max_steps": 2, "distributed.sync": "diloco", "distributed.diloco": {"inner_steps": 2, "group": 1},
+        "distributed.overlap_grad_reduce": True, "distributed.reduce_dtype": "bf16"})
+    proc = mpirun(2, "--config", cfg)
+    why = ("one rank per replica (2 DiLoCo replicas of 1 rank: distributed.diloco.group), nothing to reduce within "
+           "a replica; the replicas exchange weights at the outer step (distributed.diloco.outer_dtype)")
+    for text in (f"trainrun: warning: distributed.overlap_grad_reduce is off: {why}\n",
+                 f"trainrun: warning: distributed.reduce_dtype: bf16 is off: {why}; no gradient goes over the wire\n"):
+        assert proc.stderr.count(text) == 1, proc.stderr
+    assert "one rank," not in proc.stderr and "one rank;" not in proc.stderr, proc.stderr
+
+
 def test_export_best_names_the_key_it_ranks_by():
     """`export --best`'s help names what it ranks by, checkpoint.best_metric, not "lowest eval loss"
     (test_controls.py checks the ranking by an accuracy, highest first)."""

@@ -10,10 +10,15 @@ import os
 import sys
 import traceback
 
-import click
+from . import stopping
 
-from . import config as C
-from .errors import TrainrunError, UsageError
+if os.path.basename(sys.argv[0]) == "trainrun":    # the command starting (not a test importing this module):
+    stopping.start_up()                            # a stop signal from here on says what it stopped
+
+import click  # noqa: E402
+
+from . import config as C  # noqa: E402
+from .errors import TrainrunError, UsageError  # noqa: E402
 
 LOG_LEVELS = ["warning", "info", "devinfo", "verbose"]
 
@@ -49,6 +54,8 @@ def cli(ctx, config_path, overrides, log_level):
     """
     ctx.ensure_object(dict)
     ctx.obj["log_level"] = log_level
+    if ctx.invoked_subcommand not in (None, "train", "resume"):    # a run takes the stop signals over itself
+        stopping.started()
     if ctx.invoked_subcommand is None:
         if not config_path:
             click.echo(ctx.get_help())
@@ -310,6 +317,7 @@ def _launcher_rank() -> int:
 
 
 def main(argv=None):
+    stopping.start_up()         # (again, where main is called without the console script)
     from .sessions import import_onnxruntime
     import_onnxruntime()        # before any command's imports: without torch (1.5 s of every start)
     try:

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import time
 
 import numpy as np
@@ -75,6 +76,13 @@ def build(cfg, comm):
 EXCHANGE_POLL_S = 2e-3
 
 
+# What the start-up advice cites (BENCHMARKS.md, "DiLoCo's eval loss at equal tokens" and "DiLoCo across the
+# slow link"): 2 replicas, inner_steps 50 and 100, eval loss above every-step training's at equal tokens from
+# the initial weights and continuing every-step training's checkpoint; the streamed exchange's scaling
+# efficiency at 100 Mbit/s.
+COLD_LOSS, WARM_LOSS, STREAMED = "+13-15%", "+4.9-5.5%", "0.97"
+
+
 def exchange(cross, summed, parts: list[tuple[int, int]], outer_dtype: str) -> reducer.BucketReducer:
     """The background exchange of ``overlap_steps``: one bucket per fragment (``parts`` of ``summed``) summed
     over the replicas (``cross``), polled every :data:`EXCHANGE_POLL_S` with fp32 on the wire."""
@@ -94,8 +102,35 @@ def fragments(offsets: list[int], total: int, n: int) -> list[tuple[int, int]]:
     return list(zip(cuts, cuts[1:]))
 
 
+def outer_state(name: str) -> bool:
+    """Whether ``name``, an optimizer state of a checkpoint, is DiLoCo's (the outer state, the other
+    replicas' weights and inner states) rather than the inner optimizer's."""
+    return name.startswith("outer_") or (name.startswith("replica") and name[7:].partition("_")[0].isdigit())
+
+
+def shared_barrier(shard) -> None:
+    """With the node's parameters in shared memory: every local rank is done reading (or restoring) them."""
+    if shard.sharded and len(shard.peers) > 1:
+        shard.local.barrier()
+
+
+def load_part(ckpt, prefix: str, engine, shard, buf=None) -> None:
+    """This rank's part ``shard.lo:hi`` of the tensors under ``prefix`` in the checkpoint's
+    optimizer.safetensors into ``buf`` (None: the engine's parameters, then gathered to every rank)."""
+    layout, params, lo, hi = engine.layout, engine.params, shard.lo, shard.hi
+    host = np.empty(params.size, np.float32)
+    if buf is None:
+        shared_barrier(shard)      # every local rank's restore of the parameters is done
+    with K.reading(ckpt) as held:
+        K.load_tensors_into(held, "optimizer.safetensors", layout.names, layout.shapes, host, prefix=prefix)
+    (params[lo:hi] if buf is None else buf)[...] = host[lo:hi]
+
+
 class EveryStep:
-    """Data parallel: every step reduces over every rank; nothing between steps."""
+    """Data parallel: every step reduces over every rank; nothing between steps. Resumed from a DiLoCo
+    checkpoint (``resume --force --set distributed.sync=every_step``) it continues from the global weights,
+    those export and evaluate read (mid-round the checkpoint's parameters are replica 0's), and drops the
+    outer state, saying so in one line."""
 
     replica, replicas = 0, 1
     state: dict = {}
@@ -104,7 +139,7 @@ class EveryStep:
         self.comm = comm
 
     def attach(self, engine, shard, total_steps: int) -> None:
-        pass
+        self.engine, self.shard = engine, shard
 
     def maybe_outer_step(self, step: int) -> dict | None:
         return None
@@ -116,15 +151,33 @@ class EveryStep:
         return {}
 
     def restore_state(self, saved: dict | None = None) -> dict:
-        return {}
+        """A DiLoCo checkpoint's outer states: taken (None: read here or not at all), so not listed as dropped."""
+        if not (saved or {}).get("diloco"):
+            return {}
+        return {name: None for name in saved.get("optimizer_states", ()) if outer_state(name)}
 
     def state_dict(self) -> dict | None:
         return None
 
     def load_state_dict(self, state: dict, ckpt: str) -> None:
-        pass
+        """A DiLoCo checkpoint taken mid-round: the global weights in place of replica 0's; the line saying it."""
+        saved = state.get("diloco")
+        if not saved:
+            return
+        if saved["mid_round"]:
+            load_part(ckpt, "outer_weights/", self.engine, self.shard)
+            self.shard.gather()
+        if self.comm.rank == 0:
+            print("trainrun: warning: distributed.sync every_step resumes a DiLoCo checkpoint " + (
+                  "taken mid-round: training continues from its global weights (those export and evaluate use), "
+                  "not replica 0's; the replicas' own weights and the outer state are dropped" if saved["mid_round"]
+                  else "taken at an outer step: training continues from its weights (the global weights); the "
+                  "outer state is dropped"), file=sys.stderr, flush=True)
 
     def describe(self) -> str | None:
+        return None
+
+    def advice(self, cold_start: bool) -> str | None:
         return None
 
     def close(self) -> None:
@@ -181,6 +234,22 @@ class DiLoCo:
                 f"{k.outer_dtype} on the wire"
                 + (f"; {k.fragments} fragments in turn" if k.fragments > 1 else "")
                 + (f", each exchanged over {k.overlap_steps} step(s)" if k.overlap_steps else "") + ")")
+
+    def advice(self, cold_start: bool) -> str | None:
+        """One line for the run's start where its config describes a regime the measurements advise against
+        (docs/distributed.md, "When to choose DiLoCo"; BENCHMARKS.md): DiLoCo from the initial weights
+        (``cold_start``: no resume, no model.init_from) instead of from an every-step checkpoint, and an
+        exchange each outer step waits for (``overlap_steps`` 0); None where neither."""
+        parts = []
+        if cold_start:
+            parts.append(f"from the initial weights DiLoCo (inner_steps 50-100) ended {COLD_LOSS} above every-step "
+                         f"training's eval loss, from an every-step checkpoint {WARM_LOSS}: train with distributed.sync "
+                         f"every_step first, then `trainrun resume RUN --force --set distributed.sync=diloco`")
+        if not self.cfg.overlap_steps:
+            parts.append(f"each outer step waits for {'the whole model' if self.cfg.fragments == 1 else 'a fragment'}"
+                         f" on the link: over a slow link stream it (distributed.diloco.fragments 4, overlap_steps "
+                         f"2-6 kept {STREAMED} of linear at 100 Mbit/s; `trainrun doctor` measures the link)")
+        return "advice (docs/distributed.md, When to choose DiLoCo): " + "; ".join(parts) if parts else None
 
     def attach(self, engine, shard, total_steps: int) -> None:
         """The round's start weights from the engine's parameters (this rank's part ``shard.lo:hi``), the
@@ -336,10 +405,7 @@ class DiLoCo:
         return bool(s.cross_counts) or s.cross.rank == 0
 
     def _shared_barrier(self) -> None:
-        """With the node's parameters in shared memory: every local rank is done reading them."""
-        s = self.shard
-        if s.sharded and len(s.peers) > 1:
-            s.local.barrier()
+        shared_barrier(self.shard)
 
     @contextlib.contextmanager
     def global_weights(self):
@@ -444,14 +510,8 @@ class DiLoCo:
             self.pending, self._started = (f, started), None
         if self.fresh or self.replica == 0:
             return
-        layout, params, lo, hi = self.engine.layout, self.engine.params, self.lo, self.hi
-        host = np.empty(params.size, np.float32)
-        self._shared_barrier()      # every local rank's restore of the parameters is done
-        with K.reading(ckpt) as held:
-            for name, buf in self._replica_states().items():
-                K.load_tensors_into(held, "optimizer.safetensors", layout.names, layout.shapes, host,
-                                    prefix=f"replica{self.replica}_{name}/")
-                (params[lo:hi] if buf is None else buf)[...] = host[lo:hi]
+        for name, buf in self._replica_states().items():
+            load_part(ckpt, f"replica{self.replica}_{name}/", self.engine, self.shard, buf)
         self.shard.gather()
 
     def close(self) -> None:

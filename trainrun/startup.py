@@ -69,6 +69,8 @@ def set_up(cfg: C.Config, comm, *, resume_from: str | None, lock, config_yaml: s
     sync.attach(engine, shard, total_steps)
     if sync.describe():
         log(sync.describe())
+    if advice := sync.advice(cold_start=resume_from is None and not cfg.model.init_from):
+        log(advice)
     return Setup(train_ds=train_ds, eval_sets=eval_sets, total_steps=total_steps,
                  tokens="input_ids" in train_ds.specs, perplexity=validity.logs_perplexity(cfg, train_ds),
                  loader=loader, manifest=manifest, threads=threads, engine=engine, shard=shard,
@@ -216,7 +218,8 @@ def _build_engine(cfg: C.Config, comm, graphs_dir: str, manifest: dict, train_ds
     comm.agree(error)
     if rank == 0:    # what this launch turns off of the config, and why
         shared = (node.mem.node.world_size, node.mem.cross.world_size) if node else None
-        for note in validity.inactive(cfg, step_comm.world_size, shared, overlaps, grad_buckets):
+        for note in validity.inactive(cfg, step_comm.world_size, shared, overlaps, grad_buckets,
+                                      comm.world_size // step_comm.world_size):
             print(f"trainrun: warning: {note}", file=sys.stderr, flush=True)
     error, sampler = None, None
     if cfg.train.sample_every and rank == 0:

@@ -26,15 +26,47 @@ finished, the export not started, or abandoned where rank 0 is in it (:meth:`Sto
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 import time
 
-from .config import greater_is_better
 from .errors import TrainrunError
 
 STOPPED_EXIT = 75       # sysexits.h EX_TEMPFAIL: "temporary failure, retry later": resumable
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+# the launchers' rank variables (trainrun.comm.node.WORLD_ENV_VARS; that package loads numpy)
+_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
+
+
+def _stopped_starting(signum, frame) -> None:
+    """A stop signal before the command took the signals over: one line (rank 0), exit :data:`STOPPED_EXIT`.
+    Nothing of the run exists yet (the run directory is first touched after :class:`StopSignals` is in)."""
+    if next((os.environ[v] for v in _RANK_VARS if v in os.environ), "0") == "0":
+        os.write(2, f"trainrun: stopped by {signal.Signals(signum).name} during start-up, before any step: nothing "
+                    f"was written; run the same command again\n".encode())
+    os._exit(STOPPED_EXIT)
+
+
+def start_up() -> None:
+    """The trainrun command's first lines, before its heavy imports (onnxruntime, numpy, mpi4py and MPI's
+    start): SIGTERM, SIGINT and SIGUSR1 end the process with exit 75 and one line saying so, not a
+    launcher's bare exit 15. A run's :class:`StopSignals` takes them over; any other command gives them
+    back to Python's defaults as it starts (:func:`started`)."""
+    if threading.current_thread() is threading.main_thread():
+        for s in SIGNALS:
+            signal.signal(s, _stopped_starting)
+
+
+def _default(s: int):
+    return signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL
+
+
+def started() -> None:
+    """A command other than a run starts: the signals :func:`start_up` took go back to Python's defaults."""
+    for s in SIGNALS:
+        if signal.getsignal(s) is _stopped_starting:
+            signal.signal(s, _default(s))
 
 
 class Stopped(TrainrunError):
@@ -76,8 +108,9 @@ class StopSignals:
 
     def __enter__(self) -> "StopSignals":
         if not self._old and threading.current_thread() is threading.main_thread():
-            for s in SIGNALS:
-                self._old[s] = signal.signal(s, self._handle)
+            for s in SIGNALS:       # start_up's handlers are not put back: once set up, a run has written
+                old = signal.signal(s, self._handle)
+                self._old[s] = _default(s) if old is _stopped_starting else old
         return self
 
     def __exit__(self, *exc) -> None:
@@ -140,6 +173,7 @@ class EarlyStopping:
     (:func:`trainrun.config.greater_is_better`). Its state is saved in checkpoints."""
 
     def __init__(self, patience: int, min_delta: float, metric: str = "eval_loss"):
+        from .config import greater_is_better      # not at import: stopping is the command line's first import
         self.patience, self.min_delta, self.metric = patience, min_delta, metric
         self.sign = -1.0 if greater_is_better(metric) else 1.0     # compares sign * value: lower is better
         self.best: float | None = None

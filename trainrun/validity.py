@@ -452,16 +452,21 @@ def eval_metric_problems(cfg: C.Config, metrics: list[str]) -> list[str]:
 # --------------------------------------------------------------------------- what a launch turns off
 
 def inactive(cfg: C.Config, world_size: int, shared: tuple[int, int] | None, overlaps: bool,
-             buckets: int) -> list[str]:
+             buckets: int, replicas: int = 1) -> list[str]:
     """What the config asks for that this launch cannot do, each with why (known at start-up only: the
-    ranks, their nodes, the MPI library). ``shared``: (ranks per node, nodes) where the ranks of a node
-    share memory (``distributed.intra_node: shared`` in effect), else None; ``overlaps``: the step may
-    reduce gradients during the backward pass (:func:`trainrun.reducer.applies`); ``buckets``: how many
+    ranks, their nodes, the MPI library). ``world_size``: the ranks the step reduces gradients over (the
+    world, or under DiLoCo each of its ``replicas``); ``shared``: (ranks per node, nodes) where the ranks of
+    a node share memory (``distributed.intra_node: shared`` in effect), else None; ``overlaps``: the step
+    may reduce gradients during the backward pass (:func:`trainrun.reducer.applies`); ``buckets``: how many
     it cuts them into."""
     d, notes = cfg.distributed, []
+    # DiLoCo's replicas of one rank each: the step reduces nothing; the replicas meet at the outer step only
+    alone = (f"one rank per replica ({replicas} DiLoCo replicas of 1 rank: distributed.diloco.group), nothing "
+             f"to reduce within a replica; the replicas exchange weights at the outer step "
+             f"(distributed.diloco.outer_dtype)" if replicas > 1 else "one rank, no gradients to reduce")
     if d.overlap_grad_reduce and buckets < 2:
         if world_size == 1:
-            why = "one rank, no gradients to reduce"
+            why = alone
         elif shared is not None:
             why = (f"the {shared[0]} ranks of each node sum their gradients in shared memory (distributed."
                    f"intra_node: shared) once every backward pass has ended; set distributed.intra_node: mpi "
@@ -472,7 +477,9 @@ def inactive(cfg: C.Config, world_size: int, shared: tuple[int, int] | None, ove
             why = f"the gradients fit in one bucket of distributed.bucket_mb {d.bucket_mb:g}"
         notes.append(f"distributed.overlap_grad_reduce is off: {why}")
     if d.reduce_dtype == "bf16" and (world_size == 1 or (shared is not None and shared[1] == 1)):
-        why = "one rank" if world_size == 1 else \
-            "every rank is on one node, whose gradients are summed in shared memory (distributed.intra_node: shared)"
+        why = alone if world_size == 1 else \
+            ("every rank is on one node, whose gradients are summed in shared memory (distributed.intra_node: shared)"
+             if replicas == 1 else "each replica is one node, whose gradients are summed in shared memory "
+             "(distributed.intra_node: shared)")
         notes.append(f"distributed.reduce_dtype: bf16 is off: {why}; no gradient goes over the wire")
     return notes

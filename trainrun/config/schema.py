@@ -254,12 +254,14 @@ class CheckpointConfig:
 
 @dataclass
 class OuterConfig:
-    lr: float = opt(0.7, gt=0.0)
+    lr: float = opt(1.0, gt=0.0)
     """The outer optimizer's learning rate: the step taken along the replicas' mean outer gradient (the
-    round's start weights minus each replica's weights)."""
-    momentum: float = opt(0.9, min=0.0, max=0.999)
+    round's start weights minus each replica's weights). 1 without momentum (the replicas' mean) measured
+    best for runs of a few hundred outer steps, from an every-step checkpoint and from the initial weights
+    alike; the paper's is lr 0.7, momentum 0.9, nesterov true (docs/distributed.md, "When to choose DiLoCo")."""
+    momentum: float = opt(0.0, min=0.0, max=0.999)
     """The outer SGD's momentum (torch.optim.SGD's, dampening 0), kept in fp32."""
-    nesterov: bool = True
+    nesterov: bool = False
     """Nesterov momentum, as torch.optim.SGD defines it (needs momentum > 0)."""
 
 

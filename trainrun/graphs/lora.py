@@ -71,8 +71,17 @@ def problems(lora, family, shapes: dict) -> list[str]:
     if not entries:
         return [f"model.lora.target_modules: {family.name} has no default target modules; name them"]
     linear = layers(shapes, family)
-    out = [f"model.lora.target_modules: '{e}' matches no linear layer of the {family.name} model (its linear "
-           f"layers end in: {_ends(linear)})" for e in entries if not any(matches(m, e) for m in linear)]
+    tied = {head[:-len(".weight")]: table for head, table in (family.transformers.tied if family.transformers
+                                                              else {}).items() if head not in shapes}
+    out = []
+    for e in entries:
+        if any(matches(m, e) for m in linear):
+            continue
+        head = next((h for h in tied if matches(h, e)), None)
+        out.append(f"model.lora.target_modules: '{e}' " + (
+            f"is the {family.name} model's head tied to its token embedding {tied[head]}, a lookup table: LoRA "
+            f"adapts an untied head only" if head else f"matches no linear layer of the {family.name} model")
+            + f" (its linear layers end in: {_ends(linear)})")
     modules = [n.rsplit(".", 1)[0] for n in shapes]
     return out + [f"model.lora.modules_to_save: '{e}' matches no module of the {family.name} model (its modules "
                   f"end in: {_ends(modules)})" for e in lora.modules_to_save if not any(matches(m, e) for m in modules)]

@@ -204,12 +204,17 @@ def build_llama(cfg: LlamaConfig, weights: dict[str, np.ndarray], kv_cache: bool
                                                 linear(m, p + ".mlp.up_proj", cfg.mlp_bias)], [act], name=act))
         h = g.op("Add", [h, linear(act, p + ".mlp.down_proj", cfg.mlp_bias)])
 
-    hf = g.op("Reshape", [rms_norm(h, "model.norm.weight"), seq_shape])
+    normed = rms_norm(h, "model.norm.weight")                                  # [B*S, E]
     if num_labels is not None:
-        return last_token_head(g, hf, E, num_labels, "llama")
-    head = EMBED if cfg.tie_word_embeddings else HEAD
-    g.nodes.append(helper.make_node("MatMul", [hf, g.op("Transpose", [head], perm=[1, 0])], ["logits"],
-                                    name="lm_head"))
+        return last_token_head(g, g.op("Reshape", [normed, seq_shape]), E, num_labels, "llama")
+    if cfg.tie_word_embeddings:     # the token embedding read as [E, vocab] (ort_gradients scatters its gradient)
+        g.nodes.append(helper.make_node("MatMul", [g.op("Reshape", [normed, seq_shape]),
+                                                   g.op("Transpose", [EMBED], perm=[1, 0])], ["logits"], name="lm_head"))
+    else:                           # a linear layer on rows like the others (model.lora may adapt it)
+        g.const("c_vocab", np.array([cfg.vocab_size], np.int64))
+        g.nodes.append(helper.make_node("Reshape", [linear(normed, "lm_head", False),
+                                                    g.op("Concat", ["c_rows", seq, "c_vocab"], axis=0)],
+                                        ["logits"], name="lm_head"))
 
     return g.model("llama", *decoder_io(cfg.vocab_size, cfg.num_hidden_layers, KV, D, kv_cache))
 
