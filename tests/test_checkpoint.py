@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -206,12 +207,9 @@ def test_damaged_checkpoint_is_named(tmp_path, byte_dataset, damage):
     cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 2})
     mpirun(1, "--config", cfg)
     ckpt = tmp_path / "run" / "checkpoints" / "2"
-    if damage == "flip":
-        target = ckpt / "optimizer.safetensors"
-        data = bytearray(target.read_bytes())
-        data[len(data) // 2] ^= 0x01
-        target.write_bytes(bytes(data))
-        expected = "optimizer.safetensors: checksum mismatch"
+    if damage == "flip":       # the weights: resume and export read them (the optimizer's alone: the next test)
+        _flip(ckpt / "model.safetensors")
+        expected = "model.safetensors: checksum mismatch; the file is corrupt; no other checkpoint of"
     elif damage == "missing":
         os.remove(ckpt / "model.safetensors")
         expected = "model.safetensors: missing"
@@ -236,6 +234,54 @@ def test_damaged_checkpoint_is_named(tmp_path, byte_dataset, damage):
     assert expected in proc.stderr and "Traceback" not in proc.stderr
     proc = run([TRAINRUN, "export", str(ckpt), "--output", str(tmp_path / "m.onnx")], check=2)
     assert expected in proc.stderr
+
+
+def _flip(path) -> None:
+    """One bit of ``path``'s middle byte flipped on disk (in a safetensors file: a tensor's data)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _named_command(stderr: str, verb: str) -> list:
+    """The `trainrun VERB ...` command an error names between backquotes, runnable here."""
+    found = re.search(rf"`(trainrun {verb} [^`]*)`", stderr)
+    assert found, stderr
+    return [TRAINRUN, *shlex.split(found.group(1))[1:]]
+
+
+def test_a_corrupt_checkpoint_names_the_newest_intact_one_and_the_command_that_uses_it(tmp_path, byte_dataset):
+    """The latest checkpoint's bytes damaged on disk: `resume` and `export` exit 2 naming the file, the run's
+    newest intact checkpoint and the exact command that uses it (the user's --set and --output kept), and
+    that command works. `export` checks only what it reads: a damaged optimizer.safetensors stops `resume`,
+    not `export`."""
+    from trainrun import checkpoint as K
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 4, "checkpoint.every": 2})
+    run([TRAINRUN, "--config", cfg], check=0)
+    rd, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    _flip(ck / "4" / "optimizer.safetensors")
+    proc = run([TRAINRUN, "export", str(rd), "--output", str(tmp_path / "a.onnx")], check=0)
+    assert f"from {ck / '4'}" in proc.stdout, proc.stdout
+
+    proc = run([TRAINRUN, "resume", str(rd), "--set", "train.max_steps=6"], check=2)
+    assert (f"{ck / '4' / 'optimizer.safetensors'}: checksum mismatch; the file is corrupt; the run's newest intact "
+            f"checkpoint is {ck / '2'}: use it with `trainrun resume {ck / '2'} --set train.max_steps=6`"
+            ) in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    run(_named_command(proc.stderr, "resume"), check=0)
+    train, _ = read_metrics(str(rd))
+    assert sorted(train) == list(range(1, 7))
+    for step in ("2", "4", "6"):         # 4 written again by the resumed run
+        K.verify(str(ck / step))
+
+    _flip(ck / "6" / "model.safetensors")
+    out = str(tmp_path / "b.onnx")
+    proc = run([TRAINRUN, "export", str(rd), "--output", out], check=2)
+    assert (f"{ck / '6' / 'model.safetensors'}: checksum mismatch; the file is corrupt; the run's newest intact "
+            f"checkpoint is {ck / '4'}: use it with `trainrun export {ck / '4'} --output {out}`") in proc.stderr, \
+        proc.stderr
+    proc = run(_named_command(proc.stderr, "export"), check=0)
+    assert f"exported {out} from {ck / '4'}" in proc.stdout, proc.stdout
 
 
 def test_kill_during_checkpoint_write_keeps_the_previous_one(tmp_path, byte_dataset):

@@ -299,7 +299,7 @@ class Checkpointer:
 
     # -- restoring
     def restore(self, ckpt: str, layout, params, state: dict, model_state=None, state_range=None,
-                forced: bool = False, lora_base: str | None = None) -> dict:
+                forced: bool = False, lora_base: str | None = None, retry=None) -> dict:
         """Fill ``params``, each optimizer ``state`` buffer and ``model_state`` ((layout, flat) or None)
         (numpy or cupy) from ``ckpt`` on every rank; return its state.json. Rank 0 verifies the checksums
         and checks the tensors against the model first (:func:`check_checkpoint`; ``forced``: by
@@ -307,12 +307,14 @@ class Checkpointer:
         (lo, hi): the optimizer state buffers hold elements lo:hi of the flat layout only (a ZeRO-1 part,
         :mod:`trainrun.update`); by default all of it. A state given as None is one the checkpoint may hold
         but its owner reads (:meth:`trainrun.diloco.DiLoCo.load_state_dict`). ``lora_base``: the sha256
-        of the model.lora base weights, which must be those the checkpoint's adapters were trained on."""
+        of the model.lora base weights, which must be those the checkpoint's adapters were trained on.
+        ``retry``: the command that resumes from another checkpoint, given its path (a corrupt one's error names
+        the run's newest intact checkpoint and that command)."""
         error, saved, held = None, None, None
         try:
             held = pin(ckpt)        # every rank reads the files it opened here
             if self.rank == 0:
-                verify(held)       # once; every rank then reads the verified files
+                verify(held, retry=retry)       # once; every rank then reads the verified files
                 check_checkpoint(held, layout.names + (model_state[0].names if model_state else []),
                                  optimizer_states=list(state), forced=forced, lora_base=lora_base)
         except TrainrunError as exc:
