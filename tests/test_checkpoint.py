@@ -1,5 +1,6 @@
 """Checkpoints, exact resume on any rank count, crash safety and export; real processes."""
 
+import glob
 import json
 import os
 import re
@@ -282,6 +283,77 @@ def test_a_corrupt_checkpoint_names_the_newest_intact_one_and_the_command_that_u
         proc.stderr
     proc = run(_named_command(proc.stderr, "export"), check=0)
     assert f"exported {out} from {ck / '4'}" in proc.stdout, proc.stdout
+
+
+def _digests(root) -> dict:
+    """sha256 of every file under ``root``, by relative path (links and folders named too)."""
+    import hashlib
+    out = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(dirpath, name)
+            rel = os.path.relpath(path, root)
+            out[rel] = "dir" if os.path.isdir(path) and not os.path.islink(path) else \
+                hashlib.sha256(open(path, "rb").read()).hexdigest()
+    return out
+
+
+def test_resume_into_another_output_dir_branches_and_leaves_the_run_as_it_is(tmp_path, byte_dataset):
+    """`resume RUN/checkpoints/4 --set run.output_dir=NEW` on 2 ranks, with another learning rate (--force):
+    RUN byte for byte as it was (every file's sha256, no file added or removed); NEW a complete run
+    directory that starts at step 4 (its config, graphs, checkpoint 4 = RUN's, metrics.jsonl = RUN's up to
+    step 4 and then its own, TensorBoard likewise, its checkpoints, model.onnx and summary.json); NEW
+    resumable on its own by `trainrun resume NEW`. Branching into NEW again, or into a folder inside RUN, is
+    refused (exit 2) and writes nothing."""
+    from test_runner import _tensorboard_scalars
+    from trainrun import checkpoint as K
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{
+        "train.max_steps": 8, "checkpoint.every": 2, "checkpoint.keep_last": 4, "train.eval_every": 4,
+        "tensorboard.enabled": True})
+    mpirun(2, "--config", cfg)
+    rd, new = tmp_path / "run", tmp_path / "branch"
+    before = _digests(rd)
+    assert {"checkpoints/2/COMMITTED", "checkpoints/8/COMMITTED", "model.onnx", "metrics.jsonl"} <= set(before)
+
+    proc = mpirun(2, "resume", str(rd / "checkpoints" / "4"), "--set", f"run.output_dir={new}", "--force",
+                  "--set", "optimizer.lr=1e-4")
+    assert _digests(rd) == before, "the run branched from was written"
+    assert f"resumed from {new / 'checkpoints' / '4'} at step 4" in proc.stdout, proc.stdout
+    # NEW: a run of its own from step 4 on
+    assert sorted(os.listdir(new / "checkpoints")) == ["4", "6", "8"]
+    assert _digests(new / "checkpoints" / "4") == _digests(rd / "checkpoints" / "4")
+    for step in ("4", "6", "8"):
+        K.verify(str(new / "checkpoints" / step))
+    saved = K.read_config(str(new / "checkpoints" / "8"))
+    assert saved.run.output_dir == str(new) and saved.optimizer.lr == 1e-4
+    import yaml
+    recorded = yaml.safe_load((new / "config.yaml").read_text())
+    assert recorded["run"]["output_dir"] == str(new) and recorded["optimizer"]["lr"] == 1e-4
+    assert (new / "model.onnx").exists() and (new / "summary.json").exists() and (new / "graphs").is_dir()
+    ours, our_evals = read_metrics(str(new))
+    theirs, their_evals = read_metrics(str(rd))
+    assert sorted(ours) == list(range(1, 9)) and sorted(our_evals) == [4, 8]
+    assert [ours[s] for s in range(1, 5)] == [theirs[s] for s in range(1, 5)] and our_evals[4] == their_evals[4]
+    assert ours[5]["loss"] == theirs[5]["loss"]         # step 5 runs on checkpoint 4's weights, the same batch
+    assert ours[5]["lr"] != theirs[5]["lr"]
+    assert _tensorboard_scalars(glob.glob(str(new / "tensorboard" / "events.*")))["train/loss"] == list(range(1, 9))
+
+    # NEW already a run: refused; a folder inside RUN: refused; nothing written anywhere
+    branched = _digests(new)
+    for out, says in ((new, f"run.output_dir {new} already holds checkpoints; a resume into another run "
+                            f"directory starts a new run there: continue that one with `trainrun resume {new}`, "
+                            f"or choose another run.output_dir"),
+                      (rd / "sub", f"run.output_dir {rd / 'sub'} is inside {rd}, the run resumed from")):
+        proc = mpirun(2, "resume", str(rd), "--set", f"run.output_dir={out}", check=2)
+        assert says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert _digests(rd) == before and _digests(new) == branched
+
+    # NEW resumes on its own; RUN stays as it was
+    mpirun(2, "resume", str(new), "--set", "train.max_steps=10")
+    assert sorted(os.listdir(new / "checkpoints"), key=int) == ["4", "6", "8", "10"]
+    ours, _ = read_metrics(str(new))
+    assert sorted(ours) == list(range(1, 11))
+    assert _digests(rd) == before
 
 
 def test_kill_during_checkpoint_write_keeps_the_previous_one(tmp_path, byte_dataset):

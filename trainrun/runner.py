@@ -101,7 +101,7 @@ class TrainingRunner:
         self.signals = StopSignals(t.max_time_s(), started=self.started).__enter__()
         try:
             s = set_up(cfg, comm, resume_from=resume_from, lock=lock, config_yaml=self.config_yaml,
-                       stop_flag=self.signals.flag, log=self.log)
+                       stop_flag=self.signals.flag, log=self.log, retry=retry)
         except BaseException:
             self.signals.__exit__()
             raise
@@ -109,6 +109,7 @@ class TrainingRunner:
         self.tokens, self.perplexity, self.manifest, self.threads = s.tokens, s.perplexity, s.manifest, s.threads
         self.engine, self.shard, self.grad_buckets, self.sampler = s.engine, s.shard, s.grad_buckets, s.sampler
         self.sync = s.sync         # distributed.sync: every step, or DiLoCo's replicas and outer steps
+        resume_from = self.resume_from = s.resume_from     # a branch's: its copy in this run directory
         self.step = 0              # optimizer steps taken (including skipped non-finite ones)
         self.updates = 0           # successful updates: the optimizer's own step count
         self.skipped = 0

@@ -202,9 +202,15 @@ def verify(ckpt, files=None, retry=None) -> dict:
     with reading(ckpt) as held:
         for name, digest in held.sums.items():
             if (files is None or name in files) and held.sha256(name) != digest:
-                raise UsageError(f"{held.path(name)}: checksum mismatch; the file is corrupt"
-                                 + (_way_forward(held.dir, files, retry) if retry else ""))
+                raise mismatch(held, name, files, retry)
         return held.sums
+
+
+def mismatch(held: Pinned, name: str, files=None, retry=None) -> UsageError:
+    """The error of file ``name`` of a checkpoint whose sha256 is not the one its checksums.json records
+    (``files``, ``retry``: see :func:`verify`)."""
+    return UsageError(f"{held.path(name)}: checksum mismatch; the file is corrupt"
+                      + (_way_forward(held.dir, files, retry) if retry else ""))
 
 
 def _way_forward(ckpt: str, files, retry) -> str:

@@ -4,6 +4,7 @@ start-up clean-up (:class:`CheckpointWriter`); the runner's one component that a
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import threading
@@ -16,8 +17,8 @@ from .. import faults
 from ..errors import TrainrunError, UsageError, collective
 from ..flat import from_host
 from ..rundir import COMMITTED, best_checkpoints, checkpoints_dir, complete_checkpoints, sha256_file
-from .files import _fsync_dir, _header, params_digest, sync_file, write_flat_safetensors, write_json
-from .read import FORMAT_VERSION, check_checkpoint, load_tensors_into, pin, read_state, verify
+from .files import _CHUNK, _fsync_dir, _header, params_digest, sync_file, write_flat_safetensors, write_json
+from .read import FORMAT_VERSION, check_checkpoint, load_tensors_into, mismatch, pin, read_state, verify
 
 STAGING = ".staging-"
 PRUNING = ".pruning-"
@@ -224,6 +225,40 @@ class CheckpointWriter:
             doomed = os.path.join(self.root, PRUNING + os.path.basename(old))
             os.rename(old, doomed)
             shutil.rmtree(doomed, ignore_errors=True)
+
+
+def copy_checkpoint(ckpt: str, dest: str, retry=None) -> str:
+    """A committed copy of checkpoint ``ckpt`` at ``dest`` (``<run>/checkpoints/<step>`` of another run,
+    holding no committed one there): its files read through one :class:`Pinned` (a prune of ``ckpt`` takes
+    nothing mid-copy), each checked against its checksum as it is copied (a mismatch: :func:`mismatch`,
+    ``retry`` as for :func:`verify`), written into a staging directory and renamed into place, as a commit."""
+    root = os.path.dirname(dest)
+    staging = os.path.join(root, f"{STAGING}{os.path.basename(dest)}")
+    with pin(ckpt) as held:
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+        try:
+            for name in [*held.sums, "checksums.json", COMMITTED]:      # the marker last
+                h, size = hashlib.sha256(), held.size(name)
+                with open(os.path.join(staging, name), "wb") as fh:
+                    for pos in range(0, size, _CHUNK):
+                        part = bytearray(min(_CHUNK, size - pos))
+                        held.readinto(name, part, pos)
+                        h.update(part)
+                        fh.write(part)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                if name in held.sums and h.hexdigest() != held.sums[name]:
+                    raise mismatch(held, name, retry=retry)
+            _fsync_dir(staging)
+            if os.path.exists(dest):        # an incomplete leftover of the same step
+                shutil.rmtree(dest)
+            os.rename(staging, dest)
+            _fsync_dir(root)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    return dest
 
 
 # --------------------------------------------------------------------------- the runner's one component
