@@ -121,7 +121,8 @@ def export(checkpoint, output, fmt, kv_cache, tokenizer, opset, with_loss, best)
         checkpoint = best_of_run(checkpoint)
 
     def retry(other: str) -> str:       # this command from another checkpoint (named where one is corrupt)
-        return shlex.join(["trainrun", "export", other, "--output", output, *(["--format", fmt] if fmt != "onnx" else []),
+        return shlex.join(["trainrun", "export", other, "--output", output,
+                           *(["--format", fmt] if fmt != "onnx" else []),
                            *(["--kv-cache"] if kv_cache else []), *(["--tokenizer", tokenizer] if tokenizer else []),
                            *(["--opset", str(opset)] if opset is not None else []),
                            *(["--with-loss"] if with_loss else [])])

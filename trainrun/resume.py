@@ -44,8 +44,9 @@ def resume_config(path: str, overrides: list[str], force: bool = False) -> tuple
     saved_path = os.path.join(ckpt, "config.yaml")
     saved = C.load_config(saved_path)
     cfg = validity.load_config(saved_path, overrides, need_data=True)
-    if any(o.split("=", 1)[0].strip() == "run.output_dir" for o in overrides) \
-            and not _same_dir(cfg.run.output_dir, run_dir):       # a branch into another run directory
+    asked = cfg.run.output_dir != saved.run.output_dir or any(o.split("=", 1)[0].strip() == "run.output_dir"
+                                                              for o in overrides)
+    if asked and not _same_dir(cfg.run.output_dir, run_dir):       # a branch into another run directory
         check_branch(run_dir, cfg.run.output_dir)
         saved.run.output_dir = cfg.run.output_dir
     else:
@@ -69,7 +70,6 @@ def resume_config(path: str, overrides: list[str], force: bool = False) -> tuple
             f"keep it with --set train.micro_batch_size=... / train.gradient_accumulation_steps=... "
             f"(or --force)")
     return cfg, ckpt
-
 
 
 # --------------------------------------------------------------------------- a branch into another run directory
