@@ -269,7 +269,14 @@ def test_a_corrupt_checkpoint_names_the_newest_intact_one_and_the_command_that_u
             f"checkpoint is {ck / '2'}: use it with `trainrun resume {ck / '2'} --set train.max_steps=6`"
             ) in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
-    run(_named_command(proc.stderr, "resume"), check=0)
+    again = _named_command(proc.stderr, "resume")
+    branch = tmp_path / "branch"        # a branch copies the checkpoint: checked as it is copied, not committed
+    proc = run([TRAINRUN, "resume", str(rd), "--set", f"run.output_dir={branch}"], check=2)
+    assert (f"{ck / '4' / 'optimizer.safetensors'}: checksum mismatch; the file is corrupt; the run's newest intact "
+            f"checkpoint is {ck / '2'}: use it with `trainrun resume {ck / '2'} --set run.output_dir={branch}`"
+            ) in proc.stderr, proc.stderr
+    assert not glob.glob(str(branch / "checkpoints" / "*")) and not glob.glob(str(branch / "checkpoints" / ".*"))
+    run(again, check=0)
     train, _ = read_metrics(str(rd))
     assert sorted(train) == list(range(1, 7))
     for step in ("2", "4", "6"):         # 4 written again by the resumed run
