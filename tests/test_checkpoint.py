@@ -1,8 +1,10 @@
 """Checkpoints, exact resume on any rank count, crash safety and export; real processes."""
 
+import glob
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -206,12 +208,9 @@ def test_damaged_checkpoint_is_named(tmp_path, byte_dataset, damage):
     cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 2})
     mpirun(1, "--config", cfg)
     ckpt = tmp_path / "run" / "checkpoints" / "2"
-    if damage == "flip":
-        target = ckpt / "optimizer.safetensors"
-        data = bytearray(target.read_bytes())
-        data[len(data) // 2] ^= 0x01
-        target.write_bytes(bytes(data))
-        expected = "optimizer.safetensors: checksum mismatch"
+    if damage == "flip":       # the weights: resume and export read them (the optimizer's alone: the next test)
+        _flip(ckpt / "model.safetensors")
+        expected = "model.safetensors: checksum mismatch; the file is corrupt; no other checkpoint of"
     elif damage == "missing":
         os.remove(ckpt / "model.safetensors")
         expected = "model.safetensors: missing"
@@ -236,6 +235,132 @@ def test_damaged_checkpoint_is_named(tmp_path, byte_dataset, damage):
     assert expected in proc.stderr and "Traceback" not in proc.stderr
     proc = run([TRAINRUN, "export", str(ckpt), "--output", str(tmp_path / "m.onnx")], check=2)
     assert expected in proc.stderr
+
+
+def _flip(path) -> None:
+    """One bit of ``path``'s middle byte flipped on disk (in a safetensors file: a tensor's data)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _named_command(stderr: str, verb: str) -> list:
+    """The `trainrun VERB ...` command an error names between backquotes, runnable here."""
+    found = re.search(rf"`(trainrun {verb} [^`]*)`", stderr)
+    assert found, stderr
+    return [TRAINRUN, *shlex.split(found.group(1))[1:]]
+
+
+def test_a_corrupt_checkpoint_names_the_newest_intact_one_and_the_command_that_uses_it(tmp_path, byte_dataset):
+    """The latest checkpoint's bytes damaged on disk: `resume` and `export` exit 2 naming the file, the run's
+    newest intact checkpoint and the exact command that uses it (the user's --set and --output kept), and
+    that command works. `export` checks only what it reads: a damaged optimizer.safetensors stops `resume`,
+    not `export`."""
+    from trainrun import checkpoint as K
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 4, "checkpoint.every": 2})
+    run([TRAINRUN, "--config", cfg], check=0)
+    rd, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    _flip(ck / "4" / "optimizer.safetensors")
+    proc = run([TRAINRUN, "export", str(rd), "--output", str(tmp_path / "a.onnx")], check=0)
+    assert f"from {ck / '4'}" in proc.stdout, proc.stdout
+
+    proc = run([TRAINRUN, "resume", str(rd), "--set", "train.max_steps=6"], check=2)
+    assert (f"{ck / '4' / 'optimizer.safetensors'}: checksum mismatch; the file is corrupt; the run's newest intact "
+            f"checkpoint is {ck / '2'}: use it with `trainrun resume {ck / '2'} --set train.max_steps=6`"
+            ) in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    again = _named_command(proc.stderr, "resume")
+    branch = tmp_path / "branch"        # a branch copies the checkpoint: checked as it is copied, not committed
+    proc = run([TRAINRUN, "resume", str(rd), "--set", f"run.output_dir={branch}"], check=2)
+    assert (f"{ck / '4' / 'optimizer.safetensors'}: checksum mismatch; the file is corrupt; the run's newest intact "
+            f"checkpoint is {ck / '2'}: use it with `trainrun resume {ck / '2'} --set run.output_dir={branch}`"
+            ) in proc.stderr, proc.stderr
+    assert not glob.glob(str(branch / "checkpoints" / "*")) and not glob.glob(str(branch / "checkpoints" / ".*"))
+    run(again, check=0)
+    train, _ = read_metrics(str(rd))
+    assert sorted(train) == list(range(1, 7))
+    for step in ("2", "4", "6"):         # 4 written again by the resumed run
+        K.verify(str(ck / step))
+
+    _flip(ck / "6" / "model.safetensors")
+    out = str(tmp_path / "b.onnx")
+    proc = run([TRAINRUN, "export", str(rd), "--output", out], check=2)
+    assert (f"{ck / '6' / 'model.safetensors'}: checksum mismatch; the file is corrupt; the run's newest intact "
+            f"checkpoint is {ck / '4'}: use it with `trainrun export {ck / '4'} --output {out}`") in proc.stderr, \
+        proc.stderr
+    proc = run(_named_command(proc.stderr, "export"), check=0)
+    assert f"exported {out} from {ck / '4'}" in proc.stdout, proc.stdout
+
+
+def _digests(root) -> dict:
+    """sha256 of every file under ``root``, by relative path (links and folders named too)."""
+    import hashlib
+    out = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(dirpath, name)
+            rel = os.path.relpath(path, root)
+            out[rel] = "dir" if os.path.isdir(path) and not os.path.islink(path) else \
+                hashlib.sha256(open(path, "rb").read()).hexdigest()
+    return out
+
+
+def test_resume_into_another_output_dir_branches_and_leaves_the_run_as_it_is(tmp_path, byte_dataset):
+    """`resume RUN/checkpoints/4 --set run.output_dir=NEW` on 2 ranks, with another learning rate (--force):
+    RUN byte for byte as it was (every file's sha256, no file added or removed); NEW a complete run
+    directory that starts at step 4 (its config, graphs, checkpoint 4 = RUN's, metrics.jsonl = RUN's up to
+    step 4 and then its own, TensorBoard likewise, its checkpoints, model.onnx and summary.json); NEW
+    resumable on its own by `trainrun resume NEW`. Branching into NEW again, or into a folder inside RUN, is
+    refused (exit 2) and writes nothing."""
+    from test_runner import _tensorboard_scalars
+    from trainrun import checkpoint as K
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{
+        "train.max_steps": 8, "checkpoint.every": 2, "checkpoint.keep_last": 4, "train.eval_every": 4,
+        "tensorboard.enabled": True})
+    mpirun(2, "--config", cfg)
+    rd, new = tmp_path / "run", tmp_path / "branch"
+    before = _digests(rd)
+    assert {"checkpoints/2/COMMITTED", "checkpoints/8/COMMITTED", "model.onnx", "metrics.jsonl"} <= set(before)
+
+    proc = mpirun(2, "resume", str(rd / "checkpoints" / "4"), "--set", f"run.output_dir={new}", "--force",
+                  "--set", "optimizer.lr=1e-4")
+    assert _digests(rd) == before, "the run branched from was written"
+    assert f"resumed from {new / 'checkpoints' / '4'} at step 4" in proc.stdout, proc.stdout
+    # NEW: a run of its own from step 4 on
+    assert sorted(os.listdir(new / "checkpoints")) == ["4", "6", "8"]
+    assert _digests(new / "checkpoints" / "4") == _digests(rd / "checkpoints" / "4")
+    for step in ("4", "6", "8"):
+        K.verify(str(new / "checkpoints" / step))
+    saved = K.read_config(str(new / "checkpoints" / "8"))
+    assert saved.run.output_dir == str(new) and saved.optimizer.lr == 1e-4
+    import yaml
+    recorded = yaml.safe_load((new / "config.yaml").read_text())
+    assert recorded["run"]["output_dir"] == str(new) and recorded["optimizer"]["lr"] == 1e-4
+    assert (new / "model.onnx").exists() and (new / "summary.json").exists() and (new / "graphs").is_dir()
+    ours, our_evals = read_metrics(str(new))
+    theirs, their_evals = read_metrics(str(rd))
+    assert sorted(ours) == list(range(1, 9)) and sorted(our_evals) == [4, 8]
+    assert [ours[s] for s in range(1, 5)] == [theirs[s] for s in range(1, 5)] and our_evals[4] == their_evals[4]
+    assert ours[5]["loss"] == theirs[5]["loss"]         # step 5 runs on checkpoint 4's weights, the same batch
+    assert ours[5]["lr"] != theirs[5]["lr"]
+    assert _tensorboard_scalars(glob.glob(str(new / "tensorboard" / "events.*")))["train/loss"] == list(range(1, 9))
+
+    # NEW already a run: refused; a folder inside RUN: refused; nothing written anywhere
+    branched = _digests(new)
+    for out, says in ((new, f"run.output_dir {new} already holds checkpoints; a resume into another run "
+                            f"directory starts a new run there: continue that one with `trainrun resume {new}`, "
+                            f"or choose another run.output_dir"),
+                      (rd / "sub", f"run.output_dir {rd / 'sub'} is inside {rd}, the run resumed from")):
+        proc = mpirun(2, "resume", str(rd), "--set", f"run.output_dir={out}", check=2)
+        assert says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert _digests(rd) == before and _digests(new) == branched
+
+    # NEW resumes on its own; RUN stays as it was
+    mpirun(2, "resume", str(new), "--set", "train.max_steps=10")
+    assert sorted(os.listdir(new / "checkpoints"), key=int) == ["4", "6", "8", "10"]
+    ours, _ = read_metrics(str(new))
+    assert sorted(ours) == list(range(1, 11))
+    assert _digests(rd) == before
 
 
 def test_kill_during_checkpoint_write_keeps_the_previous_one(tmp_path, byte_dataset):

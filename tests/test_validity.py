@@ -165,3 +165,19 @@ def test_export_best_names_the_key_it_ranks_by():
     text = " ".join(run([TRAINRUN, "export", "--help"], check=0).stdout.split())
     assert "--best From a run directory: its best checkpoint, ranked by the run's checkpoint.best_metric " \
            "(null: the eval loss)." in text, text
+
+
+@pytest.mark.parametrize("where", ["the file", "under the file"])
+def test_an_output_dir_that_is_a_file_is_named_by_validate_prepare_and_training(tmp_path, byte_dataset, where):
+    """run.output_dir naming a file (or a path under one): `config validate`, `prepare` and training exit 2
+    naming the key and the file, no traceback nor raw FileExistsError; the file is left as it was."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("not a run directory\n")
+    out = blocker if where == "the file" else blocker / "run"
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"run.output_dir": str(out), "train.max_steps": 2})
+    says = f"run.output_dir: {out}: {blocker} is a file, not a directory"
+    for cmd in (["config", "validate", "--config", cfg], ["prepare", "--config", cfg], ["--config", cfg]):
+        proc = run([TRAINRUN, *cmd], check=2)
+        assert says in proc.stderr, (cmd, proc.stderr)
+        assert "Traceback" not in proc.stderr and "FileExistsError" not in proc.stderr, (cmd, proc.stderr)
+    assert blocker.read_text() == "not a run directory\n"

@@ -7,6 +7,7 @@ Exit codes: 0 success, 2 usage/config error, 1 any other failure.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import traceback
 
@@ -86,7 +87,11 @@ def resume(run_dir, overrides, log_level, force):
     from .resume import resume_config
     from .runner import train as run_train
     cfg, ckpt = resume_config(run_dir, list(overrides), force=force)
-    run_train(cfg, resume_from=ckpt, force=force, log_level=log_level)
+
+    def retry(other: str) -> str:       # this command from another checkpoint (named where ckpt is corrupt)
+        return shlex.join(["trainrun", "resume", other, *[a for o in overrides for a in ("--set", o)],
+                           *(["--log-level", log_level] if log_level else []), *(["--force"] if force else [])])
+    run_train(cfg, resume_from=ckpt, force=force, log_level=log_level, retry=retry)
 
 
 @cli.command()
@@ -121,12 +126,20 @@ def export(checkpoint, output, fmt, kv_cache, tokenizer, opset, with_loss, best)
     if best:
         from .checkpoint import best_of_run
         checkpoint = best_of_run(checkpoint)
+
+    def retry(other: str) -> str:       # this command from another checkpoint (named where one is corrupt)
+        return shlex.join(["trainrun", "export", other, "--output", output,
+                           *(["--format", fmt] if fmt != "onnx" else []),
+                           *(["--kv-cache"] if kv_cache else []), *(["--tokenizer", tokenizer] if tokenizer else []),
+                           *(["--opset", str(opset)] if opset is not None else []),
+                           *(["--with-loss"] if with_loss else [])])
     if fmt == "transformers":
-        export_transformers(checkpoint, output, tokenizer=tokenizer, echo=click.echo)
+        export_transformers(checkpoint, output, tokenizer=tokenizer, echo=click.echo, retry=retry)
     elif fmt == "peft":
-        export_peft(checkpoint, output, echo=click.echo)
+        export_peft(checkpoint, output, echo=click.echo, retry=retry)
     else:
-        export_checkpoint(checkpoint, output, opset=opset, with_loss=with_loss, kv_cache=kv_cache, echo=click.echo)
+        export_checkpoint(checkpoint, output, opset=opset, with_loss=with_loss, kv_cache=kv_cache, echo=click.echo,
+                          retry=retry)
 
 
 @cli.command()

@@ -94,6 +94,12 @@ def parameters_of(ckpt: K.Pinned) -> tuple[str, str, str | None]:
     return "model.safetensors", "", None
 
 
+def weight_files(ckpt: K.Pinned) -> list[str]:
+    """The files of a checkpoint its model's weights are read from (:func:`parameters_of`): what a reader of
+    the weights verifies, and no more (a damaged optimizer.safetensors does not stop an export)."""
+    return ["state.json", "model.safetensors", parameters_of(ckpt)[0]]
+
+
 def checkpoint_tensors(ckpt: K.Pinned, manifest: dict) -> list[Weight]:
     """Where the parameters (:func:`parameters_of`), then the non-parameter state (model.safetensors), of a
     checkpoint lie."""
@@ -226,11 +232,12 @@ def sample_batch(graphs_dir: str, manifest: dict, rng_seed: int = 0) -> dict[str
     return batch
 
 
-def checkpoint_weights(ckpt, manifest: dict) -> dict[str, np.ndarray]:
-    """The parameters (:func:`parameters_of`) and the non-parameter state of a verified checkpoint (a path
-    or a :class:`checkpoint.Pinned` one), by name."""
+def checkpoint_weights(ckpt, manifest: dict, retry=None) -> dict[str, np.ndarray]:
+    """The parameters (:func:`parameters_of`) and the non-parameter state of a checkpoint (a path or a
+    :class:`checkpoint.Pinned` one), by name, the files read verified (:func:`weight_files`; ``retry``: the
+    command reading another checkpoint, named where one is corrupt, :func:`checkpoint.verify`)."""
     with K.reading(ckpt) as ckpt:
-        K.verify(ckpt)
+        K.verify(ckpt, weight_files(ckpt), retry=retry)
         layout, states = _model_tensors(ckpt, manifest)
         flat = np.empty(layout.total, np.float32)
         file, prefix, _ = parameters_of(ckpt)
@@ -301,30 +308,31 @@ def _logits_in_two_passes(session, ids: np.ndarray) -> np.ndarray:
 
 def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None, with_loss: bool | None = None,
                       kv_cache: bool = False,
-                      verify: bool = True, echo=print) -> float:
+                      verify: bool = True, echo=print, retry=None) -> float:
     """Write the inference model; return the max |logits difference| against the eval graph.
     ``with_loss`` True: the eval graph (loss and logits); None (the end of a run): the inference model, or
     the eval graph, said, when the model outputs nothing but its loss and metrics (a user graph that
-    returns its loss only); False: the inference model or a UsageError."""
+    returns its loss only); False: the inference model or a UsageError. The checkpoint's files read are
+    verified first (``retry``: the command exporting another checkpoint, named where one is corrupt)."""
     with K.pin(checkpoint) as held:       # its files stay readable if the run training on prunes it
         graphs_dir = os.path.join(rundir.run_dir_of(held.dir), "graphs")
         with held_graphs(graphs_dir, load_manifest(graphs_dir)) as graphs:
-            return _export(held, graphs, output, opset, with_loss, kv_cache, verify, echo)
+            return _export(held, graphs, output, opset, with_loss, kv_cache, verify, echo, retry)
 
 
-def _export(held: K.Pinned, graphs: K.Held, output: str, opset, with_loss, kv_cache, verify, echo) -> float:
+def _export(held: K.Pinned, graphs: K.Held, output: str, opset, with_loss, kv_cache, verify, echo, retry) -> float:
     import onnxruntime as ort
 
     ckpt = held.dir
     graphs_dir = graphs.dir
     manifest = load_manifest(graphs_dir)
-    K.verify(held)
+    K.verify(held, weight_files(held), retry=retry)
     # streamed from the files into the model: no copy held; the frozen weights from the graphs folder
     tensors = checkpoint_tensors(held, manifest) + frozen_tensors(graphs, manifest)
 
     full = None
     if manifest.get("lora") and not with_loss:       # a LoRA run: the full model, the adapters merged
-        full = full_weights(graphs_dir, manifest, checkpoint_weights(held, manifest))
+        full = full_weights(graphs_dir, manifest, checkpoint_weights(held, manifest, retry))
         family = registry.of_manifest(manifest)
         section = family.without_dropout(family.shape_of(manifest))
         if kv_cache:
@@ -451,15 +459,16 @@ def _label_map(ckpt: K.Pinned, num_labels: int, echo) -> dict:
     return {"id2label": id2label, "label2id": {v: int(k) for k, v in id2label.items()}}
 
 
-def export_transformers(checkpoint: str, output: str, *, tokenizer: str | None = None, echo=print) -> str:
+def export_transformers(checkpoint: str, output: str, *, tokenizer: str | None = None, echo=print,
+                        retry=None) -> str:
     """Write a transformers ``save_pretrained`` directory (see docs/operations.md): config.json, model.safetensors
     (transformers' names; the tied heads are the tensors they are tied to), generation_config.json and
     the run's tokenizer. Staged beside ``output`` and moved into place at the end."""
     with K.pin(checkpoint) as held:       # its files stay readable if the run training on prunes it
-        return _export_transformers(held, output, tokenizer, echo)
+        return _export_transformers(held, output, tokenizer, echo, retry)
 
 
-def _export_transformers(held: K.Pinned, output: str, tokenizer: str | None, echo) -> str:
+def _export_transformers(held: K.Pinned, output: str, tokenizer: str | None, echo, retry) -> str:
     ckpt = held.dir
     run_dir = rundir.run_dir_of(ckpt)
     manifest = load_manifest(os.path.join(run_dir, "graphs"))
@@ -470,7 +479,9 @@ def _export_transformers(held: K.Pinned, output: str, tokenizer: str | None, ech
                             "a user graph, which has no transformers class") + "; export it as onnx")
     if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
         raise UsageError(f"--output {output} already exists and is not an empty directory")
-    weights = full_weights(os.path.join(run_dir, "graphs"), manifest, checkpoint_weights(held, manifest))
+    if manifest.get("task_labels"):     # the label map is read from the data its config.yaml names
+        K.verify(held, ["config.yaml"], retry=retry)
+    weights = full_weights(os.path.join(run_dir, "graphs"), manifest, checkpoint_weights(held, manifest, retry))
     for tied, source in family.transformers.tied.items():       # as the transformers class holds them
         weights.setdefault(tied, weights[source])               # (a head that is a parameter: untied)
     try:
@@ -495,7 +506,7 @@ def _export_transformers(held: K.Pinned, output: str, tokenizer: str | None, ech
 _PEFT_TASKS = {"causal_lm": "CAUSAL_LM", "sequence_classification": "SEQ_CLS", "token_classification": "TOKEN_CLS"}
 
 
-def export_peft(checkpoint: str, output: str, *, echo=print) -> str:
+def export_peft(checkpoint: str, output: str, *, echo=print, retry=None) -> str:
     """Write a LoRA run's adapters as PEFT saves them: adapter_config.json and adapter_model.safetensors
     (``base_model.model.<module>.lora_A.weight`` ..., and the parameters of modules_to_save), which
     ``PeftModel.from_pretrained`` loads onto the base model. Staged beside ``output`` and moved into place."""
@@ -508,7 +519,7 @@ def export_peft(checkpoint: str, output: str, *, echo=print) -> str:
                              f"export it as onnx or transformers")
         if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
             raise UsageError(f"--output {output} already exists and is not an empty directory")
-        weights = checkpoint_weights(held, manifest)
+        weights = checkpoint_weights(held, manifest, retry)
     family = registry.of_manifest(manifest)
     task = manifest["model"].get("task") or (family.tasks[0] if family.tasks else None)
     targets = sorted({n.rsplit(".lora_A.", 1)[0].rsplit(".", 1)[-1] for n in weights if ".lora_A." in n})

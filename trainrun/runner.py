@@ -81,7 +81,7 @@ def step_end(cfg: C.Config, step: int, end: int, stop_requested: bool, has_eval:
 
 class TrainingRunner:
     def __init__(self, cfg: C.Config, comm, resume_from: str | None = None, lock: RunLock | None = None,
-                 force: bool = False, config_yaml: str | None = None):
+                 force: bool = False, config_yaml: str | None = None, retry=None):
         self.started = time.monotonic()      # train.max_time counts from here
         self.cfg = cfg
         self.config_yaml = config_yaml or C.to_yaml(cfg)     # what the run directory and its checkpoints record
@@ -102,7 +102,7 @@ class TrainingRunner:
         self.signals = StopSignals(t.max_time_s(), started=self.started).__enter__()
         try:
             s = set_up(cfg, comm, resume_from=resume_from, lock=lock, config_yaml=self.config_yaml,
-                       stop_flag=self.signals.flag, log=self.log)
+                       stop_flag=self.signals.flag, log=self.log, retry=retry)
         except BaseException:
             self.signals.__exit__()
             raise
@@ -112,6 +112,7 @@ class TrainingRunner:
         self.sync = s.sync         # distributed.sync: every step, or DiLoCo's replicas and outer steps
         # the model FLOPs of a step and the ranks' measured peak: the MFU of the log lines and summary.json
         self.utilisation = Utilisation(self.engine, comm, self.threads, self.accum)
+        resume_from = self.resume_from = s.resume_from     # a branch's: its copy in this run directory
         self.step = 0              # optimizer steps taken (including skipped non-finite ones)
         self.updates = 0           # successful updates: the optimizer's own step count
         self.skipped = 0
@@ -124,7 +125,7 @@ class TrainingRunner:
                                           keep_best=cfg.checkpoint.keep_best,
                                           best_metric=C.watched_metric(cfg, "checkpoint.best_metric"))
         if resume_from:
-            self._restore(resume_from, force)
+            self._restore(resume_from, force, retry)
         self.metrics = Metrics(self.out, enabled=self.is_main, tensorboard=cfg.tensorboard.enabled,
                                quiet=cfg.run.log_level == "warning", total_steps=self.total_steps,
                                start_step=self.step, eval_sets=list(self.eval_sets))
@@ -138,14 +139,15 @@ class TrainingRunner:
         elif self.is_main and self.cfg.run.log_level != "warning":
             print(text, flush=True)
 
-    def _restore(self, ckpt: str, force: bool = False) -> None:
+    def _restore(self, ckpt: str, force: bool = False, retry=None) -> None:
         """Parameters, optimizer state, step counters and the data position of ``ckpt`` (``force``:
-        ``resume --force``, tensors the model or optimizer no longer takes are dropped with a warning)."""
+        ``resume --force``, tensors the model or optimizer no longer takes are dropped with a warning;
+        ``retry``: the command resuming from another checkpoint, named where ``ckpt`` is corrupt)."""
         eng = self.engine
         buffers = {**self.shard.state, **self.sync.restore_state(K.read_state(ckpt))}
         state = self.checkpoints.restore(ckpt, eng.layout, eng.params, buffers,
                                          (eng.state_layout, eng.state), state_range=(self.shard.lo, self.shard.hi),
-                                         forced=force,
+                                         forced=force, retry=retry,
                                          lora_base=(self.manifest.get("lora") or {}).get("base_sha256"))
         self.sync.load_state_dict(state, ckpt)
         self.loader.load_state_dict(state["loader"])
@@ -609,10 +611,12 @@ class TrainingRunner:
 
 
 def train(cfg: C.Config, resume_from: str | None = None, force: bool = False,
-          log_level: str | None = None) -> dict:
+          log_level: str | None = None, retry=None) -> dict:
     """Train (or continue) on every rank. A failure on one rank ends the whole job
     at once (MPI abort) after printing its cause, so no peer waits in a collective.
-    ``log_level`` (``--log-level``): this invocation's only; the run records its config's."""
+    ``log_level`` (``--log-level``): this invocation's only; the run records its config's. ``retry``: the
+    command that resumes from another checkpoint than ``resume_from``, given its path (named where
+    ``resume_from`` is corrupt)."""
     recorded = C.to_yaml(cfg)
     if log_level:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, log_level=log_level))
@@ -625,7 +629,8 @@ def train(cfg: C.Config, resume_from: str | None = None, force: bool = False,
     lock = RunLock(cfg.run.output_dir)
     runner = None
     try:
-        runner = TrainingRunner(cfg, comm, resume_from=resume_from, lock=lock, force=force, config_yaml=recorded)
+        runner = TrainingRunner(cfg, comm, resume_from=resume_from, lock=lock, force=force, config_yaml=recorded,
+                                retry=retry)
         return runner.fit()
     except BaseException as exc:
         if comm.world_size > 1 and not getattr(exc, "collective", False):

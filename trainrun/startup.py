@@ -19,6 +19,7 @@ from . import faults
 from . import feeding
 from . import rundir
 from . import reducer
+from . import resume
 from . import update
 from . import validity
 from .comm import affinity, cpu_share, local_device, machine_id
@@ -48,19 +49,24 @@ class Setup:
     engine: Engine
     shard: object               # the update (trainrun.update.build)
     grad_buckets: int           # distributed.overlap_grad_reduce's buckets; 0 without overlap
+    resume_from: str | None     # the checkpoint the run restores from (a branch's: its copy in the run directory)
     sync: object                # distributed.sync (trainrun.diloco.build): every step, or DiLoCo's replicas
     sampler: TrainingSampler | None    # train.sample_every (rank 0)
 
 
-def set_up(cfg: C.Config, comm, *, resume_from: str | None, lock, config_yaml: str, stop_flag, log) -> Setup:
+def set_up(cfg: C.Config, comm, *, resume_from: str | None, lock, config_yaml: str, stop_flag, log,
+           retry=None) -> Setup:
     """Every rank: the datasets, the run directory and graphs, the agreement on both, then the engine. A
-    resume (``resume_from``) may write into a run directory that holds checkpoints; ``lock`` (rank 0) is
-    taken before anything is written there; ``config_yaml`` is what config.yaml records; ``stop_flag``: the
-    stop signals' flag (for the tests' faults)."""
+    resume (``resume_from``) may write into a run directory that holds checkpoints; one from a checkpoint of
+    another run directory branches into this one (:func:`trainrun.resume.branch`; ``retry``: the command
+    resuming from another checkpoint, named where the one copied is corrupt); ``lock`` (rank 0) is taken
+    before anything is written there; ``config_yaml`` is what config.yaml records; ``stop_flag``: the stop
+    signals' flag (for the tests' faults)."""
     train_ds, eval_sets, total_steps, loader = _open_data(cfg, comm)
     out = cfg.run.output_dir
     graphs_dir = os.path.join(out, "graphs")
-    _prepare_run_dir(cfg, comm, resume_from, lock, config_yaml, log)
+    branched = resume.branch_of(resume_from, out) if resume_from else None
+    _prepare_run_dir(cfg, comm, resume_from, branched, lock, config_yaml, log, retry)
     manifest = _check_same_everywhere(cfg, comm, graphs_dir)
     faults.wait_until("WAIT_SIGNAL", comm.rank, 0, stop_flag)
     sync = diloco.build(cfg, comm)      # the ranks the step reduces over: all, or this rank's replica
@@ -74,7 +80,7 @@ def set_up(cfg: C.Config, comm, *, resume_from: str | None, lock, config_yaml: s
     return Setup(train_ds=train_ds, eval_sets=eval_sets, total_steps=total_steps,
                  tokens="input_ids" in train_ds.specs, perplexity=validity.logs_perplexity(cfg, train_ds),
                  loader=loader, manifest=manifest, threads=threads, engine=engine, shard=shard,
-                 grad_buckets=grad_buckets, sync=sync, sampler=sampler)
+                 grad_buckets=grad_buckets, sync=sync, sampler=sampler, resume_from=branched or resume_from)
 
 
 def return_freed_memory() -> None:
@@ -106,7 +112,7 @@ def _open_data(cfg: C.Config, comm):
     return train_ds, eval_sets, total_steps, loader
 
 
-def _prepare_run_dir(cfg: C.Config, comm, resume_from, lock, config_yaml: str, log) -> None:
+def _prepare_run_dir(cfg: C.Config, comm, resume_from, branched, lock, config_yaml: str, log, retry) -> None:
     out = cfg.run.output_dir
     graphs_dir = os.path.join(out, "graphs")
     error = None
@@ -116,13 +122,17 @@ def _prepare_run_dir(cfg: C.Config, comm, resume_from, lock, config_yaml: str, l
             if lock:
                 lock.acquire()          # before anything is written: one job per run directory
             ckpt_dir = os.path.join(out, "checkpoints")
-            if not resume_from and rundir.complete_checkpoints(ckpt_dir):
+            if branched:
+                resume.check_branch(rundir.run_dir_of(resume_from), out)
+            elif not resume_from and rundir.complete_checkpoints(ckpt_dir):
                 raise UsageError(f"{out} already holds checkpoints; continue it with "
                                  f"`trainrun resume {out}` or choose another run.output_dir")
             K.cleanup(ckpt_dir, log=log)
             os.makedirs(out, exist_ok=True)
             with open(os.path.join(out, "config.yaml"), "w") as fh:
                 fh.write(config_yaml)
+            if branched:
+                resume.branch(resume_from, out, cfg, log, retry)
             if not up_to_date(graphs_dir, cfg):
                 made_by, why = builder(cfg.graphs.builder)
                 log(f"preparing graphs in {graphs_dir} (gradients by {BUILDER_NAMES[made_by]} builder: {why})")

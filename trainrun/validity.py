@@ -8,7 +8,8 @@ here, in three stages, each listing every problem it finds as one :class:`~train
 * :func:`load_config` (:func:`config_problems`): the keys against each other (model, loss, task against
   its family, optimizer, distributed, the eval metrics watched, ...), ``model.init_from``'s config.json
   against ``model.<builtin>``, and that the paths they name exist;
-* :func:`check`: the files the keys name, before any graph is built: ``data.train`` / ``data.eval`` (each
+* :func:`check`: the files the keys name, before any graph is built: ``run.output_dir`` not a file (nor
+  under one); ``data.train`` / ``data.eval`` (each
   named set ``data.eval.<NAME>``; :mod:`trainrun.data`) readable, token ids below the model's vocabulary,
   sequences within its positions, at least one batch each (a training step's global batch, an
   evaluation's batch), the same features, model.task / model.num_labels as the train set's manifest says;
@@ -273,7 +274,7 @@ def check(cfg: C.Config, world_size: int = 1, datasets: bool = True):
     """Raise :class:`UsageError` listing every problem of the files the (loaded) config names; return the
     opened train dataset (None when not given, or ``datasets`` False) and the eval sets {name: dataset}
     (the name None for a single data.eval), each checked against ``world_size`` ranks' batches."""
-    problems: list[str] = []
+    problems: list[str] = output_dir_problems(cfg.run.output_dir)
     family = registry.of(cfg.model)
     specs = param_specs(cfg.model)
     if specs is not None:
@@ -310,6 +311,18 @@ def check(cfg: C.Config, world_size: int = 1, datasets: bool = True):
     if problems:
         raise UsageError(f"{len(problems)} problem(s) in the files the configuration names", problems)
     return found
+
+
+def output_dir_problems(out: str) -> list[str]:
+    """run.output_dir (absolute) against the filesystem: it, or the first of its parents that exists, must be a
+    directory (the run directory is made there)."""
+    there = out
+    while not os.path.exists(there) and os.path.dirname(there) != there:
+        there = os.path.dirname(there)
+    if os.path.exists(there) and not os.path.isdir(there):
+        return [f"run.output_dir: {out}: {there} is a file, not a directory (the run directory is made there: "
+                f"choose another path)"]
+    return []
 
 
 def _task_problems(cfg: C.Config, train) -> list[str]:

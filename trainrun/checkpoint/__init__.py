@@ -38,9 +38,9 @@ sequential write (a device buffer goes through one reused host chunk).
 from .files import params_digest, sync_file, write_flat_safetensors, write_json
 from .read import (FORMAT_VERSION, MODEL_GRAPHS, Held, Pinned, best_of_run, check_checkpoint, is_step_dir,
                    load_tensors_into, pin, read_config, read_state, reading, tensor_spans, verify)
-from .write import PRUNING, STAGING, CheckpointWriter, Checkpointer, cleanup
+from .write import PRUNING, STAGING, CheckpointWriter, Checkpointer, cleanup, copy_checkpoint
 
 __all__ = ["FORMAT_VERSION", "MODEL_GRAPHS", "PRUNING", "STAGING", "CheckpointWriter", "Checkpointer", "Held", "Pinned",
-           "best_of_run", "check_checkpoint", "cleanup", "is_step_dir", "load_tensors_into", "params_digest", "pin",
-           "read_config",
+           "best_of_run", "check_checkpoint", "cleanup", "copy_checkpoint", "is_step_dir", "load_tensors_into",
+           "params_digest", "pin", "read_config",
            "read_state", "reading", "sync_file", "tensor_spans", "verify", "write_flat_safetensors", "write_json"]

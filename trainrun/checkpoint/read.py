@@ -194,14 +194,39 @@ def read_config(ckpt) -> "C.Config":
         return C.load_config(held.path("config.yaml"), text=held.read("config.yaml").decode("utf-8"))
 
 
-def verify(ckpt) -> dict:
-    """Check the marker and every file's checksum; return checksums.json's content. ``ckpt``: a path or a
-    :class:`Pinned` checkpoint."""
+def verify(ckpt, files=None, retry=None) -> dict:
+    """Check the marker and the checksums of ``files`` (the names of the files the caller reads; None: every
+    file); return checksums.json's content. ``ckpt``: a path or a :class:`Pinned` checkpoint. ``retry``: the
+    command that would read another checkpoint instead, given its path: a mismatch then names the run's newest
+    intact checkpoint (those files checked) and that command."""
     with reading(ckpt) as held:
         for name, digest in held.sums.items():
-            if held.sha256(name) != digest:
-                raise UsageError(f"{held.path(name)}: checksum mismatch; the file is corrupt")
+            if (files is None or name in files) and held.sha256(name) != digest:
+                raise mismatch(held, name, files, retry)
         return held.sums
+
+
+def mismatch(held: Pinned, name: str, files=None, retry=None) -> UsageError:
+    """The error of file ``name`` of a checkpoint whose sha256 is not the one its checksums.json records
+    (``files``, ``retry``: see :func:`verify`)."""
+    return UsageError(f"{held.path(name)}: checksum mismatch; the file is corrupt"
+                      + (_way_forward(held.dir, files, retry) if retry else ""))
+
+
+def _way_forward(ckpt: str, files, retry) -> str:
+    """What to do about corrupt checkpoint ``ckpt``: the newest other committed checkpoint of its run whose
+    ``files`` are intact, with the command ``retry(it)`` that uses it; or that the run holds none."""
+    if not is_step_dir(ckpt):
+        return ""
+    for other in reversed(complete_checkpoints(os.path.dirname(ckpt))):
+        if other == ckpt:
+            continue
+        try:
+            verify(other, files)
+        except (UsageError, OSError):    # corrupt too, or pruned meanwhile
+            continue
+        return f"; the run's newest intact checkpoint is {other}: use it with `{retry(other)}`"
+    return f"; no other checkpoint of {run_dir_of(ckpt)} is intact"
 
 
 def read_state(ckpt) -> dict:

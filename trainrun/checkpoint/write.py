@@ -4,6 +4,7 @@ start-up clean-up (:class:`CheckpointWriter`); the runner's one component that a
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import threading
@@ -16,8 +17,8 @@ from .. import faults
 from ..errors import TrainrunError, UsageError, collective
 from ..flat import from_host
 from ..rundir import COMMITTED, best_checkpoints, checkpoints_dir, complete_checkpoints, sha256_file
-from .files import _fsync_dir, _header, params_digest, sync_file, write_flat_safetensors, write_json
-from .read import FORMAT_VERSION, check_checkpoint, load_tensors_into, pin, read_state, verify
+from .files import _CHUNK, _fsync_dir, _header, params_digest, sync_file, write_flat_safetensors, write_json
+from .read import FORMAT_VERSION, check_checkpoint, load_tensors_into, mismatch, pin, read_state, verify
 
 STAGING = ".staging-"
 PRUNING = ".pruning-"
@@ -226,6 +227,40 @@ class CheckpointWriter:
             shutil.rmtree(doomed, ignore_errors=True)
 
 
+def copy_checkpoint(ckpt: str, dest: str, retry=None) -> str:
+    """A committed copy of checkpoint ``ckpt`` at ``dest`` (``<run>/checkpoints/<step>`` of another run,
+    holding no committed one there): its files read through one :class:`Pinned` (a prune of ``ckpt`` takes
+    nothing mid-copy), each checked against its checksum as it is copied (a mismatch: :func:`mismatch`,
+    ``retry`` as for :func:`verify`), written into a staging directory and renamed into place, as a commit."""
+    root = os.path.dirname(dest)
+    staging = os.path.join(root, f"{STAGING}{os.path.basename(dest)}")
+    with pin(ckpt) as held:
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+        try:
+            for name in [*held.sums, "checksums.json", COMMITTED]:      # the marker last
+                h, size = hashlib.sha256(), held.size(name)
+                with open(os.path.join(staging, name), "wb") as fh:
+                    for pos in range(0, size, _CHUNK):
+                        part = bytearray(min(_CHUNK, size - pos))
+                        held.readinto(name, part, pos)
+                        h.update(part)
+                        fh.write(part)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                if name in held.sums and h.hexdigest() != held.sums[name]:
+                    raise mismatch(held, name, retry=retry)
+            _fsync_dir(staging)
+            if os.path.exists(dest):        # an incomplete leftover of the same step
+                shutil.rmtree(dest)
+            os.rename(staging, dest)
+            _fsync_dir(root)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    return dest
+
+
 # --------------------------------------------------------------------------- the runner's one component
 
 class Checkpointer:
@@ -299,7 +334,7 @@ class Checkpointer:
 
     # -- restoring
     def restore(self, ckpt: str, layout, params, state: dict, model_state=None, state_range=None,
-                forced: bool = False, lora_base: str | None = None) -> dict:
+                forced: bool = False, lora_base: str | None = None, retry=None) -> dict:
         """Fill ``params``, each optimizer ``state`` buffer and ``model_state`` ((layout, flat) or None)
         (numpy or cupy) from ``ckpt`` on every rank; return its state.json. Rank 0 verifies the checksums
         and checks the tensors against the model first (:func:`check_checkpoint`; ``forced``: by
@@ -307,12 +342,14 @@ class Checkpointer:
         (lo, hi): the optimizer state buffers hold elements lo:hi of the flat layout only (a ZeRO-1 part,
         :mod:`trainrun.update`); by default all of it. A state given as None is one the checkpoint may hold
         but its owner reads (:meth:`trainrun.diloco.DiLoCo.load_state_dict`). ``lora_base``: the sha256
-        of the model.lora base weights, which must be those the checkpoint's adapters were trained on."""
+        of the model.lora base weights, which must be those the checkpoint's adapters were trained on.
+        ``retry``: the command that resumes from another checkpoint, given its path (a corrupt one's error names
+        the run's newest intact checkpoint and that command)."""
         error, saved, held = None, None, None
         try:
             held = pin(ckpt)        # every rank reads the files it opened here
             if self.rank == 0:
-                verify(held)       # once; every rank then reads the verified files
+                verify(held, retry=retry)       # once; every rank then reads the verified files
                 check_checkpoint(held, layout.names + (model_state[0].names if model_state else []),
                                  optimizer_states=list(state), forced=forced, lora_base=lora_base)
         except TrainrunError as exc:
