@@ -1,0 +1,247 @@
+"""trainrun's own gradient builder (trainrun/graphs/autodiff) on the layers of "any model users bring":
+Conv / ConvTranspose / pooling with 1-, 2- and 3-D windows, Instance / Group normalisation, LSTM / GRU / RNN.
+Per case a tiny graph, loss = ReduceSum(y * w) for a random w, the emitted gradients run in onnxruntime and
+compared with central finite differences of the forward graph run in onnxruntime: no torch needed
+(one torch-marked test compares exported torch modules with torch autograd where torch is installed).
+
+onnxruntime's CPU kernels of these ops have no float64 (GroupNormalization excepted), so most graphs run
+in float32: the finite differences are taken of y (float32) with the loss summed in float64 by NumPy, with
+h = 1 where the output is linear in the input (Conv, ConvTranspose, AveragePool: the difference is then
+exact up to y's rounding), with inputs a step apart far wider than h where it is piecewise linear (MaxPool:
+exact too), and Richardson-extrapolated (error O(h^4)) where it is smooth. y's float32 rounding (2^-24
+relative) over a few hundred summed terms stays under 1e-5 of the gradient's scale; the bound, 1e-4 (5e-4
+for the smooth cases: h^4 and the rounding divided by h), leaves a margin of 10 over either."""
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from trainrun.graphs.autodiff import NoGradient, differentiate
+
+from conftest import optional
+
+torch = optional("torch")
+
+F64, F32 = np.float64, np.float32
+OPSET = 19      # AveragePool's dilations
+
+
+def model_of(nodes, inputs: dict, out="y", unknown=(), opset=OPSET, consts: dict = ()):
+    """loss = ReduceSum(out * w); ``inputs`` (name -> array) declared with their dims, or with the dims in
+    ``unknown`` (a set of names) symbolic; ``consts`` as initializers."""
+    dtype = next(a.dtype for a in inputs.values() if a.dtype.kind == "f")
+    elem = helper.np_dtype_to_tensor_dtype(dtype)
+    nodes = list(nodes) + [helper.make_node("Mul", [out, "w"], ["weighted"], name="weigh"),
+                           helper.make_node("ReduceSum", ["weighted"], ["loss"], name="sum", keepdims=0)]
+    vis = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype),
+                                         [f"{n}{k}" for k in range(a.ndim)] if n in unknown else a.shape)
+           for n, a in inputs.items()]
+    graph = helper.make_graph(nodes, "g", vis + [helper.make_tensor_value_info("w", elem, None)],
+                              [helper.make_tensor_value_info("loss", elem, [])],
+                              [numpy_helper.from_array(a, n) for n, a in dict(consts).items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 9
+    return model
+
+
+def session(model):
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def forward(model, outputs):
+    """A session of ``model`` that outputs ``outputs`` (intermediate tensors) instead of the loss."""
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    del probe.graph.output[:]
+    elem = model.graph.output[0].type.tensor_type.elem_type
+    probe.graph.output.extend(helper.make_tensor_value_info(o, elem, None) for o in outputs)
+    return session(probe)
+
+
+def finite_differences(run, feeds, w, p, h, smooth):
+    """d sum(run(feeds) * w) / d feeds[p], by central differences in float64 (Richardson's with ``smooth``)."""
+    def loss(value):
+        return float(np.sum(run({**feeds, p: value}).astype(F64) * w))
+
+    def central(step):
+        grad = np.zeros(feeds[p].shape)
+        for i in np.ndindex(*feeds[p].shape):
+            up, down = feeds[p].copy(), feeds[p].copy()
+            up[i] += step
+            down[i] -= step
+            grad[i] = (loss(up) - loss(down)) / (2 * step)
+        return grad
+    return (4 * central(h / 2) - central(h)) / 3 if smooth else central(h)
+
+
+def check(nodes, inputs: dict, params, out="y", unknown=(), opset=OPSET, h=1.0, smooth=False, tol=None,
+          consts: dict = ()):
+    """The builder's gradients of ``params`` against finite differences of the forward graph."""
+    model = model_of(nodes, inputs, out, unknown, opset, consts)
+    feeds = dict(inputs)
+    fwd = forward(model, [out])
+    y = fwd.run(None, {**feeds, "w": np.zeros(1, next(iter(feeds.values())).dtype)})[0]
+    w = np.random.default_rng(7).standard_normal(y.shape).astype(y.dtype)
+    grad_model = differentiate(model, list(params), "loss")
+    assert {n.domain for n in grad_model.graph.node} <= {"", "ai.onnx"}
+    got = session(grad_model).run([f"{p}_grad" for p in params], {**feeds, "w": w})
+    dtype = y.dtype.type
+    tol = tol or (1e-7 if dtype is F64 else 5e-4 if smooth else 1e-4)
+    for p, g in zip(params, got):
+        want = finite_differences(lambda f: fwd.run(None, {**f, "w": w})[0], feeds, w.astype(F64), p, h, smooth)
+        assert g.shape == want.shape, p
+        np.testing.assert_allclose(g, want, rtol=tol, atol=tol * max(1.0, np.abs(want).max()), err_msg=p)
+    return grad_model
+
+
+def rand(*shape, dtype=F32, seed=0):
+    return np.random.default_rng(seed + 11 * len(shape) + sum(shape)).standard_normal(shape).astype(dtype)
+
+
+def spaced(*shape, seed=0):
+    """Distinct values 1/4 apart (exact in float32): a step h = 1/32 changes no window's maximum."""
+    n = int(np.prod(shape))
+    return (np.random.default_rng(seed).permutation(n).reshape(shape) / 4 - n / 8).astype(F32)
+
+
+def node(op, ins, outs=("y",), **attrs):
+    return helper.make_node(op, list(ins), list(outs), name=f"{op.lower()}_{'_'.join(i for i in ins if i)}", **attrs)
+
+
+# (spatial dims of x, kernel, out channels, attrs); group g splits x's 4 channels
+CONV = {
+    "1d": ((9,), (3,), 3, {}),
+    "1d_stride_pads_dilation": ((11,), (3,), 3, dict(strides=[2], pads=[1, 2], dilations=[2])),
+    "1d_group": ((8,), (2,), 6, dict(group=2, strides=[3], pads=[0, 1])),
+    "1d_same_upper": ((10,), (4,), 2, dict(auto_pad="SAME_UPPER", strides=[3])),
+    "1d_same_lower": ((9,), (2,), 2, dict(auto_pad="SAME_LOWER", strides=[2])),
+    "1d_valid": ((10,), (3,), 2, dict(auto_pad="VALID", strides=[3])),
+    "2d_same_lower": ((7, 6), (3, 2), 2, dict(auto_pad="SAME_LOWER", strides=[2, 1])),
+    "3d": ((5, 4, 6), (2, 3, 2), 3, dict(strides=[1, 2, 2], pads=[1, 0, 1, 0, 1, 1], dilations=[1, 1, 2])),
+    "3d_group": ((4, 5, 4), (2, 2, 3), 4, dict(group=4, strides=[2, 1, 1], pads=[0, 1, 0, 1, 0, 2])),
+}
+
+
+@pytest.mark.parametrize("unknown", [False, True], ids=["dims_known", "dims_at_run_time"])
+@pytest.mark.parametrize("case", list(CONV))
+def test_conv(case, unknown):
+    """Conv with 1-, 2- and 3-D kernels; the input's dims also unknown until run time (the weight's known),
+    auto_pad SAME then refused by name."""
+    spatial, kernel, m, attrs = CONV[case]
+    group = attrs.get("group", 1)
+    ins = {"x": rand(2, 4, *spatial, seed=1), "k": rand(m, 4 // group, *kernel, seed=2), "b": rand(m, seed=3)}
+    nodes = [node("Conv", ["x", "k", "b"], **attrs)]
+    if unknown and "SAME" in attrs.get("auto_pad", ""):
+        with pytest.raises(NoGradient, match=f"Conv node 'conv_x_k_b'.*auto_pad {attrs['auto_pad']} with the "
+                                             f"input's dims unknown"):
+            differentiate(model_of(nodes, ins, unknown={"x"}), ["x", "k"], "loss")
+        return
+    check(nodes, ins, ["x", "k", "b"], unknown={"x"} if unknown else ())
+
+
+# (spatial dims of x, kernel, out channels per group, attrs); x has 4 channels
+CONV_TRANSPOSE = {
+    "1d": ((5,), (3,), 3, {}),
+    "1d_stride_pads_output_padding": ((6,), (3,), 2, dict(strides=[3], pads=[1, 2], output_padding=[2])),
+    "1d_dilation_group": ((5,), (2,), 3, dict(dilations=[2], group=2, strides=[2], pads=[0, 1])),
+    "1d_output_shape": ((5,), (3,), 2, dict(strides=[2], output_shape=[10])),
+    "1d_same_upper": ((5,), (4,), 2, dict(strides=[2], auto_pad="SAME_UPPER")),
+    "1d_same_lower": ((5,), (4,), 2, dict(strides=[2], auto_pad="SAME_LOWER")),
+    "2d_group": ((4, 5), (3, 2), 1, dict(group=4, strides=[2, 1], pads=[1, 0, 0, 1])),
+    "3d": ((3, 4, 3), (2, 2, 3), 2, dict(strides=[2, 1, 2], pads=[0, 1, 1, 1, 0, 0], output_padding=[1, 0, 0])),
+}
+
+
+@pytest.mark.parametrize("unknown", [False, True], ids=["dims_known", "dims_at_run_time"])
+@pytest.mark.parametrize("case", list(CONV_TRANSPOSE))
+def test_conv_transpose(case, unknown):
+    spatial, kernel, m, attrs = CONV_TRANSPOSE[case]
+    ins = {"x": rand(2, 4, *spatial, seed=1), "k": rand(4, m, *kernel, seed=2), "b": rand(m * attrs.get("group", 1))}
+    nodes = [node("ConvTranspose", ["x", "k", "b"], **attrs)]
+    if unknown and ("auto_pad" in attrs or "output_shape" in attrs):
+        with pytest.raises(NoGradient, match="ConvTranspose node 'convtranspose_x_k_b'.*output_shape or auto_pad "
+                                             "SAME with the input's dims unknown"):
+            differentiate(model_of(nodes, ins, unknown={"x"}), ["x", "k"], "loss")
+        return
+    check(nodes, ins, ["x", "k", "b"], unknown={"x"} if unknown else ())
+
+
+# (spatial dims of x, attrs)
+MAX_POOL = {
+    "1d": ((9,), dict(kernel_shape=[3], strides=[2], pads=[1, 1])),
+    "1d_ceil_dilated": ((10,), dict(kernel_shape=[2], strides=[3], dilations=[2], ceil_mode=1)),
+    "1d_same_upper": ((9,), dict(kernel_shape=[4], strides=[2], auto_pad="SAME_UPPER")),
+    "2d_same_lower": ((5, 6), dict(kernel_shape=[2, 3], strides=[2, 2], auto_pad="SAME_LOWER")),
+    "3d": ((4, 5, 4), dict(kernel_shape=[2, 3, 2], strides=[2, 1, 2], pads=[0, 1, 1, 1, 1, 0])),
+    "3d_ceil": ((5, 4, 5), dict(kernel_shape=[2, 2, 2], strides=[2, 2, 2], ceil_mode=1)),
+}
+
+
+@pytest.mark.parametrize("unknown", [False, True], ids=["dims_known", "dims_at_run_time"])
+@pytest.mark.parametrize("case", list(MAX_POOL))
+def test_max_pool(case, unknown):
+    """MaxPool routes dy by its own Indices, whatever the window: auto_pad SAME too with the dims unknown."""
+    spatial, attrs = MAX_POOL[case]
+    check([node("MaxPool", ["x"], **attrs)], {"x": spaced(2, 3, *spatial)}, ["x"], unknown={"x"} if unknown else (),
+          h=1 / 32)
+
+
+# (spatial dims of x, attrs)
+AVERAGE_POOL = {
+    "1d": ((9,), dict(kernel_shape=[3], strides=[2], pads=[1, 2])),
+    "1d_include_pad": ((9,), dict(kernel_shape=[3], strides=[2], pads=[2, 1], count_include_pad=1)),
+    "1d_ceil": ((10,), dict(kernel_shape=[3], strides=[3], pads=[1, 0], ceil_mode=1)),
+    "1d_ceil_include_pad": ((10,), dict(kernel_shape=[4], strides=[3], pads=[1, 1], ceil_mode=1,
+                                        count_include_pad=1)),
+    "1d_dilated": ((11,), dict(kernel_shape=[3], strides=[2], dilations=[2], pads=[1, 1])),
+    "1d_same_upper": ((10,), dict(kernel_shape=[3], strides=[3], auto_pad="SAME_UPPER")),
+    "2d_same_lower_include_pad": ((5, 7), dict(kernel_shape=[2, 3], strides=[2, 2], auto_pad="SAME_LOWER",
+                                               count_include_pad=1)),
+    "2d_ceil": ((6, 7), dict(kernel_shape=[3, 2], strides=[2, 2], pads=[1, 0, 0, 1], ceil_mode=1)),
+    "3d": ((4, 5, 4), dict(kernel_shape=[2, 3, 2], strides=[2, 1, 2], pads=[0, 1, 1, 1, 1, 0])),
+    "3d_include_pad": ((4, 4, 5), dict(kernel_shape=[2, 2, 3], strides=[1, 2, 2], pads=[1, 0, 1, 0, 1, 1],
+                                       count_include_pad=1)),
+}
+
+
+@pytest.mark.parametrize("unknown", [False, True], ids=["dims_known", "dims_at_run_time"])
+@pytest.mark.parametrize("case", list(AVERAGE_POOL))
+def test_average_pool(case, unknown):
+    """AveragePool's divisors (padding counted or not, ceil_mode's last windows) as onnxruntime's kernel has
+    them; ceil_mode and auto_pad SAME with the dims unknown until run time refused by name."""
+    spatial, attrs = AVERAGE_POOL[case]
+    nodes, ins = [node("AveragePool", ["x"], **attrs)], {"x": rand(2, 3, *spatial)}
+    if unknown and (attrs.get("ceil_mode") or "auto_pad" in attrs):
+        with pytest.raises(NoGradient, match="AveragePool node 'averagepool_x'.*(ceil_mode 1|auto_pad SAME)"):
+            differentiate(model_of(nodes, ins, unknown={"x"}), ["x"], "loss")
+        return
+    check(nodes, ins, ["x"], unknown={"x"} if unknown else ())
+
+
+LP_POOL = {
+    "1d_p2": ((9,), dict(kernel_shape=[3], strides=[2], pads=[1, 1])),
+    "2d_p3": ((5, 6), dict(kernel_shape=[2, 3], strides=[1, 2], pads=[0, 1, 1, 0], p=3)),
+    "3d_p1_ceil": ((4, 5, 3), dict(kernel_shape=[2, 2, 2], strides=[2, 2, 1], p=1, ceil_mode=1)),
+}
+
+
+@pytest.mark.parametrize("case", list(LP_POOL))
+def test_lp_pool(case):
+    """|x| kept a step from its kink at 0 (p 1)."""
+    spatial, attrs = LP_POOL[case]
+    x = rand(2, 3, *spatial)
+    check([node("LpPool", ["x"], **attrs)], {"x": np.sign(x) * (np.abs(x) + 0.25)}, ["x"], h=1 / 16, smooth=True)
+
+
+@pytest.mark.parametrize("op,spatial", [("GlobalMaxPool", (7,)), ("GlobalMaxPool", (3, 2, 4)),
+                                        ("GlobalAveragePool", (7,)), ("GlobalAveragePool", (3, 2, 4)),
+                                        ("GlobalLpPool", (7,)), ("GlobalLpPool", (3, 2, 4))])
+def test_global_pools(op, spatial):
+    smooth = op == "GlobalLpPool"
+    attrs = {"p": 3} if smooth and len(spatial) == 3 else {}
+    check([node(op, ["x"], **attrs)], {"x": spaced(2, 3, *spatial) if op == "GlobalMaxPool" else rand(2, 3, *spatial)},
+          ["x"], unknown={"x"}, h=1 / 16 if smooth else 1 / 32 if op == "GlobalMaxPool" else 1.0, smooth=smooth)
