@@ -245,3 +245,33 @@ def test_global_pools(op, spatial):
     attrs = {"p": 3} if smooth and len(spatial) == 3 else {}
     check([node(op, ["x"], **attrs)], {"x": spaced(2, 3, *spatial) if op == "GlobalMaxPool" else rand(2, 3, *spatial)},
           ["x"], unknown={"x"}, h=1 / 16 if smooth else 1 / 32 if op == "GlobalMaxPool" else 1.0, smooth=smooth)
+
+
+@pytest.mark.parametrize("spatial", [(7,), (3, 4), (2, 3, 3)], ids=["1d", "2d", "3d"])
+def test_instance_normalization(spatial):
+    check([node("InstanceNormalization", ["x", "s", "b"], epsilon=1e-3)],
+          {"x": rand(2, 3, *spatial), "s": rand(3, seed=1), "b": rand(3, seed=2)}, ["x", "s", "b"],
+          unknown={"x"}, h=1 / 16, smooth=True)
+
+
+@pytest.mark.parametrize("opset,dtype", [(21, F64), (21, F32), (18, F64)], ids=["21_f64", "21_f32", "18_per_group"])
+def test_group_normalization(opset, dtype):
+    """Opset 21's scale and bias per channel, 18's per group (float64: onnxruntime expands the op's function,
+    in the input's type where stash_type says so)."""
+    per = 6 if opset >= 21 else 2
+    stash = {"stash_type": TensorProto.DOUBLE} if opset >= 21 and dtype is F64 else {}
+    for spatial in ((5,), (2, 3, 2)):
+        check([node("GroupNormalization", ["x", "s", "b"], num_groups=2, epsilon=1e-3, **stash)],
+              {"x": rand(2, 6, *spatial, dtype=dtype), "s": rand(per, dtype=dtype, seed=1),
+               "b": rand(per, dtype=dtype, seed=2)}, ["x", "s", "b"], opset=opset,
+              h=1e-4 if dtype is F64 else 1 / 16, smooth=True, tol=1e-7 if dtype is F64 else None)
+
+
+def test_rms_normalization():
+    """RMSNormalization is opset 23's; the onnx installed here may not know it."""
+    if onnx.defs.onnx_opset_version() < 23:
+        pytest.skip(f"onnx {onnx.__version__} knows opsets up to {onnx.defs.onnx_opset_version()}: no "
+                    f"RMSNormalization (opset 23)")
+    model = model_of([node("RMSNormalization", ["x", "s"])], {"x": rand(2, 3), "s": rand(3)}, opset=23)
+    with pytest.raises(NoGradient, match="RMSNormalization"):
+        differentiate(model, ["x"], "loss")
