@@ -79,15 +79,16 @@ def finite_differences(run, feeds, w, p, h, smooth):
 
 
 def check(nodes, inputs: dict, params, out="y", unknown=(), opset=OPSET, h=1.0, smooth=False, tol=None,
-          consts: dict = ()):
-    """The builder's gradients of ``params`` against finite differences of the forward graph."""
+          consts: dict = (), written_out=False):
+    """The builder's gradients of ``params`` against finite differences of the forward graph (with
+    ``written_out``: of the train graph's own forward, its op written out in other ops, float64 ones)."""
     model = model_of(nodes, inputs, out, unknown, opset, consts)
     feeds = dict(inputs)
-    fwd = forward(model, [out])
-    y = fwd.run(None, {**feeds, "w": np.zeros(1, next(iter(feeds.values())).dtype)})[0]
-    w = np.random.default_rng(7).standard_normal(y.shape).astype(y.dtype)
     grad_model = differentiate(model, list(params), "loss")
     assert {n.domain for n in grad_model.graph.node} <= {"", "ai.onnx"}
+    fwd = forward(grad_model if written_out else model, [out])
+    y = fwd.run(None, {**feeds, "w": np.zeros(1, next(iter(feeds.values())).dtype)})[0]
+    w = np.random.default_rng(7).standard_normal(y.shape).astype(y.dtype)
     got = session(grad_model).run([f"{p}_grad" for p in params], {**feeds, "w": w})
     dtype = y.dtype.type
     tol = tol or (1e-7 if dtype is F64 else 5e-4 if smooth else 1e-4)
@@ -275,3 +276,91 @@ def test_rms_normalization():
     model = model_of([node("RMSNormalization", ["x", "s"])], {"x": rand(2, 3), "s": rand(3)}, opset=23)
     with pytest.raises(NoGradient, match="RMSNormalization"):
         differentiate(model, ["x"], "loss")
+
+
+T, B, I, H = 3, 2, 3, 2      # steps, batch, input width, hidden width
+# op: (gates, activations per direction); case: (op, attrs, optional inputs given)
+GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
+RECURRENT = {
+    "lstm": ("LSTM", {}, ()),
+    "lstm_reverse_all_inputs": ("LSTM", dict(direction="reverse"), ("B", "initial_h", "initial_c", "P")),
+    "lstm_bidirectional_layout1": ("LSTM", dict(direction="bidirectional", layout=1), ("B", "initial_h", "initial_c")),
+    "lstm_activations": ("LSTM", dict(activations=["Sigmoid", "Relu", "Tanh"]), ("B",)),
+    "gru": ("GRU", {}, ("B", "initial_h")),
+    "gru_bidirectional_linear_before_reset_layout1": ("GRU", dict(direction="bidirectional", linear_before_reset=1,
+                                                                  layout=1), ("B", "initial_h")),
+    "gru_reverse_linear_before_reset": ("GRU", dict(direction="reverse", linear_before_reset=1), ()),
+    "gru_activations": ("GRU", dict(activations=["Sigmoid", "Relu", "Sigmoid", "Tanh"], direction="bidirectional",
+                                    hidden_size=H), ("B",)),
+    "rnn": ("RNN", {}, ("B",)),
+    "rnn_bidirectional_layout1": ("RNN", dict(direction="bidirectional", layout=1, activations=["Relu", "Sigmoid"]),
+                                  ("B", "initial_h")),
+    "rnn_reverse_full_sequence_lens": ("RNN", dict(direction="reverse"), ("sequence_lens",)),
+}
+
+
+def recurrent(op, attrs, given, dtype=F64, seed=0, as_layout0=False):
+    """(nodes, inputs, params, constants): ``op`` over random inputs, y = its outputs flattened and joined.
+    ``as_layout0`` for a layout 1 ``attrs``: the same inputs and y, by a layout 0 node between Transposes
+    (onnxruntime's kernels have no layout 1)."""
+    d = 2 if attrs.get("direction") == "bidirectional" else 1
+    layout, g = attrs.get("layout", 0), GATES[op]
+    shapes = {"X": (T, B, I) if not layout else (B, T, I), "W": (d, g * H, I), "R": (d, g * H, H),
+              "B": (d, 2 * g * H), "initial_h": (d, B, H) if not layout else (B, d, H), "P": (d, 3 * H)}
+    shapes["initial_c"] = shapes["initial_h"]
+    ins = {n: rand(*shape, dtype=dtype, seed=seed + k) for k, (n, shape) in enumerate(shapes.items())
+           if n in ("X", "W", "R") or n in given}
+    order = ["X", "W", "R", "B", "sequence_lens", "initial_h", "initial_c", "P"]
+    last = max(order.index(n) for n in list(ins) + list(given))
+    names = [n if n in ins or n in given else "" for n in order[:last + 1]]
+    outs = ["Y", "Y_h", "Y_c"] if op == "LSTM" else ["Y", "Y_h"]
+    nodes = [node(op, names, outs, **{"hidden_size": H, **attrs})]
+    if as_layout0 and layout:
+        swap = {"X": [1, 0, 2], "initial_h": [1, 0, 2], "initial_c": [1, 0, 2]}
+        nodes = [node("Transpose", [n], [f"{n}_t"], perm=swap[n]) for n in names if n in swap]
+        nodes += [node(op, [f"{n}_t" if n in swap else n for n in names], [f"{o}_t" for o in outs],
+                       **{"hidden_size": H, **attrs, "layout": 0})]
+        nodes += [node("Transpose", [f"{o}_t"], [o], perm=[2, 0, 1, 3] if o == "Y" else [1, 0, 2]) for o in outs]
+    nodes += [node("Reshape", [o, "flat"], [f"{o}_flat"]) for o in outs]
+    nodes += [node("Concat", [f"{o}_flat" for o in outs], axis=0)]
+    consts = {"flat": np.array([-1])}
+    if "sequence_lens" in given:
+        consts["sequence_lens"] = np.full(B, T, np.int32)
+    return nodes, ins, [n for n in ins], consts
+
+
+@pytest.mark.parametrize("case", list(RECURRENT))
+def test_recurrent(case):
+    """The op written out in per-timestep ops: its forward equals onnxruntime's kernel's (float32, which
+    is all the kernel has; layout 1 by the kernel's layout 0 between Transposes), and its gradients
+    (float64) the finite differences of it."""
+    op, attrs, given = RECURRENT[case]
+    nodes, ins, params, consts = recurrent(op, attrs, given, F32)
+    train = differentiate(model_of(nodes, ins, consts=consts), params, "loss")
+    assert op not in {n.op_type for n in train.graph.node}
+    kernel = model_of(*recurrent(op, attrs, given, F32, as_layout0=True)[:2], consts=consts)
+    feeds = {**ins, "w": np.ones(1, F32)}
+    np.testing.assert_allclose(forward(train, ["y"]).run(None, feeds)[0], forward(kernel, ["y"]).run(None, feeds)[0],
+                               rtol=1e-5, atol=1e-6)
+    nodes, ins, params, consts = recurrent(op, attrs, given, F64)
+    check(nodes, ins, params, consts=consts, h=1e-5, written_out=True)
+
+
+def test_recurrent_cases_refused_by_name():
+    def refused(op, attrs, given, why, unknown=(), seq=None):
+        nodes, ins, params, consts = recurrent(op, attrs, given, F32)
+        if seq is not None:
+            consts["sequence_lens"] = seq
+        with pytest.raises(NoGradient, match=f"{op} node '{op.lower()}_.*{why}"):
+            differentiate(model_of(nodes, ins, unknown=unknown, consts=consts), params, "loss")
+    refused("LSTM", dict(clip=5.0), (), "clip is set")
+    refused("LSTM", dict(input_forget=1), (), "input_forget is 1")
+    refused("GRU", dict(activations=["HardSigmoid", "Tanh"]), (), "activation HardSigmoid")
+    refused("RNN", {}, ("sequence_lens",), "sequence_lens is given and not known to be the full length",
+            seq=np.array([T, T - 1], np.int32))
+    refused("RNN", {}, (), "sequence length is not known when the graph is built", unknown={"X"})
+    nodes, ins, params, consts = recurrent("GRU", {}, ("sequence_lens",), F32)
+    del consts["sequence_lens"]
+    ins["sequence_lens"] = np.full(B, T, np.int32)
+    with pytest.raises(NoGradient, match="sequence_lens is given and not known"):
+        differentiate(model_of(nodes, ins, consts=consts), params, "loss")

@@ -20,7 +20,7 @@ ArgMax, ...), carry no gradient. An op or case without a rule is a :class:`NoGra
 """
 
 from . import (conv, elementwise, indexing, losses, matrix, normalisation,  # noqa: F401 - registers the rules
-               patterns, reductions, selection, shape)
+               patterns, recurrent, reductions, selection, shape)
 from .core import NoGradient, blocked_by, differentiate, gradient, unreached
 
 __all__ = ["NoGradient", "blocked_by", "differentiate", "gradient", "unreached"]
