@@ -364,3 +364,38 @@ def test_recurrent_cases_refused_by_name():
     ins["sequence_lens"] = np.full(B, T, np.int32)
     with pytest.raises(NoGradient, match="sequence_lens is given and not known"):
         differentiate(model_of(nodes, ins, consts=consts), params, "loss")
+
+
+@pytest.mark.torch
+def test_exported_torch_conv1d_lstm_gru_against_autograd():
+    """torch's Conv1d, MaxPool1d, a bidirectional batch-first LSTM and a GRU (linear_before_reset 1) as
+    torch.onnx.export (TorchScript) writes them, the weights' gate reordering included: the builder's
+    gradients of the input and every weight (float32) against torch autograd in float64."""
+    import io
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv1d(4, 6, 3, stride=2, padding=1)
+            self.pool = torch.nn.MaxPool1d(2, stride=1)
+            self.lstm = torch.nn.LSTM(6, 5, batch_first=True, bidirectional=True)
+            self.gru = torch.nn.GRU(10, 3)
+
+        def forward(self, x, w):
+            h = self.pool(torch.relu(self.conv(x))).transpose(1, 2)
+            return (self.gru(self.lstm(h)[0])[0] * w).sum()
+    torch.manual_seed(0)
+    net, x, w = Net(), torch.randn(2, 4, 11), torch.randn(2, 5, 3)
+    f = io.BytesIO()
+    torch.onnx.export(net, (x, w), f, input_names=["x", "w"], output_names=["loss"], dynamo=False,
+                      do_constant_folding=False, opset_version=17)
+    params = [n for n, _ in net.named_parameters()]
+    grad_model = differentiate(onnx.load_from_string(f.getvalue()), ["x"] + params, "loss")
+    got = session(grad_model).run([f"{p}_grad" for p in ["x"] + params], {"x": x.numpy(), "w": w.numpy()})
+    net.double()
+    xd = x.double().requires_grad_()
+    net(xd, w.double()).backward()
+    want = [xd.grad] + [p.grad for p in net.parameters()]
+    for name, g, ref in zip(["x"] + params, got, want):
+        ref = ref.numpy()
+        np.testing.assert_allclose(g, ref, rtol=1e-4, atol=1e-4 * max(1.0, np.abs(ref).max()), err_msg=name)
