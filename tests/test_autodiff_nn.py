@@ -399,3 +399,43 @@ def test_exported_torch_conv1d_lstm_gru_against_autograd():
     for name, g, ref in zip(["x"] + params, got, want):
         ref = ref.numpy()
         np.testing.assert_allclose(g, ref, rtol=1e-4, atol=1e-4 * max(1.0, np.abs(ref).max()), err_msg=name)
+
+
+def test_ranks_behind_shape_arithmetic_are_folded():
+    """A Reshape whose target is a Slice of the input's Shape by bounds from an Add and a Mod of constants (as
+    torch exports nn.MultiheadAttention in training mode): onnx's data propagation leaves its rank unknown;
+    the arithmetic folded, the Gather that reads it gets its gradient."""
+    c = {"one": np.array([1]), "two": np.array(1), "three": np.array([3]), "zero": np.array([0]),
+         "heads": np.array([2, 2]), "pick": np.array(1)}
+    nodes = [node("Shape", ["x"], ["shape"]), node("Add", ["one", "two"], ["a"]), node("Mod", ["a", "three"], ["m"]),
+             node("Slice", ["shape", "zero", "m"], ["lead"]), node("Concat", ["lead", "heads"], ["target"], axis=0),
+             node("Reshape", ["x", "target"], ["split"]), node("Gather", ["split", "pick"], ["g"], axis=2),
+             node("Tanh", ["g"])]
+    check(nodes, {"x": rand(2, 6, 4, dtype=F64)}, ["x"], consts=c, h=1e-5)
+
+
+@pytest.mark.torch
+def test_exported_torch_multihead_attention_in_training_mode_against_autograd():
+    import io
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+
+        def forward(self, x, w):
+            return (self.attention(x, x, x)[0] * w).sum()
+    torch.manual_seed(0)
+    net, x, w = Net(), torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    f = io.BytesIO()
+    torch.onnx.export(net, (x, w), f, input_names=["x", "w"], output_names=["loss"], dynamo=False,
+                      training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False, opset_version=17)
+    params = [n for n, _ in net.named_parameters()]
+    grad_model = differentiate(onnx.load_from_string(f.getvalue()), ["x"] + params, "loss")
+    got = session(grad_model).run([f"{p}_grad" for p in ["x"] + params], {"x": x.numpy(), "w": w.numpy()})
+    net.double()
+    xd = x.double().requires_grad_()
+    net(xd, w.double()).backward()
+    for name, g, ref in zip(["x"] + params, got, [xd.grad] + [p.grad for p in net.parameters()]):
+        ref = ref.numpy()
+        np.testing.assert_allclose(g, ref, rtol=1e-4, atol=1e-4 * max(1.0, np.abs(ref).max()), err_msg=name)

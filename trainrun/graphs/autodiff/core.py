@@ -14,10 +14,11 @@ from typing import Callable
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper, shape_inference, version_converter
+from onnx import helper, numpy_helper, version_converter
 
 from ...errors import UsageError
 from ..names import GRAD_SUFFIX
+from . import static
 
 RULES: dict[str, Callable] = {}
 # finders of subgraphs differentiated as one (``find(nodes, consumers, emit)`` -> [(the subgraph's last
@@ -70,7 +71,7 @@ class Emitter:
         sorted_model.CopyFrom(model)
         del sorted_model.graph.node[:]
         sorted_model.graph.node.extend(ordered)
-        inferred = shape_inference.infer_shapes(sorted_model, data_prop=True)
+        inferred = static.infer(sorted_model)
         for vi in list(inferred.graph.input) + list(inferred.graph.value_info) + list(inferred.graph.output):
             t = vi.type.tensor_type
             if t.elem_type:
