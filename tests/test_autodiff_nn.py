@@ -124,6 +124,9 @@ CONV = {
     "2d_same_lower": ((7, 6), (3, 2), 2, dict(auto_pad="SAME_LOWER", strides=[2, 1])),
     "3d": ((5, 4, 6), (2, 3, 2), 3, dict(strides=[1, 2, 2], pads=[1, 0, 1, 0, 1, 1], dilations=[1, 1, 2])),
     "3d_group": ((4, 5, 4), (2, 2, 3), 4, dict(group=4, strides=[2, 1, 1], pads=[0, 1, 0, 1, 0, 2])),
+    # kernels of more than 32 elements: the weight's gradient a Conv by dy rather than a MatMul per offset
+    "1d_long_kernel": ((40,), (33,), 2, dict(strides=[2], pads=[3, 1], dilations=[1])),
+    "2d_large_kernel_group": ((9, 8), (6, 6), 4, dict(group=2, strides=[2, 1], pads=[1, 1, 0, 2])),
 }
 
 

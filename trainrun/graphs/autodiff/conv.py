@@ -11,6 +11,8 @@ ConvTranspose of each plane by a kernel of ones (AveragePool's divisors, ceil_mo
 included, read off the op itself run on ones). Training-mode BatchNormalization differentiates through the
 batch's statistics."""
 
+import itertools
+
 import numpy as np
 from onnx import numpy_helper
 
@@ -18,6 +20,7 @@ from .core import Step, gradient
 from .selection import scatter_add
 
 ONE = numpy_helper.from_array(np.array([1.0], np.float32))
+OFFSETS = 32        # the largest kernel whose weight gradient is a MatMul per offset
 
 
 def _text(value):
@@ -81,9 +84,12 @@ def _transpose(s: Step, dy: str, w: str, x: str, kernel, strides, pads, dilation
 
 
 def _weight_grad(s: Step, x: str, dy: str, in_per_group: int, kernel, strides, pads, dilations, group) -> str:
-    """d loss / d w of y = Conv(x, w) [out, in_per_group, *kernel] from the input ``x`` and dy: a Conv of x
+    """d loss / d w of y = Conv(x, w) [out, in_per_group, *kernel] from the input ``x`` and dy: per kernel
+    offset (:func:`_weight_grad_offsets`), or for a kernel of more than :data:`OFFSETS` elements a Conv of x
     (each group's channels as the batch, the (group, sample) pairs as channels) by dy (its channels as the
     batch), strides and dilations swapped, cut to the kernel's size."""
+    if int(np.prod(kernel)) <= OFFSETS:
+        return _weight_grad_offsets(s, x, dy, in_per_group, kernel, strides, pads, dilations, group)
     k = len(kernel)
     if group == 1:
         xt = s.op("Transpose", [x], perm=[1, 0] + list(range(2, 2 + k)))
@@ -96,6 +102,31 @@ def _weight_grad(s: Step, x: str, dy: str, in_per_group: int, kernel, strides, p
     full = s.op("Conv", [xt, dyt], strides=dilations, dilations=strides, pads=pads, group=group)
     cut = s.op("Slice", [full, s.const([0] * k), s.const(list(kernel)), s.const(list(range(2, 2 + k)))])
     return s.op("Transpose", [cut], perm=[1, 0] + list(range(2, 2 + k)))
+
+
+def _weight_grad_offsets(s: Step, x: str, dy: str, in_per_group: int, kernel, strides, pads, dilations, group) -> str:
+    """d loss / d w of y = Conv(x, w) as one batched MatMul per kernel offset: dy times the strided Slice of
+    the padded input that offset reads, summed over the batch (2-3x faster on onnxruntime's CPU than the
+    Conv by dy, whose huge kernel it runs through one im2col)."""
+    k = len(kernel)
+    spatial = list(range(2, 2 + k))
+    if any(pads):
+        x = s.op("Pad", [x, s.const([0, 0] + list(pads[:k]) + [0, 0] + list(pads[k:]))])
+    out = s.op("Shape", [dy], start=2)
+    reach = s.op("Mul", [out, s.const(list(strides))])
+    grads = s.op("Reshape", [dy, s.op("Concat", [s.const([0, group, -1]), s.op("ReduceProd", [out], keepdims=1)],
+                                      axis=0)])                                    # [N, g, mg, O]
+    per_offset = []
+    for offset in itertools.product(*[range(kk) for kk in kernel]):
+        start = [o * d for o, d in zip(offset, dilations)]
+        ends = s.op("Add", [reach, s.const([st + 1 - sd for st, sd in zip(start, strides)])])
+        cols = s.op("Slice", [x, s.const(start), ends, s.const(spatial), s.const(list(strides))])
+        cols = s.op("Reshape", [cols, s.const([0, group, in_per_group, -1])])     # [N, g, cg, O]
+        prod = s.op("MatMul", [grads, s.op("Transpose", [cols], perm=[0, 1, 3, 2])])   # [N, g, mg, cg]
+        per_offset.append(s.op("Unsqueeze", [prod, s.const([-1])]))
+    joined = per_offset[0] if len(per_offset) == 1 else s.op("Concat", per_offset, axis=-1)
+    summed = s.op("ReduceSum", [joined, s.const([0])], keepdims=0)                # [g, mg, cg, K]
+    return s.op("Reshape", [summed, s.const([-1, in_per_group] + list(kernel))])
 
 
 def _bias_grad(s: Step, dy: str, k: int) -> str:
