@@ -241,6 +241,18 @@ def test_lp_pool(case):
     check([node("LpPool", ["x"], **attrs)], {"x": np.sign(x) * (np.abs(x) + 0.25)}, ["x"], h=1 / 16, smooth=True)
 
 
+@pytest.mark.parametrize("op", ["LpPool", "GlobalLpPool"])
+def test_lp_pool_of_a_window_of_zeros_has_gradient_zero(op):
+    """A window of zeros (after a Relu) has y = 0: its elements get 0, not 0 * y^(1-p) = NaN."""
+    x = rand(1, 2, 6)
+    x[0, 0] = 0.0
+    model = model_of([node(op, ["x"], **({"kernel_shape": [3], "strides": [3]} if op == "LpPool" else {}))],
+                     {"x": x})
+    w = np.ones((1, 2, 2) if op == "LpPool" else (1, 2, 1), F32)
+    got = session(differentiate(model, ["x"], "loss")).run(["x_grad"], {"x": x, "w": w})[0]
+    assert np.isfinite(got).all() and not got[0, 0].any() and got[0, 1].all()
+
+
 @pytest.mark.parametrize("op,spatial", [("GlobalMaxPool", (7,)), ("GlobalMaxPool", (3, 2, 4)),
                                         ("GlobalAveragePool", (7,)), ("GlobalAveragePool", (3, 2, 4)),
                                         ("GlobalLpPool", (7,)), ("GlobalLpPool", (3, 2, 4))])

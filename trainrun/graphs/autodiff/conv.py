@@ -275,9 +275,15 @@ def _lp_pool(s: Step):
     x = s.x[0]
     kernel, strides, pads, dilations, over = _windows(s)
     p = float(s.attr("p", 2))
-    g = s.op("Mul", [s.dy[0], s.op("Pow", [s.y[0], s.const(1.0 - p, like=x)])])
-    spread = _spread(s, g, x, kernel, strides, pads, dilations, over)
+    spread = _spread(s, _lp_scaled(s, x, p), x, kernel, strides, pads, dilations, over)
     return [s.op("Mul", [spread, _lp_factor(s, x, p)])]
+
+
+def _lp_scaled(s: Step, x: str, p: float) -> str:
+    """dy * y^(1-p); a window of zeros (whose elements' factor is 0) scaled by 1, not by 1/0."""
+    y = s.y[0]
+    safe = s.op("Where", [s.op("Equal", [y, s.const(0.0, like=x)]), s.const(1.0, like=x), y])
+    return s.op("Mul", [s.dy[0], s.op("Pow", [safe, s.const(1.0 - p, like=x)])])
 
 
 def _lp_factor(s: Step, x: str, p: float) -> str:
@@ -291,8 +297,7 @@ def _lp_factor(s: Step, x: str, p: float) -> str:
 def _global_lp_pool(s: Step):
     x = s.x[0]
     p = float(s.attr("p", 2))
-    g = s.op("Mul", [s.dy[0], s.op("Pow", [s.y[0], s.const(1.0 - p, like=x)])])
-    return [s.op("Mul", [g, _lp_factor(s, x, p)])]
+    return [s.op("Mul", [_lp_scaled(s, x, p), _lp_factor(s, x, p)])]
 
 
 @gradient("GlobalAveragePool")

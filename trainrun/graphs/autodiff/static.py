@@ -68,7 +68,7 @@ def infer(model: onnx.ModelProto) -> onnx.ModelProto:
             if n.op_type == "Constant" or n.domain not in ("", "ai.onnx") or n.op_type in NOT_FOLDED:
                 out = None
             elif n.op_type == "Shape" and dims.get(n.input[0]) is not None and None not in dims[n.input[0]]:
-                out = _evaluate(n, [np.zeros(dims[n.input[0]], np.int8)], opset)
+                out = _evaluate(n, [np.broadcast_to(np.int8(0), dims[n.input[0]])], opset)
             elif n.input and all(not i or i in values for i in n.input):
                 out = _evaluate(n, [values[i] if i else None for i in n.input], opset)
             if out is not None and all(isinstance(v, np.ndarray) and v.dtype.kind in "iub" and v.size <= LARGEST
