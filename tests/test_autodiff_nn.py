@@ -283,14 +283,16 @@ def test_group_normalization(opset, dtype):
               h=1e-4 if dtype is F64 else 1 / 16, smooth=True, tol=1e-7 if dtype is F64 else None)
 
 
-def test_rms_normalization():
-    """RMSNormalization is opset 23's; the onnx installed here may not know it."""
-    if onnx.defs.onnx_opset_version() < 23:
-        pytest.skip(f"onnx {onnx.__version__} knows opsets up to {onnx.defs.onnx_opset_version()}: no "
-                    f"RMSNormalization (opset 23)")
-    model = model_of([node("RMSNormalization", ["x", "s"])], {"x": rand(2, 3), "s": rand(3)}, opset=23)
-    with pytest.raises(NoGradient, match="RMSNormalization"):
-        differentiate(model, ["x"], "loss")
+@pytest.mark.parametrize("axis", [-1, 1])
+def test_rms_normalization(axis):
+    """RMSNormalization is opset 23's: where the installed onnx and onnxruntime know it (Python 3.13's), in
+    float64 (stash_type double)."""
+    if onnx.defs.onnx_opset_version() < 23 or tuple(int(v) for v in ort.__version__.split(".")[:2]) < (1, 22):
+        pytest.skip(f"onnx {onnx.__version__} / onnxruntime {ort.__version__}: no RMSNormalization (opset 23)")
+    shape = (2, 3, 4)
+    check([node("RMSNormalization", ["x", "s"], axis=axis, epsilon=1e-3, stash_type=TensorProto.DOUBLE)],
+          {"x": rand(*shape, dtype=F64), "s": rand(*shape[axis:], dtype=F64, seed=1)}, ["x", "s"], opset=23,
+          h=1e-4, smooth=True, tol=1e-7)
 
 
 T, B, I, H = 3, 2, 3, 2      # steps, batch, input width, hidden width

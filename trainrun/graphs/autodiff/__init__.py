@@ -7,13 +7,15 @@ on stock onnxruntime (``graphs.builder: trainrun``, :func:`trainrun.graphs.gradi
 * :mod:`.matrix`         MatMul Gemm
 * :mod:`.shape`          Reshape Transpose Unsqueeze Squeeze Flatten Concat Slice Split Expand Pad
 * :mod:`.reductions`     ReduceSum ReduceMean Softmax LogSoftmax
-* :mod:`.normalisation`  LayerNormalization
+* :mod:`.normalisation`  LayerNormalization InstanceNormalization GroupNormalization RMSNormalization
 * :mod:`.indexing`       Gather (an embedding table's rows)
 * :mod:`.selection`      Gather along other axes, GatherElements, GatherND, ReduceMax ReduceMin
 * :mod:`.losses`         SoftmaxCrossEntropyLoss NegativeLogLikelihoodLoss
 * :mod:`.patterns`       subgraphs differentiated as one (the tanh-GELU written with a Sigmoid)
-* :mod:`.conv`           Conv MaxPool AveragePool GlobalAveragePool BatchNormalization (2-D; training and
-                         inference forms)
+* :mod:`.conv`           Conv ConvTranspose MaxPool AveragePool LpPool GlobalAveragePool GlobalMaxPool
+                         GlobalLpPool (1-, 2- and 3-D windows) BatchNormalization (training and inference forms)
+* :mod:`.recurrent`      LSTM GRU RNN, written out in per-timestep ops before the walk (:data:`.core.EXPANSIONS`)
+* :mod:`.static`         the tensors' dims: shape inference, again after folding known integer arithmetic
 
 Integer and boolean tensors, and the outputs of :data:`.core.NO_GRADIENT`'s ops (Shape, Size, comparisons,
 ArgMax, ...), carry no gradient. An op or case without a rule is a :class:`NoGradient` naming the node.

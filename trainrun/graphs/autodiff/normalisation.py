@@ -1,11 +1,12 @@
-"""The gradients of LayerNormalization, InstanceNormalization and GroupNormalization in standard ops.
+"""The gradients of LayerNormalization, InstanceNormalization, GroupNormalization and RMSNormalization in
+standard ops.
 LayerNormalization's from the mean and inverse deviation the forward
 node writes (its optional Mean and InvStdDev outputs, added where the node leaves them out: the same
 kernel computes them), not recomputed (a float64 input excepted: the outputs are float32 under the
 default stash_type, so its statistics are recomputed in float64): with x^ = (x - mean) * inv_std and g = dy * scale,
 dx = inv_std * (g - mean(g) - x^ * mean(g * x^)), dscale = sum(dy * x^), dbias = sum(dy). Instance and
 group normalisation the same over their planes and groups, the statistics recomputed (their nodes have no
-such outputs). RMSNormalization (opset 23) is not known to the onnx and onnxruntime trainrun pins."""
+such outputs), and RMSNormalization's (opset 23: Python 3.13's onnx and onnxruntime) without the mean."""
 
 from onnx import TensorProto
 
@@ -104,4 +105,26 @@ def _group_norm(s: Step):
         out[1] = s.op("ReduceSum", [s.op("Mul", [dy, normed_x]), axes], keepdims=0)
     if s.wants(2):
         out[2] = s.op("ReduceSum", [dy, axes], keepdims=0)
+    return out
+
+
+@gradient("RMSNormalization")
+def _rms_norm(s: Step):
+    """y = x * r * scale, r = 1 / sqrt(mean(x^2) + eps) over the axes from ``axis`` on (opset 23): with
+    x^ = x * r and g = dy * scale, dx = r * (g - x^ * mean(g * x^)), dscale = sum(dy * x^)."""
+    x, scale = s.x[:2]
+    rank = s.emit.rank(x, s.node)
+    axes = list(range(s.attr("axis", -1) % rank, rank))
+    mean_square = s.reduce("ReduceMean", s.op("Mul", [x, x]), axes)
+    inv_rms = s.op("Reciprocal", [s.op("Sqrt", [s.op("Add", [mean_square, s.const(s.attr("epsilon", 1e-5),
+                                                                                      like=x)])])])
+    normed = s.op("Mul", [x, inv_rms])
+    dy = s.dy[0]
+    out = [None] * len(s.x)
+    if s.wants(0):
+        g = s.op("Mul", [dy, scale])
+        along = s.op("Mul", [normed, s.reduce("ReduceMean", s.op("Mul", [g, normed]), axes)])
+        out[0] = s.op("Mul", [s.op("Sub", [g, along]), inv_rms])
+    if s.wants(1):
+        out[1] = s.sum_to(s.op("Mul", [dy, normed]), 1)
     return out

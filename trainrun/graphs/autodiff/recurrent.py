@@ -94,7 +94,8 @@ def _rewrite(s: Step):
         if h0s[d] is None or (op == "LSTM" and c0s[d] is None):
             if zeros is None:
                 batch = s.op("Shape", [x], start=1, end=2)
-                zero = numpy_helper.from_array(np.zeros(1, helper.tensor_dtype_to_np_dtype(s.emit.elem_type(s.x[0], s.x[1]))))
+                dtype = helper.tensor_dtype_to_np_dtype(s.emit.elem_type(s.x[0], s.x[1]))
+                zero = numpy_helper.from_array(np.zeros(1, dtype))
                 zeros = s.op("ConstantOfShape", [s.op("Concat", [batch, s.const([hidden])], axis=0)], value=zero)
         h = h0s[d] if h0s[d] is not None else zeros
         c = c0s[d] if c0s[d] is not None else zeros
