@@ -10,15 +10,17 @@ on stock onnxruntime (``graphs.builder: trainrun``, :func:`trainrun.graphs.gradi
                          CumSum DepthToSpace SpaceToDepth
 * :mod:`.reductions`     ReduceSum ReduceMean ReduceL1 ReduceL2 ReduceSumSquare ReduceLogSumExp ReduceProd
                          Softmax LogSoftmax
-* :mod:`.normalisation`  LayerNormalization
+* :mod:`.normalisation`  LayerNormalization InstanceNormalization GroupNormalization RMSNormalization
 * :mod:`.indexing`       Gather (an embedding table's rows)
 * :mod:`.selection`      Gather along other axes, GatherElements, GatherND, ReduceMax ReduceMin, TopK,
                          ScatterElements ScatterND
 * :mod:`.losses`         SoftmaxCrossEntropyLoss NegativeLogLikelihoodLoss
 * :mod:`.patterns`       subgraphs differentiated as one (the tanh-GELU written with a Sigmoid)
-* :mod:`.conv`           Conv MaxPool AveragePool GlobalAveragePool BatchNormalization (2-D; training and
-                         inference forms)
+* :mod:`.conv`           Conv ConvTranspose MaxPool AveragePool LpPool GlobalAveragePool GlobalMaxPool
+                         GlobalLpPool (1-, 2- and 3-D windows) BatchNormalization (training and inference forms)
 * :mod:`.resize`         Resize
+* :mod:`.recurrent`      LSTM GRU RNN, written out in per-timestep ops before the walk (:data:`.core.EXPANSIONS`)
+* :mod:`.static`         the tensors' dims: shape inference, again after folding known integer arithmetic
 
 :func:`covered_ops` lists them all (docs/models.md's table: :func:`ops_markdown`).
 Integer and boolean tensors, and the outputs of :data:`.core.NO_GRADIENT`'s ops (Shape, Size, comparisons,
@@ -26,17 +28,19 @@ ArgMax, ...), carry no gradient. An op or case without a rule is a :class:`NoGra
 """
 
 from . import (conv, einsum, elementwise, indexing, losses, matrix, normalisation,  # noqa: F401 - registers rules
-               patterns, reductions, resize, selection, shape)
-from .core import NO_GRADIENT, RULES, NoGradient, blocked_by, differentiate, gradient, unreached
+               patterns, recurrent, reductions, resize, selection, shape)
+from .core import EXPANSIONS, NO_GRADIENT, RULES, NoGradient, blocked_by, differentiate, gradient, unreached
 
 __all__ = ["NoGradient", "blocked_by", "covered_ops", "differentiate", "gradient", "ops_markdown", "unreached"]
 
 
 def covered_ops() -> dict[str, list[str]]:
-    """The op types with a gradient rule, sorted, by the module of rules that holds each."""
+    """The op types with a gradient rule (or written out in ops that have one: :data:`.core.EXPANSIONS`),
+    sorted, by the module that holds each."""
     out: dict[str, list[str]] = {}
-    for op in sorted(RULES):
-        out.setdefault(RULES[op].__module__.rsplit(".", 1)[-1], []).append(op)
+    table = {**RULES, **EXPANSIONS}
+    for op in sorted(table):
+        out.setdefault(table[op].__module__.rsplit(".", 1)[-1], []).append(op)
     return dict(sorted(out.items()))
 
 

@@ -14,16 +14,20 @@ from typing import Callable
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper, shape_inference, version_converter
+from onnx import helper, numpy_helper, version_converter
 
 from ...errors import UsageError
 from ..names import GRAD_SUFFIX
+from . import static
 
 RULES: dict[str, Callable] = {}
 # finders of subgraphs differentiated as one (``find(nodes, consumers, emit)`` -> [(the subgraph's last
 # node, its other nodes, rule)]): the rule gets the last node's Step and returns {input: gradient} for the
 # tensors the subgraph reads; its other nodes then get no gradient of their own
 PATTERNS: list[Callable] = []
+# ops written out in other ops before the walk (``expand(step)`` emits nodes that compute the node's
+# outputs, under their names), so that those ops' rules differentiate them: LSTM, GRU, RNN
+EXPANSIONS: dict[str, Callable] = {}
 
 # the opset the rules write (ScatterND and ScatterElements with reduction add, CastLike, Shape's start and
 # end): an older graph is converted to it first
@@ -67,7 +71,7 @@ class Emitter:
         sorted_model.CopyFrom(model)
         del sorted_model.graph.node[:]
         sorted_model.graph.node.extend(ordered)
-        inferred = shape_inference.infer_shapes(sorted_model, data_prop=True)
+        inferred = static.infer(sorted_model)
         for vi in list(inferred.graph.input) + list(inferred.graph.value_info) + list(inferred.graph.output):
             t = vi.type.tensor_type
             if t.elem_type:
@@ -344,12 +348,39 @@ def unreached(model: onnx.ModelProto, params: list[str], loss: str = "loss") -> 
     return [p for p in params if p not in needed]
 
 
+def _expand(model: onnx.ModelProto, params: list[str], loss: str) -> onnx.ModelProto:
+    """``model`` with each node of :data:`EXPANSIONS`' ops between the parameters and the loss written out
+    in other ops (in place of the node, in the graph's dependency order)."""
+    g = model.graph
+    nodes = topological(list(g.node))
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in list(g.input) + list(g.value_info)}
+    types.update({t.name: t.data_type for t in g.initializer})
+    _, _, on_path = _paths(nodes, params, loss, types)
+    todo = {id(n) for n in on_path if n.op_type in EXPANSIONS and n.domain in ("", "ai.onnx")}
+    if not todo:
+        return model
+    emit = Emitter(model, nodes)
+    written = []
+    for n in nodes:
+        if id(n) not in todo:
+            written.append(n)
+            continue
+        emit.nodes = []
+        step = Step(emit, n, [], set())
+        step.base = n.name or n.op_type
+        EXPANSIONS[n.op_type](step)
+        written.extend(emit.nodes)
+    del g.node[:]
+    g.node.extend(written)
+    return model
+
+
 def differentiate(model: onnx.ModelProto, params: list[str], loss: str = "loss") -> onnx.ModelProto:
     """``model`` with one more output per parameter, ``<param>_grad`` = d ``loss`` / d ``param`` (zeros
     for a parameter the loss does not depend on, :func:`unreached`). The forward's nodes come first, in
     dependency order, then the gradient's, in the order they run; a graph older than :data:`MIN_OPSET` is
-    converted to it first."""
-    model = _at_least(_copy(model), MIN_OPSET)      # rules may give a forward node an optional output
+    converted to it first, :data:`EXPANSIONS`' ops are written out in other ops."""
+    model = _expand(_at_least(_copy(model), MIN_OPSET), params, loss)  # rules may give a forward node an output
     g = model.graph
     nodes = topological(list(g.node))
     emit = Emitter(model, nodes)

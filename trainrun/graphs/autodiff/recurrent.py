@@ -1,0 +1,158 @@
+"""LSTM, GRU and RNN, differentiated by writing them out before the walk: with the sequence length known
+when the graph is built, each node becomes per-timestep standard ops (the inputs' projections of every
+step in one MatMul, then per step the recurrent MatMul, Split into gates, Sigmoid / Tanh / Relu, Mul, Add)
+whose own rules give backpropagation through time. The rewritten forward computes what the op computes
+(ONNX's equations, gates i o f c for LSTM, z r h for GRU); its outputs keep their names. Every direction
+(forward, reverse, bidirectional), layout 0 and 1, bias, initial_h / initial_c, LSTM's peepholes, GRU's
+linear_before_reset 0 and 1, the activations Sigmoid, Tanh and Relu. Refused by name: a sequence length
+unknown when the graph is built, sequence_lens other than all full, clip, LSTM's input_forget, other
+activations."""
+
+import numpy as np
+from onnx import helper, numpy_helper
+
+from .core import EXPANSIONS, Step
+
+ACTIVATIONS = {"sigmoid": "Sigmoid", "tanh": "Tanh", "relu": "Relu"}
+DEFAULTS = {"LSTM": ["Sigmoid", "Tanh", "Tanh"], "GRU": ["Sigmoid", "Tanh"], "RNN": ["Tanh"]}
+GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
+
+
+def _text(value):
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _input(s: Step, i: int):
+    return s.x[i] if len(s.x) > i and s.x[i] else None
+
+
+class _Cell:
+    """One node's settings, checked: what the rewrite needs of it."""
+
+    def __init__(self, s: Step):
+        op = s.node.op_type
+        if s.attr("clip") is not None:
+            raise s.unsupported("clip is set (the rewrite covers unclipped cells)")
+        if op == "LSTM" and s.attr("input_forget", 0):
+            raise s.unsupported("input_forget is 1")
+        self.layout = s.attr("layout", 0)
+        direction = _text(s.attr("direction", "forward"))
+        self.directions = ["forward", "reverse"] if direction == "bidirectional" else [direction]
+        xdims = s.emit.dims.get(s.x[0])
+        steps = xdims[self.layout] if xdims is not None and len(xdims) == 3 else None
+        if steps is None:
+            raise s.unsupported("the sequence length is not known when the graph is built (the rewrite into "
+                                "per-timestep ops needs it: engine.static_shapes)")
+        self.steps = steps
+        lens = _input(s, 4)
+        if lens is not None:
+            if lens not in s.emit.values or (s.emit.values[lens] != steps).any():
+                raise s.unsupported("sequence_lens is given and not known to be the full length of every sequence")
+        per = len(DEFAULTS[op])
+        names = [_text(a) for a in s.attr("activations", [])] or DEFAULTS[op] * len(self.directions)
+        if len(names) != per * len(self.directions):
+            raise s.unsupported(f"{len(names)} activations for {len(self.directions)} direction(s)")
+        unknown = [a for a in names if a.lower() not in ACTIVATIONS]
+        if unknown:
+            raise s.unsupported(f"activation {unknown[0]} (Sigmoid, Tanh and Relu are covered)")
+        self.activations = [[ACTIVATIONS[a.lower()] for a in names[d * per:(d + 1) * per]]
+                            for d in range(len(self.directions))]
+        rdims = s.emit.dims.get(s.x[2])
+        self.hidden = s.attr("hidden_size") or (rdims[-1] if rdims and rdims[-1] else None)
+        if not self.hidden:
+            raise s.unsupported("hidden_size is neither set nor known from R's dims")
+
+
+def _split(s: Step, name: str, count: int, axis: int):
+    """``name`` in ``count`` equal parts along ``axis`` (opset 18 on: num_outputs says how many)."""
+    return s.op("Split", [name], outputs=count, axis=axis, **({"num_outputs": count} if s.emit.opset >= 18 else {}))
+
+
+def _per_direction(s: Step, name, count: int, layout_first: bool):
+    """Input ``name`` ([D, ...]; [B, D, ...] where ``layout_first`` is False, i.e. layout 1's initial
+    states) as one tensor per direction, the direction axis dropped."""
+    if name is None:
+        return [None] * count
+    axis = 0 if layout_first else 1
+    parts = [name] if count == 1 else _split(s, name, count, axis)
+    return [s.op("Squeeze", [p, s.const([axis])]) for p in parts]
+
+
+def _rewrite(s: Step):
+    op = s.node.op_type
+    cell = _Cell(s)
+    hidden, gates, count = cell.hidden, GATES[op], len(cell.directions)
+    x = s.x[0] if cell.layout == 0 else s.op("Transpose", [s.x[0]], perm=[1, 0, 2])     # [T, B, I]
+    ws, rs = _per_direction(s, s.x[1], count, True), _per_direction(s, s.x[2], count, True)
+    bs = _per_direction(s, _input(s, 3), count, True)
+    h0s = _per_direction(s, _input(s, 5), count, cell.layout == 0)
+    c0s = _per_direction(s, _input(s, 6), count, cell.layout == 0) if op == "LSTM" else [None] * count
+    ps = _per_direction(s, _input(s, 7), count, True) if op == "LSTM" else [None] * count
+    zeros = None
+    ys, hs, cs = [], [], []
+    for d, direction in enumerate(cell.directions):
+        if h0s[d] is None or (op == "LSTM" and c0s[d] is None):
+            if zeros is None:
+                batch = s.op("Shape", [x], start=1, end=2)
+                dtype = helper.tensor_dtype_to_np_dtype(s.emit.elem_type(s.x[0], s.x[1]))
+                zero = numpy_helper.from_array(np.zeros(1, dtype))
+                zeros = s.op("ConstantOfShape", [s.op("Concat", [batch, s.const([hidden])], axis=0)], value=zero)
+        h = h0s[d] if h0s[d] is not None else zeros
+        c = c0s[d] if c0s[d] is not None else zeros
+        projected = s.op("MatMul", [x, s.op("Transpose", [ws[d]], perm=[1, 0])])      # [T, B, gates * H]
+        rt = s.op("Transpose", [rs[d]], perm=[1, 0])                                   # [H, gates * H]
+        wb = rb = None
+        if bs[d] is not None:
+            wb, rb = _split(s, bs[d], 2, 0)
+            projected = s.op("Add", [projected, wb if op == "GRU" else s.op("Add", [wb, rb])])
+        steps = [projected] if cell.steps == 1 else _split(s, projected, cell.steps, 0)
+        steps = [s.op("Squeeze", [t, s.const([0])]) for t in steps]
+        f, g, act = (cell.activations[d] + [None, None])[:3]
+        if op == "GRU":
+            rt_zr, rt_h = s.op("Split", [rt, s.const([2 * hidden, hidden])], outputs=2, axis=1)
+            rb_zr, rb_h = (None, None) if rb is None else s.op("Split", [rb, s.const([2 * hidden, hidden])],
+                                                               outputs=2, axis=0)
+        peep = _split(s, ps[d], 3, 0) if ps[d] is not None else None
+        out = [None] * cell.steps
+        for t in (range(cell.steps) if direction == "forward" else reversed(range(cell.steps))):
+            if op == "RNN":
+                h = s.op(f, [s.op("Add", [steps[t], s.op("MatMul", [h, rt])])])
+            elif op == "LSTM":
+                i, o, fg, cc = _split(s, s.op("Add", [steps[t], s.op("MatMul", [h, rt])]), 4, 1)
+                if peep is not None:
+                    i, fg = s.op("Add", [i, s.op("Mul", [peep[0], c])]), s.op("Add", [fg, s.op("Mul", [peep[2], c])])
+                c = s.op("Add", [s.op("Mul", [s.op(f, [fg]), c]), s.op("Mul", [s.op(f, [i]), s.op(g, [cc])])])
+                if peep is not None:
+                    o = s.op("Add", [o, s.op("Mul", [peep[1], c])])
+                h = s.op("Mul", [s.op(f, [o]), s.op(act, [c])])
+            else:
+                x_zr, x_h = s.op("Split", [steps[t], s.const([2 * hidden, hidden])], outputs=2, axis=1)
+                zr = s.op("Add", [x_zr, s.op("MatMul", [h, rt_zr])])
+                z, r = _split(s, s.op(f, [zr if rb_zr is None else s.op("Add", [zr, rb_zr])]), 2, 1)
+                if s.attr("linear_before_reset", 0):
+                    rec = s.op("MatMul", [h, rt_h])
+                    rec = s.op("Mul", [r, rec if rb_h is None else s.op("Add", [rec, rb_h])])
+                else:
+                    rec = s.op("MatMul", [s.op("Mul", [r, h]), rt_h])
+                    rec = rec if rb_h is None else s.op("Add", [rec, rb_h])
+                candidate = s.op(g, [s.op("Add", [x_h, rec])])
+                h = s.op("Add", [candidate, s.op("Mul", [z, s.op("Sub", [h, candidate])])])
+            out[t] = h
+        time_axis = 0 if cell.layout == 0 else 1
+        ys.append(s.op("Concat", [s.op("Unsqueeze", [o, s.const([time_axis])]) for o in out], axis=time_axis))
+        hs.append(h)
+        cs.append(c)
+    # Y [T, D, B, H] (layout 1: [B, T, D, H]), Y_h and Y_c [D, B, H] ([B, D, H])
+    if cell.layout == 0:
+        results = [(ys, 1), (hs, 0), (cs, 0)]
+    else:
+        results = [(ys, 2), (hs, 1), (cs, 1)]
+    for k, (parts, axis) in enumerate(results[:len(s.y)]):
+        if not s.y[k]:
+            continue
+        joined = s.op("Concat", [s.op("Unsqueeze", [p, s.const([axis])]) for p in parts], axis=axis)
+        s.emit.nodes.append(helper.make_node("Identity", [joined], [s.y[k]], name=s.emit.name(f"{s.base}/{s.y[k]}")))
+
+
+for _op in GATES:
+    EXPANSIONS[_op] = _rewrite

@@ -1,0 +1,93 @@
+"""The dims of a graph's tensors for the rules: onnx's shape inference (with data propagation), and where
+it leaves a tensor's rank unknown, inference again after folding the graph's integer computations whose
+inputs are all known (Constants, small integer initializers, the Shape of a tensor whose dims are
+static): the arithmetic an exporter writes around a Reshape's target shape (torch's
+nn.MultiheadAttention in training mode: a Slice of a Shape by bounds from Add and Mod), which data
+propagation does not follow, becomes Constants, so that the Reshape's rank (and, with the run's dims
+fixed, its dims) is known."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper, shape_inference
+
+INTEGERS = {TensorProto.INT64, TensorProto.INT32, TensorProto.BOOL}
+LARGEST = 1024          # elements of a folded value: shapes and indices, not data
+NOT_FOLDED = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli", "Multinomial"}
+
+
+def _ranks_missing(inferred: onnx.ModelProto) -> bool:
+    known = {vi.name for vi in list(inferred.graph.value_info) + list(inferred.graph.output)
+             if vi.type.tensor_type.HasField("shape")}
+    known |= {t.name for t in inferred.graph.initializer} | {vi.name for vi in inferred.graph.input}
+    return any(o and o not in known for n in inferred.graph.node for o in n.output)
+
+
+def _dims(inferred: onnx.ModelProto) -> dict:
+    out = {}
+    for vi in list(inferred.graph.input) + list(inferred.graph.value_info) + list(inferred.graph.output):
+        t = vi.type.tensor_type
+        if t.HasField("shape"):
+            out[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
+    return out
+
+
+def _evaluate(node: onnx.NodeProto, inputs: list, opset: int):
+    """``node``'s outputs from ``inputs`` (NumPy arrays) by onnx's reference evaluator, or None."""
+    from onnx.reference import ReferenceEvaluator
+    names = [f"in{k}" if i else "" for k, i in enumerate(node.input)]
+    single = helper.make_node(node.op_type, names, [f"out{k}" for k in range(len(node.output))],
+                              **{a.name: helper.get_attribute_value(a) for a in node.attribute})
+    feeds = {n: v for n, v in zip(names, inputs) if n}
+    graph = helper.make_graph([single], "fold", [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(
+        v.dtype), v.shape) for n, v in feeds.items()], [helper.make_tensor_value_info(o, 0, None)
+                                                          for o in single.output])
+    try:
+        return ReferenceEvaluator(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])).run(
+            None, feeds)
+    except Exception:       # an op the reference evaluator lacks, or inputs it rejects: left unfolded
+        return None
+
+
+def infer(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` (its nodes in dependency order) with the value_info onnx's shape inference gives it, after
+    folding its known integer computations where a rank is otherwise left unknown."""
+    inferred = shape_inference.infer_shapes(model, data_prop=True)
+    if not _ranks_missing(inferred):
+        return inferred
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+    folded = onnx.ModelProto()
+    folded.CopyFrom(model)
+    values = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer
+              if t.data_type in INTEGERS and np.prod(t.dims) <= LARGEST}
+    for _ in range(4):
+        dims, changed, nodes = _dims(inferred), False, []
+        for n in folded.graph.node:
+            out = None
+            if n.op_type == "Constant" or n.domain not in ("", "ai.onnx") or n.op_type in NOT_FOLDED:
+                out = None
+            elif n.op_type == "Shape" and dims.get(n.input[0]) is not None and None not in dims[n.input[0]]:
+                out = _evaluate(n, [np.broadcast_to(np.int8(0), dims[n.input[0]])], opset)
+            elif n.input and all(not i or i in values for i in n.input):
+                out = _evaluate(n, [values[i] if i else None for i in n.input], opset)
+            if out is not None and all(isinstance(v, np.ndarray) and v.dtype.kind in "iub" and v.size <= LARGEST
+                                       for v in out):
+                for o, v in zip(n.output, out):
+                    values[o] = v
+                    nodes.append(helper.make_node("Constant", [], [o], value=numpy_helper.from_array(v, o)))
+                changed = True
+                continue
+            if n.op_type == "Constant" and n.output[0] not in values and n.attribute[0].name == "value" \
+                    and n.attribute[0].t.data_type in INTEGERS:
+                values[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
+                changed = True
+            nodes.append(n)
+        if not changed:
+            break
+        del folded.graph.node[:]
+        folded.graph.node.extend(nodes)
+        inferred = shape_inference.infer_shapes(folded, data_prop=True)
+        if not _ranks_missing(inferred):
+            break
+    return inferred
