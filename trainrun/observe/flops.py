@@ -167,7 +167,7 @@ def training_flops(graphs_dir: str, shapes: dict) -> float | None:
     return None if fwd is None else 3.0 * fwd
 
 
-def measured_peak(session, threads: int, n: int = 1024, repeats: int = 3, min_s: float = 0.005) -> float:
+def measured_peak(session, threads: int, n: int = 768, repeats: int = 2, min_s: float = 0.005) -> float:
     """This rank's peak float32 FLOP/s: the best of ``repeats`` runs of an n x n MatMul in onnxruntime on
     ``session``'s execution provider (with its options) and ``threads`` intra-op threads, operands on the
     provider's device; n doubles (up to 4096) until one product takes ``min_s``, so that a fast device's
