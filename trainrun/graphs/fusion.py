@@ -84,13 +84,15 @@ class _Graph:
             inferred = shape_inference.infer_shapes(self.model, strict_mode=False, data_prop=True)
         except Exception:  # noqa: BLE001 - an uninferable graph: only the declared shapes are known
             inferred = self.model
-        self.dims, self.types = {}, {}
+        self.dims, self.types, self.syms = {}, {}, {}
         for vi in list(inferred.graph.input) + list(inferred.graph.value_info) + list(inferred.graph.output):
             t = vi.type.tensor_type
             if t.elem_type:
                 self.types[vi.name] = t.elem_type
             if t.HasField("shape"):
                 self.dims[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
+                self.syms[vi.name] = [d.dim_value if d.HasField("dim_value") else d.dim_param or None
+                                      for d in t.shape.dim]
         self.values = {}
         for t in g.initializer:
             self.values[t.name] = numpy_helper.to_array(t)
@@ -133,7 +135,9 @@ class _Graph:
         its name: ``source`` is renamed to it where ``source`` is a node's output nothing else needs as
         named. False (nothing changed) otherwise."""
         out = node.output[0]
-        if out in self.outputs:
+        if source in self.keep:
+            return False
+        if out in self.outputs or out in self.keep:
             if source in self.outputs or source in self.inputs or source not in self.producer \
                     or source in self.values:
                 return False
@@ -231,6 +235,11 @@ def _noops(g: _Graph) -> int:
             source = x
         elif op in ("Reshape", "Expand") and g.static(x) is not None and g.static(x) == g.static(n.output[0]):
             source = x
+        elif op == "Reshape" and _same_dims(g, x, g.producer.get(n.input[1])):
+            source = x
+        elif op in ("ReduceSum", "ReduceMean") and _attrs(n).get("noop_with_empty_axes", 0) and len(n.input) > 1 \
+                and n.input[1] in g.values and g.values[n.input[1]].size == 0:
+            source = x
         elif op == "Transpose" and _attrs(n).get("perm") is not None \
                 and list(_attrs(n)["perm"]) == list(range(len(_attrs(n)["perm"]))):
             source = x
@@ -239,8 +248,63 @@ def _noops(g: _Graph) -> int:
                 if _scalar(g, n.input[k]) == 1.0 and _keeps_shape(g, n.input[k], n.input[1 - k]):
                     source = n.input[1 - k]
                     break
-        if source is not None and source not in g.keep and g.bypass(n, source):
+        if source is not None and g.bypass(n, source):
             changed += 1
+    return changed
+
+
+def _same_dims(g: _Graph, x: str, shape) -> bool:
+    """Whether ``shape`` is a node Shape(t) of a ``t`` whose every dim (a number or a symbol) is ``x``'s."""
+    if shape is None or shape.op_type != "Shape" or shape.attribute or shape.domain not in ("", "ai.onnx"):
+        return False
+    a, b = g.syms.get(x), g.syms.get(shape.input[0])
+    return a is not None and a == b and None not in a
+
+
+def _made(g: _Graph, name: str, op: str):
+    n = g.producer.get(name)
+    return n if n is not None and n.op_type == op and n.domain in ("", "ai.onnx") and n in g.nodes else None
+
+
+def _broadcast_sums(g: _Graph) -> int:
+    """The axes of a broadcast gradient's sum the builder finds at run time where a dim is symbolic
+    (``autodiff.core.Emitter.sum_to``: ReduceSum over NonZero(Equal(Concat(ones, Shape(target)), 1))), made
+    constant from the dims of the gradient and the target: the leading axes, those where the target's dim
+    is 1 and the gradient's is not; a symbolic dim of the target is the gradient's same symbol (then its size
+    does not matter: summing over it or not gives the same) or the rewrite is not made."""
+    changed = 0
+    for n in list(g.nodes):
+        if n.op_type != "ReduceSum" or len(n.input) < 2 or n.input[1] in g.values:
+            continue
+        r = _made(g, n.input[1], "Reshape")
+        nz = r and _made(g, r.input[0], "NonZero")
+        eq = nz and _made(g, nz.input[0], "Equal")
+        if not eq or not any(v is not None and v.size == 1 and v.reshape(-1)[0] == 1
+                             for v in (g.values.get(i) for i in eq.input)):
+            continue
+        cat = next((_made(g, i, "Concat") for i in eq.input if _made(g, i, "Concat")), None)
+        if cat is None or len(cat.input) != 2 or cat.input[0] not in g.values:
+            continue
+        sh = _made(g, cat.input[1], "Shape")
+        gd, td = g.syms.get(n.input[0]), sh and g.syms.get(sh.input[0])
+        if sh is None or sh.attribute or gd is None or td is None or len(gd) < len(td) \
+                or g.values[cat.input[0]].size != len(gd) - len(td):
+            continue
+        lead = len(gd) - len(td)
+        axes = list(range(lead))
+        for k, t in enumerate(td):
+            d = gd[lead + k]
+            if t == 1 and d != 1:
+                axes.append(lead + k)
+            elif not (isinstance(t, int) and t != 1) and not (t is not None and t == d):
+                axes = None
+                break
+        if axes is None:
+            continue
+        c = g.constant(np.array(axes, np.int64), n.output[0] + "/axes")
+        g.nodes.insert(g.nodes.index(n), c)
+        n.input[1] = c.output[0]
+        changed += 1
     return changed
 
 
@@ -298,7 +362,7 @@ def _transposes(g: _Graph) -> int:
             continue
         perm = [int(inner[k]) for k in outer]
         if perm == list(range(len(perm))):
-            if p.input[0] not in g.keep and g.bypass(n, p.input[0]):
+            if g.bypass(n, p.input[0]):
                 changed += 1
             continue
         n.input[0] = p.input[0]
@@ -422,7 +486,7 @@ def fuse(model: onnx.ModelProto, keep=()) -> onnx.ModelProto:
     g = _Graph(out)
     g.keep = set(keep)
     for _ in range(32):
-        if not (_fold(g) + _noops(g) + _reshapes(g) + _transposes(g) + _dead(g)):
+        if not (_fold(g) + _broadcast_sums(g) + _noops(g) + _reshapes(g) + _transposes(g) + _dead(g)):
             break
         g.infer()
     while _products(g):
