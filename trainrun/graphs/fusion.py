@@ -502,6 +502,11 @@ def fuse(model: onnx.ModelProto, keep=()) -> onnx.ModelProto:
     names = {o for n in g.nodes for o in n.output}
     del out.graph.value_info[:]
     out.graph.value_info.extend(v for v in value_info if v.name in names)
+    declared = {v.name for v in out.graph.value_info} | g.outputs
+    for n in g.nodes:       # onnx infers no FusedMatMul: its result's type and dims, for the passes after
+        for o in n.output:
+            if n.domain == MS and o not in declared and g.types.get(o):
+                out.graph.value_info.append(helper.make_tensor_value_info(o, g.types[o], g.syms.get(o)))
     if any(n.domain == MS for n in g.nodes) and not any(o.domain == MS for o in out.opset_import):
         out.opset_import.append(helper.make_opsetid(MS, 1))
     return out
