@@ -8,7 +8,7 @@
 ``build`` makes the loss graph of a model as ``prepare`` does (``graphs.manifest.loss_graph``) and from it
 both train graphs in their direct form (gradients as outputs): onnxruntime-training's builder's
 and trainrun's (``build_train_graph`` with ``builder`` onnxruntime, then ``direct_gradients``, and with
-``builder`` trainrun), each followed by the cross-entropy split and padded products, as ``prepare`` does; it writes them, a random batch (inputs.npz) and their node counts by op type. ``time``
+``builder`` trainrun, fused under ``graphs.fuse``), each followed by the cross-entropy split and padded products, as ``prepare`` does; it writes them, a random batch (inputs.npz) and their node counts by op type. ``time``
 opens each graph in a session made as the engine makes it (``trainrun.sessions.session_options``, the
 same threads), binds the batch and preallocated gradient buffers once, and runs forward + backward in
 alternating blocks of steps in one process; tokens/s = tokens of a micro-batch / median step time
@@ -53,6 +53,7 @@ def config(model: str):
 def build(model: str, work: Path) -> None:
     from trainrun.graphs.casts import restore_fp32
     from trainrun.graphs.forward import forward_from_config
+    from trainrun.graphs.fusion import fuse
     from trainrun.graphs.gradients import build_train_graph, direct_gradients
     from trainrun.graphs.losses import split_cross_entropy
     from trainrun.graphs.manifest import build_options, loss_graph
@@ -66,15 +67,16 @@ def build(model: str, work: Path) -> None:
     out = work / model
     out.mkdir(parents=True, exist_ok=True)
 
-    def finish(train):
+    def finish(train, fused=False):
         train = split_cross_entropy(restore_fp32(train, opts["precision"]))
+        train = fuse(train) if fused else train          # graphs.fuse, on trainrun's builder's graph only
         return pad_contractions(train) if opts["pad_products"] else train
     timing = {}
     t = time.perf_counter()
     ort_graph, _ = direct_gradients(finish(build_train_graph(loss_model, fwd.params, model, keep=states)))
     timing["onnxruntime"] = time.perf_counter() - t
     t = time.perf_counter()
-    ours = finish(build_train_graph(loss_model, fwd.params, model, keep=states, builder="trainrun"))
+    ours = finish(build_train_graph(loss_model, fwd.params, model, keep=states, builder="trainrun"), cfg.graphs.fuse)
     timing["trainrun"] = time.perf_counter() - t
     onnx.save(ort_graph, out / "onnxruntime.onnx")
     onnx.save(ours, out / "trainrun.onnx")

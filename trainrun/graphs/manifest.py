@@ -21,6 +21,7 @@ from ..rundir import as_created, sha256_file
 from .casts import cast_pass, restore_fp32, scale_loss
 from .dropout_nodes import dropout_masks, dropout_off
 from .lora import digest as lora_digest
+from .fusion import fuse
 from .forward import batchnorm_inference, drop_outputs, forward_from_config, num_classes
 from .gradients import add_outputs, build_train_graph, builder, select_outputs
 from .losses import SPLIT_MIN_CLASSES, metric_outputs, split_cross_entropy, with_loss
@@ -50,12 +51,13 @@ def build_options(cfg: Config) -> dict:
     return {"deterministic": cfg.run.deterministic, "stats_tensors": stats, "precision": cfg.train.precision,
             "static_shape": [cfg.train.micro_batch_size, cfg.data.seq_len] if cfg.engine.static_shapes else None,
             "recompute": cfg.train.recompute,
-            "pad_products": wanted(cfg.engine.pad_products, cfg.device) and bool(cfg.engine.static_shapes)}
+            "pad_products": wanted(cfg.engine.pad_products, cfg.device) and bool(cfg.engine.static_shapes),
+            "fuse": bool(cfg.graphs.fuse) and builder(cfg.graphs.builder)[0] == "trainrun"}
 
 
 # manifests written before a build option existed
 DEFAULT_BUILD = {"deterministic": False, "stats_tensors": [], "static_shape": None, "precision": "fp32",
-                 "recompute": "none", "pad_products": False}
+                 "recompute": "none", "pad_products": False, "fuse": False}
 
 
 def fix_dims(model: onnx.ModelProto, inputs: list[str], micro_batch: int, seq_len: int | None) -> onnx.ModelProto:
@@ -129,6 +131,8 @@ def prepare(cfg: Config, out_dir: str | None = None) -> str:
     split = split_cross_entropy if cfg.model.builtin or (classes or 0) >= SPLIT_MIN_CLASSES else (lambda m: m)
     train = split(restore_fp32(build_train_graph(loss_model, fwd.params, source, keep=list(states.values()),
                                                  builder=made_by), build["precision"]))
+    if build["fuse"]:       # debug.tensors' tensors keep their names
+        train = fuse(train, select_outputs(train, cfg.debug.tensors) if build["stats_tensors"] else ())
     if build["recompute"] == "blocks":
         train = recompute_blocks(train, fwd.params, LOSS, source, outputs_kept=list(states.values()))
     if build["pad_products"]:
