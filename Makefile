@@ -11,7 +11,7 @@ BIN    := $(VENV)/bin
 STAMP_RUN  := $(VENV)/.installed-run
 STAMP_TEST := $(VENV)/.installed-test
 
-.PHONY: setup setup-test test test-fast test-stock test-py313 test-cluster test-gpu demo bench bench-124m bench-cluster docs clean
+.PHONY: setup setup-test setup-elastic test test-fast test-stock test-py313 test-elastic test-cluster test-gpu demo bench bench-124m bench-cluster docs clean
 
 $(BIN)/python:
 	@test -n "$(PYTHON)" || { echo "trainrun needs Python 3.10 or newer on PATH" >&2; exit 2; }
@@ -62,6 +62,22 @@ $(STAMP_STOCK): pyproject.toml scripts/requirements.py
 test-stock: $(STAMP_STOCK)
 	PATH=$(CURDIR)/$(VENV_STOCK)/bin:$$PATH $(if $(wildcard $(BIN)/python),TRAINRUN_TRAINING_BUILD=$(CURDIR)/$(BIN) \
 	TRAINRUN_REQUIRE_STOCK_COMPARISON=1) $(VENV_STOCK)/bin/python -m pytest -q -m "not gpu and not cluster" $(PYTEST_ARGS)
+
+# Elastic runs (distributed.elastic) on Open MPI's ULFM fault tolerance, in their own venv (.venv-elastic, the
+# same Python as .venv): trainrun --no-deps, then its requirements with Open MPI's wheel in place of MPICH's (the
+# elastic extra; both wheels install bin/mpirun and a libmpi, so they cannot share a venv). tests/test_elastic.py
+# finds it beside .venv (or TRAINRUN_ELASTIC_VENV) and skips, saying so, without it; make test-elastic fails
+# instead (TRAINRUN_REQUIRE_FT=1).
+VENV_ELASTIC  := .venv-elastic
+STAMP_ELASTIC := $(VENV_ELASTIC)/.installed-elastic
+$(STAMP_ELASTIC): pyproject.toml scripts/requirements.py
+	$(call side_venv,$(VENV_ELASTIC),$(PYTHON),trainrun needs Python 3.10 or newer on PATH,--no-deps -e .,--without mpich elastic)
+	@touch $@
+
+setup-elastic: $(STAMP_ELASTIC)
+
+test-elastic: $(STAMP_TEST) $(STAMP_ELASTIC)
+	TRAINRUN_REQUIRE_FT=1 $(BIN)/python -m pytest -q -rs tests/test_elastic.py $(PYTEST_ARGS)
 
 # Python 3.13 (.venv-py313): trainrun with its plain dependencies (stock onnxruntime), the demo, then every
 # test that needs no torch: the test extra without torch, transformers, peft and onnxscript (their tests skip, saying so)
@@ -130,4 +146,4 @@ docs: $(STAMP_RUN)
 	$(BIN)/python scripts/gen_config_docs.py
 
 clean:
-	rm -rf $(VENV) .venv-gpu .venv-gpu-cu12 $(VENV_STOCK) $(VENV_PY313) runs build *.egg-info
+	rm -rf $(VENV) .venv-gpu .venv-gpu-cu12 $(VENV_STOCK) $(VENV_PY313) $(VENV_ELASTIC) runs build *.egg-info

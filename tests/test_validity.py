@@ -55,6 +55,15 @@ ROWS = {
     "overlap-on-cuda": ("bytes", {"distributed.overlap_grad_reduce": True, "device": "cuda"}, 2, [
         "distributed.overlap_grad_reduce: runs on the CPU over MPI; not with device: cuda or "
         "distributed.backend: nccl"]),
+    "elastic-with-diloco-and-zero-1": ("bytes", {"distributed.elastic": True, "distributed.sync": "diloco",
+                                                "distributed.zero_stage": 1}, 2, [
+        "distributed.elastic: needs distributed.sync: every_step (DiLoCo's outer average over the replicas alive "
+        "is not built yet)",
+        "distributed.elastic: needs distributed.zero_stage: 0 (every survivor holds the whole optimizer state; a "
+        "ZeRO-1 part would die with its rank)"]),
+    "min-replicas-without-elastic": ("bytes", {"distributed.min_replicas": 2}, 2, [
+        "distributed.min_replicas: is the quorum of distributed.elastic: true runs; set that too, or leave "
+        "min_replicas out"]),
     # the task against its family (once the registry's)
     "gpt2-token-classification": ("bytes", {"model.task": "token_classification"}, 2, [
         "model.task: 'token_classification' is not a task of model.builtin gpt2 (its tasks: causal_lm, "

@@ -353,7 +353,8 @@ def main(argv=None):
             traceback.print_exc()
         # a config/usage error, or one all ranks agreed on, is the same everywhere: rank 0 reports it
         same_everywhere = isinstance(exc, UsageError) or getattr(exc, "collective", False)
-        if not (same_everywhere and _launcher_rank() > 0):
+        # (distributed.elastic after rank 0 died: the lowest survivor, report_here)
+        if not (same_everywhere and _launcher_rank() > 0) or getattr(exc, "report_here", False):
             click.echo(exc.render(), err=True)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:

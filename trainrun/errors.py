@@ -31,6 +31,12 @@ class UsageError(TrainrunError):
     exit_code = 2
 
 
+class PeerLost(TrainrunError):
+    """A collective failed because a peer rank died (MPI's fault tolerance, ULFM: ``MPI_ERR_PROC_FAILED``) or
+    because a peer revoked the communicator after seeing a death (``MPI_ERR_REVOKED``). Raised only by an
+    elastic communicator (``distributed.elastic``); :mod:`trainrun.elastic` drops the dead and goes on."""
+
+
 def collective(exc: TrainrunError) -> TrainrunError:
     """Mark ``exc`` as raised by every rank from the same agreed value; returns it."""
     exc.collective = True

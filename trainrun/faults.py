@@ -11,6 +11,8 @@ step (``STEP``, every rank) or a rank and a step (``RANK:STEP``). Read once at i
                                        however fast the steps); ``commit``: after the last step, with its
                                        checkpoint written but not committed; ``export``: rank 0 with
                                        model.onnx written under its temporary name (the signal abandons it);
+* ``TRAINRUN_FAULT_KILL_STEP``         the rank kills itself (SIGKILL: no MPI_Finalize, no cleanup) at the start of
+                                       that step (a node lost mid-run, distributed.elastic);
 * ``TRAINRUN_FAULT_NAN_GRAD``          the rank's gradient holds a NaN after that step's backward;
 * ``TRAINRUN_FAULT_SHARED_WINDOWS``    (step 0: set-up) the rank cannot allocate MPI shared-memory windows
                                        (``distributed.intra_node: shared`` falls back to mpi).
@@ -19,6 +21,7 @@ step (``STEP``, every rank) or a rank and a step (``RANK:STEP``). Read once at i
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 _SPECS = {k: v for k, v in os.environ.items() if k.startswith("TRAINRUN_FAULT_")}
@@ -30,6 +33,11 @@ def hit(name: str, rank: int, step: int | str) -> bool:
         return False
     who, _, when = spec.rpartition(":")
     return when == str(step) and who in ("", str(rank))
+
+
+def kill(name: str, rank: int, step: int) -> None:
+    if hit(name, rank, step):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def stall(name: str, rank: int, step: int) -> None:

@@ -32,7 +32,7 @@ SAFE_ON_RESUME = ("train.max_steps", "train.max_epochs", "train.max_time", "trai
                   "optimizer.lr", "optimizer.max_grad_norm", "lr_schedule.", "run.log_level", "engine.",
                   "tensorboard.", "data.prefetch", "data.eval", "distributed.timeout_s", "distributed.backend",
                   "distributed.zero_stage", "distributed.intra_node", "distributed.overlap_grad_reduce",
-                  "distributed.bucket_mb", "distributed.reduce_dtype",
+                  "distributed.bucket_mb", "distributed.reduce_dtype", "distributed.elastic", "distributed.min_replicas",
                   "profile.", "debug.", "graphs.")
 
 

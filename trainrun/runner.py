@@ -34,6 +34,7 @@ from . import faults
 from .startup import header, return_freed_memory, set_up, start_trackers
 from .comm import cuda_device_count, make_communicator
 from .errors import TrainrunError, UsageError, collective
+from .elastic import Elastic
 from .evaluate import evaluate_sets
 from .finish import export_model, model_is_current, write_summary
 from .lock import RunLock
@@ -88,14 +89,12 @@ class TrainingRunner:
         self.lock = lock
         self.resume_from = resume_from
         self.comm = comm
-        self.rank, self.world = self.comm.rank, self.comm.world_size
+        self.rank = self.comm.rank
         self.is_main = self.rank == 0
         self.verbose = cfg.run.log_level in ("devinfo", "verbose")
         self.out = cfg.run.output_dir
         t = cfg.train
         self.accum = t.gradient_accumulation_steps
-        self.global_batch = cfg.global_batch(self.world)
-        self.tokens_per_step = self.global_batch * cfg.data.seq_len
 
         # SIGTERM/SIGINT/SIGUSR1 or train.max_time: stop after the step, with a checkpoint; noted from here on,
         # so that a signal during set-up stops the run before its first step instead of killing it
@@ -126,12 +125,28 @@ class TrainingRunner:
                                           best_metric=C.watched_metric(cfg, "checkpoint.best_metric"))
         if resume_from:
             self._restore(resume_from, force, retry)
+        # distributed.elastic: the step's collectives redone over the survivors of a lost rank
+        self.elastic = Elastic(comm, self.engine.grads, self.checkpoints, cfg.distributed.min_replicas, self.log,
+                               self._continue_hint) if getattr(comm, "elastic", False) else None
         self.metrics = Metrics(self.out, enabled=self.is_main, tensorboard=cfg.tensorboard.enabled,
                                quiet=cfg.run.log_level == "warning", total_steps=self.total_steps,
                                start_step=self.step, eval_sets=list(self.eval_sets))
         self.timer = PhaseTimer()
         # profiling, statistics, per-rank logs: off unless configured
         self.observe = Observer(cfg, self.rank, self.world, self.engine, self.timer, self.log)
+
+    @property
+    def world(self) -> int:
+        """The ranks training now (fewer after a rank was lost, distributed.elastic)."""
+        return self.comm.world_size
+
+    @property
+    def global_batch(self) -> int:
+        return self.cfg.global_batch(self.world)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.cfg.data.seq_len
 
     def log(self, text: str, all_ranks: bool = False) -> None:
         if self.verbose and (self.is_main or all_ranks):     # devinfo/verbose: every line names its rank
@@ -239,6 +254,7 @@ class TrainingRunner:
     # ------------------------------------------------------------------ the step
     def train_step(self) -> dict:
         timer = self.timer
+        faults.kill("KILL_STEP", self.rank, self.step + 1)
         faults.stall("STALL_STEP", self.rank, self.step + 1)
         faults.wait_until("WAIT_SIGNAL", self.rank, self.step + 1, self.signals.flag)
         micro = self.loader.next_step()
@@ -248,10 +264,15 @@ class TrainingRunner:
         if faults.hit("NAN_GRAD", self.rank, self.step + 1):
             self.engine.grads[0] = float("nan")
         timer.mark("forward_backward")
-        self.shard.reduce()
-        timer.mark("allreduce")
         world = self.world_step(self.step + 1)
-        loss, grad_norm, finite, stop, give_up = self.step_scalars(loss_sum, world)
+        if self.elastic is None:
+            self.shard.reduce()
+            timer.mark("allreduce")
+            sums = self.scalar_sums(loss_sum, world)
+        else:       # a rank lost in either drops out and both are redone over the survivors
+            sums = self.elastic.step(self.step + 1, lambda: (self.shard.reduce(), self.scalar_sums(loss_sum, world))[1])
+            timer.mark("allreduce")
+        loss, grad_norm, finite, stop, give_up = self.step_scalars(sums, world)
         timer.mark("norm")
         self.step += 1
         lr = learning_rate(self.step, self.cfg.optimizer.lr, self.total_steps, self.cfg.lr_schedule)
@@ -309,26 +330,35 @@ class TrainingRunner:
                 or any(map(every, (t.log_every, t.eval_every, self.cfg.checkpoint.every, t.sample_every,
                                    self.cfg.debug.stats_every))))
 
-    def step_scalars(self, loss_sum: float, world: bool = True) -> tuple[float, float, bool, bool, bool]:
-        """(mean loss, gradient norm, finite, a stop signal reached some rank, some rank's non-finite steps
-        in a row reach the limit with this one), from one allreduce of a few scalars over the world (``world``:
-        it also carries the background checkpoint's progress and the stop flags) or, at DiLoCo's steps
+    def scalar_sums(self, loss_sum: float, world: bool = True) -> list[float]:
+        """One allreduce of a few scalars over the world (``world``: the loss, the background checkpoint's
+        progress, the stop flags, the non-finite limit, each replica's squared norm) or, at DiLoCo's steps
         between two world steps (:meth:`world_step`), over this rank's replica: its loss and its norm."""
         norm_part = self.shard.norm_sq_part()
         if not world:
             comm = self.sync.comm
-            loss_total, norm_sq = comm.allreduce_scalars([loss_sum, norm_part], op="sum") \
-                if comm.world_size > 1 else (loss_sum, norm_part)
-            finite = math.isfinite(norm_sq)
-            grad_norm = math.sqrt(norm_sq) * self.grad_scale() if finite else float("inf")
-            return loss_total / (self.accum * comm.world_size), grad_norm, finite, False, False
+            return comm.allreduce_scalars([loss_sum, norm_part], op="sum") if comm.world_size > 1 \
+                else [loss_sum, norm_part]
         ck_done, ck_failed = self.checkpoints.status()
         self.stops_carried = self.signals.noted()
         norms = [0.0] * self.sync.replicas       # each replica's squared norm (DiLoCo: each clips its own)
         norms[self.sync.replica] = norm_part
         limit = float(self.nonfinite_in_a_row + 1 >= MAX_NONFINITE_IN_A_ROW)
-        loss_total, ck_done, ck_failed, stop, limit, *norms = self.comm.allreduce_scalars(
+        return self.comm.allreduce_scalars(
             [loss_sum, ck_done, ck_failed, float(self.stops_carried > 0), limit, *norms], op="sum")
+
+    def step_scalars(self, sums: list[float], world: bool = True) -> tuple[float, float, bool, bool, bool]:
+        """(mean loss, gradient norm, finite, a stop signal reached some rank or the ranks alive fell below
+        distributed.min_replicas, some rank's non-finite steps in a row reach the limit with this one), from
+        :meth:`scalar_sums`' ``sums``."""
+        if not world:
+            comm = self.sync.comm
+            loss_total, norm_sq = sums
+            finite = math.isfinite(norm_sq)
+            grad_norm = math.sqrt(norm_sq) * self.grad_scale() if finite else float("inf")
+            return loss_total / (self.accum * comm.world_size), grad_norm, finite, False, False
+        loss_total, ck_done, ck_failed, stop, limit, *norms = sums
+        stop = stop or (self.elastic is not None and self.elastic.below is not None)
         self.checkpoints.progress(ck_done, ck_failed)
         norm_sq = norms[self.sync.replica]
         finite = all(map(math.isfinite, norms))     # NaN and inf propagate through the sum
@@ -377,6 +407,7 @@ class TrainingRunner:
                                      **({"tokens_per_sec": sps * self.cfg.data.seq_len} if self.tokens else {}),
                                      **({"mfu": mfu} if mfu is not None else {}),
                                      "skipped_steps": self.skipped, "phase_ms": phase_ms,
+                                     **({"replicas": self.elastic.replicas} if self.elastic else {}),
                                      **({"loss_scale": last["loss_scale"]} if self.scaler else {})})
         self.timer.mark("log")
 
@@ -565,6 +596,10 @@ class TrainingRunner:
 
     def _stopped(self) -> Stopped:
         """After a stop in the loop, the checkpoint of this step committed on every rank: its :class:`Stopped`."""
+        if self.elastic is not None and self.elastic.below is not None:
+            return collective(Stopped(f"stopped after step {self.step}: {self.elastic.below}; checkpoint "
+                                      f"{self._checkpoint()} committed. {self._continue_hint()}",
+                                      by=self.elastic.below))
         sig = self.signals.received
         what = "the limit" if sig and sig.startswith("train.max_time") else "the signal"
         took = f" {time.monotonic() - self.signals.at:.1f} s after {what}" if sig else ""
@@ -625,7 +660,8 @@ def train(cfg: C.Config, resume_from: str | None = None, force: bool = False,
             raise UsageError("device: cuda, but no CUDA GPU is visible (checked with cupy; install the "
                              "`gpu` extra on a machine with a GPU, or set device: cpu)")
     apply_log_level(cfg.run.log_level)
-    comm = make_communicator(cfg.distributed.backend, cfg.device, cfg.distributed.timeout_s)
+    comm = make_communicator(cfg.distributed.backend, cfg.device, cfg.distributed.timeout_s,
+                             elastic=cfg.distributed.elastic)
     lock = RunLock(cfg.run.output_dir)
     runner = None
     try:

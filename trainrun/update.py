@@ -142,10 +142,11 @@ def ranks_per_node(world_size: int) -> int | None:
 
 def node_buffers(cfg, comm, n: int, frozen: int = 0) -> NodeBuffers | None:
     """Shared memory for ``distributed.intra_node: shared`` (``n`` parameters, ``frozen`` frozen weights) where it applies (several ranks per node, the
-    CPU, the MPI backend, the host optimizer kernel, no debug.stats_every); None for the mpi path. Where
-    MPI-3 shared windows cannot be had: a warning (rank 0) and None. Every rank calls it."""
+    CPU, the MPI backend, the host optimizer kernel, no debug.stats_every, not distributed.elastic: a rank
+    lost would take its node's windows with it); None for the mpi path. Where MPI-3 shared windows cannot be
+    had: a warning (rank 0) and None. Every rank calls it."""
     if (cfg.distributed.intra_node != "shared" or not isinstance(comm, MPICommunicator) or cfg.device != "cpu"
-            or cfg.engine.optimizer_kernel == "graph" or cfg.debug.stats_every):
+            or cfg.engine.optimizer_kernel == "graph" or cfg.debug.stats_every or cfg.distributed.elastic):
         return None
     k = ranks_per_node(comm.world_size)
     try:

@@ -226,6 +226,19 @@ def _distributed(cfg: C.Config, add) -> None:
         if cfg.device != "cpu" or d.backend == "nccl":
             add("distributed.overlap_grad_reduce", "runs on the CPU over MPI; not with device: cuda or "
                 "distributed.backend: nccl")
+    if d.elastic:
+        for wrong, why in ((d.sync != "every_step", "distributed.sync: every_step (DiLoCo's outer average over "
+                            "the replicas alive is not built yet)"),
+                           (d.zero_stage != 0, "distributed.zero_stage: 0 (every survivor holds the whole optimizer "
+                            "state; a ZeRO-1 part would die with its rank)"),
+                           (cfg.device != "cpu" or d.backend == "nccl", "device: cpu over MPI (Open MPI's ULFM)"),
+                           (d.overlap_grad_reduce, "distributed.overlap_grad_reduce: false (the step's reduction is "
+                            "redone over the survivors as one allreduce)")):
+            if wrong:
+                add("distributed.elastic", f"needs {why}")
+    elif d.min_replicas > 1:
+        add("distributed.min_replicas", "is the quorum of distributed.elastic: true runs; set that too, or leave "
+            "min_replicas out")
     if d.sync == "diloco":
         k = d.diloco
         if cfg.device != "cpu" or d.backend == "nccl":

@@ -319,6 +319,21 @@ class Checkpointer:
             self.writer.wait(getattr(self.comm, "timeout_s", None))
             self.progress(*self.comm.allreduce_scalars(list(self.writer.status()), op="sum"))
 
+    def regroup(self) -> int | None:
+        """``distributed.elastic``: ``comm`` shrank to the survivors of a lost rank (every survivor calls it).
+        A write in flight is abandoned, its staging directory removed (it may hold a dead rank's part, and the
+        survivors' new rank numbers would commit the wrong ones); committed checkpoints are untouched. Returns
+        the abandoned step, or None."""
+        w, step = self.writer, self.writer.pending_step
+        if step is not None:
+            w.wait(getattr(self.comm, "timeout_s", None))      # this rank's own part written
+        self.rank, self.world = self.comm.rank, self.comm.world_size
+        w.rank, w.world = self.rank, self.world
+        if step is not None:
+            self.comm.barrier()        # every survivor's part written before rank 0 removes the directory
+            w.abandon()
+        return step
+
     def save(self, step: int, layout, buffers: dict, meta: dict, config_yaml: str, model_state=None) -> None:
         """Write ``buffers`` ("params" and one per optimizer state) and ``model_state`` ((layout, flat)
         of the non-parameter state, or None): the tensors now, the rest in the background

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 from ..errors import UsageError
 from .base import SCALAR_OPS, SUPPORTED_DTYPES, Communicator, SingleProcess
-from .mpi import MPICommunicator, MPIGroup, wait_quietly
+from .mpi import MPICommunicator, MPIGroup, fault_tolerance, wait_quietly
 from .nccl import NCCLCommunicator, _import_nccl
 from .node import (WORLD_ENV_VARS, NodeMemory, SharedMemoryUnavailable, _check_srun, affinity, cpu_share,
                    cuda_device_count, detect_world, local_device, machine_id, split_nodes)
@@ -73,6 +73,7 @@ __all__ = [
     "cpu_share",
     "split_nodes",
     "wait_quietly",
+    "fault_tolerance",
     "WORLD_ENV_VARS",
     "SUPPORTED_DTYPES",
     "SCALAR_OPS",
@@ -83,14 +84,17 @@ BACKENDS = ("auto", "none", "mpi", "nccl")
 DEVICES = ("cpu", "cuda")
 
 
-def make_communicator(backend: str = "auto", device: str = "cpu", timeout_s: float = 300.0) -> Communicator:
+def make_communicator(backend: str = "auto", device: str = "cpu", timeout_s: float = 300.0,
+                      elastic: bool = False) -> Communicator:
     """Build the communicator for this process.
 
     ``backend``: "auto" chooses "nccl" when ``device == "cuda"`` and the world
     has more than one rank, "mpi" when it has more than one rank, else "none"
     (:class:`SingleProcess`). MPI is initialised only when an MPI communicator
     is actually built ("mpi" or "nccl" with world size > 1, or "mpi" asked
-    for explicitly). Asking for "nccl" without cupy or a GPU is a UsageError.
+    for explicitly). Asking for "nccl" without cupy or a GPU is a UsageError. ``elastic``
+    (``distributed.elastic``): an MPI communicator survives a dead peer (:meth:`MPICommunicator.make_elastic`:
+    a UsageError where this MPI or launch cannot); one rank has nothing to survive.
     """
     if backend not in BACKENDS:
         raise UsageError(f"unknown communication backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -107,7 +111,14 @@ def make_communicator(backend: str = "auto", device: str = "cpu", timeout_s: flo
             raise UsageError(f"backend 'none' runs one process, but the launcher started {world_size} ranks")
         return SingleProcess(timeout_s)
     if backend == "mpi":
-        return MPICommunicator(timeout_s)
+        comm = MPICommunicator(timeout_s)
+        if elastic and world_size > 1:
+            try:
+                comm.make_elastic()
+            except BaseException:
+                comm.close()
+                raise
+        return comm
     # nccl: check the GPU side first, so a CPU machine fails fast without starting MPI.
     _import_nccl()
     host = MPICommunicator(timeout_s) if world_size > 1 else SingleProcess(timeout_s)

@@ -12,11 +12,12 @@ import time
 
 import numpy as np
 
-from ..errors import TrainrunError, UsageError
+from ..errors import PeerLost, TrainrunError, UsageError
 from . import base
 from .base import (SCALAR_OPS, Communicator, _check_buffer, _check_shapes, _displacements, _flush_stdio,
                    _json_bytes, _part, _same_memory)
 
+FT_ENV = "OMPI_MCA_mpi_ft_enable"     # set to 1 by Open MPI's `mpirun --with-ft ulfm` (or `--mca mpi_ft_enable 1`)
 SHM_DIR = "/dev/shm"     # where MPICH maps shared windows from (a tmpfs file)
 UCX_SHM_MIN = 64 << 20     # bytes free in /dev/shm below which UCX's posix transport is left out
 _quiet = threading.local()
@@ -31,11 +32,41 @@ def wait_quietly(hurry: threading.Event, poll_s: float | None = None) -> None:
     _quiet.poll_s = base.QUIET_SLEEP_S if poll_s is None else float(poll_s)
 
 
+def fault_tolerance(MPI) -> tuple[bool, str]:
+    """Whether this job can survive a rank's death (Open MPI 5's ULFM, enabled by ``mpirun --with-ft ulfm``),
+    and why (one line)."""
+    name, version = MPI.get_vendor()
+    v = ".".join(map(str, version))
+    if name == "MPICH":
+        return False, (f"MPICH {v}: its fault tolerance is not usable (MPI_Init aborts with MPIR_CVAR_ENABLE_FT=1, "
+                       f"and a dead rank makes its launcher kill the job); distributed.elastic runs on Open MPI 5 "
+                       f"with ULFM: `make setup-elastic`, then `mpirun --with-ft ulfm`")
+    if name != "Open MPI" or version[0] < 5:
+        return False, f"{name} {v}: distributed.elastic runs on Open MPI 5's ULFM (`make setup-elastic`)"
+    if os.environ.get(FT_ENV, "").strip().lower() not in ("1", "true", "yes", "on", "enabled"):
+        return False, (f"Open MPI {v} has ULFM, but this launch did not enable it ({FT_ENV} is not set): launch "
+                       f"with `mpirun --with-ft ulfm`")
+    return True, f"Open MPI {v} with ULFM, enabled for this launch (mpirun --with-ft ulfm)"
+
+
+def _failure_classes(MPI) -> tuple:
+    """The error classes of a dead peer (ULFM): the operation could not complete, or a peer revoked the
+    communicator after seeing a death."""
+    return tuple(getattr(MPI, n) for n in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
+                 if hasattr(MPI, n))
+
+
 class MPICommunicator(Communicator):
     """mpi4py over ``MPI.COMM_WORLD`` with numpy buffers (cupy ones staged through host copies, see
-    :meth:`_staged`); every collective polled to ``timeout_s``."""
+    :meth:`_staged`); every collective polled to ``timeout_s``.
+
+    Elastic (:meth:`make_elastic`, ``distributed.elastic``): a collective that fails on a dead peer raises
+    :class:`~trainrun.errors.PeerLost`, and :meth:`revoke`, :meth:`survived` and :meth:`shrink` (ULFM's
+    revoke, agreement and shrink, polled like the rest) let the survivors go on as a smaller communicator:
+    this object's ``rank`` and ``world_size`` change then, ``members`` says which first ranks are alive."""
 
     backend = "mpi"
+    elastic = False
 
     def __init__(self, timeout_s: float = 300.0):
         MPI = _import_mpi()
@@ -77,6 +108,8 @@ class MPICommunicator(Communicator):
                     if not quiet:
                         sleep = min(2 * sleep, base.MAX_SLEEP_S)
         except MPI.Exception as e:
+            if self.elastic and e.Get_error_class() in _failure_classes(MPI):
+                raise PeerLost(f"{op} on {self._who()}: {e.Get_error_string()}") from None
             raise TrainrunError(f"{op} failed on {self._who()} "
                                 f"after {time.monotonic() - start:.1f} s: {e.Get_error_string()}") from None
 
@@ -222,6 +255,60 @@ class MPICommunicator(Communicator):
         if self._node is not None and not self._MPI.Is_finalized():
             self._node.Free()
         self._node = None
+
+    # -- surviving a dead peer (distributed.elastic) --------------------------------
+    def make_elastic(self) -> None:
+        """From now on a dead peer raises :class:`PeerLost` instead of ending the job; a UsageError where this
+        MPI or launch cannot survive one (:func:`fault_tolerance`). Every rank calls it. The node's
+        communicator is freed now, while every rank lives (a rank lost later would leave it broken)."""
+        ok, why = fault_tolerance(self._MPI)
+        if not ok:
+            raise UsageError(f"distributed.elastic: this job cannot survive a lost rank: {why}")
+        self.elastic = True
+        self.members = list(range(self.world_size))      # the ranks alive, by the rank they started with
+        self.barrier()
+        if self._node is not None:
+            self._node.Free()
+            self._node = None
+
+    def revoke(self) -> None:
+        """After a :class:`PeerLost`: interrupt every survivor's operations on this communicator (MPI_Comm_revoke),
+        so that none waits in a collective the dead rank will never join."""
+        try:
+            self._comm.Revoke()
+        except self._MPI.Exception:
+            pass        # revoked already
+
+    def survived(self, ok: bool) -> bool:
+        """Every survivor learns the same answer (ULFM's agreement, fault tolerant): True where every rank passed
+        ``ok`` and no rank of this communicator died; False everywhere else (then :meth:`shrink`)."""
+        flag = np.array([int(bool(ok))], np.int32)
+        try:
+            self._wait(self._comm.Iagree(flag), "agreement", (flag,))
+        except PeerLost:
+            return False
+        return bool(flag[0])
+
+    def shrink(self) -> list[int]:
+        """Every survivor: this communicator becomes the survivors' (MPI_Comm_shrink; they keep their order, so
+        the lowest survivor is rank 0); the ranks lost, by the rank they started with."""
+        old, me = self._comm, self.members[self.rank]
+        # blocking: Open MPI 5.0's MPI_Comm_ishrink failed here with MPI_ERR_INTERN; a shrink is fault tolerant
+        # (it ends with the survivors whoever dies meanwhile), so it cannot hang on a dead rank
+        try:
+            new = old.Shrink()
+        except self._MPI.Exception as e:
+            raise TrainrunError(f"shrink failed on {self._who()}: {e.Get_error_string()}") from None
+        self._comm = new
+        try:
+            old.Free()
+        except self._MPI.Exception:
+            pass
+        self.rank, self.world_size = new.Get_rank(), new.Get_size()
+        alive = [int(r) for r in self.allgather_object(me)]
+        lost = [r for r in self.members if r not in alive]
+        self.members = alive
+        return lost
 
     def dup(self, what: str) -> "MPIGroup":
         """The same ranks as a communicator of their own (``MPI_Comm_dup``): collectives on it never match

@@ -8,6 +8,9 @@ table. Then the checks, each PASS, FAIL or SKIP:
 * ``allreduce``  a sum of known values (rank r contributes (r+1)*(i%7+1) at
                  index i of a float32 buffer, exact in float32) and of scalars
                  comes back exact on every rank, with the run's backend;
+* ``elastic``    whether the job could survive a lost rank (``distributed.elastic``): Open MPI 5 with its
+                 ULFM fault tolerance, enabled by ``mpirun --with-ft ulfm``; MPICH cannot (its fault
+                 tolerance aborts in MPI_Init). FAIL only where the config sets distributed.elastic;
 * ``bandwidth``  allreduce time of a ``--size-mb`` buffer (the slowest rank's
                  median of ``--iters``), as algorithm bandwidth (bytes/time)
                  and bus bandwidth (x 2(n-1)/n, as nccl-tests report it);
@@ -53,7 +56,7 @@ import numpy as np
 
 from ..graphs.gradients import BUILDER_NAMES, builder
 from ..graphs.manifest import load_manifest
-from ..comm import make_communicator
+from ..comm import fault_tolerance, make_communicator
 from ..errors import TrainrunError, UsageError
 from ..rundir import sha256_file
 
@@ -266,6 +269,18 @@ def estimate_inner_steps(cfg, link: dict) -> tuple[str, str]:
                     f"inner_steps >= {need} keeps the link under {LINK_SHARE:.0%} of the time")
 
 
+def check_fault_tolerance(comm, cfg) -> tuple[str, str]:
+    """Whether this job could go on after losing a rank (:func:`trainrun.comm.fault_tolerance`): FAIL only where
+    the config asks for ``distributed.elastic`` and this MPI or launch cannot survive one."""
+    if comm.world_size == 1 and comm.backend == "none":
+        return "SKIP", "one rank, no MPI: nothing to survive"
+    from mpi4py import MPI      # initialised already by the communicator
+    ok, why = fault_tolerance(MPI)
+    if ok:
+        return "PASS", f"yes, a lost rank can be survived: {why}"
+    return ("FAIL" if cfg is not None and cfg.distributed.elastic else "SKIP"), f"no: {why}"
+
+
 def check_run_dir(comm, run_dir: str) -> tuple[str, str]:
     """Rank 0 writes a file with a fresh token into ``run_dir``; every rank must read that token."""
     token = comm.allgather_object(os.urandom(8).hex())[0]
@@ -375,6 +390,7 @@ def run_doctor(cfg=None, config_bytes: bytes = b"", overrides=(), size_mb: float
                                                                  if a[k] != b[k]))))
         checks.append(("builder", *check_builder(comm, cfg)))
         checks.append(("allreduce", *check_allreduce(comm, device)))
+        checks.append(("elastic", *check_fault_tolerance(comm, cfg)))
         checks.append(("bandwidth", *measure_bandwidth(comm, device, size_mb, iters)))
         link: dict = {}
         if node is not None:
