@@ -1,6 +1,6 @@
 """The gradient reduction's bytes on the wire (``distributed.reduce_dtype``): fp32, or bf16 with fp32 sums.
 
-:func:`make` returns the reducer :mod:`trainrun.update` runs its inter-rank gradient collectives through:
+:func:`make` returns the reducer :mod:`trainrun.sync.update` runs its inter-rank gradient collectives through:
 
 * :class:`FP32`: the communicator's own collectives (MPI's allreduce / reduce-scatter, NCCL's), float32 on the
   wire.

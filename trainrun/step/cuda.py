@@ -33,7 +33,7 @@ import ctypes
 import glob
 import os
 
-from .errors import TrainrunError
+from ..errors import TrainrunError
 
 # per CUDA major: (package directory under site-packages/nvidia, sonames in load order: dependencies
 # first; a name with * is a pattern)

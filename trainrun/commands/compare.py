@@ -28,7 +28,7 @@ import math
 import os
 
 from ..errors import UsageError
-from .stats import COUNTS, STATS, find_ranks, read_rank
+from ..observe.stats import COUNTS, STATS, find_ranks, read_rank
 
 
 def _rms(rec: dict) -> float:

@@ -130,7 +130,7 @@ def build(cfg: OptimizerConfig, names: list[str], sizes: list[int], params, grad
     (host for numpy buffers, graph otherwise; the graph was built by :func:`build_optimizer_graph`
     with the same ``depths``: :func:`trainrun.models.registry.layer_depths`).
 
-    A shard (ZeRO-1, :mod:`trainrun.update`): ``params``/``grads`` are views of one rank's part of
+    A shard (ZeRO-1, :mod:`trainrun.sync.update`): ``params``/``grads`` are views of one rank's part of
     the flat buffers, ``names``/``sizes`` the parts of tensors it holds (a tensor may be cut at
     either end), and ``norm_sums`` combines LAMB's per-tensor sums of squares over the ranks (see
     :class:`trainrun.kernels.host.HostOptimizer`); host kernel only."""

@@ -31,7 +31,7 @@ import signal
 import threading
 import time
 
-from .errors import TrainrunError
+from ..errors import TrainrunError
 
 STOPPED_EXIT = 75       # sysexits.h EX_TEMPFAIL: "temporary failure, retry later": resumable
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -173,7 +173,7 @@ class EarlyStopping:
     (:func:`trainrun.config.greater_is_better`). Its state is saved in checkpoints."""
 
     def __init__(self, patience: int, min_delta: float, metric: str = "eval_loss"):
-        from .config import greater_is_better      # not at import: stopping is the command line's first import
+        from ..config import greater_is_better      # not at import: stopping is the command line's first import
         self.patience, self.min_delta, self.metric = patience, min_delta, metric
         self.sign = -1.0 if greater_is_better(metric) else 1.0     # compares sign * value: lower is better
         self.best: float | None = None

@@ -1,5 +1,5 @@
 """A run's start-up, before its first step, the same on every rank: the datasets checked
-(:func:`trainrun.validity.check`), the run directory written and its graphs prepared (rank 0), every rank
+(:func:`trainrun.run.validity.check`), the run directory written and its graphs prepared (rank 0), every rank
 agreeing on the config and the graph files, then the engine, the update and the sampler built. Each
 problem becomes one error agreed by every rank, so none waits in a collective the others left."""
 
@@ -12,25 +12,25 @@ import os
 import platform
 import sys
 
-from . import checkpoint as K
-from . import config as C
-from . import diloco
-from . import faults
-from . import feeding
+from .. import checkpoint as K
+from .. import config as C
+from ..sync import diloco
+from .. import faults
+from ..step import feeding
 from . import rundir
-from . import reducer
+from ..sync import reducer
 from . import resume
-from . import update
+from ..sync import update
 from . import validity
-from .comm import affinity, cpu_share, local_device, machine_id
-from .data import TrainLoader
-from .engine import Engine, EngineOptions
-from .errors import TrainrunError, UsageError, collective
-from .generate import TrainingSampler
-from .graphs.gradients import BUILDER_NAMES, builder
-from .graphs.manifest import load_manifest, prepare, up_to_date
-from .observe import engine_options
-from .observe.trackers import Trackers, check_installed
+from ..comm import affinity, cpu_share, local_device, machine_id
+from ..data import TrainLoader
+from ..step.engine import Engine, EngineOptions
+from ..errors import TrainrunError, UsageError, collective
+from ..commands.generate import TrainingSampler
+from ..graphs.gradients import BUILDER_NAMES, builder
+from ..graphs.manifest import load_manifest, prepare, up_to_date
+from ..observe import engine_options
+from ..observe.trackers import Trackers, check_installed
 
 _ORT_SEVERITY = {"warning": 3, "info": 3, "devinfo": 1, "verbose": 0}
 
@@ -47,10 +47,10 @@ class Setup:
     manifest: dict              # graphs/manifest.json
     threads: int                # this rank's onnxruntime threads
     engine: Engine
-    shard: object               # the update (trainrun.update.build)
+    shard: object               # the update (trainrun.sync.update.build)
     grad_buckets: int           # distributed.overlap_grad_reduce's buckets; 0 without overlap
     resume_from: str | None     # the checkpoint the run restores from (a branch's: its copy in the run directory)
-    sync: object                # distributed.sync (trainrun.diloco.build): every step, or DiLoCo's replicas
+    sync: object                # distributed.sync (trainrun.sync.diloco.build): every step, or DiLoCo's replicas
     sampler: TrainingSampler | None    # train.sample_every (rank 0)
 
 
@@ -58,7 +58,7 @@ def set_up(cfg: C.Config, comm, *, resume_from: str | None, lock, config_yaml: s
            retry=None) -> Setup:
     """Every rank: the datasets, the run directory and graphs, the agreement on both, then the engine. A
     resume (``resume_from``) may write into a run directory that holds checkpoints; one from a checkpoint of
-    another run directory branches into this one (:func:`trainrun.resume.branch`; ``retry``: the command
+    another run directory branches into this one (:func:`trainrun.run.resume.branch`; ``retry``: the command
     resuming from another checkpoint, named where the one copied is corrupt); ``lock`` (rank 0) is taken
     before anything is written there; ``config_yaml`` is what config.yaml records; ``stop_flag``: the stop
     signals' flag (for the tests' faults)."""
@@ -96,7 +96,7 @@ def return_freed_memory() -> None:
 
 
 def _open_data(cfg: C.Config, comm):
-    """The datasets of :func:`trainrun.validity.check`, which finds every problem of the files the config
+    """The datasets of :func:`trainrun.run.validity.check`, which finds every problem of the files the config
     names (data, model.init_from, the memory the model needs) before the graphs are built; the step the run
     ends at; this rank's loader."""
     error = None

@@ -16,7 +16,7 @@ import json
 import math
 import os
 
-from .errors import UsageError
+from ..errors import UsageError
 
 GRAPHS = "graphs"
 CHECKPOINTS = "checkpoints"

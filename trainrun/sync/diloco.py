@@ -3,7 +3,7 @@ with an outer step between them, as one component the runner's step calls.
 
 :func:`build` (every rank, a collective) returns :class:`EveryStep` or :class:`DiLoCo`. Its interface::
 
-    comm                     the ranks whose gradients the step reduces (trainrun.update.build is given it)
+    comm                     the ranks whose gradients the step reduces (trainrun.sync.update.build is given it)
     replica, replicas        this rank's replica and how many there are (the step's scalar allreduce carries
                              one gradient norm per replica: each replica clips on its own)
     attach(engine, shard, total_steps)   after the update is built: the round's start weights taken
@@ -33,7 +33,7 @@ gradient is formed in the gradient buffer, free between two steps.
 
 Streaming (``fragments`` F > 1): the model cut into F runs of whole tensors (:func:`fragments`), fragment f's
 outer step (f + 1) H / F steps into each round. With ``overlap_steps`` T its exchange runs in the background
-(a :class:`trainrun.reducer.BucketReducer`, one bucket per fragment) and is applied T steps later: the
+(a :class:`trainrun.sync.reducer.BucketReducer`, one bucket per fragment) and is applied T steps later: the
 fragment's global weights take the outer SGD step, the replica's fragment becomes them plus what it learned
 in those T steps. The run's last step synchronises the whole model.
 
@@ -55,11 +55,11 @@ import time
 
 import numpy as np
 
-from . import checkpoint as K
+from .. import checkpoint as K
 from . import reducer, update, wire
-from .comm import MPICommunicator, split_nodes
-from .errors import UsageError, collective
-from .flat import norm_sq
+from ..comm import MPICommunicator, split_nodes
+from ..errors import UsageError, collective
+from ..step.flat import norm_sq
 
 def build(cfg, comm):
     """The synchronisation of ``distributed.sync`` on ``comm`` (the world; every rank calls it)."""
@@ -453,7 +453,7 @@ class DiLoCo:
     def _replica_pieces(self, j: int, name: str):
         """Replica ``j``'s ``name`` ("weights" or an inner optimizer state) on world rank 0, in pieces: within
         replica ``j`` on its first rank (every rank of a replica holds all of its weights after a step; a
-        partitioned state is gathered there piece by piece, :meth:`trainrun.update.Partitioned.full_state`),
+        partitioned state is gathered there piece by piece, :meth:`trainrun.sync.update.Partitioned.full_state`),
         then from that rank to world rank 0 over the replicas' first ranks."""
         s, mine, buf = self.shard, self.replica == j, self._replica_states()[name]
         whole = self.engine.params if name == "weights" else None if s.sharded else buf

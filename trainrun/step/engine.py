@@ -10,9 +10,9 @@ On CUDA (``device: cuda``) the big buffers and the batches are cupy arrays; the
 small host scalars are bound again before each run (onnxruntime copies a host
 input to the GPU when it is bound, not when the graph runs), and cupy's stream
 is synchronized before each run (onnxruntime computes on its own stream).
-See :class:`_Bound` and :mod:`trainrun.cuda`.
+See :class:`_Bound` and :mod:`trainrun.step.cuda`.
 
-The optimizer is not the engine's: :mod:`trainrun.update` builds it over the
+The optimizer is not the engine's: :mod:`trainrun.sync.update` builds it over the
 engine's buffers; when it runs a graph, the engine opens that session
 (:meth:`Engine.attach_optimizer`) and hands it over to be bound.
 """
@@ -29,12 +29,12 @@ from safetensors import safe_open
 from . import cuda
 from . import feeding
 from .feeding import ORT_TYPES, check_inputs
-from .graphs import segments
-from .graphs.gradients import direct_gradients
-from .graphs.manifest import FROZEN_FILE, load_manifest
-from .graphs.names import ACC_OUT_SUFFIX, BUFFER_SUFFIX, LOSS, MASK_PREFIX, METRIC_PREFIX, RESET
+from ..graphs import segments
+from ..graphs.gradients import direct_gradients
+from ..graphs.manifest import FROZEN_FILE, load_manifest
+from ..graphs.names import ACC_OUT_SUFFIX, BUFFER_SUFFIX, LOSS, MASK_PREFIX, METRIC_PREFIX, RESET
 from .dropout import DropoutMasks
-from .errors import TrainrunError, UsageError
+from ..errors import TrainrunError, UsageError
 from .flat import FlatLayout, from_host, is_cupy, norm_sq
 from .sessions import disabled_optimizers, session_options
 
@@ -49,14 +49,14 @@ class EngineOptions:
     profile_prefix: str | None = None
     optimized_dir: str | None = None   # debug.save_graphs: write each graph as onnxruntime optimized it
     log_id: str | None = None          # names this rank in onnxruntime's own log lines
-    seed: int = 0                      # run.seed: the dropout masks' stream (trainrun/dropout.py)
+    seed: int = 0                      # run.seed: the dropout masks' stream (trainrun/step/dropout.py)
     # the train graph's gradients written straight into the gradient buffer (graphs.gradients.direct_gradients)
     # when its graph accumulates in place (onnxruntime-training's builder): for runs that never accumulate.
     # A graph of trainrun's builder is always run so; accumulation then adds in the engine (forward_backward)
     direct_gradients: bool = False
     # the train graph cut into segments, one per bucket of about this many bytes of gradients (0: one run),
     # so that a bucket's reduction can start before the backward pass ends (distributed.overlap_grad_reduce,
-    # trainrun.update); CPU only
+    # trainrun.sync.update); CPU only
     bucket_bytes: int = 0
 
 
@@ -68,7 +68,7 @@ class _Bound:
                  recompute: bool = False, chained: bool = False):
         """``model``: the graph as serialized bytes, when it differs from the file at ``path``;
         ``recompute``: the graph has recomputed blocks (train.recompute); ``chained``: one of the sessions
-        that run one after the other (:func:`trainrun.sessions.session_options`)."""
+        that run one after the other (:func:`trainrun.step.sessions.session_options`)."""
         import onnxruntime as ort
         providers = ["CPUExecutionProvider"]
         self.cuda = opts.device == "cuda"
@@ -167,7 +167,7 @@ class _Segmented:
     flowing down) is allocated by onnxruntime when it is made, handed to the later segments as it is (an
     OrtValue, no copy) and let go by each reader once it has run, so it lives from the segment that makes
     it to the last one that reads it, as in the whole graph, and its shape is what each run makes. The
-    segments allocate from one arena (:func:`trainrun.sessions.shared_cpu_arena`): a segment reuses the
+    segments allocate from one arena (:func:`trainrun.step.sessions.shared_cpu_arena`): a segment reuses the
     memory the ones before it freed, so the cut graph's memory peaks where the whole graph's does.
     ``run(between)`` calls ``between(k)`` after segment k (every segment but the last): the gradients of
     ``targets[0..k]`` are final then."""
@@ -285,13 +285,13 @@ class Engine:
     """The train, eval and optimizer sessions over shared flat buffers.
 
     ``buffers``: (params, grads) allocated by the caller (host arrays of the layout's size, e.g. views of
-    shared memory that several ranks' sessions bind to, :mod:`trainrun.update`); by default the engine's own.
+    shared memory that several ranks' sessions bind to, :mod:`trainrun.sync.update`); by default the engine's own.
     ``frozen``: the frozen weights' buffer (manifest ``frozen``, graph inputs as the parameters), the caller's
     (once per node) or the engine's; ``fill_frozen`` False: another rank fills it from frozen.safetensors.
     ``lazy_eval``: the eval session opened on first use (:attr:`eval_s`), not at start-up.
 
     ``batch_shapes``: dataset feature -> (shape, dtype) of one micro-batch; ``feeds``: graph input ->
-    the feature that feeds it (:func:`trainrun.feeding.feeds`, by default equal names and the labels
+    the feature that feeds it (:func:`trainrun.step.feeding.feeds`, by default equal names and the labels
     input from the feature ``labels``). The engine owns one buffer per fed graph input, checked at
     start-up against the graph's declared type and dims; :meth:`set_batch` copies a batch into them.
 
@@ -320,7 +320,7 @@ class Engine:
         if buffers is None:
             self.params = xp.zeros(N, np.float32)
             self.grads = xp.zeros(N, np.float32)
-        else:       # allocated by the caller (host, e.g. in shared memory: trainrun.update); bound as they are
+        else:       # allocated by the caller (host, e.g. in shared memory: trainrun.sync.update); bound as they are
             self.params, self.grads = buffers
             for what, b in zip(("params", "grads"), buffers):
                 if not (isinstance(b, np.ndarray) and b.dtype == np.float32 and b.shape == (N,)
@@ -405,7 +405,7 @@ class Engine:
         return [(bounds[a], bounds[b]) for a, b in self.bucket_tensors]
 
     def attach_optimizer(self, optimizer) -> None:
-        """``optimizer`` (:func:`trainrun.optim.build`, built by :mod:`trainrun.update` over these buffers)
+        """``optimizer`` (:func:`trainrun.step.optim.build`, built by :mod:`trainrun.sync.update` over these buffers)
         runs a graph: the engine opens its session with the engine's options (again on :meth:`reopen`) and
         hands it over to be bound."""
         self._graph_optimizer = optimizer

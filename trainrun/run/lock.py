@@ -16,7 +16,7 @@ import json
 import os
 import platform
 
-from .errors import UsageError
+from ..errors import UsageError
 
 LOCK_FILE = ".lock"
 

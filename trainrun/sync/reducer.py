@@ -3,17 +3,17 @@
 A flat float32 buffer is cut into buckets (element ranges); as each becomes final its allreduce starts in a
 background thread, while the caller goes on computing; at the end the caller waits for them and reduces the
 rest. The reducer owns all of it: the buckets, the one background thread, the duplicate communicator its
-collectives run on, the wire they go over (:func:`trainrun.wire.make`) and the wait. Its interface::
+collectives run on, the wire they go over (:func:`trainrun.sync.wire.make`) and the wait. Its interface::
 
     bucket_ready(k)   bucket k is final: its allreduce starts in the background (the callback the engine's
-                      segmented train graph calls between two segments, trainrun.engine.Engine.forward_backward)
+                      segmented train graph calls between two segments, trainrun.step.engine.Engine.forward_backward)
     wait()            wait for every started bucket (re-raising a failed or timed-out collective); how many
     reduce()          wait(), then allreduce the rest of the buffer in the calling thread (with no bucket
                       started: the whole buffer)
     close()           stop the thread, free the duplicate communicator
 
 Buckets are started in order 0, 1, ..., each rank starting the same ones in the same order; bucket k+1 lies
-below bucket k in the buffer (the backward pass makes the last layers' gradients first, :meth:`trainrun.engine.Engine._buckets`),
+below bucket k in the buffer (the backward pass makes the last layers' gradients first, :meth:`trainrun.step.engine.Engine._buckets`),
 so what :meth:`reduce` reduces itself is the buffer up to the last started bucket, in one call.
 
 The collectives run on a duplicate of the communicator (:meth:`trainrun.comm.MPICommunicator.dup`):
@@ -34,12 +34,12 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from . import wire
-from .comm import MPICommunicator, wait_quietly
+from ..comm import MPICommunicator, wait_quietly
 
 
 def applies(cfg, comm, node) -> bool:
     """Whether the step reduces buckets of gradients during the backward pass
-    (``distributed.overlap_grad_reduce``): on the replicated path (:class:`trainrun.update.Replicated`: stage
+    (``distributed.overlap_grad_reduce``): on the replicated path (:class:`trainrun.sync.update.Replicated`: stage
     0, no node buffers) over MPI on the CPU, with several ranks, where MPI lets another thread than the main
     one call it. The engine then cuts its train graph at the buckets (``EngineOptions.bucket_bytes``)."""
     d = cfg.distributed

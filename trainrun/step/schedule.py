@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 
-from .config import LRScheduleConfig
+from ..config import LRScheduleConfig
 
 
 def learning_rate(t: int, lr: float, max_steps: int, s: LRScheduleConfig) -> float:

@@ -17,13 +17,13 @@ from __future__ import annotations
 import os
 import shutil
 
-from . import checkpoint as K
-from . import config as C
+from .. import checkpoint as K
+from .. import config as C
 from . import rundir
 from . import validity
-from .comm import detect_world
-from .errors import UsageError
-from .graphs.manifest import up_to_date
+from ..comm import detect_world
+from ..errors import UsageError
+from ..graphs.manifest import up_to_date
 
 # keys `resume --set` may change without --force (prefix match)
 SAFE_ON_RESUME = ("train.max_steps", "train.max_epochs", "train.max_time", "train.stop_at", "train.eval_every", "train.eval_steps", "train.log_every",

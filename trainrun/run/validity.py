@@ -13,9 +13,9 @@ here, in three stages, each listing every problem it finds as one :class:`~train
   named set ``data.eval.<NAME>``; :mod:`trainrun.data`) readable, token ids below the model's vocabulary,
   sequences within its positions, at least one batch each (a training step's global batch, an
   evaluation's batch), the same features, model.task / model.num_labels as the train set's manifest says;
-  ``model.init_from``'s tensors' names and shapes (:mod:`trainrun.pretrained`, the .safetensors header
+  ``model.init_from``'s tensors' names and shapes (:mod:`trainrun.hf.pretrained`, the .safetensors header
   alone) and its tokenizer (a run's, a transformers folder's) against data.train's
-  (:func:`trainrun.tokenizer.mismatch`); ``optimizer.groups`` against the trainable parameters; ``model.onnx`` against the loss keys
+  (:func:`trainrun.hf.tokenizer.mismatch`); ``optimizer.groups`` against the trainable parameters; ``model.onnx`` against the loss keys
   (:mod:`trainrun.graphs.forward`); ``data.inputs`` against the model's inputs; the metrics ``train.early_stopping.metric`` and
   ``checkpoint.best_metric`` watch against those the evaluations will log (:func:`eval_metrics`, from the
   model, its task and the data); the parameters, gradients and optimizer moments (float32) of one rank
@@ -32,19 +32,19 @@ import fnmatch
 import math
 import os
 
-from . import config as C
-from . import data as D
-from . import feeding
-from . import pretrained
-from . import tokenizer
-from .checkpoint import is_step_dir
-from .cuda import cuda_provider_problem
-from .errors import UsageError
-from .graphs import forward as F
-from .graphs import lora
-from .graphs.losses import head_metrics
-from .graphs.names import METRIC_PREFIX, metric_names
-from .models import registry
+from .. import config as C
+from .. import data as D
+from ..step import feeding
+from ..hf import pretrained
+from ..hf import tokenizer
+from ..checkpoint import is_step_dir
+from ..step.cuda import cuda_provider_problem
+from ..errors import UsageError
+from ..graphs import forward as F
+from ..graphs import lora
+from ..graphs.losses import head_metrics
+from ..graphs.names import METRIC_PREFIX, metric_names
+from ..models import registry
 
 
 def load_config(path: str | None, overrides=(), *, need_data: bool = False) -> C.Config:
@@ -281,7 +281,7 @@ def check(cfg: C.Config, world_size: int = 1, datasets: bool = True):
         shapes = {name: shape for name, (shape, _) in specs.items()}
         problems += _memory(cfg, shapes, world_size)
         problems += _fragments(cfg, shapes)
-        from .optim import group_problems
+        from ..step.optim import group_problems
         problems += group_problems(cfg.optimizer, [n for n in shapes if not any(
             fnmatch.fnmatchcase(n, p) for p in cfg.model.frozen)])
         if cfg.model.lora is not None:
@@ -396,7 +396,7 @@ def _memory(cfg: C.Config, shapes: dict, world_size: int) -> list[str]:
     """The float32 parameters, gradients and optimizer moments one rank holds (on cuda: the host copy of
     the parameters that prepare builds) against the machine's memory: a lower bound of what training
     needs, so a config refused here could never run."""
-    from .optim import state_names
+    from ..step.optim import state_names
     n = sum(math.prod(s) for s in shapes.values())
     moments = len(state_names(cfg.optimizer))
     per_param = 1 if cfg.device == "cuda" else 2 + moments / (world_size if cfg.distributed.zero_stage else 1)
@@ -470,7 +470,7 @@ def inactive(cfg: C.Config, world_size: int, shared: tuple[int, int] | None, ove
     ranks, their nodes, the MPI library). ``world_size``: the ranks the step reduces gradients over (the
     world, or under DiLoCo each of its ``replicas``); ``shared``: (ranks per node, nodes) where the ranks of
     a node share memory (``distributed.intra_node: shared`` in effect), else None; ``overlaps``: the step
-    may reduce gradients during the backward pass (:func:`trainrun.reducer.applies`); ``buckets``: how many
+    may reduce gradients during the backward pass (:func:`trainrun.sync.reducer.applies`); ``buckets``: how many
     it cuts them into."""
     d, notes = cfg.distributed, []
     # DiLoCo's replicas of one rank each: the step reduces nothing; the replicas meet at the outer step only

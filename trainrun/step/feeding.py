@@ -7,8 +7,8 @@ import math
 
 import numpy as np
 
-from .errors import UsageError
-from .graphs.names import METRIC_PREFIX, metric_names
+from ..errors import UsageError
+from ..graphs.names import METRIC_PREFIX, metric_names
 
 def feeds(manifest: dict, data_inputs: dict, features=None) -> dict:
     """{graph input: dataset feature}: ``data_inputs`` (the config's data.inputs) where it names the

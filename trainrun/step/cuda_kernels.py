@@ -1,7 +1,7 @@
 """Which float element types the CUDA provider of the onnxruntime in use has a kernel for, per op (a
 table per build, derived from its provider library by ``scripts/cuda_kernels.py``: ``cuda_kernels.tsv``
 for onnxruntime-training 1.19.2's CUDA 11.8 build, ``cuda_kernels_gpu.tsv`` for stock onnxruntime-gpu
-1.26.0, the last CUDA 12 build; :func:`table` takes the one of :func:`trainrun.cuda.stack`), and the
+1.26.0, the last CUDA 12 build; :func:`table` takes the one of :func:`trainrun.step.cuda.stack`), and the
 ``prepare``-time check of a graph against it (``device: cuda``): a node with no kernel for its type
 would stop the session's creation on the GPU, after the run has started. Runs without a GPU.
 
@@ -17,7 +17,7 @@ import os
 import onnx
 from onnx import TensorProto, shape_inference
 
-from .errors import UsageError
+from ..errors import UsageError
 
 FLOATS = {TensorProto.FLOAT: "float", TensorProto.FLOAT16: "float16", TensorProto.BFLOAT16: "bfloat16",
           TensorProto.DOUBLE: "double"}
@@ -97,4 +97,4 @@ def check(graphs: dict[str, onnx.ModelProto], source: str) -> None:
                 for n, dtype in node_types(model) if not has_kernel(n.op_type, dtype)]
     if problems:
         raise UsageError(f"{source}: device: cuda, but {build()}'s CUDA provider has no kernel for these ops "
-                         f"in these types (trainrun/{table_file()})", problems)
+                         f"in these types (trainrun/step/{table_file()})", problems)

@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 
-from .errors import UsageError
+from ..errors import UsageError
 
 RUN_FILE = "tokenizer.json"
 INFO_FILE = "tokenizer_info.json"

@@ -55,7 +55,7 @@ from ..graphs.gradients import BUILDER_NAMES, builder
 from ..graphs.manifest import load_manifest
 from ..comm import make_communicator
 from ..errors import TrainrunError, UsageError
-from ..rundir import sha256_file
+from ..run.rundir import sha256_file
 
 FULL_HASH_LIMIT = 64 << 20
 PIECE = 1 << 20
@@ -195,7 +195,7 @@ def _node_group(comm):
     """This rank's node group as training makes it (``comm.split_nodes``), or None on one rank or without
     MPI."""
     from ..comm import MPICommunicator, split_nodes
-    from ..update import ranks_per_node
+    from ..sync.update import ranks_per_node
     if not isinstance(comm, MPICommunicator) or comm.world_size == 1:
         return None
     return split_nodes(comm, ranks_per_node(comm.world_size))[0]

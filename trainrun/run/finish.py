@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import os
 
-from .errors import collective
-from .export import export_checkpoint
-from .observe.metrics import fmt_duration
+from ..errors import collective
+from ..commands.export import export_checkpoint
+from ..observe.metrics import fmt_duration
 from .rundir import COMMITTED
 from .stopping import Abandon, StopSignals, Stopped
 

@@ -11,7 +11,7 @@ model may lack (the family's ``optional`` prefixes); any other missing parameter
 (buffers such as ``attn.bias`` or ``position_ids``) are ignored.
 
 The config side (config.json's shape fields fill ``model.<family>``, or must agree with it) is
-config.load._fill_from_init_from and :func:`trainrun.validity.config_problems`.
+config.load._fill_from_init_from and :func:`trainrun.run.validity.config_problems`.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import os
 
 import numpy as np
 
-from .checkpoint import Pinned, is_step_dir, pin, tensor_spans
-from .errors import UsageError
-from .models import registry
-from .rundir import COMMITTED, checkpoints_dir
+from ..checkpoint import Pinned, is_step_dir, pin, tensor_spans
+from ..errors import UsageError
+from ..models import registry
+from ..run.rundir import COMMITTED, checkpoints_dir
 
 FILE = "model.safetensors"      # a trainrun checkpoint's weights
 

@@ -2,7 +2,7 @@
 engine's train, eval and optimizer sessions, ``evaluate``, ``generate`` and the sampler, ``export``'s
 check of the model it wrote).
 
-onnxruntime is imported when options are built, not at import (see trainrun/runner.py: its first import
+onnxruntime is imported when options are built, not at import (see trainrun/run/runner.py: its first import
 belongs on a short stack).
 """
 

@@ -9,7 +9,7 @@
     step(lr, t, gs)   the optimizer update (of this rank's part, when partitioned)
     gather()          every rank's updated part to every rank that reads it
 
-and holds the optimizer (:func:`trainrun.optim.build`, over the whole flat buffers or this rank's part of
+and holds the optimizer (:func:`trainrun.step.optim.build`, over the whole flat buffers or this rank's part of
 them; the engine only opens its session when it runs a graph) and its state (``state``: name -> flat
 buffer covering elements ``lo:hi`` of the flat parameters) for checkpoints.
 
@@ -40,7 +40,7 @@ buffer covering elements ``lo:hi`` of the flat parameters) for checkpoints.
   ``norm_sums``). AdamW, Adam and SGD are elementwise: a part's update is bit for bit that part of the
   replicated update.
 
-Every inter-rank gradient collective goes through ``wire`` (:func:`trainrun.wire.make`,
+Every inter-rank gradient collective goes through ``wire`` (:func:`trainrun.sync.wire.make`,
 ``distributed.reduce_dtype``): float32 on the wire, or bfloat16 summed in float32; the node's shared-memory
 sum reads memory, not a wire, and stays float32.
 
@@ -60,11 +60,12 @@ import sys
 
 import numpy as np
 
-from . import optim, reducer, wire
-from .comm import MPICommunicator, NodeMemory, SharedMemoryUnavailable, SingleProcess
-from .flat import FlatLayout, norm_sq
-from .models import registry
-from .errors import UsageError
+from ..step import optim
+from . import reducer, wire
+from ..comm import MPICommunicator, NodeMemory, SharedMemoryUnavailable, SingleProcess
+from ..step.flat import FlatLayout, norm_sq
+from ..models import registry
+from ..errors import UsageError
 
 RANKS_PER_NODE_ENV = "TRAINRUN_RANKS_PER_NODE"
 _SUM_CHUNK = 1 << 15      # float32 elements per chunk of the node-local sum: a few of them stay in L2
@@ -179,8 +180,8 @@ class Replicated:
     """Stage 0 over MPI: allreduce, the whole update on every rank.
 
     When the engine's train graph is cut at gradient buckets (it was opened with
-    ``EngineOptions.bucket_bytes`` where :func:`trainrun.reducer.applies` holds: ``engine.buckets``), the
-    reduction belongs to :attr:`reducer` (:class:`trainrun.reducer.BucketReducer`): the runner hands its
+    ``EngineOptions.bucket_bytes`` where :func:`trainrun.sync.reducer.applies` holds: ``engine.buckets``), the
+    reduction belongs to :attr:`reducer` (:class:`trainrun.sync.reducer.BucketReducer`): the runner hands its
     ``bucket_ready`` to the engine for the last micro-batch, and :meth:`reduce` waits for the started
     buckets and reduces what is left (everything when no bucket was started, e.g. a step whose gradients
     ``debug.stats_every`` reads first). Otherwise :attr:`reducer` is None and :meth:`reduce` is one allreduce."""
@@ -266,7 +267,7 @@ class Partitioned:
     def _sum_peers(self) -> float:
         """This rank's slice of the node: its own gradients plus every other local rank's, read from their
         buffers, chunk by chunk; returns the slice's squared norm, taken while each summed chunk is in cache
-        (float32 dots of the chunks summed in float64, like :func:`trainrun.flat.norm_sq`)."""
+        (float32 dots of the chunks summed in float64, like :func:`trainrun.step.flat.norm_sq`)."""
         own = self.peers[self.local.rank]
         others = [p for r, p in enumerate(self.peers) if r != self.local.rank]
         sq = 0.0

@@ -1,5 +1,5 @@
 """``trainrun evaluate``: loss, perplexity (a next-token cross-entropy) and the eval graph's metrics of a
-checkpoint on any dataset of the run's tokenizer (:func:`trainrun.tokenizer.mismatch`; ``--force``: any).
+checkpoint on any dataset of the run's tokenizer (:func:`trainrun.hf.tokenizer.mismatch`; ``--force``: any).
 
 ``--batch B`` counts the samples of one step over all ranks (default: the run's micro_batch_size x
 the ranks); ``--steps N`` the steps (default: every sample: the whole steps, then the rest as one
@@ -26,22 +26,22 @@ import os
 
 import numpy as np
 
-from . import checkpoint as K
-from . import config as C
-from . import feeding
-from .graphs.manifest import load_manifest
-from .graphs.names import LOSS, METRIC_PREFIX
-from . import rundir
-from . import tokenizer
-from . import validity
-from .comm import make_communicator
-from .data import eval_batches, open_dataset
-from .feeding import check_inputs
-from .errors import TrainrunError, UsageError
+from .. import checkpoint as K
+from .. import config as C
+from ..step import feeding
+from ..graphs.manifest import load_manifest
+from ..graphs.names import LOSS, METRIC_PREFIX
+from ..run import rundir
+from ..hf import tokenizer
+from ..run import validity
+from ..comm import make_communicator
+from ..data import eval_batches, open_dataset
+from ..step.feeding import check_inputs
+from ..errors import TrainrunError, UsageError
 from .export import checkpoint_weights, frozen_tensors, held_graphs, mapped_weights
-from .models import registry
-from .observe.task_metrics import TaskMetrics
-from .sessions import session_options
+from ..models import registry
+from ..observe.task_metrics import TaskMetrics
+from ..step.sessions import session_options
 
 
 def _cores() -> int:

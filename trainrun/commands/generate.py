@@ -20,16 +20,16 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from .graphs.manifest import load_manifest
-from . import config as C
-from . import rundir
-from . import tokenizer as T
-from .checkpoint import pin
-from .errors import UsageError
+from ..graphs.manifest import load_manifest
+from .. import config as C
+from ..run import rundir
+from ..hf import tokenizer as T
+from ..checkpoint import pin
+from ..errors import UsageError
 from .export import checkpoint_weights, full_weights, kv_cache_model
-from .flat import FlatLayout, is_cupy, to_host
-from .models import registry
-from .sessions import session_options
+from ..step.flat import FlatLayout, is_cupy, to_host
+from ..models import registry
+from ..step.sessions import session_options
 
 
 class Decoder:

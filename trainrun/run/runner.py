@@ -4,14 +4,14 @@
 (:meth:`~TrainingRunner._end`: the last checkpoint committed, the observers closed, model.onnx exported,
 summary.json). One step (:meth:`~TrainingRunner.train_step`), in the order of ORT's C++ runner: the
 micro-batches' forward and backward passes (gradients summed in the flat buffer), the reduce
-(:mod:`trainrun.update`), ONE small allreduce of scalars (loss, squared gradient norm, stop flag, the
+(:mod:`trainrun.sync.update`), ONE small allreduce of scalars (loss, squared gradient norm, stop flag, the
 background checkpoint's progress: every rank takes the same decisions), the clipping divisor, the optimizer
 step at this step's learning rate (skipped on every rank where the norm is not finite), the gather of a
 partitioned update. The averaging factor 1/(accum x world) and the clipping divisor are applied inside the
 optimizer (its ``grad_scale``), not in extra passes over the gradients. What follows a step (a metrics
 line, an evaluation, early stopping, a checkpoint, a sample) is decided by :func:`step_end`. The set-up
-before the first step is :mod:`trainrun.startup`; the eval sets' evaluation :mod:`trainrun.evaluate`; the
-export and summary.json :mod:`trainrun.finish`.
+before the first step is :mod:`trainrun.run.startup`; the eval sets' evaluation :mod:`trainrun.commands.evaluate`; the
+export and summary.json :mod:`trainrun.run.finish`.
 """
 
 from __future__ import annotations
@@ -21,30 +21,30 @@ import math
 import os
 import time
 
-from .sessions import import_onnxruntime
+from ..step.sessions import import_onnxruntime
 
 # onnxruntime first imported here, on a short stack, and without torch (see import_onnxruntime): imported with
 # torch inside prepare or the engine, the exception its package check keeps (ORTModule's) held every frame
 # below the import, locals included, for the life of the process (the model being built: 1 GB at GPT-2 124M)
 import_onnxruntime()
 
-from . import checkpoint as K
-from . import config as C
-from . import faults
+from .. import checkpoint as K
+from .. import config as C
+from .. import faults
 from .startup import header, return_freed_memory, set_up, start_trackers
-from .comm import cuda_device_count, make_communicator
-from .errors import TrainrunError, UsageError, collective
-from .evaluate import evaluate_sets
+from ..comm import cuda_device_count, make_communicator
+from ..errors import TrainrunError, UsageError, collective
+from ..commands.evaluate import evaluate_sets
 from .finish import export_model, model_is_current, write_summary
 from .lock import RunLock
-from .observe import Observer, apply_log_level
-from .observe.flops import Utilisation
-from .observe.metrics import Metrics
-from .observe.timer import PhaseTimer, process_age
-from .precision import make_scaler
-from .schedule import learning_rate
+from ..observe import Observer, apply_log_level
+from ..observe.flops import Utilisation
+from ..observe.metrics import Metrics
+from ..observe.timer import PhaseTimer, process_age
+from ..step.precision import make_scaler
+from ..step.schedule import learning_rate
 from .stopping import EarlyStopping, StopSignals, Stopped
-from .tokenizer import record as record_tokenizer
+from ..hf.tokenizer import record as record_tokenizer
 
 MAX_NONFINITE_IN_A_ROW = 8
 
@@ -392,7 +392,7 @@ class TrainingRunner:
         return evaluated
 
     def evaluate(self) -> dict:
-        """Every eval set's metrics (:func:`trainrun.evaluate.evaluate_sets`), with this step's model state."""
+        """Every eval set's metrics (:func:`trainrun.commands.evaluate.evaluate_sets`), with this step's model state."""
         self.average_model_state()
         with self.sync.global_weights():     # DiLoCo: mid-round, the global weights, not this replica's
             evaluated = evaluate_sets(self.engine, self.comm, self.cfg, self.eval_sets, step=self.step,
@@ -487,13 +487,13 @@ class TrainingRunner:
     def _close_training(self) -> None:
         """After the last checkpoint committed: the observers closed (the profiler's window written), the
         shared memory freed by every rank (collective), before rank 0 exports."""
-        self.wire_bytes = self.shard.wire.sent_bytes     # the gradients' bytes on the wire (trainrun.wire)
+        self.wire_bytes = self.shard.wire.sent_bytes     # the gradients' bytes on the wire (trainrun.sync.wire)
         self.observe.close()
         self.shard.close()
         self.sync.close()
 
     def _export(self, ckpt: str) -> Stopped | None:
-        """rank 0: model.onnx from ``ckpt`` (:func:`trainrun.finish.export_model`), after dropping what
+        """rank 0: model.onnx from ``ckpt`` (:func:`trainrun.run.finish.export_model`), after dropping what
         training held (the export reads the checkpoint); the :class:`Stopped` of a stop that abandons it."""
         self.engine.close()
         self.shard = self.sampler = self.observe = None
@@ -515,7 +515,7 @@ class TrainingRunner:
             "final_loss": self.last.get("loss"), "final_eval_loss": self._first_eval_loss(self.last_eval),
             **({"final_eval": self.last_eval} if self.last_eval else {}), "world_size": self.world,
             "phase_shares": {k: round(v, 4) for k, v in self.timer.shares().items()},
-            # bytes this rank sent for the gradient reduction, per step (trainrun.wire: fp32 or bf16 on the wire)
+            # bytes this rank sent for the gradient reduction, per step (trainrun.sync.wire: fp32 or bf16 on the wire)
             "wire_bytes_per_step": self.wire_bytes // ran if ran else 0,
             # distributed.overlap_grad_reduce: the buckets of the gradient buffer (all but the last reduced
             # during the backward pass); 0 without overlap
