@@ -1,7 +1,7 @@
 """The trainrun command line in this process, for tests that look inside a rank (``mpirun -np N python
 tests/rank_probe.py ARGS``): at exit it prints ``PEAK_RSS_KB <rank> <KiB>``, the process's peak resident set
 (getrusage: the whole run, set-up to export). ``TRAINRUN_PROBE_GATHER_PIECE=N``: ZeRO-1's checkpoint gathers
-the optimizer state in pieces of N elements (``trainrun.sync.update._GATHER_CHUNK``), so a tiny model takes
+the optimizer state in pieces of N elements (``trainrun.sync.update.PIECE``), so a tiny model takes
 many. ``TRAINRUN_PROBE_OUTER_DIR=D``: at each DiLoCo outer step each rank saves its replica's weights before it
 and the new weights after it (``D/rank<r>_step<s>_{before,after}.npy``; with ``TRAINRUN_PROBE_OUTER_ALL=1`` at
 every step). ``TRAINRUN_PROBE_FIRST_DIR=D``: each rank saves its parameters as its first step starts
@@ -53,7 +53,7 @@ if __name__ == "__main__":
     from trainrun.cli import main
     if os.environ.get("TRAINRUN_PROBE_GATHER_PIECE"):
         from trainrun.sync import update
-        update._GATHER_CHUNK = int(os.environ["TRAINRUN_PROBE_GATHER_PIECE"])
+        update.PIECE = int(os.environ["TRAINRUN_PROBE_GATHER_PIECE"])
     if os.environ.get("TRAINRUN_PROBE_OUTER_DIR"):
         _record_outer_steps(os.environ["TRAINRUN_PROBE_OUTER_DIR"])
     if os.environ.get("TRAINRUN_PROBE_FIRST_DIR"):

@@ -295,3 +295,36 @@ def test_the_floors_are_folders():
     undocumented = [p for p in packages
                     if not ast.get_docstring(ast.parse(open(os.path.join(top, p, "__init__.py")).read()))]
     assert undocumented == []
+
+
+def test_the_runner_holds_no_branch_on_the_sync_mode():
+    """The runner only calls the sync policy's interface (trainrun/sync/policy.py's ``Policy``): it reads none
+    of its attributes (how many replicas, which communicator) to decide anything itself."""
+    from trainrun.sync.policy import EveryStep, Policy
+    from trainrun.sync.diloco import DiLoCo
+    interface = {n for cls in (Policy, EveryStep, DiLoCo) for n, v in vars(cls).items()
+                 if callable(v) and not n.startswith("_")}
+    tree = ast.parse(open(modules()["run.runner"]).read())
+    read = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Attribute) and node.value.attr == "sync"}
+    assert read and read - interface == set()
+    assert {"world_step", "scalars", "maybe_outer_step"} <= read
+
+
+def test_no_module_reads_another_modules_private_names(graph):
+    """``module._name`` of a trainrun module imported as ``module`` (a constant of ``update``, say): a private
+    name stays in its module; another module gets a public one."""
+    found = modules()
+    bad = []
+    for mod, path in found.items():
+        tree = ast.parse(open(path).read())
+        aliases = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                aliases.update(a.asname or a.name for a in node.names
+                               if node.level or (node.module or "").startswith("trainrun"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases \
+                    and node.attr.startswith("_") and not node.attr.startswith("__"):
+                bad.append(f"{mod}: {node.value.id}.{node.attr}")
+    assert bad == []

@@ -17,6 +17,7 @@ export and summary.json :mod:`trainrun.run.finish`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import time
@@ -42,7 +43,7 @@ from ..observe.flops import Utilisation
 from ..observe.metrics import Metrics
 from ..observe.timer import PhaseTimer, process_age
 from ..step.precision import make_scaler
-from ..step.schedule import learning_rate
+from ..step.schedule import every, learning_rate
 from .stopping import EarlyStopping, StopSignals, Stopped
 from ..hf.tokenizer import record as record_tokenizer
 
@@ -65,18 +66,15 @@ def step_end(cfg: C.Config, step: int, end: int, stop_requested: bool, has_eval:
     """The decisions after ``step`` of a run that ends at ``end``; ``stop_requested``: the step's allreduce
     carried a stop (signal or limit) from some rank; ``has_eval``: data.eval is set."""
     t = cfg.train
-
-    def every(n: int) -> bool:
-        return bool(n) and step % n == 0
-
+    due = functools.partial(every, step)
     last = step == end
     stop = stop_requested and not last          # the last step done, the run is finished: stop or no stop
-    checkpoint = every(cfg.checkpoint.every) or last or stop
+    checkpoint = due(cfg.checkpoint.every) or last or stop
     # the last step's evaluation is the final one; keep_best ranks each checkpoint by its evaluation
-    evaluate = has_eval and not stop and (every(t.eval_every) or last or (checkpoint and cfg.checkpoint.keep_best > 0))
-    return StepEnd(last=last, stop=stop, log=every(t.log_every) or last or stop, evaluate=evaluate,
-                   patience=evaluate and every(t.eval_every),      # patience counts eval_every's evaluations
-                   checkpoint=checkpoint, sample=every(t.sample_every) and not stop)
+    evaluate = has_eval and not stop and (due(t.eval_every) or last or (checkpoint and cfg.checkpoint.keep_best > 0))
+    return StepEnd(last=last, stop=stop, log=due(t.log_every) or last or stop, evaluate=evaluate,
+                   patience=evaluate and due(t.eval_every),      # patience counts eval_every's evaluations
+                   checkpoint=checkpoint, sample=due(t.sample_every) and not stop)
 
 
 class TrainingRunner:
@@ -297,43 +295,30 @@ class TrainingRunner:
         return loss_sum
 
     def world_step(self, step: int) -> bool:
-        """Whether ``step``'s scalars are summed over the world: always with every-step training; with DiLoCo
-        only where the world must agree or the world's mean is read (a metrics line, an evaluation, a
-        checkpoint, a sample, debug statistics, the run's end, a checkpoint write in flight, fp16's loss
-        scale). Between them each replica sums its own (its ranks only): no round trip over the slow link
-        and no wait for the slowest replica at every step; a stop signal is carried at the next world step."""
-        if self.sync.replicas == 1:
-            return True
-        t, every = self.cfg.train, (lambda n: bool(n) and step % n == 0)
-        return (step >= self.end or self.scaler is not None or self.checkpoints.writer.pending_step is not None
-                or any(map(every, (t.log_every, t.eval_every, self.cfg.checkpoint.every, t.sample_every,
-                                   self.cfg.debug.stats_every))))
+        """Whether ``step``'s scalars are summed over the world: the sync policy's call
+        (:meth:`trainrun.sync.policy.Policy.world_step`), told where the world must agree whatever its schedule
+        (fp16's loss scale, a checkpoint write in flight)."""
+        return self.sync.world_step(step, self.end, agree=self.scaler is not None
+                                    or self.checkpoints.writer.pending_step is not None)
 
     def step_scalars(self, loss_sum: float, world: bool = True) -> tuple[float, float, bool, bool, bool]:
         """(mean loss, gradient norm, finite, a stop signal reached some rank, some rank's non-finite steps
-        in a row reach the limit with this one), from one allreduce of a few scalars over the world (``world``:
-        it also carries the background checkpoint's progress and the stop flags) or, at DiLoCo's steps
-        between two world steps (:meth:`world_step`), over this rank's replica: its loss and its norm."""
+        in a row reach the limit with this one), from the sync policy's one allreduce of a few scalars
+        (:meth:`trainrun.sync.policy.Policy.scalars`): over the world (``world``), carrying the background
+        checkpoint's progress and the stop flags, or over this rank's replica (its loss and its norm)."""
         norm_part = self.shard.norm_sq_part()
+        stop = limit = False
         if not world:
-            comm = self.sync.comm
-            loss_total, norm_sq = comm.allreduce_scalars([loss_sum, norm_part], op="sum") \
-                if comm.world_size > 1 else (loss_sum, norm_part)
-            finite = math.isfinite(norm_sq)
-            grad_norm = math.sqrt(norm_sq) * self.grad_scale() if finite else float("inf")
-            return loss_total / (self.accum * comm.world_size), grad_norm, finite, False, False
-        ck_done, ck_failed = self.checkpoints.status()
-        self.stops_carried = self.signals.noted()
-        norms = [0.0] * self.sync.replicas       # each replica's squared norm (DiLoCo: each clips its own)
-        norms[self.sync.replica] = norm_part
-        limit = float(self.nonfinite_in_a_row + 1 >= MAX_NONFINITE_IN_A_ROW)
-        loss_total, ck_done, ck_failed, stop, limit, *norms = self.comm.allreduce_scalars(
-            [loss_sum, ck_done, ck_failed, float(self.stops_carried > 0), limit, *norms], op="sum")
-        self.checkpoints.progress(ck_done, ck_failed)
-        norm_sq = norms[self.sync.replica]
-        finite = all(map(math.isfinite, norms))     # NaN and inf propagate through the sum
-        grad_norm = math.sqrt(norm_sq) * self.grad_scale() if finite else float("inf")
-        return loss_total / (self.accum * self.world), grad_norm, finite, bool(stop), bool(limit)
+            s = self.sync.scalars(loss_sum, norm_part)
+        else:
+            ck_done, ck_failed = self.checkpoints.status()
+            self.stops_carried = self.signals.noted()
+            limit = float(self.nonfinite_in_a_row + 1 >= MAX_NONFINITE_IN_A_ROW)
+            s = self.sync.scalars(loss_sum, norm_part, [ck_done, ck_failed, float(self.stops_carried > 0), limit])
+            ck_done, ck_failed, stop, limit = s.carried
+            self.checkpoints.progress(ck_done, ck_failed)
+        grad_norm = math.sqrt(s.norm_sq) * self.grad_scale() if s.finite else float("inf")
+        return s.loss_sum / (self.accum * s.ranks), grad_norm, s.finite, bool(stop), bool(limit)
 
     def grad_scale(self) -> float:
         """The gradient buffer holds a sum over ranks and micro-batches (times the fp16 loss scale):

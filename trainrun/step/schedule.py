@@ -1,4 +1,5 @@
-"""Learning-rate schedules: a pure function of the step.
+"""Learning-rate schedules: a pure function of the step; and :func:`every`, the one test of an ``*_every``
+schedule (what follows a step, the world steps of DiLoCo).
 
 ``t`` is the 1-based step number (steps skipped for non-finite gradients count
 too, so a skip never shifts the schedule). Warmup rises linearly from lr/warmup
@@ -21,6 +22,11 @@ from __future__ import annotations
 import math
 
 from ..config import LRScheduleConfig
+
+
+def every(step: int, n: int) -> bool:
+    """Whether ``step`` is one of every ``n``-th (``train.log_every``, ``checkpoint.every``, ...; 0: never)."""
+    return bool(n) and step % n == 0
 
 
 def learning_rate(t: int, lr: float, max_steps: int, s: LRScheduleConfig) -> float:

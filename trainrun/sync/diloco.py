@@ -1,16 +1,6 @@
-"""How the ranks' work is synchronised (``distributed.sync``): every step, or DiLoCo's rounds of local steps
-with an outer step between them, as one component the runner's step calls.
-
-:func:`build` (every rank, a collective) returns :class:`EveryStep` or :class:`DiLoCo`. Its interface::
-
-    comm                     the ranks whose gradients the step reduces (trainrun.sync.update.build is given it)
-    replica, replicas        this rank's replica and how many there are (the step's scalar allreduce carries
-                             one gradient norm per replica: each replica clips on its own)
-    attach(engine, shard, total_steps)   after the update is built: the round's start weights taken
-    maybe_outer_step(step)   after every optimizer step: an outer step where a round ends; its log line or None
-    global_weights()         a context in which the engine's parameters are the global weights (evaluation)
-    full_state(), restore_state(), state_dict(), load_state_dict(state, ckpt)   the checkpoint's part
-    close()
+"""DiLoCo's rounds of local steps with an outer step between them (``distributed.sync: diloco``), a sync
+policy (:class:`trainrun.sync.policy.Policy`: the interface the runner's step calls). :func:`build` (every
+rank, a collective) returns :class:`trainrun.sync.policy.EveryStep` or :class:`DiLoCo`.
 
 DiLoCo (Douillard et al., 2023). The world's ranks form replicas: ``distributed.diloco.group`` consecutive
 world ranks each, or (group 0) the ranks of one node (:func:`trainrun.comm.split_nodes`). A replica is what
@@ -49,23 +39,26 @@ momentum zero, its inner optimizer state kept (the paper starts from a pre-train
 from __future__ import annotations
 
 import contextlib
-import functools
-import sys
 import time
 
 import numpy as np
 
-from .. import checkpoint as K
 from . import reducer, update, wire
+from .diloco_state import DiLoCoState
+from .policy import EveryStep, Policy
 from ..comm import MPICommunicator, split_nodes
 from ..errors import UsageError, collective
 from ..step.flat import norm_sq
+from ..step.schedule import every
+
 
 def build(cfg, comm):
-    """The synchronisation of ``distributed.sync`` on ``comm`` (the world; every rank calls it)."""
+    """The sync policy of ``distributed.sync`` on ``comm`` (the world; every rank calls it)."""
     if cfg.distributed.sync != "diloco":
         return EveryStep(comm)
-    return DiLoCo.split(cfg.distributed.diloco, comm)
+    t = cfg.train
+    return DiLoCo.split(cfg.distributed.diloco, comm, schedule=(t.log_every, t.eval_every, cfg.checkpoint.every,
+                                                                t.sample_every, cfg.debug.stats_every))
 
 
 # How often the background exchange of an fp32 fragment polls MPI: on 2 pretend nodes its allreduce moved at
@@ -102,95 +95,16 @@ def fragments(offsets: list[int], total: int, n: int) -> list[tuple[int, int]]:
     return list(zip(cuts, cuts[1:]))
 
 
-def outer_state(name: str) -> bool:
-    """Whether ``name``, an optimizer state of a checkpoint, is DiLoCo's (the outer state, the other
-    replicas' weights and inner states) rather than the inner optimizer's."""
-    return name.startswith("outer_") or (name.startswith("replica") and name[7:].partition("_")[0].isdigit())
+class DiLoCo(Policy):
+    """Replicas that synchronise at outer steps (see the module's docstring); its checkpoint part is a
+    :class:`trainrun.sync.diloco_state.DiLoCoState`."""
 
-
-def shared_barrier(shard) -> None:
-    """With the node's parameters in shared memory: every local rank is done reading (or restoring) them."""
-    if shard.sharded and len(shard.peers) > 1:
-        shard.local.barrier()
-
-
-def load_part(ckpt, prefix: str, engine, shard, buf=None) -> None:
-    """This rank's part ``shard.lo:hi`` of the tensors under ``prefix`` in the checkpoint's
-    optimizer.safetensors into ``buf`` (None: the engine's parameters, then gathered to every rank)."""
-    layout, params, lo, hi = engine.layout, engine.params, shard.lo, shard.hi
-    host = np.empty(params.size, np.float32)
-    if buf is None:
-        shared_barrier(shard)      # every local rank's restore of the parameters is done
-    with K.reading(ckpt) as held:
-        K.load_tensors_into(held, "optimizer.safetensors", layout.names, layout.shapes, host, prefix=prefix)
-    (params[lo:hi] if buf is None else buf)[...] = host[lo:hi]
-
-
-class EveryStep:
-    """Data parallel: every step reduces over every rank; nothing between steps. Resumed from a DiLoCo
-    checkpoint (``resume --force --set distributed.sync=every_step``) it continues from the global weights,
-    those export and evaluate read (mid-round the checkpoint's parameters are replica 0's), and drops the
-    outer state, saying so in one line."""
-
-    replica, replicas = 0, 1
-    state: dict = {}
-
-    def __init__(self, comm):
-        self.comm = comm
-
-    def attach(self, engine, shard, total_steps: int) -> None:
-        self.engine, self.shard = engine, shard
-
-    def maybe_outer_step(self, step: int) -> dict | None:
-        return None
-
-    def global_weights(self):
-        return contextlib.nullcontext()
-
-    def full_state(self) -> dict:
-        return {}
-
-    def restore_state(self, saved: dict | None = None) -> dict:
-        """A DiLoCo checkpoint's outer states: taken (None: read here or not at all), so not listed as dropped."""
-        if not (saved or {}).get("diloco"):
-            return {}
-        return {name: None for name in saved.get("optimizer_states", ()) if outer_state(name)}
-
-    def state_dict(self) -> dict | None:
-        return None
-
-    def load_state_dict(self, state: dict, ckpt: str) -> None:
-        """A DiLoCo checkpoint taken mid-round: the global weights in place of replica 0's; the line saying it."""
-        saved = state.get("diloco")
-        if not saved:
-            return
-        if saved["mid_round"]:
-            load_part(ckpt, "outer_weights/", self.engine, self.shard)
-            self.shard.gather()
-        if self.comm.rank == 0:
-            print("trainrun: warning: distributed.sync every_step resumes a DiLoCo checkpoint " + (
-                  "taken mid-round: training continues from its global weights (those export and evaluate use), "
-                  "not replica 0's; the replicas' own weights and the outer state are dropped" if saved["mid_round"]
-                  else "taken at an outer step: training continues from its weights (the global weights); the "
-                  "outer state is dropped"), file=sys.stderr, flush=True)
-
-    def describe(self) -> str | None:
-        return None
-
-    def advice(self, cold_start: bool) -> str | None:
-        return None
-
-    def close(self) -> None:
-        pass
-
-
-class DiLoCo:
-    """Replicas that synchronise at outer steps (see the module's docstring)."""
-
-    def __init__(self, cfg_diloco, world, comm, cross, replica: int, replicas: int):
-        self.cfg, self.world = cfg_diloco, world
-        self.comm, self.cross = comm, cross          # this replica's ranks; the replicas' corresponding ranks
+    def __init__(self, cfg_diloco, world, comm, cross, replica: int, replicas: int, schedule: tuple = ()):
+        super().__init__(world, comm)               # this replica's ranks: comm
+        self.cfg, self.cross = cfg_diloco, cross    # the replicas' corresponding ranks: cross
         self.replica, self.replicas = replica, replicas
+        self.schedule = schedule      # the *_every of what follows a step: the world steps (world_step)
+        self.checkpoint = DiLoCoState(self)
         self.wire = wire.make(cross, cfg_diloco.outer_dtype)
         self.round_start = 0          # the step the current round started at (its outer step, or 0)
         self.fresh = True             # the replica's weights are the global weights (no inner step since)
@@ -198,7 +112,7 @@ class DiLoCo:
         self.state: dict = {}
 
     @classmethod
-    def split(cls, k, world) -> "DiLoCo":
+    def split(cls, k, world, schedule: tuple = ()) -> "DiLoCo":
         """The replicas of ``world`` (every rank calls it): ``k.group`` consecutive ranks each, or the nodes."""
         if not isinstance(world, MPICommunicator) or world.world_size == 1:
             raise collective(UsageError(
@@ -224,7 +138,15 @@ class DiLoCo:
                 f"{world.world_size} rank(s); diloco needs at least 2 replicas of equal size"))
         cross = world.split(comm.rank, "replicas")
         replica = comm.allgather_object(cross.rank)[0]       # the replica's first rank's place among the replicas
-        return cls(k, world, comm, cross, replica, replicas)
+        return cls(k, world, comm, cross, replica, replicas, schedule)
+
+    def world_step(self, step: int, end: int, agree: bool) -> bool:
+        """Only where the world must agree or the world's mean is read (a metrics line, an evaluation, a
+        checkpoint, a sample, debug statistics: :attr:`schedule`; the run's end; ``agree``: a checkpoint write
+        in flight, fp16's loss scale). Between them each replica sums its own (its ranks only): no round trip
+        over the slow link and no wait for the slowest replica at every step; a stop signal is carried at the
+        next world step."""
+        return step >= end or agree or any(every(step, n) for n in self.schedule)
 
     def describe(self) -> str:
         k = self.cfg
@@ -373,7 +295,7 @@ class DiLoCo:
         wait, the replicas' drift from the global weights (of the fragment exchanged, when its exchange
         started: root mean square over replicas of ||replica - global|| / ||global||, from each rank's squared
         norms of its part, ``drift``, each part counted once per replica)."""
-        counts = float(self._distinct_part())
+        counts = float(self.shard.counts_part)     # each part of the replica's parameters counted once
         waited_sum, drift_sq, weights_sq = self.world.allreduce_scalars(
             [waited, counts * drift[0], counts * drift[1]], op="sum")
         return {"outer_bytes": nbytes, "outer_wait_s": round(waited_sum / self.world.world_size, 6),
@@ -397,16 +319,6 @@ class DiLoCo:
             g *= np.float32(o.lr)
         self.weights[a:b] -= g
 
-    def _distinct_part(self) -> bool:
-        """Whether this rank's part of the replica's parameters is counted (each part once per replica)."""
-        s = self.shard
-        if not s.sharded:
-            return s.comm.rank == 0
-        return bool(s.cross_counts) or s.cross.rank == 0
-
-    def _shared_barrier(self) -> None:
-        shared_barrier(self.shard)
-
     @contextlib.contextmanager
     def global_weights(self):
         """The engine's parameters are the global weights inside (every rank): evaluation mid-round."""
@@ -416,103 +328,29 @@ class DiLoCo:
         params, lo, hi = self.engine.params, self.lo, self.hi
         if self._backup is None:
             self._backup = np.empty(hi - lo, np.float32)
-        self._shared_barrier()
+        self.shard.node_barrier()
         self._backup[...] = params[lo:hi]
         params[lo:hi] = self.weights
         self.shard.gather()
         try:
             yield
         finally:
-            self._shared_barrier()
+            self.shard.node_barrier()
             params[lo:hi] = self._backup
             self.shard.gather()
 
-    # ------------------------------------------------------------------ checkpoints
-    def _replica_states(self) -> dict:
-        """What each replica holds of its own: its weights (None: the engine's parameters), its inner
-        optimizer's states and, with an exchange in the background, the outer gradient it sent (this rank's
-        part of each)."""
-        own = {"weights": None, **self.shard.state}
-        if self.cfg.overlap_steps:
-            own["outer_sent"] = self.sent
-        return own
-
+    # ------------------------------------------------------------------ checkpoints (DiLoCoState)
     def full_state(self) -> dict:
-        """The outer state and (mid-round) each other replica's weights and inner optimizer state, as the
-        checkpoint writer takes optimizer states: whole buffers on rank 0, or functions whose generators
-        gather them in pieces (every rank runs each to its end)."""
-        s = self.shard
-        if self.background:         # an exchange in flight: its sums are part of the state
-            self.background.wait()
-        out = {name: functools.partial(s._gather, buf) if s.sharded else buf for name, buf in self.state.items()}
-        if not self.fresh:
-            out.update({f"replica{j}_{name}": functools.partial(self._replica_pieces, j, name)
-                        for j in range(1, self.replicas) for name in self._replica_states()})
-        return out
-
-    def _replica_pieces(self, j: int, name: str):
-        """Replica ``j``'s ``name`` ("weights" or an inner optimizer state) on world rank 0, in pieces: within
-        replica ``j`` on its first rank (every rank of a replica holds all of its weights after a step; a
-        partitioned state is gathered there piece by piece, :meth:`trainrun.sync.update.Partitioned.full_state`),
-        then from that rank to world rank 0 over the replicas' first ranks."""
-        s, mine, buf = self.shard, self.replica == j, self._replica_states()[name]
-        whole = self.engine.params if name == "weights" else None if s.sharded else buf
-        parts = s._gather(buf) if mine and whole is None else None
-        if self.comm.rank != 0:
-            for _ in parts or ():      # this rank's part of its replica's gather
-                pass
-            return
-        n = self.engine.params.size
-        step = min(update._GATHER_CHUNK, n)         # the pieces Partitioned's gather yields
-        root = self.cross.rank == 0
-        out = np.empty(step, np.float32) if root else None
-        none = np.empty(0, np.float32)
-        for c0 in range(0, n, step):
-            c1 = min(c0 + step, n)
-            counts = [0] * self.cross.world_size
-            counts[j] = c1 - c0
-            piece = (whole[c0:c1] if whole is not None else next(parts)) if mine else none
-            self.cross.gather(piece, out[:c1 - c0] if root else None, counts, root=0)
-            if root:
-                yield out[:c1 - c0]
+        return self.checkpoint.full_state()
 
     def restore_state(self, saved: dict | None = None) -> dict:
-        """The buffers a restore fills (``lo:hi`` of the saved tensors), and the states it only checks (None:
-        the other replicas', read by :meth:`load_state_dict`); none where ``saved`` (the checkpoint's
-        state.json) is an every-step run's: DiLoCo starts from it."""
-        if saved is not None and not saved.get("diloco"):
-            return {}
-        return {**self.state, **{f"replica{j}_{name}": None for j in range(1, self.replicas)
-                                 for name in self._replica_states()}}
+        return self.checkpoint.restore_state(saved)
 
     def state_dict(self) -> dict:
-        return {"round_start": self.round_start, "replicas": self.replicas, "group": self.comm.world_size,
-                "rounds": self.rounds, "mid_round": not self.fresh,
-                "in_flight": [*self.pending] if self.pending else None}
+        return self.checkpoint.state_dict()
 
     def load_state_dict(self, state: dict, ckpt: str) -> None:
-        """After the checkpoint's tensors were restored (every rank): the round's position, and this
-        replica's own weights and inner optimizer state where the checkpoint was taken mid-round."""
-        saved = state.get("diloco")
-        if not saved:       # an every-step run's checkpoint: its weights are the global weights of a first round
-            self.weights[...] = np.asarray(self.engine.params[self.lo:self.hi], np.float32)
-            self.momentum[...] = 0.0
-            self.round_start, self.rounds, self.fresh = state["step"], 0, True
-            return
-        if saved["replicas"] != self.replicas:
-            raise collective(UsageError(
-                f"distributed.diloco.group: {ckpt} was saved by {saved['replicas']} replicas of {saved['group']} "
-                f"rank(s), this launch makes {self.replicas} of {self.comm.world_size}; a resume continues the "
-                f"replicas' rounds: launch {saved['replicas']} replicas (mpirun -np and distributed.diloco.group)"))
-        self.round_start, self.rounds, self.fresh = saved["round_start"], saved["rounds"], not saved["mid_round"]
-        if saved.get("in_flight"):      # an exchange in flight: its sums restored, applied when due
-            f, started = saved["in_flight"][:2]      # a third item, the drift, in older checkpoints
-            self.pending, self._started = (f, started), None
-        if self.fresh or self.replica == 0:
-            return
-        for name, buf in self._replica_states().items():
-            load_part(ckpt, f"replica{self.replica}_{name}/", self.engine, self.shard, buf)
-        self.shard.gather()
+        self.checkpoint.load_state_dict(state, ckpt)
 
     def close(self) -> None:
         if self.background:

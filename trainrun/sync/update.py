@@ -69,7 +69,14 @@ from ..errors import UsageError
 
 RANKS_PER_NODE_ENV = "TRAINRUN_RANKS_PER_NODE"
 _SUM_CHUNK = 1 << 15      # float32 elements per chunk of the node-local sum: a few of them stay in L2
-_GATHER_CHUNK = 1 << 20   # float32 elements (4 MiB) per gathered piece of the optimizer state for a checkpoint
+PIECE = 1 << 20   # float32 elements (4 MiB) per gathered piece of a flat buffer for a checkpoint
+
+
+def pieces(n: int) -> list[tuple[int, int]]:
+    """The pieces ``c0:c1`` of a flat buffer of ``n`` elements, in order, as a shard's :meth:`gather_pieces`
+    yields them (every rank computes the same)."""
+    step = max(1, min(PIECE, n))
+    return [(c0, min(c0 + step, n)) for c0 in range(0, n, step)]
 
 
 def _overlap(lo: int, hi: int, c0: int, c1: int) -> int:
@@ -212,9 +219,21 @@ class Replicated:
     def gather(self) -> None:
         pass
 
+    @property
+    def counts_part(self) -> bool:
+        """Whether this rank's part is the one counted in a sum over the shard's ranks (each part once)."""
+        return self.comm.rank == 0
+
+    def node_barrier(self) -> None:
+        """Every local rank done with the node's parameters (nothing to wait for: each rank holds its own)."""
+
+    def for_checkpoint(self, buf: np.ndarray):
+        """A buffer of this rank's part (``lo:hi``, here the whole) as the checkpoint writer takes it."""
+        return buf
+
     def full_state(self) -> dict:
         """name -> the whole flat optimizer state buffer (on rank 0; other ranks may get an empty dict)."""
-        return self.state
+        return {name: self.for_checkpoint(buf) for name, buf in self.state.items()}
 
     def close(self) -> None:
         if self.reducer:
@@ -297,7 +316,7 @@ class Partitioned:
         if self._norm_sq is not None:
             return self._norm_sq
         # stage 0 across nodes: every node holds the same reduced slices; the first node's count
-        return norm_sq(self.grad) if self.cross_counts or self.cross.rank == 0 else 0.0
+        return norm_sq(self.grad) if self.counts_part else 0.0
 
     def _norm_sums(self, sums: np.ndarray) -> np.ndarray:
         """LAMB: this rank's per-part sums of squares -> the whole tensors' (one allreduce)."""
@@ -314,29 +333,44 @@ class Partitioned:
         if self.cross_counts:
             params = self.engine.params
             self.cross.allgather(params[self.lo:self.hi], params[self.a:self.b], self.cross_counts)
+        self.node_barrier()     # every slice updated before any local rank's next forward reads them
+
+    @property
+    def counts_part(self) -> bool:
+        """Whether this rank's part is the one counted in a sum over the shard's ranks (each part once: stage
+        0 across nodes holds the same slices on every node, the first node's count)."""
+        return bool(self.cross_counts) or self.cross.rank == 0
+
+    def node_barrier(self) -> None:
+        """With the node's parameters in shared memory: every local rank done reading (or writing) them."""
         if len(self.peers) > 1:
-            self.local.barrier()    # every slice updated before any local rank's next forward reads them
+            self.local.barrier()
+
+    def for_checkpoint(self, part: np.ndarray):
+        """A buffer of this rank's part (``lo:hi``) as the checkpoint writer takes it: a function returning a
+        generator that gathers the whole on rank 0 in pieces (:meth:`gather_pieces`)."""
+        return functools.partial(self.gather_pieces, part)
 
     def full_state(self) -> dict:
         """name -> a function returning a generator that gathers the whole flat optimizer state on rank 0
-        in order, in pieces of at most ``_GATHER_CHUNK`` elements (rank 0 gets the pieces; the generator
+        in order, in pieces of at most ``PIECE`` elements (rank 0 gets the pieces; the generator
         yields nothing elsewhere). Its collectives take every rank: each runs every generator to its end, in
         order (the checkpoint writer does, writing each piece as it comes), so rank 0 holds one piece at a
         time, never a whole state."""
-        return {name: functools.partial(self._gather, part) for name, part in self.state.items()}
+        return {name: self.for_checkpoint(part) for name, part in self.state.items()}
 
-    def _gather(self, part: np.ndarray):
-        """The pieces of the flat state whose part ``part`` is this rank's: per piece, the parts over the
-        nodes (the ranks sharing this rank's node slice a:b), then the slices over the first node."""
+    def gather_pieces(self, part: np.ndarray):
+        """The pieces (:func:`pieces`) of the flat buffer whose part ``part`` is this rank's, on rank 0 (a
+        collective: every rank runs it to its end): per piece, the parts over the nodes (the ranks sharing
+        this rank's node slice a:b), then the slices over the first node."""
         n = sum(self.node_counts)
-        step = min(_GATHER_CHUNK, n)
+        step = max(1, min(PIECE, n))
         slices = np.cumsum([0] + self.node_counts).tolist()
         cuts = (np.cumsum([0] + self.cross_counts) + self.a).tolist() if self.cross_counts else None
         root = self.cross.rank == 0 and self.local.rank == 0
         mid = np.empty(step, np.float32) if self.cross_counts and self.cross.rank == 0 else None
         full = np.empty(step, np.float32) if root and self.local.world_size > 1 else None
-        for c0 in range(0, n, step):
-            c1 = min(c0 + step, n)
+        for c0, c1 in pieces(n):
             s0 = max(self.a, c0)                # this node slice's piece: s0:s1
             s1 = s0 + _overlap(self.a, self.b, c0, c1)
             if self.cross_counts:
