@@ -120,7 +120,7 @@ $(STAMP_GPU): pyproject.toml scripts/requirements.py
 	@touch $@
 
 test-gpu: $(STAMP_GPU)
-	@$(VENV_GPU)/bin/python -c 'import sys; from trainrun.cuda import environment_problem; \
+	@$(VENV_GPU)/bin/python -c 'import sys; from trainrun.step.cuda import environment_problem; \
 	    p = environment_problem(); p and sys.exit("make test-gpu: " + p)'
 	TRAINRUN_REQUIRE_GPU=1 PATH=$(CURDIR)/$(VENV_GPU)/bin:$$PATH $(VENV_GPU)/bin/python -m pytest -q -rs -m gpu $(PYTEST_ARGS)
 

@@ -1,6 +1,6 @@
 """The optimizer update rules as fused, in-place loops for the CPU (compiled by Numba).
 
-:mod:`.optimizers` writes each rule once, symbolically, and trainrun.optim turns
+:mod:`.optimizers` writes each rule once, symbolically, and trainrun.step.optim turns
 it into an ONNX graph. On the CPU that graph runs every elementwise op over the
 whole flat buffer: a dozen passes over main memory and full-size intermediates
 (several times the parameter bytes of extra memory). :class:`HostOptimizer`
@@ -128,7 +128,7 @@ class HostOptimizer:
     names (for ``cfg.groups`` and ``cfg.no_decay``; ``depths`` for
     ``cfg.layer_decay``, see :func:`.optimizers.tensor_settings`): each tensor's
     learning rate is ``lr`` times its lr scale. The semantics are those of the optimizer
-    graph of :func:`trainrun.optim.build_optimizer_graph` for the same
+    graph of :func:`trainrun.step.optim.build_optimizer_graph` for the same
     arguments (see :mod:`trainrun.kernels.optimizers`):
 
     * sgd: g = gs*grads + wd*p; buf = mu*buf + g; p -= lr * (g + mu*buf if
@@ -149,7 +149,7 @@ class HostOptimizer:
     summed while it is in cache.
 
     ``norm_sums`` (LAMB only): the tensors are parts of tensors split over ranks
-    (ZeRO-1, :mod:`trainrun.update`). It receives this rank's (parts, 2) float64
+    (ZeRO-1, :mod:`trainrun.sync.update`). It receives this rank's (parts, 2) float64
     array of (||p||^2, ||d||^2) partial sums and returns the sums over the whole
     tensors (over every rank), from which each part takes its trust ratio.
     """

@@ -4,7 +4,7 @@ This is the form that becomes the optimizer graph (ONNX, any execution
 provider). :mod:`.host` holds the same rules as fused in-place loops (Numba) for
 the CPU: two implementations of one semantics, held together by
 tests/test_host_optim.py (every rule and mode, rtol 1e-6). Which one runs is
-decided once, by :func:`trainrun.optim.build`.
+decided once, by :func:`trainrun.step.optim.build`.
 
 Every rule takes an :class:`Update` (the symbolic inputs of one step) and the
 rule's hyper-parameters, and returns ``(new_params, {state_name: new_state})``.

@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from trainrun.checkpoint import CheckpointWriter
-from trainrun.flat import FlatLayout
+from trainrun.step.flat import FlatLayout
 
 
 def dd_mb_s(path: str, nbytes: int) -> float:

@@ -3,9 +3,9 @@ for, per op. Run once per onnxruntime build (needs binutils' strings and c++filt
 of its wheel (unzip it: no GPU and no install needed):
 
     python scripts/cuda_kernels.py .venv/lib/python3.11/site-packages/onnxruntime/capi/libonnxruntime_providers_cuda.so \
-        "onnxruntime-training 1.19.2" > trainrun/cuda_kernels.tsv
+        "onnxruntime-training 1.19.2" > trainrun/step/cuda_kernels.tsv
     python scripts/cuda_kernels.py onnxruntime_gpu-1.26.0/onnxruntime/capi/libonnxruntime_providers_cuda.so \
-        "onnxruntime-gpu 1.26.0" > trainrun/cuda_kernels_gpu.tsv
+        "onnxruntime-gpu 1.26.0" > trainrun/step/cuda_kernels_gpu.tsv
 
 The provider library is stripped of symbols, but keeps the RTTI type names of its kernel classes
 (``N11onnxruntime4cuda11SigmoidGradIfEE`` = ``onnxruntime::cuda::SigmoidGrad<float>``): a kernel

@@ -11,7 +11,7 @@ loader, schedule or statistics would share their defects and could not see them.
   Global position ``p`` is sample ``perm(p // N)[p % N]``, ``perm(e)`` being ``arange(N)`` shuffled
   in place by ``np.random.default_rng([seed, e])`` (not shuffled with data.shuffle false); step ``s``
   (0-based) takes positions ``s*G .. s*G + G - 1`` of the global batch ``G``.
-* Schedule (trainrun/schedule.py, docs/design.md): ``t`` = 1-based update; linear warmup ``lr * t / warmup``;
+* Schedule (trainrun/step/schedule.py, docs/design.md): ``t`` = 1-based update; linear warmup ``lr * t / warmup``;
   then progress ``x = (t - warmup) / (max_steps - warmup)`` clipped to [0, 1] and constant ``lr``,
   linear ``min_lr + (lr - min_lr)(1 - x)``, poly ``... (1 - x) ** power``, cosine
   ``... 0.5 (1 + cos(pi x))``.

@@ -1,7 +1,7 @@
 """The trainrun command line in this process, for tests that look inside a rank (``mpirun -np N python
 tests/rank_probe.py ARGS``): at exit it prints ``PEAK_RSS_KB <rank> <KiB>``, the process's peak resident set
 (getrusage: the whole run, set-up to export). ``TRAINRUN_PROBE_GATHER_PIECE=N``: ZeRO-1's checkpoint gathers
-the optimizer state in pieces of N elements (``trainrun.update._GATHER_CHUNK``), so a tiny model takes
+the optimizer state in pieces of N elements (``trainrun.sync.update.PIECE``), so a tiny model takes
 many. ``TRAINRUN_PROBE_OUTER_DIR=D``: at each DiLoCo outer step each rank saves its replica's weights before it
 and the new weights after it (``D/rank<r>_step<s>_{before,after}.npy``; with ``TRAINRUN_PROBE_OUTER_ALL=1`` at
 every step). ``TRAINRUN_PROBE_FIRST_DIR=D``: each rank saves its parameters as its first step starts
@@ -19,7 +19,7 @@ def _peak() -> None:
 
 def _record_outer_steps(out: str) -> None:
     import numpy as np
-    from trainrun import diloco
+    from trainrun.sync import diloco
     step_of = diloco.DiLoCo.maybe_outer_step
 
     def recorded(self, step):
@@ -36,7 +36,7 @@ def _record_outer_steps(out: str) -> None:
 
 def _record_first_step(out: str) -> None:
     import numpy as np
-    from trainrun import runner
+    from trainrun.run import runner
     step_of = runner.TrainingRunner.train_step
 
     def recorded(self):
@@ -52,8 +52,8 @@ if __name__ == "__main__":
     atexit.register(_peak)
     from trainrun.cli import main
     if os.environ.get("TRAINRUN_PROBE_GATHER_PIECE"):
-        from trainrun import update
-        update._GATHER_CHUNK = int(os.environ["TRAINRUN_PROBE_GATHER_PIECE"])
+        from trainrun.sync import update
+        update.PIECE = int(os.environ["TRAINRUN_PROBE_GATHER_PIECE"])
     if os.environ.get("TRAINRUN_PROBE_OUTER_DIR"):
         _record_outer_steps(os.environ["TRAINRUN_PROBE_OUTER_DIR"])
     if os.environ.get("TRAINRUN_PROBE_FIRST_DIR"):

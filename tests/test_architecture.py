@@ -105,13 +105,13 @@ def violations(graph: dict, order: dict[str, int]) -> list[str]:
         top = mod.split(".")[0]
         if top == "config" and (outside := ours - {"errors"} - config_package):
             bad.append(f"{mod} imports {sorted(outside)}: only errors")
-        if top in ("data", "comm") and ("onnxruntime" in others or "engine" in ours):
+        if top in ("data", "comm") and ("onnxruntime" in others or "step.engine" in ours):
             bad.append(f"{mod} imports onnxruntime or the engine")
-        if top in ("models", "kernels") and ours & {"runner", "engine", "data", "update"}:
-            bad.append(f"{mod} knows the runner / engine / data: {sorted(ours & {'runner', 'engine', 'data', 'update'})}")
+        if top in ("models", "kernels") and (known := ours & {"run.runner", "step.engine", "data", "sync.update"}):
+            bad.append(f"{mod} knows the runner / engine / data: {sorted(known)}")
         if top == "kernels" and ours - {"config"} - {m for m in graph if m.startswith("kernels.")}:
             bad.append(f"{mod} imports {sorted(ours)}: kernels/ import only config and each other")
-        if top == "observe" and "runner" in ours:
+        if top == "observe" and "run.runner" in ours:
             bad.append(f"{mod} imports the runner")
         if "click" in others and mod not in ("cli", "data_tools.cli"):
             bad.append(f"{mod} imports click (only cli and data_tools.cli do)")
@@ -171,18 +171,20 @@ def test_the_checks_catch_a_violation(graph):
     or the validity checks."""
     order = layers(open(DOC).read())
     broken = {m: (set(ours), set(others)) for m, (ours, others) in graph.items()}
-    broken["flat"][0].add("engine")             # engine -> flat, so also a cycle
+    broken["step.flat"][0].add("step.engine")             # engine -> flat, so also a cycle
     broken["data"][1].add("onnxruntime")
     broken["comm.mpi"][1].add("onnxruntime")
-    broken["engine"][1].update({"click", "torch"})
-    broken["config"][0].add("engine")
-    broken["config.load"][0].add("validity")
+    broken["step.engine"][1].update({"click", "torch"})
+    broken["config"][0].add("step.engine")
+    broken["config.load"][0].add("run.validity")
+    broken["observe.metrics"][0].add("sync.update")
     found = "\n".join(violations(broken, order))
-    for text in ("flat (layer 1) imports engine (layer 5)", "data imports onnxruntime", "comm.mpi imports onnxruntime",
-                 "engine imports click", "engine imports torch", "config imports ['engine']",
-                 "config.load imports ['validity']"):
+    for text in ("step.flat (layer 1) imports step.engine (layer 5)", "data imports onnxruntime",
+                 "comm.mpi imports onnxruntime", "step.engine imports click", "step.engine imports torch",
+                 "config imports ['step.engine']", "config.load imports ['run.validity']",
+                 "observe.metrics (layer 2) imports sync.update (layer 5)"):
         assert text in found
-    assert any({"engine", "flat"} <= set(c) for c in cycles(broken))
+    assert any({"step.engine", "step.flat"} <= set(c) for c in cycles(broken))
 
 
 def test_every_module_has_a_row_in_the_module_table(graph):
@@ -275,3 +277,54 @@ MAX_LINES = 700
 def test_no_module_is_longer_than_max_lines():
     lines = {m: sum(1 for _ in open(p)) for m, p in modules().items()}
     assert {m: n for m, n in lines.items() if n > MAX_LINES} == {}
+
+
+# what may sit flat in trainrun/ beside its packages (the floors): the command line, the errors, the fault hooks
+# of the tests, the datasets
+FLAT = {"__init__", "cli", "errors", "faults", "data"}
+
+
+def test_the_floors_are_folders():
+    """``ls trainrun`` shows where the step, the sync, the run and the commands live: every other module is in
+    a package, and every package's ``__init__.py`` opens with a docstring that says its job."""
+    top = os.path.join(ROOT, "trainrun")
+    flat = {f[:-3] for f in os.listdir(top) if f.endswith(".py")}
+    assert flat - FLAT == set()
+    packages = sorted(d for d in os.listdir(top) if os.path.isfile(os.path.join(top, d, "__init__.py")))
+    assert {"run", "step", "sync", "commands", "hf"} <= set(packages)
+    undocumented = [p for p in packages
+                    if not ast.get_docstring(ast.parse(open(os.path.join(top, p, "__init__.py")).read()))]
+    assert undocumented == []
+
+
+def test_the_runner_holds_no_branch_on_the_sync_mode():
+    """The runner only calls the sync policy's interface (trainrun/sync/policy.py's ``Policy``): it reads none
+    of its attributes (how many replicas, which communicator) to decide anything itself."""
+    from trainrun.sync.policy import EveryStep, Policy
+    from trainrun.sync.diloco import DiLoCo
+    interface = {n for cls in (Policy, EveryStep, DiLoCo) for n, v in vars(cls).items()
+                 if callable(v) and not n.startswith("_")}
+    tree = ast.parse(open(modules()["run.runner"]).read())
+    read = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Attribute) and node.value.attr == "sync"}
+    assert read and read - interface == set()
+    assert {"world_step", "scalars", "maybe_outer_step"} <= read
+
+
+def test_no_module_reads_another_modules_private_names(graph):
+    """``module._name`` of a trainrun module imported as ``module`` (a constant of ``update``, say): a private
+    name stays in its module; another module gets a public one."""
+    found = modules()
+    bad = []
+    for mod, path in found.items():
+        tree = ast.parse(open(path).read())
+        aliases = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                aliases.update(a.asname or a.name for a in node.names
+                               if node.level or (node.module or "").startswith("trainrun"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases \
+                    and node.attr.startswith("_") and not node.attr.startswith("__"):
+                bad.append(f"{mod}: {node.value.id}.{node.attr}")
+    assert bad == []

@@ -6,7 +6,7 @@ import pytest
 
 from trainrun import config as C
 from trainrun.graphs.manifest import prepare
-from trainrun.engine import Engine, EngineOptions
+from trainrun.step.engine import Engine, EngineOptions
 from trainrun.models.bert import INPUTS, TIED, build_bert, init_weights, param_count, sample_inputs
 
 torch = pytest.importorskip("torch", reason="needs torch (the test extra), not installed here")

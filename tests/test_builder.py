@@ -13,7 +13,7 @@ import onnx
 import pytest
 
 from trainrun import config as C
-from trainrun.engine import Engine, EngineOptions
+from trainrun.step.engine import Engine, EngineOptions
 from trainrun.errors import UsageError
 from trainrun.graphs.forward import forward_from_config
 from trainrun.graphs.gradients import build_train_graph, builder, direct_gradients, ort_builder_missing
@@ -347,7 +347,7 @@ def test_mixed_precision_train_graphs_of_trainrun_builder(tmp_path, precision):
     float32 gradient outputs, the fp32 islands of the cast pass (LayerNorm, Softmax, the loss) compute in
     float32, and the graph passes the CUDA provider's kernel check; fp16's loss_scale stays an input."""
     from onnx import TensorProto
-    from trainrun import cuda_kernels
+    from trainrun.step import cuda_kernels
     cfg = cfg_for(tmp_path, "trainrun", train={"micro_batch_size": 2, "precision": precision}, device="cuda")
     graphs_dir = prepare(cfg)
     train = onnx.load(os.path.join(graphs_dir, "train.onnx"))

@@ -124,7 +124,7 @@ def test_interrupted_prune_leaves_nothing_that_looks_committed(tmp_path, byte_da
     a checkpoint with COMMITTED but without optimizer.safetensors) must not leave a damaged directory
     that still counts as committed. The delete is cut after its first file, as a signal would."""
     from trainrun import checkpoint as K
-    from trainrun import rundir
+    from trainrun.run import rundir
     cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{"train.max_steps": 4, "checkpoint.every": 1,
                                                              "checkpoint.keep_last": 10})
     mpirun(1, "--config", cfg)
@@ -155,7 +155,7 @@ def test_reads_of_a_run_that_prunes_every_step(tmp_path, byte_dataset):
     prunes a checkpoint every step (keep_last 1): each read pins the files it reads (a run directory's latest,
     or the newest when that was pruned first), or, for a checkpoint named by the user and pruned before it was
     opened, says so and names the newest."""
-    from trainrun.stopping import STOPPED_EXIT
+    from trainrun.run.stopping import STOPPED_EXIT
     cfg = write_config(tmp_path / "c.yaml", byte_dataset, **{
         "train.max_steps": 100000, "checkpoint.every": 1, "checkpoint.keep_last": 1, "train.log_every": 1000})
     rd = str(tmp_path / "run")
@@ -418,7 +418,7 @@ def test_checkpoint_write_holds_its_step_without_a_copy_of_the_buffers(tmp_path)
 
     from safetensors.numpy import load_file
     from trainrun import checkpoint as K
-    from trainrun.flat import FlatLayout
+    from trainrun.step.flat import FlatLayout
     n = 2 << 20
     layout = FlatLayout(["a", "b"], [(n // 4, 2), (n // 2,)], [0, n // 2], n)
     rng = np.random.default_rng(0)

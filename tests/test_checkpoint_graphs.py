@@ -35,7 +35,7 @@ def _graph_files(run_dir):
 
 
 def test_prepare_takes_the_run_lock_and_refuses_a_run_with_checkpoints(tmp_path, trained):
-    from trainrun.lock import RunLock
+    from trainrun.run.lock import RunLock
     run_dir, ckpt = _copy(trained, tmp_path)
     before = _graph_files(run_dir)
     prepare = [TRAINRUN, "prepare", "--config", os.path.join(ckpt, "config.yaml"), "--set",
@@ -111,7 +111,7 @@ def test_a_checkpoint_tensor_the_model_does_not_take_is_an_error(tmp_path, train
     the buffers untouched (the same check as every reader's)."""
     from trainrun import checkpoint as K
     from trainrun.comm import make_communicator
-    from trainrun.flat import FlatLayout
+    from trainrun.step.flat import FlatLayout
     from trainrun.errors import UsageError
     run_dir, ckpt = _copy(trained, tmp_path)
     run([TRAINRUN, "prepare", "--config", os.path.join(ckpt, "config.yaml"), "--set", f"run.output_dir={run_dir}",

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import TRAINRUN, TRAINRUN_DATA, read_metrics, run, write_config
-from trainrun import rundir
+from trainrun.run import rundir
 
 
 @pytest.fixture(scope="module")

@@ -478,7 +478,7 @@ def test_nccl_collectives_on_gpu(tmp_path):
 
 
 MPI_CUPY_SCRIPT = CUPY_COLLECTIVES + '''
-from trainrun import wire
+from trainrun.sync import wire
 
 def main(comm):
     r, n = comm.rank, comm.world_size

@@ -7,8 +7,8 @@ import pytest
 import yaml
 
 from trainrun import config as C
-from trainrun import validity as V
-from trainrun.cuda import cuda_provider_problem
+from trainrun.run import validity as V
+from trainrun.step.cuda import cuda_provider_problem
 from trainrun.errors import UsageError
 
 from conftest import ROOT, TRAINRUN, run, write_config

@@ -14,9 +14,9 @@ import pytest
 from conftest import MPIRUN, TRAINRUN, mpirun, run, write_config
 from test_runner import _tensorboard_events
 from trainrun import checkpoint as K
-from trainrun import rundir
+from trainrun.run import rundir
 from trainrun.data import open_dataset
-from trainrun.stopping import STOPPED_EXIT
+from trainrun.run.stopping import STOPPED_EXIT
 
 
 def _rows(run_dir):

@@ -58,7 +58,7 @@ def test_a_cuda_library_that_fails_to_load_is_reported_not_counted_as_no_gpu(tmp
     are those of the installed onnxruntime's CUDA build: CUDA 11 for onnxruntime-training, CUDA 12 for
     onnxruntime-gpu 1.26 (read from its metadata)."""
     site, path = _broken_libcudart(tmp_path, major)
-    code = ("from trainrun import comm, cuda\n"
+    code = ("from trainrun import comm; from trainrun.step import cuda\n"
             "from trainrun.errors import TrainrunError\n"
             "print('stack', cuda.stack())\n"
             "for f in (comm.cuda_device_count, cuda.setup):\n"
@@ -74,7 +74,7 @@ def test_a_cuda_library_that_fails_to_load_is_reported_not_counted_as_no_gpu(tmp
 def test_cuda_setup_sets_the_jit_environment_itself():
     """CUDA_MODULE_LOADING=LAZY and a 4 GiB CUDA_CACHE_MAXSIZE come from cuda.setup() (make test-gpu no
     longer sets them, so the GPU suite runs with what trainrun sets); a value already set is kept."""
-    code = "import os; from trainrun import cuda; cuda.setup(); print(os.environ['CUDA_MODULE_LOADING'], " \
+    code = "import os; from trainrun.step import cuda; cuda.setup(); print(os.environ['CUDA_MODULE_LOADING'], " \
            "os.environ['CUDA_CACHE_MAXSIZE'])"
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_MODULE_LOADING", "CUDA_CACHE_MAXSIZE")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
@@ -103,7 +103,7 @@ def test_a_session_that_falls_back_to_the_cpu_names_the_missing_provider_librari
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper
-    from trainrun import cuda
+    from trainrun.step import cuda
     from trainrun.errors import TrainrunError
     g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
@@ -160,7 +160,7 @@ def test_cuda_graphs_have_a_kernel_for_every_op_and_keep_the_fp32_islands(tmp_pa
     the bf16 GELU's SigmoidGrad has no bfloat16 kernel (the session could not be created)."""
     import onnx
     from trainrun import config as C
-    from trainrun import cuda_kernels as K
+    from trainrun.step import cuda_kernels as K
     from trainrun.graphs.casts import FP32_OPS
     from trainrun.graphs.manifest import prepare
     islands = FP32_OPS | {K.GRADIENTS[op] for op in FP32_OPS if op in K.GRADIENTS}
@@ -212,7 +212,7 @@ def test_prepare_for_cuda_refuses_an_op_without_a_kernel_for_its_type(tmp_path):
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     proc = run([TRAINRUN, "prepare", "--config", str(tmp_path / "c.yaml")], check=2)
     assert "user.onnx: device: cuda, but onnxruntime-training 1.19.2's CUDA provider has no kernel" in proc.stderr
-    assert "(trainrun/cuda_kernels.tsv)" in proc.stderr
+    assert "(trainrun/step/cuda_kernels.tsv)" in proc.stderr
     assert "train graph: node " in proc.stderr and "(SigmoidGrad, bfloat16)" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "graphs" / "train.onnx").exists()
     run([TRAINRUN, "prepare", "--config", str(tmp_path / "c.yaml"), "--set", "device=cpu"], check=0)
@@ -226,7 +226,7 @@ def test_the_gpu_environment_check_refuses_torch_beside_onnxruntime(tmp_path):
     import sysconfig
 
     import onnxruntime
-    code = "from trainrun.cuda import environment_problem; print(environment_problem())"
+    code = "from trainrun.step.cuda import environment_problem; print(environment_problem())"
     site = sysconfig.get_paths()["purelib"]
     with_torch = run([sys.executable, "-c", code], check=0).stdout
     has_cuda = "CUDAExecutionProvider" in onnxruntime.get_available_providers()

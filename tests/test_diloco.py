@@ -396,7 +396,7 @@ def test_doctor_estimates_the_inner_steps_a_link_needs(tmp_path, byte_dataset):
 
 @pytest.mark.parametrize("overlap", [0, 1])
 def test_streaming_fragments_match_a_numpy_reference(tmp_path, byte_dataset, overlap):
-    """fragments 2 of whole tensors (trainrun.diloco.fragments), inner_steps 4: fragment 0's outer step 2
+    """fragments 2 of whole tensors (trainrun.sync.diloco.fragments), inner_steps 4: fragment 0's outer step 2
     steps into each round, fragment 1's at its end, the run's last step (11) all of it. With overlap_steps 1
     each exchange starts at its step and is applied one step later: the fragment's new global weights plus
     what the replica learned meanwhile. Each rank records its weights around every step's call; a NumPy
@@ -404,7 +404,7 @@ def test_streaming_fragments_match_a_numpy_reference(tmp_path, byte_dataset, ove
     rounding (1e-6 of the weights' scale), on both replicas; the log has one line per exchange, its drift the
     reference's (the replicas' outer gradients sent against the fragment's global weights)."""
     import json
-    from trainrun.diloco import fragments
+    from trainrun.sync.diloco import fragments
     rec = tmp_path / "outer"
     rec.mkdir()
     k = {"inner_steps": 4, "group": 1, "fragments": 2, "overlap_steps": overlap,
@@ -529,7 +529,7 @@ def test_replicas_step_on_their_own_between_world_steps(tmp_path, byte_dataset):
 POLL_PROBE = """
 import threading, time
 import numpy as np
-from trainrun import diloco
+from trainrun.sync import diloco
 from trainrun.comm.mpi import MPICommunicator
 
 def wakeups(t):
@@ -571,5 +571,5 @@ def test_an_exchange_in_flight_polls_every_few_milliseconds(tmp_path):
     out = run([MPIRUN, "-np", "2", sys.executable, str(script)], check=0).stdout
     wakes, waited = out.split("WAKEUPS ")[1].split()[:2]
     assert float(waited) > 0.5, out
-    from trainrun import diloco
+    from trainrun.sync import diloco
     assert int(wakes) / float(waited) <= 2 / diloco.EXCHANGE_POLL_S, out

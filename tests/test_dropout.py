@@ -15,7 +15,7 @@ from trainrun import config as C
 from trainrun.graphs.dropout_nodes import dropout_masks
 from trainrun.graphs.manifest import load_manifest, prepare
 from trainrun.graphs.names import MASK_PREFIX
-from trainrun.engine import Engine, EngineOptions
+from trainrun.step.engine import Engine, EngineOptions
 from trainrun.models.gpt2 import build_gpt2, init_weights
 
 torch = optional("torch")
@@ -71,7 +71,7 @@ def test_masks_drop_the_ratio_and_scale_the_rest(tmp_path, p):
 def test_masks_are_keyed_by_sample_not_by_micro_batch(tmp_path):
     """Micro-batches of 4 at positions 0 and 4 (two ranks, or two accumulation steps) hold the samples'
     masks that a micro-batch of 8 at position 0 holds; the two halves differ."""
-    from trainrun.dropout import DropoutMasks
+    from trainrun.step.dropout import DropoutMasks
     eng = make_engine(tmp_path, 0.1, 4, 16)
     spec, sizes = eng.manifest["dropout"], {"batch": 4, "seq": 16}
     halves = []

@@ -97,7 +97,7 @@ def test_evaluate_and_init_from_refuse_data_of_another_tokenizer(tmp_path, train
     Two tokenizer.json files that give every token the same id are one tokenizer; vocabularies that differ
     are named."""
     import yaml
-    from trainrun import tokenizer as T
+    from trainrun.hf import tokenizer as T
     chars = _chars_data(tmp_path / "a")
     out = str(tmp_path / "e.json")
     p = run([MPIRUN, "-np", "2", TRAINRUN, "evaluate", trained, "--data", os.path.join(chars, "eval"),

@@ -53,7 +53,7 @@ def test_streamed_export_is_byte_identical_to_onnx_save(ckpt, tmp_path):
 
 
 def test_external_data_layout_is_onnx_own(ckpt, tmp_path, monkeypatch):
-    from trainrun import export
+    from trainrun.commands import export
     monkeypatch.setattr(export, "_EXTERNAL_DATA_BYTES", 0)      # a model above protobuf's limit, in small
     export.export_checkpoint(str(ckpt), str(tmp_path / "m.onnx"), echo=lambda *_: None)
     weights = reference_model(ckpt, True, tmp_path / "ref.onnx")
@@ -85,7 +85,8 @@ def traced_peak(fn) -> int:
 
 
 def test_export_holds_no_second_copy_of_the_weights(ckpt, tmp_path):
-    from trainrun import checkpoint, export
+    from trainrun import checkpoint
+    from trainrun.commands import export
     size = os.path.getsize(ckpt / "model.safetensors")        # 13 MB
     export.export_checkpoint(str(ckpt), str(tmp_path / "warm.onnx"), echo=lambda *_: None)   # imports done
     checksums = traced_peak(lambda: checkpoint.verify(str(ckpt)))      # its read buffers, whatever the model

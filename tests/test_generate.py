@@ -9,7 +9,7 @@ import pytest
 
 from conftest import TRAINRUN, hf_gpt2, run, write_config
 from trainrun.config import GPT2Config
-from trainrun.generate import Decoder, generate
+from trainrun.commands.generate import Decoder, generate
 from trainrun.models.gpt2 import build_gpt2, init_weights
 
 SHAPE = {"n_layer": 2, "n_head": 4, "n_embd": 64, "n_positions": 48, "vocab_size": 300}
@@ -132,8 +132,8 @@ def test_generate_refuses_a_file_that_is_not_an_onnx_model(trained, tmp_path):
 
 def test_empty_prompt_samples_from_the_end_of_document_token(trained):
     """No prompt (or an empty one): unconditional samples, the text after the end-of-document token."""
-    from trainrun import tokenizer as T
-    from trainrun.generate import load_source
+    from trainrun.hf import tokenizer as T
+    from trainrun.commands.generate import load_source
     greedy = ["--max-new-tokens", "12", "--temperature", "0"]
     out = run([TRAINRUN, "generate", trained, "--prompt", "", *greedy], check=0).stdout
     assert out == run([TRAINRUN, "generate", trained, *greedy], check=0).stdout

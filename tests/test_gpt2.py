@@ -10,7 +10,7 @@ from trainrun.graphs.gradients import build_train_graph, direct_gradients
 from trainrun.graphs.losses import _cross_entropy_grad_by_exp
 from trainrun.graphs.manifest import prepare
 from trainrun.graphs.names import GRAD_SUFFIX, LOSS, RESET
-from trainrun.engine import Engine, EngineOptions
+from trainrun.step.engine import Engine, EngineOptions
 from trainrun.models.gpt2 import build_gpt2, init_weights, param_count
 
 from conftest import assert_matches_torch, hf_gpt2, optional

@@ -69,13 +69,13 @@ def train_run(tmp_path, name, byte_dataset, n=1, env=None, check=0, **sections):
 
 
 def test_cuda_provider_is_active_and_libraries_come_from_the_gpu_extra(tmp_path, byte_dataset):
-    """trainrun.cuda loads the pip-installed CUDA 11 libraries by path; each session runs on the
+    """trainrun.step.cuda loads the pip-installed CUDA 11 libraries by path; each session runs on the
     CUDA provider (not a silent CPU fallback)."""
     from trainrun import config as C
-    from trainrun import cuda
+    from trainrun.step import cuda
     from trainrun.graphs.manifest import prepare
-    from trainrun.engine import Engine, EngineOptions
-    from trainrun.update import optimizer_for
+    from trainrun.step.engine import Engine, EngineOptions
+    from trainrun.sync.update import optimizer_for
     loaded = cuda.setup()
     for soname in ("libcudart.so.11.0", "libcublas.so.11", "libcudnn.so.8", "libnvrtc.so.11.2"):
         assert soname in loaded, (soname, loaded)
@@ -104,9 +104,9 @@ def test_optimizer_graph_on_cuda_follows_a_changing_lr_and_scale(tmp_path, name)
     update). Tolerance: both compute each element in float32 from the same inputs (the graph's
     scalars in float64); 12 steps of AdamW agree to a few ulp, so rtol 1e-5 with atol 1e-7."""
     import cupy
-    from trainrun import optim
+    from trainrun.step import optim
     from trainrun.config import OptimizerConfig
-    from trainrun.engine import EngineOptions, _Bound
+    from trainrun.step.engine import EngineOptions, _Bound
     cfg = OptimizerConfig(name=name, lr=1e-3, weight_decay=0.1, no_decay=["b*"],
                           **({"momentum": 0.9} if name == "sgd" else {}))
     shapes = [("w0", (64, 33)), ("b0", (33,)), ("w1", (1000,))]
@@ -158,7 +158,7 @@ def test_one_rank_cuda_matches_cpu(tmp_path, byte_dataset):
 
 
 def test_dropout_on_cuda_matches_cpu(tmp_path, byte_dataset):
-    """Dropout 0.1: the masks are made on the host from run.seed (trainrun/dropout.py) and uploaded, so
+    """Dropout 0.1: the masks are made on the host from run.seed (trainrun/step/dropout.py) and uploaded, so
     CUDA and CPU drop the same elements; the bounds of test_one_rank_cuda_matches_cpu."""
     shape = {"n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 32, "vocab_size": 512, "dropout": 0.1}
     cpu, _ = train_run(tmp_path, "cpu", byte_dataset, **{"model.gpt2": shape})
@@ -225,10 +225,10 @@ BF16_EDGES = np.array([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x7F7FFFFF, 0x7F80000
 def test_nccl_bf16_wire_rounds_as_the_host_kernel():
     """``distributed.reduce_dtype: bf16`` on NCCL (``allreduce_bf16_``: cupy's rounding kernel, NCCL's bf16
     datatype, the widening kernel) at world size 1, where the sum is the buffer itself: every element
-    equal, bit for bit, to the host path's rounding (trainrun.wire, tested against NumPy on the CPU), on a
+    equal, bit for bit, to the host path's rounding (trainrun.sync.wire, tested against NumPy on the CPU), on a
     view at an offset (nothing outside it written), twice (the kept uint16 twin reused)."""
     import cupy
-    from trainrun import wire
+    from trainrun.sync import wire
     from trainrun.comm import NCCLCommunicator, SingleProcess
     rng = np.random.default_rng(0)
     host = np.concatenate([BF16_EDGES.view(np.float32), rng.standard_normal(100_003).astype(np.float32) * 1e3])
@@ -259,7 +259,7 @@ def test_checkpoint_of_cupy_buffers_is_the_numpy_checkpoint(tmp_path):
     import cupy
     from trainrun import checkpoint as K
     from trainrun.comm import SingleProcess
-    from trainrun.flat import FlatLayout
+    from trainrun.step.flat import FlatLayout
     n = K.files._CHUNK // 4 + 12_345                # one chunk and a bit
     layout = FlatLayout(["a", "b"], [(1000, 7), (n - 7000,)], [0, 7000], n)
     rng = np.random.default_rng(1)

@@ -1,7 +1,7 @@
 """trainrun.kernels.host.HostOptimizer (fused Numba loops) against the optimizer graph and NumPy.
 
 Every case runs the same 3 steps from identical starts through the ONNX graph of
-trainrun.optim (a real onnxruntime CPU session, plain ``sess.run``) and through
+trainrun.step.optim (a real onnxruntime CPU session, plain ``sess.run``) and through
 HostOptimizer with a small LAMB chunk, on tensors whose sizes straddle the chunk.
 
 Tolerances: SGD (Mul/Add/Sub only) and the Adam moments of AdamW / LAMB (which
@@ -20,7 +20,7 @@ import onnxruntime as ort
 from test_optim import initial_params, random_grads, reference_run, to_flat
 from trainrun.config import OptimizerConfig, ParamGroupConfig
 from trainrun.kernels import host
-from trainrun.optim import build_optimizer_graph, state_names
+from trainrun.step.optim import build_optimizer_graph, state_names
 
 CHUNK = 1000
 # Sizes not multiples of the chunk, two tensors larger than it, runs of same-decay tensors that
@@ -237,7 +237,7 @@ def test_rejects_what_is_not_a_float32_numpy_buffer():
 def test_parts_of_the_buffer_update_as_the_whole(case):
     """ZeRO-1's shards: the flat buffer cut into 3 parts inside tensors (and one part inside a single
     tensor), one HostOptimizer per part over the tensor pieces it holds, run in 3 threads whose LAMB
-    norm_sums add up every part's per-tensor sums (as trainrun.update does over ranks): the graph's update
+    norm_sums add up every part's per-tensor sums (as trainrun.sync.update does over ranks): the graph's update
     of the whole buffer, to the same tolerances."""
     import threading
     name, _, grouped = case.partition("+")

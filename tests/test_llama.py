@@ -11,8 +11,8 @@ import onnxruntime as ort
 import pytest
 
 from trainrun import config as C
-from trainrun.engine import Engine, EngineOptions
-from trainrun.generate import Decoder, generate
+from trainrun.step.engine import Engine, EngineOptions
+from trainrun.commands.generate import Decoder, generate
 from trainrun.graphs.manifest import prepare
 from trainrun.models.llama import build_llama, init_weights, param_count
 

@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from trainrun import config as C
-from trainrun.engine import Engine, EngineOptions
+from trainrun.step.engine import Engine, EngineOptions
 from trainrun.graphs.manifest import prepare
 
 from conftest import ROOT, TRAINRUN, mpirun, read_metrics, run, write_config

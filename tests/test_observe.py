@@ -19,7 +19,7 @@ from trainrun.graphs.gradients import ort_builder_missing
 from trainrun.graphs.manifest import load_manifest, prepare
 from trainrun.graphs.names import ACC_OUT_SUFFIX, GRAD_SUFFIX, LOSS, MASK_PREFIX
 from trainrun.errors import UsageError
-from trainrun.validity import load_config
+from trainrun.run.validity import load_config
 
 STEPS = 10
 STATS = {"debug.stats_every": 1, "debug.tensors": ["logits", "LayerNormalization_*_out0"],

@@ -16,8 +16,8 @@ from safetensors.numpy import load_file
 
 from conftest import MPIRUN, ROOT, TRAINRUN, mpirun, rank_pids, read_metrics, run, write_config
 from trainrun import checkpoint as K
-from trainrun import rundir
-from trainrun.stopping import STOPPED_EXIT, EarlyStopping
+from trainrun.run import rundir
+from trainrun.run.stopping import STOPPED_EXIT, EarlyStopping
 
 
 def _start(cmd, tmp_path, name="job"):

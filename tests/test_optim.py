@@ -1,4 +1,4 @@
-"""The optimizer graph (trainrun.optim) against NumPy references and torch.optim.
+"""The optimizer graph (trainrun.step.optim) against NumPy references and torch.optim.
 
 Every graph runs in a real onnxruntime InferenceSession with IOBinding, each
 ``X`` / ``X_out`` pair bound to ONE OrtValue that shares memory with a flat
@@ -16,7 +16,7 @@ import pytest
 from trainrun.config import OptimizerConfig, ParamGroupConfig
 from trainrun.kernels.optimizers import tensor_settings
 from trainrun.kernels.sym import inplace_conflicts
-from trainrun.optim import build_optimizer_graph, inplace_aliases, state_names, weight_decays
+from trainrun.step.optim import build_optimizer_graph, inplace_aliases, state_names, weight_decays
 
 # Names chosen so that the default no_decay patterns exclude some ("*bias", "*ln_*").
 PARAMS = [

@@ -1,5 +1,5 @@
 """distributed.overlap_grad_reduce: the train graph cut at gradient buckets (trainrun.graphs.segments), the
-buckets reduced in a background thread during the backward pass (trainrun.reducer.BucketReducer); real
+buckets reduced in a background thread during the backward pass (trainrun.sync.reducer.BucketReducer); real
 onnxruntime sessions, real mpirun ranks on pretend nodes."""
 
 import json
@@ -9,7 +9,7 @@ import pytest
 
 from conftest import TRAINRUN, mpirun, read_metrics, run, write_config
 from trainrun import config as C
-from trainrun.engine import Engine, EngineOptions
+from trainrun.step.engine import Engine, EngineOptions
 from trainrun.graphs.gradients import ort_builder_missing
 from trainrun.graphs.manifest import prepare
 from trainrun.models.bert import sample_inputs
@@ -111,7 +111,7 @@ def probe_engines(script: str, tmp_path, gpt2: dict, seq_len: int, micro_batch: 
 
 PEAK = """
 import sys, numpy as np
-from trainrun.engine import Engine, EngineOptions
+from trainrun.step.engine import Engine, EngineOptions
 def kib(key):
     return int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith(key)))
 shapes = {"input_ids": ((8, 128), np.int64), "labels": ((8, 128), np.int64)}
@@ -139,7 +139,7 @@ def test_the_cut_graph_takes_the_memory_of_the_whole_one(tmp_path):
 
 IDLE = """
 import resource, statistics, sys, time, numpy as np
-from trainrun.engine import Engine, EngineOptions
+from trainrun.step.engine import Engine, EngineOptions
 shapes = {"input_ids": ((4, 32), np.int64), "labels": ((4, 32), np.int64)}
 eng = Engine(sys.argv[1], EngineOptions(threads=2, bucket_bytes=int(sys.argv[2]), direct_gradients=True), shapes, shapes)
 batch = {k: np.random.default_rng(0).integers(0, 300, (4, 32)) for k in shapes}
@@ -168,7 +168,7 @@ def test_the_segments_thread_pools_stop_spinning_after_their_run(tmp_path):
 
 BUCKETS_ON_THEIR_OWN = """
 import threading
-from trainrun.reducer import BucketReducer
+from trainrun.sync.reducer import BucketReducer
 
 def main(comm):
     grads = np.full(1000, comm.rank + 1.0, np.float32)
@@ -198,7 +198,7 @@ run(main, make_communicator("mpi", timeout_s=20))
 
 @pytest.mark.process
 def test_buckets_reduce_on_a_communicator_of_their_own(tmp_path):
-    """The overlap's one component (trainrun.reducer.BucketReducer) on a plain flat buffer: a bucket's
+    """The overlap's one component (trainrun.sync.reducer.BucketReducer) on a plain flat buffer: a bucket's
     allreduce in its background thread and a collective of the main thread (the step's scalars) started in
     opposite orders on the two ranks: each matches its own peer, because the buckets run on a duplicate of
     the communicator; reduce() waits for the started buckets and reduces the rest; a step that starts none

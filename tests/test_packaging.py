@@ -103,7 +103,7 @@ def test_the_onnxruntime_in_use_reads_what_trainrun_writes():
     from onnx import TensorProto, helper
     from trainrun.graphs import onnx_edit
     from trainrun.models import onnx_builder
-    from trainrun.sessions import import_onnxruntime
+    from trainrun.step.sessions import import_onnxruntime
     ort = import_onnxruntime()
     g = onnx_builder.Graph()
     y = g.op("Relu", ["x"])

@@ -19,7 +19,7 @@ from trainrun.graphs.gradients import build_train_graph, builder
 from trainrun.graphs.losses import with_loss
 from trainrun.graphs.names import BUFFER_SUFFIX, GRAD_SUFFIX
 from trainrun.graphs.onnx_edit import params_to_inputs
-from trainrun.precision import LossScaler
+from trainrun.step.precision import LossScaler
 
 
 def loss_graph(precision, shape):

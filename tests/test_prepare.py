@@ -13,11 +13,11 @@ from trainrun import config as C
 from trainrun.graphs.gradients import ort_builder_missing
 from trainrun.graphs.manifest import load_manifest, prepare, up_to_date
 from trainrun.graphs.names import BUFFER_SUFFIX, RESET
-from trainrun.engine import Engine, EngineOptions
+from trainrun.step.engine import Engine, EngineOptions
 from trainrun.errors import UsageError
-from trainrun.optim import state_names
-from trainrun.rundir import sha256_file
-from trainrun.update import optimizer_for
+from trainrun.step.optim import state_names
+from trainrun.run.rundir import sha256_file
+from trainrun.sync.update import optimizer_for
 
 from conftest import ROOT, TRAINRUN, run, optional
 

@@ -15,7 +15,7 @@ from conftest import mpirun, read_metrics, write_config
 
 from trainrun import config as C
 from trainrun.graphs.manifest import prepare
-from trainrun.engine import Engine, EngineOptions
+from trainrun.step.engine import Engine, EngineOptions
 from trainrun.errors import UsageError
 from trainrun.models.bert import sample_inputs
 from trainrun.graphs.recompute import SUFFIX, recompute_blocks
@@ -80,7 +80,7 @@ _PEAK = r"""
 import ctypes, sys, numpy as np
 from trainrun import config as C
 from trainrun.graphs.manifest import prepare
-from trainrun.engine import Engine, EngineOptions
+from trainrun.step.engine import Engine, EngineOptions
 out, mode = sys.argv[1], sys.argv[2]
 cfg = C.from_dict({"model": {"gpt2": {"n_layer": 8, "n_head": 8, "n_embd": 64, "n_positions": 256,
                    "vocab_size": 256}}, "data": {"seq_len": 256}, "train": {"micro_batch_size": 4, "recompute": mode},

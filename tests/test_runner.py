@@ -16,7 +16,7 @@ import pytest
 from conftest import (MPIRUN, TRAINRUN, TRAINRUN_DATA, mpirun, rank_pids, read_metrics, run, synthetic_text_dir,
                       write_config)
 from trainrun import checkpoint as K
-from trainrun import rundir
+from trainrun.run import rundir
 
 
 def losses(run_dir, key="loss"):
@@ -332,7 +332,7 @@ def test_what_follows_a_step():
     """step_end, the decisions after a step (a 12-step run: log_every 2, eval_every 4, checkpoint.every 3,
     keep_best 1, sample_every 6): each named, in the loop's order."""
     from trainrun import config as C
-    from trainrun.runner import step_end
+    from trainrun.run.runner import step_end
     cfg = C.load_config(None, ["train.max_steps=12", "train.log_every=2", "train.eval_every=4",
                                "checkpoint.every=3", "checkpoint.keep_best=1", "train.sample_every=6"])
 

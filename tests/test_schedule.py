@@ -5,7 +5,7 @@ import math
 import pytest
 
 from trainrun.config import LRScheduleConfig
-from trainrun.schedule import learning_rate
+from trainrun.step.schedule import learning_rate
 
 
 @pytest.mark.parametrize("name", ["constant", "linear", "poly", "cosine"])

@@ -7,10 +7,10 @@ from onnx import TensorProto, helper
 
 from conftest import assert_matches_torch, hf_gpt2
 from trainrun import config as C
-from trainrun.engine import Engine, EngineOptions
+from trainrun.step.engine import Engine, EngineOptions
 from trainrun.graphs.manifest import prepare, up_to_date
 from trainrun.graphs.strides import pad_contractions, wanted
-from trainrun.sessions import import_onnxruntime
+from trainrun.step.sessions import import_onnxruntime
 
 # (name, A's shape, B's shape, Gemm transB or None for MatMul, padded?)
 CASES = [

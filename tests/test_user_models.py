@@ -451,7 +451,7 @@ def test_cross_entropy_layouts_weights_and_accuracy_match_pytorch(tmp_path, layo
     import torch
     from trainrun import config as C
     from trainrun.graphs.manifest import prepare
-    from trainrun.engine import Engine, EngineOptions
+    from trainrun.step.engine import Engine, EngineOptions
     from trainrun.errors import UsageError
     C_, S = 7, 5
     axis = 1 if layout == "classes_axis1" else -1
@@ -504,8 +504,8 @@ def test_label_smoothing_matches_torch(tmp_path, case):
     loss and gradient, the eval graph's loss and its ``ce`` metric (the unsmoothed cross-entropy)."""
     import torch
     from trainrun import config as C
-    from trainrun.engine import Engine, EngineOptions
-    from trainrun.feeding import eval_results
+    from trainrun.step.engine import Engine, EngineOptions
+    from trainrun.step.feeding import eval_results
     from trainrun.graphs.manifest import prepare
     C_, S, s = (1100, 3, 0.1) if case == "vocab_split" else (7, 5, 0.2)
     axis = 1 if case == "axis1_weights" else -1

@@ -1,4 +1,4 @@
-"""trainrun.validity, the one owner of "is this combination legal?": a table of configs through the real
+"""trainrun.run.validity, the one owner of "is this combination legal?": a table of configs through the real
 `trainrun config validate` (each refusal exit 2 naming its key(s), each accepted one exit 0); the metrics it
 predicts the evaluations log against those of the prepared graphs; the same owner at training and resume,
 and what a launch turns off said once at start."""
@@ -11,8 +11,8 @@ import pytest
 from conftest import TRAINRUN, mpirun, run, write_config
 from test_finetune import _config as bert_config, labelled  # noqa: F401 - labelled: a fixture used here
 from trainrun import checkpoint as K
-from trainrun import rundir
-from trainrun import validity as V
+from trainrun.run import rundir
+from trainrun.run import validity as V
 from trainrun.graphs.manifest import load_manifest, prepare
 
 # (dataset, overrides, exit code, what stderr says: every text, in full)

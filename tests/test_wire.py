@@ -1,4 +1,4 @@
-"""distributed.reduce_dtype (trainrun.wire): bf16 on the wire with fp32 sums, against PyTorch's bfloat16
+"""distributed.reduce_dtype (trainrun.sync.wire): bf16 on the wire with fp32 sums, against PyTorch's bfloat16
 rounding and float64 sums; real mpirun ranks; a tiny GPT-2 trained both ways."""
 
 import json
@@ -8,7 +8,7 @@ import pytest
 
 from conftest import TRAINRUN, mpirun, read_metrics, run, write_config, optional
 from test_comm import results, run_ranks
-from trainrun.wire import from_bf16, to_bf16
+from trainrun.sync.wire import from_bf16, to_bf16
 
 torch = optional("torch")
 
@@ -46,7 +46,7 @@ def test_rounding_is_torchs_round_to_nearest_even():
 
 
 REDUCE = '''
-from trainrun import wire
+from trainrun.sync import wire
 
 def main(comm):
     r, p = comm.rank, comm.world_size

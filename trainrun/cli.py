@@ -11,7 +11,7 @@ import shlex
 import sys
 import traceback
 
-from . import stopping
+from .run import stopping
 
 if os.path.basename(sys.argv[0]) == "trainrun":    # the command starting (not a test importing this module):
     stopping.start_up()                            # a stop signal from here on says what it stopped
@@ -71,8 +71,8 @@ def cli(ctx, config_path, overrides, log_level):
 @log_option
 def train(config_path, overrides, log_level):
     """Train from a config (under mpirun for several ranks)."""
-    from .runner import train as run_train
-    from .validity import load_config
+    from .run.runner import train as run_train
+    from .run.validity import load_config
     cfg = load_config(config_path, overrides, need_data=True)
     run_train(cfg, log_level=log_level)
 
@@ -84,8 +84,8 @@ def train(config_path, overrides, log_level):
 @click.option("--force", is_flag=True, help="Allow --set of keys that change the model or optimizer.")
 def resume(run_dir, overrides, log_level, force):
     """Continue a run from its latest complete checkpoint (or the named one)."""
-    from .resume import resume_config
-    from .runner import train as run_train
+    from .run.resume import resume_config
+    from .run.runner import train as run_train
     cfg, ckpt = resume_config(run_dir, list(overrides), force=force)
 
     def retry(other: str) -> str:       # this command from another checkpoint (named where ckpt is corrupt)
@@ -116,7 +116,8 @@ def resume(run_dir, overrides, log_level, force):
 def export(checkpoint, output, fmt, kv_cache, tokenizer, opset, with_loss, best):
     """Write an inference model from a checkpoint (offline, no MPI): an ONNX file, or a
     transformers directory (config.json, model.safetensors, tokenizer)."""
-    from .export import export_checkpoint, export_peft, export_transformers
+    from .commands.export import export_checkpoint
+    from .hf.export import export_peft, export_transformers
     if fmt != "onnx" and (kv_cache or with_loss or opset is not None):
         raise UsageError(f"--format {fmt} takes none of --kv-cache, --with-loss, --opset")
     if tokenizer and fmt != "transformers":
@@ -164,7 +165,7 @@ def generate(source, prompt, max_new_tokens, temperature, top_k, top_p, seed, nu
     """Sample text from a GPT-2 or Llama-family model: SOURCE is a model.onnx (an export; the run's tokenizer is looked
     for beside it), a checkpoint or a run directory (its latest checkpoint). Tokens are printed as
     they come."""
-    from .generate import run_generate
+    from .commands.generate import run_generate
     run_generate(source, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                  top_p=top_p, seed=seed, num_samples=num_samples, tokenizer=tokenizer)
 
@@ -181,7 +182,7 @@ def generate(source, prompt, max_new_tokens, temperature, top_k, top_p, seed, nu
 def evaluate(source, data, steps, batch, output, force):
     """Loss, perplexity and the model's metrics of a checkpoint (SOURCE: a checkpoint or a run
     directory, its latest) on a dataset; under mpirun the batches are split over the ranks."""
-    from .evaluate import run_evaluate
+    from .commands.evaluate import run_evaluate
     run_evaluate(source, data, steps=steps, batch=batch, output=output, force=force, echo=click.echo)
 
 
@@ -194,11 +195,11 @@ def evaluate(source, data, steps, batch, output, force):
                                             "(they then no longer fit them).")
 def prepare(config_path, overrides, log_level, force):
     """Build the train, eval and optimizer graphs and initial weights into <output_dir>/graphs."""
-    from .rundir import complete_checkpoints
+    from .run.rundir import complete_checkpoints
     from .graphs.gradients import BUILDER_NAMES
     from .graphs.manifest import load_manifest, prepare as run_prepare
-    from .lock import RunLock
-    from .validity import check, load_config
+    from .run.lock import RunLock
+    from .run.validity import check, load_config
     cfg = load_config(config_path, _with_log_level(overrides, log_level))
     check(cfg, datasets=False)
     out = cfg.run.output_dir
@@ -231,7 +232,7 @@ def config_group():
 @click.option("--no-comments", is_flag=True, help="Plain YAML without field documentation.")
 def config_show(config_path, overrides, no_comments):
     """Print the fully resolved config, every field documented."""
-    from .validity import load_config
+    from .run.validity import load_config
     cfg = load_config(config_path, overrides)
     click.echo(C.to_yaml(cfg, comments=not no_comments), nl=False)
 
@@ -243,7 +244,7 @@ def config_show(config_path, overrides, no_comments):
 def config_validate(config_path, overrides):
     """Check a config and the files it names (datasets, model.init_from, the memory the model needs, as
     training's start-up does on one rank); list every problem (exit 2) or say it is valid."""
-    from .validity import check, load_config
+    from .run.validity import check, load_config
     check(load_config(config_path, overrides, need_data=True))
     click.echo(f"{config_path}: valid")
 
@@ -259,10 +260,10 @@ def config_validate(config_path, overrides):
 def doctor(config_path, overrides, size_mb, iters):
     """Check the distributed set-up (run under mpirun): ranks, hosts, devices, versions,
     an allreduce of known values, allreduce bandwidth, same config/data/graphs everywhere."""
-    from .observe.doctor import run_doctor
+    from .commands.doctor import run_doctor
     cfg, raw = None, b""
     if config_path:
-        from .validity import load_config
+        from .run.validity import load_config
         cfg = load_config(config_path, overrides)
         with open(config_path, "rb") as fh:
             raw = fh.read()
@@ -286,7 +287,7 @@ def doctor(config_path, overrides, size_mb, iters):
 def compare(run_a, run_b, rtol, atol, ranks, patterns, max_rows):
     """Compare two runs' statistics (debug.stats_every): the first step and tensor where
     they diverge beyond tolerance, then a per-step summary. Exit 0 same, 1 diverged."""
-    from .observe.compare import compare as run_compare
+    from .commands.compare import compare as run_compare
     text, diverged = run_compare(run_a, run_b, rtol=rtol, atol=atol, ranks=list(ranks) or None,
                                  patterns=list(patterns) or None, max_rows=max_rows)
     click.echo(text)
@@ -331,7 +332,7 @@ def _launcher_rank() -> int:
 
 def main(argv=None):
     stopping.start_up()         # (again, where main is called without the console script)
-    from .sessions import import_onnxruntime
+    from .step.sessions import import_onnxruntime
     import_onnxruntime()        # before any command's imports: without torch (1.5 s of every start)
     try:
         rc = cli.main(args=argv, standalone_mode=False, prog_name="trainrun")

@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import TrainrunError, UsageError
-from .rundir import sha256_file
+from .run.rundir import sha256_file
 
 MANIFEST = "manifest.json"
 TOKENS_FORMAT = "trainrun-tokens"

@@ -34,7 +34,7 @@ class UsageError(TrainrunError):
 class PeerLost(TrainrunError):
     """A collective failed because a peer rank died (MPI's fault tolerance, ULFM: ``MPI_ERR_PROC_FAILED``) or
     because a peer revoked the communicator after seeing a death (``MPI_ERR_REVOKED``). Raised only by an
-    elastic communicator (``distributed.elastic``); :mod:`trainrun.elastic` drops the dead and goes on."""
+    elastic communicator (``distributed.elastic``); :mod:`trainrun.sync.elastic` drops the dead and goes on."""
 
 
 def collective(exc: TrainrunError) -> TrainrunError:

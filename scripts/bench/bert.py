@@ -121,7 +121,7 @@ def compute_only(work: Path, shape: dict, iters: int = 30) -> dict:
     from transformers import BertConfig, BertForPreTraining
 
     from trainrun.data import open_dataset
-    from trainrun.engine import Engine, EngineOptions
+    from trainrun.step.engine import Engine, EngineOptions
     from trainrun.models.bert import INPUTS
     torch.set_num_threads(1)
     ds = open_dataset(work / "data" / "train", 128, verify=False)

@@ -9,7 +9,7 @@
 both train graphs in their direct form (gradients as outputs): onnxruntime-training's builder's
 and trainrun's (``build_train_graph`` with ``builder`` onnxruntime, then ``direct_gradients``, and with
 ``builder`` trainrun, fused under ``graphs.fuse``), each followed by the cross-entropy split and padded products, as ``prepare`` does; it writes them, a random batch (inputs.npz) and their node counts by op type. ``time``
-opens each graph in a session made as the engine makes it (``trainrun.sessions.session_options``, the
+opens each graph in a session made as the engine makes it (``trainrun.step.sessions.session_options``, the
 same threads), binds the batch and preallocated gradient buffers once, and runs forward + backward in
 alternating blocks of steps in one process; tokens/s = tokens of a micro-batch / median step time
 (after warm-up). ``peak`` runs each graph in a process of its own (onnxruntime and numpy only) and
@@ -130,7 +130,7 @@ class Loop:
 
     def __init__(self, path: Path, feeds: dict, threads: int):
         import onnxruntime as ort
-        from trainrun.sessions import session_options
+        from trainrun.step.sessions import session_options
         self.sess = ort.InferenceSession(str(path), session_options(threads, path.stem),
                                          providers=["CPUExecutionProvider"])
         self.bind = self.sess.io_binding()

@@ -4,7 +4,7 @@
         --micro-batch 16 --seq-len 128 --threads 2 --steps 30 --out ceiling.json
     .venv/bin/mpirun -np 2 .venv/bin/python scripts/bench/ceiling.py ... --threads 1
 
-It builds ``trainrun.engine.Engine`` (the same sessions, session options and
+It builds ``trainrun.step.engine.Engine`` (the same sessions, session options and
 IOBinding over one flat parameter and one flat gradient buffer that the runner
 uses), copies ONE real micro-batch from the dataset into the bound batch buffer
 once, and then runs only the train graph: no data loading, no allreduce, no
@@ -46,7 +46,7 @@ class TrainGraphLoop:
     def __init__(self, graphs: str, data: str, micro_batch: int, seq_len: int, threads: int,
                  profile_prefix: str | None = None, batch_index: int = 0):
         from trainrun.data import open_dataset
-        from trainrun.engine import Engine, EngineOptions
+        from trainrun.step.engine import Engine, EngineOptions
         from trainrun.graphs.manifest import load_manifest
         manifest = load_manifest(graphs)
         static = (manifest.get("build") or {}).get("static_shape")

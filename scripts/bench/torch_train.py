@@ -87,7 +87,7 @@ def main() -> int:
     from transformers.utils import logging as hf_logging
     from trainrun.config import LRScheduleConfig
     from trainrun.data import TrainLoader, open_dataset
-    from trainrun.schedule import learning_rate
+    from trainrun.step.schedule import learning_rate
     hf_logging.set_verbosity_error()
 
     rank, world = common.launcher_rank()

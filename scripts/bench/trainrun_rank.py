@@ -31,10 +31,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 
+def _runner():
+    """trainrun's runner module: this checkout's trainrun/run/runner.py, or an older commit's (``--code``)
+    runner, at the top of the package before the modules were packages."""
+    import importlib
+    for name in ("run.runner", "runner"):
+        try:
+            return importlib.import_module(f"trainrun.{name}")
+        except ModuleNotFoundError as e:
+            if e.name not in (f"trainrun.{name}", "trainrun.run"):
+                raise
+    raise ModuleNotFoundError("trainrun's runner")
+
+
 def record_phases(path: Path) -> None:
     """Hook TrainingRunner.train_step: at the start of each step, the phase timer's totals since the start
     of the previous one are that step's phase times; written to ``path`` at exit."""
-    from trainrun import runner
+    runner = _runner()
     steps: list = []
     prev: dict = {}
     original = runner.TrainingRunner.train_step
@@ -96,7 +109,7 @@ def main() -> None:
         if phases:
             record_phases(Path(rss_dir) / f"phases-{rank}.json")
         try:
-            from trainrun import runner
+            runner = _runner()
             original_save = runner.TrainingRunner.save
 
             def save(self, *a, **kw):

@@ -16,7 +16,7 @@ Layout of ``<run>/checkpoints/<step>/``::
 
 Protocol. At a checkpoint step rank 0 writes the tensors into
 ``checkpoints/.staging-<step>/`` straight from the flat buffers (with ZeRO-1 the
-optimizer state is gathered on rank 0 piece by piece as it is written, :mod:`trainrun.update`) and every
+optimizer state is gathered on rank 0 piece by piece as it is written, :mod:`trainrun.sync.update`) and every
 other rank takes the digest of its parameters: the only time the step waits. The
 written data are then in the kernel's page cache, the snapshot that training may
 not change, so no copy of the state is kept in the process; a background thread

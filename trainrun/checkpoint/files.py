@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from ..flat import to_host
+from ..step.flat import to_host
 
 _CHUNK = 64 << 20
 _READ_CHUNK = 4 << 20      # read back for the checksums

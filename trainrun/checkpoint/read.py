@@ -17,7 +17,9 @@ import numpy as np
 
 from .. import config as C
 from ..errors import UsageError
-from ..rundir import COMMITTED, best_checkpoints, checkpoints_dir, complete_checkpoints, resolve_checkpoint, run_dir_of
+from ..run.rundir import (
+    COMMITTED, best_checkpoints, checkpoints_dir, complete_checkpoints, resolve_checkpoint, run_dir_of,
+)
 from .files import _READ_CHUNK
 
 FORMAT_VERSION = 1

@@ -15,8 +15,8 @@ import numpy as np
 from .. import config as C
 from .. import faults
 from ..errors import TrainrunError, UsageError, collective
-from ..flat import from_host
-from ..rundir import COMMITTED, best_checkpoints, checkpoints_dir, complete_checkpoints, sha256_file
+from ..step.flat import from_host
+from ..run.rundir import COMMITTED, best_checkpoints, checkpoints_dir, complete_checkpoints, sha256_file
 from .files import _CHUNK, _fsync_dir, _header, params_digest, sync_file, write_flat_safetensors, write_json
 from .read import FORMAT_VERSION, check_checkpoint, load_tensors_into, mismatch, pin, read_state, verify
 
@@ -355,8 +355,8 @@ class Checkpointer:
         and checks the tensors against the model first (:func:`check_checkpoint`; ``forced``: by
         ``resume --force``, tensors no longer taken are dropped with a warning). ``state_range``
         (lo, hi): the optimizer state buffers hold elements lo:hi of the flat layout only (a ZeRO-1 part,
-        :mod:`trainrun.update`); by default all of it. A state given as None is one the checkpoint may hold
-        but its owner reads (:meth:`trainrun.diloco.DiLoCo.load_state_dict`). ``lora_base``: the sha256
+        :mod:`trainrun.sync.update`); by default all of it. A state given as None is one the checkpoint may hold
+        but its owner reads (:meth:`trainrun.sync.diloco.DiLoCo.load_state_dict`). ``lora_base``: the sha256
         of the model.lora base weights, which must be those the checkpoint's adapters were trained on.
         ``retry``: the command that resumes from another checkpoint, given its path (a corrupt one's error names
         the run's newest intact checkpoint and that command)."""

@@ -15,7 +15,7 @@ import numpy as np
 from ..errors import TrainrunError, UsageError, collective
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int64),
-                    np.dtype(np.uint16))      # uint16: bfloat16 bits (trainrun.wire), moved, never reduced
+                    np.dtype(np.uint16))      # uint16: bfloat16 bits (trainrun.sync.wire), moved, never reduced
 SCALAR_OPS = ("sum", "max", "min")
 
 # Polling of an in-flight collective: Test() back to back for the first
@@ -27,7 +27,7 @@ SPIN_S = 0.2
 MIN_SLEEP_S = 1e-5
 MAX_SLEEP_S = 1e-3
 # A thread that waits on collectives while the computation goes on beside it (the gradient buckets reduced
-# during the backward pass, trainrun.reducer) does not spin: it shares the rank's cores with onnxruntime. It
+# during the backward pass, trainrun.sync.reducer) does not spin: it shares the rank's cores with onnxruntime. It
 # polls every QUIET_SLEEP_S instead (MPI progresses only inside MPI calls: a rendezvous or a collective's next
 # round waits for the next poll), until the main thread waits for it too (its hurry event, see
 # trainrun.comm.mpi.wait_quietly), then it spins.
@@ -142,7 +142,7 @@ class Communicator:
     def alltoall(self, send, recv, counts) -> None:
         """Part r of ``send`` (laid out as ``counts``, one element count per rank) goes to rank r; ``recv``
         (size ``counts[rank] * world_size``) receives every rank's part ``rank``, in rank order. Moves bytes
-        only (any supported dtype, uint16 included): :mod:`trainrun.wire`'s bf16 reduction runs on it."""
+        only (any supported dtype, uint16 included): :mod:`trainrun.sync.wire`'s bf16 reduction runs on it."""
         raise NotImplementedError
 
     def gather(self, chunk, out, counts, root: int = 0) -> None:

@@ -27,7 +27,7 @@ def wait_quietly(hurry: threading.Event, poll_s: float | None = None) -> None:
     """The calling thread's collectives poll every ``poll_s`` (default ``QUIET_SLEEP_S``) instead of
     spinning, and spin while ``hurry`` is set: for a thread that communicates while the main thread
     computes, whose owner sets ``hurry`` when the main thread waits for it too
-    (:class:`trainrun.reducer.BucketReducer`)."""
+    (:class:`trainrun.sync.reducer.BucketReducer`)."""
     _quiet.hurry = hurry
     _quiet.poll_s = base.QUIET_SLEEP_S if poll_s is None else float(poll_s)
 
@@ -313,7 +313,7 @@ class MPICommunicator(Communicator):
     def dup(self, what: str) -> "MPIGroup":
         """The same ranks as a communicator of their own (``MPI_Comm_dup``): collectives on it never match
         this one's, so another thread may run them while this communicator's run in the caller's order
-        (the gradient buckets reduced during the backward pass, :class:`trainrun.reducer.BucketReducer`). Every
+        (the gradient buckets reduced during the backward pass, :class:`trainrun.sync.reducer.BucketReducer`). Every
         rank must call it."""
         self.barrier()      # Dup is a blocking collective: first make sure every rank is alive and here
         return MPIGroup(self, self._comm.Dup(), what)

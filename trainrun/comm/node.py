@@ -10,7 +10,8 @@ import socket
 
 import numpy as np
 
-from .. import cuda, faults
+from ..step import cuda
+from .. import faults
 from ..errors import UsageError
 from .mpi import SHM_DIR, MPICommunicator, MPIGroup
 

@@ -4,7 +4,7 @@ Every field is documented once, by the string literal that follows it (the
 attribute docstring); ``trainrun config show`` prints those docstrings as YAML
 comments. Constraints live in the field's metadata (``min``, ``max``,
 ``choices``, ``path``): the checks of one key at a time. The checks across keys
-and of the files keys name belong to :mod:`trainrun.validity`, which
+and of the files keys name belong to :mod:`trainrun.run.validity`, which
 :func:`load_config` takes as ``checks``; it reports every problem at once, each
 with its key path, as one :class:`~trainrun.errors.UsageError` (exit code 2).
 

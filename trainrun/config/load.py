@@ -52,7 +52,7 @@ def init_from_config_json(m: ModelConfig, base_dir: str) -> tuple[str, dict | st
 
 def _fill_from_init_from(cfg: Config, data: dict, base_dir: str) -> None:
     """model.<builtin> from model.init_from's config.json when the config gives no such section (that a
-    given one agrees with it is :mod:`trainrun.validity`'s check)."""
+    given one agrees with it is :mod:`trainrun.run.validity`'s check)."""
     found = init_from_config_json(cfg.model, base_dir)
     m = cfg.model
     if found is None or not isinstance(found[1], dict) or \
@@ -122,14 +122,14 @@ def read_yaml(path: str, text: str | None = None) -> dict:
 
 Checks = Callable[[Config, str, bool], list]
 """``checks(cfg, base_dir, need_data)``: the problems (``"key: message"``) across keys and of the files
-keys name, on a config built from what parsed (:func:`trainrun.validity.config_problems`)."""
+keys name, on a config built from what parsed (:func:`trainrun.run.validity.config_problems`)."""
 
 
 def from_dict(data: dict, *, base_dir: str = ".", source: str = "config", need_data: bool = False,
               checks: Optional[Checks] = None) -> Config:
     """Build a Config, each value coerced and range-checked, and run ``checks`` on it; raise UsageError
     listing every problem. Without ``checks`` only the schema's own (one key at a time) are made:
-    :func:`trainrun.validity.load_config` passes the checks across keys."""
+    :func:`trainrun.run.validity.load_config` passes the checks across keys."""
     problems = _Problems()
     cfg = _build(Config, data, "", problems)
     _fill_from_init_from(cfg, data, base_dir)

@@ -8,7 +8,7 @@ Output, in ``<output_dir>/graphs/``:
                       (com.microsoft InPlaceAccumulatorV2: reset when ``lazy_reset_grad``).
 * ``eval.onnx``       data + labels + parameters -> ``loss`` (and ``logits`` if asked).
 * ``forward.onnx``    data + parameters -> logits, dropout off (the base of ``export``).
-* ``optimizer.onnx``  the update rule over flat buffers (see :mod:`trainrun.optim`).
+* ``optimizer.onnx``  the update rule over flat buffers (see :mod:`trainrun.step.optim`).
 * ``weights.safetensors``  initial parameters.
 * ``manifest.json``   parameter names and shapes (in flat-buffer order), data inputs,
                       graph hashes, versions.
@@ -33,5 +33,5 @@ One module per job, in the order ``prepare`` applies them:
 graph has the gradients as outputs, no accumulators and no ``lazy_reset_grad``).
 
 The run-time side of the manifest (which dataset feature feeds which input, the eval results) is
-:mod:`trainrun.feeding`.
+:mod:`trainrun.step.feeding`.
 """

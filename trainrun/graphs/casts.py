@@ -1,6 +1,6 @@
 """Mixed precision (``train.precision``) in the graphs: the Casts that make the loss graph compute in
 fp16/bf16 on float32 parameters, and fp16's ``loss_scale`` input (the scale itself is run-time state,
-:mod:`trainrun.precision`)."""
+:mod:`trainrun.step.precision`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import copy
 import onnx
 from onnx import TensorProto, helper, shape_inference
 
-from .. import cuda_kernels
+from ..step import cuda_kernels
 from .names import LOSS, LOSS_SCALE
 from .onnx_edit import fresh
 
@@ -131,7 +131,7 @@ def restore_fp32(train: onnx.ModelProto, precision: str) -> onnx.ModelProto:
 
 def scale_loss(model: onnx.ModelProto, precision: str) -> onnx.ModelProto:
     """fp16: the loss output multiplied by a float32 scalar input ``loss_scale`` (dynamic loss scaling,
-    :mod:`trainrun.precision`), so the gradients are scaled too; other precisions: ``model``."""
+    :mod:`trainrun.step.precision`), so the gradients are scaled too; other precisions: ``model``."""
     if precision != "fp16":
         return model
     nodes = list(model.graph.node)

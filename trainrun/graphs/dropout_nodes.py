@@ -1,5 +1,5 @@
 """Dropout nodes: off (an Identity) in the eval and inference graphs; in the train graph each active
-one a product with a mask input, which the run time fills (:mod:`trainrun.dropout`)."""
+one a product with a mask input, which the run time fills (:mod:`trainrun.step.dropout`)."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def _identity(node: onnx.NodeProto) -> onnx.NodeProto:
 def dropout_masks(model: onnx.ModelProto, inputs: list[str], source: str) -> tuple[onnx.ModelProto, dict | None]:
     """The train graph's dropout: every Dropout in training mode with ratio p > 0 becomes
     ``y = x * mask`` where ``mask`` is a new graph input of x's shape and type holding 0 or 1/(1-p),
-    filled by trainrun's own random stream (:mod:`trainrun.dropout`); every other Dropout becomes an
+    filled by trainrun's own random stream (:mod:`trainrun.step.dropout`); every other Dropout becomes an
     Identity. One Mul forward and one backward: cheaper than Where(bool mask, x, 0) * scale or
     x * Cast(bool mask) * scale, although a float mask takes 4 bytes an element and a bool one 1
     (docs/design.md, "Small costs per step").

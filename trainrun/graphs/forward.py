@@ -17,7 +17,7 @@ from ..config import Config
 from ..data import outside
 from ..errors import UsageError
 from ..models import registry
-from ..pretrained import load_into
+from ..hf.pretrained import load_into
 from .exporters import from_torch
 from .lora import add_adapters
 from .onnx_edit import value_dims

@@ -11,13 +11,13 @@ import onnx
 from onnx import helper, numpy_helper
 from safetensors.numpy import save_file
 
-from .. import cuda_kernels
+from ..step import cuda_kernels
 from ..config import Config, to_dict
 from ..errors import UsageError
 from ..models import registry
-from ..optim import build_optimizer_graph, check_groups
+from ..step.optim import build_optimizer_graph, check_groups
 from .recompute import recompute_blocks
-from ..rundir import as_created, sha256_file
+from ..run.rundir import as_created, sha256_file
 from .casts import cast_pass, restore_fp32, scale_loss
 from .dropout_nodes import dropout_masks, dropout_off
 from .lora import digest as lora_digest

@@ -12,7 +12,7 @@ ACC_OUT_SUFFIX = "_grad.accumulation.out"
 METRIC_PREFIX = "metric/"
 # the train graph's input holding a Dropout's mask (:mod:`trainrun.graphs.dropout_nodes`)
 MASK_PREFIX = "dropout_mask/"
-# fp16: the train graph's float32 scalar input the loss is multiplied by (:mod:`trainrun.precision`)
+# fp16: the train graph's float32 scalar input the loss is multiplied by (:mod:`trainrun.step.precision`)
 LOSS_SCALE = "loss_scale"
 
 

@@ -2,7 +2,7 @@
 
 The gradient reduction can then overlap the backward pass (``distributed.overlap_grad_reduce``): the engine
 runs the segments one after another and, between two of them, the communication of the bucket the first one
-finished starts in the background (:mod:`trainrun.update`). The cut is by dependency, not by guessing a layer
+finished starts in the background (:mod:`trainrun.sync.update`). The cut is by dependency, not by guessing a layer
 structure: segment ``k`` holds every node the outputs ``targets[k]`` need (the gradients of bucket ``k``, or
 their accumulators' outputs) that no earlier segment holds; the last segment holds everything left (the
 remaining gradients, the loss, state updates, debug outputs). A node lands in exactly one segment and runs

@@ -152,7 +152,7 @@ def get(name: str) -> Family:
 
 def with_task(family: Family, task: Optional[str], num_labels: int) -> Family:
     """``family`` with the head of ``model.task`` (null or the family's own: ``family`` itself); the task
-    and num_labels checked by :func:`trainrun.validity.config_problems`."""
+    and num_labels checked by :func:`trainrun.run.validity.config_problems`."""
     if not task or (family.tasks and task == family.tasks[0]):
         return family
     if task not in family.tasks or family.task is None:     # a config that did not pass validity
@@ -193,7 +193,7 @@ def vocab_and_positions(model: C.ModelConfig) -> tuple[int | None, int | None]:
 def layer_depths(model: C.ModelConfig, names: list[str]) -> dict[str, int] | None:
     """``optimizer.layer_decay``'s exponent of each parameter of a built-in model (the layers above it,
     from its family's ``layers_above``); None for a user's graph or a family that does not say (both
-    refuse layer_decay: :mod:`trainrun.validity`)."""
+    refuse layer_decay: :mod:`trainrun.run.validity`)."""
     family = of(model)
     if family is None or family.layers_above is None:
         return None

@@ -175,7 +175,7 @@ def measured_peak(session, threads: int, n: int = 768, repeats: int = 2, min_s: 
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
-    from ..sessions import session_options
+    from ..step.sessions import session_options
     providers = session.get_providers()
     options = session.get_provider_options()
     cuda = providers[0] == "CUDAExecutionProvider"

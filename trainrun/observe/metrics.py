@@ -20,7 +20,7 @@ import os
 import sys
 import time
 
-from ..sessions import import_without_torch
+from ..step.sessions import import_without_torch
 
 _TB_NAMES = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
              "tokens_per_sec": "train/tokens_per_sec", "samples_per_sec": "train/samples_per_sec", "mfu": "train/mfu",

@@ -7,7 +7,7 @@ created, so trainrun does not profile its regular sessions (that would record
 every step from the start, and onnxruntime stops recording after a million
 events). Instead, just before step ``S`` each rank creates a second set of
 train/eval/optimizer sessions with profiling on, binds them to the same flat
-buffers (:meth:`trainrun.engine.Engine.reopen`), runs the window's steps on
+buffers (:meth:`trainrun.step.engine.Engine.reopen`), runs the window's steps on
 them, then calls ``end_profiling()`` on each and switches back to the regular
 sessions. The window therefore holds exactly those steps (with their
 evaluation and checkpoint, if any); creating the sessions is timed as the

@@ -22,7 +22,7 @@ Statistics are taken over the finite values; ``nan``/``inf`` count the others
 ``std`` is the population standard deviation, ``norm`` the L2 norm, all
 accumulated in float64. ``meta.json`` beside the JSONL says who wrote it.
 The format is plain JSON so other frameworks can write it
-(``scripts/torch_stats.py`` does for PyTorch); :mod:`trainrun.observe.compare` reads it.
+(``scripts/torch_stats.py`` does for PyTorch); :mod:`trainrun.commands.compare` reads it.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import threading
 import time
 
 from ..errors import UsageError
-from ..stopping import STOPPED_EXIT as STOPPED
+from ..run.stopping import STOPPED_EXIT as STOPPED
 
 PIP = "pip install 'trainrun[trackers]'"
 IDS_FILE = "trackers.json"
