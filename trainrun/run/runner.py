@@ -509,7 +509,8 @@ class TrainingRunner:
         """rank 0: model.onnx from ``ckpt`` (:func:`trainrun.run.finish.export_model`), after dropping what
         training held (the export reads the checkpoint); the :class:`Stopped` of a stop that abandons it."""
         self.engine.close()
-        self.shard = self.sampler = self.observe = None
+        # the sync policy holds the engine and the shard too (attach): dropped with them, so that the moments go
+        self.shard = self.sync = self.sampler = self.observe = None
         return_freed_memory()
         return export_model(ckpt, self.out, self.signals, self.stops_carried, self._export_hint(), self.log)
 
