@@ -384,3 +384,13 @@ def test_split_to_sequence_of_the_dynamo_exporter(sizes):
     written = model_of(nodes, {"x": x}, consts)
     want = session(written).run(["loss"], {"x": x, "w": w})[0]
     assert session(as_dynamo_export(written)).run(["loss"], {"x": x, "w": w})[0] == want
+
+
+def test_mean_over_axes_the_dynamo_exporter_reshapes():
+    """torch's ``x.mean(-1, keepdim=True)`` (an RMSNorm's) as the dynamo exporter writes it: the axes a Reshape of
+    two Constants ``value_ints``, which shape inference does not follow; read as the Constant it is, the mean's
+    rank and the rules' axes are known."""
+    nodes = [node("Constant", [], ["axes_flat"], value_ints=[-1]), node("Constant", [], ["flat"], value_ints=[-1]),
+             node("Reshape", ["axes_flat", "flat"], ["axes"]), node("ReduceMean", ["x", "axes"], ["m"], keepdims=1),
+             node("Mul", ["x", "m"], ["xm"]), node("MatMul", ["xm", "v"])]
+    check(nodes, {"x": rand(2, 3), "v": rand(3, 2, seed=1)}, ["x", "v"], prepare=as_dynamo_export)

@@ -16,7 +16,9 @@ BUFFER, ...; on the graph's value_info), and what its optimizer folded an initia
 * buffers, constants and other folded tensors (rotary tables, masks) are frozen, not trained;
 * ``torch.split`` / ``chunk`` written unoptimised as a SplitToSequence read only by SequenceAt at constant
   positions (a GPT-2's or GPT-NeoX's fused q/k/v) is written as the one Split it is: tensor sequences have no
-  gradient in either builder.
+  gradient in either builder;
+* a Reshape of two integer Constants (how it writes the axes of ``mean(dim)``: an RMSNorm's, a pooling
+  mean's) becomes the Constant it is, so that shape inference knows the reduction's rank.
 
 The legacy exporter (``dynamo=False``) leaves none of this: its graph is taken as it is."""
 
@@ -68,6 +70,7 @@ def from_torch(model: onnx.ModelProto, source: str) -> tuple[onnx.ModelProto, di
         return model, {}
     model = onnx.ModelProto.FromString(model.SerializeToString())
     _batchnorm_training(model, source)
+    _fold_constant_reshapes(model)
     _sequences_as_split(model)
     renamed = _unfold_transposed_weights(model)
     info = {v.name: _meta(v) for v in model.graph.value_info}
@@ -151,8 +154,9 @@ def _unfold_transposed_weights(model: onnx.ModelProto) -> set[str]:
     return restored
 
 
-def _constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    out = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+def _constants(model: onnx.ModelProto, initializers: bool = True) -> dict[str, np.ndarray]:
+    """The values of the Constant nodes' outputs (and of the initializers)."""
+    out = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer} if initializers else {}
     for n in model.graph.node:
         if n.op_type == "Constant" and n.attribute and n.attribute[0].name in ("value", "value_int", "value_ints"):
             a = n.attribute[0]
@@ -206,3 +210,21 @@ def _sequences_as_split(model: onnx.ModelProto) -> None:
         nodes = [m for n in every if id(n) not in drop for m in replace.get(id(n), [n])]
         del g.node[:]
         g.node.extend(nodes)
+
+
+def _fold_constant_reshapes(model: onnx.ModelProto) -> None:
+    """Each Reshape of an integer Constant node's value by a constant shape becomes a Constant node. onnx's
+    shape inference does not follow it: a ReduceMean whose axes it computes would have no known rank."""
+    consts = _constants(model, initializers=False)
+    nodes = []
+    for n in model.graph.node:
+        data = consts.get(n.input[0]) if n.op_type == "Reshape" and len(n.input) == 2 else None
+        if data is not None and data.dtype.kind in "iu" and n.input[1] in consts:
+            shape = [d if d != 0 else data.shape[k] for k, d in enumerate(consts[n.input[1]].tolist())]
+            value = data.reshape(shape)
+            consts[n.output[0]] = value
+            n = helper.make_node("Constant", [], [n.output[0]], value=numpy_helper.from_array(value),
+                                 name=n.name or n.output[0])
+        nodes.append(n)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
