@@ -16,6 +16,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 from trainrun.graphs.autodiff import NoGradient, differentiate
+from trainrun.graphs.exporters import FX_NODE, from_torch
 
 F64, F32 = np.float64, np.float32
 OPSET = 18
@@ -76,12 +77,14 @@ def finite_differences(loss_of, values: dict, param: str, step: float) -> np.nda
 
 
 def check(nodes, inputs: dict, params, consts: dict = (), ref=None, linear=False, out="y", opset=OPSET, seed=0,
-          symbolic=False):
+          symbolic=False, prepare=None):
     """The builder's gradients of ``params`` against central differences: of onnxruntime's forward graph in
     float64 (inputs of float64), or of ``ref`` (NumPy, float64: name -> array -> ``out``), needed for float32
     inputs unless the op is ``linear`` in them (then the differences of onnxruntime's float32 output, summed in
-    float64, are exact but for that output's rounding). Returns the gradient graph."""
+    float64, are exact but for that output's rounding); ``prepare`` rewrites the graph first, as trainrun's
+    prepare does. Returns the gradient graph."""
     model = model_of(nodes, inputs, consts, out, opset, symbolic)
+    model = prepare(model) if prepare else model
     feeds = dict(inputs)
     dtype = feeds_dtype(feeds)
     forward = forward_of(model, out)
@@ -351,3 +354,43 @@ def test_piecewise_constant_ops_pass_no_gradient(op):
     """y = x * op(x): the derivative op(x) away from the steps (op(x) a constant to the walk)."""
     steps = np.arange(-3, 3.5, 0.5)         # Ceil's and Floor's at integers, Round's at halves, Sign's at 0
     check([node(op, ["x"], ["c"]), node("Mul", ["x", "c"])], {"x": rand(3, 4, low=-3, high=3, away=steps)}, ["x"])
+
+
+def test_cast_like():
+    """CastLike's gradient goes to its first input, cast back; the second input (the type's source) gets none:
+    torch's dynamo exporter writes ``CastLike(constant, x)`` before x's mean-pool, Where and the like."""
+    check([node("CastLike", ["c", "x"], ["k"]), node("CastLike", ["x", "like"], ["x2"]),
+           node("Mul", ["k", "x2"], ["kx"]), node("Mul", ["kx", "x"])], {"x": rand(2, 3)}, ["x"], {"c": np.array(1.5), "like": np.zeros(1, F64)})
+
+
+def as_dynamo_export(model):
+    """``model`` marked as torch's dynamo exporter marks its nodes, read as trainrun reads such a graph
+    (graphs/exporters.py)."""
+    model.graph.node[0].metadata_props.add(key=FX_NODE, value="%split : [num_users=2] = call_function[...]")
+    return from_torch(model, "m.onnx")[0]
+
+
+@pytest.mark.parametrize("sizes", [np.array(2), np.array([1, 3])])
+def test_split_to_sequence_of_the_dynamo_exporter(sizes):
+    """torch.split as the dynamo exporter writes it without its optimizer (GPT-2's fused q/k/v): SplitToSequence
+    (one size, or the sizes) read by SequenceAt at constant positions (one negative) is read as one Split:
+    the same values, gradients that the finite differences confirm, no sequence left."""
+    nodes = [node("SplitToSequence", ["x", "sizes"], ["seq"], axis=1), node("SequenceAt", ["seq", "last"], ["a"]),
+             node("SequenceAt", ["seq", "first"], ["b"]), node("Mul", ["a", "b"])]
+    x, consts = rand(2, 4, 3), {"sizes": sizes, "first": np.array(0), "last": np.array(-1)}
+    grads = check(nodes, {"x": x}, ["x"], consts, prepare=as_dynamo_export)
+    assert not {"SplitToSequence", "SequenceAt"} & {n.op_type for n in grads.graph.node}
+    w = np.ones((2, 2, 3) if sizes.ndim == 0 else (2, 3, 3))
+    written = model_of(nodes, {"x": x}, consts)
+    want = session(written).run(["loss"], {"x": x, "w": w})[0]
+    assert session(as_dynamo_export(written)).run(["loss"], {"x": x, "w": w})[0] == want
+
+
+def test_mean_over_axes_the_dynamo_exporter_reshapes():
+    """torch's ``x.mean(-1, keepdim=True)`` (an RMSNorm's) as the dynamo exporter writes it: the axes a Reshape of
+    two Constants ``value_ints``, which shape inference does not follow; read as the Constant it is, the mean's
+    rank and the rules' axes are known."""
+    nodes = [node("Constant", [], ["axes_flat"], value_ints=[-1]), node("Constant", [], ["flat"], value_ints=[-1]),
+             node("Reshape", ["axes_flat", "flat"], ["axes"]), node("ReduceMean", ["x", "axes"], ["m"], keepdims=1),
+             node("Mul", ["x", "m"], ["xm"]), node("MatMul", ["xm", "v"])]
+    check(nodes, {"x": rand(2, 3), "v": rand(3, 2, seed=1)}, ["x", "v"], prepare=as_dynamo_export)

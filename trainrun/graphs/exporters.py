@@ -13,7 +13,12 @@ BUFFER, ...; on the graph's value_info), and what its optimizer folded an initia
   BatchNormalization left: the weights are no longer torch's) is refused, by node;
 * a Linear weight the optimizer stored transposed under a new name (``val_12``) gets torch's name and
   layout back, read through a Transpose node;
-* buffers, constants and other folded tensors (rotary tables, masks) are frozen, not trained.
+* buffers, constants and other folded tensors (rotary tables, masks) are frozen, not trained;
+* ``torch.split`` / ``chunk`` written unoptimised as a SplitToSequence read only by SequenceAt at constant
+  positions (a GPT-2's or GPT-NeoX's fused q/k/v) is written as the one Split it is: tensor sequences have no
+  gradient in either builder;
+* a Reshape of two integer Constants (how it writes the axes of ``mean(dim)``: an RMSNorm's, a pooling
+  mean's) becomes the Constant it is, so that shape inference knows the reduction's rank.
 
 The legacy exporter (``dynamo=False``) leaves none of this: its graph is taken as it is."""
 
@@ -65,6 +70,8 @@ def from_torch(model: onnx.ModelProto, source: str) -> tuple[onnx.ModelProto, di
         return model, {}
     model = onnx.ModelProto.FromString(model.SerializeToString())
     _batchnorm_training(model, source)
+    _fold_constant_reshapes(model)
+    _sequences_as_split(model)
     renamed = _unfold_transposed_weights(model)
     info = {v.name: _meta(v) for v in model.graph.value_info}
     frozen = {}
@@ -145,3 +152,79 @@ def _unfold_transposed_weights(model: onnx.ModelProto) -> set[str]:
         del model.graph.node[:]
         model.graph.node.extend(nodes)
     return restored
+
+
+def _constants(model: onnx.ModelProto, initializers: bool = True) -> dict[str, np.ndarray]:
+    """The values of the Constant nodes' outputs (and of the initializers)."""
+    out = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer} if initializers else {}
+    for n in model.graph.node:
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].name in ("value", "value_int", "value_ints"):
+            a = n.attribute[0]
+            out[n.output[0]] = numpy_helper.to_array(a.t) if a.name == "value" else np.array(
+                helper.get_attribute_value(a), np.int64)
+    return out
+
+
+def _sequences_as_split(model: onnx.ModelProto) -> None:
+    """Each SplitToSequence whose sequence only SequenceAt nodes read, at constant positions, with a constant
+    split (sizes, or one size and the split axis's static length), becomes a Split whose outputs are those
+    SequenceAt's outputs; the SequenceAt nodes go."""
+    g = model.graph
+    consts = _constants(model)
+    readers: dict[str, list] = {}
+    every = list(g.node)        # one Python object per node: id() names it below
+    for n in every:
+        for name in n.input:
+            readers.setdefault(name, []).append(n)
+    dims = {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
+            for v in list(g.input) + list(g.value_info) if v.type.tensor_type.HasField("shape")}
+    outputs = {o.name for o in g.output}
+    drop, replace = set(), {}
+    for n in every:
+        if n.op_type != "SplitToSequence" or len(n.input) < 2 or n.input[1] not in consts or n.output[0] in outputs:
+            continue
+        users = readers.get(n.output[0], [])
+        if not users or any(u.op_type != "SequenceAt" or u.input[1] not in consts for u in users):
+            continue
+        axis = next((a.i for a in n.attribute if a.name == "axis"), 0)
+        split = consts[n.input[1]].astype(np.int64)
+        if split.ndim == 0:         # one size: pieces of it, the last the rest
+            x_dims = dims.get(n.input[0])
+            length = None if x_dims is None or axis >= len(x_dims) else x_dims[axis]
+            if not length or split <= 0:
+                continue
+            split = np.array([int(split)] * (length // int(split)) + ([length % int(split)] if length % int(split)
+                                                                       else []), np.int64)
+        pieces = [f"{n.output[0]}/piece_{k}" for k in range(len(split))]
+        positions = [int(consts[u.input[1]]) % len(split) for u in users]
+        if len(set(positions)) != len(positions):
+            continue            # one piece read twice: two names for one output
+        for u, k in zip(users, positions):
+            pieces[k] = u.output[0]
+            drop.add(id(u))
+        sizes = helper.make_node("Constant", [], [f"{n.output[0]}/sizes"], value=numpy_helper.from_array(split),
+                                 name=f"{n.name}/sizes")
+        replace[id(n)] = [sizes, helper.make_node("Split", [n.input[0], sizes.output[0]], pieces, axis=axis,
+                                                  name=n.name or n.output[0])]
+    if replace:
+        nodes = [m for n in every if id(n) not in drop for m in replace.get(id(n), [n])]
+        del g.node[:]
+        g.node.extend(nodes)
+
+
+def _fold_constant_reshapes(model: onnx.ModelProto) -> None:
+    """Each Reshape of an integer Constant node's value by a constant shape becomes a Constant node. onnx's
+    shape inference does not follow it: a ReduceMean whose axes it computes would have no known rank."""
+    consts = _constants(model, initializers=False)
+    nodes = []
+    for n in model.graph.node:
+        data = consts.get(n.input[0]) if n.op_type == "Reshape" and len(n.input) == 2 else None
+        if data is not None and data.dtype.kind in "iu" and n.input[1] in consts:
+            shape = [d if d != 0 else data.shape[k] for k, d in enumerate(consts[n.input[1]].tolist())]
+            value = data.reshape(shape)
+            consts[n.output[0]] = value
+            n = helper.make_node("Constant", [], [n.output[0]], value=numpy_helper.from_array(value),
+                                 name=n.name or n.output[0])
+        nodes.append(n)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)

@@ -88,6 +88,13 @@ def _cast(s: Step):
     return [s.op("CastLike", [s.dy[0], s.x[0]])]
 
 
+@gradient("CastLike")
+def _cast_like(s: Step):
+    """x cast to the type of the second input (torch's dynamo exporter writes it around a constant): the
+    gradient to x cast back; the second input gives only its type."""
+    return [s.op("CastLike", [s.dy[0], s.x[0]]), None]
+
+
 @gradient("Identity")
 def _identity(s: Step):
     return [s.dy[0]]
