@@ -22,7 +22,7 @@ import zoo  # noqa: E402  (the zoo's models, export, run and comparison)
 
 CASES = [("qwen2", "dynamo"), ("gpt2", "dynamo"), ("distilbert_cls", "legacy"), ("resnet_bn", "dynamo"),
          ("mobilenetv3_block", "dynamo"), ("transformer_encoder_layer", "dynamo"), ("mlp_activations", "legacy"),
-         ("cumsum_einsum_tile", "dynamo")]
+         ("cumsum_einsum_tile", "dynamo"), ("lstm_bi", "legacy"), ("conv1d_text", "dynamo")]
 
 
 @pytest.mark.torch
