@@ -29,6 +29,9 @@ PATTERNS: list[Callable] = []
 # outputs, under their names), so that those ops' rules differentiate them: LSTM, GRU, RNN
 EXPANSIONS: dict[str, Callable] = {}
 
+# float types a constant is written in directly (bfloat16 has no NumPy type)
+FLOATS = {onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE}
+
 # the opset the rules write (ScatterND and ScatterElements with reduction add, CastLike, Shape's start and
 # end): an older graph is converted to it first
 MIN_OPSET = 16
@@ -133,10 +136,14 @@ class Emitter:
         return name if a and a == b else self.op("CastLike", [name, ref], f"{base}/cast")
 
     def const(self, value, base: str, like: str | None = None) -> str:
-        """A constant: int64, or a float cast like tensor ``like``."""
+        """A constant: int64, or a float of tensor ``like``'s type (written in that type where it is known
+        when the graph is built: a constant onnxruntime folds, not a CastLike run every step)."""
         arr = np.array(value, np.int64 if like is None else np.float64)
+        typed = like is not None and self.types.get(like) in FLOATS
+        if typed:
+            arr = arr.astype(helper.tensor_dtype_to_np_dtype(self.types[like]))
         name = self.op("Constant", [], f"{base}/const", value=numpy_helper.from_array(arr))
-        return name if like is None else self.op("CastLike", [name, like], f"{base}/const")
+        return name if like is None or typed else self.op("CastLike", [name, like], f"{base}/const")
 
     def static(self, name: str):
         """Fully known dims of ``name``, else None."""
