@@ -85,9 +85,11 @@ class Emitter:
             self.dims[t.name] = list(t.dims)
             self.types[t.name] = t.data_type
         self.values = {t.name: numpy_helper.to_array(t) for t in g.initializer}
-        for node in g.node:
+        # the graph's Constants, and the integer tensors static.infer folded (shapes and bounds computed from
+        # dims fixed when the graph is built)
+        for node in list(g.node) + list(inferred.graph.node):
             if node.op_type == "Constant" and node.attribute[0].name == "value":
-                self.values[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+                self.values.setdefault(node.output[0], numpy_helper.to_array(node.attribute[0].t))
 
     def name(self, base: str) -> str:
         name, i = base, 0
