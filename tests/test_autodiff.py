@@ -247,6 +247,25 @@ def test_gelu_written_with_a_sigmoid(shared):
     assert ("Sum" in [n.op_type for n in grad.graph.node if n.name.startswith("y_grad")]) == shared
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_silu_written_with_a_sigmoid(shared):
+    """x * sigmoid(x) (torch's SiLU exported) differentiated as one (patterns.py): no Sigmoid gradient's
+    1 - s and no Sum of x's two contributions; where its sigmoid also feeds the loss, node by node."""
+    nodes = [node("MatMul", ["x", "m"], ["y"]), node("Sigmoid", ["y"], ["s"]), node("Mul", ["s", "y"], ["act"]),
+             node("Add", ["act", "s"] if shared else ["act", "act"], ["out"])]
+
+    def fn(t):
+        y = t["x"] @ t["m"]
+        return y * torch.sigmoid(y) + (torch.sigmoid(y) if shared else y * torch.sigmoid(y))
+    # float32: onnxruntime's full optimisations (the output's shape probe) fuse x * sigmoid(x) into a
+    # float-only QuickGelu
+    inputs = {"x": rand(3, 4, seed=1, dtype=F32), "m": rand(4, 5, seed=2, dtype=F32)}
+    check(nodes, inputs, ["x", "m"], fn, out="out")
+    grad = differentiate(model_of(nodes, inputs, out="out"), ["x", "m"], "loss")
+    assert ("Sum" in [n.op_type for n in grad.graph.node if n.name.startswith("y_grad")]) == shared
+    assert ("Sub" in [n.op_type for n in grad.graph.node if n.name.startswith("grad/s")]) == shared
+
+
 def test_mlp_stored_in_reverse_order_with_a_shared_tensor():
     """Embedding rows -> LayerNorm -> MatMul + bias -> Relu -> Gemm -> Softmax, times the mean of tanh(h0),
     the parameters as initializers and the nodes stored last first: h0 feeds both LayerNorm and Tanh, so its
