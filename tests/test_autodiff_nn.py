@@ -134,6 +134,9 @@ CONV = {
     "2d_depthwise_dilated_large_planes": ((12, 13), (3, 2), 4, dict(group=4, pads=[2, 1, 1, 2], dilations=[2, 3])),
     "2d_depthwise_strided": ((9, 8), (5, 5), 4, dict(group=4, strides=[2, 2], pads=[2, 2, 2, 2])),
     "2d_pointwise_group": ((5, 6), (1, 1), 4, dict(group=2)),
+    # a 1x1 kernel: the input's gradient a Conv by the weight with its channel axes swapped
+    "1d_pointwise": ((9,), (1,), 3, {}),
+    "2d_pointwise_strided": ((5, 6), (1, 1), 3, dict(strides=[2, 2])),
 }
 
 
@@ -168,23 +171,25 @@ def test_conv_weight_gradient_in_chunks(cols, monkeypatch):
 
 
 def test_cnn_gradients_in_few_nodes():
-    """A 3x3 Conv, training-mode BatchNorm, Relu and a depthwise 3x3 Conv, the dims known (a train graph of
-    static shapes): each Conv's weight gradient one MatMul (the batch folded into its contraction), the
-    depthwise input gradient a Conv (no ConvTranspose), BatchNorm's no Sqrt/Reciprocal chain (two
-    inference BatchNormalizations), and no CastLike of a float constant. (The values: test_conv's cases
-    and test_autodiff.py's BatchNorm tests.)"""
-    ins = {"x": rand(2, 4, 6, 5), "k": rand(8, 4, 3, 3), "g": rand(8), "b": rand(8), "d": rand(8, 1, 3, 3)}
+    """A 3x3 Conv, training-mode BatchNorm, Relu, a depthwise 3x3 Conv and a 1x1 Conv, the dims known (a
+    train graph of static shapes): each Conv's weight gradient one MatMul (the batch folded into its
+    contraction), the depthwise and 1x1 input gradients Convs (no ConvTranspose), BatchNorm's no
+    Sqrt/Reciprocal chain (two inference BatchNormalizations), and no CastLike of a float constant. (The
+    values: test_conv's cases and test_autodiff.py's BatchNorm tests.)"""
+    ins = {"x": rand(2, 4, 6, 5), "k": rand(8, 4, 3, 3), "g": rand(8), "b": rand(8), "d": rand(8, 1, 3, 3),
+           "p": rand(3, 8, 1, 1)}
     consts = {"mu": np.zeros(8, F32), "var": np.ones(8, F32)}
     nodes = [node("Conv", ["x", "k"], ["c"], pads=[1, 1, 1, 1]),
              node("BatchNormalization", ["c", "g", "b", "mu", "var"], ["n", "rm", "rv"], training_mode=1),
-             node("Relu", ["n"], ["r"]), node("Conv", ["r", "d"], ["y"], group=8, pads=[1, 1, 1, 1])]
-    grad = differentiate(model_of(nodes, ins, consts=consts), ["x", "k", "g", "b", "d"], "loss")
+             node("Relu", ["n"], ["r"]), node("Conv", ["r", "d"], ["z"], group=8, pads=[1, 1, 1, 1]),
+             node("Conv", ["z", "p"], ["y"])]
+    grad = differentiate(model_of(nodes, ins, consts=consts), ["x", "k", "g", "b", "d", "p"], "loss")
     ops = {}
     for n in grad.graph.node:
         if n.name.startswith("grad/"):
             ops.setdefault(n.name.split("/")[1], []).append(n.op_type)
     assert ops["conv_x_k"].count("MatMul") == 1 and "ReduceSum" not in ops["conv_x_k"], ops["conv_x_k"]
-    assert "ConvTranspose" not in ops["conv_r_d"], ops["conv_r_d"]
+    assert "ConvTranspose" not in ops["conv_r_d"] + ops["conv_z_p"], (ops["conv_r_d"], ops["conv_z_p"])
     assert not {"Sqrt", "Reciprocal", "ReduceSumSquare"} & set(ops["batchnormalization_c_g_b_mu_var"])
     assert ops["batchnormalization_c_g_b_mu_var"].count("BatchNormalization") == 2
     assert not any(n.op_type == "CastLike" for n in grad.graph.node)

@@ -1,7 +1,7 @@
 """CNN train steps: trainrun's own gradient builder against onnxruntime-training's, and PyTorch eager.
 
     .venv/bin/python scripts/bench/cnn_builders.py [--models resnet18,squeezenet,efficientnet_b0,shufflenet]
-        [--rounds 5] [--steps 4] [--work runs/cnn-builders] [--profile resnet18]
+        [--rounds 5] [--steps 4] [--work runs/cnn-builders] [--baseline DIR] [--no-build] [--profile]
 
 Four hand-written torch modules with torchvision's architectures (torchvision does not import beside this
 torch): ResNet-18 (BasicBlock), SqueezeNet 1.1, an EfficientNet-B0-like net (MBConv with squeeze-excitation
@@ -15,9 +15,10 @@ each in a session as the engine does (``trainrun.sessions.session_options``, 1 t
 'all'), binds the weights, batch and gradient buffers once, and runs forward + backward: ``--rounds``
 rounds, each ``--steps`` steps of trainrun's graph, then onnxruntime-training's, then PyTorch eager (the
 same module, train mode, the same batch: forward, cross-entropy, backward, 1 thread), in turn, after
-warm-up. Prints min and median per setup and the 1-minute load before and after, and writes
-WORK/results.json. ``--profile MODEL`` instead runs each graph under onnxruntime's profiler and prints the
-time by operator type (and the slowest nodes).
+warm-up (``--baseline DIR``: an older checkout's own-builder graphs, built by its copy of this script into
+DIR, timed in the same rounds). Prints min and median per setup and the 1-minute load over the rounds, and
+writes WORK/results.json. ``--profile`` instead runs each graph under onnxruntime's profiler and prints the
+time by operator type, by the forward op a node belongs to, and the slowest nodes.
 """
 
 from __future__ import annotations
@@ -222,10 +223,12 @@ class Torch:
         return time.perf_counter() - t
 
 
-def time_model(name: str, work: Path, rounds: int, steps: int, warmup: int) -> dict:
+def time_model(name: str, work: Path, rounds: int, steps: int, warmup: int, baseline: Path | None) -> dict:
     from builders import Loop
     feeds = dict(np.load(work / name / "inputs.npz"))
     setups = {k: Loop(work / name / f"{k}.onnx", feeds, 1) for k in GRAPHS}
+    if baseline is not None:        # the own builder's graph of an older checkout, the same model and batch
+        setups["baseline"] = Loop(baseline / name / "trainrun.onnx", feeds, 1)
     setups["torch"] = Torch(name, work, feeds)
     times = {k: [] for k in setups}
     for s in setups.values():
@@ -236,7 +239,7 @@ def time_model(name: str, work: Path, rounds: int, steps: int, warmup: int) -> d
         for k, s in setups.items():
             times[k] += [s.step() for _ in range(steps)]
         load.append(os.getloadavg()[0])
-    losses = {k: (s.loss() if k in GRAPHS else s.last) for k, s in setups.items()}
+    losses = {k: (s.last if k == "torch" else s.loss()) for k, s in setups.items()}
     return {"ms": {k: {"min": 1e3 * min(v), "median": 1e3 * float(np.median(v)), "steps": len(v)}
                    for k, v in times.items()},
             "loss": losses, "load_1min": [min(load), max(load)]}
@@ -302,6 +305,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-build", action="store_true", help="time the graphs WORK already holds")
     ap.add_argument("--profile", action="store_true", help="profile the graphs instead of timing them")
+    ap.add_argument("--baseline", type=Path, help="also time DIR/<model>/trainrun.onnx (an older checkout's "
+                    "own-builder graphs, built by this script into DIR) in the same rounds")
     args = ap.parse_args()
     names = [m for m in args.models.split(",") if m]
     if not args.no_build:
@@ -313,22 +318,24 @@ def main() -> None:
         return
     results = {}
     for name in names:
-        results[name] = time_model(name, args.work, args.rounds, args.steps, args.warmup)
+        results[name] = time_model(name, args.work, args.rounds, args.steps, args.warmup, args.baseline)
     import onnxruntime as ort
     import common
-    meta = {"cpu": common.cpu_name(), "onnxruntime": ort.__version__, "threads": 1,
+    meta = {"cpu": common.cpu_name(), "onnxruntime": ort.__version__, "threads": 1, "baseline": str(args.baseline),
             "batch": [BATCH, 3, SIZE, SIZE], "rounds": args.rounds, "steps": args.steps,
             "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     (args.work / "results.json").write_text(json.dumps({"meta": meta, "models": results}, indent=1))
     print(f"\n{meta['cpu']}, onnxruntime {meta['onnxruntime']}, 1 thread, batch {BATCH}x3x{SIZE}x{SIZE}; "
           f"ms per forward+backward, min / median of {args.rounds} x {args.steps}")
-    print(f"{'model':16s} {'own builder':>16s} {'ORT builder':>16s} {'PyTorch eager':>16s} {'own/ORT (med)':>14s} "
-          f"{'load':>10s}")
+    cols = [("trainrun", "own builder"), ("onnxruntime", "ORT builder"), ("torch", "PyTorch eager")]
+    if args.baseline is not None:
+        cols.insert(1, ("baseline", "own (baseline)"))
+    print(f"{'model':16s} " + " ".join(f"{title:>16s}" for _, title in cols) + f" {'own/ORT (med)':>14s} {'load':>10s}")
     for name, r in results.items():
         ms = r["ms"]
-        cells = [f"{ms[k]['min']:6.1f} / {ms[k]['median']:6.1f}" for k in ("trainrun", "onnxruntime", "torch")]
+        cells = [f"{ms[k]['min']:6.1f} / {ms[k]['median']:6.1f}" for k, _ in cols]
         ratio = ms["trainrun"]["median"] / ms["onnxruntime"]["median"]
-        print(f"{name:16s} {cells[0]:>16s} {cells[1]:>16s} {cells[2]:>16s} {ratio:14.2f} "
+        print(f"{name:16s} " + " ".join(f"{c:>16s}" for c in cells) + f" {ratio:14.2f} "
               f"{r['load_1min'][0]:4.1f}-{r['load_1min'][1]:4.1f}")
 
 
