@@ -6,7 +6,7 @@ input by sizes found at run time), its weight gradient a Conv of the input (batc
 dy with strides and dilations swapped, cut to the kernel's size. ConvTranspose is Conv's adjoint: its
 input gradient is a Conv of dy with the same weight and geometry, its weight gradient Conv's with the
 roles of input and output exchanged. MaxPool routes dy to the element its own Indices output names (one
-per window, ties included), GlobalMaxPool to the first maximum; AveragePool and LpPool spread dy with a
+per window, ties included; the output added to the forward node where it lacks it, not a second MaxPool), GlobalMaxPool to the first maximum; AveragePool and LpPool spread dy with a
 ConvTranspose of each plane by a kernel of ones (AveragePool's divisors, ceil_mode's and padding's
 included, read off the op itself run on ones). Training-mode BatchNormalization differentiates through the
 batch's statistics."""
@@ -281,7 +281,7 @@ def _max_pool(s: Step):
     x = s.x[0]
     if len(s.attr("kernel_shape")) not in (1, 2, 3):
         raise s.unsupported(f"a {len(s.attr('kernel_shape'))}-D window (1-, 2- and 3-D ones are covered)")
-    indices = s.y[1] if len(s.y) > 1 and s.y[1] else s.op("MaxPool", [x], outputs=2, **s.attrs)[1]
+    indices = s.emit.output(s.node, 1)          # the forward's own Indices (given that output where it lacks it)
     flat = s.const([-1])
     # onnxruntime's and ONNX's indices count over the whole input, batch and channel included
     spread = scatter_add(s, "ScatterElements", s.op("Reshape", [x, flat]), s.op("Reshape", [indices, flat]),
