@@ -147,12 +147,24 @@ def _weight_grad_cols(s: Step, x: str, dy: str, ydims, w_dims, kernel, strides, 
     swap = [1, 0] + spatial
     lead = [group] if group > 1 else []
     grads = s.op("Reshape", [s.op("Transpose", [dy], perm=swap), s.const(lead + [m // group, -1])])   # [g, mg, NO]
-    xt = s.op("Transpose", [x], perm=swap)                                                           # [C, N, *in]
     offsets = list(itertools.product(*[range(kk) for kk in kernel]))
     if len(offsets) == 1 and not any(pads) and all(st == 1 for st in strides):
-        cols = s.op("Reshape", [xt, s.const(lead + [cg, -1])])
+        cols = s.op("Reshape", [s.op("Transpose", [x], perm=swap), s.const(lead + [cg, -1])])
         return s.op("Reshape", [s.op("MatMul", [grads, s.op("Transpose", [cols], perm=_last_two(len(lead)))]),
                                 s.const(list(w_dims))])
+    if ydims is not None and cg * group * ydims[0] * int(np.prod(ydims[2:])) * len(offsets) <= COLS:
+        # the im2col in one Conv of each (sample, channel) plane by the kernel's one-hot taps, [N, C K, O],
+        # then channel-major: five nodes where the Slices take one per offset, and faster at these sizes
+        taps = len(offsets)
+        onehot = s.const(np.eye(taps).reshape([taps, 1] + list(kernel)), like=x)
+        planes = s.op("Conv", [s.op("Reshape", [x, s.const([-1, 1] + [0] * k)]), onehot], strides=strides,
+                      pads=pads, dilations=dilations)
+        cols = s.op("Transpose", [s.op("Reshape", [planes, s.const([ydims[0], cg * group * taps, -1])])],
+                    perm=[1, 0, 2])                                                          # [C K, N, O]
+        cols = s.op("Reshape", [cols, s.const(lead + [cg * taps, -1])])
+        return s.op("Reshape", [s.op("MatMul", [grads, s.op("Transpose", [cols], perm=_last_two(len(lead)))]),
+                                s.const(list(w_dims))])
+    xt = s.op("Transpose", [x], perm=swap)                                                           # [C, N, *in]
     if any(pads):
         xt = s.op("Pad", [xt, s.const([0, 0] + list(pads[:k]) + [0, 0] + list(pads[k:]))])
     per = None if ydims is None else cg * group * ydims[0] * int(np.prod(ydims[2:]))   # one offset's Slice
