@@ -1,5 +1,7 @@
 """Gradients of ops that move elements without changing them."""
 
+import onnx
+
 from .core import Step, gradient
 
 
@@ -53,8 +55,11 @@ def _slice(s: Step):
 
 
 def _slice_pads(s: Step):
-    """The Pad that undoes a Slice of steps 1 (ONNX's clamping of its bounds), or None."""
+    """The Pad that undoes a Slice of steps 1 (ONNX's clamping of its bounds), or None (also for bfloat16,
+    which onnxruntime's CUDA provider pads not)."""
     dims = s.emit.static(s.x[0])
+    if s.emit.types.get(s.x[0]) == onnx.TensorProto.BFLOAT16:
+        return None
     given = (s.x[1:] + [""] * 4)[:4]
     values = [s.emit.values.get(i) if i else None for i in given]
     if dims is None or any(i and v is None for i, v in zip(given, values)):
