@@ -169,6 +169,59 @@ def test_slice_with_steps_and_negative_bounds():
                         "sp": np.array([1, -2])})
 
 
+def test_slice_of_steps_one_with_bounds_known_is_a_pad():
+    """A Slice of steps 1 (bounds clamped and negative), the dims known: dy padded back, no scatter; the
+    bounds computed from the input's Shape (torch's chunk) count as known when the dims are."""
+    nodes = [node("Slice", ["x", "st", "en", "ax"], ["p"]), node("Mul", ["p", "p"])]
+    consts = {"st": np.array([1, -5]), "en": np.array([100, -1]), "ax": np.array([0, 1])}
+    check(nodes, {"x": rand(5, 7)}, ["x"], lambda t: t["x"][1:, 2:6] ** 2, initializers=consts)
+    grad = differentiate(model_of(nodes, {"x": rand(5, 7)}, consts), ["x"], "loss")
+    ops = [n.op_type for n in grad.graph.node if n.name.startswith("grad/slice")]
+    assert "Pad" in ops and "ScatterElements" not in ops, ops
+    chunks = [node("Shape", ["x"], ["shape"]), node("Gather", ["shape", "one"], ["width"]),
+              node("Div", ["width", "two"], ["half"]), node("Slice", ["x", "zero", "half", "one"], ["a"]),
+              node("Slice", ["x", "half", "width", "one"], ["b"]), node("Mul", ["a", "b"])]
+    consts = {"one": np.array([1]), "two": np.array([2]), "zero": np.array([0])}
+    check(chunks, {"x": rand(3, 6)}, ["x"], lambda t: t["x"][:, :3] * t["x"][:, 3:], initializers=consts)
+    grad = differentiate(model_of(chunks, {"x": rand(3, 6)}, consts), ["x"], "loss")
+    assert "ScatterElements" not in [n.op_type for n in grad.graph.node]
+
+
+def test_dims_known_through_a_chain_of_computed_reshapes():
+    """Eight channel shuffles in a row, each Reshape's target computed from the Shape of the last one's
+    output through a Div and Casts (as torch exports x.view(n, 2, c // 2, h, w)), the graph's input dims
+    fixed: every tensor's dims known to the rules (folded round after round), so a Conv after them gets
+    the static forms (no Shape of dy at run time)."""
+    from trainrun.graphs.autodiff import static
+    nodes, h = [], "x"
+    for i in range(8):
+        nodes += [node("Shape", [h], [f"s{i}"]), node("Gather", [f"s{i}", "one"], [f"c{i}"]),
+                  node("Div", [f"c{i}", "two"], [f"half{i}"]),
+                  node("Cast", [f"half{i}"], [f"hf{i}"], to=TensorProto.FLOAT),
+                  node("Cast", [f"hf{i}"], [f"hi{i}"], to=TensorProto.INT64),
+                  node("Concat", ["lead", f"hi{i}", "rest"], [f"t{i}"], axis=0),
+                  node("Reshape", [h, f"t{i}"], [f"r{i}"]), node("Transpose", [f"r{i}"], [f"p{i}"], perm=[0, 2, 1, 3]),
+                  node("Concat", ["batch", f"c{i}", "plane"], [f"u{i}"], axis=0),
+                  node("Reshape", [f"p{i}", f"u{i}"], [f"h{i}"])]
+        h = f"h{i}"
+    nodes.append(node("Conv", [h, "k"], ["y"]))
+    consts = {"one": np.array([1]), "two": np.array([2]), "lead": np.array([2, 2]), "rest": np.array([3]),
+              "batch": np.array([2]), "plane": np.array([3])}
+    inputs = {"x": rand(2, 4, 3, dtype=F32), "k": rand(5, 4, 2, seed=1, dtype=F32)}    # (Conv: no float64 kernel)
+
+    def fn(t):
+        h = t["x"]
+        for _ in range(8):
+            h = h.reshape(2, 2, 2, 3).transpose(1, 2).reshape(2, 4, 3)
+        return torch.nn.functional.conv1d(h, t["k"])
+    check(nodes, inputs, ["x", "k"], fn, initializers=consts)
+    model = model_of(nodes, inputs, consts)
+    dims = static._dims(static.infer(model))
+    assert dims["h7"] == [2, 4, 3] and dims["y"] == [2, 5, 2], (dims.get("h7"), dims.get("y"))
+    grad = differentiate(model, ["x", "k"], "loss")
+    assert not [n for n in grad.graph.node if n.name.startswith("grad/conv") and n.op_type == "Shape"]
+
+
 @pytest.mark.parametrize("keepdims", [0, 1])
 def test_reduce_sum_and_mean(keepdims):
     keep = bool(keepdims)
@@ -245,6 +298,25 @@ def test_gelu_written_with_a_sigmoid(shared):
     check(nodes, inputs, ["x", "m"], fn, initializers=consts, out="out")
     grad = differentiate(model_of(nodes, inputs, consts, out="out"), ["x", "m"], "loss")
     assert ("Sum" in [n.op_type for n in grad.graph.node if n.name.startswith("y_grad")]) == shared
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_silu_written_with_a_sigmoid(shared):
+    """x * sigmoid(x) (torch's SiLU exported) differentiated as one (patterns.py): no Sigmoid gradient's
+    1 - s and no Sum of x's two contributions; where its sigmoid also feeds the loss, node by node."""
+    nodes = [node("MatMul", ["x", "m"], ["y"]), node("Sigmoid", ["y"], ["s"]), node("Mul", ["s", "y"], ["act"]),
+             node("Add", ["act", "s"] if shared else ["act", "act"], ["out"])]
+
+    def fn(t):
+        y = t["x"] @ t["m"]
+        return y * torch.sigmoid(y) + (torch.sigmoid(y) if shared else y * torch.sigmoid(y))
+    # float32: onnxruntime's full optimisations (the output's shape probe) fuse x * sigmoid(x) into a
+    # float-only QuickGelu
+    inputs = {"x": rand(3, 4, seed=1, dtype=F32), "m": rand(4, 5, seed=2, dtype=F32)}
+    check(nodes, inputs, ["x", "m"], fn, out="out")
+    grad = differentiate(model_of(nodes, inputs, out="out"), ["x", "m"], "loss")
+    assert ("Sum" in [n.op_type for n in grad.graph.node if n.name.startswith("y_grad")]) == shared
+    assert ("Sub" in [n.op_type for n in grad.graph.node if n.name.startswith("grad/s")]) == shared
 
 
 def test_mlp_stored_in_reverse_order_with_a_shared_tensor():
@@ -395,6 +467,24 @@ def test_batch_norm_inference_form():
            "var": rand(3, seed=4, positive=True)}, ["x", "g", "b", "mu", "var"],
           lambda t: (t["x"] - t["mu"][:, None, None]) / torch.sqrt(t["var"][:, None, None] + 1e-3)
           * t["g"][:, None, None] + t["b"][:, None, None])
+
+
+@pytest.mark.parametrize("spatial", [(5,), (3, 2, 2)], ids=["1d", "3d"])
+def test_batch_norm_training_mode_with_dims_at_run_time(spatial):
+    """Training-mode BatchNorm's gradients with the input's dims unknown when the graph is built (the
+    count per channel found at run time), 1-D and 3-D planes."""
+    inputs = {"x": rand(3, 4, *spatial), "g": rand(4, seed=1), "b": rand(4, seed=2)}
+    axes = [0] + list(range(2, 2 + len(spatial)))
+
+    def fn(t):
+        shape = [1, -1] + [1] * len(spatial)
+        mean = t["x"].mean(axes, keepdim=True)
+        var = ((t["x"] - mean) ** 2).mean(axes, keepdim=True)
+        return (t["x"] - mean) / torch.sqrt(var + 1e-3) * t["g"].reshape(shape) + t["b"].reshape(shape)
+    bn = node("BatchNormalization", ["x", "g", "b", "mu", "var"], ["y", "run_mean", "run_var"], epsilon=1e-3,
+              training_mode=1)
+    check([bn], inputs, ["x", "g", "b"], fn, initializers={"mu": np.zeros(4), "var": np.ones(4)},
+          unknown_dims=True)
 
 
 def test_batch_norm_training_mode_uses_the_batch_statistics_and_keeps_the_running_ones():

@@ -127,6 +127,16 @@ CONV = {
     # kernels of more than 32 elements: the weight's gradient a Conv by dy rather than a MatMul per offset
     "1d_long_kernel": ((40,), (33,), 2, dict(strides=[2], pads=[3, 1], dilations=[1])),
     "2d_large_kernel_group": ((9, 8), (6, 6), 4, dict(group=2, strides=[2, 1], pads=[1, 1, 0, 2])),
+    # depthwise (4 groups of 1 channel): at stride 1 the input's gradient a Conv by the flipped kernel; the
+    # weight's a Conv by dy where dy's planes are small (2 x 4 x 3), else (and with the dims unknown) the
+    # one-hot im2col's MatMul (2 x 12 x 13)
+    "2d_depthwise": ((4, 3), (3, 3), 4, dict(group=4, pads=[1, 1, 1, 1])),
+    "2d_depthwise_dilated_large_planes": ((12, 13), (3, 2), 4, dict(group=4, pads=[2, 1, 1, 2], dilations=[2, 3])),
+    "2d_depthwise_strided": ((9, 8), (5, 5), 4, dict(group=4, strides=[2, 2], pads=[2, 2, 2, 2])),
+    "2d_pointwise_group": ((5, 6), (1, 1), 4, dict(group=2)),
+    # a 1x1 kernel: the input's gradient a Conv by the weight with its channel axes swapped
+    "1d_pointwise": ((9,), (1,), 3, {}),
+    "2d_pointwise_strided": ((5, 6), (1, 1), 3, dict(strides=[2, 2])),
 }
 
 
@@ -145,6 +155,44 @@ def test_conv(case, unknown):
             differentiate(model_of(nodes, ins, unknown={"x"}), ["x", "k"], "loss")
         return
     check(nodes, ins, ["x", "k", "b"], unknown={"x"} if unknown else ())
+
+
+@pytest.mark.parametrize("cols", [1, 300, 2000], ids=["offset_at_a_time", "offsets_in_chunks", "one_piece"])
+def test_conv_weight_gradient_in_chunks(cols, monkeypatch):
+    """The weight gradient's im2col (4 channels x 2 samples x 4 x 4 = 128 elements per kernel offset) built
+    in chunks of the offsets that fit conv.COLS elements, a MatMul each: the same gradient."""
+    from trainrun.graphs.autodiff import conv
+    monkeypatch.setattr(conv, "COLS", cols)
+    ins = {"x": rand(2, 4, 7, 8, seed=1), "k": rand(3, 4, 3, 3, seed=2)}
+    nodes = [node("Conv", ["x", "k"], strides=[2, 2], pads=[1, 0, 1, 1])]
+    grad = check(nodes, ins, ["x", "k"])
+    matmuls = sum(n.op_type == "MatMul" for n in grad.graph.node)
+    assert matmuls == {1: 9, 300: 5, 2000: 1}[cols], matmuls
+
+
+def test_cnn_gradients_in_few_nodes():
+    """A 3x3 Conv, training-mode BatchNorm, Relu, a depthwise 3x3 Conv and a 1x1 Conv, the dims known (a
+    train graph of static shapes): each Conv's weight gradient one MatMul (the batch folded into its
+    contraction), the depthwise and 1x1 input gradients Convs (no ConvTranspose), BatchNorm's no
+    Sqrt/Reciprocal chain (two inference BatchNormalizations), and no CastLike of a float constant. (The
+    values: test_conv's cases and test_autodiff.py's BatchNorm tests.)"""
+    ins = {"x": rand(2, 4, 6, 5), "k": rand(8, 4, 3, 3), "g": rand(8), "b": rand(8), "d": rand(8, 1, 3, 3),
+           "p": rand(3, 8, 1, 1)}
+    consts = {"mu": np.zeros(8, F32), "var": np.ones(8, F32)}
+    nodes = [node("Conv", ["x", "k"], ["c"], pads=[1, 1, 1, 1]),
+             node("BatchNormalization", ["c", "g", "b", "mu", "var"], ["n", "rm", "rv"], training_mode=1),
+             node("Relu", ["n"], ["r"]), node("Conv", ["r", "d"], ["z"], group=8, pads=[1, 1, 1, 1]),
+             node("Conv", ["z", "p"], ["y"])]
+    grad = differentiate(model_of(nodes, ins, consts=consts), ["x", "k", "g", "b", "d", "p"], "loss")
+    ops = {}
+    for n in grad.graph.node:
+        if n.name.startswith("grad/"):
+            ops.setdefault(n.name.split("/")[1], []).append(n.op_type)
+    assert ops["conv_x_k"].count("MatMul") == 1 and "ReduceSum" not in ops["conv_x_k"], ops["conv_x_k"]
+    assert "ConvTranspose" not in ops["conv_r_d"] + ops["conv_z_p"], (ops["conv_r_d"], ops["conv_z_p"])
+    assert not {"Sqrt", "Reciprocal", "ReduceSumSquare"} & set(ops["batchnormalization_c_g_b_mu_var"])
+    assert ops["batchnormalization_c_g_b_mu_var"].count("BatchNormalization") == 2
+    assert not any(n.op_type == "CastLike" for n in grad.graph.node)
 
 
 # (spatial dims of x, kernel, out channels per group, attrs); x has 4 channels

@@ -29,6 +29,9 @@ PATTERNS: list[Callable] = []
 # outputs, under their names), so that those ops' rules differentiate them: LSTM, GRU, RNN
 EXPANSIONS: dict[str, Callable] = {}
 
+# float types a constant is written in directly (bfloat16 has no NumPy type)
+FLOATS = {onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE}
+
 # the opset the rules write (ScatterND and ScatterElements with reduction add, CastLike, Shape's start and
 # end): an older graph is converted to it first
 MIN_OPSET = 16
@@ -82,9 +85,11 @@ class Emitter:
             self.dims[t.name] = list(t.dims)
             self.types[t.name] = t.data_type
         self.values = {t.name: numpy_helper.to_array(t) for t in g.initializer}
-        for node in g.node:
+        # the graph's Constants, and the integer tensors static.infer folded (shapes and bounds computed from
+        # dims fixed when the graph is built)
+        for node in list(g.node) + list(inferred.graph.node):
             if node.op_type == "Constant" and node.attribute[0].name == "value":
-                self.values[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+                self.values.setdefault(node.output[0], numpy_helper.to_array(node.attribute[0].t))
 
     def name(self, base: str) -> str:
         name, i = base, 0
@@ -133,10 +138,14 @@ class Emitter:
         return name if a and a == b else self.op("CastLike", [name, ref], f"{base}/cast")
 
     def const(self, value, base: str, like: str | None = None) -> str:
-        """A constant: int64, or a float cast like tensor ``like``."""
+        """A constant: int64, or a float of tensor ``like``'s type (written in that type where it is known
+        when the graph is built: a constant onnxruntime folds, not a CastLike run every step)."""
         arr = np.array(value, np.int64 if like is None else np.float64)
+        typed = like is not None and self.types.get(like) in FLOATS
+        if typed:
+            arr = arr.astype(helper.tensor_dtype_to_np_dtype(self.types[like]))
         name = self.op("Constant", [], f"{base}/const", value=numpy_helper.from_array(arr))
-        return name if like is None else self.op("CastLike", [name, like], f"{base}/const")
+        return name if like is None or typed else self.op("CastLike", [name, like], f"{base}/const")
 
     def static(self, name: str):
         """Fully known dims of ``name``, else None."""

@@ -72,8 +72,10 @@ def _neg(s: Step):
 
 @gradient("Relu")
 def _relu(s: Step):
+    """dy where the output is positive (as where the input is): read off the output, so the input is the
+    forward's alone and onnxruntime fuses the Conv before a Relu with it."""
     zero = s.const(0.0, like=s.x[0])
-    return [s.op("Where", [s.op("Greater", [s.x[0], zero]), s.dy[0], zero])]
+    return [s.op("Where", [s.op("Greater", [s.y[0], zero]), s.dy[0], zero])]
 
 
 @gradient("Where")

@@ -6,7 +6,11 @@ act = y * s, s = Sigmoid(z), z = y * poly, poly = a + b * y2, y2 = y * y. Node b
 takes a dozen passes (a Mul's gradient per product, Sigmoid's, a Sum of y's four contributions);
 as one, d act / d y = s + y s (1 - s) (a + 3 b y^2), and with y (1 - s) = y - act (the forward's act):
 dy = dact * s * (1 + (y - act) * (a + 3 b y2)), seven passes with y2, s and act read from the forward.
-Only where y2, b y2, poly, z and s feed nothing else."""
+Only where y2, b y2, poly, z and s feed nothing else.
+
+SiLU written as act = x * Sigmoid(x) (torch's nn.SiLU exported; EfficientNet's every activation): node by
+node dx = dy s + (dy x) s (1 - s), six passes; as one, dx = dy s (1 + x - act), four. Only where s feeds
+nothing else."""
 
 from .core import PATTERNS, Step
 
@@ -68,3 +72,29 @@ def _gelu_rule(y, y2, s, a, b):
 
 
 PATTERNS.append(_gelu)
+
+
+def _silu(nodes, consumers, emit):
+    found = []
+    for act in nodes:
+        if act.op_type != "Mul" or act.domain not in ("", "ai.onnx") or len(act.input) != 2:
+            continue
+        for s in act.input:
+            sig = emit.producer.get(s)
+            x = _other(act, s)
+            if sig is None or sig.op_type != "Sigmoid" or sig.domain not in ("", "ai.onnx") or x is None \
+                    or sig.input[0] != x or len(consumers.get(s, [])) != 1 or s in emit.graph_outputs:
+                continue
+            found.append((act, [sig], _silu_rule(x, s)))
+            break
+    return found
+
+
+def _silu_rule(x, s):
+    def rule(step: Step):
+        slope = step.op("Add", [step.op("Sub", [x, step.y[0]]), step.const(1.0, like=x)])
+        return {x: step.op("Mul", [step.op("Mul", [step.dy[0], s]), slope])}
+    return rule
+
+
+PATTERNS.append(_silu)

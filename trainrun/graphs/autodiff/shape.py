@@ -1,5 +1,7 @@
 """Gradients of ops that move elements without changing them."""
 
+import onnx
+
 from .core import Step, gradient
 
 
@@ -36,8 +38,13 @@ def _split(s: Step):
 
 @gradient("Slice")
 def _slice(s: Step):
-    """Each element's flat position, sliced the same way, says where dy goes: a scatter into zeros."""
+    """dy padded with zeros back to x where x's dims and the bounds are known when the graph is built and
+    every step is 1 (a chunk); else each element's flat position, sliced the same way, says where dy goes: a
+    scatter into zeros."""
     x = s.x[0]
+    pads = _slice_pads(s)
+    if pads is not None:
+        return [s.op("Pad", [s.dy[0], s.const(pads)])] + [None] * (len(s.x) - 1)
     shape = s.op("Shape", [x])
     size = s.op("Reshape", [s.op("Size", [x]), s.const([1])])
     positions = s.op("Reshape", [s.op("Range", [s.const(0), s.op("Size", [x]), s.const(1)]), shape])
@@ -45,6 +52,32 @@ def _slice(s: Step):
     zeros = s.op("CastLike", [s.op("ConstantOfShape", [size]), x])
     flat = s.op("ScatterElements", [zeros, picked, s.op("Reshape", [s.dy[0], s.const([-1])])], axis=0)
     return [s.op("Reshape", [flat, shape])] + [None] * (len(s.x) - 1)
+
+
+def _slice_pads(s: Step):
+    """The Pad that undoes a Slice of steps 1 (ONNX's clamping of its bounds), or None (also for bfloat16,
+    which onnxruntime's CUDA provider pads not)."""
+    dims = s.emit.static(s.x[0])
+    if s.emit.types.get(s.x[0]) == onnx.TensorProto.BFLOAT16:
+        return None
+    given = (s.x[1:] + [""] * 4)[:4]
+    values = [s.emit.values.get(i) if i else None for i in given]
+    if dims is None or any(i and v is None for i, v in zip(given, values)):
+        return None
+    starts, ends = (v.reshape(-1).tolist() for v in values[:2])
+    axes = values[2].reshape(-1).tolist() if values[2] is not None else list(range(len(starts)))
+    steps = values[3].reshape(-1).tolist() if values[3] is not None else [1] * len(starts)
+    if any(st != 1 for st in steps):
+        return None
+    rank = len(dims)
+    begin, end = [0] * rank, [0] * rank
+    for a, b, e in zip(axes, starts, ends):
+        a = a % rank
+        b, e = (min(max(v + dims[a] if v < 0 else v, 0), dims[a]) for v in (b, e))
+        if e <= b:
+            return None
+        begin[a], end[a] = b, dims[a] - e
+    return begin + end
 
 
 @gradient("Expand")

@@ -1,5 +1,7 @@
 """The dims of a graph's tensors for the rules: onnx's shape inference (with data propagation), and where
-it leaves a tensor's rank unknown, inference again after folding the graph's integer computations whose
+it leaves a tensor's rank unknown (or, the graph's inputs' dims all fixed, a dim: torch's channel shuffle
+computes its Reshape's target by a Div and Casts that data propagation stops at), inference again after
+folding the graph's integer computations whose
 inputs are all known (Constants, small integer initializers, the Shape of a tensor whose dims are
 static): the arithmetic an exporter writes around a Reshape's target shape (torch's
 nn.MultiheadAttention in training mode: a Slice of a Shape by bounds from Add and Mod), which data
@@ -14,14 +16,19 @@ from onnx import TensorProto, helper, numpy_helper, shape_inference
 
 INTEGERS = {TensorProto.INT64, TensorProto.INT32, TensorProto.BOOL}
 LARGEST = 1024          # elements of a folded value: shapes and indices, not data
+ROUNDS = 64          # folding and inference rounds at most (a round reaches one more of a chain of Reshapes)
 NOT_FOLDED = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli", "Multinomial"}
 
 
 def _ranks_missing(inferred: onnx.ModelProto) -> bool:
-    known = {vi.name for vi in list(inferred.graph.value_info) + list(inferred.graph.output)
-             if vi.type.tensor_type.HasField("shape")}
-    known |= {t.name for t in inferred.graph.initializer} | {vi.name for vi in inferred.graph.input}
-    return any(o and o not in known for n in inferred.graph.node for o in n.output)
+    """Whether a tensor's rank is unknown, or (the graph's inputs' dims all fixed) one of its dims."""
+    shapes = {vi.name: vi.type.tensor_type.shape for vi in list(inferred.graph.value_info) + list(inferred.graph.output)
+              if vi.type.tensor_type.HasField("shape")}
+    known = set(shapes) | {t.name for t in inferred.graph.initializer} | {vi.name for vi in inferred.graph.input}
+    if any(o and o not in known for n in inferred.graph.node for o in n.output):
+        return True
+    fixed = all(d.HasField("dim_value") for vi in inferred.graph.input for d in vi.type.tensor_type.shape.dim)
+    return fixed and any(not d.HasField("dim_value") for shape in shapes.values() for d in shape.dim)
 
 
 def _dims(inferred: onnx.ModelProto) -> dict:
@@ -61,7 +68,7 @@ def infer(model: onnx.ModelProto) -> onnx.ModelProto:
     folded.CopyFrom(model)
     values = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer
               if t.data_type in INTEGERS and np.prod(t.dims) <= LARGEST}
-    for _ in range(4):
+    for _ in range(ROUNDS):
         dims, changed, nodes = _dims(inferred), False, []
         for n in folded.graph.node:
             out = None
