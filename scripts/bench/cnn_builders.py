@@ -11,7 +11,7 @@ seeded), 1000 classes, batch 2 x 3 x 64 x 64. Each is exported in training mode
 graph made as ``trainrun prepare`` makes it (``graphs.manifest.loss_graph``: cross-entropy, the batch fixed:
 engine.static_shapes), then built into a train graph by each builder (``build_train_graph`` with builder
 onnxruntime, then ``direct_gradients``; with builder trainrun), written to WORK/<model>/. ``time`` opens
-each in a session as the engine does (``trainrun.sessions.session_options``, 1 thread, optimisation
+each in a session as the engine does (``trainrun.step.sessions.session_options``, 1 thread, optimisation
 'all'), binds the weights, batch and gradient buffers once, and runs forward + backward: ``--rounds``
 rounds, each ``--steps`` steps of trainrun's graph, then onnxruntime-training's, then PyTorch eager (the
 same module, train mode, the same batch: forward, cross-entropy, backward, 1 thread), in turn, after
@@ -249,7 +249,7 @@ def profile(name: str, work: Path, steps: int, top: int = 40) -> None:
     """Each graph's time by operator type, by the forward op behind it, and its slowest nodes
     (onnxruntime's profiler, ``steps`` runs after one warm-up, each node's fastest run)."""
     import onnxruntime as ort
-    from trainrun.sessions import session_options
+    from trainrun.step.sessions import session_options
     feeds = dict(np.load(work / name / "inputs.npz"))
     for k in GRAPHS:
         path = work / name / f"{k}.onnx"
