@@ -21,6 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 from trainrun.graphs.autodiff import NoGradient, differentiate
 
 from conftest import optional
+from test_autodiff_ops import session
 
 torch = optional("torch")
 
@@ -44,12 +45,6 @@ def model_of(nodes, inputs: dict, out="y", unknown=(), opset=OPSET, consts: dict
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 9
     return model
-
-
-def session(model):
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
 def forward(model, outputs):
@@ -436,8 +431,6 @@ def test_exported_torch_conv1d_lstm_gru_against_autograd():
     """torch's Conv1d, MaxPool1d, a bidirectional batch-first LSTM and a GRU (linear_before_reset 1) as
     torch.onnx.export (TorchScript) writes them, the weights' gate reordering included: the builder's
     gradients of the input and every weight (float32) against torch autograd in float64."""
-    import io
-
     class Net(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -450,20 +443,7 @@ def test_exported_torch_conv1d_lstm_gru_against_autograd():
             h = self.pool(torch.relu(self.conv(x))).transpose(1, 2)
             return (self.gru(self.lstm(h)[0])[0] * w).sum()
     torch.manual_seed(0)
-    net, x, w = Net(), torch.randn(2, 4, 11), torch.randn(2, 5, 3)
-    f = io.BytesIO()
-    torch.onnx.export(net, (x, w), f, input_names=["x", "w"], output_names=["loss"], dynamo=False,
-                      do_constant_folding=False, opset_version=17)
-    params = [n for n, _ in net.named_parameters()]
-    grad_model = differentiate(onnx.load_from_string(f.getvalue()), ["x"] + params, "loss")
-    got = session(grad_model).run([f"{p}_grad" for p in ["x"] + params], {"x": x.numpy(), "w": w.numpy()})
-    net.double()
-    xd = x.double().requires_grad_()
-    net(xd, w.double()).backward()
-    want = [xd.grad] + [p.grad for p in net.parameters()]
-    for name, g, ref in zip(["x"] + params, got, want):
-        ref = ref.numpy()
-        np.testing.assert_allclose(g, ref, rtol=1e-4, atol=1e-4 * max(1.0, np.abs(ref).max()), err_msg=name)
+    against_torch_autograd(Net(), torch.randn(2, 4, 11), torch.randn(2, 5, 3))
 
 
 def test_ranks_behind_shape_arithmetic_are_folded():
@@ -481,8 +461,6 @@ def test_ranks_behind_shape_arithmetic_are_folded():
 
 @pytest.mark.torch
 def test_exported_torch_multihead_attention_in_training_mode_against_autograd():
-    import io
-
     class Net(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -491,10 +469,18 @@ def test_exported_torch_multihead_attention_in_training_mode_against_autograd():
         def forward(self, x, w):
             return (self.attention(x, x, x)[0] * w).sum()
     torch.manual_seed(0)
-    net, x, w = Net(), torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    against_torch_autograd(Net(), torch.randn(2, 5, 8), torch.randn(2, 5, 8), training=True)
+
+
+def against_torch_autograd(net, x, w, training: bool = False):
+    """``net(x, w)``'s loss exported by torch's legacy exporter (``training``: in TrainingMode.TRAINING),
+    differentiated by the builder for x and every parameter, run in float32, against torch autograd in
+    float64."""
+    import io
     f = io.BytesIO()
     torch.onnx.export(net, (x, w), f, input_names=["x", "w"], output_names=["loss"], dynamo=False,
-                      training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False, opset_version=17)
+                      do_constant_folding=False, opset_version=17,
+                      **({"training": torch.onnx.TrainingMode.TRAINING} if training else {}))
     params = [n for n, _ in net.named_parameters()]
     grad_model = differentiate(onnx.load_from_string(f.getvalue()), ["x"] + params, "loss")
     got = session(grad_model).run([f"{p}_grad" for p in ["x"] + params], {"x": x.numpy(), "w": w.numpy()})

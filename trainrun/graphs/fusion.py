@@ -35,6 +35,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper, shape_inference
 
+from .onnx_edit import declared, unique_name
+
 MAX_FOLD = 4096         # elements of a folded constant at most: shapes and axes, not tables
 MS = "com.microsoft"
 # exact on floats: casts (rounding to nearest, as onnxruntime's) and data movement
@@ -84,15 +86,7 @@ class _Graph:
             inferred = shape_inference.infer_shapes(self.model, strict_mode=False, data_prop=True)
         except Exception:  # noqa: BLE001 - an uninferable graph: only the declared shapes are known
             inferred = self.model
-        self.dims, self.types, self.syms = {}, {}, {}
-        for vi in list(inferred.graph.input) + list(inferred.graph.value_info) + list(inferred.graph.output):
-            t = vi.type.tensor_type
-            if t.elem_type:
-                self.types[vi.name] = t.elem_type
-            if t.HasField("shape"):
-                self.dims[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
-                self.syms[vi.name] = [d.dim_value if d.HasField("dim_value") else d.dim_param or None
-                                      for d in t.shape.dim]
+        self.types, self.dims, self.syms = declared(inferred)
         self.values = {}
         for t in g.initializer:
             self.values[t.name] = numpy_helper.to_array(t)
@@ -115,12 +109,7 @@ class _Graph:
         return d if d is not None and None not in d else None
 
     def name(self, base: str) -> str:
-        name, i = base, 0
-        while name in self.taken:
-            i += 1
-            name = f"{base}.{i}"
-        self.taken.add(name)
-        return name
+        return unique_name(base, self.taken)
 
     def constant(self, value: np.ndarray, base: str) -> onnx.NodeProto:
         out = self.name(f"{base}/folded")

@@ -10,6 +10,30 @@ from onnx import helper, numpy_helper, shape_inference
 IR_VERSION = 9
 
 
+def unique_name(base: str, taken: set) -> str:
+    """``base``, or ``base.N`` with the first N that ``taken`` lacks; added to ``taken``."""
+    name, i = base, 0
+    while name in taken:
+        i += 1
+        name = f"{base}.{i}"
+    taken.add(name)
+    return name
+
+
+def declared(model: onnx.ModelProto) -> tuple[dict, dict, dict]:
+    """Each value's element type, dims (None where unknown) and dims with their symbols (None where
+    neither), from the graph's inputs, value_info and outputs (the initializers are not read)."""
+    types, dims, syms = {}, {}, {}
+    for vi in list(model.graph.input) + list(model.graph.value_info) + list(model.graph.output):
+        t = vi.type.tensor_type
+        if t.elem_type:
+            types[vi.name] = t.elem_type
+        if t.HasField("shape"):
+            dims[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
+            syms[vi.name] = [d.dim_value if d.HasField("dim_value") else d.dim_param or None for d in t.shape.dim]
+    return types, dims, syms
+
+
 def fresh(model: onnx.ModelProto, nodes, inputs, outputs, initializers, value_info=()) -> onnx.ModelProto:
     graph = helper.make_graph(nodes, model.graph.name or "graph", inputs, outputs, initializers,
                               value_info=list(value_info))

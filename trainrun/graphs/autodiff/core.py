@@ -17,6 +17,7 @@ import onnx
 from onnx import helper, numpy_helper, version_converter
 
 from ...errors import UsageError
+from ..onnx_edit import declared, unique_name
 from ..names import GRAD_SUFFIX
 from . import static
 
@@ -75,12 +76,9 @@ class Emitter:
         del sorted_model.graph.node[:]
         sorted_model.graph.node.extend(ordered)
         inferred = static.infer(sorted_model)
-        for vi in list(inferred.graph.input) + list(inferred.graph.value_info) + list(inferred.graph.output):
-            t = vi.type.tensor_type
-            if t.elem_type:
-                self.types[vi.name] = t.elem_type
-            if t.HasField("shape"):
-                self.dims[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
+        types, dims, _ = declared(inferred)
+        self.types.update(types)
+        self.dims.update(dims)
         for t in g.initializer:
             self.dims[t.name] = list(t.dims)
             self.types[t.name] = t.data_type
@@ -92,12 +90,7 @@ class Emitter:
                 self.values.setdefault(node.output[0], numpy_helper.to_array(node.attribute[0].t))
 
     def name(self, base: str) -> str:
-        name, i = base, 0
-        while name in self.taken:
-            i += 1
-            name = f"{base}.{i}"
-        self.taken.add(name)
-        return name
+        return unique_name(base, self.taken)
 
     def op(self, op_type: str, inputs, base: str, outputs: int = 1, **attrs):
         """Emit one node; its output name (a list when ``outputs`` > 1). A Transpose that keeps the axis
