@@ -139,7 +139,8 @@ def test_pad_products_never_and_on_the_gpu_leave_the_graph_as_built(tmp_path):
     """engine.pad_products never: the same 1024-token graph without a Pad; the setting is baked (a prepared
     folder of the other setting is not up to date); never on cuda."""
     never = prepare(_gpt2(tmp_path, seed=6, setting="never")[0])
-    assert not [n for n in onnx.load(f"{never}/train.onnx").graph.node if n.op_type == "Pad"]
+    # the padding's own Pads (named .../kpad/a|b): a gradient rule may write others (a Slice's gradient)
+    assert not [n for n in onnx.load(f"{never}/train.onnx").graph.node if n.op_type == "Pad" and "/kpad/" in n.name]
     assert up_to_date(never, _gpt2(tmp_path, seed=6, setting="never")[0])
     assert not up_to_date(never, _gpt2(tmp_path, seed=6, setting="always")[0])
     assert not wanted("always", "cuda") and not wanted("auto", "cuda") and not wanted("never", "cpu")

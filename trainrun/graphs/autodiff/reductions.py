@@ -58,13 +58,14 @@ def _kept(s: Step, t: str) -> str:
 
 
 def _reduction_rule(s: Step, local):
-    """dy * local(step, y kept, x), dy and y broadcast over the reduced axes; with noop_with_empty_axes and no
-    axes the op is the identity (the spec: the input unchanged), its gradient dy."""
-    out = [None] * len(s.x)
+    """dy * local(step, y kept, x), dy and y broadcast over the reduced axes. With noop_with_empty_axes and no
+    axes refused: onnxruntime 1.19 passes the input through, onnx's reference and onnxruntime 1.32 apply the
+    op's elementwise part (x^2 for ReduceSumSquare), so no one gradient matches every runtime's forward."""
     if s.attr("noop_with_empty_axes", 0) and _axes(s) is None:
-        out[0] = s.dy[0]
-    else:
-        out[0] = s.op("Mul", [_kept(s, s.dy[0]), local(s, _kept(s, s.y[0]), s.x[0])])
+        raise s.unsupported("noop_with_empty_axes with no axes: onnxruntime 1.19 passes the input through, "
+                            "newer runtimes apply the op elementwise; give the axes")
+    out = [None] * len(s.x)
+    out[0] = s.op("Mul", [_kept(s, s.dy[0]), local(s, _kept(s, s.y[0]), s.x[0])])
     return out
 
 
