@@ -118,9 +118,7 @@ def _product_flops(node, known: dict) -> float | None:
     if op in ("MatMul", "FusedMatMul"):
         if a is None or b is None or out is None:
             return None
-        k = a[-1] if len(a) > 1 or op == "MatMul" else a[0]
-        if op == "FusedMatMul" and _attr(node, "transA", 0) and len(a) > 1:
-            k = a[-2]
+        k = a[-2] if op == "FusedMatMul" and _attr(node, "transA", 0) and len(a) > 1 else a[-1]
         return 2.0 * math.prod(out) * k
     if op == "Gemm":
         if a is None or out is None:
