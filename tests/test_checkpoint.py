@@ -410,6 +410,102 @@ def test_disk_full_during_save(tmp_path, byte_dataset):
         subprocess.run(["umount", "-l", str(mnt)])
 
 
+class _Average:
+    """A stateful part with array state of its own, as a new one would be added: its registration is all the
+    checkpoint needs (a running average of the parameters, optimizer.safetensors ``average/``, and its count)."""
+
+    def __init__(self, n: int):
+        self.buf, self.count = np.zeros(n, np.float32), 0
+
+    def state_dict(self) -> dict:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count = state["count"]
+
+    def full_state(self) -> dict:
+        return {"average": self.buf}
+
+    def restore_state(self, saved: dict) -> dict:
+        return {"average": self.buf}
+
+
+class _Counters:
+    """A part without a key: its own keys of state.json, handed the whole of it and the checkpoint back."""
+
+    def __init__(self, updates: int = 0):
+        self.updates, self.given = updates, None
+
+    def state_dict(self) -> dict:
+        return {"updates": self.updates, "skipped_steps": 0}
+
+    def load_state_dict(self, state: dict, ckpt: str) -> None:
+        self.updates, self.given = state["updates"], (state["step"], ckpt)
+
+
+def test_registered_parts_are_what_a_checkpoint_saves_and_restores(tmp_path):
+    """Checkpointer.register drives save and restore: each part's ``state_dict`` under its key of state.json
+    (null for a part the run has not; a part without a key writes keys of its own), its ``full_state`` as
+    optimizer.safetensors tensors after the optimizer's; a restore into fresh parts fills the buffers their
+    ``restore_state`` names and hands each its entry back, bit for bit; a part the checkpoint holds nothing
+    of (registered since) is left as it is. Real components (early stopping, the fp16 loss scaler), real
+    files."""
+    from safetensors.numpy import load_file
+    from trainrun import checkpoint as K
+    from trainrun.comm import SingleProcess
+    from trainrun.run.stopping import EarlyStopping
+    from trainrun.step.flat import FlatLayout
+    from trainrun.step.precision import LossScaler
+    n = 1000
+    layout = FlatLayout(["a", "b"], [(10, 40), (n - 400,)], [0, 400], n)
+    rng = np.random.default_rng(0)
+    params, exp_avg = rng.standard_normal(n, dtype=np.float32), rng.standard_normal(n, dtype=np.float32)
+
+    def parts(updates=0):
+        return [(None, _Counters(updates)), ("average", _Average(n)),
+                ("early_stopping", EarlyStopping(3, 0.0, "eval_accuracy")), ("loss_scaler", LossScaler(init_scale=2.0 ** 10, growth_interval=2)), ("absent", None)]
+
+    saving = parts(updates=7)
+    (_, average), (_, stopping), (_, scaler) = saving[1:4]
+    average.buf[...], average.count = rng.standard_normal(n, dtype=np.float32), 5
+    for step, accuracy in ((1, 0.5), (2, 0.75), (3, 0.5)):
+        stopping.update(step, {"eval_accuracy": accuracy})
+    for finite in (True, False, True):
+        scaler.update(finite)
+    ck = K.Checkpointer(str(tmp_path / "run"), SingleProcess(60.0), keep_last=1)
+    for key, part in saving:
+        ck.register(key, part)
+    ck.save(3, layout, {"params": params, "exp_avg": exp_avg}, {"loader": {"position": 0}, "eval": None},
+            "config: {}\n")
+    ck.finish()
+    ckpt = os.path.join(str(tmp_path / "run"), "checkpoints", "3")
+    K.verify(ckpt)
+    state = K.read_state(ckpt)
+    assert state["updates"] == 7 and state["skipped_steps"] == 0 and state["eval"] is None
+    assert state["average"] == {"count": 5} and state["absent"] is None
+    assert state["early_stopping"] == {"metric": "eval_accuracy", "best": 0.75, "best_step": 2,
+                                       "evals_since_best": 1}
+    assert state["loss_scaler"] == {"scale": 2.0 ** 9, "good_steps": 1}
+    assert state["optimizer_states"] == ["exp_avg", "average"]
+    saved = load_file(os.path.join(ckpt, "optimizer.safetensors"))
+    assert np.array_equal(np.concatenate([saved["average/a"].reshape(-1), saved["average/b"]]), average.buf)
+
+    restoring = parts() + [("registered_since", EarlyStopping(3, 0.0, "eval_accuracy"))]
+    ck = K.Checkpointer(str(tmp_path / "run"), SingleProcess(60.0), keep_last=1)
+    for key, part in restoring:
+        ck.register(key, part)
+    got_params, got_exp_avg = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    assert ck.restore(ckpt, layout, got_params, {"exp_avg": got_exp_avg}) == state
+    assert np.array_equal(got_params, params) and np.array_equal(got_exp_avg, exp_avg)
+    (_, counters), (_, average2), (_, stopping2), (_, scaler2) = restoring[:4]
+    assert counters.updates == 7 and counters.given == (3, ckpt)
+    assert np.array_equal(average2.buf, average.buf) and average2.count == 5
+    assert stopping2.state_dict() == stopping.state_dict()
+    assert (scaler2.scale, scaler2.good_steps, float(scaler2.graph_input)) == (2.0 ** 9, 1, 2.0 ** 9)
+    assert restoring[-1][1].state_dict() == {"metric": "eval_accuracy", "best": None, "best_step": None,
+                                             "evals_since_best": 0}
+
+
 def test_checkpoint_write_holds_its_step_without_a_copy_of_the_buffers(tmp_path):
     """The tensors are written at the step (training changes the buffers right after start()), without a
     snapshot of the buffers in the process: Python's allocations stay below half of them."""

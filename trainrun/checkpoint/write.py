@@ -263,6 +263,12 @@ def copy_checkpoint(ckpt: str, dest: str, retry=None) -> str:
 
 # --------------------------------------------------------------------------- the runner's one component
 
+def _call(part, method: str, *args, default=None):
+    """``part.method(*args)``, or ``default`` where ``part`` has no such method (or is None)."""
+    fn = getattr(part, method, None)
+    return default if fn is None else fn(*args)
+
+
 class Checkpointer:
     """Saving, committing and restoring checkpoints, on every rank of ``comm``.
 
@@ -271,7 +277,9 @@ class Checkpointer:
     (:meth:`status` before it, :meth:`progress` with the reduced values after
     it), so a commit costs no collective of its own. :meth:`finish` settles
     the write in flight at the end; :meth:`restore` fills the buffers from a
-    checkpoint and returns its ``state.json``.
+    checkpoint and returns its ``state.json``. What a checkpoint holds besides
+    the model's tensors is the state of the parts registered once
+    (:meth:`register`): save and restore go through them, in their order.
     """
 
     def __init__(self, run_dir: str, comm, keep_last: int, log=print, keep_best: int = 0,
@@ -282,6 +290,22 @@ class Checkpointer:
         self.writer = CheckpointWriter(run_dir, self.rank, self.world, keep_last, log=log, keep_best=keep_best,
                                        best_metric=best_metric)
         self.saved_step: int | None = None     # step of the newest committed checkpoint
+        self.parts: list[tuple[str | None, object]] = []      # (state.json key, part), :meth:`register`
+
+    def register(self, key: str | None, part) -> None:
+        """``part``'s state saved with every checkpoint and handed back by :meth:`restore`; each of its methods
+        below is optional. Under ``key`` state.json holds ``part.state_dict()`` (null where ``part`` is None:
+        a component this run has not), and a restore calls ``part.load_state_dict(entry)`` with what the
+        checkpoint holds there, unless it holds none (null, or absent from an older checkpoint). With
+        ``key`` None, ``state_dict()`` gives keys of state.json itself, and ``load_state_dict(state, ckpt)``
+        is handed the whole of state.json and the checkpoint's directory (to read tensors of its own). A part
+        with array state also has ``full_state()`` (name -> the flat buffer of optimizer.safetensors'
+        ``<name>/`` tensors, or a function whose generator gathers it to rank 0 in pieces: every rank calls
+        it) and ``restore_state(saved)`` (given state.json before any tensor is read: name -> the buffer the
+        restore fills, elements ``state_range`` of the saved tensor, or None for one the part only has
+        checked and reads itself). :meth:`save` and :meth:`restore` take the parts in the order registered,
+        the same on every rank (their gathers and loads may be collectives)."""
+        self.parts.append((key, part))
 
     # -- saving
     def status(self) -> tuple[float, float]:
@@ -335,11 +359,18 @@ class Checkpointer:
         return step
 
     def save(self, step: int, layout, buffers: dict, meta: dict, config_yaml: str, model_state=None) -> None:
-        """Write ``buffers`` ("params" and one per optimizer state) and ``model_state`` ((layout, flat)
-        of the non-parameter state, or None): the tensors now, the rest in the background
-        (:meth:`CheckpointWriter.start`); ``meta`` becomes state.json (``step`` and ``loader`` are required)."""
+        """Write ``buffers`` ("params", then the registered parts' ``full_state()``: one buffer per optimizer
+        state) and ``model_state`` ((layout, flat) of the non-parameter state, or None): the tensors now, the
+        rest in the background (:meth:`CheckpointWriter.start`). state.json: the registered parts'
+        ``state_dict()`` and ``meta`` (``loader`` is required, from the parts or ``meta``)."""
         self._settle()     # at most one write in flight
-        meta = {"format_version": FORMAT_VERSION, **meta, "step": step,
+        entries, buffers = {}, dict(buffers)
+        for key, part in self.parts:
+            entry = _call(part, "state_dict")
+            entries.update((entry or {}) if key is None else {key: entry})
+        for _, part in self.parts:
+            buffers.update(_call(part, "full_state", default={}))
+        meta = {"format_version": FORMAT_VERSION, **entries, **meta, "step": step,
                 "optimizer_states": [k for k in buffers if k != "params"]}
         self.writer.start(step, layout, buffers, meta, config_yaml, model_state)
 
@@ -348,21 +379,25 @@ class Checkpointer:
         self._settle()
 
     # -- restoring
-    def restore(self, ckpt: str, layout, params, state: dict, model_state=None, state_range=None,
+    def restore(self, ckpt: str, layout, params, state: dict | None = None, model_state=None, state_range=None,
                 forced: bool = False, lora_base: str | None = None, retry=None) -> dict:
-        """Fill ``params``, each optimizer ``state`` buffer and ``model_state`` ((layout, flat) or None)
-        (numpy or cupy) from ``ckpt`` on every rank; return its state.json. Rank 0 verifies the checksums
-        and checks the tensors against the model first (:func:`check_checkpoint`; ``forced``: by
-        ``resume --force``, tensors no longer taken are dropped with a warning). ``state_range``
-        (lo, hi): the optimizer state buffers hold elements lo:hi of the flat layout only (a ZeRO-1 part,
-        :mod:`trainrun.sync.update`); by default all of it. A state given as None is one the checkpoint may hold
-        but its owner reads (:meth:`trainrun.sync.diloco.DiLoCo.load_state_dict`). ``lora_base``: the sha256
-        of the model.lora base weights, which must be those the checkpoint's adapters were trained on.
-        ``retry``: the command that resumes from another checkpoint, given its path (a corrupt one's error names
-        the run's newest intact checkpoint and that command)."""
-        error, saved, held = None, None, None
+        """Fill ``params``, each optimizer ``state`` buffer (those given, then the registered parts'
+        ``restore_state``) and ``model_state`` ((layout, flat) or None) (numpy or cupy) from ``ckpt`` on every
+        rank, then hand the registered parts their state (:meth:`register`); return its state.json. Rank 0
+        verifies the checksums and checks the tensors against the model first (:func:`check_checkpoint`;
+        ``forced``: by ``resume --force``, tensors no longer taken are dropped with a warning).
+        ``state_range`` (lo, hi): the optimizer state buffers hold elements lo:hi of the flat layout only (a
+        ZeRO-1 part, :mod:`trainrun.sync.update`); by default all of it. A state given as None is one the
+        checkpoint may hold but its owner reads (:meth:`trainrun.sync.diloco.DiLoCo.load_state_dict`).
+        ``lora_base``: the sha256 of the model.lora base weights, which must be those the checkpoint's
+        adapters were trained on. ``retry``: the command that resumes from another checkpoint, given its path
+        (a corrupt one's error names the run's newest intact checkpoint and that command)."""
+        error, saved, held, state = None, None, None, dict(state or {})
         try:
             held = pin(ckpt)        # every rank reads the files it opened here
+            saved = read_state(held)
+            for _, part in self.parts:
+                state.update(_call(part, "restore_state", saved, default={}))
             if self.rank == 0:
                 verify(held, retry=retry)       # once; every rank then reads the verified files
                 check_checkpoint(held, layout.names + (model_state[0].names if model_state else []),
@@ -376,7 +411,6 @@ class Checkpointer:
                 held.close()
             raise
         try:
-            saved = read_state(held)
             host = np.empty(layout.total, np.float32)
             load_tensors_into(held, "model.safetensors", layout.names, layout.shapes, host)
             from_host(params, host)
@@ -400,4 +434,9 @@ class Checkpointer:
             held.close()
         self.comm.agree(error)
         self.saved_step = saved["step"]
+        for key, part in self.parts:
+            if key is None:
+                _call(part, "load_state_dict", saved, ckpt)
+            elif saved.get(key) is not None:
+                _call(part, "load_state_dict", saved[key])
         return saved

@@ -121,6 +121,11 @@ class TrainingRunner:
         self.checkpoints = K.Checkpointer(self.out, comm, cfg.checkpoint.keep_last, log=self.log,
                                           keep_best=cfg.checkpoint.keep_best,
                                           best_metric=C.watched_metric(cfg, "checkpoint.best_metric"))
+        # what a checkpoint holds besides the model's tensors, each part registered once under its state.json
+        # key (None: keys of its own) and saved and restored from here on in this order (Checkpointer.register)
+        for key, part in ((None, self), (None, self.shard), (None, self.sync), ("loader", self.loader),
+                          ("early_stopping", self.early_stopping), ("loss_scaler", self.scaler)):
+            self.checkpoints.register(key, part)
         if resume_from:
             self._restore(resume_from, force, retry)
         # distributed.elastic: the step's collectives redone over the survivors of a lost rank
@@ -153,23 +158,28 @@ class TrainingRunner:
             print(text, flush=True)
 
     def _restore(self, ckpt: str, force: bool = False, retry=None) -> None:
-        """Parameters, optimizer state, step counters and the data position of ``ckpt`` (``force``:
-        ``resume --force``, tensors the model or optimizer no longer takes are dropped with a warning;
-        ``retry``: the command resuming from another checkpoint, named where ``ckpt`` is corrupt)."""
+        """The model's tensors and every registered part's state from ``ckpt`` (``force``: ``resume --force``,
+        tensors the model or optimizer no longer takes are dropped with a warning; ``retry``: the command
+        resuming from another checkpoint, named where ``ckpt`` is corrupt)."""
         eng = self.engine
-        buffers = {**self.shard.state, **self.sync.restore_state(K.read_state(ckpt))}
-        state = self.checkpoints.restore(ckpt, eng.layout, eng.params, buffers,
-                                         (eng.state_layout, eng.state), state_range=(self.shard.lo, self.shard.hi),
-                                         forced=force, retry=retry,
+        state = self.checkpoints.restore(ckpt, eng.layout, eng.params, model_state=(eng.state_layout, eng.state),
+                                         state_range=(self.shard.lo, self.shard.hi), forced=force, retry=retry,
                                          lora_base=(self.manifest.get("lora") or {}).get("base_sha256"))
-        self.sync.load_state_dict(state, ckpt)
-        self.loader.load_state_dict(state["loader"])
-        self.step, self.updates, self.skipped = state["step"], state["updates"], state["skipped_steps"]
-        self.early_stopping.load_state_dict(state.get("early_stopping") or {})
-        if self.scaler and state.get("loss_scaler"):
-            self.scaler.load_state_dict(state["loss_scaler"])
         self.log(f"resumed from {ckpt} at step {self.step} (saved by {state['world_size']} rank(s), "
                  f"now {self.world})")
+
+    def state_dict(self) -> dict:
+        """The run's own keys of state.json: its counters, restored on resume, and what it records of itself
+        (the LR schedule's position, world size, global batch, seed, graphs, LoRA base weights)."""
+        cfg = self.cfg
+        return {"updates": self.updates, "skipped_steps": self.skipped,
+                "lr_schedule": {"step": self.step, "total_steps": self.total_steps,
+                                "lr": learning_rate(self.step, cfg.optimizer.lr, self.total_steps, cfg.lr_schedule)},
+                "world_size": self.world, "global_batch": self.global_batch, "seed": cfg.run.seed,
+                "graphs": self.manifest["files"], "lora_base": (self.manifest.get("lora") or {}).get("base_sha256")}
+
+    def load_state_dict(self, state: dict, ckpt: str) -> None:
+        self.step, self.updates, self.skipped = state["step"], state["updates"], state["skipped_steps"]
 
     # ------------------------------------------------------------------ the run
     def fit(self) -> dict | None:
@@ -426,25 +436,16 @@ class TrainingRunner:
         """Checkpoint this step: the tensors written now, the rest in the background (every rank).
         ``evaluated``: this step's eval metrics, recorded in state.json (checkpoint.keep_best ranks by
         checkpoint.best_metric's)."""
-        cfg = self.cfg
-        best = C.watched_metric(cfg, "checkpoint.best_metric")
-        meta = {"updates": self.updates, "skipped_steps": self.skipped, "loader": self.loader.state_dict(),
-                "loss_scaler": self.scaler.state_dict() if self.scaler else None,
-                "lr_schedule": {"step": self.step, "total_steps": self.total_steps,
-                                "lr": learning_rate(self.step, cfg.optimizer.lr, self.total_steps, cfg.lr_schedule)},
-                "world_size": self.world, "global_batch": self.global_batch, "seed": cfg.run.seed,
-                "graphs": self.manifest["files"], "lora_base": (self.manifest.get("lora") or {}).get("base_sha256"),
-                "eval_loss": self._first_eval_loss(evaluated),
-                "eval": evaluated, "best_metric": {"name": best, "value": evaluated[best],
-                                                   "greater_is_better": C.greater_is_better(best)}
-                if evaluated and best in evaluated else None,
-                "early_stopping": self.early_stopping.state_dict(), "diloco": self.sync.state_dict()}
+        best = C.watched_metric(self.cfg, "checkpoint.best_metric")
+        evals = {"eval_loss": self._first_eval_loss(evaluated), "eval": evaluated,
+                 "best_metric": {"name": best, "value": evaluated[best], "greater_is_better": C.greater_is_better(best)}
+                 if evaluated and best in evaluated else None}
         self.average_model_state()
         # rank 0 alone writes the tensors; the others hash their parameters (and take part in the gathers
-        # of stage 1's optimizer state)
-        buffers = {"params": self.engine.params, **self.shard.full_state(), **self.sync.full_state()}
-        model_state = (self.engine.state_layout, self.engine.state)
-        self.checkpoints.save(self.step, self.engine.layout, buffers, meta, self.config_yaml, model_state)
+        # of stage 1's optimizer state); the registered parts' state with them
+        eng = self.engine
+        self.checkpoints.save(self.step, eng.layout, {"params": eng.params}, evals, self.config_yaml,
+                              (eng.state_layout, eng.state))
         self.timer.mark("checkpoint")
 
     def _sample(self) -> None:
@@ -509,8 +510,10 @@ class TrainingRunner:
         """rank 0: model.onnx from ``ckpt`` (:func:`trainrun.run.finish.export_model`), after dropping what
         training held (the export reads the checkpoint); the :class:`Stopped` of a stop that abandons it."""
         self.engine.close()
-        # the sync policy holds the engine and the shard too (attach): dropped with them, so that the moments go
+        # the sync policy and the checkpoint's parts hold the engine and the shard too (attach, register):
+        # dropped with them, so that the moments go
         self.shard = self.sync = self.sampler = self.observe = None
+        self.checkpoints.parts.clear()
         return_freed_memory()
         return export_model(ckpt, self.out, self.signals, self.stops_carried, self._export_hint(), self.log)
 

@@ -101,10 +101,11 @@ class DiLoCoState:
                               for name in self._replica_states()}}
 
     def state_dict(self) -> dict:
+        """state.json's ``diloco``: the round's position."""
         d = self.d
-        return {"round_start": d.round_start, "replicas": d.replicas, "group": d.comm.world_size,
-                "rounds": d.rounds, "mid_round": not d.fresh,
-                "in_flight": [*d.pending] if d.pending else None}
+        return {"diloco": {"round_start": d.round_start, "replicas": d.replicas, "group": d.comm.world_size,
+                           "rounds": d.rounds, "mid_round": not d.fresh,
+                           "in_flight": [*d.pending] if d.pending else None}}
 
     def load_state_dict(self, state: dict, ckpt: str) -> None:
         """After the checkpoint's tensors were restored (every rank): the round's position, and this

@@ -12,7 +12,9 @@ one (every rank, a collective). The interface::
     attach(engine, shard, total_steps)   after the update is built
     maybe_outer_step(step)   after every optimizer step: an outer step where a round ends; its log line or None
     global_weights()         a context in which the engine's parameters are the global weights (evaluation)
-    full_state(), restore_state(saved), state_dict(), load_state_dict(state, ckpt)   the checkpoint's part
+    full_state(), restore_state(saved), state_dict(), load_state_dict(state, ckpt)   the checkpoint's part,
+                             registered without a key (:meth:`trainrun.checkpoint.Checkpointer.register`): it
+                             writes and reads state.json's ``diloco`` itself
     describe(), advice(cold_start), close()
 """
 
@@ -96,8 +98,8 @@ class EveryStep(Policy):
             return {}
         return {name: None for name in saved.get("optimizer_states", ()) if outer_state(name)}
 
-    def state_dict(self) -> dict | None:
-        return None
+    def state_dict(self) -> dict:
+        return {"diloco": None}
 
     def load_state_dict(self, state: dict, ckpt: str) -> None:
         """A DiLoCo checkpoint taken mid-round: the global weights in place of replica 0's; the line saying it."""

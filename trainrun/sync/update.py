@@ -236,6 +236,10 @@ class Replicated:
         """name -> the whole flat optimizer state buffer (on rank 0; other ranks may get an empty dict)."""
         return {name: self.for_checkpoint(buf) for name, buf in self.state.items()}
 
+    def restore_state(self, saved: dict | None = None) -> dict:
+        """name -> the optimizer state buffer a restore fills (the checkpoint's part)."""
+        return self.state
+
     def close(self) -> None:
         if self.reducer:
             self.reducer.close()
@@ -359,6 +363,10 @@ class Partitioned:
         order (the checkpoint writer does, writing each piece as it comes), so rank 0 holds one piece at a
         time, never a whole state."""
         return {name: self.for_checkpoint(part) for name, part in self.state.items()}
+
+    def restore_state(self, saved: dict | None = None) -> dict:
+        """name -> this rank's part (``lo:hi``) of the optimizer state, which a restore fills."""
+        return self.state
 
     def gather_pieces(self, part: np.ndarray):
         """The pieces (:func:`pieces`) of the flat buffer whose part ``part`` is this rank's, on rank 0 (a
