@@ -303,7 +303,8 @@ def profile_group():
 
 @profile_group.command("summarize")
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
-@click.option("--top", type=click.IntRange(min=1), default=15, show_default=True, help="Rows shown: operators (or nodes) by time, nodes by overhead.")
+@click.option("--top", type=click.IntRange(min=1), default=15, show_default=True,
+              help="Rows shown: operators (or nodes) by time, nodes by overhead.")
 @click.option("--by", type=click.Choice(["op", "node"]), default="op", show_default=True,
               help="Group kernel time by operator type or by node.")
 @click.option("--json", "as_json", is_flag=True,
