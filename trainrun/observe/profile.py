@@ -19,7 +19,9 @@ Each rank then writes ONE Chrome-trace file, ``<dir>/rank-<r>.json``
 the three sessions (``cat: "Node"``, ``args.session`` = train/eval/optimizer)
 and trainrun's own phases of each step (``cat: "trainrun"``: data, i.e. the
 wait for the loader, forward_backward, allreduce, norm, optimizer, stats, log,
-eval, checkpoint) on one clock, plus a ``trainrun`` key with the totals.
+eval, checkpoint) on one clock, plus a ``trainrun`` key with the totals and the run's output_dir (where
+``summarize`` reads summary.json's peak and the graphs for the train graph's per-node cost,
+:mod:`trainrun.observe.costs`).
 """
 
 from __future__ import annotations
@@ -167,7 +169,7 @@ def _configured_dir(run_dir: str) -> str:
         return "profile"
 
 
-def trace_dir(path: str) -> str:
+def _trace_dir(path: str) -> str:
     """The folder of the rank-<r>.json traces: ``path`` itself, or a run directory's profile.dir."""
     for base in (path, os.path.join(path, _configured_dir(path)), os.path.join(path, "profile")):
         if glob.glob(os.path.join(base, "rank-*.json")):
@@ -177,7 +179,7 @@ def trace_dir(path: str) -> str:
 
 def load_traces(path: str) -> dict[int, dict]:
     """rank -> trace of a profile directory, or of a run directory (its profile.dir)."""
-    files = glob.glob(os.path.join(trace_dir(path), "rank-*.json"))
+    files = glob.glob(os.path.join(_trace_dir(path), "rank-*.json"))
     traces = {}
     for f in files:
         try:
