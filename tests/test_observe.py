@@ -228,7 +228,7 @@ def test_profile_summarize(profiled):
     assert "train" in {r[0] for r in rows}
     totals = [float(r[3]) for r in rows]
     assert totals == sorted(totals, reverse=True) and totals[0] > 0
-    phase_rows = out.split("phases per rank")[1].splitlines()
+    phase_rows = out.split("phases per rank")[1].split("\n\n")[0].splitlines()
     header = phase_rows[1].split()
     assert header[:5] == ["rank", "data", "forward_backward", "allreduce", "norm"]
     assert [line.split()[0] for line in phase_rows[2:]] == ["0", "1"]
@@ -247,6 +247,74 @@ def test_profile_summarize(profiled):
             assert index.isdigit() and any(n.op_type == op and not n.name for n in graph.node), (session, node)
         assert node not in {n.op_type for n in graph.node}
     assert run([TRAINRUN, "profile", "summarize", os.path.dirname(profiled)], check=2).stderr.count("no rank-") == 1
+
+
+def test_profile_node_costs(profiled, tmp_path):
+    """`profile summarize`'s per-node cost of the train graph (--json and text): each node's time per step on a
+    rank, its FLOPs from the trace's shapes, its time at the run's measured peak and the overhead beyond it;
+    the times add up to the kernel time the traces hold, the FLOPs to the model FLOPs MFU counts."""
+    from trainrun.observe.flops import PRODUCTS
+    rep = json.loads(run([TRAINRUN, "profile", "summarize", profiled, "--json"], check=0).stdout)
+    costs = rep["node_costs"]
+    summary = json.load(open(os.path.join(profiled, "summary.json")))
+    # the window's first step (the profiling sessions' first run) left out
+    assert (costs["session"], costs["steps"], costs["left_out"], costs["ranks"]) == ("train", [4], [3], 2)
+    peak = costs["peak_flops_per_rank"]
+    assert peak == pytest.approx(summary["peak_flops"] / 2) and "peak_flops" in costs["peak_source"]
+    kernel_us = runs_us = step_us = 0.0          # read here from the traces: train session, step 4, both ranks
+    for r in (0, 1):
+        events = json.load(open(os.path.join(profiled, "traces", f"rank-{r}.json")))["traceEvents"]
+        step = next(e for e in events if e["name"] == "step 4")
+        mine = [e for e in events if (e.get("args") or {}).get("session") == "train"
+                and step["ts"] <= e["ts"] <= step["ts"] + step["dur"]]
+        kernel_us += sum(e["dur"] for e in mine if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"))
+        runs_us += sum(e["dur"] for e in mine if e.get("cat") == "Session" and e["name"] == "model_run")
+        step_us += step["dur"]
+    nodes = costs["nodes"]
+    assert sum(n["ms"] for n in nodes) == pytest.approx(kernel_us / 2e3, rel=1e-9)
+    assert costs["kernel_ms"] == pytest.approx(kernel_us / 2e3, rel=1e-9) and kernel_us > 0
+    assert costs["graph_runs_ms"] == pytest.approx(runs_us / 2e3) and costs["step_ms"] == pytest.approx(step_us / 2e3)
+    assert costs["kernel_ms"] <= costs["graph_runs_ms"] <= costs["step_ms"]
+    p, o = costs["products"], costs["others"]
+    assert p["ms"] + o["ms"] == pytest.approx(costs["kernel_ms"]) and p["nodes"] + o["nodes"] == len(nodes)
+    assert o["ms_per_call"] == pytest.approx(o["ms"] / o["calls_per_step"])
+    assert {n["calls_per_step"] for n in nodes} == {2.0}            # 2 micro-batches a step
+    ops = {n["op"] for n in nodes}
+    assert {"MatMul", "Gemm"} <= ops and {"Add", "Mul", "Transpose"} <= ops
+    for n in nodes:
+        if n["op"] in PRODUCTS:
+            assert n["flops"] > 0 and 0 < n["gflops_per_s"] < 100 * peak / 1e9, n
+            assert n["ms_at_peak"] == pytest.approx(n["flops"] / peak * 1e3), n
+        else:
+            assert n["flops"] == 0 and n["ms_at_peak"] == 0 and n["overhead_ms"] == n["ms"], n
+        assert n["overhead_ms"] == pytest.approx(max(n["ms"] - n["ms_at_peak"], 0.0)) and n["overhead_ms"] >= 0, n
+    overheads = [n["overhead_ms"] for n in nodes]
+    assert overheads == sorted(overheads, reverse=True)
+    assert p["flops_unknown_nodes"] == 0
+    # the products' FLOPs, from the shapes onnxruntime ran, are what MFU counts from the forward graph
+    # (3 x its products: every product's two gradients), per rank and step; a graph that multiplies more
+    # than the model needs (a bias gradient as a product) would move this
+    assert p["flops"] * 2 == pytest.approx(summary["model_flops_per_step"], rel=0.02)
+    # the text: the same nodes in the same order, then the totals
+    out = run([TRAINRUN, "profile", "summarize", profiled, "--top", "4"], check=0).stdout
+    section = out.split("per-node cost of the train graph")[1]
+    assert "step 4; step 3 left out" in section.splitlines()[0]
+    assert f"top 4 of {len(nodes)} nodes by overhead" in section
+    rows = section.split(" overhead\n")[1].splitlines()[:4]
+    assert [r.split()[0] for r in rows] == [n["name"] if len(n["name"]) <= 56 else "..." + n["name"][-53:]
+                                            for n in nodes[:4]]
+    assert f"matrix products {p['nodes']:>5} nodes" in section and "everything else" in section
+    # traces whose run is gone: no peak (said), times and FLOPs still
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    for r in (0, 1):
+        trace = json.load(open(os.path.join(profiled, "traces", f"rank-{r}.json")))
+        trace["trainrun"]["output_dir"] = str(tmp_path / "gone")
+        json.dump(trace, open(moved / f"rank-{r}.json", "w"))
+    rep = json.loads(run([TRAINRUN, "profile", "summarize", str(moved), "--json"], check=0).stdout)["node_costs"]
+    assert rep["peak_flops_per_rank"] is None and "no summary.json" in rep["peak_source"]
+    assert all(n["overhead_ms"] is None for n in rep["nodes"]) and rep["products"]["flops"] == p["flops"]
+    assert "no summary.json" in run([TRAINRUN, "profile", "summarize", str(moved)], check=0).stdout
 
 
 def test_save_graphs_writes_what_onnxruntime_runs(profiled):
@@ -418,3 +486,33 @@ def test_flops_of_convolutions_and_products():
     matmul = 2 * (b * 3 * 7 * 8) * 6
     assert forward_flops(model, {"x": (b, 4, 9, 9), "p": (b, 3, 7, 6)}) == conv + convt + gemm + matmul
     assert forward_flops(model, {}) is None            # batch dims unknown: no count, no MFU
+
+
+@pytest.mark.parametrize("trans_a, batch_a", [(0, 0), (1, 0), (0, 1), (1, 1)])
+def test_fused_matmul_flops_with_and_without_its_attributes(trans_a, batch_a):
+    """A FusedMatMul's contracted dim, from its attributes or (a node onnxruntime fused, seen in a profile)
+    from its shapes alone, for every layout of A and B: onnxruntime's own kernel gives the output's shape."""
+    from onnx import TensorProto, helper
+    from trainrun.observe.flops import product_flops
+    b1, b2, m, k, n = 2, 3, 4, 5, 6                      # all different: a wrong dim shows
+    shape_a = {(0, 0): [b1, b2, m, k], (1, 0): [b1, b2, k, m], (0, 1): [m, b1, b2, k], (1, 1): [k, b1, b2, m]}
+    shape_b = {(0, 0): [b1, b2, k, n], (1, 0): [b1, b2, n, k], (0, 1): [k, b1, b2, n], (1, 1): [n, b1, b2, k]}
+    for (trans_b, batch_b), sb in shape_b.items():
+        attrs = {"transA": trans_a, "transBatchA": batch_a, "transB": trans_b, "transBatchB": batch_b}
+        sa = shape_a[trans_a, batch_a]
+        vi = helper.make_tensor_value_info
+        graph = helper.make_graph([helper.make_node("FusedMatMul", ["a", "b"], ["y"], domain="com.microsoft",
+                                                    **attrs)], "g",
+                                  [vi("a", TensorProto.FLOAT, sa), vi("b", TensorProto.FLOAT, sb)],
+                                  [vi("y", TensorProto.FLOAT, None)])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                        helper.make_opsetid("com.microsoft", 1)])
+        model.ir_version = 9
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        out = list(sess.run(None, {"a": np.ones(sa, np.float32), "b": np.ones(sb, np.float32)})[0].shape)
+        assert out == [b1, b2, m, n], attrs
+        want = 2 * b1 * b2 * m * n * k
+        assert product_flops("FusedMatMul", [sa, sb], out, attrs) == want, attrs
+        assert product_flops("FusedMatMul", [sa, sb], out, None) == want, attrs
+    assert product_flops("Gemm", [[k, m], [k, n]], [m, n], None) == 2 * m * n * k      # transA, from the shapes
+    assert product_flops("Add", [[m, n], [n]], [m, n], None) == 0

@@ -6,6 +6,7 @@ Exit codes: 0 success, 2 usage/config error, 1 any other failure.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import sys
@@ -302,14 +303,22 @@ def profile_group():
 
 @profile_group.command("summarize")
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
-@click.option("--top", type=click.IntRange(min=1), default=15, show_default=True, help="Operators shown.")
+@click.option("--top", type=click.IntRange(min=1), default=15, show_default=True,
+              help="Rows shown: operators (or nodes) by time, nodes by overhead.")
 @click.option("--by", type=click.Choice(["op", "node"]), default="op", show_default=True,
               help="Group kernel time by operator type or by node.")
-def profile_summarize(directory, top, by):
-    """Top operators by total time and the phase breakdown per rank (DIRECTORY: the profile
-    directory or the run directory)."""
-    from .observe.profile import summarize
-    click.echo(summarize(directory, top=top, by=by))
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the whole report as JSON (every operator and every node of the train graph).")
+def profile_summarize(directory, top, by, as_json):
+    """Top operators by total time, the phase breakdown per rank and the train graph's nodes by
+    overhead: time beyond their FLOPs at the run's measured peak (DIRECTORY: the profile directory
+    or the run directory)."""
+    if as_json:
+        from .observe.profile import report
+        click.echo(json.dumps(report(directory, by=by), indent=1))
+    else:
+        from .observe.profile import summarize
+        click.echo(summarize(directory, top=top, by=by))
 
 
 def _wants_traceback() -> bool:

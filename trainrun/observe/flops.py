@@ -83,57 +83,85 @@ def _inferred(model) -> dict:
     return known
 
 
-def _attr(node, name: str, default):
-    for a in node.attribute:
-        if a.name == name:
-            import onnx
-            return onnx.helper.get_attribute_value(a)
-    return default
+def _attrs(node) -> dict:
+    import onnx
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
 
 
-def _einsum_flops(node, known: dict) -> float | None:
+def _einsum_flops(equation, shapes: list) -> float | None:
     """2 x the product of every index's size (the contraction's multiply-adds), for explicit equations
     without ellipses."""
-    eq = _attr(node, "equation", b"")
-    eq = (eq.decode() if isinstance(eq, bytes) else eq).replace(" ", "")
+    eq = (equation.decode() if isinstance(equation, bytes) else equation).replace(" ", "")
     if "..." in eq:
         return None
     lhs = eq.split("->")[0].split(",")
     sizes: dict = {}
-    for term, name in zip(lhs, node.input):
-        dims = known.get(name)
+    for term, dims in zip(lhs, shapes):
         if dims is None or len(dims) != len(term):
             return None
         sizes.update(zip(term, dims))
     return 2.0 * math.prod(sizes.values())
 
 
-def _product_flops(node, known: dict) -> float | None:
-    """The forward FLOPs of one matrix product (None: its shapes are unknown)."""
-    op = node.op_type
+# FusedMatMul's layouts of an operand's two matrix dims (positions of M and K in A, of K and N in B): as it
+# is, transposed, and with transBatch (dim 0 moved behind the batch dims), without and with the transpose
+_LAYOUTS = ((-2, -1), (-1, -2), (0, -1), (-1, 0))
+
+
+def _fused_contracted(a: list, b: list, out: list, attrs: dict | None) -> int | None:
+    """FusedMatMul's contracted dim: from its attributes, or where they are unknown (a node onnxruntime
+    fused, seen in a profile) the one that A's and B's layouts agree on with the output's M and N."""
+    if len(a) == 1 or len(b) == 1:
+        return a[0] if len(a) == 1 else b[0]
+    if attrs is not None:
+        if not attrs.get("transA", 0):
+            return a[-1]
+        return a[0] if attrs.get("transBatchA", 0) and len(a) > 2 else a[-2]
+    batch = out[:-2]
+
+    def fits(x: list, dim: int, want: int, other: int) -> bool:      # the dim is the output's, the rest batch
+        rest = [d for i, d in enumerate(x) if i not in (dim % len(x), other % len(x))]
+        return x[dim] == want and len(rest) <= len(batch) and \
+            all(d in (1, o) for d, o in zip(reversed(rest), reversed(batch)))
+    ks_b = {b[k] for k, n in _LAYOUTS[:2 + 2 * (len(b) > 2)] if fits(b, n, out[-1], k)}
+    return next((a[k] for m, k in _LAYOUTS[:2 + 2 * (len(a) > 2)] if fits(a, m, out[-2], k) and a[k] in ks_b),
+                None)
+
+
+def product_flops(op: str, shapes: list, out: list | None, attrs: dict | None = None) -> float | None:
+    """The forward FLOPs of one node ``op`` whose inputs have ``shapes`` and whose first output ``out`` (lists
+    of dims, None where unknown): a matrix product's multiply-adds x 2, 0 for any other op (elementwise,
+    shape, normalisation: not counted); None where a product's shapes are unknown. ``attrs``: the node's
+    attributes, None where they are not known (a node onnxruntime fused, seen in a profile: a Gemm's or a
+    FusedMatMul's contracted dim is then read from the shapes; an Einsum has no count without its equation)."""
+    if op not in PRODUCTS:
+        return 0.0
     if op == "Einsum":
-        return _einsum_flops(node, known)
-    a, b = (known.get(x) for x in node.input[:2])
-    out = known.get(node.output[0])
+        return None if attrs is None else _einsum_flops(attrs.get("equation", b""), shapes)
+    a, b = (list(shapes) + [None, None])[:2]
     if op in ("MatMul", "FusedMatMul"):
         if a is None or b is None or out is None:
             return None
-        k = a[-2] if op == "FusedMatMul" and _attr(node, "transA", 0) and len(a) > 1 else a[-1]
-        return 2.0 * math.prod(out) * k
+        k = a[-1] if op == "MatMul" else _fused_contracted(a, b, out, attrs)
+        return None if k is None else 2.0 * math.prod(out) * k
     if op == "Gemm":
-        if a is None or out is None:
+        if a is None or out is None or len(a) != 2 or not out:
             return None
-        k = a[0] if _attr(node, "transA", 0) else a[1]
+        k = (a[0] if attrs.get("transA", 0) else a[1]) if attrs is not None else math.prod(a) // out[0]
         return 2.0 * math.prod(out) * k
     if op == "Conv":             # each output element: C_in / group x the kernel's size multiply-adds
         if b is None or out is None:
             return None
         return 2.0 * math.prod(out) * math.prod(b[1:])
-    if op == "ConvTranspose":    # each input element scattered through C_out / group x the kernel
-        if a is None or b is None:
-            return None
-        return 2.0 * math.prod(a) * math.prod(b[1:])
-    return None
+    if b is None or a is None:   # ConvTranspose: each input element scattered through C_out / group x the kernel
+        return None
+    return 2.0 * math.prod(a) * math.prod(b[1:])
+
+
+def _product_flops(node, known: dict) -> float | None:
+    """The forward FLOPs of one matrix product of a graph whose values' dims are ``known``."""
+    return product_flops(node.op_type, [known.get(x) for x in node.input],
+                         known.get(node.output[0]) if node.output else None, _attrs(node))
 
 
 def forward_flops(model, shapes: dict) -> float | None:

@@ -19,7 +19,9 @@ Each rank then writes ONE Chrome-trace file, ``<dir>/rank-<r>.json``
 the three sessions (``cat: "Node"``, ``args.session`` = train/eval/optimizer)
 and trainrun's own phases of each step (``cat: "trainrun"``: data, i.e. the
 wait for the loader, forward_backward, allreduce, norm, optimizer, stats, log,
-eval, checkpoint) on one clock, plus a ``trainrun`` key with the totals.
+eval, checkpoint) on one clock, plus a ``trainrun`` key with the totals and the run's output_dir (where
+``summarize`` reads summary.json's peak and the graphs for the train graph's per-node cost,
+:mod:`trainrun.observe.costs`).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class Profiler:
         self.engine = engine
         self.timer = timer
         self.dir = profile_dir(cfg)
+        self.output_dir = cfg.run.output_dir     # summary.json's peak and the graphs, for the node costs
         self.active = False
         self.done = False
         self._old = None
@@ -133,7 +136,8 @@ class Profiler:
         for phase, t0, t1 in spans:
             phases[phase] += t1 - t0
         meta = {"rank": self.rank, "world_size": self.world, "steps": [s for s, _, _ in self._steps],
-                "phase_seconds": dict(phases), "trace_start_epoch_us": base}
+                "phase_seconds": dict(phases), "trace_start_epoch_us": base,
+                "output_dir": os.path.abspath(self.output_dir)}
         events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"rank {self.rank}"}})
         out = os.path.join(self.dir, f"rank-{self.rank}.json")
         tmp = out + ".tmp"
@@ -165,14 +169,17 @@ def _configured_dir(run_dir: str) -> str:
         return "profile"
 
 
+def _trace_dir(path: str) -> str:
+    """The folder of the rank-<r>.json traces: ``path`` itself, or a run directory's profile.dir."""
+    for base in (path, os.path.join(path, _configured_dir(path)), os.path.join(path, "profile")):
+        if glob.glob(os.path.join(base, "rank-*.json")):
+            return base
+    raise UsageError(f"{path}: no rank-<r>.json profile traces (train with profile.start_step > 0)")
+
+
 def load_traces(path: str) -> dict[int, dict]:
     """rank -> trace of a profile directory, or of a run directory (its profile.dir)."""
-    for base in (path, os.path.join(path, _configured_dir(path)), os.path.join(path, "profile")):
-        files = glob.glob(os.path.join(base, "rank-*.json"))
-        if files:
-            break
-    else:
-        raise UsageError(f"{path}: no rank-<r>.json profile traces (train with profile.start_step > 0)")
+    files = glob.glob(os.path.join(_trace_dir(path), "rank-*.json"))
     traces = {}
     for f in files:
         try:
@@ -210,15 +217,31 @@ def phase_table(traces: dict[int, dict]) -> tuple[list[str], dict[int, dict]]:
     return phases, per_rank
 
 
-def summarize(path: str, top: int = 15, by: str = "op") -> str:
+def report(path: str, by: str = "op") -> dict:
+    """Everything ``trainrun profile summarize`` reports, as data (what ``--json`` prints): the window, the
+    kernel time per operator (or node), the phases per rank and the train graph's per-node cost
+    (:func:`trainrun.observe.costs.node_costs`)."""
+    from .costs import node_costs
     traces = load_traces(path)
     first = next(iter(traces.values()))["trainrun"]
-    steps = first["steps"]
-    n_steps = max(len(steps), 1)
-    span = f"steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}" if steps else "no steps"
-    lines = [f"profile of {span} ({len(steps)} step(s)) on {len(traces)} rank(s): {os.path.abspath(path)}", ""]
+    phases, per_rank = phase_table(traces)
+    n_steps = max(len(first["steps"]), 1)
+    return {"path": os.path.abspath(path), "steps": first["steps"], "ranks": sorted(traces),
+            "kernels": {"by": by, "rows": operator_table(traces, by)},
+            "phases_ms_per_step": {str(r): {p: secs.get(p, 0.0) * 1e3 / n_steps for p in phases}
+                                   for r, secs in per_rank.items()},
+            "node_costs": node_costs(traces, path)}
 
-    ops = operator_table(traces, by)
+
+def summarize(path: str, top: int = 15, by: str = "op") -> str:
+    """:func:`report` as text: the top ``top`` operators (or nodes), the phases, the top nodes by overhead."""
+    from .costs import render
+    rep = report(path, by)
+    steps = rep["steps"]
+    span = f"steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}" if steps else "no steps"
+    lines = [f"profile of {span} ({len(steps)} step(s)) on {len(rep['ranks'])} rank(s): {rep['path']}", ""]
+
+    ops = rep["kernels"]["rows"]
     total = sum(r["total_us"] for r in ops) or 1.0
     what = "operator types" if by == "op" else "nodes"
     lines.append(f"top {min(top, len(ops))} {what} by total kernel time (all ranks; "
@@ -231,11 +254,14 @@ def summarize(path: str, top: int = 15, by: str = "op") -> str:
                      f"{r['total_us'] / total:>6.1%} {r['total_us'] / r['calls']:>11.1f}")
     lines.append("")
 
-    phases, per_rank = phase_table(traces)
+    per_rank = rep["phases_ms_per_step"]
+    phases = list(next(iter(per_rank.values())))
     lines.append("phases per rank, ms per step (trainrun's timer; data = waiting for the loader)")
     widths = [max(len(p), 8) for p in phases]
     lines.append("  rank " + " ".join(f"{p:>{w}}" for p, w in zip(phases, widths)) + f" {'total':>8}")
-    for r, secs in per_rank.items():
-        vals = [secs.get(p, 0.0) * 1e3 / n_steps for p in phases]
+    for r, ms in per_rank.items():
+        vals = [ms[p] for p in phases]
         lines.append(f"  {r:>4} " + " ".join(f"{v:>{w}.2f}" for v, w in zip(vals, widths)) + f" {sum(vals):>8.2f}")
+    lines.append("")
+    lines += render(rep["node_costs"], top)
     return "\n".join(lines)
