@@ -106,7 +106,7 @@ def test_optimizer_graph_on_cuda_follows_a_changing_lr_and_scale(tmp_path, name)
     import cupy
     from trainrun.step import optim
     from trainrun.config import OptimizerConfig
-    from trainrun.step.engine import EngineOptions, _Bound
+    from trainrun.step.bound import Bound, EngineOptions
     cfg = OptimizerConfig(name=name, lr=1e-3, weight_decay=0.1, no_decay=["b*"],
                           **({"momentum": 0.9} if name == "sgd" else {}))
     shapes = [("w0", (64, 33)), ("b0", (33,)), ("w1", (1000,))]
@@ -121,7 +121,7 @@ def test_optimizer_graph_on_cuda_follows_a_changing_lr_and_scale(tmp_path, name)
     host = optim.build(cfg, names, sizes, host_p, host_g, np, kernel="host")
     dev_p, dev_g = cupy.asarray(p0), cupy.zeros(p0.size, cupy.float32)
     dev = optim.build(cfg, names, sizes, dev_p, dev_g, cupy, kernel="graph")
-    dev.bind(_Bound(path, EngineOptions(device="cuda"), "optimizer"))
+    dev.bind(Bound(path, EngineOptions(device="cuda"), "optimizer"))
     for t in range(1, 13):
         g = rng.standard_normal(p0.size).astype(np.float32)
         host_g[:] = g

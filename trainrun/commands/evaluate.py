@@ -29,6 +29,7 @@ import numpy as np
 from .. import checkpoint as K
 from .. import config as C
 from ..step import feeding
+from ..graphs import frozen as frozen_weights
 from ..graphs.manifest import load_manifest
 from ..graphs.names import LOSS, METRIC_PREFIX
 from ..run import rundir
@@ -38,7 +39,7 @@ from ..comm import make_communicator
 from ..data import eval_batches, open_dataset
 from ..step.feeding import check_inputs
 from ..errors import TrainrunError, UsageError
-from .export import checkpoint_weights, frozen_tensors, held_graphs, mapped_weights
+from .export import checkpoint_weights, frozen_tensors, mapped_weights
 from ..models import registry
 from ..observe.task_metrics import TaskMetrics
 from ..step.sessions import session_options
@@ -96,7 +97,7 @@ def run_evaluate(source: str, data: str, *, steps: int | None, batch: int | None
         if missing:
             raise UsageError(f"--data {data}: lacks the features the model reads "
                              f"(its features: {', '.join(ds.specs)})", missing)
-        with held_graphs(os.path.join(run_dir, "graphs"), manifest) as graphs:     # and the frozen weights
+        with frozen_weights.held(os.path.join(run_dir, "graphs"), manifest) as graphs:     # and the frozen weights
             weights = {**mapped_weights(frozen_tensors(graphs, manifest)), **checkpoint_weights(held, manifest)}
         held.close()
         so = session_options(max(1, _cores() // max(1, comm.local_size)))

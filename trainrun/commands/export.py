@@ -23,6 +23,7 @@ from onnx import numpy_helper
 
 from .. import checkpoint as K
 from .. import faults
+from ..graphs import frozen as frozen_weights
 from ..graphs.gradients import add_outputs, keep_outputs, reads
 from ..graphs.lora import merged
 from ..graphs.manifest import FROZEN_FILE, load_manifest
@@ -110,18 +111,9 @@ def checkpoint_tensors(ckpt: K.Pinned, manifest: dict) -> list[Weight]:
 
 def frozen_tensors(graphs: K.Held, manifest: dict) -> list[Weight]:
     """Where the frozen weights (the manifest's ``frozen``: model.frozen's, model.lora's base) lie in the
-    graphs' frozen.safetensors (``graphs``: the graphs folder with it held open)."""
-    layout = FlatLayout.from_manifest({"params": manifest.get("frozen", [])})
-    if not layout.names:
-        return []
-    start, spans = K.tensor_spans(graphs, FROZEN_FILE, layout.names, layout.shapes)
-    return [Weight(n, tuple(s), graphs, FROZEN_FILE, start + off, size)
-            for n, s, (off, size) in zip(layout.names, layout.shapes, spans)]
-
-
-def held_graphs(graphs_dir: str, manifest: dict) -> K.Held:
-    """The graphs folder with its frozen.safetensors held open (when the run has frozen weights)."""
-    return K.Held(graphs_dir, [FROZEN_FILE] if manifest.get("frozen") else [])
+    graphs' frozen.safetensors (``graphs``: the graphs folder with it held open, :func:`graphs.frozen.held`)."""
+    return [Weight(n, s, graphs, FROZEN_FILE, offset, size)
+            for n, s, offset, size in frozen_weights.spans(graphs, manifest)]
 
 
 def mapped_weights(weights: list[Weight]) -> dict[str, np.ndarray]:
@@ -250,7 +242,7 @@ def full_weights(graphs_dir: str, manifest: dict, weights: dict) -> dict[str, np
     """``weights`` (a checkpoint's) as the full model: with the frozen weights (the graphs'
     frozen.safetensors, mapped from the file), and for a LoRA run (``model.lora``) the adapters merged into
     the base (W + B A alpha / r)."""
-    with held_graphs(graphs_dir, manifest) as graphs:
+    with frozen_weights.held(graphs_dir, manifest) as graphs:
         frozen = mapped_weights(frozen_tensors(graphs, manifest))
     lora = manifest.get("lora")
     if not lora:
@@ -312,7 +304,7 @@ def export_checkpoint(checkpoint: str, output: str, *, opset: int | None = None,
     verified first (``retry``: the command exporting another checkpoint, named where one is corrupt)."""
     with K.pin(checkpoint) as held:       # its files stay readable if the run training on prunes it
         graphs_dir = os.path.join(rundir.run_dir_of(held.dir), "graphs")
-        with held_graphs(graphs_dir, load_manifest(graphs_dir)) as graphs:
+        with frozen_weights.held(graphs_dir, load_manifest(graphs_dir)) as graphs:
             return _export(held, graphs, output, opset, with_loss, kv_cache, verify, echo, retry)
 
 

@@ -10,6 +10,8 @@ Output, in ``<output_dir>/graphs/``:
 * ``forward.onnx``    data + parameters -> logits, dropout off (the base of ``export``).
 * ``optimizer.onnx``  the update rule over flat buffers (see :mod:`trainrun.step.optim`).
 * ``weights.safetensors``  initial parameters.
+* ``frozen.safetensors``   the frozen weights (model.frozen's, model.lora's base), graph inputs too;
+                           read by :mod:`.frozen` alone.
 * ``manifest.json``   parameter names and shapes (in flat-buffer order), data inputs,
                       graph hashes, versions.
 
@@ -31,6 +33,8 @@ One module per job, in the order ``prepare`` applies them:
 
 :mod:`.autodiff`: trainrun's own gradient builder in standard ONNX ops (``graphs.builder: trainrun``; its train
 graph has the gradients as outputs, no accumulators and no ``lazy_reset_grad``).
+
+:mod:`.frozen`: the run-time reader of ``frozen.safetensors`` (the engine's frozen buffer; export and evaluate).
 
 The run-time side of the manifest (which dataset feature feeds which input, the eval results) is
 :mod:`trainrun.step.feeding`.

@@ -97,7 +97,7 @@ class _Graph(Optimizer):
     def __init__(self, cfg, params, grads, xp):
         super().__init__(cfg, params, grads, xp)
         # scalar inputs live on the host; on CUDA the engine binds them again before each run, since
-        # onnxruntime copies a host input to the device when it is bound (engine._Bound.run)
+        # onnxruntime copies a host input to the device when it is bound (step.bound.Bound.run)
         self.lr = np.zeros((), np.float32)
         self.t = np.zeros((), np.int64)
         self.grad_scale = np.ones((), np.float32)
