@@ -31,6 +31,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import os
+from typing import NamedTuple
 
 from .. import config as C
 from .. import data as D
@@ -283,10 +284,18 @@ def _eval_keys(cfg: C.Config, add) -> None:
 
 # --------------------------------------------------------------------------- the keys against the files
 
-def check(cfg: C.Config, world_size: int = 1, datasets: bool = True):
+class Checked(NamedTuple):
+    """What :func:`check` opened and built on the way."""
+    train: object               # data.train's dataset (None when not given, or ``datasets`` False)
+    evals: dict                 # data.eval's sets {name: dataset} (the name None for a single data.eval)
+    forward: F.Forward | None   # model.onnx's forward graph (None for a built-in model): prepare's, built once
+
+
+def check(cfg: C.Config, world_size: int = 1, datasets: bool = True) -> Checked:
     """Raise :class:`UsageError` listing every problem of the files the (loaded) config names; return the
-    opened train dataset (None when not given, or ``datasets`` False) and the eval sets {name: dataset}
-    (the name None for a single data.eval), each checked against ``world_size`` ranks' batches."""
+    opened datasets, each checked against ``world_size`` ranks' batches, and the user's forward graph the
+    check built (:class:`Checked`: :func:`trainrun.graphs.manifest.prepare` takes it rather than build it
+    again)."""
     problems: list[str] = output_dir_problems(cfg.run.output_dir)
     family = registry.of(cfg.model)
     specs = param_specs(cfg.model)
@@ -323,7 +332,7 @@ def check(cfg: C.Config, world_size: int = 1, datasets: bool = True):
         problems += eval_metric_problems(cfg, eval_metrics(cfg, found[0], _graph_metrics(cfg, fwd) if fwd else None))
     if problems:
         raise UsageError(f"{len(problems)} problem(s) in the files the configuration names", problems)
-    return found
+    return Checked(*found, fwd)
 
 
 def output_dir_problems(out: str) -> list[str]:
