@@ -80,8 +80,8 @@ def set_up(cfg: C.Config, comm, *, resume_from: str | None, lock, config_yaml: s
         log(sync.describe())
     if advice := sync.advice(cold_start=resume_from is None and not cfg.model.init_from):
         log(advice)
-    return Setup(train_ds=train_ds, eval_sets=eval_sets, total_steps=total_steps,
-                 tokens="input_ids" in train_ds.specs, perplexity=validity.logs_perplexity(cfg, train_ds),
+    return Setup(train_ds=train_ds, eval_sets=eval_sets, total_steps=total_steps, tokens="input_ids" in train_ds.specs,
+                 perplexity=validity.logs_perplexity(cfg.model.loss, train_ds),
                  loader=loader, manifest=manifest, threads=threads, engine=engine, shard=shard,
                  grad_buckets=grad_buckets, sync=sync, sampler=sampler, resume_from=branched or resume_from)
 
@@ -127,7 +127,7 @@ def _prepare_run_dir(cfg: C.Config, comm, resume_from, branched, lock, config_ya
     error, prepared = None, False
     if comm.rank == 0:
         try:
-            check_installed(cfg)        # logging.mlflow / logging.wandb set: their library is there
+            check_installed(cfg.logging)      # logging.mlflow / logging.wandb set: their library is there
             if lock:
                 lock.acquire()          # before anything is written: one job per run directory
             ckpt_dir = os.path.join(out, "checkpoints")
@@ -206,7 +206,7 @@ def _build_engine(cfg: C.Config, comm, graphs_dir: str, manifest: dict, train_ds
         error = exc
     comm.agree(error)
     # buckets of gradients reduced during the backward pass: the train graph cut at them
-    overlaps = reducer.applies(cfg, step_comm, node)
+    overlaps = reducer.applies(cfg.distributed, cfg.device, step_comm, node)
     buckets = int(cfg.distributed.bucket_mb * 2**20) if overlaps else 0
     opts = EngineOptions(device=cfg.device, device_id=device_id, threads=threads,
                          graph_optimization=cfg.engine.graph_optimization,
@@ -238,7 +238,7 @@ def _build_engine(cfg: C.Config, comm, graphs_dir: str, manifest: dict, train_ds
     comm.agree(error)
     if rank == 0:    # what this launch turns off of the config, and why
         shared = (node.mem.node.world_size, node.mem.cross.world_size) if node else None
-        for note in validity.inactive(cfg, step_comm.world_size, shared, overlaps, grad_buckets,
+        for note in validity.inactive(cfg.distributed, step_comm.world_size, shared, overlaps, grad_buckets,
                                       comm.world_size // step_comm.world_size):
             print(f"trainrun: warning: {note}", file=sys.stderr, flush=True)
     error, sampler = None, None
