@@ -17,6 +17,7 @@ from trainrun.step.engine import Engine, EngineOptions
 from trainrun.errors import UsageError
 from trainrun.step.optim import state_names
 from trainrun.run.rundir import sha256_file
+from trainrun.run.validity import check
 from trainrun.sync.update import optimizer_for
 
 from conftest import ROOT, TRAINRUN, run, optional
@@ -124,6 +125,23 @@ def _model(op_nodes, inits, out="logits"):
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m.ir_version = 9
     return m
+
+
+def test_the_checked_user_graph_is_the_one_prepared(tmp_path):
+    """Start-up builds a user's forward graph once: the one validity's check built, handed to prepare, gives
+    the graphs prepare builds on its own."""
+    onnx.save(_model([helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Tanh", ["h"], ["logits"])],
+                     {"W": np.linspace(-1, 1, 12, dtype=np.float32).reshape(4, 3)}), str(tmp_path / "user.onnx"))
+    cfg = C.from_dict({"model": {"builtin": None, "onnx": str(tmp_path / "user.onnx"), "inputs": ["x"]},
+                       "run": {"output_dir": str(tmp_path / "run")}})
+    fwd = check(cfg).forward
+    assert fwd is not None and fwd.params == ["W"]
+    own = load_manifest(prepare(cfg, str(tmp_path / "own")))
+    os.remove(tmp_path / "user.onnx")       # not read again: prepare takes the graph the check built
+    shared = load_manifest(prepare(cfg, str(tmp_path / "shared"), fwd))
+    assert shared["files"] == own["files"]
+    assert shared["params"] == own["params"] == [{"name": "W", "shape": [4, 3]}]
+    assert check(C.from_dict({"run": {"output_dir": str(tmp_path / "run")}})).forward is None    # built-in GPT-2
 
 
 @pytest.mark.parametrize("case,expected", [

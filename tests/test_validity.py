@@ -118,7 +118,7 @@ def test_predicted_metrics_are_the_prepared_graphs(tmp_path, byte_dataset, label
     """What `config validate` predicts the evaluations log (from the model, its task and the data) is what
     the prepared eval graph and its task head log."""
     cfg = V.load_config(_row_config(tmp_path, kind, over, byte_dataset, labelled), need_data=True)
-    train, _ = V.check(cfg)
+    train = V.check(cfg).train
     predicted = V.eval_metrics(cfg, train)
     prepared = V.eval_metrics(cfg, train, manifest=load_manifest(prepare(cfg)))
     assert sorted(predicted) == sorted(prepared) and "loss" in predicted, (predicted, prepared)

@@ -269,16 +269,16 @@ def estimate_inner_steps(cfg, link: dict) -> tuple[str, str]:
                     f"inner_steps >= {need} keeps the link under {LINK_SHARE:.0%} of the time")
 
 
-def check_fault_tolerance(comm, cfg) -> tuple[str, str]:
+def check_fault_tolerance(comm, elastic: bool) -> tuple[str, str]:
     """Whether this job could go on after losing a rank (:func:`trainrun.comm.fault_tolerance`): FAIL only where
-    the config asks for ``distributed.elastic`` and this MPI or launch cannot survive one."""
+    the config asks for it (``elastic``: ``distributed.elastic``) and this MPI or launch cannot survive one."""
     if comm.world_size == 1 and comm.backend == "none":
         return "SKIP", "one rank, no MPI: nothing to survive"
     from mpi4py import MPI      # initialised already by the communicator
     ok, why = fault_tolerance(MPI)
     if ok:
         return "PASS", f"yes, a lost rank can be survived: {why}"
-    return ("FAIL" if cfg is not None and cfg.distributed.elastic else "SKIP"), f"no: {why}"
+    return ("FAIL" if elastic else "SKIP"), f"no: {why}"
 
 
 def check_run_dir(comm, run_dir: str) -> tuple[str, str]:
@@ -308,9 +308,9 @@ def check_run_dir(comm, run_dir: str) -> tuple[str, str]:
     return "PASS", f"{run_dir}: a file written by rank 0 is read by every rank"
 
 
-def check_builder(comm, cfg) -> tuple[str, str]:
-    """Which gradient builder ``prepare`` would use on each rank (graphs.builder, auto without a config)."""
-    choice = cfg.graphs.builder if cfg is not None else "auto"
+def check_builder(comm, choice: str) -> tuple[str, str]:
+    """Which gradient builder ``prepare`` would use on each rank for ``choice`` (graphs.builder, auto without a
+    config)."""
     try:
         mine = dict(zip(("builder", "why"), builder(choice)))
     except UsageError as exc:
@@ -388,9 +388,9 @@ def run_doctor(cfg=None, config_bytes: bytes = b"", overrides=(), size_mb: float
         checks.append(("versions", *_same("versions", [{k: f[k] for k in keys} for f in facts],
                                           lambda a, b: ", ".join(f"{k} {a[k]} vs {b[k]}" for k in keys
                                                                  if a[k] != b[k]))))
-        checks.append(("builder", *check_builder(comm, cfg)))
+        checks.append(("builder", *check_builder(comm, cfg.graphs.builder if cfg is not None else "auto")))
         checks.append(("allreduce", *check_allreduce(comm, device)))
-        checks.append(("elastic", *check_fault_tolerance(comm, cfg)))
+        checks.append(("elastic", *check_fault_tolerance(comm, cfg is not None and cfg.distributed.elastic)))
         checks.append(("bandwidth", *measure_bandwidth(comm, device, size_mb, iters)))
         link: dict = {}
         if node is not None:

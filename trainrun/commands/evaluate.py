@@ -134,7 +134,7 @@ def run_evaluate(source: str, data: str, *, steps: int | None, batch: int | None
     total, stats = total[:len(names) + 1], total[len(names) + 1:]
     samples = int(total[-1])
     result = feeding.eval_results(total[0] / (samples / micro), dict(zip(metrics, total[1:-1])),
-                                  validity.logs_perplexity(cfg, ds))
+                                  validity.logs_perplexity(cfg.model.loss, ds))
     if task is not None:
         result.update(_task_result(comm, task, stats))
     result.update({"checkpoint": ckpt, "data": os.path.abspath(data), "samples": samples,

@@ -22,7 +22,7 @@ from .casts import cast_pass, restore_fp32, scale_loss
 from .dropout_nodes import dropout_masks, dropout_off
 from .lora import digest as lora_digest
 from .fusion import fuse
-from .forward import batchnorm_inference, drop_outputs, forward_from_config, num_classes
+from .forward import Forward, batchnorm_inference, drop_outputs, forward_from_config, num_classes
 from .gradients import add_outputs, build_train_graph, builder, select_outputs
 from .losses import SPLIT_MIN_CLASSES, metric_outputs, split_cross_entropy, with_loss
 from .names import LOSS, LOSS_SCALE, metric_names
@@ -107,11 +107,13 @@ def loss_graph(cfg: Config, fwd, build: dict) -> tuple[onnx.ModelProto, dict | N
     return loss_model, dropout
 
 
-def prepare(cfg: Config, out_dir: str | None = None) -> str:
-    """Write the three graphs, the forward graph, the initial weights and the manifest."""
+def prepare(cfg: Config, out_dir: str | None = None, fwd: Forward | None = None) -> str:
+    """Write the three graphs, the forward graph, the initial weights and the manifest. ``fwd``: the forward
+    graph of :func:`forward_from_config` (``cfg``) where already built (:func:`trainrun.run.validity.check`'s),
+    used up here; else it is built here."""
     made_by, _ = builder(cfg.graphs.builder)       # a builder not installed: nothing written
     out_dir = out_dir or os.path.join(cfg.run.output_dir, "graphs")
-    fwd = forward_from_config(cfg)
+    fwd = fwd if fwd is not None else forward_from_config(cfg)
     check_groups(cfg.optimizer, fwd.params)
     os.makedirs(out_dir, exist_ok=True)     # after the model's own checks: a refused model writes nothing
     source = cfg.model.onnx or cfg.model.builtin

@@ -62,7 +62,7 @@ class Observer:
         self.timer, self.log = timer, log
         self.profiler = None
         if cfg.profile.start_step:
-            self.profiler = Profiler(cfg, rank, world_size, engine, timer)
+            self.profiler = Profiler(cfg.profile, cfg.run.output_dir, rank, world_size, engine, timer)
         self.stats = None
         if cfg.debug.stats_every:
             self.stats = StatsWriter(os.path.join(cfg.run.output_dir, "stats"), rank, world_size,

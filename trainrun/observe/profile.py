@@ -39,22 +39,23 @@ SESSIONS = ("train", "eval", "optimizer")
 TRACE_PID_BASE = 1000   # one "process" per rank in merged views
 
 
-def profile_dir(cfg) -> str:
-    d = cfg.profile.dir or "profile"
-    return os.path.join(cfg.run.output_dir, d)      # an absolute dir stays as it is
+def profile_dir(profile, output_dir: str) -> str:
+    """Where the traces go: ``profile.dir`` (the config's section) in the run directory ``output_dir``."""
+    return os.path.join(output_dir, profile.dir or "profile")      # an absolute dir stays as it is
 
 
 class Profiler:
-    """Opens profiling sessions at the window's first step and writes the trace after its last."""
+    """Opens profiling sessions at the window's first step and writes the trace after its last (``profile``:
+    the config's section; ``output_dir``: the run directory)."""
 
-    def __init__(self, cfg, rank: int, world_size: int, engine, timer):
-        self.first = cfg.profile.start_step
-        self.last = cfg.profile.start_step + cfg.profile.steps - 1
+    def __init__(self, profile, output_dir: str, rank: int, world_size: int, engine, timer):
+        self.first = profile.start_step
+        self.last = profile.start_step + profile.steps - 1
         self.rank, self.world = rank, world_size
         self.engine = engine
         self.timer = timer
-        self.dir = profile_dir(cfg)
-        self.output_dir = cfg.run.output_dir     # summary.json's peak and the graphs, for the node costs
+        self.dir = profile_dir(profile, output_dir)
+        self.output_dir = output_dir     # summary.json's peak and the graphs, for the node costs
         self.active = False
         self.done = False
         self._old = None

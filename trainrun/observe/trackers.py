@@ -33,11 +33,12 @@ _MLFLOW_PARAM_LEN = 6000   # MLflow's longest parameter value
 QUEUE = 1000               # logged steps a tracker may have waiting before it is dropped
 
 
-def check_installed(cfg) -> None:
-    """UsageError naming the key and the pip command when a configured tracker's library is missing."""
+def check_installed(logging) -> None:
+    """UsageError naming the key and the pip command when a tracker ``logging`` (the config's section)
+    configures has no library installed."""
     problems = [f"logging.{key}: {need} is set but the {lib} package is not installed; {PIP}"
-                for key, need, lib, on in (("mlflow", "tracking_uri", "mlflow", cfg.logging.mlflow.tracking_uri),
-                                           ("wandb", "project", "wandb", cfg.logging.wandb.project))
+                for key, need, lib, on in (("mlflow", "tracking_uri", "mlflow", logging.mlflow.tracking_uri),
+                                           ("wandb", "project", "wandb", logging.wandb.project))
                 if on and importlib.util.find_spec(lib) is None]
     if problems:
         raise UsageError("experiment tracker library missing", problems)
@@ -180,7 +181,7 @@ class Trackers:
         m, w = cfg.logging.mlflow, cfg.logging.wandb
         if not (m.tracking_uri or w.project):
             return
-        check_installed(cfg)
+        check_installed(cfg.logging)
         path = os.path.join(output_dir, IDS_FILE)
         ids = {}
         if resumed and os.path.isfile(path):

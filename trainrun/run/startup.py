@@ -62,11 +62,14 @@ def set_up(cfg: C.Config, comm, *, resume_from: str | None, lock, config_yaml: s
     resuming from another checkpoint, named where the one copied is corrupt); ``lock`` (rank 0) is taken
     before anything is written there; ``config_yaml`` is what config.yaml records; ``stop_flag``: the stop
     signals' flag (for the tests' faults)."""
-    train_ds, eval_sets, total_steps, loader = _open_data(cfg, comm)
+    train_ds, eval_sets, total_steps, loader, fwd = _open_data(cfg, comm)
     out = cfg.run.output_dir
     graphs_dir = os.path.join(out, "graphs")
     branched = resume.branch_of(resume_from, out) if resume_from else None
-    _prepare_run_dir(cfg, comm, resume_from, branched, lock, config_yaml, log, retry)
+    prepared = _prepare_run_dir(cfg, comm, resume_from, branched, lock, config_yaml, log, retry, fwd)
+    del fwd     # the user's forward graph, built once (by the check) for prepare: not kept for the run
+    if prepared:
+        return_freed_memory()     # the model built in memory: not kept for the whole run
     manifest = _check_same_everywhere(cfg, comm, graphs_dir)
     faults.wait_until("WAIT_SIGNAL", comm.rank, 0, stop_flag)
     sync = diloco.build(cfg, comm)      # the ranks the step reduces over: all, or this rank's replica
@@ -77,8 +80,8 @@ def set_up(cfg: C.Config, comm, *, resume_from: str | None, lock, config_yaml: s
         log(sync.describe())
     if advice := sync.advice(cold_start=resume_from is None and not cfg.model.init_from):
         log(advice)
-    return Setup(train_ds=train_ds, eval_sets=eval_sets, total_steps=total_steps,
-                 tokens="input_ids" in train_ds.specs, perplexity=validity.logs_perplexity(cfg, train_ds),
+    return Setup(train_ds=train_ds, eval_sets=eval_sets, total_steps=total_steps, tokens="input_ids" in train_ds.specs,
+                 perplexity=validity.logs_perplexity(cfg.model.loss, train_ds),
                  loader=loader, manifest=manifest, threads=threads, engine=engine, shard=shard,
                  grad_buckets=grad_buckets, sync=sync, sampler=sampler, resume_from=branched or resume_from)
 
@@ -98,27 +101,33 @@ def return_freed_memory() -> None:
 def _open_data(cfg: C.Config, comm):
     """The datasets of :func:`trainrun.run.validity.check`, which finds every problem of the files the config
     names (data, model.init_from, the memory the model needs) before the graphs are built; the step the run
-    ends at; this rank's loader."""
-    error = None
+    ends at; this rank's loader; the user's forward graph the check built (rank 0, which prepares the
+    graphs; else None)."""
+    error = checked = None
     try:
-        train_ds, eval_sets = validity.check(cfg, comm.world_size)
+        checked = validity.check(cfg, comm.world_size)
     except UsageError as exc:
         error = exc
     comm.agree(error)
+    train_ds, eval_sets = checked.train, checked.evals
     total_steps = cfg.train.total_steps(train_ds.num_samples, cfg.global_batch(comm.world_size))
     loader = TrainLoader(train_ds, micro_batch=cfg.train.micro_batch_size,
                          accum=cfg.train.gradient_accumulation_steps, rank=comm.rank, world_size=comm.world_size,
                          seed=cfg.run.seed, shuffle=cfg.data.shuffle, prefetch=cfg.data.prefetch)
-    return train_ds, eval_sets, total_steps, loader
+    return train_ds, eval_sets, total_steps, loader, checked.forward if comm.rank == 0 else None
 
 
-def _prepare_run_dir(cfg: C.Config, comm, resume_from, branched, lock, config_yaml: str, log, retry) -> None:
+def _prepare_run_dir(cfg: C.Config, comm, resume_from, branched, lock, config_yaml: str, log, retry,
+                     fwd) -> bool:
+    """Rank 0: the run directory made (locked, config.yaml, a branch's copy) and its graphs prepared where
+    they are not those ``cfg`` needs (``fwd``: the user's forward graph, already built; None: prepare builds
+    it). Returns whether graphs were prepared."""
     out = cfg.run.output_dir
     graphs_dir = os.path.join(out, "graphs")
-    error = None
+    error, prepared = None, False
     if comm.rank == 0:
         try:
-            check_installed(cfg)        # logging.mlflow / logging.wandb set: their library is there
+            check_installed(cfg.logging)      # logging.mlflow / logging.wandb set: their library is there
             if lock:
                 lock.acquire()          # before anything is written: one job per run directory
             ckpt_dir = os.path.join(out, "checkpoints")
@@ -136,11 +145,12 @@ def _prepare_run_dir(cfg: C.Config, comm, resume_from, branched, lock, config_ya
             if not up_to_date(graphs_dir, cfg):
                 made_by, why = builder(cfg.graphs.builder)
                 log(f"preparing graphs in {graphs_dir} (gradients by {BUILDER_NAMES[made_by]} builder: {why})")
-                prepare(cfg, graphs_dir)
-                return_freed_memory()     # the model built in memory: not kept for the whole run
+                prepare(cfg, graphs_dir, fwd)
+                prepared = True
         except TrainrunError as exc:
             error = exc
     comm.agree(error)
+    return prepared
 
 
 def _check_same_everywhere(cfg: C.Config, comm, graphs_dir: str) -> dict:
@@ -196,7 +206,7 @@ def _build_engine(cfg: C.Config, comm, graphs_dir: str, manifest: dict, train_ds
         error = exc
     comm.agree(error)
     # buckets of gradients reduced during the backward pass: the train graph cut at them
-    overlaps = reducer.applies(cfg, step_comm, node)
+    overlaps = reducer.applies(cfg.distributed, cfg.device, step_comm, node)
     buckets = int(cfg.distributed.bucket_mb * 2**20) if overlaps else 0
     opts = EngineOptions(device=cfg.device, device_id=device_id, threads=threads,
                          graph_optimization=cfg.engine.graph_optimization,
@@ -228,7 +238,7 @@ def _build_engine(cfg: C.Config, comm, graphs_dir: str, manifest: dict, train_ds
     comm.agree(error)
     if rank == 0:    # what this launch turns off of the config, and why
         shared = (node.mem.node.world_size, node.mem.cross.world_size) if node else None
-        for note in validity.inactive(cfg, step_comm.world_size, shared, overlaps, grad_buckets,
+        for note in validity.inactive(cfg.distributed, step_comm.world_size, shared, overlaps, grad_buckets,
                                       comm.world_size // step_comm.world_size):
             print(f"trainrun: warning: {note}", file=sys.stderr, flush=True)
     error, sampler = None, None

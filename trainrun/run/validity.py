@@ -31,6 +31,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import os
+from typing import NamedTuple
 
 from .. import config as C
 from .. import data as D
@@ -283,17 +284,25 @@ def _eval_keys(cfg: C.Config, add) -> None:
 
 # --------------------------------------------------------------------------- the keys against the files
 
-def check(cfg: C.Config, world_size: int = 1, datasets: bool = True):
+class Checked(NamedTuple):
+    """What :func:`check` opened and built on the way."""
+    train: object               # data.train's dataset (None when not given, or ``datasets`` False)
+    evals: dict                 # data.eval's sets {name: dataset} (the name None for a single data.eval)
+    forward: F.Forward | None   # model.onnx's forward graph (None for a built-in model): prepare's, built once
+
+
+def check(cfg: C.Config, world_size: int = 1, datasets: bool = True) -> Checked:
     """Raise :class:`UsageError` listing every problem of the files the (loaded) config names; return the
-    opened train dataset (None when not given, or ``datasets`` False) and the eval sets {name: dataset}
-    (the name None for a single data.eval), each checked against ``world_size`` ranks' batches."""
+    opened datasets, each checked against ``world_size`` ranks' batches, and the user's forward graph the
+    check built (:class:`Checked`: :func:`trainrun.graphs.manifest.prepare` takes it rather than build it
+    again)."""
     problems: list[str] = output_dir_problems(cfg.run.output_dir)
     family = registry.of(cfg.model)
     specs = param_specs(cfg.model)
     if specs is not None:
         shapes = {name: shape for name, (shape, _) in specs.items()}
         problems += _memory(cfg, shapes, world_size)
-        problems += _fragments(cfg, shapes)
+        problems += _fragments(cfg.distributed, shapes)
         from ..step.optim import group_problems
         problems += group_problems(cfg.optimizer, [n for n in shapes if not any(
             fnmatch.fnmatchcase(n, p) for p in cfg.model.frozen)])
@@ -323,7 +332,7 @@ def check(cfg: C.Config, world_size: int = 1, datasets: bool = True):
         problems += eval_metric_problems(cfg, eval_metrics(cfg, found[0], _graph_metrics(cfg, fwd) if fwd else None))
     if problems:
         raise UsageError(f"{len(problems)} problem(s) in the files the configuration names", problems)
-    return found
+    return Checked(*found, fwd)
 
 
 def output_dir_problems(out: str) -> list[str]:
@@ -396,9 +405,8 @@ def physical_memory() -> int | None:
         return None
 
 
-def _fragments(cfg: C.Config, shapes: dict) -> list[str]:
+def _fragments(d: C.DistributedConfig, shapes: dict) -> list[str]:
     """distributed.diloco.fragments: whole parameter tensors each, so no more than the model has."""
-    d = cfg.distributed
     if d.sync == "diloco" and d.diloco.fragments > len(shapes):
         return [f"distributed.diloco.fragments: {d.diloco.fragments} fragments of whole tensors, but the model has "
                 f"{len(shapes)} parameter tensors"]
@@ -428,9 +436,9 @@ def _memory(cfg: C.Config, shapes: dict, world_size: int) -> list[str]:
 
 # --------------------------------------------------------------------------- the eval metrics
 
-def logs_perplexity(cfg: C.Config, train) -> bool:
-    """Whether evaluations report a perplexity: next-token cross-entropy over token sequences."""
-    loss = cfg.model.loss
+def logs_perplexity(loss: C.LossConfig, train) -> bool:
+    """Whether evaluations report a perplexity: next-token cross-entropy (``loss``: model.loss) over token
+    sequences."""
     return train.kind == "tokens" and loss.output is None and loss.type == "cross_entropy"
 
 
@@ -459,7 +467,7 @@ def eval_metrics(cfg: C.Config, train, graph_metrics: list[str] | None = None,
             graph_metrics = list(family.metrics) if family.loss else \
                 head_metrics(family.loss_type, classes, m.loss.label_smoothing)
     task = [] if not labels else ["pearson", "spearman"] if labels == 1 else ["accuracy", "f1"]
-    logged = ["loss", *(["perplexity"] if logs_perplexity(cfg, train) else []), *graph_metrics, *task]
+    logged = ["loss", *(["perplexity"] if logs_perplexity(m.loss, train) else []), *graph_metrics, *task]
     return list(dict.fromkeys(logged))
 
 
@@ -477,15 +485,15 @@ def eval_metric_problems(cfg: C.Config, metrics: list[str]) -> list[str]:
 
 # --------------------------------------------------------------------------- what a launch turns off
 
-def inactive(cfg: C.Config, world_size: int, shared: tuple[int, int] | None, overlaps: bool,
+def inactive(d: C.DistributedConfig, world_size: int, shared: tuple[int, int] | None, overlaps: bool,
              buckets: int, replicas: int = 1) -> list[str]:
-    """What the config asks for that this launch cannot do, each with why (known at start-up only: the
-    ranks, their nodes, the MPI library). ``world_size``: the ranks the step reduces gradients over (the
-    world, or under DiLoCo each of its ``replicas``); ``shared``: (ranks per node, nodes) where the ranks of
-    a node share memory (``distributed.intra_node: shared`` in effect), else None; ``overlaps``: the step
-    may reduce gradients during the backward pass (:func:`trainrun.sync.reducer.applies`); ``buckets``: how many
-    it cuts them into."""
-    d, notes = cfg.distributed, []
+    """What the config's distributed section ``d`` asks for that this launch cannot do, each with why (known
+    at start-up only: the ranks, their nodes, the MPI library). ``world_size``: the ranks the step reduces
+    gradients over (the world, or under DiLoCo each of its ``replicas``); ``shared``: (ranks per node, nodes)
+    where the ranks of a node share memory (``distributed.intra_node: shared`` in effect), else None;
+    ``overlaps``: the step may reduce gradients during the backward pass
+    (:func:`trainrun.sync.reducer.applies`); ``buckets``: how many it cuts them into."""
+    notes = []
     # DiLoCo's replicas of one rank each: the step reduces nothing; the replicas meet at the outer step only
     alone = (f"one rank per replica ({replicas} DiLoCo replicas of 1 rank: distributed.diloco.group), nothing "
              f"to reduce within a replica; the replicas exchange weights at the outer step "

@@ -37,14 +37,14 @@ from . import wire
 from ..comm import MPICommunicator, wait_quietly
 
 
-def applies(cfg, comm, node) -> bool:
+def applies(d, device: str, comm, node) -> bool:
     """Whether the step reduces buckets of gradients during the backward pass
-    (``distributed.overlap_grad_reduce``): on the replicated path (:class:`trainrun.sync.update.Replicated`: stage
-    0, no node buffers) over MPI on the CPU, with several ranks, where MPI lets another thread than the main
-    one call it. The engine then cuts its train graph at the buckets (``EngineOptions.bucket_bytes``)."""
-    d = cfg.distributed
+    (``distributed.overlap_grad_reduce``; ``d``: the config's distributed section): on the replicated path
+    (:class:`trainrun.sync.update.Replicated`: stage 0, no node buffers) over MPI on the CPU (``device``), with
+    several ranks, where MPI lets another thread than the main one call it. The engine then cuts its train graph
+    at the buckets (``EngineOptions.bucket_bytes``)."""
     return bool(d.overlap_grad_reduce and comm.world_size > 1 and isinstance(comm, MPICommunicator)
-                and cfg.device == "cpu" and d.zero_stage == 0 and node is None and comm.threads_ok())
+                and device == "cpu" and d.zero_stage == 0 and node is None and comm.threads_ok())
 
 
 class BucketReducer:
