@@ -398,3 +398,71 @@ def test_mean_over_axes_the_dynamo_exporter_reshapes():
              node("Reshape", ["axes_flat", "flat"], ["axes"]), node("ReduceMean", ["x", "axes"], ["m"], keepdims=1),
              node("Mul", ["x", "m"], ["xm"]), node("MatMul", ["xm", "v"])]
     check(nodes, {"x": rand(2, 3), "v": rand(3, 2, seed=1)}, ["x", "v"], prepare=as_dynamo_export)
+
+
+def branch(nodes, outputs, initializers=()):
+    """An If's branch: ``nodes``, its ``outputs`` (float64, shapes left to inference)."""
+    return helper.make_graph(nodes, "branch", [], [helper.make_tensor_value_info(o, onnx.TensorProto.DOUBLE, None)
+                                                   for o in outputs],
+                             [numpy_helper.from_array(np.asarray(a), n) for n, a in dict(initializers).items()])
+
+
+def tile_like_ifs(condition_nodes):
+    """An If on condition ``c`` as torch's legacy exporter writes one before a Tile: the then branch reads ``x``
+    and ``v`` from the graph around it, holds an initializer and a nested If on its own values (whose branches
+    read them); the else branch other functions of x."""
+    inner = node("If", ["k"], ["n"], then_branch=branch([node("Add", ["m", "scaled"], ["n_then"])], ["n_then"]),
+                 else_branch=branch([node("Identity", ["m"], ["n_else"])], ["n_else"]))
+    then = branch([node("Mul", ["x", "v"], ["m"]), node("Mul", ["m", "scale"], ["scaled"]),
+                   node("Constant", [], ["k"], value=numpy_helper.from_array(np.array(True))), inner], ["n", "m"],
+                  {"scale": np.array(1.5)})
+    other = branch([node("Neg", ["x"], ["neg"]), node("Sin", ["x"], ["sin"])], ["neg", "sin"])
+    return list(condition_nodes) + [node("If", ["c"], ["y1", "y2"], then_branch=then, else_branch=other),
+                                    node("Mul", ["y1", "y2"])]
+
+
+RANK_ABOVE_2 = [node("Shape", ["x"], ["s"]), node("Size", ["s"], ["r"]), node("Greater", ["r", "two"], ["c"])]
+FIRST_DIM_IS_2 = [node("Shape", ["x"], ["s"], end=1), node("Squeeze", ["s"], ["s0"]),
+                  node("Equal", ["s0", "two"], ["c"])]
+
+
+@pytest.mark.parametrize("condition,symbolic,taken", [(RANK_ABOVE_2, True, "then"), (FIRST_DIM_IS_2, False, "then"),
+                                                      ([node("Less", ["two", "one"], ["c"])], True, "else")],
+                         ids=["rank-of-symbolic-dims", "static-dim", "constant-false"])
+def test_an_if_whose_condition_is_known_is_its_branch(condition, symbolic, taken):
+    """An If whose condition folds when the graph is built (from constants, a rank, a static dim) is replaced by
+    the branch it takes, nested Ifs, initializers and outer-scope reads included:
+    gradients through it equal the finite differences of the graph with the If, and no If is left."""
+    grads = check(tile_like_ifs(condition), {"x": rand(2, 3, 4), "v": rand(3, 4, seed=1)}, ["x", "v"],
+                  {"two": np.array(2), "one": np.array(1)}, symbolic=symbolic)
+    ops = {n.op_type for n in grads.graph.node}
+    assert "If" not in ops and ("Sin" in ops) == (taken == "else")
+
+
+def test_a_branch_that_gives_an_outer_value_or_one_value_twice():
+    """Valid ONNX that onnxruntime refuses to run as an If (an outer value returned by a branch, one value as two
+    outputs) runs once the branch is inlined: Identity nodes write the If's outputs."""
+    from trainrun.graphs.autodiff.branches import inline_known_ifs
+    then = branch([node("Neg", ["x"], ["n"])], ["x", "n", "n"])
+    nodes = [node("Constant", [], ["c"], value=numpy_helper.from_array(np.array([True]))),
+             node("If", ["c"], ["a", "b", "d"], then_branch=then, else_branch=then), node("Sum", ["a", "b", "d"])]
+    x = rand(2, 3)
+    model = inline_known_ifs(model_of(nodes, {"x": x}))
+    assert "If" not in {n.op_type for n in model.graph.node}
+    np.testing.assert_array_equal(forward_of(model, "y").run(["y"], {"x": x, "w": np.ones(1)})[0], -x)
+
+
+def test_an_if_whose_condition_is_not_known_is_named():
+    """A condition that depends on the data, or on a dim the graph leaves open, is refused naming the If (exit 2 in
+    a run), not the Shape and comparison nodes before it."""
+    from trainrun.errors import UsageError
+    from trainrun.graphs.gradients import build_train_graph
+    data = [node("ReduceSum", ["x"], ["total"], keepdims=0), node("Greater", ["total", "zero"], ["c"])]
+    for condition, symbolic in ((data, False), (FIRST_DIM_IS_2, True)):
+        model = model_of(tile_like_ifs(condition), {"x": rand(2, 3, 4), "v": rand(3, 4, seed=1)},
+                         {"two": np.array(2), "zero": np.array(0.0)}, symbolic=symbolic)
+        with pytest.raises(NoGradient, match="If node 'if_c': its condition 'c' is not known when the graph is built"):
+            differentiate(model, ["x", "v"], "loss")
+        with pytest.raises(UsageError, match="cannot differentiate this graph: If node 'if_c'") as err:
+            build_train_graph(model, ["x", "v"], "m.onnx", builder="trainrun")
+        assert err.value.exit_code == 2

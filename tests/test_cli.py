@@ -156,6 +156,11 @@ USAGE_ERRORS = {   # name: (config sections, message): `trainrun train` must exi
     "betas out of range": ({"optimizer.betas": [0.9, 1.0]}, "optimizer.betas[1]: must be in [0, 1), got 1.0"),
     "min_lr > lr": ({"lr_schedule.min_lr": 0.01}, "lr_schedule.min_lr: 0.01 exceeds optimizer.lr (0.003)"),
     "model.frozen everything": ({"model.frozen": ["*"]}, "model.frozen: ['*'] freezes every parameter of gpt2"),
+    "model.trainable unknown": ({"model.trainable": ["transformer.wte.weight", "transformer.h.7.*"]},
+                                "model.trainable: 'transformer.h.7.*' matches no parameter of gpt2"),
+    "model.trainable all frozen": ({"model.trainable": ["transformer.h.0.*"], "model.frozen": ["transformer.h.*"]},
+                                   "model.frozen: ['transformer.h.*'] freezes every parameter of gpt2 that "
+                                   "model.trainable lists"),
 }
 
 

@@ -72,10 +72,10 @@ def images(tmp_path_factory):
     return root, x, y
 
 
-def train_one_step(tmp_path, images, model, frozen=(), check=0):
+def train_one_step(tmp_path, images, model, frozen=(), check=0, trainable=()):
     root, _, _ = images
     cfg = {"run": {"name": "x", "output_dir": str(tmp_path / "run")},
-           "model": {"builtin": None, "onnx": str(model), "frozen": list(frozen),
+           "model": {"builtin": None, "onnx": str(model), "frozen": list(frozen), "trainable": list(trainable),
                      "loss": {"logits": "scores", "labels": "labels"}},
            "data": {"train": str(root / "train"), "shuffle": False, "prefetch": 0},
            "train": {"micro_batch_size": N, "max_steps": 1, "eval_every": 0, "log_every": 1},
@@ -83,6 +83,15 @@ def train_one_step(tmp_path, images, model, frozen=(), check=0):
            "checkpoint": {"every": 1}, "tensorboard": {"enabled": False}, "engine": {"threads": 1}}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     return run([TRAINRUN, "train", "--config", str(tmp_path / "c.yaml")], check=check, timeout=600)
+
+
+def torch_gradients(images, batchnorm: bool):
+    """The net in float64 after torch autograd's backward of the first batch's loss."""
+    _, x, y = images
+    ref = make_net(batchnorm).double()
+    loss = torch.nn.functional.cross_entropy(ref(torch.tensor(x[:N], dtype=torch.float64)), torch.tensor(y[:N]))
+    loss.backward()
+    return ref
 
 
 CASES = {"legacy": True, "dynamo": True, "dynamo_optimized": False}
@@ -105,9 +114,7 @@ def test_exported_cnn_trains_with_torchs_training_mode_gradients(tmp_path, image
     proc = train_one_step(tmp_path, images, tmp_path / "m.onnx", frozen=["shift"] if how == "legacy" else ())
 
     _, x, y = images
-    ref = make_net(batchnorm).double()
-    loss = torch.nn.functional.cross_entropy(ref(torch.tensor(x[:N], dtype=torch.float64)), torch.tensor(y[:N]))
-    loss.backward()
+    ref = torch_gradients(images, batchnorm)
     got = load_file(str(tmp_path / "run" / "checkpoints" / "1" / "model.safetensors"))
     params = dict(ref.named_parameters())
     states = {"bn.running_mean", "bn.running_var"} if batchnorm else set()
@@ -143,3 +150,35 @@ def test_batchnorm_folded_by_the_exporters_optimizer_is_refused(tmp_path, images
     assert f"{tmp_path / 'm.onnx'}: node '" in proc.stderr
     assert "holds torch's BatchNorm 'bn' in training mode" in proc.stderr and "optimize=False" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "graphs").exists()
+
+
+@pytest.mark.torch
+def test_model_trainable_trains_the_tensors_it_lists_and_model_frozen_does_not(tmp_path, images):
+    """model.trainable (a name and a pattern) with model.frozen (which wins where both match): the tensors listed
+    and not frozen move in the checkpoint by torch's gradients, the others are in no checkpoint and reach the
+    exported model bit for bit; the start-up line names both reasons. A pattern that matches no parameter exits 2
+    naming the key, the pattern and the model's parameters."""
+    from onnx import numpy_helper
+    net = make_net(False)
+    export(net, tmp_path / "m.onnx", "legacy")
+    before = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    proc = train_one_step(tmp_path, images, tmp_path / "m.onnx", frozen=["conv.bias"],
+                          trainable=["fc.*", "conv.weight", "conv.bias"])
+    got = load_file(str(tmp_path / "run" / "checkpoints" / "1" / "model.safetensors"))
+    assert sorted(got) == ["conv.weight", "fc.bias", "fc.weight"]
+    ref = dict(torch_gradients(images, False).named_parameters())
+    for name in got:
+        grad, want = before[name].double().numpy() - got[name], ref[name].grad.numpy()
+        assert np.abs(grad - want).max() <= 1e-5 * np.abs(want).max() + 1e-6, name
+    exported = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(tmp_path / "run" / "model.onnx")).graph.initializer}
+    for name in ("conv.bias", "shift"):
+        assert np.array_equal(exported[name], before[name].numpy()), name
+    assert not np.array_equal(exported["conv.weight"], before["conv.weight"].numpy())
+    assert ("trained: 3 tensors, 87 elements; frozen: 2 tensors, 7 elements (not in model.trainable: shift; "
+            "model.frozen: conv.bias)") in proc.stdout
+
+    (tmp_path / "run2").mkdir()
+    bad = train_one_step(tmp_path / "run2", images, tmp_path / "m.onnx", trainable=["fc.*", "conv.w"], check=2)
+    assert (f"model.trainable: 'conv.w' matches no parameter of {tmp_path / 'm.onnx'} (its parameters: shift, "
+            "conv.weight, conv.bias, fc.weight, fc.bias)") in bad.stderr
+    assert "Traceback" not in bad.stderr and not (tmp_path / "run2" / "run" / "graphs").exists()

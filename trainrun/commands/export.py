@@ -220,6 +220,19 @@ def sample_batch(graphs_dir: str, manifest: dict, rng_seed: int = 0) -> dict[str
     return batch
 
 
+def labels_for(logits: np.ndarray, labels: np.ndarray, loss: dict) -> np.ndarray:
+    """``labels`` (a sample's), drawn again of the shape ``logits`` need where the eval graph left their dims
+    open (a user graph whose output dims its exporter did not know: :func:`sample_batch` guessed them)."""
+    shape = list(logits.shape)
+    if loss["type"] == "cross_entropy" and shape:
+        del shape[loss["class_axis"] % len(shape)]
+    if list(labels.shape) == shape:
+        return labels
+    rng = np.random.default_rng(0)
+    return rng.integers(0, 2, shape).astype(labels.dtype) if labels.dtype.kind in "iu" \
+        else rng.standard_normal(shape).astype(labels.dtype)
+
+
 def checkpoint_weights(ckpt, manifest: dict, retry=None) -> dict[str, np.ndarray]:
     """The parameters (:func:`parameters_of`) and the non-parameter state of a checkpoint (a path or a
     :class:`checkpoint.Pinned` one), by name, the files read verified (:func:`weight_files`; ``retry``: the
@@ -375,6 +388,9 @@ def _export(held: K.Pinned, graphs: K.Held, output: str, opset, with_loss, kv_ca
             ours.append(np.take_along_axis(every, batch["masked_lm_positions"][:, :, None], axis=1))
             names.append(names[0])
     del exported                # one session at a time
+    if manifest["logits"] in names and manifest["labels"] in batch and registry.of_manifest(manifest) is None:
+        batch[manifest["labels"]] = labels_for(ours[names.index(manifest["logits"])], batch[manifest["labels"]],
+                                               manifest["model"]["loss"])
     ref_model = onnx.load(os.path.join(graphs_dir, "eval.onnx"))     # every exported output is one of its tensors
     add_outputs(ref_model, sorted(set(names) - {o.name for o in ref_model.graph.output}))
     ref_sess = ort.InferenceSession(ref_model.SerializeToString(), so, providers=["CPUExecutionProvider"])

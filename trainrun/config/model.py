@@ -329,6 +329,9 @@ class ModelConfig:
     """How the loss is computed from the forward graph's outputs."""
     frozen: list[str] = opt(factory=list)
     """Parameter name patterns (fnmatch) that are not trained."""
+    trainable: list[str] = opt(factory=list)
+    """Parameter names or patterns (fnmatch) that train, all others frozen (empty: every parameter trains);
+    each must match a parameter. A parameter that model.frozen also matches is frozen."""
     lora: Optional[LoraConfig] = None
     """Train low-rank adapters (PEFT's LoRA) on the built-in model's frozen weights (null: train the
     weights themselves); see docs/models.md, "LoRA"."""

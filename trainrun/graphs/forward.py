@@ -1,6 +1,7 @@
 """The forward graph, before any training surgery: a built-in model's or a user's ONNX (loaded with its
 external data, checked against ``model.inputs`` / ``model.loss``, read as torch's exporter left it:
-:mod:`.exporters`), its trainable parameters (``model.frozen``) and BatchNormalization running statistics."""
+:mod:`.exporters`), its trainable parameters (``model.trainable``, ``model.frozen``) and BatchNormalization
+running statistics."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ class Forward:
     class_weights: list | None = None
     states: dict | None = None      # BatchNormalization running stats: {initializer: output with its update}
     lora: dict | None = None        # model.lora: {"base": the frozen weights, "in_out": modules with W [in, out]}
-    # the frozen weights (model.frozen's, model.lora's base): graph inputs bound to the frozen flat buffer
+    # the frozen weights (model.frozen's, model.trainable's others, model.lora's base): graph inputs bound to the
+    # frozen flat buffer
     frozen: list[str] = dataclasses.field(default_factory=list)
     why: dict = dataclasses.field(default_factory=dict)    # {frozen weight: why it is frozen}
 
@@ -45,17 +47,19 @@ def forward_from_config(cfg: Config) -> Forward:
     m = cfg.model
     family = registry.of(m)
     if family is None:
-        return _check_forward(_load_user_onnx(m.onnx), list(m.inputs), m.loss, m.frozen, source=m.onnx)
+        return _check_forward(_load_user_onnx(m.onnx), list(m.inputs), m.loss, m, source=m.onnx)
     section = family.shape(m)
     weights = _pretrained(family.init_weights(section, cfg.run.seed), m)
-    model, params = family.build(section, weights), _trainable(list(weights), m.frozen, family.name)
-    if m.lora is not None:
-        model, in_out, trainable = add_adapters(model, weights, m.lora, family, cfg.run.seed)
-        params = _trainable(trainable, m.frozen, family.name)
+    model = family.build(section, weights)
+    if m.lora is None:
+        params, why = _trainable(list(weights), m, family.name)
+    else:
+        model, in_out, adapters = add_adapters(model, weights, m.lora, family, cfg.run.seed)
+        params, why = _trainable(adapters, m, family.name, {n: "lora base" for n in weights if n not in adapters})
         lora = {"base": [n for n in weights if n not in params], "in_out": in_out}
     frozen = [n for n in weights if n not in params]
     return Forward(model=model, params=params, lora=lora if m.lora else None, frozen=frozen,
-                   why={n: "lora base" if m.lora and n in lora["base"] else FROZEN_WHY for n in frozen},
+                   why={n: why.get(n, "lora base") for n in frozen},
                    inputs=list(family.inputs), logits=family.logits,
                    labels=None if family.loss else m.loss.labels, loss=family.loss,
                    loss_type=family.loss_type if family.loss is None else "cross_entropy")
@@ -92,9 +96,10 @@ def _pretrained(weights: dict, m) -> dict:
     return load_into(weights, m.init_from, registry.of(m))
 
 
-def _check_forward(model, inputs, loss, frozen, source) -> Forward:
-    """The user's forward graph checked against ``model.inputs`` and ``model.loss`` (a LossConfig);
-    ``inputs`` empty: every graph input that is not an initializer."""
+def _check_forward(model, inputs, loss, m, source) -> Forward:
+    """The user's forward graph checked against ``model.inputs`` and ``model.loss`` (a LossConfig), what
+    trains by ``m``'s (the ModelConfig's) trainable and frozen; ``inputs`` empty: every graph input that is not
+    an initializer."""
     inits = {t.name: t for t in model.graph.initializer}
     graph_inputs = [i.name for i in model.graph.input if i.name not in inits]
     inputs = list(inputs) or graph_inputs
@@ -132,8 +137,9 @@ def _check_forward(model, inputs, loss, frozen, source) -> Forward:
     model, states = _batchnorm_states(model)
     floats = [t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT and len(t.dims) > 0
               and t.name not in states]
-    params = _trainable([n for n in floats if n not in not_params], frozen, source)
-    why = {n: not_params.get(n, FROZEN_WHY) for n in floats if n not in params}
+    params, why = _trainable([n for n in floats if n not in not_params], m, source,
+                             {n: not_params[n] for n in floats if n in not_params})
+    why = {n: why.get(n) or not_params[n] for n in floats if n not in params}
     fwd = Forward(model=model, params=params, frozen=list(why), why=why, inputs=list(inputs),
                   logits=logits,
                   labels=labels, loss=loss.output, loss_type=loss.type, class_axis=loss.class_axis,
@@ -196,12 +202,27 @@ def batchnorm_inference(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-FROZEN_WHY = "model.frozen"
+FROZEN_WHY, UNLISTED_WHY = "model.frozen", "not in model.trainable"
 
 
-def _trainable(names: list[str], frozen: list[str], source: str) -> list[str]:
-    """``names`` that no ``model.frozen`` pattern matches; a UsageError when none is left."""
-    params = [n for n in names if not any(fnmatch.fnmatchcase(n, p) for p in frozen)]
+def _trainable(names: list[str], m, source: str, others: dict = ()) -> tuple[list[str], dict[str, str]]:
+    """(the ``names`` that train, {each other one: why it is frozen}): those that a ``model.trainable`` pattern
+    of ``m`` matches (every one where it lists none) and no ``model.frozen`` pattern does: frozen wins. A
+    UsageError for a trainable pattern that matches none of ``names`` (``others``, {tensor: why} of tensors that
+    are not parameters, say why where it matches one of them), and where nothing would train."""
+    def matching(pattern, pool):
+        return [n for n in pool if fnmatch.fnmatchcase(n, pattern)]
+    others = dict(others)
+    unmatched = [p for p in m.trainable if not matching(p, names)]
+    if unmatched:
+        held = [f"{n!r} is frozen: {others[n]}" for p in unmatched for n in matching(p, others)[:1]]
+        raise UsageError(f"model.trainable: {', '.join(map(repr, unmatched))} "
+                         f"match{'es' if len(unmatched) == 1 else ''} no parameter of {source} "
+                         f"({'; '.join(held)}{'; ' if held else ''}its parameters: {', '.join(names[:12])}"
+                         f"{' ...' if len(names) > 12 else ''})")
+    listed = [n for n in names if not m.trainable or any(fnmatch.fnmatchcase(n, p) for p in m.trainable)]
+    params = [n for n in listed if not any(fnmatch.fnmatchcase(n, p) for p in m.frozen)]
     if not params:
-        raise UsageError(f"model.frozen: {frozen} freezes every parameter of {source}; nothing would train")
-    return params
+        raise UsageError(f"model.frozen: {list(m.frozen)} freezes every parameter of {source}"
+                         + (" that model.trainable lists" if m.trainable else "") + "; nothing would train")
+    return params, {n: FROZEN_WHY if n in listed else UNLISTED_WHY for n in names if n not in params}

@@ -1,5 +1,6 @@
 """Small ONNX editing helpers every step of ``prepare`` shares: a new model from parts, parameters as
-inputs, constants, the opset, a tensor's dims."""
+inputs, constants, the opset, a tensor's dims, what a node reads (its subgraphs' outer-scope names too) and
+the nodes in dependency order."""
 
 from __future__ import annotations
 
@@ -18,6 +19,68 @@ def unique_name(base: str, taken: set) -> str:
         name = f"{base}.{i}"
     taken.add(name)
     return name
+
+
+def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    """The graphs of ``node``'s attributes (an If's branches, a Loop's or Scan's body)."""
+    return [g for a in node.attribute for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs)]
+
+
+def defined(graph: onnx.GraphProto) -> set[str]:
+    """The names ``graph`` itself defines: its inputs, initializers and node outputs."""
+    names = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    return names | {o for n in graph.node for o in n.output if o}
+
+
+def outer_reads(graph: onnx.GraphProto) -> set[str]:
+    """The names ``graph``'s nodes (and their subgraphs') read from the scopes around it."""
+    names = set()
+    for n in graph.node:
+        names.update(i for i in n.input if i)
+        for g in subgraphs(n):
+            names |= outer_reads(g)
+    return (names | {o.name for o in graph.output}) - defined(graph)
+
+
+def names_in(graph: onnx.GraphProto) -> set[str]:
+    """Every value and node name ``graph`` and its subgraphs use."""
+    names = defined(graph) | {o.name for o in graph.output}
+    for n in graph.node:
+        names.update(n.input)
+        names.add(n.name)
+        for g in subgraphs(n):
+            names |= names_in(g)
+    return names
+
+
+def node_reads(node: onnx.NodeProto) -> list[str]:
+    """What ``node`` reads: its inputs, then (sorted) the outer-scope names its subgraphs read."""
+    inner = set().union(*map(outer_reads, subgraphs(node))) - set(node.input) if node.attribute else set()
+    return list(node.input) + sorted(inner)
+
+
+def topological(nodes) -> list[onnx.NodeProto]:
+    """``nodes`` in dependency order (a subgraph's outer-scope reads included), whatever their stored order."""
+    producer = {o: k for k, n in enumerate(nodes) for o in n.output if o}
+    reads = [node_reads(n) for n in nodes]
+    order, state = [], {}
+
+    def visit(k):
+        stack = [(k, False)]
+        while stack:
+            k, done = stack.pop()
+            if done:
+                state[k] = 2
+                order.append(nodes[k])
+                continue
+            if state.get(k):
+                continue
+            state[k] = 1
+            stack.append((k, True))
+            stack.extend((producer[i], False) for i in reads[k] if i in producer and not state.get(producer[i]))
+    for k in range(len(nodes)):
+        visit(k)
+    return order
 
 
 def declared(model: onnx.ModelProto) -> tuple[dict, dict, dict]:

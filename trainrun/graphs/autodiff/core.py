@@ -17,9 +17,10 @@ import onnx
 from onnx import helper, numpy_helper, version_converter
 
 from ...errors import UsageError
-from ..onnx_edit import declared, unique_name
+from ..onnx_edit import declared, names_in, node_reads, subgraphs, topological, unique_name
 from ..names import GRAD_SUFFIX
 from . import static
+from .branches import inline_known_ifs, unknown_condition
 
 RULES: dict[str, Callable] = {}
 # finders of subgraphs differentiated as one (``find(nodes, consumers, emit)`` -> [(the subgraph's last
@@ -67,6 +68,8 @@ class Emitter:
         self.taken = {n for node in g.node for n in list(node.input) + list(node.output)}
         self.taken |= {t.name for t in list(g.input) + list(g.initializer) + list(g.output)}
         self.taken |= {node.name for node in g.node}
+        for sub in (sub for node in g.node for sub in subgraphs(node)):     # a name no subgraph shadows
+            self.taken |= names_in(sub)
         self.dims, self.types = {}, {}
         self.graph_outputs = {o.name for o in g.output}
         self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
@@ -260,29 +263,6 @@ class Step:
         return NoGradient(f"no gradient for {self.node.op_type} node '{self.node.name}': {why}")
 
 
-def topological(nodes) -> list[onnx.NodeProto]:
-    """``nodes`` in dependency order, whatever their stored order."""
-    producer = {o: k for k, n in enumerate(nodes) for o in n.output if o}
-    order, state = [], {}
-
-    def visit(k):
-        stack = [(k, False)]
-        while stack:
-            k, done = stack.pop()
-            if done:
-                state[k] = 2
-                order.append(nodes[k])
-                continue
-            if state.get(k):
-                continue
-            state[k] = 1
-            stack.append((k, True))
-            stack.extend((producer[i], False) for i in nodes[k].input if i in producer and not state.get(producer[i]))
-    for k in range(len(nodes)):
-        visit(k)
-    return order
-
-
 def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -293,15 +273,15 @@ def _paths(nodes, params: list[str], loss: str, types: dict | None = None):
     """(the tensors that depend on a parameter, the tensors the loss depends on through them, the nodes
     between parameters and the loss in reverse dependency order) of the sorted ``nodes``. Gradients flow
     through float tensors only (``types``: tensor -> elem type, where known) and not out of
-    :data:`NO_GRADIENT`'s ops."""
-    depends = set(params)
+    :data:`NO_GRADIENT`'s ops. A node reads what its subgraphs read from outside them too."""
+    depends, reads = set(params), {id(n): node_reads(n) for n in nodes}
     for n in nodes:
-        if n.op_type not in NO_GRADIENT and any(i in depends for i in n.input):
+        if n.op_type not in NO_GRADIENT and any(i in depends for i in reads[id(n)]):
             depends.update(o for o in n.output if o and (types or {}).get(o, onnx.TensorProto.FLOAT) in FLOATS)
     needed, on_path = {loss}, []
     for n in reversed(nodes):
         if any(o in needed for o in n.output):
-            ins = [i for i in n.input if i in depends]
+            ins = [i for i in reads[id(n)] if i in depends]
             if ins:
                 on_path.append(n)
                 needed.update(ins)
@@ -330,12 +310,12 @@ def blocked_by(model: onnx.ModelProto, params: list[str], loss: str = "loss") ->
     nodes = topological(list(model.graph.node))
     depends = set(params)
     for n in nodes:
-        if any(i in depends for i in n.input):
+        if any(i in depends for i in node_reads(n)):
             depends.update(o for o in n.output if o)
     needed, found = {loss}, []
     for n in reversed(nodes):
-        if any(o in needed for o in n.output) and any(i in depends for i in n.input):
-            needed.update(i for i in n.input if i in depends)
+        if any(o in needed for o in n.output) and any(i in depends for i in node_reads(n)):
+            needed.update(i for i in node_reads(n) if i in depends)
             if n.op_type in NO_GRADIENT:
                 found.append(n)
     return found[::-1]
@@ -380,9 +360,10 @@ def _expand(model: onnx.ModelProto, params: list[str], loss: str) -> onnx.ModelP
 def differentiate(model: onnx.ModelProto, params: list[str], loss: str = "loss") -> onnx.ModelProto:
     """``model`` with one more output per parameter, ``<param>_grad`` = d ``loss`` / d ``param`` (zeros
     for a parameter the loss does not depend on, :func:`unreached`). The forward's nodes come first, in
-    dependency order, then the gradient's, in the order they run; a graph older than :data:`MIN_OPSET` is
-    converted to it first, :data:`EXPANSIONS`' ops are written out in other ops."""
-    model = _expand(_at_least(_copy(model), MIN_OPSET), params, loss)  # rules may give a forward node an output
+    dependency order, then the gradient's, in the order they run; an If whose condition is known is
+    replaced by the branch it takes (:mod:`.branches`), a graph older than :data:`MIN_OPSET` is converted to
+    it, :data:`EXPANSIONS`' ops are written out in other ops."""
+    model = _expand(_at_least(inline_known_ifs(_copy(model)), MIN_OPSET), params, loss)  # rules may add outputs
     g = model.graph
     nodes = topological(list(g.node))
     emit = Emitter(model, nodes)
@@ -403,6 +384,8 @@ def differentiate(model: onnx.ModelProto, params: list[str], loss: str = "loss")
         dy = [emit.add_all(grads[o], f"{o}{GRAD_SUFFIX}") if grads.get(o) else None for o in n.output]
         if all(d is None for d in dy):
             continue
+        if n.op_type == "If" and n.domain in ("", "ai.onnx"):
+            raise NoGradient(unknown_condition(n))
         if n.op_type not in RULES or n.domain not in ("", "ai.onnx"):
             raise NoGradient(f"no gradient rule for op type '{n.op_type}' (node '{n.name}')")
         wants = {k for k, i in enumerate(n.input) if i in depends}

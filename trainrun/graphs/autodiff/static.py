@@ -57,6 +57,43 @@ def _evaluate(node: onnx.NodeProto, inputs: list, opset: int):
         return None
 
 
+def _fold(n: onnx.NodeProto, values: dict, dims: dict, opset: int):
+    """``n``'s outputs, small integer or boolean arrays, computed from the known ``values`` of its inputs (the
+    Shape and Size of a tensor from its ``dims`` where they are static), or None. A node with subgraphs (an If)
+    is not folded here."""
+    if n.domain not in ("", "ai.onnx") or n.op_type in NOT_FOLDED or any(
+            a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute):
+        return None
+    if n.op_type in ("Shape", "Size") and dims.get(n.input[0]) is not None and None not in dims[n.input[0]]:
+        out = _evaluate(n, [np.broadcast_to(np.int8(0), dims[n.input[0]])], opset)
+    elif all(not i or i in values for i in n.input):
+        out = _evaluate(n, [values[i] if i else None for i in n.input], opset)
+    else:
+        return None
+    ok = out is not None and all(isinstance(v, np.ndarray) and v.dtype.kind in "iub" and v.size <= LARGEST
+                                 for v in out)
+    return out if ok else None
+
+
+def _small_integers(model: onnx.ModelProto) -> dict:
+    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer
+            if t.data_type in INTEGERS and np.prod(t.dims) <= LARGEST}
+
+
+def known_values(model: onnx.ModelProto) -> dict:
+    """The integer and boolean tensors of ``model`` (its nodes in dependency order) whose values are known
+    when the graph is built: its Constants and small integer initializers, the Shapes and Sizes of tensors
+    whose dims :func:`infer` finds static (the ranks torch's legacy exporter compares before a Tile), and
+    what is computed from those alone."""
+    dims, values = _dims(infer(model)), _small_integers(model)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+    for n in model.graph.node:
+        out = _fold(n, values, dims, opset)
+        if out is not None:
+            values.update(zip(n.output, out))
+    return values
+
+
 def infer(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` (its nodes in dependency order) with the value_info onnx's shape inference gives it, after
     folding its known integer computations where a rank is otherwise left unknown."""
@@ -66,20 +103,12 @@ def infer(model: onnx.ModelProto) -> onnx.ModelProto:
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
     folded = onnx.ModelProto()
     folded.CopyFrom(model)
-    values = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer
-              if t.data_type in INTEGERS and np.prod(t.dims) <= LARGEST}
+    values = _small_integers(model)
     for _ in range(ROUNDS):
         dims, changed, nodes = _dims(inferred), False, []
         for n in folded.graph.node:
-            out = None
-            if n.op_type == "Constant" or n.domain not in ("", "ai.onnx") or n.op_type in NOT_FOLDED:
-                out = None
-            elif n.op_type == "Shape" and dims.get(n.input[0]) is not None and None not in dims[n.input[0]]:
-                out = _evaluate(n, [np.broadcast_to(np.int8(0), dims[n.input[0]])], opset)
-            elif n.input and all(not i or i in values for i in n.input):
-                out = _evaluate(n, [values[i] if i else None for i in n.input], opset)
-            if out is not None and all(isinstance(v, np.ndarray) and v.dtype.kind in "iub" and v.size <= LARGEST
-                                       for v in out):
+            out = _fold(n, values, dims, opset) if n.op_type != "Constant" and n.input else None
+            if out is not None:
                 for o, v in zip(n.output, out):
                     values[o] = v
                     nodes.append(helper.make_node("Constant", [], [o], value=numpy_helper.from_array(v, o)))
