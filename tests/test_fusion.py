@@ -150,6 +150,58 @@ def test_no_op_nodes_go_and_outputs_keep_their_names():
     same_outputs(m, f, [("x", [2, 3])])
 
 
+FOLDS = {   # the forms the fold once computed otherwise than onnxruntime: nodes, their outputs' types, opset
+    # a torch-exported GPT-2's attention mask (transformers): a [batch, seq] mask flattened at axis 2 (its
+    # rank: [batch * seq, 1]), then gathered; folded as [1, batch * seq], the Gather ran out of range
+    "flatten_at_rank": ([const("m", [[True, False, True], [False, True, True]], bool),
+                         helper.make_node("Flatten", ["m"], ["f"], axis=2), const("i", [[5], [1]]),
+                         helper.make_node("Gather", ["f", "i"], ["y"], axis=0)], {"f": TensorProto.BOOL,
+                                                                                  "y": TensorProto.BOOL}, 17),
+    "flatten_negative": ([const("x", np.arange(24).reshape(2, 3, 4)),
+                          helper.make_node("Flatten", ["x"], ["y"], axis=-1)], {"y": TensorProto.INT64}, 17),
+    # integer Div truncates toward zero (NumPy's // floors)
+    "div_negative": ([const("a", [-7, 7, -7, 7, -6]), const("b", [2, -2, -2, 2, 3]),
+                      helper.make_node("Div", ["a", "b"], ["y"])], {"y": TensorProto.INT64}, 17),
+    # an empty axes list: every axis reduced, or none with noop_with_empty_axes (NumPy's axis=() reduces none)
+    "reducesum_empty_axes": ([const("x", np.arange(6).reshape(2, 3)), const("e", np.zeros(0, np.int64)),
+                              helper.make_node("ReduceSum", ["x", "e"], ["y"]),
+                              helper.make_node("ReduceSum", ["x", "e"], ["z"], noop_with_empty_axes=1)],
+                             {"y": TensorProto.INT64, "z": TensorProto.INT64}, 17),
+    "reduceprod_empty_axes": ([const("x", np.arange(1, 7).reshape(2, 3)), const("e", np.zeros(0, np.int64)),
+                               helper.make_node("ReduceProd", ["x", "e"], ["y"], keepdims=0)],
+                              {"y": TensorProto.INT64}, 18),
+    # Unsqueeze and Squeeze with their axes an input (opset 13 on), a negative one among them
+    "unsqueeze_squeeze": ([const("x", [[3, 4]]), const("a", [0, -1]), const("s", [-3]),
+                           helper.make_node("Unsqueeze", ["x", "a"], ["u"]),
+                           helper.make_node("Squeeze", ["u", "s"], ["y"])], {"u": TensorProto.INT64,
+                                                                             "y": TensorProto.INT64}, 17),
+    # a cast to bfloat16 rounds (onnx 1.17 gives it NumPy's float32: a fold there would not round)
+    "cast_bfloat16": ([const("x", [1 + 2 ** -9, -3.0078125, 1e-3], np.float32),
+                       helper.make_node("Cast", ["x"], ["h"], to=TensorProto.BFLOAT16),
+                       helper.make_node("Cast", ["h"], ["y"], to=TensorProto.FLOAT)], {"y": TensorProto.FLOAT}, 17),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FOLDS))
+def test_folded_constants_are_onnxruntimes_values(case):
+    """Each form of a node the fold computes itself: the fused graph's outputs are the values, dtypes and
+    shapes onnxruntime computes from the unfused graph (no optimization: onnxruntime's own folding off);
+    every node but a bfloat16 cast (not where onnx has no dtype of it) is folded into a constant."""
+    nodes, outputs, opset = FOLDS[case]
+    g = helper.make_graph(nodes, "g", [], [helper.make_tensor_value_info(k, t, None) for k, t in outputs.items()])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 9
+    f = fuse(m)
+    if case != "cast_bfloat16" or helper.tensor_dtype_to_np_dtype(TensorProto.BFLOAT16) != np.float32:
+        assert set(ops(f)) == {"Constant"}, ops(f)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    want, got = (ort.InferenceSession(x.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, {})
+                 for x in (m, f))
+    for name, w, v in zip(outputs, want, got):
+        assert v.dtype == w.dtype and v.shape == w.shape and np.array_equal(v, w), (name, v, w)
+
+
 def test_reshape_chains_and_keepdims_reductions():
     """A Reshape of a Reshape reads the first one's input; ReduceSum(keepdims) + a Reshape dropping the
     reduced axes (a bias's gradient) is one ReduceSum without keepdims."""
