@@ -399,6 +399,7 @@ def _broadcast_sums(g: _Graph) -> int:
 
 
 def _reduced_axes(g: _Graph, n):
+    """A reduction node's axes: its constant ``axes`` input, or its attribute (None: unknown or not given)."""
     a = _attrs(n)
     if len(n.input) > 1 and n.input[1]:
         v = g.values.get(n.input[1])
