@@ -1,12 +1,12 @@
 """graphs.fuse (trainrun/graphs/fusion.py): the train graph of trainrun's own builder rewritten into fewer
 nodes gives the unfused graph's loss and gradients (onnxruntime sessions, one batch) on GPT-2, BERT, Llama,
-the CNN recipe and a graph with symbolic dims; each rule on a tiny graph of its own; a real 20-step run with
-fusion has the losses of one without.
+the CNN recipe and a graph with symbolic dims; each rule on a tiny graph of its own; a real 50-step run with
+fusion has the losses of one without; each form of a node the fold computes gives onnxruntime's value.
 
 Tolerance: "float32 reordering". The only rewrite that changes arithmetic is a scalar scale applied to a
 product's sum instead of its result (FusedMatMul's alpha; onnxruntime's own MatMulScaleFusion makes the
 same change at its default level), one rounding per element apart (2^-24 relative). A gradient is held
-to 1e-6 of its largest element (test_autodiff_graphs.py's bound between the two builders); the 20 losses
+to 1e-6 of its largest element (test_autodiff_graphs.py's bound between the two builders); the 50 losses
 to 1e-6 relative: the per-element roundings do not accumulate into the loss of a few steps by more
 than a few float32 ulps (the runs measured here were equal bit for bit)."""
 
@@ -150,6 +150,58 @@ def test_no_op_nodes_go_and_outputs_keep_their_names():
     same_outputs(m, f, [("x", [2, 3])])
 
 
+FOLDS = {   # the forms the fold once computed otherwise than onnxruntime: nodes, their outputs' types, opset
+    # a torch-exported GPT-2's attention mask (transformers): a [batch, seq] mask flattened at axis 2 (its
+    # rank: [batch * seq, 1]), then gathered; folded as [1, batch * seq], the Gather ran out of range
+    "flatten_at_rank": ([const("m", [[True, False, True], [False, True, True]], bool),
+                         helper.make_node("Flatten", ["m"], ["f"], axis=2), const("i", [[5], [1]]),
+                         helper.make_node("Gather", ["f", "i"], ["y"], axis=0)], {"f": TensorProto.BOOL,
+                                                                                  "y": TensorProto.BOOL}, 17),
+    "flatten_negative": ([const("x", np.arange(24).reshape(2, 3, 4)),
+                          helper.make_node("Flatten", ["x"], ["y"], axis=-1)], {"y": TensorProto.INT64}, 17),
+    # integer Div truncates toward zero (NumPy's // floors)
+    "div_negative": ([const("a", [-7, 7, -7, 7, -6]), const("b", [2, -2, -2, 2, 3]),
+                      helper.make_node("Div", ["a", "b"], ["y"])], {"y": TensorProto.INT64}, 17),
+    # an empty axes list: every axis reduced, or none with noop_with_empty_axes (NumPy's axis=() reduces none)
+    "reducesum_empty_axes": ([const("x", np.arange(6).reshape(2, 3)), const("e", np.zeros(0, np.int64)),
+                              helper.make_node("ReduceSum", ["x", "e"], ["y"]),
+                              helper.make_node("ReduceSum", ["x", "e"], ["z"], noop_with_empty_axes=1)],
+                             {"y": TensorProto.INT64, "z": TensorProto.INT64}, 17),
+    "reduceprod_empty_axes": ([const("x", np.arange(1, 7).reshape(2, 3)), const("e", np.zeros(0, np.int64)),
+                               helper.make_node("ReduceProd", ["x", "e"], ["y"], keepdims=0)],
+                              {"y": TensorProto.INT64}, 18),
+    # Unsqueeze and Squeeze with their axes an input (opset 13 on), a negative one among them
+    "unsqueeze_squeeze": ([const("x", [[3, 4]]), const("a", [0, -1]), const("s", [-3]),
+                           helper.make_node("Unsqueeze", ["x", "a"], ["u"]),
+                           helper.make_node("Squeeze", ["u", "s"], ["y"])], {"u": TensorProto.INT64,
+                                                                             "y": TensorProto.INT64}, 17),
+    # a cast to bfloat16 rounds (onnx 1.17 gives it NumPy's float32: a fold there would not round)
+    "cast_bfloat16": ([const("x", [1 + 2 ** -9, -3.0078125, 1e-3], np.float32),
+                       helper.make_node("Cast", ["x"], ["h"], to=TensorProto.BFLOAT16),
+                       helper.make_node("Cast", ["h"], ["y"], to=TensorProto.FLOAT)], {"y": TensorProto.FLOAT}, 17),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FOLDS))
+def test_folded_constants_are_onnxruntimes_values(case):
+    """Each form of a node the fold computes itself: the fused graph's outputs are the values, dtypes and
+    shapes onnxruntime computes from the unfused graph (no optimization: onnxruntime's own folding off);
+    every node but a bfloat16 cast (not where onnx has no dtype of it) is folded into a constant."""
+    nodes, outputs, opset = FOLDS[case]
+    g = helper.make_graph(nodes, "g", [], [helper.make_tensor_value_info(k, t, None) for k, t in outputs.items()])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 9
+    f = fuse(m)
+    if case != "cast_bfloat16" or helper.tensor_dtype_to_np_dtype(TensorProto.BFLOAT16) != np.float32:
+        assert set(ops(f)) == {"Constant"}, ops(f)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    want, got = (ort.InferenceSession(x.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, {})
+                 for x in (m, f))
+    for name, w, v in zip(outputs, want, got):
+        assert v.dtype == w.dtype and v.shape == w.shape and np.array_equal(v, w), (name, v, w)
+
+
 def test_reshape_chains_and_keepdims_reductions():
     """A Reshape of a Reshape reads the first one's input; ReduceSum(keepdims) + a Reshape dropping the
     reduced axes (a bias's gradient) is one ReduceSum without keepdims."""
@@ -205,18 +257,19 @@ def test_products_read_transposes_and_scales():
     same_outputs(m, f, inputs)
 
 
-def test_twenty_steps_with_fusion_equal_twenty_without(tmp_path, byte_dataset):
-    """A real tiny run (trainrun's builder, one process) with graphs.fuse true and false: the same 20 losses
+def test_fifty_steps_with_fusion_equal_fifty_without(tmp_path, byte_dataset):
+    """A real tiny run (trainrun's builder, one process) with graphs.fuse true and false: the same 50 losses
     to 1e-6 relative, and the fused graph has fewer nodes."""
     losses, nodes = {}, {}
     for fuse_on in (True, False):
         d = tmp_path / str(fuse_on)
         d.mkdir()
-        cfg = write_config(d / "c.yaml", byte_dataset, **{"graphs.builder": "trainrun", "graphs.fuse": fuse_on})
+        cfg = write_config(d / "c.yaml", byte_dataset, **{"graphs.builder": "trainrun", "graphs.fuse": fuse_on,
+                                                          "train.max_steps": 50})
         run_cmd([TRAINRUN, "--config", cfg], check=0)
         train, _ = read_metrics(str(d / "run"))
         losses[fuse_on] = [train[s]["loss"] for s in sorted(train)]
         nodes[fuse_on] = len(onnx.load(os.path.join(d / "run", "graphs", "train.onnx")).graph.node)
-    assert len(losses[True]) == 20 and losses[True][-1] < losses[True][0]
+    assert len(losses[True]) == 50 and losses[True][-1] < losses[True][0]
     np.testing.assert_allclose(losses[True], losses[False], rtol=1e-6)
     assert nodes[True] < 0.8 * nodes[False], nodes

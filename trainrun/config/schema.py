@@ -368,14 +368,12 @@ class GraphsConfig:
     trainrun's own (standard ONNX ops: runs on stock onnxruntime); auto = onnxruntime-training's where it
     is installed, else trainrun's. Recorded in graphs/manifest.json; a change prepares the graphs again,
     and a run resumes across builders (the weights have the same names)."""
-    fuse: bool = False
+    fuse: bool = True
     """Rewrite the train graph of trainrun's own builder into fewer, larger nodes with the same numbers
     (float32 reordering at most): shapes known under engine.static_shapes folded into constants, no-op
     Casts, Reshapes and Identities removed, a transpose or a scale a matrix product can apply itself
     written into it (com.microsoft FusedMatMul, which stock onnxruntime runs on the CPU and CUDA).
-    false (the default for now): the builder's graph as it writes it; with onnx 1.23 (stock onnxruntime's
-    leg) the fold still breaks a user's torch-exported GPT-2 (a Gather out of range at run time).
-    No effect on onnxruntime-training's builder."""
+    false: the builder's graph as it writes it. No effect on onnxruntime-training's builder."""
 
 
 @dataclass

@@ -177,7 +177,7 @@ def _fold(g: _Graph) -> int:
             value = _evaluate(n, [g.values[i] if i else None for i in n.input], g.opset)
             if value is None or value.size > MAX_FOLD:
                 continue
-        if value is None:
+        if value is None or not _agrees(g, n, value):
             continue
         c = g.constant(value, n.output[0])
         c.output[0] = n.output[0]
@@ -185,6 +185,21 @@ def _fold(g: _Graph) -> int:
         g.values[n.output[0]] = value
         changed += 1
     return changed
+
+
+def _agrees(g: _Graph, node, value: np.ndarray) -> bool:
+    """Whether a folded ``value`` has the element type (a Cast's ``to``) and the dims onnx's shape inference
+    gives ``node``'s output, where it gives them: a value that disagrees (e.g. a cast to a type NumPy has no
+    dtype of, which onnx 1.17 maps to float32) is left to the runtime to compute."""
+    out = node.output[0]
+    want = _attrs(node)["to"] if node.op_type == "Cast" else g.types.get(out)
+    try:
+        got = helper.np_dtype_to_tensor_dtype(value.dtype)
+    except (KeyError, TypeError, ValueError):
+        return False
+    dims = g.dims.get(out)
+    return (want is None or got == want) and (dims is None or (
+        len(dims) == value.ndim and all(d is None or d == v for d, v in zip(dims, value.shape))))
 
 
 def _axes(node, values, opset: int, since: int):
@@ -203,6 +218,31 @@ def _slice(x, starts, ends, axes, steps):
     return x[tuple(index)]
 
 
+def _int_div(a, b):
+    """ONNX's integer Div: the quotient truncated toward zero (C's, onnxruntime's), not NumPy's floor."""
+    if np.any(b == 0):
+        raise ZeroDivisionError("an integer Div by 0: left to the runtime")
+    q = np.abs(a) // np.abs(b)
+    return np.where((a < 0) != (b < 0), -q, q).astype(np.result_type(a, b))
+
+
+def _flatten(x, axis: int):
+    """ONNX's Flatten: [d_0 * ... * d_(axis-1), the rest]; ``axis`` in [-rank, rank] (rank itself: [all, 1])."""
+    axis = axis + x.ndim if axis < 0 else axis
+    return x.reshape(int(np.prod(x.shape[:axis], dtype=np.int64)), -1)
+
+
+def _reduce(fn, node, values, axes):
+    """ReduceSum/ReduceProd: no axes (none given, or an empty list) reduce every axis, or with
+    noop_with_empty_axes none (NumPy's ``axis=()`` reduces none)."""
+    a = _attrs(node)
+    if not axes:
+        if a.get("noop_with_empty_axes", 0):
+            return values[0]
+        axes = None
+    return fn(values[0], axis=None if axes is None else tuple(axes), keepdims=bool(a.get("keepdims", 1)))
+
+
 def _reshape(x, shape, allowzero: int):
     shape = [int(d) for d in shape]
     if not allowzero:
@@ -214,7 +254,7 @@ def _reshape(x, shape, allowzero: int):
 _NUMPY = {
     "Add": lambda n, v, o: v[0] + v[1], "Sub": lambda n, v, o: v[0] - v[1],
     "Mul": lambda n, v, o: v[0] * v[1],
-    "Div": lambda n, v, o: (v[0] // v[1]) if v[0].dtype.kind in "iu" else v[0] / v[1],
+    "Div": lambda n, v, o: _int_div(v[0], v[1]) if v[0].dtype.kind in "iu" else v[0] / v[1],
     "Mod": lambda n, v, o: np.fmod(v[0], v[1]) if _attrs(n).get("fmod") else np.mod(v[0], v[1]),
     "Neg": lambda n, v, o: -v[0], "Abs": lambda n, v, o: np.abs(v[0]),
     "Min": lambda n, v, o: np.minimum.reduce(v), "Max": lambda n, v, o: np.maximum.reduce(v),
@@ -226,8 +266,7 @@ _NUMPY = {
     "Cast": lambda n, v, o: v[0].astype(helper.tensor_dtype_to_np_dtype(_attrs(n)["to"])),
     "Concat": lambda n, v, o: np.concatenate(v, axis=_attrs(n)["axis"]),
     "Reshape": lambda n, v, o: _reshape(v[0], v[1], _attrs(n).get("allowzero", 0)),
-    "Flatten": lambda n, v, o: v[0].reshape(int(np.prod(v[0].shape[:_attrs(n).get("axis", 1) % max(v[0].ndim, 1)]
-                                                        or 1)), -1) if v[0].ndim else v[0].reshape(1, 1),
+    "Flatten": lambda n, v, o: _flatten(v[0], _attrs(n).get("axis", 1)),
     "Unsqueeze": lambda n, v, o: np.expand_dims(v[0], tuple(
         int(a) % (v[0].ndim + len(_axes(n, v, o, 13))) for a in _axes(n, v, o, 13))),
     "Squeeze": lambda n, v, o: np.squeeze(v[0], None if _axes(n, v, o, 13) is None else tuple(_axes(n, v, o, 13))),
@@ -242,10 +281,8 @@ _NUMPY = {
         (numpy_helper.to_array(_attrs(n)["value"]).reshape(()),) if "value" in _attrs(n) else (0.0,)),
         dtype=numpy_helper.to_array(_attrs(n)["value"]).dtype if "value" in _attrs(n) else np.float32),
     "Expand": lambda n, v, o: v[0] * np.ones([int(d) for d in v[1]], v[0].dtype),
-    "ReduceProd": lambda n, v, o: np.prod(v[0], axis=None if _axes(n, v, o, 18) is None else tuple(
-        _axes(n, v, o, 18)), keepdims=bool(_attrs(n).get("keepdims", 1))),
-    "ReduceSum": lambda n, v, o: np.sum(v[0], axis=None if _axes(n, v, o, 13) is None else tuple(
-        _axes(n, v, o, 13)), keepdims=bool(_attrs(n).get("keepdims", 1))),
+    "ReduceProd": lambda n, v, o: _reduce(np.prod, n, v, _axes(n, v, o, 18)),
+    "ReduceSum": lambda n, v, o: _reduce(np.sum, n, v, _axes(n, v, o, 13)),
 }
 
 
@@ -361,7 +398,8 @@ def _broadcast_sums(g: _Graph) -> int:
     return changed
 
 
-def _axes(g: _Graph, n):
+def _reduced_axes(g: _Graph, n):
+    """A reduction node's axes: its constant ``axes`` input, or its attribute (None: unknown or not given)."""
     a = _attrs(n)
     if len(n.input) > 1 and n.input[1]:
         v = g.values.get(n.input[1])
@@ -387,7 +425,7 @@ def _reshapes(g: _Graph) -> int:
             changed += 1
         elif p.op_type in ("ReduceSum", "ReduceMean") and _attrs(p).get("keepdims", 1) == 1 \
                 and g.only_reader(p.output[0]) and p.output[0] not in g.keep:
-            axes, kept = _axes(g, p), g.static(p.output[0])
+            axes, kept = _reduced_axes(g, p), g.static(p.output[0])
             if not axes or kept is None or out is None:
                 continue
             axes = {a % len(kept) for a in axes}
