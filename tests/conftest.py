@@ -50,9 +50,9 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if item not in slow]
 
 
-# a call that starts a process: the helpers here (run, mpirun, mpirun_probe), subprocess, os.fork/exec*
-_PROCESS_CALL = re.compile(r"(?<![.\w])(run|mpirun|mpirun_probe)\s*\(|\bsubprocess\.|\bos\.(fork|exec\w*|spawn\w*|system)\b"
-                           r"|\bmultiprocessing\b|\bPopen\b")
+# a call that starts a process: subprocess, os.fork/exec*, multiprocessing (the helpers here, run and mpirun,
+# are found through the module functions a test names: see _calls_process)
+_PROCESS_CALL = re.compile(r"\bsubprocess\.|\bos\.(fork|exec\w*|spawn\w*|system)\b|\bmultiprocessing\b|\bPopen\b")
 
 
 def _calls_process(fn, seen: set) -> bool:
@@ -67,6 +67,8 @@ def _calls_process(fn, seen: set) -> bool:
     if _PROCESS_CALL.search(source):
         return True
     scope = getattr(inspect.getmodule(fn), "__dict__", {})
+    if "from conftest import" in source:       # the helpers here, imported inside the test
+        scope = {**globals(), **scope}
     return any(inspect.isfunction(scope.get(name)) and _calls_process(scope[name], seen)
                for name in set(re.findall(r"\b([A-Za-z_]\w*)\s*\(", source)))
 
