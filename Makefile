@@ -48,10 +48,12 @@ $(1)/bin/pip install -q $(4)
 $(1)/bin/pip install -q $$($(1)/bin/python scripts/requirements.py $(5))
 endef
 
-# The suite with stock onnxruntime instead of onnxruntime-training, in its own venv (.venv-stock, the same
-# Python as .venv): trainrun --no-deps, then the requirements Python 3.13 resolves to and the test extra
-# (scripts/requirements.py --stock). The tests that need onnxruntime-training itself (marker ort_training)
-# skip there, saying so.
+# The graphs lane with stock onnxruntime instead of onnxruntime-training, in its own venv (.venv-stock, the
+# same Python as .venv): trainrun --no-deps, then the requirements Python 3.13 resolves to and the test extra
+# (scripts/requirements.py --stock). TRAINRUN_LANE=graphs (tests/conftest.py): every test that starts no process
+# and those marked graphs (what proves the builder's graphs and their numbers); the run's mechanics that make
+# test proved on the same code are not run again. The tests that need onnxruntime-training itself (marker
+# ort_training) skip there, saying so.
 VENV_STOCK  := .venv-stock
 STAMP_STOCK := $(VENV_STOCK)/.installed-stock
 $(STAMP_STOCK): pyproject.toml scripts/requirements.py
@@ -60,7 +62,7 @@ $(STAMP_STOCK): pyproject.toml scripts/requirements.py
 	@touch $@
 
 test-stock: $(STAMP_STOCK)
-	PATH=$(CURDIR)/$(VENV_STOCK)/bin:$$PATH $(if $(wildcard $(BIN)/python),TRAINRUN_TRAINING_BUILD=$(CURDIR)/$(BIN) \
+	TRAINRUN_LANE=graphs PATH=$(CURDIR)/$(VENV_STOCK)/bin:$$PATH $(if $(wildcard $(BIN)/python),TRAINRUN_TRAINING_BUILD=$(CURDIR)/$(BIN) \
 	TRAINRUN_REQUIRE_STOCK_COMPARISON=1) $(VENV_STOCK)/bin/python -m pytest -q -m "not gpu and not cluster" $(PYTEST_ARGS)
 
 # Elastic runs (distributed.elastic) on Open MPI's ULFM fault tolerance, in their own venv (.venv-elastic, the
@@ -79,8 +81,8 @@ setup-elastic: $(STAMP_ELASTIC)
 test-elastic: $(STAMP_TEST) $(STAMP_ELASTIC)
 	TRAINRUN_REQUIRE_FT=1 $(BIN)/python -m pytest -q -rs tests/test_elastic.py $(PYTEST_ARGS)
 
-# Python 3.13 (.venv-py313): trainrun with its plain dependencies (stock onnxruntime), the demo, then every
-# test that needs no torch: the test extra without torch, transformers, peft and onnxscript (their tests skip, saying so)
+# Python 3.13 (.venv-py313): trainrun with its plain dependencies (stock onnxruntime), the demo, then the
+# graphs lane (as make test-stock) of the tests that need no torch: the test extra without torch, transformers, peft and onnxscript (their tests skip, saying so)
 VENV_PY313  := .venv-py313
 STAMP_PY313 := $(VENV_PY313)/.installed-py313
 $(STAMP_PY313): pyproject.toml scripts/requirements.py
@@ -89,7 +91,7 @@ $(STAMP_PY313): pyproject.toml scripts/requirements.py
 
 test-py313: $(STAMP_PY313)
 	PATH=$(CURDIR)/$(VENV_PY313)/bin:$$PATH bash scripts/demo.sh
-	PATH=$(CURDIR)/$(VENV_PY313)/bin:$$PATH $(VENV_PY313)/bin/python -m pytest -q -m "not gpu and not cluster" $(PYTEST_ARGS)
+	TRAINRUN_LANE=graphs PATH=$(CURDIR)/$(VENV_PY313)/bin:$$PATH $(VENV_PY313)/bin/python -m pytest -q -m "not gpu and not cluster" $(PYTEST_ARGS)
 
 # The multi-node suite (tests/test_cluster.py) on 2 pretend nodes (scripts/cluster/cluster.sh, root only) and
 # under a real SLURM on them (tests/test_slurm.py; as root, SLURM and munge are installed with apt-get when

@@ -39,13 +39,19 @@ def optional(module: str):
 
 def pytest_collection_modifyitems(config, items):
     """Markers ort_training and torch: skip, with the reason, where what the test needs is not installed.
-    ``make test-fast`` (TRAINRUN_FAST=1): only the tests that start no process (:func:`starts_process`)."""
+    ``make test-fast`` (TRAINRUN_FAST=1): only the tests that start no process (:func:`starts_process`).
+    The graphs lane (TRAINRUN_LANE=graphs: make test-stock, make test-py313, the suite again on another
+    onnxruntime or Python): the tests that start no process and those marked ``graphs``, what proves the graphs
+    a builder writes and their numbers; the rest (the run's mechanics: stops, checkpoints, the CLI, the sync)
+    runs the same graphs' sessions there as in make test and is proved there."""
     for item in items:
         for marker, missing in (("ort_training", ort_training_missing), ("torch", torch_missing)):
             if item.get_closest_marker(marker) is not None and (why := missing()):
                 item.add_marker(pytest.mark.skip(reason=why))
-    if os.environ.get("TRAINRUN_FAST") == "1":
-        slow = [item for item in items if starts_process(item)]
+    fast, graphs = os.environ.get("TRAINRUN_FAST") == "1", os.environ.get("TRAINRUN_LANE") == "graphs"
+    if fast or graphs:
+        slow = [item for item in items if starts_process(item)
+                and (fast or item.get_closest_marker("graphs") is None)]
         config.hook.pytest_deselected(items=slow)
         items[:] = [item for item in items if item not in slow]
 

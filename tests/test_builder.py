@@ -22,6 +22,8 @@ from trainrun.graphs.names import GRAD_SUFFIX
 
 from conftest import MPIRUN, TRAINRUN, mpirun, rank_pids, read_metrics, run, write_config
 
+pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-stock and test-py313 run it too
+
 TINY = {"n_layer": 2, "n_head": 4, "n_embd": 64, "n_positions": 64, "vocab_size": 300}
 SHAPES = {"input_ids": ((2, 32), np.int64), "labels": ((2, 32), np.int64)}
 # the training build's ops: none may appear in a graph of trainrun's builder

@@ -18,6 +18,8 @@ from trainrun.graphs.names import MASK_PREFIX
 from trainrun.step.engine import Engine, EngineOptions
 from trainrun.models.gpt2 import build_gpt2, init_weights
 
+pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-stock and test-py313 run it too
+
 torch = optional("torch")
 
 SHAPE = dict(n_layer=2, n_head=4, n_embd=64, n_positions=64, vocab_size=300)

@@ -215,6 +215,7 @@ def test_fine_tune_from_a_trainrun_pre_training_run(tmp_path, labelled):
     np.testing.assert_allclose(onnx_logits, logits, atol=1e-4)
 
 
+@pytest.mark.graphs
 @pytest.mark.torch
 def test_regression_on_two_ranks_matches_scipy(tmp_path, labelled):
     """num_labels 1: mse; on 2 ranks eval_pearson / eval_spearman over both ranks' samples equal scipy's
@@ -248,6 +249,7 @@ def test_regression_on_two_ranks_matches_scipy(tmp_path, labelled):
     assert result["spearman"] == pytest.approx(evals[12]["eval_spearman"], abs=1e-6)
 
 
+@pytest.mark.graphs
 @pytest.mark.torch
 def test_token_classification_run_and_export(tmp_path, labelled):
     """token_classification: a run's eval_accuracy / eval_f1 over the labelled tokens (the -100 ones left
@@ -289,6 +291,7 @@ def test_token_classification_run_and_export(tmp_path, labelled):
 GPT2 = dict(n_layer=2, n_head=2, n_embd=32, n_positions=SEQ, vocab_size=160, dropout=0.0)
 
 
+@pytest.mark.graphs
 @pytest.mark.torch
 def test_gpt2_sequence_classification_matches_transformers_and_trains(tmp_path, labelled):
     """gpt2 sequence_classification: the last token's state -> score (no bias); logits and loss equal

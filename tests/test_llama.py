@@ -145,6 +145,7 @@ def make_engine(tmp_path, shape, batch, seq, builder="auto"):
     return eng
 
 
+@pytest.mark.graphs
 @pytest.mark.parametrize("builder", [pytest.param("onnxruntime", marks=pytest.mark.ort_training), "trainrun"])
 @pytest.mark.parametrize("variant", ["llama3_gqa", "smollm2_tied", "qwen2_bias"])
 @pytest.mark.torch

@@ -87,6 +87,7 @@ def peft_name(ours: str, lora: dict) -> str:
 @pytest.mark.parametrize("family,builder", [pytest.param("gpt2", "onnxruntime", marks=pytest.mark.ort_training),
                                             pytest.param("llama", "onnxruntime", marks=pytest.mark.ort_training),
                                             ("gpt2", "trainrun"), ("llama", "trainrun")])
+@pytest.mark.graphs
 def test_lora_gradients_match_peft(tmp_path, family, builder):
     """The train graph's loss and the adapters' gradients (random B, so that A's count) = peft's, with
     either gradient builder; only the adapters (and modules_to_save) are parameters."""
@@ -176,6 +177,7 @@ def test_bad_lora_sections_exit_2_naming_the_key(tmp_path, byte_dataset):
     assert not os.path.exists(tmp_path / "a")
 
 
+@pytest.mark.graphs
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_twenty_steps_equal_a_peft_loop_and_export_merged_and_as_peft(tmp_path, byte_dataset, family):
     """20 SGD steps of trainrun (1 rank) from a transformers folder = a PyTorch loop over peft's model on
@@ -255,6 +257,7 @@ def test_twenty_steps_equal_a_peft_loop_and_export_merged_and_as_peft(tmp_path, 
         assert relative(hf(input_ids=torch.from_numpy(ids)).logits.numpy(), theirs) < 1e-5
 
 
+@pytest.mark.graphs
 def test_resume_is_exact_with_zero1_and_adapter_dropout_and_checks_the_base(tmp_path, byte_dataset):
     """2 ranks, ZeRO-1, AdamW, adapter dropout: stopped at step 4 and resumed = straight (bitwise: losses and
     the final adapters); the optimizer state is the adapters' (exp_avg/exp_avg_sq of each adapter, nothing
@@ -299,6 +302,7 @@ def test_resume_is_exact_with_zero1_and_adapter_dropout_and_checks_the_base(tmp_
     assert "LoRA adapters were trained on other base weights" in p.stderr, p.stderr
 
 
+@pytest.mark.graphs
 def test_bert_lora_gradients_match_peft(tmp_path):
     """BERT (BertForPreTraining: MLM + NSP loss in the graph) from a transformers folder with adapters on every
     query, value and dense layer (attention output, intermediate, output, pooler, the MLM transform): the loss

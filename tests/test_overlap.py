@@ -223,6 +223,7 @@ def _train(tmp_path, data, name, ranks, **extra):
     return read_metrics(str(tmp_path / name))[0], summary, weights
 
 
+@pytest.mark.graphs
 @pytest.mark.parametrize("dtype,accum,builder", [("fp32", 1, "auto"), ("bf16", 2, "auto"), ("fp32", 2, "trainrun")])
 def test_overlapped_buckets_train_bit_for_bit_as_one_allreduce(tmp_path, byte_dataset, dtype, accum, builder):
     """2 pretend nodes of one rank: the same losses, norms and final weights, bit for bit, with the gradients

@@ -21,6 +21,8 @@ from trainrun.graphs.names import BUFFER_SUFFIX, GRAD_SUFFIX
 from trainrun.graphs.onnx_edit import params_to_inputs
 from trainrun.step.precision import LossScaler
 
+pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-stock and test-py313 run it too
+
 
 def loss_graph(precision, shape):
     cfg = C.Config()

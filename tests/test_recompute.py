@@ -78,6 +78,8 @@ def test_bert_gradients_equal_without_recomputation(tmp_path):
 
 _PEAK = r"""
 import ctypes, sys, numpy as np
+
+pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-stock and test-py313 run it too
 from trainrun import config as C
 from trainrun.graphs.manifest import prepare
 from trainrun.step.engine import Engine, EngineOptions

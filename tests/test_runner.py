@@ -24,6 +24,7 @@ def losses(run_dir, key="loss"):
     return np.array([train[s][key] for s in sorted(train)])
 
 
+@pytest.mark.graphs
 def test_two_ranks_equal_one_rank_and_accumulation(tmp_path, byte_dataset):
     """The mean over ranks and micro-batches: SGD without clipping moves the weights in proportion to
     the gradient, so a wrong averaging factor (1, 1/accum only, 1/world only) changes the losses from

@@ -12,6 +12,8 @@ from trainrun.graphs.manifest import prepare, up_to_date
 from trainrun.graphs.strides import pad_contractions, wanted
 from trainrun.step.sessions import import_onnxruntime
 
+pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-stock and test-py313 run it too
+
 # (name, A's shape, B's shape, Gemm transB or None for MatMul, padded?)
 CASES = [
     ("weight_grad", [256, 1024], [1024, 768], None, True),      # K = 1024 tokens, M*N/(M+N) = 192

@@ -16,6 +16,8 @@ from safetensors.numpy import load_file
 
 from conftest import TRAINRUN, TRAINRUN_DATA, optional, run
 
+pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-stock and test-py313 run it too
+
 torch = optional("torch")
 onnx = optional("onnx")
 

@@ -143,6 +143,7 @@ WIDTH, SIZE, STEPS, WINDOW, LR = 0.25, 24, 20, 1, 0.05
 FROZEN = ["features.0.*"]         # conv1 and its BatchNorm's scale/bias: not trained; its statistics still move
 
 
+@pytest.mark.graphs
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.torch
 def test_squeezenet_matches_pytorch_on_the_same_batches(tmp_path, digits, world):
@@ -377,6 +378,7 @@ def tabular(tmp_path_factory):
     return str(root), arrays
 
 
+@pytest.mark.graphs
 def test_graph_with_its_own_loss_trains_on_two_ranks(tmp_path, tabular):
     """model.loss.output: the graph's scalar output is the loss; its own metric outputs are reported; the
     first step's loss is the graph's formula on the initial weights (NumPy), and the loss falls. The graph's
@@ -413,6 +415,7 @@ def test_graph_with_its_own_loss_trains_on_two_ranks(tmp_path, tabular):
                                         - logp[np.arange(16), ey].mean(), rel=1e-5)
 
 
+@pytest.mark.graphs
 @pytest.mark.parametrize("loss", ["mse", "l1"])
 def test_regression_trains_on_two_ranks_with_eval_mse_and_mae(tmp_path, tabular, loss):
     """mse / l1 against float targets (data.inputs maps the loss's labels input to the feature `target`):
@@ -442,6 +445,7 @@ def test_regression_trains_on_two_ranks_with_eval_mse_and_mae(tmp_path, tabular,
     assert "eval_accuracy" not in evals[30]
 
 
+@pytest.mark.graphs
 @pytest.mark.parametrize("layout", ["classes_axis1", "sequence_last"])
 @pytest.mark.torch
 def test_cross_entropy_layouts_weights_and_accuracy_match_pytorch(tmp_path, layout):
@@ -495,6 +499,7 @@ def test_cross_entropy_layouts_weights_and_accuracy_match_pytorch(tmp_path, layo
         eng.forward_backward({"x": x, "labels": y}, accumulate=False)
 
 
+@pytest.mark.graphs
 @pytest.mark.parametrize("case", ["axis1_weights", "last_weights", "vocab_split"])
 @pytest.mark.torch
 def test_label_smoothing_matches_torch(tmp_path, case):
@@ -598,6 +603,7 @@ class TorchClassifier:
         assert len(written["LayerNormalization"]) == 1         # no log_prob, no mean: how torch writes them
 
 
+@pytest.mark.graphs
 @pytest.mark.parametrize("kind", ["cross_entropy", "nll_log_softmax"])
 @pytest.mark.torch
 def test_torch_exported_classifier_with_its_cross_entropy_trains_on_two_ranks(tmp_path, tabular, kind):

@@ -21,6 +21,8 @@ if torch is None or optional("transformers") is None:
 sys.path.insert(0, f"{ROOT}/scripts")
 import zoo  # noqa: E402  (the zoo's models, export, run and comparison)
 
+pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-stock and test-py313 run it too
+
 CASES = [("qwen2", "dynamo"), ("gpt2", "dynamo"), ("distilbert_cls", "legacy"), ("resnet_bn", "dynamo"),
          ("mobilenetv3_block", "dynamo"), ("transformer_encoder_layer", "dynamo"), ("mlp_activations", "legacy"),
          ("cumsum_einsum_tile", "dynamo"), ("cumsum_einsum_tile", "legacy"), ("lstm_bi", "legacy"),
