@@ -15,10 +15,9 @@ RANK = os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK", "0")
 
 
 def _rank() -> str:
-    """The launcher's rank, or "joined": a rank an elastic job's survivors spawned (its own world's rank 0)."""
-    import sys
-    mpi = sys.modules.get("mpi4py.MPI")
-    return "joined" if mpi is not None and mpi.Comm.Get_parent() != mpi.COMM_NULL else RANK
+    """The launcher's rank, or "joined": a rank an elastic job's survivors spawned (its own world's rank 0;
+    Open MPI names its parent's port)."""
+    return "joined" if "OMPI_PARENT_PORT" in os.environ else RANK
 
 
 def _peak() -> None:

@@ -245,6 +245,50 @@ def test_a_lost_rank_rejoins_healed_from_rank_0_and_all_end_with_the_same_bits(f
     assert f"{out}: no job trains there now" in again.stderr
 
 
+def test_diloco_takes_a_lost_replica_back_at_an_outer_step(ft, tmp_path, byte_dataset):
+    """DiLoCo, 3 replicas of one rank, an outer step every 4 steps; rank 1 SIGKILLed at the start of step 3 and
+    asked back (`trainrun rejoin RUN`) once the others train on. It is taken in right after an outer step (step 8:
+    TRAINRUN_FAULT_WAIT_JOIN holds the survivors there until it is ready), when every replica holds the global
+    weights: it starts step 9 from exactly rank 0's weights after that outer step (tests/rank_probe.py records
+    them), and the last outer step averages over the 3 replicas again: every outer step's global weights are a
+    NumPy reference's from the replicas alive at it (2, 2, then 3), the same bits on all three."""
+    rec, first = tmp_path / "outer", tmp_path / "first"
+    rec.mkdir()
+    first.mkdir()
+    cfg = _config(tmp_path, byte_dataset, **{
+        "checkpoint.every": 0, "distributed.sync": "diloco",
+        "distributed.diloco": {"inner_steps": 4, "group": 1, "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True}}})
+    out = tmp_path / "run"
+    proc = ompi_start(3, "--config", cfg, probe=True, env={
+        "TRAINRUN_FAULT_KILL_STEP": "1:3", "TRAINRUN_FAULT_WAIT_JOIN": "8", "TRAINRUN_PROBE_OUTER_DIR": str(rec),
+        "TRAINRUN_PROBE_FIRST_DIR": str(first)})
+    _ask_back_once_lost(proc, out)
+    proc = ompi(3, proc=proc, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "elastic: rank(s) 1 lost during step 3; 2 replica(s) go on" in proc.stdout
+    assert _joined_after(proc.stdout, 1)[0] == 8
+    alive = {4: ["0", "2"], 8: ["0", "2"], 12: ["0", "2", "joined"]}
+    names = [p["name"] for p in json.loads((out / "graphs" / "manifest.json").read_text())["params"]]
+    init = load_file(str(out / "graphs" / "weights.safetensors"))
+    start = np.concatenate([init[n].ravel() for n in names])
+    before = {s: [np.load(rec / f"rank{r}_step{s}_before.npy") for r in ranks] for s, ranks in alive.items()}
+    after = {s: [np.load(rec / f"rank{r}_step{s}_after.npy") for r in ranks] for s, ranks in alive.items()}
+    assert np.array_equal(np.load(first / "rankjoined_first.npy"), after[8][0])
+    ref = _reference_outer(start, before, 0.7, 0.9, True)
+    scale = np.abs(start).max()
+    for s in alive:
+        assert all(np.array_equal(a, after[s][0]) for a in after[s]), s
+        assert np.abs(after[s][0] - ref[s]).max() <= 1e-6 * scale, s
+    steps = _lines(out)
+    assert [steps[s]["replicas"] for s in range(1, 13)] == [3] * 2 + [2] * 6 + [3] * 4
+    with open(out / "metrics.jsonl") as fh:
+        outer = {r["step"]: r["outer_replicas"] for r in map(json.loads, fh) if "outer_bytes" in r}
+    assert outer == {4: 2, 8: 2, 12: 3}
+    digests = {json.loads((out / "checkpoints" / "12" / f"rank-{r}.json").read_text())["params_sha256"]
+               for r in range(3)}
+    assert len(digests) == 1
+
+
 def test_rank_0_lost_ends_the_job_with_its_committed_checkpoints_intact(ft, tmp_path, byte_dataset):
     """Rank 0 writes the checkpoints and metrics: its death ends the job on every survivor (exit 1, said once,
     by the lowest survivor), no hang; the checkpoints committed before stand and resume, metrics.jsonl has no
