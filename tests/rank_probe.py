@@ -4,7 +4,8 @@ tests/rank_probe.py ARGS``): at exit it prints ``PEAK_RSS_KB <rank> <KiB>``, the
 the optimizer state in pieces of N elements (``trainrun.sync.update.PIECE``), so a tiny model takes
 many. ``TRAINRUN_PROBE_OUTER_DIR=D``: at each DiLoCo outer step each rank saves its replica's weights before it
 and the new weights after it (``D/rank<r>_step<s>_{before,after}.npy``, r the launcher's rank, MPICH's or Open
-MPI's, or ``joined`` for a rank an elastic job spawned; with ``TRAINRUN_PROBE_OUTER_ALL=1`` at every step). ``TRAINRUN_PROBE_FIRST_DIR=D``: each rank saves its parameters as its first step starts
+MPI's, or ``joined`` for a rank an elastic job spawned; with ``TRAINRUN_PROBE_OUTER_ALL=1`` at every step).
+``TRAINRUN_PROBE_FIRST_DIR=D``: each rank saves its parameters as its first step starts
 (``D/rank<r>_first.npy``)."""
 
 import atexit

@@ -62,7 +62,7 @@ class MPICommunicator(Communicator):
     :meth:`_staged`); every collective polled to ``timeout_s``.
 
     Elastic (:meth:`make_elastic`, ``distributed.elastic``): a collective that fails on a dead peer raises
-    :class:`~trainrun.errors.PeerLost`, and :meth:`revoke`, :meth:`survived` and :meth:`shrink` (ULFM's
+    :class:`~trainrun.errors.PeerLost`, and :meth:`revoke`, :meth:`agreement` and :meth:`shrink` (ULFM's
     revoke, agreement and shrink, polled like the rest) let the survivors go on as a smaller communicator:
     this object's ``rank`` and ``world_size`` change then, ``members`` says which first ranks are alive.
 
@@ -324,14 +324,9 @@ class MPICommunicator(Communicator):
         except self._MPI.Exception:
             pass        # revoked already
 
-    def survived(self, ok: bool) -> bool:
-        """Every survivor learns the same answer (ULFM's agreement, fault tolerant): True where every rank passed
-        ``ok`` and no rank of this communicator died; False everywhere else (then :meth:`shrink`)."""
-        return self.agreement(int(bool(ok))) == 1
-
     def agreement(self, flags: int) -> int | None:
-        """ULFM's agreement on ``flags`` (bits): their AND over every rank, the same on every survivor; None
-        where a rank of this communicator died (then :meth:`shrink`)."""
+        """ULFM's agreement on ``flags`` (bits; fault tolerant): their AND over every rank, the same answer on
+        every survivor; None where a rank of this communicator died (then :meth:`shrink`)."""
         flag = np.array([flags], np.int32)
         try:
             self._wait(self._comm.Iagree(flag), "agreement", (flag,))
