@@ -3,18 +3,26 @@ tests/rank_probe.py ARGS``): at exit it prints ``PEAK_RSS_KB <rank> <KiB>``, the
 (getrusage: the whole run, set-up to export). ``TRAINRUN_PROBE_GATHER_PIECE=N``: ZeRO-1's checkpoint gathers
 the optimizer state in pieces of N elements (``trainrun.sync.update.PIECE``), so a tiny model takes
 many. ``TRAINRUN_PROBE_OUTER_DIR=D``: at each DiLoCo outer step each rank saves its replica's weights before it
-and the new weights after it (``D/rank<r>_step<s>_{before,after}.npy``; with ``TRAINRUN_PROBE_OUTER_ALL=1`` at
-every step). ``TRAINRUN_PROBE_FIRST_DIR=D``: each rank saves its parameters as its first step starts
+and the new weights after it (``D/rank<r>_step<s>_{before,after}.npy``, r the launcher's rank, MPICH's or Open
+MPI's, or ``joined`` for a rank an elastic job spawned; with ``TRAINRUN_PROBE_OUTER_ALL=1`` at every step).
+``TRAINRUN_PROBE_FIRST_DIR=D``: each rank saves its parameters as its first step starts
 (``D/rank<r>_first.npy``)."""
 
 import atexit
 import os
 import resource
 
+RANK = os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK", "0")
+
+
+def _rank() -> str:
+    """The launcher's rank, or "joined": a rank an elastic job's survivors spawned (its own world's rank 0;
+    Open MPI names its parent's port)."""
+    return "joined" if "OMPI_PARENT_PORT" in os.environ else RANK
+
 
 def _peak() -> None:
-    print(f"PEAK_RSS_KB {os.environ.get('PMI_RANK', '0')} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}",
-          flush=True)
+    print(f"PEAK_RSS_KB {RANK} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}", flush=True)
 
 
 def _record_outer_steps(out: str) -> None:
@@ -26,9 +34,8 @@ def _record_outer_steps(out: str) -> None:
         before = np.array(self.engine.params)
         result = step_of(self, step)
         if result is not None or os.environ.get("TRAINRUN_PROBE_OUTER_ALL"):
-            rank = os.environ.get("PMI_RANK", "0")
-            np.save(os.path.join(out, f"rank{rank}_step{step}_before.npy"), before)
-            np.save(os.path.join(out, f"rank{rank}_step{step}_after.npy"), np.array(self.engine.params))
+            np.save(os.path.join(out, f"rank{_rank()}_step{step}_before.npy"), before)
+            np.save(os.path.join(out, f"rank{_rank()}_step{step}_after.npy"), np.array(self.engine.params))
         return result
 
     diloco.DiLoCo.maybe_outer_step = recorded
@@ -40,7 +47,7 @@ def _record_first_step(out: str) -> None:
     step_of = runner.TrainingRunner.train_step
 
     def recorded(self):
-        path = os.path.join(out, f"rank{os.environ.get('PMI_RANK', '0')}_first.npy")
+        path = os.path.join(out, f"rank{_rank()}_first.npy")
         if not os.path.exists(path):
             np.save(path, np.array(self.engine.params))
         return step_of(self)

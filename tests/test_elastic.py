@@ -11,10 +11,14 @@ import json
 import os
 import signal
 import subprocess
+import time
 
+import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
-from conftest import MPIRUN, ROOT, TRAINRUN, read_metrics, run, write_config
+from conftest import MPIRUN, PROBE, ROOT, TRAINRUN, read_metrics, run, write_config
+from test_diloco import _reference_outer
 
 VENV = os.environ.get("TRAINRUN_ELASTIC_VENV") or os.path.join(ROOT, ".venv-elastic")
 EBIN = os.path.join(VENV, "bin")
@@ -43,15 +47,22 @@ def ft():
     return EBIN
 
 
-def ompi(n: int, *args, timeout=120, env=None, ft_flag=True):
-    """`mpirun [--with-ft ulfm] -np n trainrun ARGS` of the Open MPI venv, in a session of its own: on a timeout
-    the whole group is killed (Open MPI's launcher can outlive a SIGTERM while an abort is in progress)."""
+def ompi_start(n: int, *args, env=None, ft_flag=True, probe=False) -> subprocess.Popen:
+    """`mpirun [--with-ft ulfm] -np n trainrun ARGS` of the Open MPI venv (``probe``: through tests/rank_probe.py),
+    started in a session of its own (see :func:`ompi`)."""
     cmd = [os.path.join(EBIN, "mpirun"), *(["--with-ft", "ulfm"] if ft_flag else []), "--oversubscribe",
            "-np", str(n), *[a for k, v in (env or {}).items() for a in ("-x", f"{k}={v}")],
-           os.path.join(EBIN, "trainrun"), *args]
+           *([os.path.join(EBIN, "python"), PROBE] if probe else [os.path.join(EBIN, "trainrun")]), *args]
     full = dict(os.environ, **OMPI_ENV, **(env or {}))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full,
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full,
                             start_new_session=True)
+
+
+def ompi(n: int, *args, timeout=120, env=None, ft_flag=True, probe=False, proc=None):
+    """:func:`ompi_start` (or ``proc``, started so) waited for: on a timeout the whole group is killed (Open MPI's
+    launcher can outlive a SIGTERM while an abort is in progress)."""
+    proc = proc or ompi_start(n, *args, env=env, ft_flag=ft_flag, probe=probe)
+    cmd = proc.args
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -133,6 +144,149 @@ def test_a_killed_rank_drops_out_and_the_others_finish_and_resume(ft, tmp_path, 
                 "--set", "distributed.elastic=false"], check=0)
     assert "at step 12 (saved by 2 rank(s), now 2)" in proc.stdout
     assert sorted(_lines(out))[-2:] == [13, 14]
+
+
+def test_diloco_averages_over_the_replicas_alive_at_the_outer_step(ft, tmp_path, byte_dataset):
+    """DiLoCo, 3 replicas of one rank, an outer step every 4 steps (outer SGD lr 0.7, Nesterov momentum 0.9);
+    rank 1 SIGKILLed at the start of step 7. Steps 7 and 8 are the replicas' own (world steps: every 3rd), so the
+    survivors learn of it in step 8's outer exchange: they shrink and redo it over themselves (first ranks 0 and
+    2, now replicas 0 and 1) and train to the end (exit 0). Each rank records its replica's weights before and
+    after every outer step (tests/rank_probe.py): the global weights after steps 4, 8 and 12 are a NumPy
+    reference's from the replicas alive at that outer step (3, then 2, then 2), the same bits on every
+    survivor, the final checkpoint's; the step lines and the outer lines say how many replicas there were."""
+    rec = tmp_path / "outer"
+    rec.mkdir()
+    cfg = _config(tmp_path, byte_dataset, **{
+        "train.log_every": 3, "checkpoint.every": 0, "distributed.sync": "diloco",
+        "distributed.diloco": {"inner_steps": 4, "group": 1, "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True}}})
+    proc = ompi(3, "--config", cfg, probe=True, env={"TRAINRUN_FAULT_KILL_STEP": "1:7",
+                                                     "TRAINRUN_PROBE_OUTER_DIR": str(rec)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lost = [ln for ln in proc.stdout.splitlines() if ln.startswith("elastic: rank(s) 1 lost during step 8")]
+    assert len(lost) == 1 and "2 replica(s) go on, the step's outer step redone over them" in lost[0], proc.stdout
+    assert "elastic: step 8's outer step redone over 2 rank(s)" in proc.stdout
+    out = tmp_path / "run"
+    alive = {4: [0, 1, 2], 8: [0, 2], 12: [0, 2]}
+    assert sorted(os.listdir(rec)) == sorted(f"rank{r}_step{s}_{w}.npy" for s, ranks in alive.items()
+                                             for r in ranks for w in ("before", "after"))
+    names = [p["name"] for p in json.loads((out / "graphs" / "manifest.json").read_text())["params"]]
+    init = load_file(str(out / "graphs" / "weights.safetensors"))
+    start = np.concatenate([init[n].ravel() for n in names])
+    before = {s: [np.load(rec / f"rank{r}_step{s}_before.npy") for r in ranks] for s, ranks in alive.items()}
+    after = {s: [np.load(rec / f"rank{r}_step{s}_after.npy") for r in ranks] for s, ranks in alive.items()}
+    ref = _reference_outer(start, before, 0.7, 0.9, True)
+    # the mean over all three replicas at step 8 (the dead one's weights from before its death) is another one
+    wrong = _reference_outer(start, {**before, 8: before[8] + [before[4][1]]}, 0.7, 0.9, True)
+    scale = np.abs(start).max()
+    for s in alive:
+        assert all(np.array_equal(a, after[s][0]) for a in after[s]), s
+        assert np.abs(after[s][0] - ref[s]).max() <= 1e-6 * scale, s
+        assert s < 8 or np.abs(after[s][0] - wrong[s]).max() > 1e-4 * scale, s
+    final = load_file(str(out / "checkpoints" / "12" / "model.safetensors"))
+    assert np.array_equal(np.concatenate([final[n].ravel() for n in names]), after[12][0])
+    digests = {json.loads((out / "checkpoints" / "12" / f"rank-{r}.json").read_text())["params_sha256"]
+               for r in (0, 1)}
+    assert len(digests) == 1
+    steps = _lines(out)
+    assert [steps[s]["replicas"] for s in (3, 6, 9, 12)] == [3, 3, 2, 2]
+    with open(out / "metrics.jsonl") as fh:
+        outer = {r["step"]: r["outer_replicas"] for r in map(json.loads, fh) if "outer_bytes" in r}
+    assert outer == {4: 3, 8: 2, 12: 2}
+    assert json.loads((out / "summary.json").read_text())["world_size"] == 2
+
+
+def _ask_back_once_lost(proc, out, timeout=120):
+    """Once a step line says 2 replicas (a rank is lost), `trainrun rejoin RUN` (docs/distributed.md); its
+    output. The job (``proc``) ending first fails the test."""
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + timeout
+    while not (metrics.exists() and any(r.get("replicas") == 2 for r in map(json.loads, metrics.read_text()
+                                                                            .splitlines()[:-1]))):
+        assert proc.poll() is None and time.monotonic() < deadline, ompi(0, proc=proc, timeout=10)
+        time.sleep(0.1)
+    return run([TRAINRUN, "rejoin", str(out)], check=0).stdout
+
+
+def _joined_after(stdout, slot):
+    """The step after which a rank joined in ``slot``'s place (the log line says it), and the line."""
+    line = next(ln for ln in stdout.splitlines() if ln.startswith("elastic: rank 2 joined after step"))
+    assert f"in first rank {slot}'s place, healed from rank 0 over MPI; 3 replica(s) train step" in line, line
+    return int(line.split()[6]), line
+
+
+def test_a_lost_rank_rejoins_healed_from_rank_0_and_all_end_with_the_same_bits(ft, tmp_path, byte_dataset):
+    """3 ranks, rank 1 SIGKILLed at the start of step 4; once the survivors train on, `trainrun rejoin RUN` asks
+    it back: they spawn a rank, train on while it sets up, and (by step 8: TRAINRUN_FAULT_WAIT_JOIN holds
+    them there until it is ready) send it rank 0's weights, optimizer state, counters and data position over
+    MPI and take it in. The run ends (exit 0) on 3 ranks: every step line says how many replicas trained it
+    (3, 2 until the join, 3), the final checkpoint holds the same bits on all three (a rank healed with other
+    moments, step counts or weights would differ after its first update), the losses are finite and fall, and
+    summary.json counts 3. Asked again once the job ended, rejoin says no job trains there (exit 2)."""
+    cfg = _config(tmp_path, byte_dataset)
+    out = tmp_path / "run"
+    proc = ompi_start(3, "--config", cfg, env={"TRAINRUN_FAULT_KILL_STEP": "1:4", "TRAINRUN_FAULT_WAIT_JOIN": "8"})
+    asked = _ask_back_once_lost(proc, out)
+    assert asked.startswith(f"asked the job in {out} for a rank back"), asked
+    proc = ompi(3, proc=proc, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "elastic: rank(s) 1 lost during step 4; 2 replica(s) go on" in proc.stdout
+    spawned = next(ln for ln in proc.stdout.splitlines() if ln.startswith("elastic: a rank spawned after step"))
+    joined, line = _joined_after(proc.stdout, 1)
+    assert 4 <= int(spawned.split()[6]) <= joined <= 8 and "to take rank 1's place" in spawned, proc.stdout
+    steps = _lines(out)
+    assert sorted(steps) == list(range(1, 13))
+    assert [steps[s]["replicas"] for s in range(1, 13)] == [3] * 3 + [2] * (joined - 3) + [3] * (12 - joined)
+    losses = [steps[s]["loss"] for s in range(1, 13)]
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.5, losses
+    final = out / "checkpoints" / "12"
+    digests = {json.loads((final / f"rank-{r}.json").read_text())["params_sha256"] for r in range(3)}
+    assert len(digests) == 1, digests
+    assert json.loads((out / "summary.json").read_text())["world_size"] == 3
+    again = run([TRAINRUN, "rejoin", str(out)], check=2)
+    assert f"{out}: no job trains there now" in again.stderr
+
+
+def test_diloco_takes_a_lost_replica_back_at_an_outer_step(ft, tmp_path, byte_dataset):
+    """DiLoCo, 3 replicas of one rank, an outer step every 4 steps; rank 1 SIGKILLed at the start of step 3 and
+    asked back (`trainrun rejoin RUN`) once the others train on. It is taken in right after an outer step (step 8:
+    TRAINRUN_FAULT_WAIT_JOIN holds the survivors there until it is ready), when every replica holds the global
+    weights: it starts step 9 from exactly rank 0's weights after that outer step (tests/rank_probe.py records
+    them), and the last outer step averages over the 3 replicas again: every outer step's global weights are a
+    NumPy reference's from the replicas alive at it (2, 2, then 3), the same bits on all three."""
+    rec, first = tmp_path / "outer", tmp_path / "first"
+    rec.mkdir()
+    first.mkdir()
+    cfg = _config(tmp_path, byte_dataset, **{
+        "checkpoint.every": 0, "distributed.sync": "diloco",
+        "distributed.diloco": {"inner_steps": 4, "group": 1, "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True}}})
+    out = tmp_path / "run"
+    proc = ompi_start(3, "--config", cfg, probe=True, env={
+        "TRAINRUN_FAULT_KILL_STEP": "1:3", "TRAINRUN_FAULT_WAIT_JOIN": "8", "TRAINRUN_PROBE_OUTER_DIR": str(rec),
+        "TRAINRUN_PROBE_FIRST_DIR": str(first)})
+    _ask_back_once_lost(proc, out)
+    proc = ompi(3, proc=proc, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "elastic: rank(s) 1 lost during step 3; 2 replica(s) go on" in proc.stdout
+    assert _joined_after(proc.stdout, 1)[0] == 8
+    alive = {4: ["0", "2"], 8: ["0", "2"], 12: ["0", "2", "joined"]}
+    names = [p["name"] for p in json.loads((out / "graphs" / "manifest.json").read_text())["params"]]
+    init = load_file(str(out / "graphs" / "weights.safetensors"))
+    start = np.concatenate([init[n].ravel() for n in names])
+    before = {s: [np.load(rec / f"rank{r}_step{s}_before.npy") for r in ranks] for s, ranks in alive.items()}
+    after = {s: [np.load(rec / f"rank{r}_step{s}_after.npy") for r in ranks] for s, ranks in alive.items()}
+    assert np.array_equal(np.load(first / "rankjoined_first.npy"), after[8][0])
+    ref = _reference_outer(start, before, 0.7, 0.9, True)
+    scale = np.abs(start).max()
+    for s in alive:
+        assert all(np.array_equal(a, after[s][0]) for a in after[s]), s
+        assert np.abs(after[s][0] - ref[s]).max() <= 1e-6 * scale, s
+    steps = _lines(out)
+    assert [steps[s]["replicas"] for s in range(1, 13)] == [3] * 2 + [2] * 6 + [3] * 4
+    with open(out / "metrics.jsonl") as fh:
+        outer = {r["step"]: r["outer_replicas"] for r in map(json.loads, fh) if "outer_bytes" in r}
+    assert outer == {4: 2, 8: 2, 12: 3}
+    digests = {json.loads((out / "checkpoints" / "12" / f"rank-{r}.json").read_text())["params_sha256"]
+               for r in range(3)}
+    assert len(digests) == 1
 
 
 def test_rank_0_lost_ends_the_job_with_its_committed_checkpoints_intact(ft, tmp_path, byte_dataset):

@@ -96,6 +96,15 @@ def resume(run_dir, overrides, log_level, force):
 
 
 @cli.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+def rejoin(run_dir):
+    """Ask the elastic job training in RUN_DIR (distributed.elastic) for a lost rank back: its survivors start one
+    after their next step, heal it from their rank 0 over MPI and train on with it (docs/distributed.md)."""
+    from .run.heal import request
+    click.echo(request(run_dir))
+
+
+@cli.command()
 @click.argument("checkpoint", type=click.Path())
 @click.option("--output", "-o", required=True, type=click.Path(),
               help="Output ONNX file (--format onnx) or directory (--format transformers or peft).")

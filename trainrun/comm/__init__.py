@@ -49,6 +49,8 @@ never imports ``mpi4py.MPI`` (importing it initialises MPI), nor cupy: both are 
 
 from __future__ import annotations
 
+import os
+
 from ..errors import UsageError
 from .base import SCALAR_OPS, SUPPORTED_DTYPES, Communicator, SingleProcess
 from .mpi import MPICommunicator, MPIGroup, fault_tolerance, wait_quietly
@@ -81,6 +83,7 @@ __all__ = [
 
 
 BACKENDS = ("auto", "none", "mpi", "nccl")
+SPAWNED_ENV = "OMPI_PARENT_PORT"     # set by Open MPI in a process MPI_Comm_spawn started
 DEVICES = ("cpu", "cuda")
 
 
@@ -105,14 +108,17 @@ def make_communicator(backend: str = "auto", device: str = "cpu", timeout_s: flo
     _, world_size = detect_world()
     _check_srun(world_size)
     if backend == "auto":
-        backend = ("nccl" if device == "cuda" else "mpi") if world_size > 1 else "none"
+        # a process an elastic job's survivors spawned (Open MPI names its parent's port): a world of one that
+        # joins theirs (MPICommunicator's joining mode)
+        several = world_size > 1 or (elastic and SPAWNED_ENV in os.environ)
+        backend = ("nccl" if device == "cuda" else "mpi") if several else "none"
     if backend == "none":
         if world_size > 1:
             raise UsageError(f"backend 'none' runs one process, but the launcher started {world_size} ranks")
         return SingleProcess(timeout_s)
     if backend == "mpi":
         comm = MPICommunicator(timeout_s)
-        if elastic and world_size > 1:
+        if elastic and comm.world_size > 1:
             try:
                 comm.make_elastic()
             except BaseException:

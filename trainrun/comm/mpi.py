@@ -21,6 +21,7 @@ FT_ENV = "OMPI_MCA_mpi_ft_enable"     # set to 1 by Open MPI's `mpirun --with-ft
 SHM_DIR = "/dev/shm"     # where MPICH maps shared windows from (a tmpfs file)
 UCX_SHM_MIN = 64 << 20     # bytes free in /dev/shm below which UCX's posix transport is left out
 _quiet = threading.local()
+_READY_TAG = 7041      # the spawned rank's "set up" message to the survivors' rank 0 (distributed.elastic)
 
 
 def wait_quietly(hurry: threading.Event, poll_s: float | None = None) -> None:
@@ -61,12 +62,20 @@ class MPICommunicator(Communicator):
     :meth:`_staged`); every collective polled to ``timeout_s``.
 
     Elastic (:meth:`make_elastic`, ``distributed.elastic``): a collective that fails on a dead peer raises
-    :class:`~trainrun.errors.PeerLost`, and :meth:`revoke`, :meth:`survived` and :meth:`shrink` (ULFM's
+    :class:`~trainrun.errors.PeerLost`, and :meth:`revoke`, :meth:`agreement` and :meth:`shrink` (ULFM's
     revoke, agreement and shrink, polled like the rest) let the survivors go on as a smaller communicator:
-    this object's ``rank`` and ``world_size`` change then, ``members`` says which first ranks are alive."""
+    this object's ``rank`` and ``world_size`` change then, ``members`` says which first ranks are alive.
+
+    Rejoin (``distributed.elastic``): the survivors :meth:`spawn` a rank for a lost one and, once it is set up,
+    :meth:`admit` it (its state sent from rank 0, the two sides merged into one communicator, the new rank
+    last). A rank so started is ``joining`` from its start: ``rank`` and ``world_size`` are already those it
+    will have, and until :meth:`enter` its set-up's collectives are its own (:meth:`allgather_object`,
+    :meth:`allreduce_scalars`, :meth:`barrier`, :meth:`split`: as if every rank had passed what it passes;
+    the others set up long ago from the same run directory); :meth:`announce` and :meth:`join` take it in."""
 
     backend = "mpi"
     elastic = False
+    joining = False
 
     def __init__(self, timeout_s: float = 300.0):
         MPI = _import_mpi()
@@ -84,6 +93,13 @@ class MPICommunicator(Communicator):
         self.barrier()
         self._node = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.local_rank, self.local_size = self._node.Get_rank(), self._node.Get_size()
+        self._inter = None       # the intercommunicator to a spawned rank (survivors) or to the job (joining)
+        parent = MPI.Comm.Get_parent()
+        if parent != MPI.COMM_NULL:     # spawned by an elastic job's survivors: it joins them, last
+            parent.Set_errhandler(MPI.ERRORS_RETURN)
+            self._inter, self.joining = parent, True
+            self.rank = parent.Get_remote_size()
+            self.world_size = self.rank + 1
 
     # -- the one place that waits -------------------------------------------------
     def _wait(self, request, op: str, keep_alive: tuple = ()) -> None:
@@ -115,6 +131,12 @@ class MPICommunicator(Communicator):
 
     def _who(self) -> str:
         return f"rank {self.rank} of {self.world_size} ({self.hostname})"
+
+    def _not_joining(self, op: str) -> None:
+        """A joining rank has no peers to reduce with before its first step (:meth:`enter`)."""
+        if self.joining:
+            raise TrainrunError(f"{op} on {self._who()} before it joined the job (a rank that rejoins runs its "
+                                f"first collective in its first step)")
 
     def threads_ok(self) -> bool:
         """MPI lets a thread other than the main one call it (MPI_THREAD_SERIALIZED or more)."""
@@ -161,12 +183,14 @@ class MPICommunicator(Communicator):
 
     # -- collectives --------------------------------------------------------------
     def allreduce_(self, buf) -> None:
+        self._not_joining("allreduce_")
         _check_buffer(buf, "allreduce_ buffer")
         self._staged("allreduce_", lambda b: self._wait(
             self._comm.Iallreduce(self._MPI.IN_PLACE, b, op=self._MPI.SUM), "allreduce_", (b,)),
             (buf,), (0,), (0,))
 
     def reduce_scatter(self, buf, out, counts=None) -> None:
+        self._not_joining("reduce_scatter")
         _check_shapes("reduce_scatter", buf, out, self.world_size, counts, self.rank)
         if counts is not None:      # numpy only (distributed.zero_stage 1 runs on the CPU)
             b, o = self._np(buf, "reduce_scatter input"), self._np(out, "reduce_scatter output")
@@ -182,6 +206,7 @@ class MPICommunicator(Communicator):
             (buf, out), (0,), (1,))
 
     def allgather(self, chunk, out, counts=None) -> None:
+        self._not_joining("allgather")
         _check_shapes("allgather", chunk, out, self.world_size, counts, self.rank)
         if counts is not None:
             c, o = self._np(chunk, "allgather input"), self._np(out, "allgather output")
@@ -193,6 +218,7 @@ class MPICommunicator(Communicator):
                      (chunk, out), (0,), (1,))
 
     def alltoall(self, send, recv, counts) -> None:
+        self._not_joining("alltoall")
         s, r = self._np(send, "alltoall input"), self._np(recv, "alltoall output")
         me, p = self.rank, self.world_size
         if len(counts) != p or s.size != sum(counts) or r.size != counts[me] * p or s.dtype != r.dtype:
@@ -204,6 +230,7 @@ class MPICommunicator(Communicator):
         self._wait(self._comm.Ialltoallv(send_spec, recv_spec), "alltoall", (s, r))
 
     def gather(self, chunk, out, counts, root: int = 0) -> None:
+        self._not_joining("gather")
         if not 0 <= root < self.world_size:
             raise ValueError(f"gather: root {root} out of range for world size {self.world_size}")
         c = self._np(chunk, "gather input")
@@ -216,6 +243,7 @@ class MPICommunicator(Communicator):
         self._wait(self._comm.Igatherv(c, spec, root=root), "gather", (c, out))
 
     def broadcast_(self, buf, root: int = 0) -> None:
+        self._not_joining("broadcast_")
         _check_buffer(buf, "broadcast_ buffer")
         if not 0 <= root < self.world_size:
             raise ValueError(f"broadcast_: root {root} out of range for world size {self.world_size}")
@@ -223,9 +251,13 @@ class MPICommunicator(Communicator):
                      (buf,), (0,) if self.rank == root else (), (0,))
 
     def barrier(self) -> None:
+        if self.joining:
+            return
         self._wait(self._comm.Ibarrier(), "barrier")
 
     def allgather_object(self, obj) -> list:
+        if self.joining:
+            return [json.loads(_json_bytes(obj)) for _ in range(self.world_size)]
         data = np.frombuffer(_json_bytes(obj), dtype=np.uint8)
         sizes = np.empty(self.world_size, dtype=np.int64)
         self._wait(self._comm.Iallgather(np.array([data.size], dtype=np.int64), sizes),
@@ -240,12 +272,16 @@ class MPICommunicator(Communicator):
         if op not in SCALAR_OPS:
             raise ValueError(f"allreduce_scalars: op must be one of {SCALAR_OPS}, got {op!r}")
         buf = np.array(values, dtype=np.float64).reshape(-1)
+        if self.joining:
+            return (buf * self.world_size if op == "sum" else buf).tolist()
         self._wait(self._comm.Iallreduce(self._MPI.IN_PLACE, buf, op=self._op(op)),
                    f"allreduce_scalars({op})", (buf,))
         return buf.tolist()
 
     def abort(self, code: int = 1) -> None:
         _flush_stdio()
+        if self.joining:         # a rank that never joined: its end is its own, not the job's
+            os._exit(code)
         self._comm.Abort(code)
         # MPICH's MPI_Abort can return: it asks hydra to kill the job and hydra
         # does so a moment later. Never run on meanwhile.
@@ -255,6 +291,14 @@ class MPICommunicator(Communicator):
         if self._node is not None and not self._MPI.Is_finalized():
             self._node.Free()
         self._node = None
+        if self._inter is not None and not self.joining and not self._MPI.Is_finalized():
+            # every survivor at the end of a run: a rank spawned to rejoin and not admitted yet ends too
+            try:
+                root = self._MPI.ROOT if self.rank == 0 else self._MPI.PROC_NULL
+                self._wait(self._inter.Ibcast(np.zeros(1, np.int64), root=root), "dismiss a spawned rank")
+            except TrainrunError:
+                pass
+            self.forget_spawned()
 
     # -- surviving a dead peer (distributed.elastic) --------------------------------
     def make_elastic(self) -> None:
@@ -265,7 +309,8 @@ class MPICommunicator(Communicator):
         if not ok:
             raise UsageError(f"distributed.elastic: this job cannot survive a lost rank: {why}")
         self.elastic = True
-        self.members = list(range(self.world_size))      # the ranks alive, by the rank they started with
+        # the ranks alive, by the rank they started with (a joining rank learns them from the job)
+        self.members = [] if self.joining else list(range(self.world_size))
         self.barrier()
         if self._node is not None:
             self._node.Free()
@@ -279,15 +324,15 @@ class MPICommunicator(Communicator):
         except self._MPI.Exception:
             pass        # revoked already
 
-    def survived(self, ok: bool) -> bool:
-        """Every survivor learns the same answer (ULFM's agreement, fault tolerant): True where every rank passed
-        ``ok`` and no rank of this communicator died; False everywhere else (then :meth:`shrink`)."""
-        flag = np.array([int(bool(ok))], np.int32)
+    def agreement(self, flags: int) -> int | None:
+        """ULFM's agreement on ``flags`` (bits; fault tolerant): their AND over every rank, the same answer on
+        every survivor; None where a rank of this communicator died (then :meth:`shrink`)."""
+        flag = np.array([flags], np.int32)
         try:
             self._wait(self._comm.Iagree(flag), "agreement", (flag,))
         except PeerLost:
-            return False
-        return bool(flag[0])
+            return None
+        return int(flag[0])
 
     def shrink(self) -> list[int]:
         """Every survivor: this communicator becomes the survivors' (MPI_Comm_shrink; they keep their order, so
@@ -310,6 +355,102 @@ class MPICommunicator(Communicator):
         self.members = alive
         return lost
 
+    # -- a rank that rejoins (distributed.elastic) ----------------------------------
+    def spawn(self, argv: list[str]) -> None:
+        """Every survivor: start one rank with the command ``argv`` (MPI_Comm_spawn, on a host of this job; it
+        returns once the new process initialised MPI), to be admitted when it says it is set up
+        (:meth:`joiner_ready`). Rank 0 listens for that from now on."""
+        MPI = self._MPI
+        try:
+            self._inter = self._comm.Spawn(argv[0], argv[1:], maxprocs=1, root=0)
+        except MPI.Exception as e:
+            raise TrainrunError(f"spawning a rank to rejoin ({' '.join(argv)}) failed on {self._who()}: "
+                                f"{e.Get_error_string()}") from None
+        self._inter.Set_errhandler(MPI.ERRORS_RETURN)
+        self._ready = np.zeros(1, np.float64)
+        self._ready_req = self._inter.Irecv(self._ready, source=0, tag=_READY_TAG) if self.rank == 0 else None
+
+    def joiner_ready(self) -> float | None:
+        """Rank 0, after :meth:`spawn`: the seconds the spawned rank took to set up, once it said it is ready;
+        None before (never blocks); -1 where it died before (its set-up failed: its error is in the job's output)."""
+        req = getattr(self, "_ready_req", None)
+        if req is None:
+            return None
+        try:
+            return float(self._ready[0]) if req.Test() else None
+        except self._MPI.Exception:
+            return -1.0
+
+    def forget_spawned(self) -> None:
+        """Every survivor: the spawned rank died before it was admitted; its intercommunicator let go."""
+        if self._inter is not None:
+            try:
+                self._inter.Free()
+            except self._MPI.Exception:
+                pass
+        self._inter = self._ready_req = None
+
+    def admit(self, meta: dict, arrays: list) -> None:
+        """Every survivor, once the spawned rank is ready: rank 0 sends it ``meta`` (JSON) and ``arrays`` (the
+        others pass theirs, unused), then the survivors and it become one communicator, it last."""
+        MPI, inter = self._MPI, self._inter
+        root = MPI.ROOT if self.rank == 0 else MPI.PROC_NULL
+        head = np.frombuffer(_json_bytes(meta), np.uint8)
+        self._wait(inter.Ibcast(np.array([head.size], np.int64), root=root), "admit (size)")
+        self._wait(inter.Ibcast(head, root=root), "admit (state)", (head,))
+        for a in arrays:
+            self._wait(inter.Ibcast(a, root=root), "admit (arrays)", (a,))
+        self._merge(high=False)
+        self.members = [*self.members, int(meta["slot"])]
+
+    def announce(self, setup_s: float) -> None:
+        """The joining rank: tell the job it is set up (``setup_s``: seconds since its start), so that the
+        survivors admit it at the next step they can."""
+        self._announced = np.array([setup_s], np.float64)
+        self._announce_req = self._inter.Isend(self._announced, dest=0, tag=_READY_TAG)
+
+    def join(self, arrays_for) -> dict | None:
+        """The joining rank, after :meth:`announce`: wait (without a deadline: the job admits it at its next
+        outer step or step) for the state rank 0 sends, ``arrays_for(meta)`` giving the buffers it fills; then
+        one communicator with the survivors. Returns the state's JSON part (None: the job ended first)."""
+        MPI, inter = self._MPI, self._inter
+        n = np.zeros(1, np.int64)
+        req = inter.Ibcast(n, root=0)
+        while not req.Test():
+            time.sleep(base.MAX_SLEEP_S)
+        if not n[0]:        # the job ended first (:meth:`close`)
+            return None
+        head = np.empty(int(n[0]), np.uint8)
+        self._wait(inter.Ibcast(head, root=0), "join (state)", (head,))
+        meta = json.loads(head.tobytes())
+        for a in arrays_for(meta):
+            self._wait(inter.Ibcast(a, root=0), "join (arrays)", (a,))
+        self._announce_req.Wait()
+        self._merge(high=True)
+        self.members = [*meta["members"], int(meta["slot"])]
+        return meta
+
+    def enter(self) -> None:
+        """The joining rank's first step: its collectives are the job's from now on."""
+        self.joining = False
+
+    def _merge(self, high: bool) -> None:
+        """The survivors (``high`` False) and the spawned rank (True): one intracommunicator, in place of this
+        one (its rank and size with it)."""
+        MPI, inter = self._MPI, self._inter
+        try:
+            merged = inter.Merge(high=high)
+        except MPI.Exception as e:
+            raise TrainrunError(f"admitting a rank that rejoins failed on {self._who()}: {e.Get_error_string()}") \
+                from None
+        merged.Set_errhandler(MPI.ERRORS_RETURN)
+        old, self._comm, self._inter = self._comm, merged, None
+        self._ready_req = None
+        if old is not MPI.COMM_WORLD:
+            old.Free()
+        inter.Free()
+        self.rank, self.world_size = merged.Get_rank(), merged.Get_size()
+
     def dup(self, what: str) -> "MPIGroup":
         """The same ranks as a communicator of their own (``MPI_Comm_dup``): collectives on it never match
         this one's, so another thread may run them while this communicator's run in the caller's order
@@ -321,6 +462,8 @@ class MPICommunicator(Communicator):
     def split(self, color: int, what: str) -> "MPIGroup":
         """The ranks that pass the same ``color``, ordered by world rank, as a communicator of their own
         (collectives polled to this communicator's ``timeout_s``). Every rank must call it."""
+        if self.joining:     # a group of this rank alone (DiLoCo's replica of one rank under elastic)
+            return MPIGroup(self, self._MPI.COMM_SELF.Dup(), what)
         self.barrier()      # Split is a blocking collective: first make sure every rank is alive and here
         return MPIGroup(self, self._comm.Split(color, key=self.rank), what)
 

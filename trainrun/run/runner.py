@@ -37,6 +37,7 @@ from ..comm import cuda_device_count, make_communicator
 from ..errors import TrainrunError, UsageError, collective
 from ..commands.evaluate import evaluate_sets
 from ..sync.elastic import Elastic
+from .heal import Heal
 from .finish import export_model, model_is_current, write_summary
 from .lock import RunLock
 from ..observe import Observer, apply_log_level
@@ -128,9 +129,11 @@ class TrainingRunner:
             self.checkpoints.register(key, part)
         if resume_from:
             self._restore(resume_from, force, retry)
-        # distributed.elastic: the step's collectives redone over the survivors of a lost rank
-        self.elastic = Elastic(comm, self.engine.grads, self.checkpoints, cfg.distributed.min_replicas, self.log,
-                               self._continue_hint) if getattr(comm, "elastic", False) else None
+        # distributed.elastic: the step's collectives redone over the survivors of a lost rank; a rank that
+        # rejoins is healed here from the job's rank 0 (Heal)
+        self.elastic = Elastic(comm, self.engine.grads, self.checkpoints, self.sync, cfg.distributed.min_replicas,
+                               self.log, self._continue_hint, Heal(self)) if getattr(comm, "elastic", False) \
+            else None
         self.metrics = Metrics(self.out, enabled=self.is_main, tensorboard=cfg.tensorboard.enabled,
                                quiet=cfg.run.log_level == "warning", total_steps=self.total_steps,
                                start_step=self.step, eval_sets=list(self.eval_sets))
@@ -262,6 +265,8 @@ class TrainingRunner:
     # ------------------------------------------------------------------ the step
     def train_step(self) -> dict:
         timer = self.timer
+        if self.elastic is not None and self.elastic.before_step(self.step):
+            timer.mark("rejoin")     # distributed.elastic: a lost rank spawned, or taken back, where agreed
         faults.kill("KILL_STEP", self.rank, self.step + 1)
         faults.stall("STALL_STEP", self.rank, self.step + 1)
         faults.wait_until("WAIT_SIGNAL", self.rank, self.step + 1, self.signals.flag)
@@ -278,7 +283,8 @@ class TrainingRunner:
             timer.mark("allreduce")
             sums = self.scalar_sums(loss_sum, world)
         else:       # a rank lost in either drops out and both are redone over the survivors
-            sums = self.elastic.step(self.step + 1, lambda: (self.shard.reduce(), self.scalar_sums(loss_sum, world))[1])
+            sums = self.elastic.step(self.step + 1, lambda: (self.shard.reduce(), self.scalar_sums(loss_sum, world))[1],
+                                     world)
             timer.mark("allreduce")
         loss, grad_norm, finite, stop, give_up = self.step_scalars(sums, world)
         timer.mark("norm")

@@ -228,8 +228,11 @@ def _distributed(cfg: C.Config, add) -> None:
             add("distributed.overlap_grad_reduce", "runs on the CPU over MPI; not with device: cuda or "
                 "distributed.backend: nccl")
     if d.elastic:
-        for wrong, why in ((d.sync != "every_step", "distributed.sync: every_step (DiLoCo's outer average over "
-                            "the replicas alive is not built yet)"),
+        for wrong, why in ((d.sync == "diloco" and d.diloco.group != 1, "distributed.diloco.group: 1 with "
+                            "distributed.sync diloco (one rank per replica: dropping a replica of several ranks "
+                            "together is not built yet)"),
+                           (d.sync == "diloco" and d.diloco.overlap_steps, "distributed.diloco.overlap_steps: 0 (an "
+                            "outer step's exchange is redone over the survivors while it is waited for)"),
                            (d.zero_stage != 0, "distributed.zero_stage: 0 (every survivor holds the whole optimizer "
                             "state; a ZeRO-1 part would die with its rank)"),
                            (cfg.device != "cpu" or d.backend == "nccl", "device: cpu over MPI (Open MPI's ULFM)"),

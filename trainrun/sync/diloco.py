@@ -136,7 +136,9 @@ class DiLoCo(Policy):
             raise collective(UsageError(
                 f"distributed.diloco.group: {k.group or 'the ranks of one node'} gives {why} on "
                 f"{world.world_size} rank(s); diloco needs at least 2 replicas of equal size"))
-        cross = world.split(comm.rank, "replicas")
+        # distributed.elastic (one rank per replica): the replicas are the world itself, so that the world's
+        # shrink to the survivors of a lost rank is the replicas' too
+        cross = world if world.elastic else world.split(comm.rank, "replicas")
         replica = comm.allgather_object(cross.rank)[0]       # the replica's first rank's place among the replicas
         return cls(k, world, comm, cross, replica, replicas, schedule)
 
@@ -147,6 +149,19 @@ class DiLoCo(Policy):
         over the slow link and no wait for the slowest replica at every step; a stop signal is carried at the
         next world step."""
         return step >= end or agree or any(every(step, n) for n in self.schedule)
+
+    def regroup(self) -> None:
+        """``distributed.elastic``: the world (the replicas: one rank each) shrank to the survivors; the outer
+        steps from now on average over them."""
+        self.replicas, self.replica = self.cross.world_size, self.cross.rank
+
+    def joinable(self) -> bool:
+        """Right after an outer step of the whole model: every replica holds the global weights (rank 0's, the
+        new replica's start), and no exchange is in flight."""
+        return self.fresh and self.pending is None
+
+    def rejoined(self, saved: dict | None) -> None:
+        self.round_start, self.rounds, self.fresh = saved["round_start"], saved["rounds"], True
 
     def describe(self) -> str:
         k = self.cfg
@@ -213,14 +228,14 @@ class DiLoCo(Policy):
         due = [f for f, o in enumerate(self.offsets) if step % k.inner_steps == o]
         self.fresh = False
         if last:
-            done = self._sync(0, self.hi - self.lo)
+            done = self._sync(step, 0, self.hi - self.lo)
             self.fresh = True
         elif due and k.overlap_steps:
             self._start(due[0], step)
             done = None
         elif due:
             a, b = self.parts[due[0]][0], self.parts[due[-1]][1]
-            done = self._sync(a, b)
+            done = self._sync(step, a, b)
             self.fresh = k.fragments == 1
         else:
             done = None
@@ -228,11 +243,12 @@ class DiLoCo(Policy):
             return None
         self.round_start = step
         self.rounds += 1
-        return self._metrics(*(done or applied))
+        return self._metrics(step, *(done or applied))
 
-    def _sync(self, a: int, b: int) -> tuple:
+    def _sync(self, step: int, a: int, b: int) -> tuple:
         """The outer step of elements ``a:b`` of this rank's part, waited for: the replicas' mean outer
-        gradient, the outer SGD step, the replica given the new global weights."""
+        gradient, the outer SGD step, the replica given the new global weights. Under distributed.elastic the
+        exchange is redone over the survivors of a replica lost in it (the outer gradient formed again)."""
         t0 = time.perf_counter()
         params, lo = self.engine.params, self.lo
         delta = self.engine.grads[:b - a]          # free until the next step's backward pass
@@ -241,7 +257,8 @@ class DiLoCo(Policy):
         sent = self.wire.sent_bytes
         t1 = time.perf_counter()
         if b > a:
-            self.wire.allreduce_(delta)
+            self.agreed(step, lambda: self.wire.allreduce_(delta), what="outer step",
+                        again=lambda: np.subtract(self.weights[a:b], params[lo + a:lo + b], out=delta))
         waited = time.perf_counter() - t1
         delta *= np.float32(1.0 / self.replicas)
         self._outer_sgd(delta, a, b)
@@ -290,17 +307,18 @@ class DiLoCo(Policy):
         wire_ = self.background.wire if self.background else self.wire
         return t0, 0 if sent is None else wire_.sent_bytes - sent, waited, drift
 
-    def _metrics(self, t0: float, nbytes: int, waited: float, drift: tuple[float, float]) -> dict:
+    def _metrics(self, step: int, t0: float, nbytes: int, waited: float, drift: tuple[float, float]) -> dict:
         """The outer step's log line, from one allreduce over the world: bytes this rank sent, the ranks' mean
         wait, the replicas' drift from the global weights (of the fragment exchanged, when its exchange
         started: root mean square over replicas of ||replica - global|| / ||global||, from each rank's squared
         norms of its part, ``drift``, each part counted once per replica)."""
         counts = float(self.shard.counts_part)     # each part of the replica's parameters counted once
-        waited_sum, drift_sq, weights_sq = self.world.allreduce_scalars(
-            [waited, counts * drift[0], counts * drift[1]], op="sum")
+        waited_sum, drift_sq, weights_sq = self.agreed(step, lambda: self.world.allreduce_scalars(
+            [waited, counts * drift[0], counts * drift[1]], op="sum"), what="outer step's log line")
         return {"outer_bytes": nbytes, "outer_wait_s": round(waited_sum / self.world.world_size, 6),
                 "outer_drift": float(np.sqrt(drift_sq / max(weights_sq, 1e-30))),
-                "outer_s": round(time.perf_counter() - t0, 6)}
+                "outer_s": round(time.perf_counter() - t0, 6),
+                **({"outer_replicas": self.replicas} if self.elastic else {})}
 
     def _outer_sgd(self, g: np.ndarray, a: int, b: int) -> None:
         """torch.optim.SGD's step (dampening 0, no weight decay) on elements ``a:b`` of the global weights with
@@ -355,5 +373,6 @@ class DiLoCo(Policy):
     def close(self) -> None:
         if self.background:
             self.background.close()
-        self.cross.close()
+        if self.cross is not self.world:
+            self.cross.close()
         self.comm.close()

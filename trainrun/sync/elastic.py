@@ -22,8 +22,17 @@ directory holds a dead rank's part; committed checkpoints are untouched); fewer 
 writes the checkpoints and metrics) ends the job on every survivor with exit 1, the last committed checkpoint
 standing.
 
+DiLoCo (``distributed.sync: diloco``, one rank per replica): the replicas are the world, so a shrink is
+theirs too (:meth:`trainrun.sync.policy.Policy.regroup`); the policy runs its outer exchange and its log line
+through :meth:`Elastic.agreed` (the outer gradient formed again before a redo), so the outer step averages
+over the replicas alive at it. Between world steps a replica's step talks to no other rank, and nothing is
+agreed then.
+
+A lost rank can come back (:mod:`trainrun.sync.rejoin`): every agreement also carries rank 0's news of a
+request (`trainrun rejoin RUN`) and of a spawned rank that is set up; :meth:`Elastic.after_step` acts on them.
+
 Not handled: a death outside the step's collectives (an evaluation, a checkpoint's final commit, the start-up
-or the end), or during the recovery itself, ends the job as without elastic.
+or the end), or during the recovery or an admission, ends the job as without elastic.
 """
 
 from __future__ import annotations
@@ -33,31 +42,46 @@ import time
 import numpy as np
 
 from ..errors import PeerLost, TrainrunError, collective
+from .rejoin import OK, Rejoin
 
 
 class Elastic:
     """The step's collectives retried over the survivors of ``comm`` (an elastic
     :class:`trainrun.comm.MPICommunicator`); ``grads``: the flat gradient buffer the reduce sums in place;
     ``checkpoints``: the runner's :class:`trainrun.checkpoint.Checkpointer`; ``resume_hint()``: how to go on
-    from the last committed checkpoint."""
+    from the last committed checkpoint; ``heal``: the runner's state for a rank that rejoins
+    (:class:`trainrun.run.heal.Heal`; a rank that is joining takes it here, from the job's rank 0)."""
 
-    def __init__(self, comm, grads, checkpoints, min_replicas: int, log, resume_hint):
-        self.comm, self.grads, self.checkpoints = comm, grads, checkpoints
+    def __init__(self, comm, grads, checkpoints, sync, min_replicas: int, log, resume_hint, heal=None):
+        self.comm, self.grads, self.checkpoints, self.sync = comm, grads, checkpoints, sync
+        sync.elastic = self         # the sync policy's own collectives (DiLoCo's outer step) go through agreed()
         self.min_replicas = int(min_replicas)
         self.log, self.resume_hint = log, resume_hint
         self.saved = np.empty_like(grads)      # this rank's own gradients of the step, for a redo
         self.lost: list[int] = []              # the ranks lost so far, by the rank they started with
         self.below: str | None = None          # why the run stops: fewer ranks alive than min_replicas
         self.recoveries: list[float] = []      # seconds from each failed attempt's start to the redo's end
+        self.rejoin = Rejoin(self, heal)
 
     @property
     def replicas(self) -> int:
         return self.comm.world_size
 
-    def step(self, step: int, run):
+    def step(self, step: int, run, world: bool = True):
         """``run()`` (the reduce and the scalar allreduce; its result returned) once every survivor got through
-        it, redone over the survivors after each death."""
+        it, redone over the survivors after each death, this rank's own gradients restored first. Not ``world``
+        (DiLoCo between two world steps: each replica, one rank, on its own): ``run()`` talks to no other rank."""
+        if self.comm.joining:      # a rank that rejoined: its first step, with the others
+            self.comm.enter()
+        if not world:
+            return run()
         np.copyto(self.saved, self.grads)
+        return self.agreed(step, run, again=lambda: np.copyto(self.grads, self.saved))
+
+    def agreed(self, step: int, run, again=None, what: str = "reduce"):
+        """``run()`` (collectives only; its result returned) once every survivor got through it: after each
+        death the survivors shrink, ``again()`` puts back what ``run`` overwrote, and ``run()`` is redone over
+        them. ``what``: the step's part that ``run`` is, for the log lines ("reduce", "outer step")."""
         started = None
         while True:
             t0 = time.monotonic()
@@ -67,17 +91,31 @@ class Elastic:
             except PeerLost:
                 ok = False
                 self.comm.revoke()
-            if self.comm.survived(ok):
+            flags = self.comm.agreement(self.rejoin.flags(ok))
+            if flags is not None and flags & OK:
+                self.rejoin.noted(flags)
                 if started is not None:
                     self.recoveries.append(time.monotonic() - started)
-                    self.log(f"elastic: step {step} redone over {self.replicas} rank(s) "
-                             f"{time.monotonic() - started:.2f} s after its reduce first failed")
+                    done = f"step {step}" if what == "reduce" else f"step {step}'s {what}"
+                    self.log(f"elastic: {done} redone over {self.replicas} rank(s) "
+                             f"{time.monotonic() - started:.2f} s after its {what} first failed")
                 return out
             started = t0 if started is None else started
-            self._lost(step, self.comm.shrink(), time.monotonic() - t0)
-            np.copyto(self.grads, self.saved)
+            self._lost(step, self.comm.shrink(), time.monotonic() - t0, what)
+            if again is not None:
+                again()
 
-    def _lost(self, step: int, lost: list[int], took: float) -> None:
+    def before_step(self, step: int) -> bool:
+        """Before the step after ``step`` (all that follows ``step`` done: its metrics line, evaluation,
+        checkpoint), every rank: a rank spawned or admitted where the last agreement said so
+        (:meth:`trainrun.sync.rejoin.Rejoin.act`); whether anything was."""
+        return self.rejoin.act(step)
+
+    def shrunk(self, step: int, took: float, what: str) -> None:
+        """A rank died in an agreement outside :meth:`agreed` (the rejoin's own): the survivors shrink."""
+        self._lost(step, self.comm.shrink(), took, what)
+
+    def _lost(self, step: int, lost: list[int], took: float, what: str) -> None:
         """After a shrink: the run's bookkeeping for ``lost`` (by first rank), or the end of the job."""
         self.lost += lost
         n = self.replicas
@@ -92,7 +130,8 @@ class Elastic:
             exc.report_here = self.comm.rank == 0      # the lowest survivor says it (the launcher's rank 0 is gone)
             raise exc
         dropped = self.checkpoints.regroup()
-        self.log(f"elastic: rank(s) {names} lost during step {step}; {n} replica(s) go on, the step's reduce "
+        self.sync.regroup()
+        self.log(f"elastic: rank(s) {names} lost during step {step}; {n} replica(s) go on, the step's {what} "
                  f"redone over them (dropped in {took:.2f} s)"
                  + (f"; the write of checkpoint {dropped} in flight abandoned" if dropped is not None else ""))
         if n < self.min_replicas and self.below is None:

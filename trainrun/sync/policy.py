@@ -16,6 +16,9 @@ one (every rank, a collective). The interface::
                              registered without a key (:meth:`trainrun.checkpoint.Checkpointer.register`): it
                              writes and reads state.json's ``diloco`` itself
     describe(), advice(cold_start), close()
+    elastic, regroup()       ``distributed.elastic``: the :class:`trainrun.sync.elastic.Elastic` that runs the policy's
+                             own collectives (:meth:`Policy.agreed`), and what follows a shrink of the world
+    joinable(), rejoined(saved)   ... when a rank that rejoins can be taken in, and its place in the schedule
 """
 
 from __future__ import annotations
@@ -43,9 +46,27 @@ class Policy:
     """What every sync policy shares: the step's scalars, over the world or over this rank's replica."""
 
     replica, replicas = 0, 1
+    elastic = None      # distributed.elastic: its Elastic (set by it)
 
     def __init__(self, world, comm):
         self.world, self.comm = world, comm
+
+    def agreed(self, step: int, run, what: str, again=None):
+        """``run()``, collectives on the world only; under ``distributed.elastic`` redone over the survivors of
+        a rank lost in them, ``again()`` first (:meth:`trainrun.sync.elastic.Elastic.agreed`)."""
+        return run() if self.elastic is None else self.elastic.agreed(step, run, again=again, what=what)
+
+    def regroup(self) -> None:
+        """``distributed.elastic``: the world shrank to the survivors of a lost rank, or took a rank back (every
+        rank calls it)."""
+
+    def joinable(self) -> bool:
+        """``distributed.elastic``: a rank that rejoins can be taken in after this step."""
+        return True
+
+    def rejoined(self, saved: dict | None) -> None:
+        """``distributed.elastic``, the rank that rejoined: its place in the policy's schedule, from rank 0's
+        :meth:`state_dict` (its tensors, :attr:`state`, came with the parameters)."""
 
     def world_step(self, step: int, end: int, agree: bool) -> bool:
         """Whether ``step``'s scalars are summed over the world (``end``: the session's last step; ``agree``:

@@ -1,0 +1,135 @@
+"""``distributed.elastic``'s rejoin, the runner's side (:mod:`trainrun.sync.rejoin` is the protocol): the request
+`trainrun rejoin RUN` writes (:func:`request`), the command the survivors spawn the new rank with, and the state
+it is healed with, from rank 0's memory over MPI, not from a checkpoint on disk (:class:`Heal`): what a
+checkpoint holds of a run (the parameters, every optimizer state, the model state, the counters, the data
+position, the sync policy's place and tensors), sent as one JSON part and the flat buffers."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import yaml
+
+from ..data import TrainLoader
+from ..errors import TrainrunError, UsageError
+from ..observe.timer import process_age
+from .lock import RunLock
+
+REQUEST_FILE = "rejoin.json"     # in the run directory: `trainrun rejoin RUN` asks the elastic job for a rank back
+
+
+def request(run_dir: str) -> str:
+    """`trainrun rejoin RUN_DIR`: ask the elastic job training in ``run_dir`` to take a rank back; what to print.
+    UsageError where ``run_dir`` is not an elastic run's or no job trains in it."""
+    run_dir = os.path.abspath(run_dir)
+    try:
+        with open(os.path.join(run_dir, "config.yaml")) as fh:
+            elastic = ((yaml.safe_load(fh) or {}).get("distributed") or {}).get("elastic")
+    except (OSError, yaml.YAMLError) as e:
+        raise UsageError(f"{run_dir} is not a run directory (its config.yaml: {e})") from None
+    if not elastic:
+        raise UsageError(f"{run_dir}: distributed.elastic is not set in its config.yaml; only an elastic run can "
+                         f"take a rank back (otherwise: `trainrun resume {run_dir}` on more ranks)")
+    lock = RunLock(run_dir, log=lambda _: None)
+    try:
+        lock.acquire()
+    except UsageError:
+        pass          # held: a job trains there
+    else:
+        lock.release()
+        raise UsageError(f"{run_dir}: no job trains there now; continue it with `trainrun resume {run_dir}` "
+                         f"(under mpirun --with-ft ulfm)")
+    path = os.path.join(run_dir, REQUEST_FILE)
+    with open(path + ".tmp", "w") as fh:
+        json.dump({"time": time.time()}, fh)
+    os.replace(path + ".tmp", path)
+    return (f"asked the job in {run_dir} for a rank back: after its next step its survivors start it on a host of "
+            f"their job (its output in the job's); it joins once it is set up (DiLoCo: at an outer step)")
+
+
+class Heal:
+    """The state of ``runner`` (a :class:`trainrun.run.runner.TrainingRunner`) for a rank that rejoins: sent from
+    rank 0 (:meth:`state`), taken by the new rank (:meth:`buffers`, then :meth:`apply`)."""
+
+    def __init__(self, runner):
+        self.r = runner
+
+    # ------------------------------------------------------------------ rank 0 and the survivors
+    def requested(self) -> bool:
+        return os.path.exists(os.path.join(self.r.out, REQUEST_FILE))
+
+    def take_request(self) -> float | None:
+        """The request's time, the file removed (rank 0)."""
+        path = os.path.join(self.r.out, REQUEST_FILE)
+        try:
+            with open(path) as fh:
+                asked = float(json.load(fh)["time"])
+        except (OSError, ValueError, KeyError, TypeError):
+            asked = None
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+        return asked
+
+    def argv(self) -> list[str]:
+        """The command the survivors spawn: this process's program on the run directory's config.yaml."""
+        main = sys.argv[0]
+        program = [sys.executable, "-m", "trainrun"] if os.path.basename(main) == "__main__.py" \
+            else [sys.executable, os.path.abspath(main)]
+        return [*program, "train", "--config", os.path.join(os.path.abspath(self.r.out), "config.yaml"),
+                "--log-level", self.r.cfg.run.log_level]
+
+    def _named(self) -> dict:
+        r = self.r
+        named = {"params": r.engine.params, **r.shard.state, **r.sync.state}
+        if r.engine.state.size:
+            named["model_state"] = r.engine.state
+        return named
+
+    def state(self) -> tuple[dict, list]:
+        """(the JSON part, the buffers in the order it names them): this rank's (rank 0's are sent)."""
+        r = self.r
+        named = self._named()
+        meta = {"step": r.step, "updates": r.updates, "skipped": r.skipped,
+                "nonfinite_in_a_row": r.nonfinite_in_a_row, "total_steps": r.total_steps,
+                "loader": r.loader.state_dict(), "early_stopping": r.early_stopping.state_dict(),
+                "loss_scaler": r.scaler.state_dict() if r.scaler else None,
+                "saved_step": r.checkpoints.saved_step, "sync": r.sync.state_dict(),
+                "arrays": [[name, int(buf.size)] for name, buf in named.items()]}
+        return meta, list(named.values())
+
+    # ------------------------------------------------------------------ the rank that rejoins
+    def setup_s(self) -> float:
+        return process_age() or 0.0
+
+    def buffers(self, meta: dict) -> list:
+        """The buffers the state's ``arrays`` fill, this rank's own (the same model and optimizer)."""
+        named = self._named()
+        mine = [[name, int(buf.size)] for name, buf in named.items()]
+        if mine != meta["arrays"]:
+            raise TrainrunError(f"rejoining: the job's rank 0 sends {meta['arrays']}, this rank holds {mine}: not "
+                                f"the same model and optimizer (the run directory's config.yaml changed?)")
+        return list(named.values())
+
+    def apply(self, meta: dict) -> None:
+        """The counters, the data position (first rank ``slot``'s slice of each global batch, as the job started
+        on ``first_world`` ranks) and the policy's place; the buffers were filled already."""
+        r, cfg = self.r, self.r.cfg
+        r.step, r.updates, r.skipped = meta["step"], meta["updates"], meta["skipped"]
+        r.nonfinite_in_a_row, r.total_steps = meta["nonfinite_in_a_row"], meta["total_steps"]
+        r.sync.total_steps = meta["total_steps"]
+        r.loader.close()
+        r.loader = TrainLoader(r.train_ds, micro_batch=cfg.train.micro_batch_size,
+                               accum=cfg.train.gradient_accumulation_steps, rank=int(meta["slot"]),
+                               world_size=int(meta["first_world"]), seed=cfg.run.seed, shuffle=cfg.data.shuffle,
+                               prefetch=cfg.data.prefetch)
+        r.loader.load_state_dict(meta["loader"])
+        r.early_stopping.load_state_dict(meta["early_stopping"] or {})
+        if r.scaler and meta["loss_scaler"]:
+            r.scaler.load_state_dict(meta["loss_scaler"])
+        r.checkpoints.saved_step = meta["saved_step"]
+        r.sync.rejoined(meta["sync"])
