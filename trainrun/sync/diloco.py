@@ -161,6 +161,7 @@ class DiLoCo(Policy):
         return self.fresh and self.pending is None
 
     def rejoined(self, saved: dict | None) -> None:
+        saved = saved["diloco"]         # state_dict()'s: the state.json entry it owns
         self.round_start, self.rounds, self.fresh = saved["round_start"], saved["rounds"], True
 
     def describe(self) -> str:
