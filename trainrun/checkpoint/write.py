@@ -304,8 +304,28 @@ class Checkpointer:
         it) and ``restore_state(saved)`` (given state.json before any tensor is read: name -> the buffer the
         restore fills, elements ``state_range`` of the saved tensor, or None for one the part only has
         checked and reads itself). :meth:`save` and :meth:`restore` take the parts in the order registered,
-        the same on every rank (their gathers and loads may be collectives)."""
-        self.parts.append((key, part))
+        the same on every rank (their gathers and loads may be collectives). A key registered again has its
+        part replaced, in its place (a component rebuilt: a rejoined rank's loader)."""
+        at = [i for i, (k, _) in enumerate(self.parts) if key is not None and k == key]
+        if at:
+            self.parts[at[0]] = (key, part)
+        else:
+            self.parts.append((key, part))
+
+    def entries(self) -> dict:
+        """What state.json holds of the registered parts now (their ``state_dict()``s)."""
+        entries = {}
+        for key, part in self.parts:
+            entry = _call(part, "state_dict")
+            entries.update((entry or {}) if key is None else {key: entry})
+        return entries
+
+    def load_keyed(self, saved: dict) -> None:
+        """The parts registered under a key given their entry of ``saved`` (state.json's, or
+        :meth:`entries` sent from another rank), where it holds one."""
+        for key, part in self.parts:
+            if key is not None and saved.get(key) is not None:
+                _call(part, "load_state_dict", saved[key])
 
     # -- saving
     def status(self) -> tuple[float, float]:
@@ -364,10 +384,7 @@ class Checkpointer:
         rest in the background (:meth:`CheckpointWriter.start`). state.json: the registered parts'
         ``state_dict()`` and ``meta`` (``loader`` is required, from the parts or ``meta``)."""
         self._settle()     # at most one write in flight
-        entries, buffers = {}, dict(buffers)
-        for key, part in self.parts:
-            entry = _call(part, "state_dict")
-            entries.update((entry or {}) if key is None else {key: entry})
+        entries, buffers = self.entries(), dict(buffers)
         for _, part in self.parts:
             buffers.update(_call(part, "full_state", default={}))
         meta = {"format_version": FORMAT_VERSION, **entries, **meta, "step": step,
@@ -437,6 +454,5 @@ class Checkpointer:
         for key, part in self.parts:
             if key is None:
                 _call(part, "load_state_dict", saved, ckpt)
-            elif saved.get(key) is not None:
-                _call(part, "load_state_dict", saved[key])
+        self.load_keyed(saved)
         return saved

@@ -94,11 +94,10 @@ class Heal:
         """(the JSON part, the buffers in the order it names them): this rank's (rank 0's are sent)."""
         r = self.r
         named = self._named()
-        meta = {"step": r.step, "updates": r.updates, "skipped": r.skipped,
-                "nonfinite_in_a_row": r.nonfinite_in_a_row, "total_steps": r.total_steps,
-                "loader": r.loader.state_dict(), "early_stopping": r.early_stopping.state_dict(),
-                "loss_scaler": r.scaler.state_dict() if r.scaler else None,
-                "saved_step": r.checkpoints.saved_step, "sync": r.sync.state_dict(),
+        # what a checkpoint's state.json would hold now (the parts registered with the checkpointer), and what
+        # it does not: the counters a resume starts afresh
+        meta = {"entries": r.checkpoints.entries(), "step": r.step, "nonfinite_in_a_row": r.nonfinite_in_a_row,
+                "total_steps": r.total_steps, "saved_step": r.checkpoints.saved_step,
                 "arrays": [[name, int(buf.size)] for name, buf in named.items()]}
         return meta, list(named.values())
 
@@ -119,7 +118,8 @@ class Heal:
         """The counters, the data position (first rank ``slot``'s slice of each global batch, as the job started
         on ``first_world`` ranks) and the policy's place; the buffers were filled already."""
         r, cfg = self.r, self.r.cfg
-        r.step, r.updates, r.skipped = meta["step"], meta["updates"], meta["skipped"]
+        entries = meta["entries"]
+        r.load_state_dict({**entries, "step": meta["step"]}, None)      # the counters
         r.nonfinite_in_a_row, r.total_steps = meta["nonfinite_in_a_row"], meta["total_steps"]
         r.sync.total_steps = meta["total_steps"]
         r.loader.close()
@@ -127,9 +127,7 @@ class Heal:
                                accum=cfg.train.gradient_accumulation_steps, rank=int(meta["slot"]),
                                world_size=int(meta["first_world"]), seed=cfg.run.seed, shuffle=cfg.data.shuffle,
                                prefetch=cfg.data.prefetch)
-        r.loader.load_state_dict(meta["loader"])
-        r.early_stopping.load_state_dict(meta["early_stopping"] or {})
-        if r.scaler and meta["loss_scaler"]:
-            r.scaler.load_state_dict(meta["loss_scaler"])
+        r.checkpoints.register("loader", r.loader)       # the rebuilt loader in the old one's place
+        r.checkpoints.load_keyed(entries)                # the data position, early stopping, the loss scaler, ...
         r.checkpoints.saved_step = meta["saved_step"]
-        r.sync.rejoined(meta["sync"])
+        r.sync.rejoined(entries)
