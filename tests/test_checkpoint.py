@@ -504,6 +504,13 @@ def test_registered_parts_are_what_a_checkpoint_saves_and_restores(tmp_path):
     assert (scaler2.scale, scaler2.good_steps, float(scaler2.graph_input)) == (2.0 ** 9, 1, 2.0 ** 9)
     assert restoring[-1][1].state_dict() == {"metric": "eval_accuracy", "best": None, "best_step": None,
                                              "evals_since_best": 0}
+    # a key registered again: its new part in the old one's place (what a save writes and load_keyed fills)
+    rebuilt = EarlyStopping(3, 0.0, "eval_accuracy")
+    ck.register("early_stopping", rebuilt)
+    assert [k for k, _ in ck.parts] == [k for k, _ in restoring]
+    assert ck.entries()["early_stopping"] == rebuilt.state_dict() != stopping.state_dict()
+    ck.load_keyed(state)
+    assert rebuilt.state_dict() == stopping.state_dict()
 
 
 def test_checkpoint_write_holds_its_step_without_a_copy_of_the_buffers(tmp_path):
