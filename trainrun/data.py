@@ -593,6 +593,13 @@ class TrainLoader:
     def close(self) -> None:
         self._halt()
 
+    def as_rank(self, rank: int, world_size: int) -> "TrainLoader":
+        """This loader closed, and one of the same data and settings reading rank ``rank``'s slice of ``world_size``
+        (a rank that rejoins an elastic job in a lost rank's place)."""
+        self.close()
+        return TrainLoader(self.ds, self.micro_batch, self.accum, rank, world_size, seed=self.seed,
+                           shuffle=self.shuffle, prefetch=self.prefetch)
+
     def __enter__(self):
         return self
 

@@ -13,7 +13,6 @@ import time
 
 import yaml
 
-from ..data import TrainLoader
 from ..errors import TrainrunError, UsageError
 from ..observe.timer import process_age
 from .lock import RunLock
@@ -117,16 +116,12 @@ class Heal:
     def apply(self, meta: dict) -> None:
         """The counters, the data position (first rank ``slot``'s slice of each global batch, as the job started
         on ``first_world`` ranks) and the policy's place; the buffers were filled already."""
-        r, cfg = self.r, self.r.cfg
+        r = self.r
         entries = meta["entries"]
         r.load_state_dict({**entries, "step": meta["step"]}, None)      # the counters
         r.nonfinite_in_a_row, r.total_steps = meta["nonfinite_in_a_row"], meta["total_steps"]
         r.sync.total_steps = meta["total_steps"]
-        r.loader.close()
-        r.loader = TrainLoader(r.train_ds, micro_batch=cfg.train.micro_batch_size,
-                               accum=cfg.train.gradient_accumulation_steps, rank=int(meta["slot"]),
-                               world_size=int(meta["first_world"]), seed=cfg.run.seed, shuffle=cfg.data.shuffle,
-                               prefetch=cfg.data.prefetch)
+        r.loader = r.loader.as_rank(int(meta["slot"]), int(meta["first_world"]))
         r.checkpoints.register("loader", r.loader)       # the rebuilt loader in the old one's place
         r.checkpoints.load_keyed(entries)                # the data position, early stopping, the loss scaler, ...
         r.checkpoints.saved_step = meta["saved_step"]
