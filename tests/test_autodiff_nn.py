@@ -29,9 +29,9 @@ F64, F32 = np.float64, np.float32
 OPSET = 19      # AveragePool's dilations
 
 
-def model_of(nodes, inputs: dict, out="y", unknown=(), opset=OPSET, consts: dict = ()):
+def model_of(nodes, inputs: dict, out="y", unknown=(), opset=OPSET, consts: dict = (), keep=()):
     """loss = ReduceSum(out * w); ``inputs`` (name -> array) declared with their dims, or with the dims in
-    ``unknown`` (a set of names) symbolic; ``consts`` as initializers."""
+    ``unknown`` (a set of names) symbolic; ``consts`` as initializers; the tensors ``keep`` graph outputs too."""
     dtype = next(a.dtype for a in inputs.values() if a.dtype.kind == "f")
     elem = helper.np_dtype_to_tensor_dtype(dtype)
     nodes = list(nodes) + [helper.make_node("Mul", [out, "w"], ["weighted"], name="weigh"),
@@ -40,7 +40,7 @@ def model_of(nodes, inputs: dict, out="y", unknown=(), opset=OPSET, consts: dict
                                          [f"{n}{k}" for k in range(a.ndim)] if n in unknown else a.shape)
            for n, a in inputs.items()]
     graph = helper.make_graph(nodes, "g", vis + [helper.make_tensor_value_info("w", elem, None)],
-                              [helper.make_tensor_value_info("loss", elem, [])],
+                              [helper.make_tensor_value_info(n, elem, None) for n in ("loss", *keep)],
                               [numpy_helper.from_array(a, n) for n, a in dict(consts).items()])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 9
@@ -74,10 +74,10 @@ def finite_differences(run, feeds, w, p, h, smooth):
 
 
 def check(nodes, inputs: dict, params, out="y", unknown=(), opset=OPSET, h=1.0, smooth=False, tol=None,
-          consts: dict = (), written_out=False):
+          consts: dict = (), written_out=False, keep=()):
     """The builder's gradients of ``params`` against finite differences of the forward graph (with
     ``written_out``: of the train graph's own forward, its op written out in other ops, float64 ones)."""
-    model = model_of(nodes, inputs, out, unknown, opset, consts)
+    model = model_of(nodes, inputs, out, unknown, opset, consts, keep)
     feeds = dict(inputs)
     grad_model = differentiate(model, list(params), "loss")
     assert {n.domain for n in grad_model.graph.node} <= {"", "ai.onnx"}
@@ -168,9 +168,10 @@ def test_conv_weight_gradient_in_chunks(cols, monkeypatch):
 def test_cnn_gradients_in_few_nodes():
     """A 3x3 Conv, training-mode BatchNorm, Relu, a depthwise 3x3 Conv and a 1x1 Conv, the dims known (a
     train graph of static shapes): each Conv's weight gradient one MatMul (the batch folded into its
-    contraction), the depthwise and 1x1 input gradients Convs (no ConvTranspose), BatchNorm's no
-    Sqrt/Reciprocal chain (two inference BatchNormalizations), and no CastLike of a float constant. (The
-    values: test_conv's cases and test_autodiff.py's BatchNorm tests.)"""
+    contraction), the depthwise and 1x1 input gradients Convs (no ConvTranspose), BatchNorm's in thirteen
+    nodes, its per-channel maps three inference BatchNormalizations (no Sqrt/Reciprocal/Pow chain, and no
+    training-mode one, whose variance output differs between onnxruntime's CPU and CUDA kernels), and no
+    CastLike of a float constant. (The values: test_conv's cases and test_batch_norm_training_mode.)"""
     ins = {"x": rand(2, 4, 6, 5), "k": rand(8, 4, 3, 3), "g": rand(8), "b": rand(8), "d": rand(8, 1, 3, 3),
            "p": rand(3, 8, 1, 1)}
     consts = {"mu": np.zeros(8, F32), "var": np.ones(8, F32)}
@@ -178,16 +179,53 @@ def test_cnn_gradients_in_few_nodes():
              node("BatchNormalization", ["c", "g", "b", "mu", "var"], ["n", "rm", "rv"], training_mode=1),
              node("Relu", ["n"], ["r"]), node("Conv", ["r", "d"], ["z"], group=8, pads=[1, 1, 1, 1]),
              node("Conv", ["z", "p"], ["y"])]
-    grad = differentiate(model_of(nodes, ins, consts=consts), ["x", "k", "g", "b", "d", "p"], "loss")
+    grad = differentiate(model_of(nodes, ins, consts=consts, keep=("rm", "rv")), ["x", "k", "g", "b", "d", "p"],
+                         "loss")
     ops = {}
     for n in grad.graph.node:
         if n.name.startswith("grad/"):
             ops.setdefault(n.name.split("/")[1], []).append(n.op_type)
     assert ops["conv_x_k"].count("MatMul") == 1 and "ReduceSum" not in ops["conv_x_k"], ops["conv_x_k"]
     assert "ConvTranspose" not in ops["conv_r_d"] + ops["conv_z_p"], (ops["conv_r_d"], ops["conv_z_p"])
-    assert not {"Sqrt", "Reciprocal", "ReduceSumSquare"} & set(ops["batchnormalization_c_g_b_mu_var"])
-    assert ops["batchnormalization_c_g_b_mu_var"].count("BatchNormalization") == 2
+    bn = [n for n in grad.graph.node if n.name.startswith("grad/batchnormalization_c_g_b_mu_var/")]
+    assert sum(n.op_type != "Constant" for n in bn) == 13, [n.op_type for n in bn]
+    assert not {"Sqrt", "Reciprocal", "Pow", "ReduceSumSquare"} & {n.op_type for n in bn}
+    assert [n.op_type for n in bn].count("BatchNormalization") == 3
+    assert not any(a.name == "training_mode" and a.i for n in bn for a in n.attribute)
     assert not any(n.op_type == "CastLike" for n in grad.graph.node)
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["running_stats_kept", "running_stats_unread"])
+@pytest.mark.parametrize("unknown", [False, True], ids=["dims_known", "dims_at_run_time"])
+@pytest.mark.parametrize("spatial", [(5,), (3, 4), (2, 3, 2)], ids=["1d", "2d", "3d"])
+def test_batch_norm_training_mode(spatial, unknown, kept):
+    """Training-mode BatchNormalization's gradients through the batch's mean and population variance, in
+    float64 (a mean and scale far from 0 and 1, epsilon 1e-3), the count per channel known when the graph
+    is built or found at run time; its running mean and variance (initializers of zeros and ones) graph
+    outputs as ``prepare`` keeps them, or read by nobody: onnxruntime then writes them into their inputs'
+    buffers, which its optimiser shares with equal constants (the gradient's vectors of zeros and ones are
+    then computed, not constants)."""
+    ins = {"x": rand(3, 4, *spatial, dtype=F64) * 2.5 + 3, "g": rand(4, dtype=F64, seed=1),
+           "b": rand(4, dtype=F64, seed=2)}
+    consts = {"mu": np.zeros(4), "var": np.ones(4)}
+    bn = node("BatchNormalization", ["x", "g", "b", "mu", "var"], ["y", "rm", "rv"], epsilon=1e-3, momentum=0.8,
+              training_mode=1)
+    check([bn], ins, ["x", "g", "b"], unknown={"x"} if unknown else (), smooth=True, h=1e-3, tol=1e-6,
+          consts=consts, keep=("rm", "rv") if kept else ())
+
+
+def test_conv_weight_gradient_of_a_batch_of_one_reads_dy_and_the_input_as_they_lie():
+    """A batch of one: a Conv's weight gradient is one MatMul of dy by the input (1x1) or its one-hot im2col
+    (3x3), no channel-major Transpose of either (only the MatMul's operand's last two axes swapped, and the
+    1x1 kernel's for the input's gradient)."""
+    ins = {"x": rand(1, 4, 6, 5, seed=1), "k": rand(6, 4, 1, 1, seed=2), "j": rand(3, 6, 3, 3, seed=3)}
+    nodes = [node("Conv", ["x", "k"], ["h"]), node("Conv", ["h", "j"], strides=[2, 1], pads=[1, 0, 1, 1])]
+    grad = check(nodes, ins, ["x", "k", "j"])
+    for conv in ("conv_x_k", "conv_h_j"):
+        made = [n for n in grad.graph.node if n.name.startswith(f"grad/{conv}/")]
+        assert [n.op_type for n in made].count("MatMul") == 1, (conv, [n.op_type for n in made])
+        swaps = [n.input[0] for n in made if n.op_type == "Transpose" and list(n.attribute[0].ints) == [1, 0, 2, 3]]
+        assert swaps in ([], ["k"]), (conv, swaps)
 
 
 # (spatial dims of x, kernel, out channels per group, attrs); x has 4 channels

@@ -136,6 +136,8 @@ def celu(x, alpha):
 # op, attributes, dtype (float32 where onnxruntime's CPU kernel is float only), input range and kinks,
 # NumPy reference (float32 ops only)
 UNARY = [
+    ("Relu", {}, F64, dict(low=-3, high=3, away=(0,)), None),
+    ("Relu", {}, F32, dict(low=-3, high=3, away=(0,)), lambda x: np.maximum(x, 0)),
     ("HardSigmoid", {}, F64, dict(low=-4, high=4, away=(-2.5, 2.5)), None),
     ("HardSigmoid", dict(alpha=0.5, beta=0.25), F64, dict(low=-3, high=3, away=(-0.5, 1.5)), None),
     ("HardSwish", {}, F64, dict(low=-5, high=5, away=(-3, 3)), None),
@@ -169,6 +171,18 @@ UNARY = [
 def test_unary_ops(op, attrs, dtype, values, ref):
     check([node(op, ["x"], **attrs)], {"x": rand(3, 5, dtype=dtype, **values)}, ["x"],
           ref=(lambda v: ref(v["x"])) if ref else None)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_relu_gradient_is_dy_exactly_where_the_output_is_positive(dtype):
+    """Relu's gradient (dy times Ceil(Min(y, 1)) in float32 and float64): dy itself wherever y > 0, the
+    smallest positive and the denormal included, and 0 where y = 0; bit for bit."""
+    tiny = np.finfo(dtype).tiny
+    x = np.array([-2.0, -tiny, 0.0, tiny / 4, tiny, 0.25, 1.0, 3e5], dtype)
+    model = model_of([node("Relu", ["x"])], {"x": x})
+    w = np.arange(1, 9, dtype=dtype) * dtype(1.5)
+    got = session(differentiate(model, ["x"], "loss")).run(["x_grad"], {"x": x, "w": w})[0]
+    np.testing.assert_array_equal(got, np.where(x > 0, w, dtype(0)))
 
 
 @pytest.mark.parametrize("slope_shape", [(3, 1), (1,), (4,), (2, 3, 4), (1, 1, 1)])

@@ -10,7 +10,8 @@ seeded), 1000 classes, batch 2 x 3 x 64 x 64. Each is exported in training mode
 (``torch.onnx.export(dynamo=False, training=TrainingMode.TRAINING, do_constant_folding=False)``) and its loss
 graph made as ``trainrun prepare`` makes it (``graphs.manifest.loss_graph``: cross-entropy, the batch fixed:
 engine.static_shapes), then built into a train graph by each builder (``build_train_graph`` with builder
-onnxruntime, then ``direct_gradients``; with builder trainrun), written to WORK/<model>/. ``time`` opens
+onnxruntime, then ``direct_gradients``; with builder trainrun, then ``graphs.fusion.fuse`` as ``prepare``
+applies it by default, ``graphs.fuse``), written to WORK/<model>/. ``time`` opens
 each in a session as the engine does (``trainrun.step.sessions.session_options``, 1 thread, optimisation
 'all'), binds the weights, batch and gradient buffers once, and runs forward + backward: ``--rounds``
 rounds, each ``--steps`` steps of trainrun's graph, then onnxruntime-training's, then PyTorch eager (the
@@ -151,6 +152,7 @@ def build(name: str, work: Path) -> None:
     from trainrun import config as C
     from trainrun.graphs.casts import restore_fp32
     from trainrun.graphs.forward import forward_from_config
+    from trainrun.graphs.fusion import fuse
     from trainrun.graphs.gradients import build_train_graph, direct_gradients
     from trainrun.graphs.manifest import build_options, loss_graph
     out = work / name
@@ -175,8 +177,8 @@ def build(name: str, work: Path) -> None:
                                               opts["precision"]))
     timing["onnxruntime"] = time.perf_counter() - t
     t = time.perf_counter()
-    ours = restore_fp32(build_train_graph(loss_model, fwd.params, name, keep=states, builder="trainrun"),
-                        opts["precision"])
+    ours = fuse(restore_fp32(build_train_graph(loss_model, fwd.params, name, keep=states, builder="trainrun"),
+                             opts["precision"]))
     timing["trainrun"] = time.perf_counter() - t
     onnx.save(theirs, out / "onnxruntime.onnx")
     onnx.save(ours, out / "trainrun.onnx")

@@ -122,43 +122,49 @@ def _weight_grad_depthwise(s: Step, x: str, dy: str, w_dims, kernel, strides, pa
     """d loss / d w of a depthwise y = Conv(x, w): x's im2col [N C, K, O] as one Conv of each (sample,
     channel) plane by the K one-hot kernels, times dy [N C, O, 1] (a MatMul per plane), summed over the
     batch: nine nodes whatever the kernel, 1.2-2.5x faster than slicing each offset out."""
-    k = len(kernel)
     taps = int(np.prod(kernel))
-    planes = s.op("Reshape", [x, s.const([-1, 1] + [0] * k)])                                   # [N C, 1, *in]
-    onehot = s.const(np.eye(taps).reshape([taps, 1] + list(kernel)), like=x)
-    cols = s.op("Conv", [planes, onehot], strides=strides, pads=pads, dilations=dilations)     # [N C, K, *out]
-    cols = s.op("Reshape", [cols, s.const([0, 0, -1])])
+    cols = s.op("Reshape", [_im2col(s, x, kernel, strides, pads, dilations), s.const([0, 0, -1])])   # [N C, K, O]
     grads = s.op("Unsqueeze", [s.op("Flatten", [dy], axis=2), s.const([-1])])                  # [N C, O, 1]
     per_plane = s.op("Reshape", [s.op("MatMul", [cols, grads]), s.const([-1, w_dims[0], taps])])
     return s.op("Reshape", [s.op("ReduceSum", [per_plane, s.const([0])], keepdims=0), s.const(list(w_dims))])
 
 
 def _weight_grad_cols(s: Step, x: str, dy: str, ydims, w_dims, kernel, strides, pads, dilations, group) -> str:
-    """d loss / d w of y = Conv(x, w) as one MatMul (per group) with the batch folded into the contraction:
-    dw[g, mg, cg K] = dy^T[g, mg, N O] x cols[g, cg K, N O]^T, cols (x's im2col) the strided Slices of the
-    padded channel-major x^T [C, N, ...] that the kernel's offsets read, concatenated (a 1x1 kernel at stride
-    1 reads x^T itself). Where cols would pass :data:`COLS` elements (or their count is unknown when the
-    graph is built, ``ydims`` None) the offsets go in chunks, a MatMul each, whose products are
-    concatenated along the kernel's axis. 1.5-20x faster on onnxruntime's CPU than a MatMul per offset and
-    sample, and than onnxruntime-training's ConvGrad where the channels are many and the planes small."""
+    """d loss / d w of y = Conv(x, w) as one MatMul (per group) of dy by x's im2col (cols: x itself for a 1x1
+    kernel at stride 1 without pads, else one Conv of each (sample, channel) plane by the kernel's one-hot
+    taps where cols stay under :data:`COLS` elements), the batch folded into the contraction:
+    dw[g, mg, cg K] = dy^T[g, mg, N O] x cols^T[g, cg K, N O]^T (dy and cols as they lie for a batch of one;
+    a sum over the batch of per-sample products [N, M, cg K], without these transposes, measured slower at a
+    batch of two), else cols^T the strided Slices of the padded channel-major x^T [C, N, ...] that the
+    kernel's offsets read, concatenated. Where cols would pass :data:`COLS` elements (or their count is
+    unknown when the graph is built, ``ydims`` None) the offsets go in chunks, a MatMul each, whose products
+    are concatenated along the kernel's axis. 1.5-20x faster on
+    onnxruntime's CPU than a MatMul per offset and sample, and than onnxruntime-training's ConvGrad where
+    the channels are many and the planes small."""
     k = len(kernel)
     m, cg = w_dims[:2]
     spatial = list(range(2, 2 + k))
     swap = [1, 0] + spatial
     lead = [group] if group > 1 else []
-    grads = s.op("Reshape", [s.op("Transpose", [dy], perm=swap), s.const(lead + [m // group, -1])])   # [g, mg, NO]
     offsets = list(itertools.product(*[range(kk) for kk in kernel]))
-    if len(offsets) == 1 and not any(pads) and all(st == 1 for st in strides):
+    taps = len(offsets)
+    pointwise = taps == 1 and not any(pads) and all(st == 1 for st in strides)
+    fits = ydims is not None and cg * group * ydims[0] * int(np.prod(ydims[2:])) * taps <= COLS
+    if ydims is not None and ydims[0] == 1 and (pointwise or fits):     # dy and cols read as they lie
+        grads = s.op("Reshape", [dy, s.const(lead + [m // group, -1])])                           # [g, mg, O]
+        if pointwise:
+            cols = s.op("Reshape", [x, s.const(lead + [cg, -1])])                                # [g, cg, O]
+        else:
+            cols = s.op("Reshape", [_im2col(s, x, kernel, strides, pads, dilations), s.const(lead + [cg * taps, -1])])
+        return s.op("Reshape", [s.op("MatMul", [grads, s.op("Transpose", [cols], perm=_last_two(len(lead)))]),
+                                s.const(list(w_dims))])
+    grads = s.op("Reshape", [s.op("Transpose", [dy], perm=swap), s.const(lead + [m // group, -1])])   # [g, mg, NO]
+    if pointwise:
         cols = s.op("Reshape", [s.op("Transpose", [x], perm=swap), s.const(lead + [cg, -1])])
         return s.op("Reshape", [s.op("MatMul", [grads, s.op("Transpose", [cols], perm=_last_two(len(lead)))]),
                                 s.const(list(w_dims))])
-    if ydims is not None and cg * group * ydims[0] * int(np.prod(ydims[2:])) * len(offsets) <= COLS:
-        # the im2col in one Conv of each (sample, channel) plane by the kernel's one-hot taps, [N, C K, O],
-        # then channel-major: five nodes where the Slices take one per offset, and faster at these sizes
-        taps = len(offsets)
-        onehot = s.const(np.eye(taps).reshape([taps, 1] + list(kernel)), like=x)
-        planes = s.op("Conv", [s.op("Reshape", [x, s.const([-1, 1] + [0] * k)]), onehot], strides=strides,
-                      pads=pads, dilations=dilations)
+    if fits:        # the im2col [N, C K, O], then channel-major
+        planes = _im2col(s, x, kernel, strides, pads, dilations)
         cols = s.op("Transpose", [s.op("Reshape", [planes, s.const([ydims[0], cg * group * taps, -1])])],
                     perm=[1, 0, 2])                                                          # [C K, N, O]
         cols = s.op("Reshape", [cols, s.const(lead + [cg * taps, -1])])
@@ -190,6 +196,15 @@ def _weight_grad_cols(s: Step, x: str, dy: str, ydims, w_dims, kernel, strides, 
 
 def _last_two(lead: int) -> list[int]:
     return list(range(lead)) + [lead + 1, lead]
+
+
+def _im2col(s: Step, x: str, kernel, strides, pads, dilations) -> str:
+    """x's im2col [N C, K, *out]: one Conv of each (sample, channel) plane by the kernel's K one-hot taps."""
+    k = len(kernel)
+    taps = int(np.prod(kernel))
+    onehot = s.const(np.eye(taps).reshape([taps, 1] + list(kernel)), like=x)
+    return s.op("Conv", [s.op("Reshape", [x, s.const([-1, 1] + [0] * k)]), onehot], strides=strides, pads=pads,
+                dilations=dilations)
 
 
 def _bias_grad(s: Step, dy: str, k: int) -> str:
@@ -431,20 +446,24 @@ def _batch_norm(s: Step):
 
 def _batch_norm_training(s: Step):
     """training_mode 1: y from the batch's mean and (population) variance over all axes but the channels';
-    the running statistics' outputs are the forward node's own and get no gradient. With n the elements
-    per channel, c = x - mean, w = sum(c^2) + n eps (so r = 1 / sqrt(var + eps) = (w / n)^-1/2), the sums
-    over a channel: d scale = r sum(dy c), d bias = sum(dy) and
-    dx = scale r (dy - sum(dy) / n) - (scale d scale / w) c,
-    its two per-channel affine maps each an inference-mode BatchNormalization (mean and variance inputs
-    given, epsilon 0): ten passes over x's size in seventeen nodes, about half the time of the chain rule
-    through the statistics (sixteen passes in forty nodes). (The statistics and x's normalisation read off a second
-    training-mode BatchNormalization of scale 1 and momentum 0 would save two passes, but onnxruntime 1.19
-    then normalises by the running inputs unless the running mean output is read.)"""
+    the running statistics' outputs are the forward node's own and get no gradient. With x^ the normalised
+    input, r = 1 / sqrt(var + eps) and means over a channel's elements: d bias = sum(dy),
+    d scale = sum(dy x^), dx = scale r (dy - mean(dy) - x^ mean(dy x^)). Thirteen nodes, each per-channel
+    map an inference-mode BatchNormalization (mean, variance, scale and bias given): x^ from the centred
+    input and its variance, x^ mean(dy x^) (variance 1, epsilon 0), and dx from dy less it; the sums as
+    means times the count. The statistics are recomputed: a second training-mode BatchNormalization (scale 1,
+    momentum 0) would give x^ and the variance in one node, but its variance output is the population's
+    on onnxruntime's CPU and cuDNN's unbiased one on CUDA. The maps' vectors of zeros and ones are constants
+    only where the node's running outputs are graph outputs (as ``prepare`` keeps them): onnxruntime's CPU
+    kernel writes a running output nobody reads into its input's buffer (onnxruntime issue 29790), and its
+    optimiser lets an initializer of running statistics and an equal constant share one buffer; else
+    (or the channels unknown when the graph is built) they are computed, var - var and 1 more."""
     if any(d is not None for d in s.dy[1:]):
         raise s.unsupported("a running mean or variance output reaches the loss")
     x, scale = s.x[:2]
     rank = s.emit.rank(x, s.node)
     axes = [0] + list(range(2, rank))
+    eps = s.attr("epsilon", 1e-5)
     dims = s.emit.static(x)
     if dims is not None:
         n = s.const(float(int(np.prod(dims)) // dims[1]), like=x)
@@ -452,27 +471,23 @@ def _batch_norm_training(s: Step):
         n = s.op("Div", [s.op("CastLike", [s.op("Size", [x]), x]),
                          s.op("CastLike", [s.op("Shape", [x], start=1, end=2), x])])
     centred = s.op("Sub", [x, s.reduce("ReduceMean", x, axes)])
-    squares = s.reduce("ReduceSum", s.op("Mul", [centred, centred]), axes, keepdims=0)   # (ReduceSumSquare: slower)
-    w = s.op("Add", [squares, s.op("Mul", [n, s.const(s.attr("epsilon", 1e-5), like=x)])])
-    var = s.op("Div", [w, n])                                                                     # var + eps
+    var = s.reduce("ReduceMean", s.op("Mul", [centred, centred]), axes, keepdims=0)
+    channels = s.emit.static(scale)
+    if channels is not None and all(o in s.emit.graph_outputs for o in s.y[1:3]):
+        zeros, ones = s.const(np.zeros(channels), like=x), s.const(np.ones(channels), like=x)
+    else:       # not constants: see the docstring
+        zeros = s.op("Sub", [var, var])
+        ones = s.op("Add", [zeros, s.const(1.0, like=x)])
+    normed = s.op("BatchNormalization", [centred, ones, zeros, zeros, var], epsilon=eps)
     dy = s.dy[0]
-    dy_sum = s.reduce("ReduceSum", dy, axes, keepdims=0)
-    dot = s.reduce("ReduceSum", s.op("Mul", [dy, centred]), axes, keepdims=0)
-    dscale = s.op("Mul", [dot, s.op("Pow", [var, s.const(-0.5, like=x)])])
+    dy_mean = s.reduce("ReduceMean", dy, axes, keepdims=0)
+    dot_mean = s.reduce("ReduceMean", s.op("Mul", [dy, normed]), axes, keepdims=0)
     out = [None] * len(s.x)
     if s.wants(0):
-        channels = s.emit.static(scale)
-        if channels is not None:
-            zeros, ones = s.const(np.zeros(channels), like=x), s.const(np.ones(channels), like=x)
-        else:
-            zeros = s.op("CastLike", [s.op("ConstantOfShape", [s.op("Shape", [scale])]), x])
-            ones = s.op("Add", [zeros, s.const(1.0, like=x)])
-        spread = s.op("BatchNormalization", [dy, scale, zeros, s.op("Div", [dy_sum, n]), var], epsilon=0.0)
-        tilt = s.op("BatchNormalization", [centred, s.op("Div", [s.op("Mul", [scale, dscale]), w]), zeros, zeros,
-                                           ones], epsilon=0.0)
-        out[0] = s.op("Sub", [spread, tilt])
+        along = s.op("BatchNormalization", [normed, dot_mean, zeros, zeros, ones], epsilon=0.0)
+        out[0] = s.op("BatchNormalization", [s.op("Sub", [dy, along]), scale, zeros, dy_mean, var], epsilon=eps)
     if s.wants(1):
-        out[1] = dscale
+        out[1] = s.op("Mul", [dot_mean, n])
     if s.wants(2):
-        out[2] = dy_sum
+        out[2] = s.op("Mul", [dy_mean, n])
     return out
