@@ -240,6 +240,22 @@ def test_reductions_without_axes_and_noop_are_the_identity():
               {"ax": np.zeros(0, np.int64)})
 
 
+@pytest.mark.parametrize("bounds", [((0, 2), (2, 6)), ((2, 6), (0, 2), (0, 6)), ((0, 2), (3, 6))],
+                         ids=["chunks", "chunks_and_whole", "a_gap"])
+def test_slices_along_one_axis(bounds):
+    """x read by Slices along one axis: where they tile it (a chunk's split written as Slices, as torch exports
+    ``chunk``) its gradient is their dys concatenated, no Pad nor Sum; else the Pads of zeros summed."""
+    slices = [node("Slice", ["x", f"s{k}", f"e{k}", "axis"], [f"p{k}"]) for k in range(len(bounds))]
+    scaled = [node("Mul", [f"p{k}", f"p{k}"] if k == 0 else [f"p{k}", "three"], [f"q{k}"]) for k in range(len(bounds))]
+    consts = {"axis": np.array([1]), "three": np.array(3.0)}
+    for k, (b, e) in enumerate(bounds):
+        consts.update({f"s{k}": np.array([b]), f"e{k}": np.array([e])})
+    grad = check(slices + scaled + [node("Concat", [f"q{k}" for k in range(len(bounds))], axis=1)],
+                 {"x": rand(2, 6, 3)}, ["x"], consts=consts)
+    ops = [n.op_type for n in grad.graph.node if n.name.startswith("grad/")]
+    assert ("Pad" in ops) == (len(bounds) != 2 or bounds[1][0] != 2), ops
+
+
 def test_tile():
     check([node("Tile", ["x", "r"])], {"x": rand(2, 1, 3)}, ["x"], {"r": np.array([2, 3, 1])})
 

@@ -71,6 +71,9 @@ class Emitter:
         for sub in (sub for node in g.node for sub in subgraphs(node)):     # a name no subgraph shadows
             self.taken |= names_in(sub)
         self.dims, self.types = {}, {}
+        # gradients that are a dy padded with zeros along one axis (a Slice's): name -> (dy, axis, start,
+        # stop, the axis's size)
+        self.pieces: dict[str, tuple] = {}
         self.graph_outputs = {o.name for o in g.output}
         self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
         self.producer = {o: node for node in ordered for o in node.output if o}
@@ -161,11 +164,22 @@ class Emitter:
         """The sum of a tensor's gradient contributions: names of dense tensors, and :class:`Rows` (rows
         of a table), scattered with ScatterElements(add) into the dense sum (or into zeros) rather than
         each written out as a dense table."""
-        dense = [t for t in terms if isinstance(t, str)]
+        dense = self._tiled([t for t in terms if isinstance(t, str)], base)
         total = None if not dense else dense[0] if len(dense) == 1 else self.op("Sum", dense, base)
         for r in (t for t in terms if isinstance(t, Rows)):
             total = r.scatter_into(self, total, base)
         return total
+
+    def _tiled(self, dense: list, base: str) -> list:
+        """``dense``, or, where its terms are :attr:`pieces` along one axis that tile it (the chunks of a
+        split written as Slices), their dys concatenated: one pass, not a Pad of zeros per piece and a Sum."""
+        pieces = sorted((self.pieces[t] for t in dense if t in self.pieces), key=lambda p: p[2])
+        if len(dense) < 2 or len(pieces) < len(dense) or len({p[1] for p in pieces}) != 1 or pieces[0][2] != 0 \
+                or pieces[-1][3] != pieces[-1][4] or any(a[3] != b[2] for a, b in zip(pieces, pieces[1:])):
+            return dense
+        for t in dense:
+            self.nodes.remove(self.producer[t])
+        return [self.op("Concat", [p[0] for p in pieces], base, axis=pieces[0][1])]
 
     def sum_to(self, grad: str, target: str, base: str, grad_dims=None) -> str:
         """``grad`` (of a broadcast result, dims ``grad_dims`` if known) summed over the axes ``target``

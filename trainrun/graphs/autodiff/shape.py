@@ -39,12 +39,19 @@ def _split(s: Step):
 @gradient("Slice")
 def _slice(s: Step):
     """dy padded with zeros back to x where x's dims and the bounds are known when the graph is built and
-    every step is 1 (a chunk); else each element's flat position, sliced the same way, says where dy goes: a
-    scatter into zeros."""
+    every step is 1 (a chunk; the Pad noted as a piece of x's gradient along its one axis, if one: the
+    pieces of Slices that tile x are concatenated, ``Emitter.add_all``); else each element's flat position,
+    sliced the same way, says where dy goes: a scatter into zeros."""
     x = s.x[0]
     pads = _slice_pads(s)
     if pads is not None:
-        return [s.op("Pad", [s.dy[0], s.const(pads)])] + [None] * (len(s.x) - 1)
+        padded = s.op("Pad", [s.dy[0], s.const(pads)])
+        rank, dims = len(pads) // 2, s.emit.static(x)
+        moved = [a for a in range(rank) if pads[a] or pads[rank + a]]
+        if len(moved) == 1:
+            a = moved[0]
+            s.emit.pieces[padded] = (s.dy[0], a, pads[a], dims[a] - pads[rank + a], dims[a])
+        return [padded] + [None] * (len(s.x) - 1)
     shape = s.op("Shape", [x])
     size = s.op("Reshape", [s.op("Size", [x]), s.const([1])])
     positions = s.op("Reshape", [s.op("Range", [s.const(0), s.op("Size", [x]), s.const(1)]), shape])
