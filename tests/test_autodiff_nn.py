@@ -122,10 +122,15 @@ CONV = {
     # kernels of more than 32 elements: the weight's gradient a Conv by dy rather than a MatMul per offset
     "1d_long_kernel": ((40,), (33,), 2, dict(strides=[2], pads=[3, 1], dilations=[1])),
     "2d_large_kernel_group": ((9, 8), (6, 6), 4, dict(group=2, strides=[2, 1], pads=[1, 1, 0, 2])),
-    # depthwise (4 groups of 1 channel): at stride 1 the input's gradient a Conv by the flipped kernel; the
-    # weight's a Conv by dy where dy's planes are small (2 x 4 x 3), else (and with the dims unknown) the
-    # one-hot im2col's MatMul (2 x 12 x 13)
+    # depthwise (4 groups of 1 channel): planes of at most conv.DENSE input x output positions (dims known),
+    # dense per-channel maps of the plane; else at stride 1 the input's gradient a Conv by the flipped kernel,
+    # the weight's a Conv by dy where dy's planes are small (2 x 4 x 3, dims at run time), else the one-hot
+    # im2col's MatMul (2 x 12 x 13)
     "2d_depthwise": ((4, 3), (3, 3), 4, dict(group=4, pads=[1, 1, 1, 1])),
+    "1d_depthwise_dense": ((7,), (3,), 4, dict(group=4, strides=[2], pads=[1, 2], dilations=[2])),
+    "2d_depthwise_dense_strided_dilated": ((4, 3), (3, 2), 4, dict(group=4, strides=[2, 1], dilations=[1, 2],
+                                                                   pads=[1, 0, 2, 1])),
+    "3d_depthwise_dense": ((3, 2, 3), (2, 2, 2), 4, dict(group=4, pads=[1, 0, 0, 0, 0, 1])),
     "2d_depthwise_dilated_large_planes": ((12, 13), (3, 2), 4, dict(group=4, pads=[2, 1, 1, 2], dilations=[2, 3])),
     "2d_depthwise_strided": ((9, 8), (5, 5), 4, dict(group=4, strides=[2, 2], pads=[2, 2, 2, 2])),
     "2d_pointwise_group": ((5, 6), (1, 1), 4, dict(group=2)),
@@ -226,6 +231,17 @@ def test_conv_weight_gradient_of_a_batch_of_one_reads_dy_and_the_input_as_they_l
         assert [n.op_type for n in made].count("MatMul") == 1, (conv, [n.op_type for n in made])
         swaps = [n.input[0] for n in made if n.op_type == "Transpose" and list(n.attribute[0].ints) == [1, 0, 2, 3]]
         assert swaps in ([], ["k"]), (conv, swaps)
+
+
+def test_depthwise_gradients_of_small_planes_are_products_by_dense_maps():
+    """A depthwise Conv of planes of at most conv.DENSE input x output positions, its dims known: both
+    gradients MatMuls by the plane's constant map, no Conv (onnxruntime's grouped Conv runs a channel at a
+    time); larger planes (5 x 6 -> 225 x 5 x 6) the Convs. (The values: test_conv's depthwise cases.)"""
+    for spatial, dense in (((4, 3), True), ((5, 6), False)):
+        ins = {"x": rand(2, 4, *spatial, seed=1), "k": rand(4, 1, 3, 3, seed=2)}
+        model = model_of([node("Conv", ["x", "k"], group=4, pads=[1, 1, 1, 1])], ins)
+        ops = [n.op_type for n in differentiate(model, ["x", "k"], "loss").graph.node if n.name.startswith("grad/conv")]
+        assert (ops.count("MatMul") == 4 and "Conv" not in ops) == dense, (spatial, ops)
 
 
 # (spatial dims of x, kernel, out channels per group, attrs); x has 4 channels
