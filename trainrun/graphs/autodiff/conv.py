@@ -490,17 +490,17 @@ def _batch_norm(s: Step):
 def _batch_norm_training(s: Step):
     """training_mode 1: y from the batch's mean and (population) variance over all axes but the channels';
     the running statistics' outputs are the forward node's own and get no gradient. With x^ the normalised
-    input, r = 1 / sqrt(var + eps) and means over a channel's elements: d bias = sum(dy),
-    d scale = sum(dy x^), dx = scale r (dy - mean(dy) - x^ mean(dy x^)). Thirteen nodes, each per-channel
+    input, r = 1 / sqrt(var + eps) and n elements per channel: d bias = sum(dy) = n mean(dy),
+    d scale = sum(dy x^), dx = scale r (dy - mean(dy) - x^ sum(dy x^) / n). Twelve nodes, each per-channel
     map an inference-mode BatchNormalization (mean, variance, scale and bias given): x^ from the centred
-    input and its variance, x^ mean(dy x^) (variance 1, epsilon 0), and dx from dy less it; the sums as
-    means times the count. The statistics are recomputed: a second training-mode BatchNormalization (scale 1,
-    momentum 0) would give x^ and the variance in one node, but its variance output is the population's
-    on onnxruntime's CPU and cuDNN's unbiased one on CUDA. The maps' vectors of zeros and ones are constants
-    only where the node's running outputs are graph outputs (as ``prepare`` keeps them): onnxruntime's CPU
-    kernel writes a running output nobody reads into its input's buffer (onnxruntime issue 29790), and its
-    optimiser lets an initializer of running statistics and an equal constant share one buffer; else
-    (or the channels unknown when the graph is built) they are computed, var - var and 1 more."""
+    input and its variance, x^ sum(dy x^) / n (variance n^2, epsilon 0), and dx from dy less it. The
+    statistics are recomputed: a second training-mode BatchNormalization (scale 1, momentum 0) would give x^
+    and the variance in one node, but its variance output is the population's on onnxruntime's CPU and
+    cuDNN's unbiased one on CUDA. The maps' vectors (zeros, ones, n^2) are constants only where the node's
+    running outputs are graph outputs (as ``prepare`` keeps them): onnxruntime's CPU kernel writes a
+    running output nobody reads into its input's buffer (onnxruntime issue 29790), and its optimiser lets an
+    initializer of running statistics and an equal constant share one buffer; else (or the channels or the
+    count unknown when the graph is built) they are computed: var - var, 1 and n^2 more."""
     if any(d is not None for d in s.dy[1:]):
         raise s.unsupported("a running mean or variance output reaches the loss")
     x, scale = s.x[:2]
@@ -508,29 +508,30 @@ def _batch_norm_training(s: Step):
     axes = [0] + list(range(2, rank))
     eps = s.attr("epsilon", 1e-5)
     dims = s.emit.static(x)
-    if dims is not None:
-        n = s.const(float(int(np.prod(dims)) // dims[1]), like=x)
-    else:
-        n = s.op("Div", [s.op("CastLike", [s.op("Size", [x]), x]),
-                         s.op("CastLike", [s.op("Shape", [x], start=1, end=2), x])])
+    count = int(np.prod(dims)) // dims[1] if dims is not None else None
     centred = s.op("Sub", [x, s.reduce("ReduceMean", x, axes)])
     var = s.reduce("ReduceMean", s.op("Mul", [centred, centred]), axes, keepdims=0)
     channels = s.emit.static(scale)
-    if channels is not None and all(o in s.emit.graph_outputs for o in s.y[1:3]):
+    if count is not None and channels is not None and all(o in s.emit.graph_outputs for o in s.y[1:3]):
+        n = s.const(float(count), like=x)
         zeros, ones = s.const(np.zeros(channels), like=x), s.const(np.ones(channels), like=x)
+        squared = s.const(np.full(channels, float(count) ** 2), like=x)
     else:       # not constants: see the docstring
+        n = s.const(float(count), like=x) if count is not None else s.op(
+            "Div", [s.op("CastLike", [s.op("Size", [x]), x]), s.op("CastLike", [s.op("Shape", [x], start=1, end=2), x])])
         zeros = s.op("Sub", [var, var])
         ones = s.op("Add", [zeros, s.const(1.0, like=x)])
+        squared = s.op("Mul", [ones, s.op("Mul", [n, n])])
     normed = s.op("BatchNormalization", [centred, ones, zeros, zeros, var], epsilon=eps)
     dy = s.dy[0]
     dy_mean = s.reduce("ReduceMean", dy, axes, keepdims=0)
-    dot_mean = s.reduce("ReduceMean", s.op("Mul", [dy, normed]), axes, keepdims=0)
+    dot = s.reduce("ReduceSum", s.op("Mul", [dy, normed]), axes, keepdims=0)
     out = [None] * len(s.x)
     if s.wants(0):
-        along = s.op("BatchNormalization", [normed, dot_mean, zeros, zeros, ones], epsilon=0.0)
+        along = s.op("BatchNormalization", [normed, dot, zeros, zeros, squared], epsilon=0.0)
         out[0] = s.op("BatchNormalization", [s.op("Sub", [dy, along]), scale, zeros, dy_mean, var], epsilon=eps)
     if s.wants(1):
-        out[1] = s.op("Mul", [dot_mean, n])
+        out[1] = dot
     if s.wants(2):
         out[2] = s.op("Mul", [dy_mean, n])
     return out
