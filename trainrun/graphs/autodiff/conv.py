@@ -256,8 +256,9 @@ def _depthwise_dense(s: Step, dy: str, dims, kernel, strides, pads, dilations) -
     plane = _plane_map(kernel, strides, pads, dilations, xs, ys).reshape(taps, o * i)
     out = [None, None]
     if s.wants(0):
-        maps = s.op("MatMul", [s.op("Reshape", [w, s.const([c, taps])]), s.const(plane, like=x)])
-        rows = s.op("MatMul", [s.op("Reshape", [dy, s.const([n, c, 1, o])]), s.op("Reshape", [maps, s.const([c, o, i])])])
+        maps = s.op("MatMul", [s.op("Reshape", [w, s.const([c, taps])]), s.const(plane, like=x)])       # [C, O I]
+        rows = s.op("MatMul", [s.op("Reshape", [dy, s.const([n, c, 1, o])]),
+                               s.op("Reshape", [maps, s.const([c, o, i])])])                             # [N, C, 1, I]
         out[0] = s.op("Reshape", [rows, s.const(list(dims[0]))])
     if s.wants(1):
         dyt = s.op("Transpose", [s.op("Reshape", [dy, s.const([n, c, o])])], perm=[1, 2, 0])          # [C, O, N]
@@ -498,7 +499,7 @@ def _batch_norm_training(s: Step):
     and the variance in one node, but its variance output is the population's on onnxruntime's CPU and
     cuDNN's unbiased one on CUDA. The maps' vectors (zeros, ones, n^2) are constants only where the node's
     running outputs are graph outputs (as ``prepare`` keeps them): onnxruntime's CPU kernel writes a
-    running output nobody reads into its input's buffer (onnxruntime issue 29790), and its optimiser lets an
+    running output nobody reads into its input's buffer (microsoft/onnxruntime#29790), and its optimiser lets an
     initializer of running statistics and an equal constant share one buffer; else (or the channels or the
     count unknown when the graph is built) they are computed: var - var, 1 and n^2 more."""
     if any(d is not None for d in s.dy[1:]):
@@ -517,8 +518,8 @@ def _batch_norm_training(s: Step):
         zeros, ones = s.const(np.zeros(channels), like=x), s.const(np.ones(channels), like=x)
         squared = s.const(np.full(channels, float(count) ** 2), like=x)
     else:       # not constants: see the docstring
-        n = s.const(float(count), like=x) if count is not None else s.op(
-            "Div", [s.op("CastLike", [s.op("Size", [x]), x]), s.op("CastLike", [s.op("Shape", [x], start=1, end=2), x])])
+        n = s.const(float(count), like=x) if count is not None else s.op("Div", [
+            s.op("CastLike", [s.op("Size", [x]), x]), s.op("CastLike", [s.op("Shape", [x], start=1, end=2), x])])
         zeros = s.op("Sub", [var, var])
         ones = s.op("Add", [zeros, s.const(1.0, like=x)])
         squared = s.op("Mul", [ones, s.op("Mul", [n, n])])
