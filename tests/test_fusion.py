@@ -41,7 +41,9 @@ def ops(model):
 @pytest.mark.parametrize("case", ["gpt2", "bert", "llama", "cnn", "gpt2_dynamic"])
 def test_fused_train_graph_equals_the_unfused(tmp_path, case):
     """The builder's train graph and its fused form: the same loss and gradients, fewer nodes; in GPT-2's
-    (static shapes) no shape is computed at run time; only standard ops and FusedMatMul."""
+    (static shapes) no shape is computed at run time; only standard ops and FusedMatMul; the CNN's Conv
+    weights' gradients outputs of their products, in the products' dims (no Reshape copying them into the
+    bound output), as many elements as the weight."""
     cfg = config(tmp_path, case)
     fwd = forward_from_config(cfg)
     model, dropout = loss_graph(cfg, fwd, build_options(cfg))
@@ -64,7 +66,12 @@ def test_fused_train_graph_equals_the_unfused(tmp_path, case):
     for p in fwd.params + keep:
         name = p + GRAD_SUFFIX if p in fwd.params else p
         g, w = got[name], want[name]
-        assert g.shape == w.shape and np.abs(g - w).max() <= 1e-6 * max(np.abs(w).max(), 1e-30), name
+        assert g.size == w.size and np.abs(g.reshape(w.shape) - w).max() <= 1e-6 * max(np.abs(w).max(), 1e-30), name
+    made = {o: n.op_type for n in fused.graph.node for o in n.output}
+    flat = [o.name for o in fused.graph.output if o.name.endswith(GRAD_SUFFIX) and made[o.name] == "Reshape"]
+    if case == "cnn":
+        convs = [n.input[1] + GRAD_SUFFIX for n in plain.graph.node if n.op_type == "Conv"]
+        assert convs and not set(convs) & set(flat), flat
 
 
 # -- one rule at a time, on graphs of a few nodes -----------------------------------------------------
@@ -114,6 +121,30 @@ def test_static_shapes_fold_into_constants():
     f = fuse(m)
     assert {n.op_type for n in f.graph.node} == {"Constant", "Reshape", "Mul", "Div"}, ops(f)
     same_outputs(m, f, [("x", [2, 3, 4])])
+
+
+def test_a_gradient_output_reshaped_from_a_product_is_the_product():
+    """w_grad made by a Reshape of a MatMul's [4, 6] into [4, 3, 2, 1]: the MatMul writes w_grad itself,
+    declared [4, 6] (the engine binds the weight's view of the buffer so); the same values. A Reshape into
+    any other output, or of a tensor something else reads too, stays."""
+    nodes = [helper.make_node("MatMul", ["a", "b"], ["p"]), const("s", [4, 3, 2, 1]),
+             helper.make_node("Reshape", ["p", "s"], ["w_grad"]),
+             helper.make_node("MatMul", ["a", "b"], ["q"]), helper.make_node("Reshape", ["q", "s"], ["logits"]),
+             helper.make_node("MatMul", ["a", "b"], ["r"]), helper.make_node("Reshape", ["r", "s"], ["v_grad"]),
+             helper.make_node("Neg", ["r"], ["r_neg"])]
+    ins = [("a", [4, 5]), ("b", [5, 6])]
+    m = graph(nodes, ins, [("w_grad", [4, 3, 2, 1]), ("logits", [4, 3, 2, 1]), ("v_grad", [4, 3, 2, 1]),
+                           ("r_neg", [4, 6])])
+    f = fuse(m)
+    made = {o: n.op_type for n in f.graph.node for o in n.output}
+    assert [made["w_grad"], made["logits"], made["v_grad"]] == ["MatMul", "Reshape", "Reshape"], made
+    dims = {o.name: [d.dim_value for d in o.type.tensor_type.shape.dim] for o in f.graph.output}
+    assert dims["w_grad"] == [4, 6] and dims["logits"] == dims["v_grad"] == [4, 3, 2, 1]
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.normal(size=d).astype(np.float32) for n, d in ins}
+    run_ = lambda g: ort.InferenceSession(g.SerializeToString(), providers=["CPUExecutionProvider"]).run(  # noqa: E731
+        ["w_grad"], feeds)[0]
+    np.testing.assert_allclose(run_(f).reshape(4, 3, 2, 1), run_(m), rtol=1e-6)
 
 
 def test_a_broadcast_sum_over_a_symbolic_dim_gets_constant_axes():
@@ -275,3 +306,33 @@ def test_fifty_steps_with_fusion_equal_fifty_without(tmp_path, byte_dataset):
     assert len(losses[True]) == 50 and losses[True][-1] < losses[True][0]
     np.testing.assert_allclose(losses[True], losses[False], rtol=1e-6)
     assert nodes[True] < 0.8 * nodes[False], nodes
+
+
+def test_the_engine_binds_gradients_left_in_their_products_dims(tmp_path):
+    """The CNN recipe prepared with trainrun's builder (fused: its Conv weights' gradient outputs in their
+    products' dims), run by the engine: the gradient buffer holds the unfused graph's gradients, each in its
+    weight's layout."""
+    from trainrun.graphs.manifest import prepare
+    from trainrun.step.engine import Engine, EngineOptions
+    cfg = config(tmp_path, "cnn")
+    cfg.graphs.builder, cfg.run.output_dir = "trainrun", str(tmp_path / "run")
+    fwd = forward_from_config(cfg)
+    model, dropout = loss_graph(cfg, fwd, build_options(cfg))
+    keep = list((fwd.states or {}).values())
+    plain = build_train_graph(model, fwd.params, "cnn", keep, builder="trainrun")
+    out = prepare(cfg)
+    train = onnx.load(os.path.join(out, "train.onnx"))
+    dims = {o.name: [d.dim_value for d in o.type.tensor_type.shape.dim] for o in train.graph.output}
+    inits = {t.name: numpy_helper.to_array(t) for t in fwd.model.graph.initializer}
+    assert any(len(dims[p + GRAD_SUFFIX]) != inits[p].ndim for p in fwd.params), "no gradient left flat"
+    rng = np.random.default_rng(5)
+    batch = {"x": rng.normal(0, 1, (4, 1, 24, 24)).astype(np.float32), "labels": rng.integers(0, 10, 4)}
+    shapes = {k: (v.shape, v.dtype) for k, v in batch.items()}
+    eng = Engine(out, EngineOptions(threads=1), shapes, shapes)
+    eng.load_weights()
+    loss = eng.forward_backward(batch, accumulate=False)
+    want = run(plain, {**{p: inits[p] for p in fwd.params}, **{s: inits[s] for s in fwd.states}, **batch})
+    assert loss == pytest.approx(float(want[LOSS]), rel=1e-6)
+    for i, p in enumerate(eng.layout.names):
+        got, w = eng.layout.view(eng.grads, i), want[p + GRAD_SUFFIX]
+        assert np.abs(got - w).max() <= 1e-6 * max(np.abs(w).max(), 1e-30), p

@@ -144,6 +144,7 @@ class Loop:
         for o in self.sess.get_outputs():
             if o.name.endswith("_grad") and o.name[:-5] in feeds:
                 buf = np.empty_like(feeds[o.name[:-5]])
+                buf = buf.reshape(o.shape) if all(isinstance(d, int) for d in o.shape) else buf   # graphs.fusion
                 ov = ort.OrtValue.ortvalue_from_numpy(buf)
                 self.keep.append(ov)
                 self.bind.bind_ortvalue_output(o.name, ov)

@@ -21,7 +21,12 @@ could read transposed. :func:`fuse` rewrites the graph, rule by rule until none 
   own transA/transB); a Mul of a product by a scalar constant is its ``alpha``. The weight gradients'
   explicit transposes (``autodiff/matrix.py``: a [M, 1, K] view permuted) are not such a Transpose and
   stay: MLAS runs a transposed left operand slower;
-* nodes nobody reads removed, equal constants shared.
+* nodes nobody reads removed, equal constants shared;
+* a gradient output (``<param>_grad``) made by a Reshape of a tensor of as many elements, its dims known, is
+  that tensor, under its own dims (a Conv weight's [M, C K] product, not [M, C, kh, kw]): onnxruntime copies
+  a Reshape's input into an output bound to the caller's buffer, a copy of every Conv weight's gradient
+  each step; the engine binds the parameter's view of the gradient buffer in the output's declared dims
+  (``trainrun.step.bound.Bound.bind_out``).
 
 onnxruntime does the last three itself where a session's optimization level allows, so they change the
 file more than the nodes run; the folding and the no-ops are nodes onnxruntime runs otherwise (it folds
@@ -35,6 +40,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper, shape_inference
 
+from .names import GRAD_SUFFIX
 from .onnx_edit import declared, unique_name
 
 MAX_FOLD = 4096         # elements of a folded constant at most: shapes and axes, not tables
@@ -548,6 +554,29 @@ def _product(g: _Graph, n) -> bool:
         and all(len(g.dims.get(i) or []) >= 2 for i in n.input[:2])
 
 
+def _flat_gradients(g: _Graph) -> int:
+    """Gradient outputs made by a Reshape of a tensor of as many elements (its dims known, read by nothing
+    else): that tensor is the output, its dims the output's declared ones."""
+    changed = 0
+    declared_outputs = {o.name: o for o in g.model.graph.output}
+    for n in list(g.nodes):
+        out = n.output[0] if n.op_type == "Reshape" and n.domain in ("", "ai.onnx") else ""
+        if not out.endswith(GRAD_SUFFIX) or out not in g.outputs or out in g.keep:
+            continue
+        src, dims, want = n.input[0], g.static(n.input[0]), g.static(out)
+        if dims is None or want is None or int(np.prod(dims)) != int(np.prod(want)) or not g.only_reader(src) \
+                or src in g.inputs or src in g.values or src in g.keep or src not in g.producer:
+            continue
+        g.nodes.remove(n)
+        g._rename(src, out)
+        shape = declared_outputs[out].type.tensor_type.shape
+        del shape.dim[:]
+        for d in dims:
+            shape.dim.add().dim_value = d
+        changed += 1
+    return changed
+
+
 def _shared_constants(g: _Graph) -> int:
     """Constants of equal type, shape and value as one."""
     first, changed = {}, 0
@@ -579,6 +608,8 @@ def fuse(model: onnx.ModelProto, keep=()) -> onnx.ModelProto:
     for _ in range(32):
         if not (_fold(g) + _broadcast_sums(g) + _noops(g) + _reshapes(g) + _transposes(g) + _dead(g)):
             break
+        g.infer()
+    if _flat_gradients(g):
         g.infer()
     while _products(g):
         pass

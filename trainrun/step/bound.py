@@ -114,8 +114,20 @@ class Bound:
         if self.cuda and dev == "cpu":
             self.host_inputs[name] = arr
 
+    def declared(self, name: str, arr):
+        """``arr`` viewed in output ``name``'s declared dims where they differ but hold as many elements: a
+        gradient output left in its producer's dims (a Conv weight's [M, C K], ``graphs.fusion``) is bound
+        to the parameter's view of the gradient buffer so."""
+        dims = next((o.shape for o in self.session.get_outputs() if o.name == name), None)
+        if dims is None or list(dims) == list(arr.shape) or not all(isinstance(d, int) for d in dims) \
+                or int(np.prod(dims)) != arr.size:
+            return arr
+        return arr.reshape(dims)
+
     def bind_out(self, name: str, arr, keep: bool = True) -> None:
-        """``keep`` False: the caller keeps ``arr``'s memory alive as long as it is bound."""
+        """``keep`` False: the caller keeps ``arr``'s memory alive as long as it is bound. ``arr`` in the
+        output's declared dims (:meth:`declared`)."""
+        arr = self.declared(name, arr)
         dev, dev_id, ptr = self._where(arr)
         self.binding.bind_output(name, dev, dev_id, arr.dtype, list(arr.shape), ptr)
         if keep:
@@ -214,7 +226,9 @@ class Segmented:
 
     def bind_out(self, name: str, arr, keep: bool = True) -> None:
         """Also the input of the later segments that read this output of the graph (zero copy)."""
-        self._owners(name, False)[0].bind_out(name, arr, keep)
+        owner = self._owners(name, False)[0]
+        arr = owner.declared(name, arr)
+        owner.bind_out(name, arr, keep)
         for later in self.readers.get(name, []):
             later.bind_in(name, arr, keep)
 
