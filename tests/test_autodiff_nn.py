@@ -172,8 +172,9 @@ def test_conv_weight_gradient_in_chunks(cols, monkeypatch):
 
 def test_cnn_gradients_in_few_nodes():
     """A 3x3 Conv, training-mode BatchNorm, Relu, a depthwise 3x3 Conv and a 1x1 Conv, the dims known (a
-    train graph of static shapes): each Conv's weight gradient one MatMul (the batch folded into its
-    contraction), the depthwise and 1x1 input gradients Convs (no ConvTranspose), BatchNorm's in twelve
+    train graph of static shapes): each Conv's weight gradient one MatMul (per-sample products summed
+    over the batch where the planes are large and the weights small, as here: no transpose of the input
+    or dy), the depthwise and 1x1 input gradients Convs (no ConvTranspose), BatchNorm's in twelve
     nodes, its per-channel maps three inference BatchNormalizations (no Sqrt/Reciprocal/Pow chain, and no
     training-mode one, whose variance output differs between onnxruntime's CPU and CUDA kernels), and no
     CastLike of a float constant. (The values: test_conv's cases and test_batch_norm_training_mode.)"""
@@ -190,7 +191,10 @@ def test_cnn_gradients_in_few_nodes():
     for n in grad.graph.node:
         if n.name.startswith("grad/"):
             ops.setdefault(n.name.split("/")[1], []).append(n.op_type)
-    assert ops["conv_x_k"].count("MatMul") == 1 and "ReduceSum" not in ops["conv_x_k"], ops["conv_x_k"]
+    assert ops["conv_x_k"].count("MatMul") == 1, ops["conv_x_k"]
+    swaps = [n for n in grad.graph.node if n.name.startswith("grad/conv_x_k/") and n.op_type == "Transpose"
+             and list(n.attribute[0].ints[:2]) == [1, 0]]
+    assert not swaps, [n.input for n in swaps]
     assert "ConvTranspose" not in ops["conv_r_d"] + ops["conv_z_p"], (ops["conv_r_d"], ops["conv_z_p"])
     bn = [n for n in grad.graph.node if n.name.startswith("grad/batchnormalization_c_g_b_mu_var/")]
     assert sum(n.op_type != "Constant" for n in bn) == 12, [n.op_type for n in bn]

@@ -133,11 +133,12 @@ def _weight_grad_depthwise(s: Step, x: str, dy: str, w_dims, kernel, strides, pa
 def _weight_grad_cols(s: Step, x: str, dy: str, ydims, w_dims, kernel, strides, pads, dilations, group) -> str:
     """d loss / d w of y = Conv(x, w) as one MatMul (per group) of dy by x's im2col (cols: x itself for a 1x1
     kernel at stride 1 without pads, else one Conv of each (sample, channel) plane by the kernel's one-hot
-    taps where cols stay under :data:`COLS` elements), the batch folded into the contraction:
-    dw[g, mg, cg K] = dy^T[g, mg, N O] x cols^T[g, cg K, N O]^T (dy and cols as they lie for a batch of one;
-    a sum over the batch of per-sample products [N, M, cg K], without these transposes, measured slower at a
-    batch of two), else cols^T the strided Slices of the padded channel-major x^T [C, N, ...] that the
-    kernel's offsets read, concatenated. Where cols would pass :data:`COLS` elements (or their count is
+    taps where cols stay under :data:`COLS` elements): a sum over the batch of per-sample products
+    dy[n, g, mg, O] cols[n, g, cg K, O]^T, both read as they lie, where those products [N, M, cg K] are no
+    more than the copies the other form takes (:func:`_batched`: early layers, large planes and small
+    weights); else the batch folded into the contraction, dw[g, mg, cg K] = dy^T[g, mg, N O] x
+    cols^T[g, cg K, N O]^T, cols^T the channel-major im2col or the strided Slices of the padded
+    channel-major x^T [C, N, ...] that the kernel's offsets read, concatenated. Where cols would pass :data:`COLS` elements (or their count is
     unknown when the graph is built, ``ydims`` None) the offsets go in chunks, a MatMul each, whose products
     are concatenated along the kernel's axis. 1.5-20x faster on
     onnxruntime's CPU than a MatMul per offset and sample, and than onnxruntime-training's ConvGrad where
@@ -151,14 +152,18 @@ def _weight_grad_cols(s: Step, x: str, dy: str, ydims, w_dims, kernel, strides, 
     taps = len(offsets)
     pointwise = taps == 1 and not any(pads) and all(st == 1 for st in strides)
     fits = ydims is not None and cg * group * ydims[0] * int(np.prod(ydims[2:])) * taps <= COLS
-    if ydims is not None and ydims[0] == 1 and (pointwise or fits):     # dy and cols read as they lie
-        grads = s.op("Reshape", [dy, s.const(lead + [m // group, -1])])                           # [g, mg, O]
+    if ydims is not None and (pointwise or fits) and _batched(ydims, m, cg, group, taps):
+        n = ydims[0]        # dy and cols read as they lie
+        grads = s.op("Reshape", [dy, s.const([n] + lead + [m // group, -1])])                     # [N, g, mg, O]
         if pointwise:
-            cols = s.op("Reshape", [x, s.const(lead + [cg, -1])])                                # [g, cg, O]
+            cols = s.op("Reshape", [x, s.const([n] + lead + [cg, -1])])                          # [N, g, cg, O]
         else:
-            cols = s.op("Reshape", [_im2col(s, x, kernel, strides, pads, dilations), s.const(lead + [cg * taps, -1])])
-        return s.op("Reshape", [s.op("MatMul", [grads, s.op("Transpose", [cols], perm=_last_two(len(lead)))]),
-                                s.const(list(w_dims))])
+            cols = s.op("Reshape", [_im2col(s, x, kernel, strides, pads, dilations),
+                                    s.const([n] + lead + [cg * taps, -1])])
+        prod = s.op("MatMul", [grads, s.op("Transpose", [cols], perm=_last_two(1 + len(lead)))])   # [N, g, mg, cg K]
+        if n > 1:
+            prod = s.op("ReduceSum", [prod, s.const([0])], keepdims=0)
+        return s.op("Reshape", [prod, s.const(list(w_dims))])
     grads = s.op("Reshape", [s.op("Transpose", [dy], perm=swap), s.const(lead + [m // group, -1])])   # [g, mg, NO]
     if pointwise:
         cols = s.op("Reshape", [s.op("Transpose", [x], perm=swap), s.const(lead + [cg, -1])])
@@ -197,6 +202,14 @@ def _weight_grad_cols(s: Step, x: str, dy: str, ydims, w_dims, kernel, strides, 
 
 def _last_two(lead: int) -> list[int]:
     return list(range(lead)) + [lead + 1, lead]
+
+
+def _batched(ydims, m: int, cg: int, group: int, taps: int) -> bool:
+    """Whether a weight gradient's per-sample products [N, M, cg K] (written, then summed over the batch)
+    are no more than the copies folding the batch into the contraction takes, dy^T [M, N O] and cols^T
+    [C K, N O]; always for a batch of one (no sum, and those copies are but reshapes)."""
+    n, out = ydims[0], int(np.prod(ydims[2:]))
+    return n == 1 or m * cg * taps <= out * (cg * group * taps + m)
 
 
 def _im2col(s: Step, x: str, kernel, strides, pads, dilations) -> str:
