@@ -92,6 +92,55 @@ def test_a_graph_without_fixed_shapes_is_cut_too(tmp_path):
     assert len(set(losses)) == 3        # three different steps compared, not one thrice
 
 
+@pytest.mark.parametrize("builder", ["trainrun", "onnxruntime"])
+def test_a_torch_exported_cnn_is_cut_too(tmp_path, builder):
+    """A residual CNN as torch's exporter writes it in training mode (BatchNorm, MaxPool, a batch dim of its
+    own name), each builder's train graph cut at ~2 KB buckets: onnxruntime reports the gradients flowing
+    down between segments with no shape (``[]``), and onnxruntime-training's MaxPoolGrad reads its output's
+    declared shape; the segments load (they once failed, or crashed the process) and give the whole graph's
+    loss and gradients bit for bit."""
+    torch = pytest.importorskip("torch")
+    if builder == "onnxruntime" and ort_builder_missing():
+        pytest.skip(ort_builder_missing())
+    nn = torch.nn
+    torch.manual_seed(0)
+
+    def conv_bn(cin, cout, act=True):
+        return nn.Sequential(nn.Conv2d(cin, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout),
+                             *([nn.ReLU()] if act else []))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = conv_bn(8, 8), conv_bn(8, 8, act=False)
+
+        def forward(self, x):
+            return torch.relu(self.b(self.a(x)) + x)
+
+    net = nn.Sequential(conv_bn(3, 8), nn.MaxPool2d(3, 2, 1), Block(), Block(), nn.AdaptiveAvgPool2d(1),
+                        nn.Flatten(), nn.Linear(8, 5)).train()
+    torch.onnx.export(net, (torch.zeros(2, 3, 16, 16),), str(tmp_path / "cnn.onnx"), input_names=["x"],
+                      output_names=["logits"], dynamic_axes={"x": {0: "b"}, "logits": {0: "b"}}, opset_version=17,
+                      dynamo=False, training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False)
+    shapes = {"x": ((4, 3, 16, 16), np.float32), "labels": ((4,), np.int64)}
+    rng = np.random.default_rng(2)
+    batch = {"x": rng.normal(0, 1, (4, 3, 16, 16)).astype(np.float32), "labels": rng.integers(0, 5, 4)}
+    got = []
+    for name, bucket_bytes in (("whole", 0), ("cut", 2048)):
+        cfg = C.from_dict({"model": {"builtin": None, "onnx": str(tmp_path / "cnn.onnx"),
+                                     "loss": {"type": "cross_entropy", "logits": "logits"}},
+                           "graphs": {"builder": builder}, "run": {"output_dir": str(tmp_path / name), "seed": 3},
+                           "train": {"micro_batch_size": 4}, "optimizer": {"name": "sgd"}})
+        eng = Engine(prepare(cfg), EngineOptions(threads=1, seed=3, direct_gradients=True,
+                                                 bucket_bytes=bucket_bytes), shapes, shapes)
+        eng.load_weights()
+        loss = eng.forward_backward(batch, accumulate=False, position=0)
+        got.append((loss, eng.grads.copy(), len(eng.buckets), len(eng.train_s.sessions)))
+    (loss, ref, n_whole, _), (cut_loss, grads, n_cut, n_sessions) = got
+    assert n_whole == 1 and n_cut >= 4 and n_sessions >= 3
+    assert cut_loss == loss and np.array_equal(grads, ref)
+
+
 def probe_engines(script: str, tmp_path, gpt2: dict, seq_len: int, micro_batch: int, bucket_sizes) -> dict:
     """``script`` run in a fresh process per bucket size (argv: the train graph's directory, the bucket bytes)
     on a GPT-2 of shape ``gpt2`` prepared once: its output's fields, by bucket size."""

@@ -12,7 +12,9 @@ its own, and a fusion whose pattern a cut would cross is not made (the engine's 
 A tensor made in one segment and read in a later one (the forward activations the lower layers' backward
 needs, the gradient flowing down) becomes an output of the first and an input of the later ones; its type is
 the one onnxruntime infers for it in the segment that makes it (:func:`typed_input`), so nothing here needs
-onnx's shape inference (which does not know the training ops).
+onnx's shape inference (which does not know the training ops). The graph's declared shapes of a segment's own
+tensors go with it: onnxruntime-training's MaxPoolGrad takes its output's shape from the declaration (without
+one, onnxruntime 1.19 crashes loading the segment).
 """
 
 from __future__ import annotations
@@ -82,8 +84,10 @@ def split(model: onnx.ModelProto, targets: list[list[str]]) -> list[onnx.ModelPr
         outs = [o for o in g.output if made_in.get(o.name) == k]
         outs += [helper.make_value_info(t, onnx.TypeProto()) for t, m in made_in.items()
                  if m == k and t not in outputs and any(r > k for r in read_by.get(t, ()))]
+        inside = {o for n in mine for o in n.output} - {o.name for o in outs}
         graph = helper.make_graph(mine, f"{g.name}_segment{len(segments)}", ins, outs,
-                                  initializer=[inits[t] for t in reads if t in inits])
+                                  initializer=[inits[t] for t in reads if t in inits],
+                                  value_info=[vi for vi in g.value_info if vi.name in inside])
         seg = helper.make_model(graph, opset_imports=list(model.opset_import), ir_version=model.ir_version,
                                 producer_name=model.producer_name)
         seg.functions.extend(model.functions)
@@ -98,12 +102,14 @@ def boundary_inputs(segment: onnx.ModelProto) -> list[str]:
 
 def typed_input(segment: onnx.ModelProto, name: str, ort_type: str, shape: list) -> None:
     """Give ``segment``'s boundary input ``name`` the type onnxruntime reported for it where it is made
-    (``NodeArg.type`` / ``.shape``: ints, symbolic names or None)."""
+    (``NodeArg.type`` / ``.shape``: ints, symbolic names or None). onnxruntime reports a tensor whose shape it
+    does not know as ``[]``, not None: declared so, the input would be a scalar; ``[]`` is no shape at all,
+    which a true scalar passes as well."""
     for vi in segment.graph.input:
         if vi.name == name:
             if ort_type not in _ELEM:
                 raise ValueError(f"segment boundary '{name}' has type {ort_type}, which the segments do not pass")
-            dims = None if shape is None else [d if isinstance(d, int) else (d or None) for d in shape]
+            dims = None if not shape else [d if isinstance(d, int) else (d or None) for d in shape]
             vi.CopyFrom(helper.make_tensor_value_info(name, _ELEM[ort_type], dims))
             return
     raise KeyError(name)
