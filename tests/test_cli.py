@@ -158,6 +158,8 @@ USAGE_ERRORS = {   # name: (config sections, message): `trainrun train` must exi
     "model.frozen everything": ({"model.frozen": ["*"]}, "model.frozen: ['*'] freezes every parameter of gpt2"),
     "model.trainable unknown": ({"model.trainable": ["transformer.wte.weight", "transformer.h.7.*"]},
                                 "model.trainable: 'transformer.h.7.*' matches no parameter of gpt2"),
+    "model.frozen unknown": ({"model.frozen": ["transformer.wte.weight", "transformer.h.*.attn.c_atn.*"]},
+                             "model.frozen: 'transformer.h.*.attn.c_atn.*' matches no parameter of gpt2"),
     "model.trainable all frozen": ({"model.trainable": ["transformer.h.0.*"], "model.frozen": ["transformer.h.*"]},
                                    "model.frozen: ['transformer.h.*'] freezes every parameter of gpt2 that "
                                    "model.trainable lists"),

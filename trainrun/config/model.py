@@ -328,7 +328,8 @@ class ModelConfig:
     loss: LossConfig = opt(factory=LossConfig)
     """How the loss is computed from the forward graph's outputs."""
     frozen: list[str] = opt(factory=list)
-    """Parameter name patterns (fnmatch) that are not trained."""
+    """Parameter name patterns (fnmatch) that are not trained; each must match a parameter (or a tensor that
+    is frozen anyway: a buffer, LoRA's base)."""
     trainable: list[str] = opt(factory=list)
     """Parameter names or patterns (fnmatch) that train, all others frozen (empty: every parameter trains);
     each must match a parameter. A parameter that model.frozen also matches is frozen."""

@@ -209,7 +209,8 @@ def _trainable(names: list[str], m, source: str, others: dict = ()) -> tuple[lis
     """(the ``names`` that train, {each other one: why it is frozen}): those that a ``model.trainable`` pattern
     of ``m`` matches (every one where it lists none) and no ``model.frozen`` pattern does: frozen wins. A
     UsageError for a trainable pattern that matches none of ``names`` (``others``, {tensor: why} of tensors that
-    are not parameters, say why where it matches one of them), and where nothing would train."""
+    are not parameters, say why where it matches one of them), for a frozen pattern that matches none of
+    ``names`` or ``others``, and where nothing would train."""
     def matching(pattern, pool):
         return [n for n in pool if fnmatch.fnmatchcase(n, pattern)]
     others = dict(others)
@@ -219,6 +220,11 @@ def _trainable(names: list[str], m, source: str, others: dict = ()) -> tuple[lis
         raise UsageError(f"model.trainable: {', '.join(map(repr, unmatched))} "
                          f"match{'es' if len(unmatched) == 1 else ''} no parameter of {source} "
                          f"({'; '.join(held)}{'; ' if held else ''}its parameters: {', '.join(names[:12])}"
+                         f"{' ...' if len(names) > 12 else ''})")
+    stray = [p for p in m.frozen if not matching(p, names) and not matching(p, others)]
+    if stray:      # a typo would otherwise train what the user meant to freeze, silently
+        raise UsageError(f"model.frozen: {', '.join(map(repr, stray))} match{'es' if len(stray) == 1 else ''} "
+                         f"no parameter of {source} (its parameters: {', '.join(names[:12])}"
                          f"{' ...' if len(names) > 12 else ''})")
     listed = [n for n in names if not m.trainable or any(fnmatch.fnmatchcase(n, p) for p in m.trainable)]
     params = [n for n in listed if not any(fnmatch.fnmatchcase(n, p) for p in m.frozen)]
