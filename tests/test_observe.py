@@ -516,3 +516,29 @@ def test_fused_matmul_flops_with_and_without_its_attributes(trans_a, batch_a):
         assert product_flops("FusedMatMul", [sa, sb], out, None) == want, attrs
     assert product_flops("Gemm", [[k, m], [k, n]], [m, n], None) == 2 * m * n * k      # transA, from the shapes
     assert product_flops("Add", [[m, n], [n]], [m, n], None) == 0
+
+
+def test_a_writer_taking_over_drops_the_lost_writers_cut_line_and_writes_its_own_event_file(tmp_path):
+    """distributed.elastic, rank 0 lost: the survivor that takes over the writing (Metrics.take_over) removes the
+    line the lost writer left cut short (the lines before it stand), appends its own, and writes TensorBoard to
+    an event file of its own beside the lost writer's; before it takes over it writes nothing."""
+    from tensorboardX.event_file_writer import EventsWriter
+    from trainrun.observe.metrics import Metrics
+    (tmp_path / "tensorboard").mkdir()
+    lost = EventsWriter(str(tmp_path / "tensorboard" / "events"))
+    lost.close()
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.4}\n{"step": 3, "lo')
+    values = {"loss": 2.25, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_sec": 100.0}
+    m = Metrics(str(tmp_path), enabled=False, tensorboard=True, quiet=True, total_steps=5)
+    m.log(3, values)
+    assert (tmp_path / "metrics.jsonl").read_text().endswith('"lo')
+    m.take_over(str(tmp_path), 3, tensorboard=True)
+    m.log(4, values)
+    m.close()
+    lines = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 4] and lines[-1]["loss"] == 2.25
+    files = os.listdir(tmp_path / "tensorboard")
+    mine = [f for f in files if f.endswith(f".{os.getpid()}")]
+    assert len(files) == 2 and len(mine) == 1       # the lost writer's file untouched (its header alone)
+    size = {f: os.path.getsize(tmp_path / "tensorboard" / f) for f in files}
+    assert size[mine[0]] > 2 * min(size.values())   # the new writer's: a header and step 4's scalars

@@ -20,6 +20,7 @@ if os.path.basename(sys.argv[0]) == "trainrun":    # the command starting (not a
 import click  # noqa: E402
 
 from . import config as C  # noqa: E402
+from . import errors  # noqa: E402
 from .errors import TrainrunError, UsageError  # noqa: E402
 
 LOG_LEVELS = ["warning", "info", "devinfo", "verbose"]
@@ -372,8 +373,9 @@ def main(argv=None):
             traceback.print_exc()
         # a config/usage error, or one all ranks agreed on, is the same everywhere: rank 0 reports it
         same_everywhere = isinstance(exc, UsageError) or getattr(exc, "collective", False)
-        # (distributed.elastic after rank 0 died: the lowest survivor, report_here)
-        if not (same_everywhere and _launcher_rank() > 0) or getattr(exc, "report_here", False):
+        # (distributed.elastic after rank 0 died: the survivor that took over its writing, errors.reporter)
+        reports = errors.reporter if errors.reporter is not None else _launcher_rank() == 0
+        if not same_everywhere or reports:
             click.echo(exc.render(), err=True)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:

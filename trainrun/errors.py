@@ -7,7 +7,8 @@
 
 An error every rank raises from the same agreed value is *collective*
 (:func:`collective`): the job then ends normally with its exit code, with no MPI
-abort, and rank 0 alone reports it.
+abort, and rank 0 alone reports it (the launcher's, or the survivor that took over
+an elastic run's writing: :data:`reporter`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ class PeerLost(TrainrunError):
     """A collective failed because a peer rank died (MPI's fault tolerance, ULFM: ``MPI_ERR_PROC_FAILED``) or
     because a peer revoked the communicator after seeing a death (``MPI_ERR_REVOKED``). Raised only by an
     elastic communicator (``distributed.elastic``); :mod:`trainrun.sync.elastic` drops the dead and goes on."""
+
+
+# True where this process reports collective errors although the launcher did not make it rank 0 (an elastic run
+# whose rank 0 was lost: trainrun.run.runner.TrainingRunner.take_over_writing); None: the launcher's rank 0 does
+reporter: bool | None = None
 
 
 def collective(exc: TrainrunError) -> TrainrunError:

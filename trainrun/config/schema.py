@@ -331,8 +331,8 @@ class DistributedConfig:
     (the global batch shrinks with them, the learning rate stays). Needs Open MPI with its ULFM fault
     tolerance, launched with `mpirun --with-ft ulfm` (the elastic extra, `make setup-elastic`), zero_stage 0
     and no overlap_grad_reduce (DiLoCo: one rank per replica, no overlap_steps; its outer step averages over
-    the replicas alive); every rank keeps its own parameters (no intra-node sharing). Rank 0's death still
-    ends the job. See docs/distributed.md, "Elastic runs"."""
+    the replicas alive); every rank keeps its own parameters (no intra-node sharing). At rank 0's death the
+    lowest survivor takes over its writing. See docs/distributed.md, "Elastic runs"."""
     min_replicas: int = opt(1, min=1)
     """distributed.elastic: fewer ranks alive than this stops the run with a checkpoint (exit 75, resumable)."""
 

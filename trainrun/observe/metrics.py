@@ -77,6 +77,7 @@ class Metrics:
                  total_steps: int, start_step: int = 0, eval_sets=(None,), trackers=None):
         self.enabled = enabled
         self.eval_sets = list(eval_sets) or [None]     # data.eval's set names (None: a single unnamed set)
+        self.quiet_asked = quiet
         self.quiet = quiet or not enabled
         self.total = total_steps
         self.t0 = time.perf_counter()
@@ -85,19 +86,37 @@ class Metrics:
         self._tb = None
         self._bar = None
         self.trackers = trackers      # a .trackers.Trackers (rank 0) or None
-        if not enabled:
-            return
+        if enabled:
+            self._open(output_dir, tensorboard)
+
+    def _open(self, output_dir: str, tensorboard: bool, suffix: str = "") -> None:
         self._jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a", buffering=1)
         if tensorboard:
             import_without_torch("tensorboardX")       # its writer imports torch where installed
             from tensorboardX.event_file_writer import EventsWriter
             tb_dir = os.path.join(output_dir, "tensorboard")
             os.makedirs(tb_dir, exist_ok=True)
-            self._tb = EventsWriter(os.path.join(tb_dir, "events"))
+            self._tb = EventsWriter(os.path.join(tb_dir, "events"), filename_suffix=suffix)
         if not self.quiet and sys.stderr.isatty():
             from tqdm import tqdm
-            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+            self._bar = tqdm(total=self.total, initial=self.start_step, unit="step", dynamic_ncols=True,
                              file=sys.stderr)
+
+    def take_over(self, output_dir: str, step: int, tensorboard: bool) -> None:
+        """``distributed.elastic``: rank 0, which wrote, was lost after step ``step``'s line at most; this rank
+        (the lowest survivor) writes from now on. A line the lost writer left cut short is removed (the lines
+        before it stand); TensorBoard gets an event file of its own beside the lost writer's (TensorBoard reads
+        every file of the folder); the experiment trackers' runs were the lost rank's and end with it."""
+        path = os.path.join(output_dir, "metrics.jsonl")
+        try:
+            with open(path, "rb+") as fh:
+                data = fh.read()
+                if data and not data.endswith(b"\n"):
+                    fh.truncate(data.rfind(b"\n") + 1)
+        except FileNotFoundError:
+            pass
+        self.enabled, self.quiet, self.start_step, self.t0 = True, self.quiet_asked, step, time.perf_counter()
+        self._open(output_dir, tensorboard, suffix=f".{os.getpid()}")    # not the lost writer's file name
 
     def echo(self, text: str) -> None:
         if self.quiet:

@@ -2,7 +2,8 @@
 `trainrun rejoin RUN` writes (:func:`request`), the command the survivors spawn the new rank with, and the state
 it is healed with, from rank 0's memory over MPI, not from a checkpoint on disk (:class:`Heal`): what a
 checkpoint holds of a run (the parameters, every optimizer state, the model state, the counters, the data
-position, the sync policy's place and tensors), sent as one JSON part and the flat buffers."""
+position, the sync policy's place and tensors), sent as one JSON part and the flat buffers. And the lowest
+survivor taking over rank 0's writing when rank 0 is lost (:meth:`Heal.take_over_writing`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import time
 
 import yaml
 
+from .. import errors
 from ..errors import TrainrunError, UsageError
 from ..observe.timer import process_age
 from .lock import RunLock
@@ -57,6 +59,27 @@ class Heal:
         self.r = runner
 
     # ------------------------------------------------------------------ rank 0 and the survivors
+    def take_over_writing(self, step: int) -> None:
+        """Rank 0 was lost during ``step`` (every survivor calls this: :class:`trainrun.sync.elastic.Elastic`).
+        The lowest survivor, rank 0 of the shrunk communicator, writes from now on what rank 0 wrote:
+        metrics.jsonl and TensorBoard (:meth:`trainrun.observe.metrics.Metrics.take_over`), the checkpoints'
+        shared files (the checkpointer took its new rank), the console lines, collective errors, summary.json
+        and the export; and it holds the run directory's lock (the lost writer's went with its process), so
+        that `trainrun rejoin` finds the job."""
+        r = self.r
+        r.is_main = r.comm.rank == 0
+        if not r.is_main:
+            return
+        errors.reporter = True
+        if r.lock is not None:
+            try:
+                r.lock.acquire()
+            except UsageError as e:     # still held (a writer cut off, not dead): the run goes on without it
+                print(f"warning: {e.message}", flush=True)
+        r.metrics.take_over(r.out, step - 1, r.cfg.tensorboard.enabled)
+        r.log(f"elastic: rank 0 was lost; this rank (launched as rank {r.rank}) writes the metrics, the "
+              f"checkpoints and the run's end from now on")
+
     def requested(self) -> bool:
         return os.path.exists(os.path.join(self.r.out, REQUEST_FILE))
 

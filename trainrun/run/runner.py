@@ -130,9 +130,9 @@ class TrainingRunner:
         if resume_from:
             self._restore(resume_from, force, retry)
         # distributed.elastic: the step's collectives redone over the survivors of a lost rank; a rank that
-        # rejoins is healed here from the job's rank 0 (Heal)
+        # rejoins is healed here from the job's rank 0, rank 0's writing taken over where it is lost (Heal)
         self.elastic = Elastic(comm, self.engine.grads, self.checkpoints, self.sync, cfg.distributed.min_replicas,
-                               self.log, self._continue_hint, Heal(self)) if getattr(comm, "elastic", False) \
+                               self.log, Heal(self)) if getattr(comm, "elastic", False) \
             else None
         self.metrics = Metrics(self.out, enabled=self.is_main, tensorboard=cfg.tensorboard.enabled,
                                quiet=cfg.run.log_level == "warning", total_steps=self.total_steps,

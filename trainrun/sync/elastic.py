@@ -18,9 +18,10 @@ others do not have. The data positions do not change: each survivor keeps readin
 batch (the dead rank's slices are skipped), so the global batch shrinks with the ranks and the learning rate
 stays (the batch policy). After a loss: the write of a checkpoint in flight is abandoned (its staging
 directory holds a dead rank's part; committed checkpoints are untouched); fewer ranks than
-``distributed.min_replicas`` stop the run after this step with a checkpoint (exit 75); rank 0's death (it
-writes the checkpoints and metrics) ends the job on every survivor with exit 1, the last committed checkpoint
-standing.
+``distributed.min_replicas`` stop the run after this step with a checkpoint (exit 75). Rank 0 writes the
+checkpoints' shared files, metrics.jsonl, TensorBoard and the run's end: at its death the lowest survivor (rank 0
+of the shrunk communicator) takes that over (:meth:`trainrun.run.heal.Heal.take_over_writing`) and the run goes
+on.
 
 DiLoCo (``distributed.sync: diloco``, one rank per replica): the replicas are the world, so a shrink is
 theirs too (:meth:`trainrun.sync.policy.Policy.regroup`); the policy runs its outer exchange and its log line
@@ -41,27 +42,28 @@ import time
 
 import numpy as np
 
-from ..errors import PeerLost, TrainrunError, collective
+from ..errors import PeerLost
 from .rejoin import OK, Rejoin
 
 
 class Elastic:
     """The step's collectives retried over the survivors of ``comm`` (an elastic
     :class:`trainrun.comm.MPICommunicator`); ``grads``: the flat gradient buffer the reduce sums in place;
-    ``checkpoints``: the runner's :class:`trainrun.checkpoint.Checkpointer`; ``resume_hint()``: how to go on
-    from the last committed checkpoint; ``heal``: the runner's state for a rank that rejoins
-    (:class:`trainrun.run.heal.Heal`; a rank that is joining takes it here, from the job's rank 0)."""
+    ``checkpoints``: the runner's :class:`trainrun.checkpoint.Checkpointer`; ``heal``: the runner's side
+    (:class:`trainrun.run.heal.Heal`: the state a rank that rejoins takes here, from the job's rank 0; the
+    handoff of rank 0's writing)."""
 
-    def __init__(self, comm, grads, checkpoints, sync, min_replicas: int, log, resume_hint, heal=None):
+    def __init__(self, comm, grads, checkpoints, sync, min_replicas: int, log, heal=None):
         self.comm, self.grads, self.checkpoints, self.sync = comm, grads, checkpoints, sync
         sync.elastic = self         # the sync policy's own collectives (DiLoCo's outer step) go through agreed()
         self.min_replicas = int(min_replicas)
-        self.log, self.resume_hint = log, resume_hint
+        self.log = log
         self.saved = np.empty_like(grads)      # this rank's own gradients of the step, for a redo
         self.lost: list[int] = []              # the ranks lost so far, by the rank they started with
         self.below: str | None = None          # why the run stops: fewer ranks alive than min_replicas
         self.recoveries: list[float] = []      # seconds from each failed attempt's start to the redo's end
         self.rejoin = Rejoin(self, heal)
+        self.heal = heal
 
     @property
     def replicas(self) -> int:
@@ -101,7 +103,7 @@ class Elastic:
                              f"{time.monotonic() - started:.2f} s after its {what} first failed")
                 return out
             started = t0 if started is None else started
-            self._lost(step, self.comm.shrink(), time.monotonic() - t0, what)
+            self._lost(step, time.monotonic() - t0, what)
             if again is not None:
                 again()
 
@@ -113,24 +115,22 @@ class Elastic:
 
     def shrunk(self, step: int, took: float, what: str) -> None:
         """A rank died in an agreement outside :meth:`agreed` (the rejoin's own): the survivors shrink."""
-        self._lost(step, self.comm.shrink(), took, what)
+        self._lost(step, took, what)
 
-    def _lost(self, step: int, lost: list[int], took: float, what: str) -> None:
-        """After a shrink: the run's bookkeeping for ``lost`` (by first rank), or the end of the job."""
+    def _lost(self, step: int, took: float, what: str) -> None:
+        """The survivors shrink; the run's bookkeeping for the ranks lost (by first rank); the writing handed on
+        where rank 0 was among them."""
+        writer = self.comm.members[0]       # rank 0 now, by the rank it started with
+        t0 = time.monotonic()
+        lost = self.comm.shrink()
+        took += time.monotonic() - t0
         self.lost += lost
         n = self.replicas
         names = ", ".join(map(str, lost))
-        if 0 in lost:
-            saved = self.checkpoints.saved_step
-            exc = collective(TrainrunError(
-                f"distributed.elastic: rank 0 died during step {step}; it writes the checkpoints and metrics and "
-                f"an elastic run does not hand that on yet, so the {n} surviving rank(s) stop. "
-                + (f"Checkpoint {saved} stands: {self.resume_hint()}" if saved is not None
-                   else "No checkpoint was committed yet: run the same command again")))
-            exc.report_here = self.comm.rank == 0      # the lowest survivor says it (the launcher's rank 0 is gone)
-            raise exc
         dropped = self.checkpoints.regroup()
         self.sync.regroup()
+        if writer in lost and self.heal is not None:
+            self.heal.take_over_writing(step)
         self.log(f"elastic: rank(s) {names} lost during step {step}; {n} replica(s) go on, the step's {what} "
                  f"redone over them (dropped in {took:.2f} s)"
                  + (f"; the write of checkpoint {dropped} in flight abandoned" if dropped is not None else ""))
