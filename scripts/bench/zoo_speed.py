@@ -5,21 +5,23 @@
         [--profile] [--markdown]
 
 For each zoo model named (scripts/zoo.py: transformers tiny configs and plain torch modules, random weights,
-every dropout 0, its micro-batch of 4 and sequences of 8, or ``--batch`` and ``--seq``: the zoo's
-``N`` and ``SEQ``, set before each model is made; images and Whisper's features keep their sizes), the export (``--exporter``, torch's default dynamo one unless said;
-a model that exporter cannot export, T5, by the legacy one) is prepared by trainrun's own ``prepare``
-(``trainrun.graphs.manifest.prepare``: trainrun's builder, ``graphs.fuse`` and every other default, the
-batch fixed, 1 thread), and its ``train.onnx`` (forward + backward, gradients as outputs) is timed in a
-session as the engine opens it (``builders.Loop``: batch, weights and gradient buffers bound once) against
-the same module in PyTorch eager (train mode, the same inputs and labels, the zoo's loss: zero the gradients,
-forward, loss, backward; 1 thread), the two alternating in one process (``cnn_builders.alternate``):
-``--rounds`` rounds of ``--steps`` steps each after ``--warmup``. "1 x 1": one such process; "2 x 1": two
-at once, each 1 thread, each timing its own steps as the two ranks of a 2-rank step compute them (the
-gradients' reduction is not in it: the Allreduce section of BENCHMARKS.md measures that), started
-together per model (a barrier after the warm-up). The losses of the two sides are printed beside each other
-(the same model, inputs and weights: equal to float32's noise). ``--profile`` runs each train graph under
-onnxruntime's profiler instead (``cnn_builders.profile``). Results: WORK/<runtime>/b<batch>-s<seq>/results.json; a stock
-onnxruntime venv builds and times its own graphs (its own onnx): run the script with each venv's python.
+every dropout 0; its micro-batch of 4 and sequences of 8, or ``--batch`` and ``--seq``, the zoo's ``N`` and
+``SEQ`` set before each model is made; images and Whisper's features keep their sizes), the export
+(``--exporter``, torch's default dynamo one unless said; a model that exporter cannot export, T5, by the
+legacy one) is prepared by trainrun's own ``prepare`` (``trainrun.graphs.manifest.prepare``: trainrun's
+builder, ``graphs.fuse`` and every other default, the batch fixed, 1 thread), and its ``train.onnx``
+(forward + backward, gradients as outputs) is timed in a session as the engine opens it (``builders.Loop``:
+batch, weights and gradient buffers bound once) against the same module in PyTorch eager (train mode, the
+same inputs and labels, the zoo's loss: zero the gradients, forward, loss, backward; 1 thread), the two
+alternating in one process (``cnn_builders.alternate``): ``--rounds`` rounds of ``--steps`` steps each after
+``--warmup``. "1 x 1": one such process; "2 x 1": two at once, each 1 thread, each timing its own steps as
+the two ranks of a 2-rank step compute them (the gradients' reduction is not in it: the Allreduce section of
+BENCHMARKS.md measures that), started together per model (a barrier after the warm-up); a cell is the least
+min and the slower rank's median. The losses of the two sides are printed beside each other (the same model,
+inputs and weights: equal to float32's noise). ``--profile`` runs each train graph under onnxruntime's
+profiler instead (``cnn_builders.profile``). Results: WORK/<runtime>/b<batch>-s<seq>/results.json (a run of
+some models replaces theirs). A stock onnxruntime venv builds and times its own graphs (its own onnx): run
+the script with each venv's python.
 """
 
 from __future__ import annotations
@@ -243,11 +245,17 @@ def main() -> None:
         for n in names:
             models[n][f"{ranks}x1"] = summary(per_rank, n)
     meta = {"cpu": common.cpu_name(), "onnxruntime": rt, "torch": torch.__version__, "threads": 1,
-            "exporter": args.exporter, "batch": args.batch, "seq": args.seq, "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
+            "exporter": args.exporter, "batch": args.batch, "seq": args.seq, "rounds": args.rounds,
+            "steps": args.steps, "warmup": args.warmup, "models": names,
             "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t0)), "took_s": time.time() - t0,
             "load_before": load_before, "load_after": os.getloadavg()}
+    for n in names:
+        models[n]["started"] = meta["started"]
     res = {"meta": meta, "models": models}
-    (work / "results.json").write_text(json.dumps(res, indent=1))
+    path = work / "results.json"        # a run of some models replaces theirs only; each run's meta kept
+    old = json.loads(path.read_text()) if path.exists() else {"runs": [], "models": {}}
+    path.write_text(json.dumps({"runs": old.get("runs", []) + [meta], "models": {**old["models"], **models}},
+                               indent=1))
     print(f"\n{meta['cpu']}, onnxruntime {rt}, torch {meta['torch']}, 1 thread per process, batch {args.batch}, "
           f"seq {args.seq}; ms per "
           f"forward+backward, min / median of {args.rounds} x {args.steps} (2 x 1: the slower rank's median); "
