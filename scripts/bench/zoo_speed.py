@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/bench/zoo_speed.py [--models gpt2,qwen2,...] [--exporter dynamo|legacy]
         [--batch 4] [--seq 8] [--rounds 10] [--steps 5] [--warmup 3] [--work runs/zoo-speed] [--no-build]
-        [--profile] [--markdown]
+        [--profile] [--markdown] [--render]
 
 For each zoo model named (scripts/zoo.py: transformers tiny configs and plain torch modules, random weights,
 every dropout 0; its micro-batch of 4 and sequences of 8, or ``--batch`` and ``--seq``, the zoo's ``N`` and
@@ -186,24 +186,47 @@ def summary(per_rank: list[dict], name: str) -> dict:
                           max(r[name]["load_1min"][1] for r in per_rank)]}
 
 
-def markdown(res: dict) -> str:
-    """The table: a row per model, 1 x 1 and 2 x 1 cells (trainrun, torch: min / median ms; the ratio)."""
-    head = ("| family | zoo model (exporter) | nodes | 1 x 1 trainrun ms | 1 x 1 PyTorch ms | 1 x 1 torch / trainrun "
-            "| 2 x 1 trainrun ms | 2 x 1 PyTorch ms | 2 x 1 torch / trainrun | loss trainrun / torch |")
-    rows = [head, "|" + "---|" * (head.count("|") - 1)]
-    for name, r in res["models"].items():
-        cells = [FAMILIES.get(name, name), f"{name} ({r['built']['exporter']})", str(r["built"]["nodes"])]
-        for mode in ("1x1", "2x1"):
-            m = r.get(mode)
-            if m is None:
-                cells += ["-"] * 3
-                continue
-            cells += [f"{m['ms'][k]['min']:.2f} / {m['ms'][k]['median']:.2f}" for k in ("trainrun", "torch")]
-            cells.append(f"**{m['ratio']:.2f}**" if m["ratio"] < 1 else f"{m['ratio']:.2f}")
-        loss = r["1x1"]["loss"] if "1x1" in r else {}
-        cells.append(f"{loss.get('trainrun', float('nan')):.4f} / {loss.get('torch', float('nan')):.4f}")
-        rows.append("| " + " | ".join(cells) + " |")
-    return "\n".join(rows) + "\n"
+def render(work: Path) -> str:
+    """The tables of WORK's results (a table per batch and sequence, both runtimes side by side)."""
+    import json
+    from pathlib import Path
+    runs = {}
+    for path in sorted(Path(work).glob("*/b*-s*/results.json"),
+                       key=lambda p: [int(v) for v in p.parent.name[1:].split("-s")]):
+        runs.setdefault(path.parent.name, {})[path.parent.parent.name] = json.loads(path.read_text())
+    out = []
+    for size, by_rt in runs.items():
+        rts = sorted(by_rt, key=lambda r: not r.endswith("-training"))
+        metas = [m for r in rts for m in by_rt[r]["runs"]]
+        loads = [x for m in metas for x in (m["load_before"][0], m["load_after"][0])]
+        m0 = metas[0]
+        out.append(f"batch {m0['batch']}, seq {m0['seq']}: {m0['rounds']} rounds x {m0['steps']} steps after "
+                   f"{m0['warmup']}; runs started " + ", ".join(f"{m['started']} ({m['onnxruntime']}, {m['took_s']:.0f} s)"
+                                                       for m in metas)
+                   + f"; 1-minute load {min(loads):.1f}-{max(loads):.1f} before and after\n")
+        head = ["family", "zoo model (exporter), nodes"]
+        for rt in rts:
+            for mode in ("1 x 1", "2 x 1"):
+                head += [f"{rt} {mode}: trainrun ms", "PyTorch ms", "torch / trainrun: medians (mins)"]
+        rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        names = list(by_rt[rts[0]]["models"])
+        for n in names:
+            first = by_rt[rts[0]]["models"][n]
+            cells = [FAMILIES.get(n, n), f"{n} ({first['built']['exporter']}), {first['built']['nodes']}"]
+            for rt in rts:
+                r = by_rt[rt]["models"].get(n, {})
+                for mode in ("1x1", "2x1"):
+                    m = r.get(mode)
+                    if m is None:
+                        cells += ["-"] * 3
+                        continue
+                    cells += [f"{m['ms'][k]['min']:.2f} / {m['ms'][k]['median']:.2f}" for k in ("trainrun", "torch")]
+                    by_min = m["ms"]["torch"]["min"] / m["ms"]["trainrun"]["min"]
+                    ratio = f"{m['ratio']:.2f} ({by_min:.2f})"
+                    cells.append(f"**{ratio}**" if min(m["ratio"], by_min) < 1 else ratio)
+            rows.append("| " + " | ".join(cells) + " |")
+        out.append("\n".join(rows) + "\n")
+    return "\n".join(out)
 
 
 def main() -> None:
@@ -219,10 +242,14 @@ def main() -> None:
     ap.add_argument("--ranks", default="1,2", help="the process counts timed: 1 (1 x 1), 2 (2 x 1)")
     ap.add_argument("--no-build", action="store_true", help="time the graphs WORK already holds")
     ap.add_argument("--profile", action="store_true", help="profile the train graphs instead of timing them")
-    ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    ap.add_argument("--markdown", action="store_true", help="print the tables of WORK's results as markdown")
+    ap.add_argument("--render", action="store_true", help="only print the tables of WORK's results")
     args = ap.parse_args()
     for var in THREAD_VARS:         # the spawned processes inherit it
         os.environ[var] = "1"
+    if args.render:
+        print(render(args.work))
+        return
     names = [m for m in args.models.split(",") if m]
     rt = runtime()
     work = args.work / rt / f"b{args.batch}-s{args.seq}"
@@ -251,7 +278,6 @@ def main() -> None:
             "load_before": load_before, "load_after": os.getloadavg()}
     for n in names:
         models[n]["started"] = meta["started"]
-    res = {"meta": meta, "models": models}
     path = work / "results.json"        # a run of some models replaces theirs only; each run's meta kept
     old = json.loads(path.read_text()) if path.exists() else {"runs": [], "models": {}}
     path.write_text(json.dumps({"runs": old.get("runs", []) + [meta], "models": {**old["models"], **models}},
@@ -269,7 +295,7 @@ def main() -> None:
                          f"{m['torch']['min']:6.2f}/{m['torch']['median']:6.2f} = {r[mode]['ratio']:.2f}")
         print(line, flush=True)
     if args.markdown:
-        print("\n" + markdown(res))
+        print("\n" + render(args.work))
 
 
 if __name__ == "__main__":
