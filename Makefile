@@ -11,7 +11,7 @@ BIN    := $(VENV)/bin
 STAMP_RUN  := $(VENV)/.installed-run
 STAMP_TEST := $(VENV)/.installed-test
 
-.PHONY: setup setup-test setup-elastic test test-fast test-stock test-py313 test-elastic test-cluster test-gpu demo bench bench-124m bench-cluster docs clean
+.PHONY: setup setup-test setup-elastic test test-fast test-stock test-py313 test-elastic test-cluster test-gpu demo bench bench-124m bench-cluster bench-zoo docs clean
 
 $(BIN)/python:
 	@test -n "$(PYTHON)" || { echo "trainrun needs Python 3.10 or newer on PATH" >&2; exit 2; }
@@ -141,6 +141,17 @@ bench-124m: $(STAMP_TEST)
 # of BENCHMARKS.md
 bench-cluster: $(STAMP_TEST)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python scripts/bench/cluster.py
+
+# The model zoo's families against PyTorch eager, 1 x 1 and 2 x 1, at the zoo's sizes and at batch 32, seq 32
+# (~4 min each on 2 cores): the training build, then stock onnxruntime (.venv-stock); the tables to
+# BENCHMARKS.md's section by hand
+bench-zoo: $(STAMP_TEST) $(STAMP_STOCK)
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python scripts/bench/zoo_speed.py
+	PATH=$(CURDIR)/$(VENV_STOCK)/bin:$$PATH $(VENV_STOCK)/bin/python scripts/bench/zoo_speed.py
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python scripts/bench/zoo_speed.py $(ZOO_LARGER)
+	PATH=$(CURDIR)/$(VENV_STOCK)/bin:$$PATH $(VENV_STOCK)/bin/python scripts/bench/zoo_speed.py $(ZOO_LARGER)
+	$(BIN)/python scripts/bench/zoo_speed.py --render
+ZOO_LARGER := --batch 32 --seq 32 --rounds 6 --steps 3
 
 # docs/configuration.md from the config schema, docs/models.md's table of ops with gradient rules from the builder
 # (tests/test_docs.py checks both are up to date)

@@ -12,6 +12,8 @@ exact too), and Richardson-extrapolated (error O(h^4)) where it is smooth. y's f
 relative) over a few hundred summed terms stays under 1e-5 of the gradient's scale; the bound, 1e-4 (5e-4
 for the smooth cases: h^4 and the rounding divided by h), leaves a margin of 10 over either."""
 
+import collections
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -404,6 +406,8 @@ RECURRENT = {
     "lstm_reverse_all_inputs": ("LSTM", dict(direction="reverse"), ("B", "initial_h", "initial_c", "P")),
     "lstm_bidirectional_layout1": ("LSTM", dict(direction="bidirectional", layout=1), ("B", "initial_h", "initial_c")),
     "lstm_activations": ("LSTM", dict(activations=["Sigmoid", "Relu", "Tanh"]), ("B",)),
+    "lstm_gates_tanh_bidirectional": ("LSTM", dict(activations=["Tanh", "Sigmoid", "Sigmoid"] * 2,
+                                                   direction="bidirectional"), ("B", "initial_c")),
     "gru": ("GRU", {}, ("B", "initial_h")),
     "gru_bidirectional_linear_before_reset_layout1": ("GRU", dict(direction="bidirectional", linear_before_reset=1,
                                                                   layout=1), ("B", "initial_h")),
@@ -462,6 +466,28 @@ def test_recurrent(case):
                                rtol=1e-5, atol=1e-6)
     nodes, ins, params, consts = recurrent(op, attrs, given, F64)
     check(nodes, ins, params, consts=consts, h=1e-5, written_out=True)
+
+
+def test_recurrent_written_out_in_few_nodes_per_step():
+    """Each node costs onnxruntime a dispatch that outweighs a small cell's arithmetic: an LSTM without
+    peepholes takes its i, o and f gates' activation in one node a step (peepholes: one a gate), and the
+    steps' slices and states need no Squeeze or Unsqueeze per step, forward or backward."""
+    def counts(op, attrs, given, steps):
+        global T
+        saved, T = T, steps
+        try:
+            nodes, ins, params, consts = recurrent(op, attrs, given, F32)
+        finally:
+            T = saved
+        train = differentiate(model_of(nodes, ins, consts=consts), params, "loss")
+        return collections.Counter(n.op_type for n in train.graph.node)
+    short, long = counts("LSTM", {}, ("B",), 3), counts("LSTM", {}, ("B",), 9)
+    assert long["Sigmoid"] == 9 and long["Tanh"] == 2 * 9
+    shaping = ("Squeeze", "Unsqueeze")
+    assert [long[k] for k in shaping] == [short[k] for k in shaping]
+    assert counts("LSTM", {}, ("B", "P"), 3)["Sigmoid"] == 3 * 3
+    gru = [counts("GRU", dict(direction="bidirectional"), (), steps) for steps in (3, 9)]
+    assert [gru[1][k] for k in shaping] == [gru[0][k] for k in shaping]
 
 
 def test_recurrent_cases_refused_by_name():

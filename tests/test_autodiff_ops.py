@@ -173,6 +173,16 @@ def test_unary_ops(op, attrs, dtype, values, ref):
           ref=(lambda v: ref(v["x"])) if ref else None)
 
 
+@pytest.mark.parametrize("exponent", [1.0, 2.0, 3.0, 2.5, -1.0])
+def test_pow_of_a_constant_exponent(exponent):
+    """Float64 finite differences; a whole exponent below 3 (an RMSNorm's square, GELU's cube) differentiated
+    by products, no Pow in the gradient (onnxruntime's Pow is a scalar loop); others by Pow."""
+    grad = check([node("Pow", ["x", "p"])], {"x": rand(3, 5, low=0.3, high=2.0)}, ["x"],
+                 consts={"p": np.array(exponent)})
+    pows = [n for n in grad.graph.node if n.op_type == "Pow"]
+    assert len(pows) == (1 if exponent in (1.0, 2.0, 3.0) else 2), [n.name for n in pows]
+
+
 @pytest.mark.parametrize("dtype", [F32, F64])
 def test_relu_gradient_is_dy_exactly_where_the_output_is_positive(dtype):
     """Relu's gradient (dy times Ceil(Min(y, 1)) in float32 and float64): dy itself wherever y > 0, the

@@ -241,28 +241,40 @@ def time_model(name: str, work: Path, rounds: int, steps: int, warmup: int, base
     if baseline is not None:        # the own builder's graph of an older checkout, the same model and batch
         setups["baseline"] = Loop(baseline / name / "trainrun.onnx", feeds, 1)
     setups["torch"] = Torch(name, work, feeds)
+    return alternate(setups, rounds, steps, warmup)
+
+
+def alternate(setups: dict, rounds: int, steps: int, warmup: int, ready=None) -> dict:
+    """Time ``setups`` ({name: an object whose ``step()`` returns its seconds}) in turn: ``warmup`` steps
+    each, then ``rounds`` rounds of ``steps`` steps of each setup after the other; ``ready()`` (a barrier
+    of other processes timing at once) is called between the warm-up and the rounds. Returns the ms per
+    step (min, median, steps), each setup's last loss (``loss()``, or ``last``) and the 1-minute load's
+    least and largest over the rounds."""
     times = {k: [] for k in setups}
     for s in setups.values():
         for _ in range(warmup):
             s.step()
+    if ready is not None:
+        ready()
     load = [os.getloadavg()[0]]
     for _ in range(rounds):
         for k, s in setups.items():
             times[k] += [s.step() for _ in range(steps)]
         load.append(os.getloadavg()[0])
-    losses = {k: (s.last if k == "torch" else s.loss()) for k, s in setups.items()}
+    losses = {k: (s.loss() if hasattr(s, "loss") else s.last) for k, s in setups.items()}
     return {"ms": {k: {"min": 1e3 * min(v), "median": 1e3 * float(np.median(v)), "steps": len(v)}
                    for k, v in times.items()},
             "loss": losses, "load_1min": [min(load), max(load)]}
 
 
-def profile(name: str, work: Path, steps: int, top: int = 40) -> None:
-    """Each graph's time by operator type, by the forward op behind it, and its slowest nodes
-    (onnxruntime's profiler, ``steps`` runs after one warm-up, each node's fastest run)."""
+def profile(name: str, work: Path, steps: int, top: int = 40, graphs=GRAPHS) -> None:
+    """Each graph (WORK/<name>/<graph>.onnx, fed WORK/<name>/inputs.npz) by time per operator type, per
+    forward op behind it, and its slowest nodes (onnxruntime's profiler, ``steps`` runs after one warm-up,
+    each node's fastest run)."""
     import onnxruntime as ort
     from trainrun.step.sessions import session_options
     feeds = dict(np.load(work / name / "inputs.npz"))
-    for k in GRAPHS:
+    for k in graphs:
         path = work / name / f"{k}.onnx"
         so = session_options(1, k, profile_prefix=str(work / name / "profile"))
         sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])

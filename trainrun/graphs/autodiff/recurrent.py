@@ -2,7 +2,11 @@
 when the graph is built, each node becomes per-timestep standard ops (the inputs' projections of every
 step in one MatMul, then per step the recurrent MatMul, Split into gates, Sigmoid / Tanh / Relu, Mul, Add)
 whose own rules give backpropagation through time. The rewritten forward computes what the op computes
-(ONNX's equations, gates i o f c for LSTM, z r h for GRU); its outputs keep their names. Every direction
+(ONNX's equations, gates i o f c for LSTM, z r h for GRU); its outputs keep their names. Its nodes are few per
+step, as each costs onnxruntime a dispatch that outweighs a small cell's arithmetic: the steps' slices of the
+projections are rows of one [T * B, gates * H] matrix and the outputs one [T * B, H] (no Squeeze in nor
+Unsqueeze out per step, nor their gradients; the states stay [B, H], so no product's gradient reshapes), and
+an LSTM without peepholes takes its three gates' activation in one node over 3 x hidden. Every direction
 (forward, reverse, bidirectional), layout 0 and 1, bias, initial_h / initial_c, LSTM's peepholes, GRU's
 linear_before_reset 0 and 1, the activations Sigmoid, Tanh and Relu. Refused by name: a sequence length
 unknown when the graph is built, sequence_lens other than all full, clip, LSTM's input_forget, other
@@ -105,11 +109,11 @@ def _rewrite(s: Step):
         if bs[d] is not None:
             wb, rb = _split(s, bs[d], 2, 0)
             projected = s.op("Add", [projected, wb if op == "GRU" else s.op("Add", [wb, rb])])
-        steps = [projected] if cell.steps == 1 else _split(s, projected, cell.steps, 0)
-        steps = [s.op("Squeeze", [t, s.const([0])]) for t in steps]
+        projected = s.op("Reshape", [projected, s.const([-1, gates * hidden])])       # [T * B, gates * H]
+        steps = [projected] if cell.steps == 1 else _split(s, projected, cell.steps, 0)  # [B, gates * H] each
         f, g, act = (cell.activations[d] + [None, None])[:3]
         if op == "GRU":
-            rt_zr, rt_h = s.op("Split", [rt, s.const([2 * hidden, hidden])], outputs=2, axis=1)
+            rt_zr, rt_h = s.op("Split", [rt, s.const([2 * hidden, hidden])], outputs=2, axis=1)      # [H, .]
             rb_zr, rb_h = (None, None) if rb is None else s.op("Split", [rb, s.const([2 * hidden, hidden])],
                                                                outputs=2, axis=0)
         peep = _split(s, ps[d], 3, 0) if ps[d] is not None else None
@@ -117,6 +121,12 @@ def _rewrite(s: Step):
         for t in (range(cell.steps) if direction == "forward" else reversed(range(cell.steps))):
             if op == "RNN":
                 h = s.op(f, [s.op("Add", [steps[t], s.op("MatMul", [h, rt])])])
+            elif op == "LSTM" and peep is None:        # i, o and f's activation in one node
+                ifo, cc = s.op("Split", [s.op("Add", [steps[t], s.op("MatMul", [h, rt])]),
+                                         s.const([3 * hidden, hidden])], outputs=2, axis=1)
+                i, o, fg = _split(s, s.op(f, [ifo]), 3, 1)
+                c = s.op("Add", [s.op("Mul", [fg, c]), s.op("Mul", [i, s.op(g, [cc])])])
+                h = s.op("Mul", [o, s.op(act, [c])])
             elif op == "LSTM":
                 i, o, fg, cc = _split(s, s.op("Add", [steps[t], s.op("MatMul", [h, rt])]), 4, 1)
                 if peep is not None:
@@ -138,8 +148,9 @@ def _rewrite(s: Step):
                 candidate = s.op(g, [s.op("Add", [x_h, rec])])
                 h = s.op("Add", [candidate, s.op("Mul", [z, s.op("Sub", [h, candidate])])])
             out[t] = h
-        time_axis = 0 if cell.layout == 0 else 1
-        ys.append(s.op("Concat", [s.op("Unsqueeze", [o, s.const([time_axis])]) for o in out], axis=time_axis))
+        y = out[0] if cell.steps == 1 else s.op("Concat", out, axis=0)                  # [T * B, H]
+        y = s.op("Reshape", [y, s.const([cell.steps, -1, hidden])])                     # [T, B, H]
+        ys.append(y if cell.layout == 0 else s.op("Transpose", [y], perm=[1, 0, 2]))
         hs.append(h)
         cs.append(c)
     # Y [T, D, B, H] (layout 1: [B, T, D, H]), Y_h and Y_c [D, B, H] ([B, D, H])
