@@ -97,7 +97,7 @@ test-py313: $(STAMP_PY313)
 # under a real SLURM on them (tests/test_slurm.py; as root, SLURM and munge are installed with apt-get when
 # missing): skipped where namespaces cannot be made or SLURM is missing, failed then under
 # TRAINRUN_REQUIRE_CLUSTER=1 (.ci/run sets it)
-test-cluster: $(STAMP_TEST)
+test-cluster: $(STAMP_TEST) $(STAMP_ELASTIC)
 	scripts/cluster/cluster.sh install-slurm
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q -rs -m cluster tests/test_cluster.py tests/test_slurm.py $(PYTEST_ARGS)
 
