@@ -22,7 +22,7 @@ REQUEST_FILE = "rejoin.json"     # in the run directory: `trainrun rejoin RUN` a
 
 def request(run_dir: str, host: str | None = None) -> str:
     """`trainrun rejoin RUN_DIR [--host HOST]`: ask the elastic job training in ``run_dir`` to take a rank back (on
-    ``host``; by default where Open MPI maps it); what to print. UsageError where ``run_dir`` is not an elastic
+    ``host``; by default the survivors' least loaded host); what to print. UsageError where ``run_dir`` is not an elastic
     run's or no job trains in it."""
     run_dir = os.path.abspath(run_dir)
     try:
@@ -46,7 +46,7 @@ def request(run_dir: str, host: str | None = None) -> str:
     with open(path + ".tmp", "w") as fh:
         json.dump({"time": time.time(), **({"host": host} if host else {})}, fh)
     os.replace(path + ".tmp", path)
-    where = f"on {host}" if host else "on a host of their job"
+    where = f"on {host}" if host else "on the host of theirs with the fewest ranks"
     return (f"asked the job in {run_dir} for a rank back: after its next step its survivors start it {where} (its "
             f"output in the job's); it joins once it is set up (DiLoCo: at an outer step)")
 

@@ -4,8 +4,8 @@ rejoin).
 Open MPI 5.0 cannot connect a separately launched process to a running job here: MPI_Comm_connect between two
 ``mpirun`` jobs waits forever (each is its own PMIx universe), and the shared runtime that would join them, a
 PRRTE DVM (``prte``, then ``mpirun --dvm``), crashes the launching ``mpirun`` (PRRTE 3.0, openpmix/prrte#2364).
-So the survivors start the new rank themselves (MPI_Comm_spawn, on a host of their job: where Open MPI maps it, or
-the one `trainrun rejoin --host` names), when asked to, and take it in once it is set up; a spawn that fails is
+So the survivors start the new rank themselves (MPI_Comm_spawn, on a survivor's host: the one with the fewest
+ranks, or the one `trainrun rejoin --host` names), when asked to, and take it in once it is set up; a spawn that fails is
 said and the job goes on without it::
 
     ask      `trainrun rejoin RUN` writes a request file into the run directory; rank 0 looks for it (one stat)
@@ -123,6 +123,11 @@ class Rejoin:
         if not free:
             e.log(f"elastic: `trainrun rejoin` asked for a rank after step {step}, but none is lost: nothing to do")
             return
+        # by default onto the survivors' least loaded host (rank 0's the last choice): Open MPI 5.0.11 may map it
+        # onto the lost rank's node, where a spawned rank's MPI_Init fails and takes the job down
+        # (open-mpi/ompi#13427; docs/distributed.md)
+        hosts = [str(h) for h in comm.allgather_object(comm.hostname)]
+        host = host or min(hosts, key=lambda h: (hosts.count(h), -hosts.index(h)))
         t0 = time.monotonic()
         failed = comm.spawn(self.heal.argv(), host)
         if failed:
