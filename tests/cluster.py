@@ -5,7 +5,8 @@ Where namespaces cannot be made the tests skip saying why, or fail under TRAINRU
 The ``slurm`` fixture adds a real SLURM on those nodes (``cluster.sh slurm-up``); where SLURM is not
 installed (`make test-cluster` installs it as root with apt-get) its tests skip or fail the same way.
 The ``ft_cluster`` fixture is another cluster of three nodes for elastic runs on Open MPI (``cluster.sh ompi``,
-the elastic venv of tests/test_elastic.py: skipped, saying so, without it, failed under TRAINRUN_REQUIRE_CLUSTER=1).
+the elastic venv of tests/test_elastic.py: skipped, saying so, without it; failed under
+TRAINRUN_REQUIRE_CLUSTER=1).
 TRAINRUN_CLUSTER_DIR and TRAINRUN_CLUSTER_PREFIX, where set, name the clusters' state and namespaces (the
 elastic one's with "-ft" and "f" added), so that two sessions on one machine do not meet."""
 
@@ -26,7 +27,8 @@ ENV = {"TRAINRUN_CLUSTER_DIR": os.environ.get("TRAINRUN_CLUSTER_DIR") or f"/tmp/
 FT_NODES = 3
 FT_VENV = os.environ.get("TRAINRUN_ELASTIC_VENV") or os.path.join(ROOT, ".venv-elastic")
 FT_ENV = {**ENV, "TRAINRUN_CLUSTER_DIR": ENV["TRAINRUN_CLUSTER_DIR"] + "-ft",
-          "TRAINRUN_CLUSTER_PREFIX": ENV["TRAINRUN_CLUSTER_PREFIX"] + "f", "OMPIRUN": os.path.join(FT_VENV, "bin", "mpirun")}
+          "TRAINRUN_CLUSTER_PREFIX": ENV["TRAINRUN_CLUSTER_PREFIX"] + "f",
+          "OMPIRUN": os.path.join(FT_VENV, "bin", "mpirun")}
 
 
 def why_not() -> str | None:
@@ -127,7 +129,8 @@ class FTCluster(Cluster):
         env = {"PYTHONPATH": ROOT, **(env or {})}
         cmd = [CLUSTER_SH, "ompi", "--with-ft", "ulfm", "--map-by", "node:OVERSUBSCRIBE",
                "--host", ",".join(f"{n}:1" for n in self.nodes), "-np", str(len(self.nodes)),
-               *[a for k, v in env.items() for a in ("-x", f"{k}={v}")], os.path.join(FT_VENV, "bin", "trainrun"), *args]
+               *[a for k, v in env.items() for a in ("-x", f"{k}={v}")], os.path.join(FT_VENV, "bin", "trainrun"),
+               *args]
         with open(log, "w") as fh:
             return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
                                     env=dict(os.environ, **self.env))

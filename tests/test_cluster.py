@@ -352,7 +352,8 @@ def test_diloco_a_node_lost_and_taken_back_at_an_outer_step(ft_cluster, tmp_path
     `trainrun rejoin` once the node is back: taken in right after the outer step of step 16, the outer steps
     average over 3 again; the final evaluation loss as good as a fault-free DiLoCo run's (as every-step's)."""
     sets = {**_SETS, "train.max_steps": 32, "distributed.sync": "diloco",
-            "distributed.diloco": {"inner_steps": 4, "group": 1, "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True}}}
+            "distributed.diloco": {"inner_steps": 4, "group": 1,
+                                   "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True}}}
     cfg = write_config(tmp_path / "c.yaml", byte_dataset, **sets)
     t0 = time.monotonic()
     out, steps = _lose_and_rejoin_n3(ft_cluster, tmp_path, cfg, kill_step=6, join_by=16)

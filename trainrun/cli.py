@@ -97,7 +97,8 @@ def resume(run_dir, overrides, log_level, force):
 
 @cli.command()
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
-@click.option("--host", default=None, help="Start it on this host of the job (default: the survivors' host with the fewest ranks).")
+@click.option("--host", default=None,
+              help="Start it on this host of the job (default: the survivors' host with the fewest ranks).")
 def rejoin(run_dir, host):
     """Ask the elastic job training in RUN_DIR (distributed.elastic) for a lost rank back: its survivors start one
     after their next step, heal it from their rank 0 over MPI and train on with it (docs/distributed.md)."""

@@ -178,7 +178,8 @@ def render(r: dict) -> str:
     a, b = r["faulted"], r["fault_free"]
     kills = [e["to_next_step_s"] for e in a["events"] if e["to_next_step_s"] is not None]
     backs = [e["to_first_step_s"] for e in a["events"] if e["to_first_step_s"] is not None]
-    span = lambda xs: f"{statistics.median(xs):.2f} s (median; {min(xs):.2f}-{max(xs):.2f})" if xs else "n/a"  # noqa: E731
+    def span(xs):
+        return f"{statistics.median(xs):.2f} s (median; {min(xs):.2f}-{max(xs):.2f})" if xs else "n/a"
     ratio = a["tokens_per_sec"] / b["tokens_per_sec"] if a["tokens_per_sec"] and b["tokens_per_sec"] else None
     return "\n".join([
         BEGIN,

@@ -359,8 +359,9 @@ class MPICommunicator(Communicator):
     # -- a rank that rejoins (distributed.elastic) ----------------------------------
     def spawn(self, argv: list[str], host: str | None = None) -> str | None:
         """Every survivor: start one rank with the command ``argv`` (MPI_Comm_spawn; on ``host`` where rank 0 gives
-        one: the info key ``host``, else where Open MPI maps it; it returns once the new process initialised MPI), to be admitted when it says it is set up (:meth:`joiner_ready`). Rank 0 listens for that from now
-        on. Returns None, or why the spawn failed (every survivor alike: the job goes on without it)."""
+        one: the info key ``host``, else where Open MPI maps it; it returns once the new process initialised MPI),
+        to be admitted when it says it is set up (:meth:`joiner_ready`). Rank 0 listens for that from now on.
+        Returns None, or why the spawn failed (every survivor alike: the job goes on without it)."""
         MPI = self._MPI
         info = MPI.Info.Create()
         if host and self.rank == 0:

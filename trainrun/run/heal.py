@@ -22,8 +22,8 @@ REQUEST_FILE = "rejoin.json"     # in the run directory: `trainrun rejoin RUN` a
 
 def request(run_dir: str, host: str | None = None) -> str:
     """`trainrun rejoin RUN_DIR [--host HOST]`: ask the elastic job training in ``run_dir`` to take a rank back (on
-    ``host``; by default the survivors' least loaded host); what to print. UsageError where ``run_dir`` is not an elastic
-    run's or no job trains in it."""
+    ``host``; by default the survivors' least loaded host); what to print. UsageError where ``run_dir`` is not an
+    elastic run's or no job trains in it."""
     run_dir = os.path.abspath(run_dir)
     try:
         with open(os.path.join(run_dir, "config.yaml")) as fh:

@@ -5,8 +5,8 @@ Open MPI 5.0 cannot connect a separately launched process to a running job here:
 ``mpirun`` jobs waits forever (each is its own PMIx universe), and the shared runtime that would join them, a
 PRRTE DVM (``prte``, then ``mpirun --dvm``), crashes the launching ``mpirun`` (PRRTE 3.0, openpmix/prrte#2364).
 So the survivors start the new rank themselves (MPI_Comm_spawn, on a survivor's host: the one with the fewest
-ranks, or the one `trainrun rejoin --host` names), when asked to, and take it in once it is set up; a spawn that fails is
-said and the job goes on without it::
+ranks, or the one `trainrun rejoin --host` names), when asked to, and take it in once it is set up; a spawn that
+fails is said and the job goes on without it::
 
     ask      `trainrun rejoin RUN` writes a request file into the run directory; rank 0 looks for it (one stat)
              at each agreement of a step (:class:`trainrun.sync.elastic.Elastic`), whose bit tells every survivor
