@@ -89,13 +89,14 @@ def start(cfg: Path, log: Path) -> subprocess.Popen:
 
 def ranks_on(node: str) -> int:
     out = cluster("exec", node, "sh", "-c", "for d in /proc/[0-9]*; do tr '\\0' ' ' < $d/cmdline 2>/dev/null; "
-                  "echo; done | grep -c '/bin/trainrun' || true")
+                  "echo; done | grep -c '[/]bin/trainrun' || true")
     return int(out.strip() or 0)
 
 
 def wait_rows(run: Path, proc: subprocess.Popen, what, timeout: float) -> dict | None:
-    """The first step line for which ``what(row)`` holds, polled every 20 ms; None past ``timeout`` or at the end."""
-    deadline, seen = time.monotonic() + timeout, 0
+    """The first step line from now on for which ``what(row)`` holds, polled every 20 ms; None past ``timeout`` or
+    at the end."""
+    deadline, seen = time.monotonic() + timeout, len(rows(run))
     while time.monotonic() < deadline and proc.poll() is None:
         rs = rows(run)
         for r in rs[seen:]:
@@ -144,12 +145,27 @@ def faulted(work: Path, cfg: Path, kill_every: float, relaunch_after: float) -> 
             print(f"bench-elastic: killed {ev['node']}: next step {ev['to_next_step_s']}, back {ev['to_first_step_s']}",
                   flush=True)
             next_kill = t_kill - time.time() + time.monotonic() + kill_every
-        proc.wait(timeout=600)
+        rc = finish(proc, log)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    return {"rc": proc.returncode, "events": events, **throughput(run)}
+    return {"rc": rc, "events": events, **throughput(run)}
+
+
+def finish(proc: subprocess.Popen, log: Path) -> int:
+    """The job's exit status once its ranks are done (``done:`` or the train.max_time line in ``log``); an mpirun
+    still there 30 s later (across nodes, Open MPI's mpirun stayed after ranks that stopped with exit 75) is
+    killed, the status then the ranks' 75."""
+    said = ("trainrun: stopped by train.max_time", "\ndone: ")
+    while proc.poll() is None and not any(s in log.read_text(errors="replace") for s in said):
+        time.sleep(1)
+    try:
+        return proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return 75
 
 
 def throughput(run: Path) -> dict:
@@ -164,14 +180,14 @@ def fault_free(work: Path, cfg: Path) -> dict:
     run, log = work / "fault-free", work / "fault-free.log"
     proc = start(cfg, log)
     try:
-        proc.wait(timeout=None)
+        rc = finish(proc, log)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    if proc.returncode not in (0, 75) or not rows(run):
-        raise SystemExit(f"bench-elastic: the fault-free run failed (exit {proc.returncode}; see {log})")
-    return {"rc": proc.returncode, **throughput(run)}
+    if rc not in (0, 75) or not rows(run):
+        raise SystemExit(f"bench-elastic: the fault-free run failed (exit {rc}; see {log})")
+    return {"rc": rc, **throughput(run)}
 
 
 def render(r: dict) -> str:
