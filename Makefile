@@ -93,11 +93,11 @@ test-py313: $(STAMP_PY313)
 	PATH=$(CURDIR)/$(VENV_PY313)/bin:$$PATH bash scripts/demo.sh
 	TRAINRUN_LANE=graphs PATH=$(CURDIR)/$(VENV_PY313)/bin:$$PATH $(VENV_PY313)/bin/python -m pytest -q -m "not gpu and not cluster" $(PYTEST_ARGS)
 
-# The multi-node suite (tests/test_cluster.py) on 2 pretend nodes (scripts/cluster/cluster.sh, root only) and
-# under a real SLURM on them (tests/test_slurm.py; as root, SLURM and munge are installed with apt-get when
-# missing): skipped where namespaces cannot be made or SLURM is missing, failed then under
-# TRAINRUN_REQUIRE_CLUSTER=1 (.ci/run sets it)
-test-cluster: $(STAMP_TEST)
+# The multi-node suite (tests/test_cluster.py) on 2 pretend nodes (scripts/cluster/cluster.sh, root only), its
+# elastic tests on 3 (Open MPI's ULFM: .venv-elastic, made first) and under a real SLURM on them
+# (tests/test_slurm.py; as root, SLURM and munge are installed with apt-get when missing): skipped where
+# namespaces cannot be made or SLURM is missing, failed then under TRAINRUN_REQUIRE_CLUSTER=1 (.ci/run sets it)
+test-cluster: $(STAMP_TEST) $(STAMP_ELASTIC)
 	scripts/cluster/cluster.sh install-slurm
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q -rs -m cluster tests/test_cluster.py tests/test_slurm.py $(PYTEST_ARGS)
 
@@ -138,9 +138,11 @@ bench-124m: $(STAMP_TEST)
 
 # Scaling over a slow link (~30 min, root): GPT-2 mid and 124M on 2 pretend nodes of one core
 # (scripts/cluster/cluster.sh) at link rates unlimited, 10 and 1 Gbit/s against one node alone; its section
-# of BENCHMARKS.md
-bench-cluster: $(STAMP_TEST)
+# of BENCHMARKS.md; then (~40 min) elastic training on 3 pretend nodes for 20 minutes, a node killed every 2
+# minutes and taken back 30 s later, against the same run without faults (scripts/bench/elastic.py)
+bench-cluster: $(STAMP_TEST) $(STAMP_ELASTIC)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python scripts/bench/cluster.py
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python scripts/bench/elastic.py
 
 # The model zoo's families against PyTorch eager, 1 x 1 and 2 x 1, at the zoo's sizes and at batch 32, seq 32
 # (~4 min each on 2 cores): the training build, then stock onnxruntime (.venv-stock); the tables to

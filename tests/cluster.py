@@ -3,7 +3,12 @@
 /dev/shm and /etc/hosts, pinned to its own core), mpirun launched across them from a "login" namespace.
 Where namespaces cannot be made the tests skip saying why, or fail under TRAINRUN_REQUIRE_CLUSTER=1.
 The ``slurm`` fixture adds a real SLURM on those nodes (``cluster.sh slurm-up``); where SLURM is not
-installed (`make test-cluster` installs it as root with apt-get) its tests skip or fail the same way."""
+installed (`make test-cluster` installs it as root with apt-get) its tests skip or fail the same way.
+The ``ft_cluster`` fixture is another cluster of three nodes for elastic runs on Open MPI (``cluster.sh ompi``,
+the elastic venv of tests/test_elastic.py: skipped, saying so, without it; failed under
+TRAINRUN_REQUIRE_CLUSTER=1).
+TRAINRUN_CLUSTER_DIR and TRAINRUN_CLUSTER_PREFIX, where set, name the clusters' state and namespaces (the
+elastic one's with "-ft" and "f" added), so that two sessions on one machine do not meet."""
 
 import hashlib
 import os
@@ -17,8 +22,13 @@ from conftest import BIN, MPIRUN, ROOT, TRAINRUN, run
 CLUSTER_SH = os.path.join(ROOT, "scripts", "cluster", "cluster.sh")
 NODES = 2
 _KEY = hashlib.sha256(ROOT.encode()).hexdigest()[:6]     # one cluster per checkout: two never meet
-ENV = {"TRAINRUN_CLUSTER_DIR": f"/tmp/trainrun-cluster-{_KEY}", "TRAINRUN_CLUSTER_PREFIX": f"trc{_KEY}",
-       "MPIRUN": MPIRUN}
+ENV = {"TRAINRUN_CLUSTER_DIR": os.environ.get("TRAINRUN_CLUSTER_DIR") or f"/tmp/trainrun-cluster-{_KEY}",
+       "TRAINRUN_CLUSTER_PREFIX": os.environ.get("TRAINRUN_CLUSTER_PREFIX") or f"trc{_KEY}", "MPIRUN": MPIRUN}
+FT_NODES = 3
+FT_VENV = os.environ.get("TRAINRUN_ELASTIC_VENV") or os.path.join(ROOT, ".venv-elastic")
+FT_ENV = {**ENV, "TRAINRUN_CLUSTER_DIR": ENV["TRAINRUN_CLUSTER_DIR"] + "-ft",
+          "TRAINRUN_CLUSTER_PREFIX": ENV["TRAINRUN_CLUSTER_PREFIX"] + "f",
+          "OMPIRUN": os.path.join(FT_VENV, "bin", "mpirun")}
 
 
 def why_not() -> str | None:
@@ -54,13 +64,14 @@ def _skip_or_fail(reason: str):
 
 class Cluster:
     nodes = [f"n{i}" for i in range(1, NODES + 1)]
+    env = ENV
 
     def sh(self, *args, check=0, timeout=120):
-        return run([CLUSTER_SH, *args], check=check, timeout=timeout, env=ENV)
+        return run([CLUSTER_SH, *args], check=check, timeout=timeout, env=self.env)
 
     def slurm(self, *args, check=0, timeout=60, env=None):
         """A SLURM client command (sbatch, squeue, scontrol...) on login (sbatch: the job gets ``env``)."""
-        return run([CLUSTER_SH, "slurm", *args], check=check, timeout=timeout, env={**ENV, **(env or {})})
+        return run([CLUSTER_SH, "slurm", *args], check=check, timeout=timeout, env={**self.env, **(env or {})})
 
     def mpirun_cmd(self, ppn: int, *args, nodes=None, genv=()):
         """The command line of ``trainrun ARGS`` on ``ppn`` ranks on each of ``nodes`` (default all)."""
@@ -70,11 +81,11 @@ class Cluster:
                 *flags, TRAINRUN, *args]
 
     def mpirun(self, ppn: int, *args, nodes=None, genv=(), check=0, timeout=300):
-        return run(self.mpirun_cmd(ppn, *args, nodes=nodes, genv=genv), check=check, timeout=timeout, env=ENV)
+        return run(self.mpirun_cmd(ppn, *args, nodes=nodes, genv=genv), check=check, timeout=timeout, env=self.env)
 
     def popen(self, ppn: int, *args, log, env=None):
         """``mpirun`` in the background (its output to the file ``log``); the process is mpirun itself."""
-        env = dict(os.environ, PATH=BIN + os.pathsep + os.environ.get("PATH", ""), **ENV, **(env or {}))
+        env = dict(os.environ, PATH=BIN + os.pathsep + os.environ.get("PATH", ""), **self.env, **(env or {}))
         with open(log, "w") as fh:
             return subprocess.Popen(self.mpirun_cmd(ppn, *args), stdout=fh, stderr=subprocess.STDOUT, env=env)
 
@@ -103,3 +114,54 @@ def slurm(cluster):
         yield cluster
     finally:
         cluster.sh("slurm-down")
+
+
+class FTCluster(Cluster):
+    """Three nodes, one rank each, Open MPI's mpirun with its fault tolerance (``cluster.sh ompi --with-ft ulfm``)."""
+    nodes = [f"n{i}" for i in range(1, FT_NODES + 1)]
+    env = FT_ENV
+
+    def ompi_start(self, *args, log, env=None) -> subprocess.Popen:
+        """``mpirun --with-ft ulfm`` of the elastic venv, one rank on each node (``--map-by node``; OVERSUBSCRIBE:
+        a slot of a dead rank is not given back, and a rank spawned to rejoin needs one), ``trainrun ARGS`` with
+        ``env`` (and PYTHONPATH: this checkout's code) forwarded to the ranks; its output to the file ``log``; a
+        session of its own (:func:`stop`)."""
+        env = {"PYTHONPATH": ROOT, **(env or {})}
+        cmd = [CLUSTER_SH, "ompi", "--with-ft", "ulfm", "--map-by", "node:OVERSUBSCRIBE",
+               "--host", ",".join(f"{n}:1" for n in self.nodes), "-np", str(len(self.nodes)),
+               *[a for k, v in env.items() for a in ("-x", f"{k}={v}")], os.path.join(FT_VENV, "bin", "trainrun"),
+               *args]
+        with open(log, "w") as fh:
+            return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env=dict(os.environ, **self.env))
+
+    @staticmethod
+    def stop(proc: subprocess.Popen, timeout: float) -> int:
+        """``proc``'s exit status; past ``timeout`` seconds its whole session is killed and the test fails."""
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            raise AssertionError(f"{proc.args} ran past {timeout} s") from None
+
+
+def ft_why_not() -> str | None:
+    """Why the elastic venv cannot run an elastic job across the nodes here, or None."""
+    for tool in ("mpirun", "ompi_info", "trainrun"):
+        if not os.access(os.path.join(FT_VENV, "bin", tool), os.X_OK):
+            return f"no Open MPI venv with trainrun at {FT_VENV} (its bin/{tool} is missing): make setup-elastic"
+    return None
+
+
+@pytest.fixture(scope="session")
+def ft_cluster():
+    reason = why_not() or ft_why_not()
+    if reason:
+        _skip_or_fail(reason)
+    c = FTCluster()
+    c.sh("up", str(FT_NODES))
+    try:
+        yield c
+    finally:
+        c.sh("down")

@@ -1,7 +1,8 @@
 """Across nodes for real: trainrun on the pretend cluster of tests/cluster.py (2 nodes, each its own
 hostname, /dev/shm, network and core; /tmp the shared filesystem). `make test-cluster` runs these; they
 are not in `make test`. 2 nodes x 1 rank where a run trains many steps (2 cores in all), 2 x 2 where the
-ranks of one node matter (doctor, shared memory)."""
+ranks of one node matter (doctor, shared memory). distributed.elastic on 3 nodes x 1 rank (Open MPI's
+ULFM, the elastic venv): a node's ranks killed, the node taken back with `trainrun rejoin`."""
 
 import json
 import os
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from cluster import cluster  # noqa: F401  (the fixture)
+from cluster import cluster, ft_cluster  # noqa: F401  (the fixtures)
 from conftest import MPIRUN, TRAINRUN, rank_pids, read_metrics, run, write_config
 
 pytestmark = pytest.mark.cluster
@@ -245,3 +246,123 @@ def test_diloco_across_nodes_matches_two_replicas_on_one_machine(cluster, tmp_pa
     final = [open(tmp_path / d / "checkpoints" / "8" / "model.safetensors", "rb").read() for d in ("ref", "diloco")]
     assert final[0] == final[1]
     assert sent["diloco"] < 0.5 * sent["every_step"], sent
+
+
+# ----------------------------------------------------------------------------- elastic: a node lost and taken back
+
+def _rows(run_dir) -> list[dict]:
+    """metrics.jsonl's whole lines (the last one may be half-written while the job runs)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    text = open(path).read()
+    return [json.loads(line) for line in text.splitlines()[:None if text.endswith("\n") else -1]]
+
+
+def _until(what, proc, log, timeout=180):
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+
+
+def _lose_and_rejoin_n3(ft_cluster, tmp_path, cfg, kill_step: int, join_by: int) -> tuple[str, list[dict]]:
+    """The elastic job on n1, n2, n3 (rank 2 on n3, hung at the start of ``kill_step`` so that its death falls in
+    a known step); once rank 0 logged the step before, every trainrun process on n3 is SIGKILLed (`cluster.sh
+    kill n3 /bin/trainrun`: the node's ranks; mpirun's daemon there lives, see docs/distributed.md); once a step line
+    says 2 replicas, the node is back (its namespaces and address stayed) and `trainrun rejoin RUN` asks for the
+    rank; the survivors wait after step ``join_by`` until it joined (TRAINRUN_FAULT_WAIT_JOIN). The job's output
+    and its step lines."""
+    out, log = str(tmp_path / "run"), tmp_path / "log"
+    proc = ft_cluster.ompi_start("--config", cfg, log=log, env={"TRAINRUN_FAULT_STALL_STEP": f"2:{kill_step}",
+                                                               "TRAINRUN_FAULT_WAIT_JOIN": str(join_by)})
+    try:
+        _until(lambda: any(r.get("step") == kill_step - 1 for r in _rows(out)), proc, log)
+        killed = ft_cluster.sh("kill", "n3", "/bin/trainrun").stdout.split()
+        assert killed, log.read_text()
+        _until(lambda: any(r.get("replicas") == 2 for r in _rows(out)), proc, log)
+        asked = run([TRAINRUN, "rejoin", out], check=0).stdout
+        assert asked.startswith(f"asked the job in {out} for a rank back"), asked
+        assert ft_cluster.stop(proc, 240) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return log.read_text(), [r for r in _rows(out) if "loss" in r]
+
+
+def _fault_free(tmp_path, byte_dataset, sets: dict, steps: int, seed: int) -> float:
+    """The same run without a fault, on 3 ranks of this machine (MPICH), ``steps`` steps; its final evaluation
+    loss."""
+    out = tmp_path / f"ref-{seed}-{steps}"
+    cfg = write_config(tmp_path / f"ref-{seed}-{steps}.yaml", byte_dataset, **{
+        **sets, "distributed.elastic": False, "train.max_steps": steps, "run.seed": seed, "run.output_dir": str(out)})
+    run([MPIRUN, "-np", "3", TRAINRUN, "--config", cfg], check=0)
+    return [r for r in _rows(str(out)) if "eval_loss" in r][-1]["eval_loss"]
+
+
+def _as_good_as_fault_free(tmp_path, byte_dataset, sets: dict, steps: list[dict]) -> dict:
+    """The faulted run's final evaluation loss against fault-free runs (seed 5, its own): no worse than one at its
+    tokens (fewer steps: its steps on 2 replicas trained 2/3 of the tokens), no better than one at its steps (more
+    tokens), each give or take the spread of two seeds at its tokens (seeds 5 and 6, at least 0.05: their distance
+    is itself a draw). A rank healed with stale or foreign state, or a reduce that summed over a dead rank, would
+    fall outside (losses of 3.3-3.5 here, the seeds 0.01-0.02 apart). The numbers, for the log."""
+    tokens = sum(r["replicas"] for r in steps) * sets["train.micro_batch_size"] * 32
+    at_tokens = round(tokens / (3 * sets["train.micro_batch_size"] * 32))
+    got = [r for r in _rows(str(tmp_path / "run")) if "eval_loss" in r][-1]["eval_loss"]
+    ref = {seed: _fault_free(tmp_path, byte_dataset, sets, at_tokens, seed) for seed in (5, 6)}
+    more = _fault_free(tmp_path, byte_dataset, sets, len(steps), 5)
+    tol = max(abs(ref[5] - ref[6]), 0.05)
+    assert more - tol <= got <= ref[5] + tol, (got, ref, more)
+    return {"faulted": round(got, 4), f"fault-free at its tokens ({at_tokens} steps), seeds 5, 6":
+            (round(ref[5], 4), round(ref[6], 4)), f"at its steps ({len(steps)})": round(more, 4)}
+
+
+_SETS = {"train.micro_batch_size": 4, "train.log_every": 1, "train.eval_steps": 4, "checkpoint.every": 0,
+         "lr_schedule.name": "constant", "distributed.elastic": True}
+
+
+def test_every_step_a_node_lost_and_taken_back(ft_cluster, tmp_path, byte_dataset):
+    """3 nodes x 1 rank, every-step: n3's rank killed in step 8 (SIGKILL to every trainrun process there): n1 and
+    n2 train on (step lines: 3 replicas, then 2); `trainrun rejoin` once the node is back: a rank is spawned,
+    healed from rank 0 over MPI and taken in by step 20; the run ends on 3 replicas (step lines 3 again), every
+    rank with the same bits, its final evaluation loss as good as a fault-free run's at the same tokens."""
+    sets = {**_SETS, "train.max_steps": 30}
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **sets)
+    t0 = time.monotonic()
+    out, steps = _lose_and_rejoin_n3(ft_cluster, tmp_path, cfg, kill_step=8, join_by=20)
+    assert "elastic: rank(s) 2 lost during step 8; 2 replica(s) go on" in out, out
+    # spawned onto a survivor's node (the least loaded, rank 0's last), not onto n3 (docs/distributed.md)
+    spawned = next(ln for ln in out.splitlines() if ln.startswith("elastic: a rank spawned after step"))
+    assert "to take rank 2's place" in spawned and ", on n2)" in spawned, spawned
+    joined = next(ln for ln in out.splitlines() if ln.startswith("elastic: rank 2 joined after step"))
+    after = int(joined.split()[6])
+    assert 8 <= after <= 20, joined
+    assert [r["step"] for r in steps] == list(range(1, 31))
+    assert [r["replicas"] for r in steps] == [3] * 7 + [2] * (after - 7) + [3] * (30 - after)
+    final = tmp_path / "run" / "checkpoints" / "30"
+    assert len({json.loads((final / f"rank-{r}.json").read_text())["params_sha256"] for r in range(3)}) == 1
+    print(f"every-step: faulted {time.monotonic() - t0:.1f} s; eval loss (faulted, fault-free seeds 5 and 6): "
+          f"{_as_good_as_fault_free(tmp_path, byte_dataset, sets, steps)}")
+
+
+def test_diloco_a_node_lost_and_taken_back_at_an_outer_step(ft_cluster, tmp_path, byte_dataset):
+    """3 nodes x 1 rank, DiLoCo (a replica a node, an outer step every 4 steps): n3's rank killed in step 6 (a world
+    step: log_every 1 reduces every step's scalars); the outer steps of steps 8-16 average over the 2 alive;
+    `trainrun rejoin` once the node is back: taken in right after the outer step of step 16, the outer steps
+    average over 3 again; the final evaluation loss as good as a fault-free DiLoCo run's (as every-step's)."""
+    sets = {**_SETS, "train.max_steps": 32, "distributed.sync": "diloco",
+            "distributed.diloco": {"inner_steps": 4, "group": 1,
+                                   "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True}}}
+    cfg = write_config(tmp_path / "c.yaml", byte_dataset, **sets)
+    t0 = time.monotonic()
+    out, steps = _lose_and_rejoin_n3(ft_cluster, tmp_path, cfg, kill_step=6, join_by=16)
+    assert "elastic: rank(s) 2 lost during step 6; 2 replica(s) go on" in out, out
+    joined = next(ln for ln in out.splitlines() if ln.startswith("elastic: rank 2 joined after step"))
+    assert int(joined.split()[6]) == 16, joined
+    with open(tmp_path / "run" / "metrics.jsonl") as fh:
+        outer = {r["step"]: r["outer_replicas"] for r in map(json.loads, fh) if "outer_bytes" in r}
+    assert outer == {4: 3, 8: 2, 12: 2, 16: 2, 20: 3, 24: 3, 28: 3, 32: 3}, outer
+    assert [r["replicas"] for r in steps][-1] == 3
+    print(f"diloco: faulted {time.monotonic() - t0:.1f} s; eval loss (faulted, fault-free seeds 5 and 6): "
+          f"{_as_good_as_fault_free(tmp_path, byte_dataset, sets, steps)}")

@@ -98,11 +98,13 @@ def resume(run_dir, overrides, log_level, force):
 
 @cli.command()
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
-def rejoin(run_dir):
+@click.option("--host", default=None,
+              help="Start it on this host of the job (default: the survivors' host with the fewest ranks).")
+def rejoin(run_dir, host):
     """Ask the elastic job training in RUN_DIR (distributed.elastic) for a lost rank back: its survivors start one
     after their next step, heal it from their rank 0 over MPI and train on with it (docs/distributed.md)."""
     from .run.heal import request
-    click.echo(request(run_dir))
+    click.echo(request(run_dir, host))
 
 
 @cli.command()
@@ -350,6 +352,18 @@ def _launcher_rank() -> int:
 
 
 def main(argv=None):
+    """The console script: :func:`_main`, its end without MPI_Finalize where an elastic job lost a rank
+    (:func:`trainrun.comm.base.end_process`)."""
+    from .comm.base import end_process
+    try:
+        _main(argv)
+    except SystemExit as exc:
+        end_process(exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1))
+        raise
+    end_process(0)
+
+
+def _main(argv=None):
     stopping.start_up()         # (again, where main is called without the console script)
     from .step.sessions import import_onnxruntime
     import_onnxruntime()        # before any command's imports: without torch (1.5 s of every start)

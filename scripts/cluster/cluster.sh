@@ -15,6 +15,15 @@
 #   cluster.sh shm NODE SIZE     resize NODE's /dev/shm (e.g. n2 16m)
 #   cluster.sh exec NODE CMD...  run CMD on NODE
 #   cluster.sh mpirun ARGS...    the venv's mpirun on login, across the nodes (e.g. -hosts n1,n2 -ppn 1 ...)
+#   cluster.sh ompi ARGS...      Open MPI's mpirun (OMPIRUN, default .venv-elastic's: `make setup-elastic`) on login,
+#                                across the nodes, PRRTE's ssh launcher replaced by node-ssh (--prtemca
+#                                plm_ssh_agent), as root (OMPI_ALLOW_RUN_AS_ROOT); e.g. `--with-ft ulfm
+#                                --host n1:1,n2:1,n3:1 -np 3 -x PYTHONPATH ...`: Open MPI forwards no variable
+#                                to the ranks unless named with -x
+#   cluster.sh kill NODE [WORD]  SIGKILL to every process on NODE (its PID namespace's, all but the holder), or
+#                                to those whose command line holds WORD (e.g. trainrun: the node's ranks, not
+#                                mpirun's daemon there); the node itself (namespaces, address) stays, as a
+#                                machine that comes back; what it killed, by PID, on stdout
 #   cluster.sh slurm-up          a real SLURM on the nodes (Debian's slurm-wlm, started by hand, no systemd):
 #                                munged with a socket of its own, slurmctld on login, slurmd on each node;
 #                                partition "nodes" (jobs share cores); task/affinity; KillWait KILL_WAIT
@@ -66,6 +75,18 @@ exec taskset -c "\$(cat "$N_DIR/\$host.cpus")" nsenter --target "\$pid" --net --
     env -i HOME=/root USER=root LOGNAME=root SHELL=/bin/sh PATH=/usr/local/bin:/usr/bin:/bin /bin/sh -c "\$*"
 EOF
     chmod +x "$D/node-ssh"
+    # Open MPI's (PRRTE's): a daemon killed with its node ends its ssh session, which PRRTE takes for a daemon
+    # that failed to start and aborts the job; a dead machine's ssh session would hang until a keepalive gave up
+    # instead, while the daemons' own failure detector reports the node lost: the session ends quietly (0)
+    # where the remote side died of a signal (a start that failed keeps its status)
+    cat > "$D/node-ssh-ft" <<EOF
+#!/usr/bin/env bash
+"$D/node-ssh" "\$@"
+rc=\$?
+[ \$rc -gt 128 ] && [ \$rc -lt 255 ] && exit 0
+exit \$rc
+EOF
+    chmod +x "$D/node-ssh-ft"
 }
 
 add_netns() { ip netns add "$1" && echo "$1" >> "$N_DIR/netns"; }
@@ -135,7 +156,7 @@ while True:
 down() {  # holders by PID (each takes its PID namespace's processes along), then the namespaces made here
     local f n
     slurm_down >/dev/null
-    [ -d "$N_DIR" ] || { rm -f "$D/node-ssh"; rmdir "$D" 2>/dev/null || true; echo "down: nothing to remove"; return 0; }
+    [ -d "$N_DIR" ] || { rm -f "$D/node-ssh" "$D/node-ssh-ft"; rmdir "$D" 2>/dev/null || true; echo "down: nothing to remove"; return 0; }
     for f in "$N_DIR"/*.pid "$N_DIR"/*.unshare; do
         [ -e "$f" ] && kill -KILL "$(cat "$f")" 2>/dev/null || true
     done
@@ -147,7 +168,7 @@ down() {  # holders by PID (each takes its PID namespace's processes along), the
     if [ -e "$N_DIR/run-netns" ] && [ -z "$(ip netns list)" ]; then
         umount /run/netns 2>/dev/null || true; rmdir /run/netns 2>/dev/null || true
     fi
-    rm -rf "$N_DIR" "$D/node-ssh"
+    rm -rf "$N_DIR" "$D/node-ssh" "$D/node-ssh-ft"
     rmdir "$D" 2>/dev/null || true
     echo "down: removed"
 }
@@ -282,6 +303,21 @@ slurm_client() {  # a SLURM client command on login
     SLURM_CONF=$S/slurm.conf nsenter --target "$(holder login)" --net --uts --mount --wd="$PWD" -- "$@"
 }
 
+cluster_ompi() {
+    local ompirun=${OMPIRUN:-$ROOT/.venv-elastic/bin/mpirun}
+    [ -x "$ompirun" ] || die "no Open MPI mpirun at $ompirun (make setup-elastic, or OMPIRUN=...)"
+    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+        exec nsenter --target "$(holder login)" --net --uts --mount --wd="$PWD" -- \
+        "$ompirun" --prtemca plm_ssh_agent "$D/node-ssh-ft" "$@"
+}
+
+kill_node() {  # inside the node's PID and mount namespaces (its own /proc): all but PID 1 and this shell
+    node_exec "$1" sh -c 'for d in /proc/[0-9]*; do p=${d#/proc/}
+        [ "$p" = 1 ] || [ "$p" = $$ ] || { [ -n "$0" ] && ! tr "\\0" " " < "$d/cmdline" 2>/dev/null | grep -qF -- "$0"; } ||
+            { kill -KILL "$p" 2>/dev/null && echo "$p"; }
+    done; true' "${2:-}"
+}
+
 cluster_mpirun() {
     exec nsenter --target "$(holder login)" --net --uts --mount --wd="$PWD" -- \
         "$MPIRUN" -launcher ssh -launcher-exec "$D/node-ssh" "$@"
@@ -295,9 +331,11 @@ case "$cmd" in
     shm) node_exec "$1" mount -o "remount,size=$2" /dev/shm ;;
     exec) node_exec "$@" ;;
     mpirun) cluster_mpirun "$@" ;;
+    ompi) cluster_ompi "$@" ;;
+    kill) kill_node "$@" ;;
     slurm-up) slurm_up ;;
     slurm-down) slurm_down ;;
     slurm) slurm_client "$@" ;;
     install-slurm) install_slurm ;;
-    *) sed -n '2,29p' "$0" >&2; exit 2 ;;
+    *) sed -n '2,37p' "$0" >&2; exit 2 ;;
 esac

@@ -94,6 +94,24 @@ def _json_bytes(obj: Any) -> bytes:
         raise ValueError(f"allgather_object needs a JSON-serialisable object: {e}") from None
 
 
+_WITHOUT_FINALIZE: list[str] = []     # why this process leaves without MPI_Finalize (empty: it finalizes)
+
+
+def leave_without_finalize(why: str) -> None:
+    """From now on this process ends without MPI_Finalize (:func:`end_process`): an elastic job's survivor once a
+    rank was lost (Open MPI 5.0's MPI_Finalize waits in a fence over the whole job, the dead rank included: across
+    nodes it never returns, and its mpirun never exits)."""
+    _WITHOUT_FINALIZE.append(why)
+
+
+def end_process(code: int) -> None:
+    """trainrun's last word (its main, ``code`` its exit status): where :func:`leave_without_finalize` was said, the
+    process ends here, its output flushed, without MPI_Finalize; otherwise this returns and it exits as usual."""
+    if _WITHOUT_FINALIZE:
+        _flush_stdio()
+        os._exit(code)
+
+
 def _flush_stdio() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -350,25 +350,32 @@ class MPICommunicator(Communicator):
         except self._MPI.Exception:
             pass
         self.rank, self.world_size = new.Get_rank(), new.Get_size()
+        base.leave_without_finalize("a rank was lost")
         alive = [int(r) for r in self.allgather_object(me)]
         lost = [r for r in self.members if r not in alive]
         self.members = alive
         return lost
 
     # -- a rank that rejoins (distributed.elastic) ----------------------------------
-    def spawn(self, argv: list[str]) -> None:
-        """Every survivor: start one rank with the command ``argv`` (MPI_Comm_spawn, on a host of this job; it
-        returns once the new process initialised MPI), to be admitted when it says it is set up
-        (:meth:`joiner_ready`). Rank 0 listens for that from now on."""
+    def spawn(self, argv: list[str], host: str | None = None) -> str | None:
+        """Every survivor: start one rank with the command ``argv`` (MPI_Comm_spawn; on ``host`` where rank 0 gives
+        one: the info key ``host``, else where Open MPI maps it; it returns once the new process initialised MPI),
+        to be admitted when it says it is set up (:meth:`joiner_ready`). Rank 0 listens for that from now on.
+        Returns None, or why the spawn failed (every survivor alike: the job goes on without it)."""
         MPI = self._MPI
+        info = MPI.Info.Create()
+        if host and self.rank == 0:
+            info.Set("host", host)
         try:
-            self._inter = self._comm.Spawn(argv[0], argv[1:], maxprocs=1, root=0)
+            self._inter = self._comm.Spawn(argv[0], argv[1:], maxprocs=1, info=info, root=0)
         except MPI.Exception as e:
-            raise TrainrunError(f"spawning a rank to rejoin ({' '.join(argv)}) failed on {self._who()}: "
-                                f"{e.Get_error_string()}") from None
+            return e.Get_error_string()
+        finally:
+            info.Free()
         self._inter.Set_errhandler(MPI.ERRORS_RETURN)
         self._ready = np.zeros(1, np.float64)
         self._ready_req = self._inter.Irecv(self._ready, source=0, tag=_READY_TAG) if self.rank == 0 else None
+        return None
 
     def joiner_ready(self) -> float | None:
         """Rank 0, after :meth:`spawn`: the seconds the spawned rank took to set up, once it said it is ready;

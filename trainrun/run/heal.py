@@ -22,9 +22,10 @@ from .lock import RunLock
 REQUEST_FILE = "rejoin.json"     # in the run directory: `trainrun rejoin RUN` asks the elastic job for a rank back
 
 
-def request(run_dir: str) -> str:
-    """`trainrun rejoin RUN_DIR`: ask the elastic job training in ``run_dir`` to take a rank back; what to print.
-    UsageError where ``run_dir`` is not an elastic run's or no job trains in it."""
+def request(run_dir: str, host: str | None = None) -> str:
+    """`trainrun rejoin RUN_DIR [--host HOST]`: ask the elastic job training in ``run_dir`` to take a rank back (on
+    ``host``; by default the survivors' least loaded host); what to print. UsageError where ``run_dir`` is not an
+    elastic run's or no job trains in it."""
     run_dir = os.path.abspath(run_dir)
     try:
         with open(os.path.join(run_dir, "config.yaml")) as fh:
@@ -45,10 +46,11 @@ def request(run_dir: str) -> str:
                          f"(under mpirun --with-ft ulfm)")
     path = os.path.join(run_dir, REQUEST_FILE)
     with open(path + ".tmp", "w") as fh:
-        json.dump({"time": time.time()}, fh)
+        json.dump({"time": time.time(), **({"host": host} if host else {})}, fh)
     os.replace(path + ".tmp", path)
-    return (f"asked the job in {run_dir} for a rank back: after its next step its survivors start it on a host of "
-            f"their job (its output in the job's); it joins once it is set up (DiLoCo: at an outer step)")
+    where = f"on {host}" if host else "on the host of theirs with the fewest ranks"
+    return (f"asked the job in {run_dir} for a rank back: after its next step its survivors start it {where} (its "
+            f"output in the job's); it joins once it is set up (DiLoCo: at an outer step)")
 
 
 class Heal:
@@ -83,19 +85,22 @@ class Heal:
     def requested(self) -> bool:
         return os.path.exists(os.path.join(self.r.out, REQUEST_FILE))
 
-    def take_request(self) -> float | None:
-        """The request's time, the file removed (rank 0)."""
+    def take_request(self) -> tuple[float | None, str | None]:
+        """The request's time and host (None: not said), the file removed (rank 0)."""
         path = os.path.join(self.r.out, REQUEST_FILE)
+        asked = host = None
         try:
             with open(path) as fh:
-                asked = float(json.load(fh)["time"])
-        except (OSError, ValueError, KeyError, TypeError):
-            asked = None
+                req = json.load(fh)
+            asked, host = float(req["time"]), req.get("host")
+            host = str(host) if host else None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass
         try:
             os.remove(path)
         except OSError:
             pass
-        return asked
+        return asked, host
 
     def argv(self) -> list[str]:
         """The command the survivors spawn: this process's program on the run directory's config.yaml."""

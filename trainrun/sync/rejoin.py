@@ -4,8 +4,9 @@ rejoin).
 Open MPI 5.0 cannot connect a separately launched process to a running job here: MPI_Comm_connect between two
 ``mpirun`` jobs waits forever (each is its own PMIx universe), and the shared runtime that would join them, a
 PRRTE DVM (``prte``, then ``mpirun --dvm``), crashes the launching ``mpirun`` (PRRTE 3.0, openpmix/prrte#2364).
-So the survivors start the new rank themselves (MPI_Comm_spawn, on a host of their job), when asked to, and
-take it in once it is set up::
+So the survivors start the new rank themselves (MPI_Comm_spawn, on a survivor's host: the one with the fewest
+ranks, or the one `trainrun rejoin --host` names), when asked to, and take it in once it is set up; a spawn that
+fails is said and the job goes on without it::
 
     ask      `trainrun rejoin RUN` writes a request file into the run directory; rank 0 looks for it (one stat)
              at each agreement of a step (:class:`trainrun.sync.elastic.Elastic`), whose bit tells every survivor
@@ -117,16 +118,27 @@ class Rejoin:
 
     def _spawn(self, step: int) -> None:
         e, comm = self.e, self.e.comm
-        asked_at = self.heal.take_request() if comm.rank == 0 else None
+        asked_at, host = self.heal.take_request() if comm.rank == 0 else (None, None)
         free = self._free()
         if not free:
             e.log(f"elastic: `trainrun rejoin` asked for a rank after step {step}, but none is lost: nothing to do")
             return
+        # by default onto the survivors' least loaded host (rank 0's the last choice): Open MPI 5.0.11 may map it
+        # onto the lost rank's node, where a spawned rank's MPI_Init fails and takes the job down
+        # (open-mpi/ompi#13427; docs/distributed.md)
+        hosts = [str(h) for h in comm.allgather_object(comm.hostname)]
+        host = host or min(hosts, key=lambda h: (hosts.count(h), -hosts.index(h)))
         t0 = time.monotonic()
-        comm.spawn(self.heal.argv())
+        failed = comm.spawn(self.heal.argv(), host)
+        if failed:
+            e.log(f"elastic: spawning a rank after step {step} to take rank {free[0]}'s place failed "
+                  f"({failed}; on {host or 'a host of the job'}); {comm.world_size} replica(s) go on; "
+                  f"`trainrun rejoin` asks again")
+            return
         self.spawned = (time.time(), asked_at)
         e.log(f"elastic: a rank spawned after step {step} to take rank {free[0]}'s place (in "
-              f"{time.monotonic() - t0:.2f} s); it joins once it is set up")
+              f"{time.monotonic() - t0:.2f} s" + (f", on {host}" if comm.rank == 0 and host else "")
+              + "); it joins once it is set up")
 
     def _admit(self, step: int) -> None:
         e, comm = self.e, self.e.comm
