@@ -387,6 +387,25 @@ def test_softmax_read_by_one_product(case):
     assert len(dot) == 1 and ("y" in dot[0].input) == (case == "attention")          # dO * O, else dP * P
 
 
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_products_of_named_dims_sum_only_where_broadcast(broadcast):
+    """A batched MatMul whose dims are symbols (a sequence length not fixed when built): where the operands'
+    batch dims name the output's, their gradients are the products themselves, no run-time broadcast search;
+    an operand of batch 1 against a named batch is summed over it."""
+    symbols = {"a": [None if broadcast else "B", "T"], "b": ["B"]}
+
+    def named(model):
+        for vi in model.graph.input:
+            for dim, sym in zip(vi.type.tensor_type.shape.dim, symbols.get(vi.name, [])):
+                if sym:
+                    dim.dim_param = sym
+        return model
+    inputs = {"a": rand(1 if broadcast else 2, 3, 4, seed=1), "b": rand(2, 4, 5, seed=2)}
+    grad = check([node("MatMul", ["a", "b"])], inputs, ["a", "b"], prepare=named)
+    searched = [n for n in grad.graph.node if n.op_type == "NonZero" and n.name.startswith("grad/matmul")]
+    assert len(searched) == broadcast, [n.name for n in searched]
+
+
 def test_refused_cases_are_named():
     aspect = model_of([node("Resize", ["x", "", "", "sizes"], keep_aspect_ratio_policy="not_larger")],
                       {"x": rand(1, 1, 3, 4, dtype=F32)}, {"sizes": np.array([1, 1, 6, 6])})

@@ -82,11 +82,11 @@ class Emitter:
         del sorted_model.graph.node[:]
         sorted_model.graph.node.extend(ordered)
         inferred = static.infer(sorted_model)
-        types, dims, _ = declared(inferred)
+        types, dims, self.syms = declared(inferred)
         self.types.update(types)
         self.dims.update(dims)
         for t in g.initializer:
-            self.dims[t.name] = list(t.dims)
+            self.dims[t.name] = self.syms[t.name] = list(t.dims)
             self.types[t.name] = t.data_type
         self.values = {t.name: numpy_helper.to_array(t) for t in g.initializer}
         # the graph's Constants, and the integer tensors static.infer folded (shapes and bounds computed from
@@ -181,11 +181,14 @@ class Emitter:
             self.nodes.remove(self.producer[t])
         return [self.op("Concat", [p[0] for p in pieces], base, axis=pieces[0][1])]
 
-    def sum_to(self, grad: str, target: str, base: str, grad_dims=None) -> str:
-        """``grad`` (of a broadcast result, dims ``grad_dims`` if known) summed over the axes ``target``
-        was broadcast along, so it has ``target``'s shape. Static axes where both shapes are known, else
-        the axes found at run time from the two Shapes."""
+    def sum_to(self, grad: str, target: str, base: str, grad_dims=None, grad_syms=None) -> str:
+        """``grad`` (of a broadcast result, dims ``grad_dims`` if known, dims or their symbols ``grad_syms``)
+        summed over the axes ``target`` was broadcast along, so it has ``target``'s shape. Static axes where
+        both shapes are known; ``grad`` itself where every dim of both is known or named and they agree (a
+        symbolic sequence length: no broadcast); else the axes found at run time from the two Shapes."""
         tdims = self.static(target)
+        if grad_syms is not None and None not in grad_syms and self.syms.get(target) == list(grad_syms):
+            return grad
         if tdims is not None and grad_dims is not None and None not in grad_dims:
             if list(grad_dims) == tdims:
                 return grad
@@ -251,10 +254,12 @@ class Step:
     def reduce(self, op_type: str, x: str, axes: list[int], keepdims: int = 1) -> str:
         return self.emit.reduce(op_type, x, axes, self.base, keepdims)
 
-    def sum_to(self, grad: str, i: int, grad_dims=None) -> str:
-        """``grad``, of output 0's shape unless ``grad_dims`` says otherwise, reduced to input ``i``'s."""
-        return self.emit.sum_to(grad, self.x[i], f"{self.base}/{self.x[i]}",
-                                self.emit.static(self.y[0]) if grad_dims is None else grad_dims)
+    def sum_to(self, grad: str, i: int, grad_dims=None, grad_syms=None) -> str:
+        """``grad``, of output 0's shape unless ``grad_dims`` (static) or ``grad_syms`` (dims or symbols) say
+        otherwise, reduced to input ``i``'s."""
+        if grad_dims is None and grad_syms is None:
+            grad_dims, grad_syms = self.emit.static(self.y[0]), self.emit.syms.get(self.y[0])
+        return self.emit.sum_to(grad, self.x[i], f"{self.base}/{self.x[i]}", grad_dims, grad_syms)
 
     def value(self, i: int):
         """The constant value of input ``i`` (an initializer or a Constant), else :class:`NoGradient`."""
