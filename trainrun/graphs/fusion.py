@@ -1,5 +1,5 @@
 """Fewer, larger nodes in a train graph of trainrun's own gradient builder (``graphs.fuse``), the same
-numbers (float32 reordering at most: a scale applied to a product's sum instead of its operand).
+numbers (float32 reordering at most: a scale applied to a product's sum instead of its operand or result).
 
 The builder writes each op's gradient by its rule, and the rules know only their own node: shapes found
 at run time where a dim is symbolic, casts of constants, a Reshape of a Reshape, a transpose a product
@@ -18,8 +18,10 @@ could read transposed. :func:`fuse` rewrites the graph, rule by rule until none 
 * a Transpose of a Transpose is one (none when they cancel);
 * a MatMul (or Gemm) whose operand is a Transpose of its last two dims reads it transposed
   (com.microsoft FusedMatMul transA/transB, registered by stock onnxruntime's CPU and CUDA providers; Gemm's
-  own transA/transB); a Mul of a product by a scalar constant is its ``alpha``. The weight gradients'
-  explicit transposes (``autodiff/matrix.py``: a [M, 1, K] view permuted) are not such a Transpose and
+  own transA/transB); a Mul of a product by a scalar constant is its ``alpha``, and so is a Mul by a scalar
+  constant read only by products (attention's dS times the scale, read by dQ's and dK's products); a
+  Transpose of a product's last two dims is the product of the swapped operands ((A B)^T = B^T A^T). The
+  weight gradients' explicit transposes (``autodiff/matrix.py``: a [M, 1, K] view permuted) are not such a Transpose and
   stay: MLAS runs a transposed left operand slower;
 * nodes nobody reads removed, equal constants shared;
 * a gradient output (``<param>_grad``) made by a Reshape of a tensor of as many elements, its dims known, is
