@@ -575,7 +575,8 @@ def _scaled_operand(g: _Graph, mul) -> int:
 def _transposed_product(g: _Graph, t) -> int:
     """A Transpose of the last two axes of a product's result (its only reader) as the product of the
     swapped operands, each read transposed the other way: (A B)^T = B^T A^T (attention's dK = (Q^T dS)^T
-    as dS^T Q). 1 if so, else 0."""
+    as dS^T Q), where that reads no operand transposed that the product did not (a plain MatMul's result
+    stays transposed: a tied head's weight gradient, which strides.py pads). 1 if so, else 0."""
     p = g.producer.get(t.input[0])
     perm = _attrs(t).get("perm")
     if p is None or p not in g.nodes or perm is None or not _swap(perm) or not _product(g, p) \
@@ -583,6 +584,8 @@ def _transposed_product(g: _Graph, t) -> int:
             or len({len(g.dims[i]) for i in p.input[:2]} | {len(perm)}) != 1:
         return 0
     a = _attrs(p) if p.op_type == "FusedMatMul" else {}
+    if not a.get("transA", 0) and not a.get("transB", 0):
+        return 0            # B^T A^T would read its left operand transposed: slower in MLAS, and never padded
     new = _fused(g, p, [p.input[1], p.input[0]], transA=1 - a.get("transB", 0), transB=1 - a.get("transA", 0))
     new.output[0] = t.output[0]
     g.nodes[g.nodes.index(p)] = new
