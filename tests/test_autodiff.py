@@ -771,7 +771,8 @@ def test_gpt2_train_graph_in_the_cheaper_forms(tmp_path):
     from the forward's Mean/InvStdDev (no recomputed deviation), the tied embedding's rows scattered into
     the head's gradient, transposed, along axis 0 (no zero table, no ScatterND), the GELU as one subgraph
     (no y-gradient Sum of its four products), broadcast axes fixed when built (no run-time axis search per
-    layer), input gradients by Gemm transB, and, after onnxruntime's optimizations, every weight gradient a plain MatMul over an explicitly transposed input."""
+    layer), input gradients by Gemm transB, and, after onnxruntime's optimizations, every weight gradient a
+    plain MatMul over an explicitly transposed input."""
     import collections
 
     from conftest import ROOT
