@@ -769,10 +769,10 @@ def test_pad_constant_mode():
 def test_gpt2_train_graph_in_the_cheaper_forms(tmp_path):
     """The built-in GPT-2's train graph as prepare makes it (static shapes): LayerNormalization's gradient
     from the forward's Mean/InvStdDev (no recomputed deviation), the tied embedding's rows scattered into
-    the head's gradient (no zero table, no ScatterND), the GELU as one subgraph (no y-gradient Sum of its
-    four products), broadcast axes fixed when built (no run-time axis search per layer), input gradients
-    by Gemm transB, and, after
-    onnxruntime's optimizations, every weight gradient a plain MatMul over an explicitly transposed input."""
+    the head's gradient, transposed, along axis 0 (no zero table, no ScatterND), the GELU as one subgraph
+    (no y-gradient Sum of its four products), broadcast axes fixed when built (no run-time axis search per
+    layer), input gradients by Gemm transB, and, after onnxruntime's optimizations, every weight gradient a
+    plain MatMul over an explicitly transposed input."""
     import collections
 
     from conftest import ROOT
@@ -791,7 +791,8 @@ def test_gpt2_train_graph_in_the_cheaper_forms(tmp_path):
     chain = [producer["transformer.wte.weight_grad"]]
     while len(chain) < 3:
         chain.append(producer[chain[-1].input[0]])
-    assert [n.op_type for n in chain] == ["Identity", "Transpose", "ScatterElements"]
+    assert [n.op_type for n in chain] == ["Identity", "ScatterElements", "Transpose"]
+    assert [a.i for a in chain[1].attribute if a.name == "axis"] == [0]     # rows into the [vocab, width] table
     assert producer[chain[-1].input[0]].op_type == "MatMul"          # the head's [width, vocab] gradient
     ce = next(n for n in model.graph.node if n.name == "grad/loss_sce/ScatterElements")   # by Exp(log_prob)
     assert [producer[ce.input[0]].op_type, producer[producer[ce.input[0]].input[0]].op_type] == ["Mul", "Exp"]

@@ -376,6 +376,46 @@ def test_resize_of_an_opset_11_graph_with_sizes_and_empty_scales():
           {"roi": np.zeros(0, F32), "scales": np.zeros(0, F32), "sizes": np.array([1, 1, 6, 3])}, linear=True, opset=11)
 
 
+@pytest.mark.parametrize("case", ["attention", "broadcast_p", "softmax_not_last"])
+def test_softmax_read_by_one_product(case):
+    """O = Softmax(S) @ V differentiated as one (autodiff/patterns.py: sum_j dP_ij P_ij as sum_d dO_id O_id,
+    over [.., T, head]), S = Q K^T scaled and masked; P broadcast against V's batch dims, or a Softmax along
+    another axis, node by node: every form against the differences."""
+    heads, t, d = 2, 4, 3
+    p_batch = [1, heads] if case == "broadcast_p" else [2, heads]
+    inputs = {"q": rand(*p_batch, t, d, seed=1), "k": rand(*p_batch, t, d, seed=2), "v": rand(2, heads, t, d, seed=3)}
+    mask = np.triu(np.full((t, t), -1e4), 1)
+    nodes = [node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]), node("MatMul", ["q", "kt"], ["s"]),
+             node("Mul", ["s", "scale"], ["ss"]), node("Add", ["ss", "mask"], ["sm"]),
+             node("Softmax", ["sm"], ["p"], axis=2 if case == "softmax_not_last" else -1),
+             node("MatMul", ["p", "v"], ["y"])]
+    grad = check(nodes, inputs, ["q", "k", "v"], {"scale": np.array(0.5), "mask": mask})
+    made = {o: n for n in grad.graph.node for o in n.output}
+    sums = [made.get(n.input[0]) for n in grad.graph.node if n.op_type == "ReduceSum"]
+    dot = [m for m in sums if m is not None and m.name.startswith("grad/") and m.op_type == "Mul"
+           and {"y", "p"} & set(m.input)]
+    assert len(dot) == 1 and ("y" in dot[0].input) == (case == "attention")          # dO * O, else dP * P
+
+
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_products_of_named_dims_sum_only_where_broadcast(broadcast):
+    """A batched MatMul whose dims are symbols (a sequence length not fixed when built): where the operands'
+    batch dims name the output's, their gradients are the products themselves, no run-time broadcast search;
+    an operand of batch 1 against a named batch is summed over it."""
+    symbols = {"a": [None if broadcast else "B", "T"], "b": ["B"]}
+
+    def named(model):
+        for vi in model.graph.input:
+            for dim, sym in zip(vi.type.tensor_type.shape.dim, symbols.get(vi.name, [])):
+                if sym:
+                    dim.dim_param = sym
+        return model
+    inputs = {"a": rand(1 if broadcast else 2, 3, 4, seed=1), "b": rand(2, 4, 5, seed=2)}
+    grad = check([node("MatMul", ["a", "b"])], inputs, ["a", "b"], prepare=named)
+    searched = [n for n in grad.graph.node if n.op_type == "NonZero" and n.name.startswith("grad/matmul")]
+    assert len(searched) == broadcast, [n.name for n in searched]
+
+
 def test_refused_cases_are_named():
     aspect = model_of([node("Resize", ["x", "", "", "sizes"], keep_aspect_ratio_policy="not_larger")],
                       {"x": rand(1, 1, 3, 4, dtype=F32)}, {"sizes": np.array([1, 1, 6, 6])})

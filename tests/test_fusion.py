@@ -290,6 +290,35 @@ def test_products_read_transposes_and_scales():
     same_outputs(m, f, inputs)
 
 
+def test_scaled_operands_and_transposed_results_of_products():
+    """Attention's backward: dS times a scalar read only by products is their alpha (the Mul goes); the same
+    Mul also read by a Relu stays; a Transpose of a product's last two dims is the product of the swapped
+    operands, read transposed the other way (dK = (Q^T dS)^T as dS^T Q), unless that product would read its
+    left operand transposed where the first did not."""
+    nodes = [const("scale", 0.125, np.float32), helper.make_node("Mul", ["ds", "scale"], ["dss"]),
+             helper.make_node("MatMul", ["dss", "k"], ["dq"]),
+             helper.make_node("Transpose", ["q"], ["qt"], perm=[0, 2, 1]),
+             helper.make_node("MatMul", ["qt", "dss"], ["dkt"]),
+             helper.make_node("Transpose", ["dkt"], ["dk"], perm=[0, 2, 1]),
+             const("three", 3.0, np.float32), helper.make_node("Mul", ["ds", "three"], ["d3"]),
+             helper.make_node("MatMul", ["d3", "k"], ["p3"]), helper.make_node("Relu", ["d3"], ["r3"]),
+             helper.make_node("MatMul", ["x", "w"], ["xw"]),
+             helper.make_node("Transpose", ["xw"], ["head"], perm=[1, 0])]
+    inputs = [("ds", [2, 4, 4]), ("q", [2, 4, 3]), ("k", [2, 4, 3]), ("x", [6, 5]), ("w", [5, 7])]
+    m = graph(nodes, inputs, [("dq", [2, 4, 3]), ("dk", [2, 4, 3]), ("p3", [2, 4, 3]), ("r3", [2, 4, 4]),
+                              ("head", [7, 6])])
+    f = fuse(m)
+    made = {n.output[0]: n for n in f.graph.node}
+    attrs = {o: {a.name: helper.get_attribute_value(a) for a in made[o].attribute} for o in ("dq", "dk")}
+    assert list(made["dq"].input) == ["ds", "k"] and attrs["dq"]["alpha"] == pytest.approx(0.125)
+    assert list(made["dk"].input) == ["ds", "q"] and attrs["dk"]["alpha"] == pytest.approx(0.125)
+    assert (attrs["dk"]["transA"], attrs["dk"]["transB"]) == (1, 0)
+    assert list(made["p3"].input) == ["d3", "k"] and made["d3"].op_type == "Mul"
+    # a plain product's result stays transposed (B^T A^T would read its left operand transposed: slower in MLAS)
+    assert ops(f)["Transpose"] == 1 and made["head"].op_type == "Transpose" and made["head"].input == ["xw"]
+    same_outputs(m, f, inputs)
+
+
 def test_fifty_steps_with_fusion_equal_fifty_without(tmp_path, byte_dataset):
     """A real tiny run (trainrun's builder, one process) with graphs.fuse true and false: the same 50 losses
     to 1e-6 relative, and the fused graph has fewer nodes."""

@@ -1,5 +1,5 @@
 """Fewer, larger nodes in a train graph of trainrun's own gradient builder (``graphs.fuse``), the same
-numbers (float32 reordering at most: a scale applied to a product's sum instead of its operand).
+numbers (float32 reordering at most: a scale applied to a product's sum instead of its operand or result).
 
 The builder writes each op's gradient by its rule, and the rules know only their own node: shapes found
 at run time where a dim is symbolic, casts of constants, a Reshape of a Reshape, a transpose a product
@@ -18,8 +18,10 @@ could read transposed. :func:`fuse` rewrites the graph, rule by rule until none 
 * a Transpose of a Transpose is one (none when they cancel);
 * a MatMul (or Gemm) whose operand is a Transpose of its last two dims reads it transposed
   (com.microsoft FusedMatMul transA/transB, registered by stock onnxruntime's CPU and CUDA providers; Gemm's
-  own transA/transB); a Mul of a product by a scalar constant is its ``alpha``. The weight gradients'
-  explicit transposes (``autodiff/matrix.py``: a [M, 1, K] view permuted) are not such a Transpose and
+  own transA/transB); a Mul of a product by a scalar constant is its ``alpha``, and so is a Mul by a scalar
+  constant read only by products (attention's dS times the scale, read by dQ's and dK's products); a
+  Transpose of a product's last two dims is the product of the swapped operands ((A B)^T = B^T A^T). The
+  weight gradients' explicit transposes (``autodiff/matrix.py``: a [M, 1, K] view permuted) are not such a Transpose and
   stay: MLAS runs a transposed left operand slower;
 * nodes nobody reads removed, equal constants shared;
 * a gradient output (``<param>_grad``) made by a Reshape of a tensor of as many elements, its dims known, is
@@ -516,6 +518,11 @@ def _products(g: _Graph) -> int:
                 g.producer[n.output[0]] = fused
                 changed += 1
                 break
+            else:
+                changed += _scaled_operand(g, n)
+            continue
+        if n.op_type == "Transpose" and n.domain in ("", "ai.onnx"):
+            changed += _transposed_product(g, n)
             continue
         if not _product(g, n) and not (n.op_type == "Gemm" and n.domain in ("", "ai.onnx")):
             continue
@@ -539,6 +546,52 @@ def _products(g: _Graph) -> int:
         g.producer[n.output[0]] = new
         changed += 1
     return changed
+
+
+def _scaled_operand(g: _Graph, mul) -> int:
+    """A Mul of a tensor by a scalar constant read only by products, as their operand: each product reads
+    the tensor and scales its sum by the scalar (``alpha``), the Mul goes (attention's backward: dS times
+    the forward's 1/sqrt(head) read by dQ's and dK's products). 1 if so, else 0."""
+    out = mul.output[0]
+    if out in g.outputs or out in g.keep:
+        return 0
+    for k in (0, 1):
+        c, x = _scalar(g, mul.input[k]), mul.input[1 - k]
+        if c is None or not _keeps_shape(g, mul.input[k], x) or g.types.get(x) != TensorProto.FLOAT:
+            continue
+        readers = [n for n in g.nodes if out in n.input]
+        if not readers or not all(_product(g, n) and list(n.input[:2]).count(out) == 1 for n in readers):
+            return 0
+        for n in readers:
+            alpha = (_attrs(n).get("alpha", 1.0) if n.op_type == "FusedMatMul" else 1.0) * c
+            fused = _fused(g, n, [x if i == out else i for i in n.input], alpha=float(np.float32(alpha)))
+            g.nodes[g.nodes.index(n)] = fused
+            g.producer[n.output[0]] = fused
+        g.nodes.remove(mul)
+        return 1
+    return 0
+
+
+def _transposed_product(g: _Graph, t) -> int:
+    """A Transpose of the last two axes of a product's result (its only reader) as the product of the
+    swapped operands, each read transposed the other way: (A B)^T = B^T A^T (attention's dK = (Q^T dS)^T
+    as dS^T Q), where that reads no operand transposed that the product did not (a plain MatMul's result
+    stays transposed: a tied head's weight gradient, which strides.py pads). 1 if so, else 0."""
+    p = g.producer.get(t.input[0])
+    perm = _attrs(t).get("perm")
+    if p is None or p not in g.nodes or perm is None or not _swap(perm) or not _product(g, p) \
+            or not g.only_reader(p.output[0]) or p.output[0] in g.keep \
+            or len({len(g.dims[i]) for i in p.input[:2]} | {len(perm)}) != 1:
+        return 0
+    a = _attrs(p) if p.op_type == "FusedMatMul" else {}
+    if not a.get("transA", 0) and not a.get("transB", 0):
+        return 0            # B^T A^T would read its left operand transposed: slower in MLAS, and never padded
+    new = _fused(g, p, [p.input[1], p.input[0]], transA=1 - a.get("transB", 0), transB=1 - a.get("transA", 0))
+    new.output[0] = t.output[0]
+    g.nodes[g.nodes.index(p)] = new
+    g.nodes.remove(t)
+    g.producer[t.output[0]] = new
+    return 1
 
 
 def _product(g: _Graph, n) -> bool:

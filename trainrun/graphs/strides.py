@@ -97,11 +97,13 @@ def pad_contractions(model: onnx.ModelProto) -> onnx.ModelProto:
     """Pad K of the products described in the module docstring; returns ``model``, changed in place."""
     shapes = _shapes(model)
     pads_input = opset(model) >= 11          # Pad-2 takes its pads as an attribute
+    made: dict[tuple, str] = {}              # pads -> the Constant that holds them (one per distinct value)
 
     def pad(x, name, pads):
-        if pads_input:
-            return [const(name + "_pads", pads), helper.make_node("Pad", [x, name + "_pads"], [name], name=name)]
-        return [helper.make_node("Pad", [x], [name], name=name, pads=pads)]
+        if not pads_input:
+            return [helper.make_node("Pad", [x], [name], name=name, pads=pads)]
+        new = [] if tuple(pads) in made else [const(made.setdefault(tuple(pads), name + "_pads"), pads)]
+        return new + [helper.make_node("Pad", [x, made[tuple(pads)]], [name], name=name)]
     out = []
     for node in model.graph.node:
         p = _product(node, shapes)

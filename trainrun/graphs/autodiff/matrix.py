@@ -47,6 +47,10 @@ def _matmul(s: Step):
     batch = None
     if ydims is not None and adims is not None and bdims is not None:
         batch = ydims[:len(ydims) - (ra > 1) - (rb > 1)]
+    # dims or their symbols (a symbolic sequence length): da and db need no sum where they agree with a's, b's
+    ysyms, asyms, bsyms = (s.emit.syms.get(t) for t in (s.y[0], a, b))
+    known = ra >= 2 and rb >= 2 and ysyms is not None and asyms is not None and bsyms is not None
+    batch_syms = ysyms[:len(ysyms) - 2] if known else None
     out = [None, None]
     if s.wants(0) and ra == 2 and rb == 2:
         # dY W^T as a Gemm with transB (the form engine.pad_products pads without materialising W^T)
@@ -54,7 +58,7 @@ def _matmul(s: Step):
     elif s.wants(0):
         da = s.op("MatMul", [dy, _swap_last(s, b2, max(rb, 2))])
         dims = None if batch is None else batch + [1 if ra == 1 else adims[-2], adims[-1]]
-        out[0] = s.sum_to(da, 0, dims)
+        out[0] = s.sum_to(da, 0, dims, None if dims is not None or not known else batch_syms + asyms[-2:])
     if s.wants(1) and rb == 2 and ra >= 2 and bdims is not None:
         out[1] = _weight_gradient(s, a, dy, ra, bdims)
     elif s.wants(1):
@@ -62,7 +66,7 @@ def _matmul(s: Step):
         if rb == 1:
             db = s.op("Squeeze", [db, s.const([-1])])
         dims = None if batch is None else batch + ([bdims[0]] if rb == 1 else bdims[-2:])
-        out[1] = s.sum_to(db, 1, dims)
+        out[1] = s.sum_to(db, 1, dims, None if dims is not None or not known else batch_syms + bsyms[-2:])
     return out
 
 

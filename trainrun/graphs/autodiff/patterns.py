@@ -8,11 +8,16 @@ as one, d act / d y = s + y s (1 - s) (a + 3 b y^2), and with y (1 - s) = y - ac
 dy = dact * s * (1 + (y - act) * (a + 3 b y2)), seven passes with y2, s and act read from the forward.
 Only where y2, b y2, poly, z and s feed nothing else.
 
+Attention's Softmax read by one product, O = Softmax(S) @ V along S's last axis (every built-in and exported
+transformer): node by node dS = P (dP - sum(dP P)), the sum over a [.., T, T] product of dP and P; as one,
+sum_j dP_ij P_ij = sum_j (sum_d dO_id V_jd) P_ij = sum_d dO_id O_id, a sum over [.., T, head] (FlashAttention's
+identity): one pass over the [T, T] scores less, the same value up to float32 reordering.
+
 SiLU written as act = x * Sigmoid(x) (torch's nn.SiLU exported; EfficientNet's every activation): node by
 node dx = dy s + (dy x) s (1 - s), six passes; as one, dx = dy s (1 + x - act), four. Only where s feeds
 nothing else."""
 
-from .core import PATTERNS, Step
+from .core import PATTERNS, RULES, Step
 
 
 def _other(node, name):
@@ -98,3 +103,39 @@ def _silu_rule(x, s):
 
 
 PATTERNS.append(_silu)
+
+
+def _attention(nodes, consumers, emit):
+    """Softmax along the last axis whose output P is read only by a MatMul, as its left operand, P of the
+    product's batch dims (not broadcast against V's: the identity holds per row of O)."""
+    found = []
+    if emit.opset < 13:         # Softmax over the flattened trailing axes before opset 13
+        return found
+    for mm in nodes:
+        if mm.op_type != "MatMul" or mm.domain not in ("", "ai.onnx") or mm.input[0] == mm.input[1]:
+            continue
+        sm = emit.producer.get(mm.input[0])
+        if sm is None or sm.op_type != "Softmax" or sm.domain not in ("", "ai.onnx") \
+                or len(consumers.get(mm.input[0], [])) != 1 or mm.input[0] in emit.graph_outputs:
+            continue
+        p_dims, v_dims, o_dims = (emit.dims.get(t) for t in (mm.input[0], mm.input[1], mm.output[0]))
+        axis = next((a.i for a in sm.attribute if a.name == "axis"), -1)
+        if p_dims is None or v_dims is None or o_dims is None or len(p_dims) < max(2, len(v_dims)) \
+                or axis % len(p_dims) != len(p_dims) - 1 or p_dims[:-1] != o_dims[:-1]:
+            continue
+        found.append((mm, [sm], _attention_rule(sm.input[0], mm.input[0], mm.input[1])))
+    return found
+
+
+def _attention_rule(scores, p, v):
+    def rule(step: Step):
+        d_p, d_v = RULES["MatMul"](step)
+        out = {} if d_v is None else {v: d_v}
+        if d_p is not None:
+            dot = step.op("ReduceSum", [step.op("Mul", [step.dy[0], step.y[0]]), step.const([-1])], keepdims=1)
+            out[scores] = step.op("Mul", [p, step.op("Sub", [d_p, dot])])
+        return out
+    return rule
+
+
+PATTERNS.append(_attention)
