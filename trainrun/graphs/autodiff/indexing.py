@@ -2,10 +2,11 @@
 a :class:`~.core.Rows` contribution: added with ScatterElements(add) into the table's other gradient
 (a tied LM head's) where there is one, so no dense zero table is written and summed; repeated indices
 sum. Along another axis (:func:`.selection.gather_along`), or rows of a table of another rank or of a
-float16 / bfloat16 table (:func:`.selection.scatter_add`): dy added into zeros by ScatterND."""
+float16 / bfloat16 table: dy added into zeros by ScatterElements over the table's rows
+(:func:`.selection.scatter_nd_add`; onnxruntime's ScatterND loses sums of repeated indices in parallel threads)."""
 
 from .core import Rows, Step, gradient
-from .selection import gather_along, half, scatter_add
+from .selection import gather_along, half, scatter_nd_add
 
 
 @gradient("Gather")
@@ -17,5 +18,4 @@ def _gather(s: Step):
     dims = s.emit.dims.get(table)
     if rank == 2 and dims and dims[1] is not None and not half(s, table):
         return [Rows(table, idx, s.dy[0], dims[1]), None]
-    rows = s.op("Unsqueeze", [idx, s.const([-1])])
-    return [scatter_add(s, "ScatterND", table, rows, s.dy[0]), None]
+    return [scatter_nd_add(s, table, s.op("Unsqueeze", [idx, s.const([-1])]), s.dy[0], k=1), None]
