@@ -266,13 +266,14 @@ def _until(what, proc, log, timeout=180):
         time.sleep(0.1)
 
 
-def _lose_and_rejoin_n3(ft_cluster, tmp_path, cfg, kill_step: int, join_by: int) -> tuple[str, list[dict]]:
+def _lose_and_rejoin_n3(ft_cluster, tmp_path, cfg, kill_step: int, join_by: int,
+                        host: str | None = None) -> tuple[str, list[dict]]:
     """The elastic job on n1, n2, n3 (rank 2 on n3, hung at the start of ``kill_step`` so that its death falls in
     a known step); once rank 0 logged the step before, every trainrun process on n3 is SIGKILLed (`cluster.sh
     kill n3 /bin/trainrun`: the node's ranks; mpirun's daemon there lives, see docs/distributed.md); once a step line
     says 2 replicas, the node is back (its namespaces and address stayed) and `trainrun rejoin RUN` asks for the
-    rank; the survivors wait after step ``join_by`` until it joined (TRAINRUN_FAULT_WAIT_JOIN). The job's output
-    and its step lines."""
+    rank (``host``: `--host HOST`, on that host); the survivors wait after step ``join_by`` until it joined
+    (TRAINRUN_FAULT_WAIT_JOIN). The job's output and its step lines."""
     out, log = str(tmp_path / "run"), tmp_path / "log"
     proc = ft_cluster.ompi_start("--config", cfg, log=log, env={"TRAINRUN_FAULT_STALL_STEP": f"2:{kill_step}",
                                                                "TRAINRUN_FAULT_WAIT_JOIN": str(join_by)})
@@ -281,8 +282,9 @@ def _lose_and_rejoin_n3(ft_cluster, tmp_path, cfg, kill_step: int, join_by: int)
         killed = ft_cluster.sh("kill", "n3", "/bin/trainrun").stdout.split()
         assert killed, log.read_text()
         _until(lambda: any(r.get("replicas") == 2 for r in _rows(out)), proc, log)
-        asked = run([TRAINRUN, "rejoin", out], check=0).stdout
+        asked = run([TRAINRUN, "rejoin", out, *(["--host", host] if host else [])], check=0).stdout
         assert asked.startswith(f"asked the job in {out} for a rank back"), asked
+        assert f"start it on {host} " in asked if host else "with the fewest ranks" in asked, asked
         assert ft_cluster.stop(proc, 240) == 0, log.read_text()
     finally:
         if proc.poll() is None:
@@ -330,9 +332,9 @@ def test_every_step_a_node_lost_and_taken_back(ft_cluster, tmp_path, byte_datase
     sets = {**_SETS, "train.max_steps": 30}
     cfg = write_config(tmp_path / "c.yaml", byte_dataset, **sets)
     t0 = time.monotonic()
-    out, steps = _lose_and_rejoin_n3(ft_cluster, tmp_path, cfg, kill_step=8, join_by=20)
+    out, steps = _lose_and_rejoin_n3(ft_cluster, tmp_path, cfg, kill_step=8, join_by=20, host="n2")
     assert "elastic: rank(s) 2 lost during step 8; 2 replica(s) go on" in out, out
-    # spawned onto a survivor's node (the least loaded, rank 0's last), not onto n3 (docs/distributed.md)
+    # spawned onto the host `trainrun rejoin --host` named, a survivor's node, not onto n3 (docs/distributed.md)
     spawned = next(ln for ln in out.splitlines() if ln.startswith("elastic: a rank spawned after step"))
     assert "to take rank 2's place" in spawned and ", on n2)" in spawned, spawned
     joined = next(ln for ln in out.splitlines() if ln.startswith("elastic: rank 2 joined after step"))
