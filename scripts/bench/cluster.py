@@ -288,15 +288,6 @@ def _shared_cells(r: dict, base: float, mres: dict) -> str:
             f"{r['step_s'] - mres['step_1x1_s']:+.3f}")
 
 
-def write_section(path: Path, text: str) -> None:
-    doc = path.read_text()
-    if BEGIN in doc and END in doc:
-        doc = doc[:doc.index(BEGIN)] + text + doc[doc.index(END) + len(END):]
-    else:
-        doc = doc.rstrip("\n") + f"\n\n{HEADING}\n\n{text}\n"
-    path.write_text(doc)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="mid,gpt2-124m")
@@ -389,7 +380,7 @@ def main() -> int:
     text = render(results)
     print(text)
     if not args.no_write:
-        write_section(Path(args.output), text)
+        common.write_section(args.output, text, BEGIN, END, HEADING)
     return 0
 
 

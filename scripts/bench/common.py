@@ -127,6 +127,18 @@ def write_json(path, obj) -> None:
     os.replace(tmp, path)
 
 
+def write_section(path, text: str, begin: str, end: str, heading: str) -> None:
+    """``text`` (``begin`` ... ``end`` included) in place of the file's section between those markers, or appended
+    under ``heading`` (itself added only where the file lacks it)."""
+    path = Path(path)
+    old = path.read_text() if path.exists() else ""
+    if begin in old and end in old:
+        new = old[:old.index(begin)] + text + old[old.index(end) + len(end):]
+    else:
+        new = old.rstrip("\n") + "\n\n" + ("" if heading in old else heading + "\n\n") + text + "\n"
+    path.write_text(new)
+
+
 def read_json(path):
     return json.loads(Path(path).read_text())
 

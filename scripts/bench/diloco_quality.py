@@ -207,7 +207,7 @@ def main() -> int:
     text = render(args, results)
     print(text)
     if not args.no_write:
-        write_section(Path(args.output), text, *markers(args.micro_batch))
+        common.write_section(args.output, text, *markers(args.micro_batch), HEADING)
     return 0
 
 
@@ -250,15 +250,6 @@ def render(args, results: dict) -> str:
                    f"{'met' if abs(r['vs_every_step']) <= 0.02 or r['vs_every_step'] < 0 else '**not met**'}).")
     out[-1] += "".join(" " + x for x in wall_time(args, results))
     return "\n".join(out + [end])
-
-
-def write_section(path: Path, text: str, begin: str, end: str) -> None:
-    old = path.read_text() if path.exists() else ""
-    if begin in old and end in old:
-        new = old[:old.index(begin)] + text + old[old.index(end) + len(end):]
-    else:
-        new = old.rstrip("\n") + "\n\n" + ("" if HEADING in old else HEADING + "\n\n") + text + "\n"
-    path.write_text(new)
 
 
 if __name__ == "__main__":

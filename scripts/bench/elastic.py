@@ -216,15 +216,6 @@ def render(r: dict) -> str:
         END])
 
 
-def write_section(path: Path, text: str) -> None:
-    doc = path.read_text()
-    if BEGIN in doc and END in doc:
-        doc = doc[:doc.index(BEGIN)] + text + doc[doc.index(END) + len(END):]
-    else:
-        doc = doc.rstrip("\n") + f"\n\n{HEADING}\n\n{text}\n"
-    path.write_text(doc)
-
-
 def dataset(work: Path) -> str:
     out = work / "data"
     if not (out / "train" / "manifest.json").exists():
@@ -268,7 +259,7 @@ def main() -> int:
     text = render(result)
     print(text)
     if not args.no_write:
-        write_section(Path(args.output), text)
+        common.write_section(args.output, text, BEGIN, END, HEADING)
     return 0 if {result["faulted"]["rc"], result["fault_free"]["rc"]} <= {0, 75} else 1     # 75: train.max_time
 
 
