@@ -90,17 +90,21 @@ class Cluster:
             return subprocess.Popen(self.mpirun_cmd(ppn, *args), stdout=fh, stderr=subprocess.STDOUT, env=env)
 
 
+def _up(c: Cluster):
+    """``c``'s nodes made for the session's tests, taken down after them."""
+    c.sh("up", str(len(c.nodes)))
+    try:
+        yield c
+    finally:
+        c.sh("down")
+
+
 @pytest.fixture(scope="session")
 def cluster():
     reason = why_not()
     if reason:
         _skip_or_fail(reason)
-    c = Cluster()
-    c.sh("up", str(NODES))
-    try:
-        yield c
-    finally:
-        c.sh("down")
+    yield from _up(Cluster())
 
 
 @pytest.fixture(scope="session")
@@ -159,9 +163,4 @@ def ft_cluster():
     reason = why_not() or ft_why_not()
     if reason:
         _skip_or_fail(reason)
-    c = FTCluster()
-    c.sh("up", str(FT_NODES))
-    try:
-        yield c
-    finally:
-        c.sh("down")
+    yield from _up(FTCluster())
