@@ -1,6 +1,6 @@
 # trainrun: every target does its own set-up on a fresh clone.
-# Python 3.10 or newer, 3.11 preferred (the test extra's torch wheel); on 3.13 and newer the onnxruntime
-# is the stock one (pyproject.toml)
+# Python 3.10 or newer, 3.11 preferred (the test extra's torch wheel); stock onnxruntime on every Python
+# (pyproject.toml), onnxruntime-training (the training extra) in .venv-training for make test-training
 PYTHON ?= $(shell for p in python3.11 python3.12 python3.10 python3.13 python3; do \
              $$p -c 'import sys; sys.exit(sys.version_info[:2] < (3,10))' >/dev/null 2>&1 && echo $$p && break; done)
 # Python 3.13 for make test-py313: on PATH, else pyenv's
@@ -11,7 +11,7 @@ BIN    := $(VENV)/bin
 STAMP_RUN  := $(VENV)/.installed-run
 STAMP_TEST := $(VENV)/.installed-test
 
-.PHONY: setup setup-test setup-elastic test test-fast test-stock test-py313 test-elastic test-cluster test-gpu demo bench bench-124m bench-cluster bench-zoo docs clean
+.PHONY: setup setup-test setup-training setup-elastic test test-fast test-training test-py313 test-elastic test-cluster test-gpu demo bench bench-124m bench-cluster bench-zoo docs clean
 
 $(BIN)/python:
 	@test -n "$(PYTHON)" || { echo "trainrun needs Python 3.10 or newer on PATH" >&2; exit 2; }
@@ -48,22 +48,24 @@ $(1)/bin/pip install -q $(4)
 $(1)/bin/pip install -q $$($(1)/bin/python scripts/requirements.py $(5))
 endef
 
-# The graphs lane with stock onnxruntime instead of onnxruntime-training, in its own venv (.venv-stock, the
-# same Python as .venv): trainrun --no-deps, then the requirements Python 3.13 resolves to and the test extra
-# (scripts/requirements.py --stock). TRAINRUN_LANE=graphs (tests/conftest.py): every test that starts no process
-# and those marked graphs (what proves the builder's graphs and their numbers); the run's mechanics that make
-# test proved on the same code are not run again. The tests that need onnxruntime-training itself (marker
-# ort_training) skip there, saying so.
-VENV_STOCK  := .venv-stock
-STAMP_STOCK := $(VENV_STOCK)/.installed-stock
-$(STAMP_STOCK): pyproject.toml scripts/requirements.py
-	$(call side_venv,$(VENV_STOCK),$(PYTHON),trainrun needs Python 3.10 or newer on PATH,--no-deps -e .,--stock test)
-	$(VENV_STOCK)/bin/pip uninstall -q -y onnxruntime-training onnxruntime-training-cpu 2>/dev/null; true
+# The reference leg: the graphs lane on onnxruntime-training 1.19.2 (the training extra, in place of stock
+# onnxruntime) in its own venv (.venv-training, the same Python as .venv): trainrun --no-deps, then the training
+# and test extras (scripts/requirements.py training test). TRAINRUN_LANE=graphs (tests/conftest.py): every test
+# that starts no process, those marked graphs (what proves the builder's graphs and their numbers: both builders
+# here) and those marked ort_training (onnxruntime-training's builder itself, skipped by make test, saying so);
+# the run's mechanics that make test proved on the same code are not run again. The 50-step comparison of the
+# own builder on stock onnxruntime (.venv) against onnxruntime-training's builder here runs from this leg.
+VENV_TRAINING  := .venv-training
+STAMP_TRAINING := $(VENV_TRAINING)/.installed-training
+$(STAMP_TRAINING): pyproject.toml scripts/requirements.py
+	$(call side_venv,$(VENV_TRAINING),$(PYTHON),trainrun needs Python 3.10 or newer on PATH,--no-deps -e .,training test)
 	@touch $@
 
-test-stock: $(STAMP_STOCK)
-	TRAINRUN_LANE=graphs PATH=$(CURDIR)/$(VENV_STOCK)/bin:$$PATH $(if $(wildcard $(BIN)/python),TRAINRUN_TRAINING_BUILD=$(CURDIR)/$(BIN) \
-	TRAINRUN_REQUIRE_STOCK_COMPARISON=1) $(VENV_STOCK)/bin/python -m pytest -q -m "not gpu and not cluster" $(PYTEST_ARGS)
+setup-training: $(STAMP_TRAINING)
+
+test-training: $(STAMP_TRAINING)
+	TRAINRUN_LANE=graphs PATH=$(CURDIR)/$(VENV_TRAINING)/bin:$$PATH $(if $(wildcard $(BIN)/python),TRAINRUN_STOCK_BUILD=$(CURDIR)/$(BIN) \
+	TRAINRUN_REQUIRE_STOCK_COMPARISON=1) $(VENV_TRAINING)/bin/python -m pytest -q -m "not gpu and not cluster" $(PYTEST_ARGS)
 
 # Elastic runs (distributed.elastic) on Open MPI's ULFM fault tolerance, in their own venv (.venv-elastic, the
 # same Python as .venv): trainrun --no-deps, then its requirements with Open MPI's wheel in place of MPICH's (the
@@ -82,7 +84,7 @@ test-elastic: $(STAMP_TEST) $(STAMP_ELASTIC)
 	TRAINRUN_REQUIRE_FT=1 $(BIN)/python -m pytest -q -rs tests/test_elastic.py $(PYTEST_ARGS)
 
 # Python 3.13 (.venv-py313): trainrun with its plain dependencies (stock onnxruntime), the demo, then the
-# graphs lane (as make test-stock) of the tests that need no torch: the test extra without torch, transformers, peft and onnxscript (their tests skip, saying so)
+# graphs lane (as make test-training) of the tests that need no torch: the test extra without torch, transformers, peft and onnxscript (their tests skip, saying so)
 VENV_PY313  := .venv-py313
 STAMP_PY313 := $(VENV_PY313)/.installed-py313
 $(STAMP_PY313): pyproject.toml scripts/requirements.py
@@ -104,8 +106,8 @@ test-cluster: $(STAMP_TEST) $(STAMP_ELASTIC)
 # The GPU suite (tests/test_gpu.py and every test marked gpu) in its own venv, .venv-$(GPU): the extra GPU
 # and pytest only (no torch: with torch installed, importing onnxruntime-training imports it, and torch's
 # own CUDA libraries would load before trainrun's). GPU=gpu (the default): onnxruntime-training's CUDA 11.8
-# build, Python 3.10-3.11; GPU=gpu-cu12: stock onnxruntime-gpu for CUDA 12 in place of the CPU build
-# (scripts/requirements.py --stock), trainrun's own gradient builder. From the index, or offline from a
+# build in place of stock onnxruntime, Python 3.10-3.11; GPU=gpu-cu12: stock onnxruntime-gpu for CUDA 12 in place
+# of the CPU build, trainrun's own gradient builder (scripts/requirements.py: an extra's onnxruntime replaces). From the index, or offline from a
 # wheel directory (make test-gpu WHEELS=/path/to/wheels). Refuses an onnxruntime without the CUDA
 # provider; fails (TRAINRUN_REQUIRE_GPU=1), not skips, where no GPU is visible.
 GPU       ?= gpu
@@ -117,7 +119,7 @@ $(STAMP_GPU): pyproject.toml scripts/requirements.py
 	test -x $(VENV_GPU)/bin/python || $(PYTHON) -m venv $(VENV_GPU)
 	$(PIP_GPU) packaging
 	$(PIP_GPU) --no-deps -e .
-	$(PIP_GPU) $$($(VENV_GPU)/bin/python scripts/requirements.py $(if $(filter gpu-cu12,$(GPU)),--stock) $(GPU)) \
+	$(PIP_GPU) $$($(VENV_GPU)/bin/python scripts/requirements.py $(GPU)) \
 	    'pytest>=8' 'pytest-timeout>=2.3'
 	@touch $@
 
@@ -145,13 +147,13 @@ bench-cluster: $(STAMP_TEST) $(STAMP_ELASTIC)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python scripts/bench/elastic.py
 
 # The model zoo's families against PyTorch eager, 1 x 1 and 2 x 1, at the zoo's sizes and at batch 32, seq 32
-# (~4 min each on 2 cores): the training build, then stock onnxruntime (.venv-stock); the tables to
+# (~4 min each on 2 cores): the training build (.venv-training), then stock onnxruntime (.venv); the tables to
 # BENCHMARKS.md's section by hand
-bench-zoo: $(STAMP_TEST) $(STAMP_STOCK)
+bench-zoo: $(STAMP_TEST) $(STAMP_TRAINING)
+	PATH=$(CURDIR)/$(VENV_TRAINING)/bin:$$PATH $(VENV_TRAINING)/bin/python scripts/bench/zoo_speed.py
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python scripts/bench/zoo_speed.py
-	PATH=$(CURDIR)/$(VENV_STOCK)/bin:$$PATH $(VENV_STOCK)/bin/python scripts/bench/zoo_speed.py
+	PATH=$(CURDIR)/$(VENV_TRAINING)/bin:$$PATH $(VENV_TRAINING)/bin/python scripts/bench/zoo_speed.py $(ZOO_LARGER)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python scripts/bench/zoo_speed.py $(ZOO_LARGER)
-	PATH=$(CURDIR)/$(VENV_STOCK)/bin:$$PATH $(VENV_STOCK)/bin/python scripts/bench/zoo_speed.py $(ZOO_LARGER)
 	$(BIN)/python scripts/bench/zoo_speed.py --render
 ZOO_LARGER := --batch 32 --seq 32 --rounds 6 --steps 3
 
@@ -161,4 +163,4 @@ docs: $(STAMP_RUN)
 	$(BIN)/python scripts/gen_config_docs.py
 
 clean:
-	rm -rf $(VENV) .venv-gpu .venv-gpu-cu12 $(VENV_STOCK) $(VENV_PY313) $(VENV_ELASTIC) runs build *.egg-info
+	rm -rf $(VENV) .venv-gpu .venv-gpu-cu12 $(VENV_TRAINING) $(VENV_PY313) $(VENV_ELASTIC) runs build *.egg-info

@@ -18,8 +18,8 @@ MPIRUN = os.path.join(BIN, "mpirun")
 
 
 def ort_training_missing() -> str | None:
-    """Why onnxruntime-training's own gradient builder cannot run here (the stock onnxruntime is
-    installed: make test-stock, make test-py313), or None."""
+    """Why onnxruntime-training's own gradient builder cannot run here (stock onnxruntime is installed:
+    make test, make test-py313; the training extra is make test-training's), or None."""
     from trainrun.graphs.gradients import ort_builder_missing
     missing = ort_builder_missing()
     return f"needs onnxruntime-training's gradient builder: {missing}" if missing else None
@@ -40,10 +40,11 @@ def optional(module: str):
 def pytest_collection_modifyitems(config, items):
     """Markers ort_training and torch: skip, with the reason, where what the test needs is not installed.
     ``make test-fast`` (TRAINRUN_FAST=1): only the tests that start no process (:func:`starts_process`).
-    The graphs lane (TRAINRUN_LANE=graphs: make test-stock, make test-py313, the suite again on another
-    onnxruntime or Python): the tests that start no process and those marked ``graphs``, what proves the graphs
-    a builder writes and their numbers; the rest (the run's mechanics: stops, checkpoints, the CLI, the sync)
-    runs the same graphs' sessions there as in make test and is proved there."""
+    The graphs lane (TRAINRUN_LANE=graphs: make test-training, make test-py313, the suite again on another
+    onnxruntime or Python): the tests that start no process and those marked ``graphs`` (what proves the graphs
+    a builder writes and their numbers) or ``ort_training`` (onnxruntime-training's builder, which only the
+    training leg has); the rest (the run's mechanics: stops, checkpoints, the CLI, the sync) runs the same
+    graphs' sessions there as in make test and is proved there."""
     for item in items:
         for marker, missing in (("ort_training", ort_training_missing), ("torch", torch_missing)):
             if item.get_closest_marker(marker) is not None and (why := missing()):
@@ -51,7 +52,7 @@ def pytest_collection_modifyitems(config, items):
     fast, graphs = os.environ.get("TRAINRUN_FAST") == "1", os.environ.get("TRAINRUN_LANE") == "graphs"
     if fast or graphs:
         slow = [item for item in items if starts_process(item)
-                and (fast or item.get_closest_marker("graphs") is None)]
+                and (fast or not any(item.get_closest_marker(m) for m in ("graphs", "ort_training")))]
         config.hook.pytest_deselected(items=slow)
         items[:] = [item for item in items if item not in slow]
 

@@ -9,7 +9,7 @@ from trainrun.graphs.manifest import prepare
 from trainrun.step.engine import Engine, EngineOptions
 from trainrun.models.bert import INPUTS, TIED, build_bert, init_weights, param_count, sample_inputs
 
-pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-stock and test-py313 run it too
+pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-training and test-py313 run it too
 
 torch = pytest.importorskip("torch", reason="needs torch (the test extra), not installed here")
 

@@ -22,7 +22,7 @@ from trainrun.graphs.names import GRAD_SUFFIX
 
 from conftest import MPIRUN, TRAINRUN, mpirun, rank_pids, read_metrics, run, write_config
 
-pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-stock and test-py313 run it too
+pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-training and test-py313 run it too
 
 TINY = {"n_layer": 2, "n_head": 4, "n_embd": 64, "n_positions": 64, "vocab_size": 300}
 SHAPES = {"input_ids": ((2, 32), np.int64), "labels": ((2, 32), np.int64)}
@@ -137,7 +137,7 @@ def test_builder_choice(tmp_path):
             builder("onnxruntime")
         p = run([TRAINRUN, "prepare", "--config", str(cfg)], check=2)
         assert "graphs.builder: onnxruntime needs onnxruntime-training's gradient builder" in p.stderr
-        assert "install onnxruntime-training" in p.stderr and not (tmp_path / "run/graphs").exists()
+        assert "install the training extra" in p.stderr and not (tmp_path / "run/graphs").exists()
     else:
         assert builder("onnxruntime")[0] == "onnxruntime"
     p = run([TRAINRUN, "prepare", "--config", str(cfg), "--set", "graphs.builder=trainrun"], check=0)
@@ -365,8 +365,8 @@ def test_mixed_precision_train_graphs_of_trainrun_builder(tmp_path, precision):
     assert ("loss_scale" in {i.name for i in train.graph.input}) == (precision == "fp16")
 
 
-# The other runtime's venv, for the cross-runtime comparison: run under stock onnxruntime (make test-stock)
-# the variable names the training build's bin dir, run under the training build it names the stock one's.
+# The other runtime's venv, for the cross-runtime comparison: run under stock onnxruntime (make test) the
+# variable names the training build's bin dir, run under the training build (make test-training) the stock one's.
 OTHER_RUNTIME = {True: "TRAINRUN_TRAINING_BUILD", False: "TRAINRUN_STOCK_BUILD"}
 HAS_BUILDER = "import onnxruntime.capi._pybind_state as s; print(hasattr(s, 'GradientGraphBuilder'))"
 
@@ -376,13 +376,13 @@ def test_fifty_steps_on_stock_onnxruntime_equal_the_training_builds(tmp_path, by
     config trained with graphs.builder onnxruntime on the onnxruntime-training build, to 1e-5 relative per
     step. One runtime is this venv's, the other's bin dir is named by TRAINRUN_TRAINING_BUILD (this venv
     stock) or TRAINRUN_STOCK_BUILD (this venv the training build); without it the test skips, or fails where
-    TRAINRUN_REQUIRE_STOCK_COMPARISON=1 (make test-stock with .venv there)."""
+    TRAINRUN_REQUIRE_STOCK_COMPARISON=1 (make test-training with .venv there)."""
     here_stock = ort_builder_missing() is not None
     var = OTHER_RUNTIME[here_stock]
     other = os.environ.get(var)
     if not other:
-        why = (f"{var} is not set (the other onnxruntime's venv bin dir; make test-stock sets "
-               f"TRAINRUN_TRAINING_BUILD to .venv/bin where make setup-test made it)")
+        why = (f"{var} is not set (the other onnxruntime's venv bin dir; make test-training sets "
+               f"TRAINRUN_STOCK_BUILD to .venv/bin where make setup-test made it)")
         if os.environ.get("TRAINRUN_REQUIRE_STOCK_COMPARISON") == "1":
             pytest.fail(f"TRAINRUN_REQUIRE_STOCK_COMPARISON=1 but {why}")
         pytest.skip(why)

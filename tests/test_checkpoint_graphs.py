@@ -11,7 +11,7 @@ import pytest
 
 from conftest import TRAINRUN, mpirun, run, write_config
 
-pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-stock and test-py313 run it too
+pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-training and test-py313 run it too
 
 H1 = [f"transformer.h.1.{t}" for t in ("ln_1.weight", "attn.c_attn.weight", "mlp.c_proj.bias")]
 

@@ -18,7 +18,7 @@ from trainrun.graphs.names import MASK_PREFIX
 from trainrun.step.engine import Engine, EngineOptions
 from trainrun.models.gpt2 import build_gpt2, init_weights
 
-pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-stock and test-py313 run it too
+pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-training and test-py313 run it too
 
 torch = optional("torch")
 

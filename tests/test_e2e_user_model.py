@@ -23,7 +23,7 @@ import pytest
 from conftest import TRAINRUN, TRAINRUN_DATA, mpirun, read_metrics, run
 from test_optim import REFERENCE, decay_of
 
-pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-stock and test-py313 run it too
+pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-training and test-py313 run it too
 
 IN, HIDDEN, CLASSES = 16, 32, 5
 MICRO, ACCUM, WORLD = 4, 2, 2

@@ -28,7 +28,7 @@ from trainrun.graphs.losses import split_cross_entropy
 from trainrun.graphs.manifest import build_options, loss_graph
 from trainrun.graphs.names import GRAD_SUFFIX, LOSS
 
-pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-stock and test-py313 run it too
+pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-training and test-py313 run it too
 
 # com.microsoft ops the fused graph may hold: registered by stock onnxruntime's CPU and CUDA providers
 STOCK_CONTRIB = {"FusedMatMul"}

@@ -15,7 +15,7 @@ from trainrun.models.gpt2 import build_gpt2, init_weights, param_count
 
 from conftest import assert_matches_torch, hf_gpt2, optional
 
-pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-stock and test-py313 run it too
+pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-training and test-py313 run it too
 
 torch = optional("torch")
 

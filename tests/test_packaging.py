@@ -1,5 +1,5 @@
 """pyproject.toml and scripts/requirements.py: what a (non-editable) install holds, which onnxruntime each
-Python gets, and the requirement lists make test-stock and make test-py313 install."""
+Python gets, and the requirement lists make test-training, make test-gpu and make test-py313 install."""
 
 import os
 import subprocess
@@ -46,31 +46,47 @@ def test_requires_python_admits(python):
 
 
 def test_onnxruntime_per_python():
-    """3.10-3.12: onnxruntime-training 1.19.2 and the onnx it reads (IR 10 at most); 3.13: stock onnxruntime
-    and an onnx with cp313 wheels; never both builds of the `onnxruntime` import package."""
+    """Every Python: stock onnxruntime (>= 1.20, the first with the ops trainrun's builder writes on its CPU and
+    CUDA providers) and an onnx with wheels for every Python trainrun admits; never onnxruntime-training."""
     import packaging.markers as M
-    for python, want in [("3.10", "onnxruntime-training"), ("3.11", "onnxruntime-training"),
-                         ("3.12", "onnxruntime-training-cpu"), ("3.13", "onnxruntime")]:
+    for python in ("3.10", "3.11", "3.12", "3.13", "3.14"):
         env = dict(M.default_environment(), python_version=python, python_full_version=python + ".0")
         names = [Requirement(r) for r in PYPROJECT["project"]["dependencies"]]
         chosen = {r.name: r for r in names if not r.marker or r.marker.evaluate(env)}
-        ort = [n for n in chosen if n.startswith("onnxruntime")]
-        assert ort == [want], (python, ort)
+        assert [n for n in chosen if n.startswith("onnxruntime")] == ["onnxruntime"], python
+        ort = chosen["onnxruntime"].specifier
+        assert ort.contains("1.32.0") and ort.contains("1.20.0") and not ort.contains("1.19.2"), python
         onnx = chosen["onnx"].specifier
-        assert onnx.contains("1.17.0") == (python != "3.13"), (python, onnx)
-        assert not onnx.contains("1.16.2") and onnx.contains("1.23.2") == (python == "3.13"), (python, onnx)
+        assert onnx.contains("1.23.2") and not onnx.contains("1.17.0"), (python, onnx)
 
 
-def test_stock_requirement_list():
-    """make test-stock's list: stock onnxruntime (>= 1.20, the first with the ops trainrun's builder writes on
-    its CPU and CUDA providers) with the test extra's torch; make test-py313's: the test extra without torch."""
-    stock = _pinned(R.requirements(["test"], stock=True))
-    assert not [n for n in stock if n.startswith("onnxruntime-training")]
-    assert stock["onnxruntime"].specifier.contains("1.32.0") and not stock["onnxruntime"].specifier.contains("1.19.2")
-    assert "torch" in stock and "pytest" in stock and "numba" in stock and "onnxscript" in stock
-    assert all(not Requirement(r).marker for r in R.requirements(["test"], stock=True))
-    here = _pinned(R.requirements([], stock=False))
-    assert ("onnxruntime" in here) == (sys.version_info >= (3, 13))
+@pytest.mark.parametrize("python,want", [("3.10", "onnxruntime-training"), ("3.11", "onnxruntime-training"),
+                                         ("3.12", "onnxruntime-training-cpu"), ("3.13", None)])
+def test_the_training_extra_replaces_the_default_onnxruntime(python, want, monkeypatch):
+    """make test-training's list (the training extra): onnxruntime-training 1.19.2 and the onnx it reads (IR 10
+    at most: 1.17) in place of the default's stock onnxruntime and onnx, never beside them; PyPI has no
+    onnxruntime-training for 3.13, where the extra brings nothing and the default stays."""
+    import packaging.markers as M
+    env = dict(M.default_environment(), python_version=python, python_full_version=python + ".0")
+    monkeypatch.setattr(R, "default_environment", lambda: env)
+    reqs = _pinned(R.requirements(["training", "test"]))
+    ort = [n for n in reqs if n.startswith("onnxruntime")]
+    if want is None:
+        assert ort == ["onnxruntime"] and reqs["onnx"].specifier.contains("1.23.2")
+    else:
+        assert ort == [want] and reqs[want].specifier.contains("1.19.2")
+        assert reqs["onnx"].specifier.contains("1.17.0") and not reqs["onnx"].specifier.contains("1.18.0")
+    assert "torch" in reqs and "pytest" in reqs and "numba" in reqs
+    assert all(not Requirement(r).marker for r in R.requirements(["training", "test"]))
+
+
+def test_requirement_lists():
+    """The default list (make test's, the same as pip install -e '.[test]'): stock onnxruntime with the test
+    extra's torch; make test-py313's: the test extra without torch; an unknown extra is an error."""
+    here = _pinned(R.requirements(["test"]))
+    assert not [n for n in here if n.startswith("onnxruntime-training")]
+    assert here["onnxruntime"].specifier.contains("1.32.0") and not here["onnxruntime"].specifier.contains("1.19.2")
+    assert "torch" in here and "pytest" in here and "numba" in here and "onnxscript" in here
     bare = _pinned(R.requirements(["test"], without=["torch", "Transformers", "onnxscript"]))
     assert "torch" not in bare and "transformers" not in bare and "onnxscript" not in bare and "pyarrow" in bare
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "requirements.py"), "nosuch"],
@@ -80,7 +96,8 @@ def test_stock_requirement_list():
 
 def test_onnxscript_installs_beside_the_pinned_onnx():
     """torch's default exporter (dynamo=True) needs onnxscript: the test extra's bound admits the release
-    installed here, whose own onnx requirement admits the onnx pinned for this Python (1.17.0 below 3.13)."""
+    installed here, whose own onnx requirement admits the onnx installed here (the default's, or the training
+    extra's 1.17.0 in make test-training)."""
     from importlib import metadata
     test = _pinned(R.requirements(["test"]))
     assert "onnxscript" in test
@@ -92,8 +109,7 @@ def test_onnxscript_installs_beside_the_pinned_onnx():
     onnx_req = [Requirement(r) for r in requires if Requirement(r).name == "onnx"]
     pinned = test["onnx"].specifier
     assert onnx_req and all(r.specifier.contains(metadata.version("onnx")) for r in onnx_req)
-    if sys.version_info < (3, 13):
-        assert pinned.contains("1.17.0") and all(r.specifier.contains("1.17.0") for r in onnx_req)
+    assert all(r.specifier.contains("1.17.0") for r in onnx_req) and pinned.contains("1.23.2")
 
 
 def test_the_onnxruntime_in_use_reads_what_trainrun_writes():
@@ -119,16 +135,17 @@ def test_the_onnxruntime_in_use_reads_what_trainrun_writes():
 def test_gpu_cu12_replaces_the_cpu_onnxruntime():
     """make test-gpu GPU=gpu-cu12: onnxruntime-gpu's CUDA 12 builds (1.20-1.26; 1.27 and later are CUDA 13)
     in place of every other build of the `onnxruntime` import package, with cupy and NCCL for CUDA 12;
-    the default gpu extra keeps onnxruntime-training's CUDA 11.8 build."""
-    reqs = _pinned(R.requirements(["gpu-cu12"], stock=True))
+    the gpu extra brings onnxruntime-training's CUDA 11.8 build in place of the default's (Python 3.10-3.11)."""
+    reqs = _pinned(R.requirements(["gpu-cu12"]))
     assert [n for n in reqs if n.startswith("onnxruntime")] == ["onnxruntime-gpu"]
     spec = reqs["onnxruntime-gpu"].specifier
     assert spec.contains("1.26.0") and spec.contains("1.20.0") and not spec.contains("1.27.0")
     assert {"cupy-cuda12x", "nvidia-nccl-cu12", "nvidia-cudnn-cu12", "nvidia-cuda-runtime-cu12"} <= set(reqs)
     assert not [n for n in reqs if n.endswith("-cu11") or n == "cupy-cuda11x"]
-    cu11 = _pinned(R.requirements(["gpu"], stock=False))
+    cu11 = _pinned(R.requirements(["gpu"]))
     if sys.version_info < (3, 12):
-        assert "onnxruntime-training" in cu11 and "cupy-cuda11x" in cu11
+        assert [n for n in cu11 if n.startswith("onnxruntime")] == ["onnxruntime-training"]
+        assert "cupy-cuda11x" in cu11 and cu11["onnx"].specifier.contains("1.17.0")
 
 
 def test_test_modules_import_torch_optionally():

@@ -33,7 +33,7 @@ torch = pytest.importorskip("torch", reason="needs torch (the test extra), not i
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import reference as R  # noqa: E402  (scripts/reference.py: the independent twins)
 
-pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-stock and test-py313 run it too
+pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-training and test-py313 run it too
 
 STEPS, WINDOW = 50, 5
 

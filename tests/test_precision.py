@@ -21,7 +21,7 @@ from trainrun.graphs.names import BUFFER_SUFFIX, GRAD_SUFFIX
 from trainrun.graphs.onnx_edit import params_to_inputs
 from trainrun.step.precision import LossScaler
 
-pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-stock and test-py313 run it too
+pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-training and test-py313 run it too
 
 
 def loss_graph(precision, shape):

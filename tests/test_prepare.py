@@ -22,7 +22,7 @@ from trainrun.sync.update import optimizer_for
 
 from conftest import ROOT, TRAINRUN, run, optional
 
-pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-stock and test-py313 run it too
+pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-training and test-py313 run it too
 
 torch = optional("torch")
 

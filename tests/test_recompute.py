@@ -20,7 +20,7 @@ from trainrun.errors import UsageError
 from trainrun.models.bert import sample_inputs
 from trainrun.graphs.recompute import SUFFIX, recompute_blocks
 
-pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-stock and test-py313 run it too
+pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-training and test-py313 run it too
 
 GPT2 = dict(n_layer=3, n_head=4, n_embd=64, n_positions=64, vocab_size=300, dropout=0.1)
 BERT = dict(vocab_size=120, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,

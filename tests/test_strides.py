@@ -12,7 +12,7 @@ from trainrun.graphs.manifest import prepare, up_to_date
 from trainrun.graphs.strides import pad_contractions, wanted
 from trainrun.step.sessions import import_onnxruntime
 
-pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-stock and test-py313 run it too
+pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-training and test-py313 run it too
 
 # (name, A's shape, B's shape, Gemm transB or None for MatMul, padded?)
 CASES = [

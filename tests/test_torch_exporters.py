@@ -16,7 +16,7 @@ from safetensors.numpy import load_file
 
 from conftest import TRAINRUN, TRAINRUN_DATA, optional, run
 
-pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-stock and test-py313 run it too
+pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-training and test-py313 run it too
 
 torch = optional("torch")
 onnx = optional("onnx")

@@ -21,7 +21,7 @@ if torch is None or optional("transformers") is None:
 sys.path.insert(0, f"{ROOT}/scripts")
 import zoo  # noqa: E402  (the zoo's models, export, run and comparison)
 
-pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-stock and test-py313 run it too
+pytestmark = pytest.mark.graphs      # the graphs a builder writes and their numbers: make test-training and test-py313 run it too
 
 CASES = [("qwen2", "dynamo"), ("gpt2", "dynamo"), ("distilbert_cls", "legacy"), ("resnet_bn", "dynamo"),
          ("mobilenetv3_block", "dynamo"), ("transformer_encoder_layer", "dynamo"), ("mlp_activations", "legacy"),

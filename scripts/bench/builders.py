@@ -1,9 +1,9 @@
 """Train graphs of the two gradient builders side by side: onnxruntime-training's and trainrun's own.
 
-    .venv/bin/python scripts/bench/builders.py build --model mid --work WORK
-    .venv/bin/python scripts/bench/builders.py time --model mid --work WORK --steps 20
-    .venv/bin/python scripts/bench/builders.py peak --model mid --work WORK
-    .venv-stock/bin/python scripts/bench/builders.py time --model mid --work WORK --only trainrun
+    .venv-training/bin/python scripts/bench/builders.py build --model mid --work WORK
+    .venv-training/bin/python scripts/bench/builders.py time --model mid --work WORK --steps 20
+    .venv-training/bin/python scripts/bench/builders.py peak --model mid --work WORK
+    .venv/bin/python scripts/bench/builders.py time --model mid --work WORK --only trainrun
 
 ``build`` makes the loss graph of a model as ``prepare`` does (``graphs.manifest.loss_graph``) and from it
 both train graphs in their direct form (gradients as outputs): onnxruntime-training's builder's

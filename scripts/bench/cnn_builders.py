@@ -1,6 +1,6 @@
 """CNN train steps: trainrun's own gradient builder against onnxruntime-training's, and PyTorch eager.
 
-    .venv/bin/python scripts/bench/cnn_builders.py [--models resnet18,squeezenet,efficientnet_b0,shufflenet]
+    .venv-training/bin/python scripts/bench/cnn_builders.py [--models resnet18,squeezenet,efficientnet_b0,shufflenet]
         [--rounds 5] [--steps 4] [--work runs/cnn-builders] [--baseline DIR] [--no-build] [--profile]
 
 Four hand-written torch modules with torchvision's architectures (torchvision does not import beside this

@@ -364,10 +364,10 @@ class EngineConfig:
 @dataclass
 class GraphsConfig:
     builder: str = opt("auto", choices=["auto", "onnxruntime", "trainrun"])
-    """Who writes the train graph's gradients: onnxruntime = onnxruntime-training's gradient builder (needs
-    the onnxruntime-training package; its graphs hold training ops only that build runs); trainrun =
-    trainrun's own (standard ONNX ops: runs on stock onnxruntime); auto = onnxruntime-training's where it
-    is installed, else trainrun's. Recorded in graphs/manifest.json; a change prepares the graphs again,
+    """Who writes the train graph's gradients: trainrun = trainrun's own (standard ONNX ops: runs on stock
+    onnxruntime, the default install); onnxruntime = onnxruntime-training's gradient builder (needs the
+    training extra, onnxruntime-training 1.19.2 in place of stock onnxruntime; its graphs hold training ops
+    only that build runs); auto = onnxruntime-training's where it is installed, else trainrun's. Recorded in graphs/manifest.json; a change prepares the graphs again,
     and a run resumes across builders (the weights have the same names)."""
     fuse: bool = True
     """Rewrite the train graph of trainrun's own builder into fewer, larger nodes with the same numbers

@@ -16,8 +16,9 @@ Output, in ``<output_dir>/graphs/``:
                       graph hashes, versions.
 
 Parameters are graph inputs in every graph, so one set of flat buffers serves all
-sessions. Gradients come from onnxruntime-training's C++ gradient builder
-(needs no torch) or trainrun's own (``graphs.builder``).
+sessions. Gradients come from trainrun's own builder (standard ONNX ops, stock onnxruntime: the default
+install) or, where the training extra installed it, onnxruntime-training's C++ gradient builder
+(``graphs.builder``).
 
 One module per job, in the order ``prepare`` applies them:
 

@@ -44,9 +44,10 @@ def builder(choice: str) -> tuple[str, str]:
     if choice == "onnxruntime":
         if missing:
             raise UsageError(f"graphs.builder: onnxruntime needs onnxruntime-training's gradient builder: {missing}",
-                             ["install onnxruntime-training (pip install onnxruntime-training==1.19.2, Python "
-                              "3.10-3.11; onnxruntime-training-cpu on 3.12), or set graphs.builder: auto or "
-                              "trainrun (trainrun's own builder, stock onnxruntime)"])
+                             ["install the training extra in place of stock onnxruntime (Python 3.10-3.12: "
+                              "pip install --no-deps -e . && pip install $(python scripts/requirements.py "
+                              "training); make setup-training), or set graphs.builder: auto or trainrun "
+                              "(trainrun's own builder, stock onnxruntime)"])
         return "onnxruntime", "graphs.builder: onnxruntime"
     if missing:
         return "trainrun", f"graphs.builder: auto, and onnxruntime-training's builder is not available ({missing})"
