@@ -574,6 +574,23 @@ def test_exported_torch_conv1d_lstm_gru_against_autograd():
     against_torch_autograd(Net(), torch.randn(2, 4, 11), torch.randn(2, 5, 3))
 
 
+@pytest.mark.torch
+def test_exported_torch_two_layer_lstm_and_its_states_against_autograd():
+    """A two-layer bidirectional LSTM (the second layer's input the first's Y: its gradient through the rule)
+    whose loss reads Y, h_n and c_n: two LSTM nodes left whole, against torch autograd."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = torch.nn.LSTM(6, 5, num_layers=2, batch_first=True, bidirectional=True)
+
+        def forward(self, x, w):
+            y, (h, c) = self.lstm(x)
+            return (y * w).sum() + (h * h).sum() + c.sum()
+    torch.manual_seed(0)
+    train = against_torch_autograd(Net(), torch.randn(2, 7, 6), torch.randn(2, 7, 10))
+    assert [n.op_type for n in train.graph.node].count("LSTM") == 2
+
+
 def test_ranks_behind_shape_arithmetic_are_folded():
     """A Reshape whose target is a Slice of the input's Shape by bounds from an Add and a Mod of constants (as
     torch exports nn.MultiheadAttention in training mode): onnx's data propagation leaves its rank unknown;
@@ -603,7 +620,7 @@ def test_exported_torch_multihead_attention_in_training_mode_against_autograd():
 def against_torch_autograd(net, x, w, training: bool = False):
     """``net(x, w)``'s loss exported by torch's legacy exporter (``training``: in TrainingMode.TRAINING),
     differentiated by the builder for x and every parameter, run in float32, against torch autograd in
-    float64."""
+    float64. Returns the train graph."""
     import io
     f = io.BytesIO()
     torch.onnx.export(net, (x, w), f, input_names=["x", "w"], output_names=["loss"], dynamo=False,
@@ -618,3 +635,4 @@ def against_torch_autograd(net, x, w, training: bool = False):
     for name, g, ref in zip(["x"] + params, got, [xd.grad] + [p.grad for p in net.parameters()]):
         ref = ref.numpy()
         np.testing.assert_allclose(g, ref, rtol=1e-4, atol=1e-4 * max(1.0, np.abs(ref).max()), err_msg=name)
+    return grad_model

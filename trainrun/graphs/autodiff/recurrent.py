@@ -208,6 +208,8 @@ def _lstm(s: Step):
     times the gates' derivatives (computed for every step at once): six nodes a step. dX, dW, dR and dB are
     one product (or sum) each over every step."""
     cell = _Cell(s)
+    if not _fused(s, cell):             # written out before the walk (_rewrite): not met here
+        raise s.unsupported("the node was to be written out in per-timestep ops")
     hidden, steps, count = cell.hidden, cell.steps, len(cell.directions)
     x = s.x[0]
     y = s.emit.output(s.node, 0)                                                    # [T, D, B, H]
