@@ -88,6 +88,18 @@ def _per_direction(s: Step, name, count: int, layout_first: bool):
     return [s.op("Squeeze", [p, s.const([axis])]) for p in parts]
 
 
+def _zeros(s: Step, x: str, hidden: int) -> str:
+    """[B, hidden] zeros of the node's input type (``x``: its input, [T, B, I])."""
+    batch = s.op("Shape", [x], start=1, end=2)
+    zero = numpy_helper.from_array(np.zeros(1, helper.tensor_dtype_to_np_dtype(s.emit.elem_type(s.x[0], s.x[1]))))
+    return s.op("ConstantOfShape", [s.op("Concat", [batch, s.const([hidden])], axis=0)], value=zero)
+
+
+def _rows(s: Step, name: str, steps: int):
+    """[T * B, .] ``name`` as T tensors of [B, .]."""
+    return [name] if steps == 1 else _split(s, name, steps, 0)
+
+
 def _fused(s: Step, cell: _Cell) -> bool:
     """Whether the node stays one node, differentiated by :func:`_lstm`: an LSTM of layout 0 (onnxruntime's
     kernel has no layout 1), float32 (its CPU kernel's only type), no peepholes, the default activations."""
@@ -113,11 +125,7 @@ def _rewrite(s: Step):
     ys, hs, cs = [], [], []
     for d, direction in enumerate(cell.directions):
         if h0s[d] is None or (op == "LSTM" and c0s[d] is None):
-            if zeros is None:
-                batch = s.op("Shape", [x], start=1, end=2)
-                dtype = helper.tensor_dtype_to_np_dtype(s.emit.elem_type(s.x[0], s.x[1]))
-                zero = numpy_helper.from_array(np.zeros(1, dtype))
-                zeros = s.op("ConstantOfShape", [s.op("Concat", [batch, s.const([hidden])], axis=0)], value=zero)
+            zeros = zeros or _zeros(s, x, hidden)
         h = h0s[d] if h0s[d] is not None else zeros
         c = c0s[d] if c0s[d] is not None else zeros
         projected = s.op("MatMul", [x, s.op("Transpose", [ws[d]], perm=[1, 0])])      # [T, B, gates * H]
@@ -127,7 +135,7 @@ def _rewrite(s: Step):
             wb, rb = _split(s, bs[d], 2, 0)
             projected = s.op("Add", [projected, wb if op == "GRU" else s.op("Add", [wb, rb])])
         projected = s.op("Reshape", [projected, s.const([-1, gates * hidden])])       # [T * B, gates * H]
-        steps = [projected] if cell.steps == 1 else _split(s, projected, cell.steps, 0)  # [B, gates * H] each
+        steps = _rows(s, projected, cell.steps)                                         # [B, gates * H] each
         f, g, act = (cell.activations[d] + [None, None])[:3]
         if op == "GRU":
             rt_zr, rt_h = s.op("Split", [rt, s.const([2 * hidden, hidden])], outputs=2, axis=1)      # [H, .]
@@ -185,17 +193,6 @@ def _rewrite(s: Step):
 for _op in GATES:
     EXPANSIONS[_op] = _rewrite
 
-
-def _zeros(s: Step, x: str, hidden: int) -> str:
-    """[B, hidden] zeros of ``x``'s ([T, B, I]) type."""
-    batch = s.op("Shape", [x], start=1, end=2)
-    zero = numpy_helper.from_array(np.zeros(1, helper.tensor_dtype_to_np_dtype(s.emit.elem_type(x, s.x[1]))))
-    return s.op("ConstantOfShape", [s.op("Concat", [batch, s.const([hidden])], axis=0)], value=zero)
-
-
-def _rows(s: Step, name: str, steps: int):
-    """[T * B, .] ``name`` as T tensors of [B, .]."""
-    return [name] if steps == 1 else _split(s, name, steps, 0)
 
 
 @gradient("LSTM")
