@@ -421,10 +421,10 @@ RECURRENT = {
 }
 
 
-def recurrent(op, attrs, given, dtype=F64, seed=0, as_layout0=False):
-    """(nodes, inputs, params, constants): ``op`` over random inputs, y = its outputs flattened and joined.
-    ``as_layout0`` for a layout 1 ``attrs``: the same inputs and y, by a layout 0 node between Transposes
-    (onnxruntime's kernels have no layout 1)."""
+def recurrent(op, attrs, given, dtype=F64, seed=0, as_layout0=False, read=None):
+    """(nodes, inputs, params, constants): ``op`` over random inputs, y = its outputs (or those in ``read``)
+    flattened and joined. ``as_layout0`` for a layout 1 ``attrs``: the same inputs and y, by a layout 0 node
+    between Transposes (onnxruntime's kernels have no layout 1)."""
     d = 2 if attrs.get("direction") == "bidirectional" else 1
     layout, g = attrs.get("layout", 0), GATES[op]
     shapes = {"X": (T, B, I) if not layout else (B, T, I), "W": (d, g * H, I), "R": (d, g * H, H),
@@ -443,8 +443,8 @@ def recurrent(op, attrs, given, dtype=F64, seed=0, as_layout0=False):
         nodes += [node(op, [f"{n}_t" if n in swap else n for n in names], [f"{o}_t" for o in outs],
                        **{"hidden_size": H, **attrs, "layout": 0})]
         nodes += [node("Transpose", [f"{o}_t"], [o], perm=[2, 0, 1, 3] if o == "Y" else [1, 0, 2]) for o in outs]
-    nodes += [node("Reshape", [o, "flat"], [f"{o}_flat"]) for o in outs]
-    nodes += [node("Concat", [f"{o}_flat" for o in outs], axis=0)]
+    nodes += [node("Reshape", [o, "flat"], [f"{o}_flat"]) for o in outs if o in (read or outs)]
+    nodes += [node("Concat", [f"{o}_flat" for o in outs if o in (read or outs)], axis=0)]
     consts = {"flat": np.array([-1])}
     if "sequence_lens" in given:
         consts["sequence_lens"] = np.full(B, T, np.int32)
@@ -453,13 +453,14 @@ def recurrent(op, attrs, given, dtype=F64, seed=0, as_layout0=False):
 
 @pytest.mark.parametrize("case", list(RECURRENT))
 def test_recurrent(case):
-    """The op written out in per-timestep ops: its forward equals onnxruntime's kernel's (float32, which
-    is all the kernel has; layout 1 by the kernel's layout 0 between Transposes), and its gradients
-    (float64) the finite differences of it."""
+    """The op written out in per-timestep ops (float64, and in float32 every case but the LSTMs left whole,
+    test_lstm_left_whole): its forward equals onnxruntime's kernel's (float32, which is all the kernel has;
+    layout 1 by the kernel's layout 0 between Transposes), and its gradients (float64) the finite differences
+    of it."""
     op, attrs, given = RECURRENT[case]
     nodes, ins, params, consts = recurrent(op, attrs, given, F32)
     train = differentiate(model_of(nodes, ins, consts=consts), params, "loss")
-    assert op not in {n.op_type for n in train.graph.node}
+    assert (op in {n.op_type for n in train.graph.node}) == (case in WHOLE)
     kernel = model_of(*recurrent(op, attrs, given, F32, as_layout0=True)[:2], consts=consts)
     feeds = {**ins, "w": np.ones(1, F32)}
     np.testing.assert_allclose(forward(train, ["y"]).run(None, feeds)[0], forward(kernel, ["y"]).run(None, feeds)[0],
@@ -468,10 +469,50 @@ def test_recurrent(case):
     check(nodes, ins, params, consts=consts, h=1e-5, written_out=True)
 
 
+# LSTMs onnxruntime's kernel computes forward (layout 0, float32, no peepholes, the default activations): the
+# node stays whole, its rule (recurrent._lstm) differentiates it; case: (attrs, optional inputs, outputs read)
+WHOLE = {
+    "lstm": ({}, (), None),
+    "lstm_reverse_full_sequence_lens": (dict(direction="reverse"), ("B", "sequence_lens", "initial_h", "initial_c"),
+                                        None),
+    "lstm_bidirectional": (dict(direction="bidirectional"), ("B", "initial_h", "initial_c"), None),
+    "lstm_bidirectional_y_h": (dict(direction="bidirectional"), ("initial_c",), ["Y_h"]),
+    "lstm_y_c": ({}, ("B", "initial_h"), ["Y_c"]),
+    "lstm_y_and_y_c": (dict(direction="reverse"), ("initial_c",), ["Y", "Y_c"]),
+}
+
+
+@pytest.mark.parametrize("case", list(WHOLE))
+def test_lstm_left_whole(case):
+    """An LSTM that onnxruntime's kernel computes stays one node (float32: the kernel's only type), its rule
+    differentiating it by the kernel's outputs: its gradients (float32) against float64 finite differences of
+    the float64 graph written out in per-timestep ops (test_recurrent checks that one's forward against the
+    kernel), within 1e-5 of their scale (float32's rounding over 3 steps: ~3e-7)."""
+    attrs, given, read = WHOLE[case]
+    nodes, ins, params, consts = recurrent("LSTM", attrs, given, F32, read=read)
+    train = differentiate(model_of(nodes, ins, consts=consts), params, "loss")
+    kinds = collections.Counter(n.op_type for n in train.graph.node)
+    assert kinds["LSTM"] == 1 and kinds["Sigmoid"] == (2 if attrs.get("direction") == "bidirectional" else 1)
+    nodes64, ins64, _, _ = recurrent("LSTM", attrs, given, F64, read=read)
+    written = differentiate(model_of(nodes64, ins64, consts=consts), params, "loss")
+    assert "LSTM" not in {n.op_type for n in written.graph.node}
+    written = forward(written, ["y"])
+    y = written.run(None, {**ins64, "w": np.zeros(1)})[0]
+    np.testing.assert_allclose(forward(train, ["y"]).run(None, {**ins, "w": np.zeros(1, F32)})[0], y,
+                               rtol=1e-5, atol=1e-5)
+    w = np.random.default_rng(7).standard_normal(y.shape)
+    got = session(train).run([f"{p}_grad" for p in params], {**ins, "w": w.astype(F32)})
+    for p, g in zip(params, got):
+        want = finite_differences(lambda f: written.run(None, {**f, "w": w})[0], ins64, w, p, 1e-5, False)
+        np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(want).max()), err_msg=p)
+
+
 def test_recurrent_written_out_in_few_nodes_per_step():
-    """Each node costs onnxruntime a dispatch that outweighs a small cell's arithmetic: an LSTM without
-    peepholes takes its i, o and f gates' activation in one node a step (peepholes: one a gate), and the
-    steps' slices and states need no Squeeze or Unsqueeze per step, forward or backward."""
+    """Each node costs onnxruntime a dispatch that outweighs a small cell's arithmetic: an LSTM left whole
+    takes 8 nodes a step (the cell state's Mul and Add, backward a Gemm, three Muls, an Add and a Concat) and
+    its gates' activations over every step in one node; written out, an LSTM without peepholes takes its i, o
+    and f gates' activation in one node a step (peepholes: one a gate), and the steps' slices and states need
+    no Squeeze or Unsqueeze per step, forward or backward."""
     def counts(op, attrs, given, steps):
         global T
         saved, T = T, steps
@@ -482,6 +523,9 @@ def test_recurrent_written_out_in_few_nodes_per_step():
         train = differentiate(model_of(nodes, ins, consts=consts), params, "loss")
         return collections.Counter(n.op_type for n in train.graph.node)
     short, long = counts("LSTM", {}, ("B",), 3), counts("LSTM", {}, ("B",), 9)
+    assert long["LSTM"] == 1 and long["Sigmoid"] == 1 and long["Tanh"] == 2
+    assert sum(long.values()) - sum(short.values()) == 8 * (9 - 3)
+    short, long = counts("LSTM", dict(layout=1), ("B",), 3), counts("LSTM", dict(layout=1), ("B",), 9)
     assert long["Sigmoid"] == 9 and long["Tanh"] == 2 * 9
     shaping = ("Squeeze", "Unsqueeze")
     assert [long[k] for k in shaping] == [short[k] for k in shaping]
@@ -530,6 +574,23 @@ def test_exported_torch_conv1d_lstm_gru_against_autograd():
     against_torch_autograd(Net(), torch.randn(2, 4, 11), torch.randn(2, 5, 3))
 
 
+@pytest.mark.torch
+def test_exported_torch_two_layer_lstm_and_its_states_against_autograd():
+    """A two-layer bidirectional LSTM (the second layer's input the first's Y: its gradient through the rule)
+    whose loss reads Y, h_n and c_n: two LSTM nodes left whole, against torch autograd."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = torch.nn.LSTM(6, 5, num_layers=2, batch_first=True, bidirectional=True)
+
+        def forward(self, x, w):
+            y, (h, c) = self.lstm(x)
+            return (y * w).sum() + (h * h).sum() + c.sum()
+    torch.manual_seed(0)
+    train = against_torch_autograd(Net(), torch.randn(2, 7, 6), torch.randn(2, 7, 10))
+    assert [n.op_type for n in train.graph.node].count("LSTM") == 2
+
+
 def test_ranks_behind_shape_arithmetic_are_folded():
     """A Reshape whose target is a Slice of the input's Shape by bounds from an Add and a Mod of constants (as
     torch exports nn.MultiheadAttention in training mode): onnx's data propagation leaves its rank unknown;
@@ -559,7 +620,7 @@ def test_exported_torch_multihead_attention_in_training_mode_against_autograd():
 def against_torch_autograd(net, x, w, training: bool = False):
     """``net(x, w)``'s loss exported by torch's legacy exporter (``training``: in TrainingMode.TRAINING),
     differentiated by the builder for x and every parameter, run in float32, against torch autograd in
-    float64."""
+    float64. Returns the train graph."""
     import io
     f = io.BytesIO()
     torch.onnx.export(net, (x, w), f, input_names=["x", "w"], output_names=["loss"], dynamo=False,
@@ -574,3 +635,4 @@ def against_torch_autograd(net, x, w, training: bool = False):
     for name, g, ref in zip(["x"] + params, got, [xd.grad] + [p.grad for p in net.parameters()]):
         ref = ref.numpy()
         np.testing.assert_allclose(g, ref, rtol=1e-4, atol=1e-4 * max(1.0, np.abs(ref).max()), err_msg=name)
+    return grad_model

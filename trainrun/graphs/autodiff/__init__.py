@@ -20,7 +20,8 @@ on stock onnxruntime (``graphs.builder: trainrun``, :func:`trainrun.graphs.gradi
 * :mod:`.conv`           Conv ConvTranspose MaxPool AveragePool LpPool GlobalAveragePool GlobalMaxPool
                          GlobalLpPool (1-, 2- and 3-D windows) BatchNormalization (training and inference forms)
 * :mod:`.resize`         Resize
-* :mod:`.recurrent`      LSTM GRU RNN, written out in per-timestep ops before the walk (:data:`.core.EXPANSIONS`)
+* :mod:`.recurrent`      LSTM GRU RNN, written out in per-timestep ops before the walk (:data:`.core.EXPANSIONS`);
+                         an LSTM onnxruntime's kernel computes left whole, with its own rule
 * :mod:`.static`         the tensors' dims: shape inference, again after folding known integer arithmetic
 
 :func:`covered_ops` lists them all (docs/models.md's table: :func:`ops_markdown`).
