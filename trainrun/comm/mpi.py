@@ -438,7 +438,8 @@ class MPICommunicator(Communicator):
         return meta
 
     def enter(self) -> None:
-        """The joining rank's first step: its collectives are the job's from now on."""
+        """The joining rank, before its first step (and before what the job does ahead of it: a spawn, an
+        admission): its collectives are the job's from now on."""
         self.joining = False
 
     def _merge(self, high: bool) -> None:

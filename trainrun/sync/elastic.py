@@ -73,8 +73,6 @@ class Elastic:
         """``run()`` (the reduce and the scalar allreduce; its result returned) once every survivor got through
         it, redone over the survivors after each death, this rank's own gradients restored first. Not ``world``
         (DiLoCo between two world steps: each replica, one rank, on its own): ``run()`` talks to no other rank."""
-        if self.comm.joining:      # a rank that rejoined: its first step, with the others
-            self.comm.enter()
         if not world:
             return run()
         np.copyto(self.saved, self.grads)
@@ -110,7 +108,11 @@ class Elastic:
     def before_step(self, step: int) -> bool:
         """Before the step after ``step`` (all that follows ``step`` done: its metrics line, evaluation,
         checkpoint), every rank: a rank spawned or admitted where the last agreement said so
-        (:meth:`trainrun.sync.rejoin.Rejoin.act`); whether anything was."""
+        (:meth:`trainrun.sync.rejoin.Rejoin.act`); whether anything was. A rank that rejoined enters the job's
+        collectives here, before its first step's: from now on it acts with the others (a spawn, an admission,
+        the tests' wait for a rank to rejoin all run collectives over the whole job)."""
+        if self.comm.joining:
+            self.comm.enter()
         return self.rejoin.act(step)
 
     def shrunk(self, step: int, took: float, what: str) -> None:
