@@ -340,6 +340,47 @@ def test_diloco_takes_a_lost_replica_back_at_an_outer_step(ft, tmp_path, byte_da
     assert len(digests) == 1
 
 
+@pytest.mark.parametrize("dead, kill", [(3, 7), (3, 6), (1, 6)])
+def test_diloco_a_rank_lost_drops_its_whole_replica(ft, tmp_path, byte_dataset, dead, kill):
+    """DiLoCo, 2 replicas of 2 ranks (`diloco.group: 2`: ranks 0, 1 and 2, 3), an outer step every 4 steps, a world
+    step every 3rd (the metrics lines); rank ``dead`` SIGKILLed at the start of step ``kill``. Step 7: its replica
+    mate learns of it in the replica's own reduce and leaves (exit 0, saying so); the other replica learns of both
+    at step 8's outer exchange and goes on alone. Step 6, a world step: all three survivors learn of it there, the
+    mate leaves at the shrink (split off: the other replica goes on without another failure); where the mate is
+    rank 0 (``dead`` 1), the lowest rank of the other replica takes its writing over. Either way the job ends with
+    exit 0, the other replica's two ranks with the same bits, every metrics line whole, the lines' replicas and the
+    outer steps' replicas 2, then 1."""
+    cfg = _config(tmp_path, byte_dataset, **{
+        "train.log_every": 3, "checkpoint.every": 0, "distributed.sync": "diloco",
+        "distributed.diloco": {"inner_steps": 4, "group": 2, "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True}}})
+    proc = ompi(4, "--config", cfg, env={"TRAINRUN_FAULT_KILL_STEP": f"{dead}:{kill}"}, timeout=90)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out, mate = tmp_path / "run", dead ^ 1
+    left = [ln for ln in proc.stdout.splitlines()
+            if ln.startswith(f"elastic: this rank (launched as rank {mate}) leaves with its replica: ")]
+    assert len(left) == 1 and f"during step {kill}; the other replicas go on" in left[0], proc.stdout
+    lost = [ln for ln in proc.stdout.splitlines() if ln.startswith("elastic: rank(s) ")]
+    if kill == 7:
+        assert len(lost) == 1 and lost[0].startswith("elastic: rank(s) 2, 3 lost during step 8; 1 replica(s) go on, "
+                                                     "the step's outer step redone"), proc.stdout
+    else:
+        assert len(lost) == 1 and lost[0].startswith(
+            f"elastic: rank(s) {dead} (rank(s) {mate}, their replica mates, left with them) lost during step 6; "
+            f"1 replica(s) go on"), proc.stdout
+    assert ("elastic: rank 0 was lost; this rank (launched as rank 2) writes" in proc.stdout) == (mate == 0)
+    text = (out / "metrics.jsonl").read_text()
+    assert text.endswith("\n") and all(json.loads(ln) for ln in text.splitlines())
+    steps = _lines(out)
+    assert [steps[s]["replicas"] for s in (3, 6, 9, 12)] == ([2, 2, 1, 1] if kill == 7 else [2, 1, 1, 1])
+    outer = {r["step"]: r["outer_replicas"] for r in map(json.loads, text.splitlines()) if "outer_bytes" in r}
+    assert outer == {4: 2, 8: 1, 12: 1}
+    final = out / "checkpoints" / "12"
+    digests = {json.loads((final / f"rank-{r}.json").read_text())["params_sha256"] for r in (0, 1)}
+    assert len(digests) == 1 and not os.path.exists(final / "rank-2.json")
+    assert json.loads((out / "summary.json").read_text())["world_size"] == 2
+    assert not os.path.exists(out / ".lock")
+
+
 def test_rank_0_lost_hands_its_writing_to_the_lowest_survivor(ft, tmp_path, byte_dataset):
     """Rank 0 writes the metrics, the checkpoints' shared files and the run's end: SIGKILLed at the start of step
     10, the lowest survivor takes that over and the two survivors train to the end (exit 0): every step's
