@@ -195,21 +195,33 @@ def test_diloco_averages_over_the_replicas_alive_at_the_outer_step(ft, tmp_path,
     assert json.loads((out / "summary.json").read_text())["world_size"] == 2
 
 
-def _ask_back_once_lost(proc, out, timeout=120):
-    """Once a step line says 2 replicas (a rank is lost), `trainrun rejoin RUN` (docs/distributed.md); its
-    output. The job (``proc``) ending first fails the test."""
-    metrics, deadline = out / "metrics.jsonl", time.monotonic() + timeout
-    while not (metrics.exists() and any(r.get("replicas") == 2 for r in map(json.loads, metrics.read_text()
-                                                                            .splitlines()[:-1]))):
-        assert proc.poll() is None and time.monotonic() < deadline, ompi(0, proc=proc, timeout=10)
-        time.sleep(0.1)
-    return run([TRAINRUN, "rejoin", str(out)], check=0).stdout
+def _rejoin_when(proc, out, ready, timeout=60):
+    """`trainrun rejoin RUN` once ``ready()`` holds; the job (``proc``) ending or ``timeout`` passing first fails
+    the test (the job's output in the message)."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            out_, err = proc.communicate()
+            raise AssertionError(f"the job ended or {timeout} s passed before a rejoin could be asked\n{out_}\n{err}")
+        time.sleep(0.05)
+    asked = run([TRAINRUN, "rejoin", str(out)], check=0).stdout
+    assert asked.startswith(f"asked the job in {out} for a rank back"), asked
 
 
-def _joined_after(stdout, slot):
-    """The step after which a rank joined in ``slot``'s place (the log line says it), and the line."""
-    line = next(ln for ln in stdout.splitlines() if ln.startswith("elastic: rank 2 joined after step"))
-    assert f"in first rank {slot}'s place, healed from rank 0 over MPI; 3 replica(s) train step" in line, line
+def _replicas_seen(out, n):
+    """Whether a whole step line of RUN ``out`` says ``n`` replicas (a function of nothing, for :func:`_rejoin_when`)."""
+    metrics = out / "metrics.jsonl"
+    return lambda: metrics.exists() and any(r.get("replicas") == n for r in map(
+        json.loads, metrics.read_text().splitlines()[:-1]))
+
+
+def _joined_after(stdout, slot, n=3):
+    """The step after which a rank joined in ``slot``'s place, the job back to ``n`` ranks (the log line says it),
+    and the line."""
+    line = next(ln for ln in stdout.splitlines() if ln.startswith(f"elastic: rank {n - 1} joined after step"))
+    assert f"in first rank {slot}'s place, healed from rank 0 over MPI; {n} replica(s) train step" in line, line
     return int(line.split()[6]), line
 
 
@@ -224,9 +236,8 @@ def test_a_lost_rank_rejoins_healed_from_rank_0_and_all_end_with_the_same_bits(f
     cfg = _config(tmp_path, byte_dataset)
     out = tmp_path / "run"
     proc = ompi_start(3, "--config", cfg, env={"TRAINRUN_FAULT_KILL_STEP": "1:4", "TRAINRUN_FAULT_WAIT_JOIN": "8"})
-    asked = _ask_back_once_lost(proc, out)
-    assert asked.startswith(f"asked the job in {out} for a rank back"), asked
-    proc = ompi(3, proc=proc, timeout=240)
+    _rejoin_when(proc, out, _replicas_seen(out, 2))
+    proc = ompi(3, proc=proc, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "elastic: rank(s) 1 lost during step 4; 2 replica(s) go on" in proc.stdout
     spawned = next(ln for ln in proc.stdout.splitlines() if ln.startswith("elastic: a rank spawned after step"))
@@ -245,13 +256,52 @@ def test_a_lost_rank_rejoins_healed_from_rank_0_and_all_end_with_the_same_bits(f
     assert f"{out}: no job trains there now" in again.stderr
 
 
-def test_diloco_takes_a_lost_replica_back_at_an_outer_step(ft, tmp_path, byte_dataset):
-    """DiLoCo, 3 replicas of one rank, an outer step every 4 steps; rank 1 SIGKILLed at the start of step 3 and
+def test_one_rank_left_alone_grows_back_to_three(ft, tmp_path, byte_dataset):
+    """3 ranks; rank 1 SIGKILLed at the start of step 4, rank 2 at step 6: rank 0 trains alone (a communicator of
+    one). `trainrun rejoin RUN` once the step lines say 1 replica, and again once the first request was taken (it
+    waits, the file kept, until the first rank is in): two ranks spawned one after the other, each healed from rank
+    0 and taken in; TRAINRUN_FAULT_WAIT_JOIN holds the job after step 9 until both are back. The second spawn and
+    admission run over rank 0 and the first rank to rejoin: that rank acts with the job from its first step on (it
+    once ran them alone, still set up as joining: rank 0 waited in a collective it never entered, the hang seen in
+    the benchmark). The run ends (exit 0) on 3 ranks with the same bits on all three, every metrics line whole, the
+    replicas 3, 2, 1, then 2 and 3 again."""
+    cfg = _config(tmp_path, byte_dataset)
+    out = tmp_path / "run"
+    proc = ompi_start(3, "--config", cfg, env={"TRAINRUN_FAULT_KILL_STEP": "1:4,2:6", "TRAINRUN_FAULT_WAIT_JOIN": "9"})
+    _rejoin_when(proc, out, _replicas_seen(out, 1))
+    _rejoin_when(proc, out, lambda: not (out / "rejoin.json").exists())
+    proc = ompi(3, proc=proc, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "elastic: rank(s) 1 lost during step 4; 2 replica(s) go on" in proc.stdout
+    assert "elastic: rank(s) 2 lost during step 6; 1 replica(s) go on" in proc.stdout
+    joins = [ln for ln in proc.stdout.splitlines() if " joined after step " in ln]
+    assert [ln.split()[1:3] for ln in joins] == [["rank", "1"], ["rank", "2"]], proc.stdout
+    assert "in first rank 1's place" in joins[0] and "2 replica(s) train step" in joins[0], joins
+    assert "in first rank 2's place" in joins[1] and "3 replica(s) train step" in joins[1], joins
+    first, second = (int(ln.split()[6]) for ln in joins)
+    assert 6 <= first <= second == 9, joins
+    text = (out / "metrics.jsonl").read_text()
+    assert text.endswith("\n") and all(json.loads(ln) for ln in text.splitlines())
+    steps = _lines(out)
+    assert sorted(steps) == list(range(1, 13))
+    assert [steps[s]["replicas"] for s in range(1, 13)] == \
+        [3] * 3 + [2] * 2 + [1] * (first - 5) + [2] * (second - first) + [3] * (12 - second)
+    final = out / "checkpoints" / "12"
+    digests = {json.loads((final / f"rank-{r}.json").read_text())["params_sha256"] for r in range(3)}
+    assert len(digests) == 1, digests
+    assert json.loads((out / "summary.json").read_text())["world_size"] == 3
+
+
+@pytest.mark.parametrize("n", [3, 2])
+def test_diloco_takes_a_lost_replica_back_at_an_outer_step(ft, tmp_path, byte_dataset, n):
+    """DiLoCo, ``n`` replicas of one rank, an outer step every 4 steps; rank 1 SIGKILLed at the start of step 3 and
     asked back (`trainrun rejoin RUN`) once the others train on. It is taken in right after an outer step (step 8:
     TRAINRUN_FAULT_WAIT_JOIN holds the survivors there until it is ready), when every replica holds the global
     weights: it starts step 9 from exactly rank 0's weights after that outer step (tests/rank_probe.py records
-    them), and the last outer step averages over the 3 replicas again: every outer step's global weights are a
-    NumPy reference's from the replicas alive at it (2, 2, then 3), the same bits on all three."""
+    them), and the last outer step averages over the ``n`` replicas again: every outer step's global weights are a
+    NumPy reference's from the replicas alive at it (n - 1, n - 1, then n), the same bits on all of them. With
+    n = 2, rank 0 is left alone: its outer steps 4 and 8 are over one replica (a communicator of one), and it
+    grows back to two."""
     rec, first = tmp_path / "outer", tmp_path / "first"
     rec.mkdir()
     first.mkdir()
@@ -259,15 +309,16 @@ def test_diloco_takes_a_lost_replica_back_at_an_outer_step(ft, tmp_path, byte_da
         "checkpoint.every": 0, "distributed.sync": "diloco",
         "distributed.diloco": {"inner_steps": 4, "group": 1, "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True}}})
     out = tmp_path / "run"
-    proc = ompi_start(3, "--config", cfg, probe=True, env={
+    proc = ompi_start(n, "--config", cfg, probe=True, env={
         "TRAINRUN_FAULT_KILL_STEP": "1:3", "TRAINRUN_FAULT_WAIT_JOIN": "8", "TRAINRUN_PROBE_OUTER_DIR": str(rec),
         "TRAINRUN_PROBE_FIRST_DIR": str(first)})
-    _ask_back_once_lost(proc, out)
-    proc = ompi(3, proc=proc, timeout=240)
+    _rejoin_when(proc, out, _replicas_seen(out, n - 1))
+    proc = ompi(n, proc=proc, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "elastic: rank(s) 1 lost during step 3; 2 replica(s) go on" in proc.stdout
-    assert _joined_after(proc.stdout, 1)[0] == 8
-    alive = {4: ["0", "2"], 8: ["0", "2"], 12: ["0", "2", "joined"]}
+    assert f"elastic: rank(s) 1 lost during step 3; {n - 1} replica(s) go on" in proc.stdout
+    assert _joined_after(proc.stdout, 1, n)[0] == 8
+    survivors = ["0", "2"][:n - 1]
+    alive = {4: survivors, 8: survivors, 12: [*survivors, "joined"]}
     names = [p["name"] for p in json.loads((out / "graphs" / "manifest.json").read_text())["params"]]
     init = load_file(str(out / "graphs" / "weights.safetensors"))
     start = np.concatenate([init[n].ravel() for n in names])
@@ -280,13 +331,54 @@ def test_diloco_takes_a_lost_replica_back_at_an_outer_step(ft, tmp_path, byte_da
         assert all(np.array_equal(a, after[s][0]) for a in after[s]), s
         assert np.abs(after[s][0] - ref[s]).max() <= 1e-6 * scale, s
     steps = _lines(out)
-    assert [steps[s]["replicas"] for s in range(1, 13)] == [3] * 2 + [2] * 6 + [3] * 4
+    assert [steps[s]["replicas"] for s in range(1, 13)] == [n] * 2 + [n - 1] * 6 + [n] * 4
     with open(out / "metrics.jsonl") as fh:
         outer = {r["step"]: r["outer_replicas"] for r in map(json.loads, fh) if "outer_bytes" in r}
-    assert outer == {4: 2, 8: 2, 12: 3}
+    assert outer == {4: n - 1, 8: n - 1, 12: n}
     digests = {json.loads((out / "checkpoints" / "12" / f"rank-{r}.json").read_text())["params_sha256"]
-               for r in range(3)}
+               for r in range(n)}
     assert len(digests) == 1
+
+
+@pytest.mark.parametrize("dead, kill", [(3, 7), (3, 6), (1, 6)])
+def test_diloco_a_rank_lost_drops_its_whole_replica(ft, tmp_path, byte_dataset, dead, kill):
+    """DiLoCo, 2 replicas of 2 ranks (`diloco.group: 2`: ranks 0, 1 and 2, 3), an outer step every 4 steps, a world
+    step every 3rd (the metrics lines); rank ``dead`` SIGKILLed at the start of step ``kill``. Step 7: its replica
+    mate learns of it in the replica's own reduce and leaves (exit 0, saying so); the other replica learns of both
+    at step 8's outer exchange and goes on alone. Step 6, a world step: all three survivors learn of it there, the
+    mate leaves at the shrink (split off: the other replica goes on without another failure); where the mate is
+    rank 0 (``dead`` 1), the lowest rank of the other replica takes its writing over. Either way the job ends with
+    exit 0, the other replica's two ranks with the same bits, every metrics line whole, the lines' replicas and the
+    outer steps' replicas 2, then 1."""
+    cfg = _config(tmp_path, byte_dataset, **{
+        "train.log_every": 3, "checkpoint.every": 0, "distributed.sync": "diloco",
+        "distributed.diloco": {"inner_steps": 4, "group": 2, "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True}}})
+    proc = ompi(4, "--config", cfg, env={"TRAINRUN_FAULT_KILL_STEP": f"{dead}:{kill}"}, timeout=90)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out, mate = tmp_path / "run", dead ^ 1
+    left = [ln for ln in proc.stdout.splitlines()
+            if ln.startswith(f"elastic: this rank (launched as rank {mate}) leaves with its replica: ")]
+    assert len(left) == 1 and f"during step {kill}; the other replicas go on" in left[0], proc.stdout
+    lost = [ln for ln in proc.stdout.splitlines() if ln.startswith("elastic: rank(s) ")]
+    if kill == 7:
+        assert len(lost) == 1 and lost[0].startswith("elastic: rank(s) 2, 3 lost during step 8; 1 replica(s) go on, "
+                                                     "the step's outer step redone"), proc.stdout
+    else:
+        assert len(lost) == 1 and lost[0].startswith(
+            f"elastic: rank(s) {dead} (rank(s) {mate}, their replica mates, left with them) lost during step 6; "
+            f"1 replica(s) go on"), proc.stdout
+    assert ("elastic: rank 0 was lost; this rank (launched as rank 2) writes" in proc.stdout) == (mate == 0)
+    text = (out / "metrics.jsonl").read_text()
+    assert text.endswith("\n") and all(json.loads(ln) for ln in text.splitlines())
+    steps = _lines(out)
+    assert [steps[s]["replicas"] for s in (3, 6, 9, 12)] == ([2, 2, 1, 1] if kill == 7 else [2, 1, 1, 1])
+    outer = {r["step"]: r["outer_replicas"] for r in map(json.loads, text.splitlines()) if "outer_bytes" in r}
+    assert outer == {4: 2, 8: 1, 12: 1}
+    final = out / "checkpoints" / "12"
+    digests = {json.loads((final / f"rank-{r}.json").read_text())["params_sha256"] for r in (0, 1)}
+    assert len(digests) == 1 and not os.path.exists(final / "rank-2.json")
+    assert json.loads((out / "summary.json").read_text())["world_size"] == 2
+    assert not os.path.exists(out / ".lock")
 
 
 def test_rank_0_lost_hands_its_writing_to_the_lowest_survivor(ft, tmp_path, byte_dataset):

@@ -57,8 +57,8 @@ ROWS = {
         "distributed.backend: nccl"]),
     "elastic-with-diloco-and-zero-1": ("bytes", {"distributed.elastic": True, "distributed.sync": "diloco",
                                                 "distributed.zero_stage": 1}, 2, [
-        "distributed.elastic: needs distributed.diloco.group: 1 with distributed.sync diloco (one rank per "
-        "replica: dropping a replica of several ranks together is not built yet)",
+        "distributed.elastic: needs distributed.diloco.group: a number of ranks with distributed.sync diloco (a "
+        "replica a node, group 0, is not built yet)",
         "distributed.elastic: needs distributed.zero_stage: 0 (every survivor holds the whole optimizer state; a "
         "ZeRO-1 part would die with its rank)"]),
     "min-replicas-without-elastic": ("bytes", {"distributed.min_replicas": 2}, 2, [

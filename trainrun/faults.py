@@ -1,5 +1,6 @@
 """Fault injection for the tests of what survives what: off unless an environment variable names a
-step (``STEP``, every rank) or a rank and a step (``RANK:STEP``). Read once at import.
+step (``STEP``, every rank) or a rank and a step (``RANK:STEP``), or several of those, comma-separated
+(``1:4,2:6``: rank 1 at step 4 and rank 2 at step 6). Read once at import.
 
 * ``TRAINRUN_FAULT_STALL_CHECKPOINT``  the background write of that step's checkpoint hangs (after rank 0
                                        wrote its tensors), so a test can kill or time out a write;
@@ -31,8 +32,11 @@ def hit(name: str, rank: int, step: int | str) -> bool:
     spec = _SPECS.get(f"TRAINRUN_FAULT_{name}")
     if not spec:
         return False
-    who, _, when = spec.rpartition(":")
-    return when == str(step) and who in ("", str(rank))
+    for one in spec.split(","):
+        who, _, when = one.strip().rpartition(":")
+        if when == str(step) and who in ("", str(rank)):
+            return True
+    return False
 
 
 def kill(name: str, rank: int, step: int) -> None:

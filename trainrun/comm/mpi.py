@@ -125,6 +125,7 @@ class MPICommunicator(Communicator):
                         sleep = min(2 * sleep, base.MAX_SLEEP_S)
         except MPI.Exception as e:
             if self.elastic and e.Get_error_class() in _failure_classes(MPI):
+                self.revoke()       # no other rank waits on this communicator for the dead one (a replica's too)
                 raise PeerLost(f"{op} on {self._who()}: {e.Get_error_string()}") from None
             raise TrainrunError(f"{op} failed on {self._who()} "
                                 f"after {time.monotonic() - start:.1f} s: {e.Get_error_string()}") from None
@@ -356,6 +357,32 @@ class MPICommunicator(Communicator):
         self.members = alive
         return lost
 
+    def drop(self, leaving: list[int]) -> bool:
+        """Every survivor, after :meth:`shrink`: the ranks ``leaving`` (by the rank they started with: a lost rank's
+        replica mates) leave this communicator (MPI_Comm_split, they keep their order); whether this rank is one
+        of them (then it has no communicator and ends: :meth:`trainrun.sync.elastic.Elastic.leave`)."""
+        MPI, me = self._MPI, self.members[self.rank]
+        old = self._comm
+        try:
+            new = old.Split(MPI.UNDEFINED if me in leaving else 0, key=self.rank)
+        except MPI.Exception as e:
+            raise TrainrunError(f"dropping a lost rank's replica failed on {self._who()}: {e.Get_error_string()}") \
+                from None
+        self.members = [m for m in self.members if m not in leaving]
+        if new == MPI.COMM_NULL:
+            return True
+        new.Set_errhandler(MPI.ERRORS_RETURN)
+        self._comm = new
+        old.Free()
+        self.rank, self.world_size = new.Get_rank(), new.Get_size()
+        return False
+
+    def leave(self) -> None:
+        """This rank leaves the job for good (its replica dropped, :meth:`drop`): the process ends here with exit
+        0, its output flushed, without MPI_Finalize (which would wait for the dead)."""
+        base.leave_without_finalize("this rank left the job with its replica")
+        base.end_process(0)
+
     # -- a rank that rejoins (distributed.elastic) ----------------------------------
     def spawn(self, argv: list[str], host: str | None = None) -> str | None:
         """Every survivor: start one rank with the command ``argv`` (MPI_Comm_spawn; on ``host`` where rank 0 gives
@@ -438,7 +465,8 @@ class MPICommunicator(Communicator):
         return meta
 
     def enter(self) -> None:
-        """The joining rank's first step: its collectives are the job's from now on."""
+        """The joining rank, before its first step (and before what the job does ahead of it: a spawn, an
+        admission): its collectives are the job's from now on."""
         self.joining = False
 
     def _merge(self, high: bool) -> None:
@@ -491,6 +519,11 @@ class MPIGroup(MPICommunicator):
     def timeout_s(self) -> float:
         return self._parent.timeout_s
 
+    @property
+    def elastic(self) -> bool:
+        """A dead peer raises PeerLost here too where the world is elastic (a replica's ranks, DiLoCo's replicas)."""
+        return self._parent.elastic
+
     def _who(self) -> str:
         return f"{self._parent._who()}, {self.what} rank {self.rank} of {self.world_size}"
 
@@ -499,7 +532,10 @@ class MPIGroup(MPICommunicator):
 
     def close(self) -> None:
         if self._comm is not None and not self._MPI.Is_finalized():
-            self._comm.Free()
+            try:
+                self._comm.Free()
+            except self._MPI.Exception:
+                pass        # distributed.elastic: revoked, or a member died
         self._comm = None
 
 

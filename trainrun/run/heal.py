@@ -82,6 +82,16 @@ class Heal:
         r.log(f"elastic: rank 0 was lost; this rank (launched as rank {r.rank}) writes the metrics, the "
               f"checkpoints and the run's end from now on")
 
+    def let_go(self) -> None:
+        """This rank leaves the job with its replica (:meth:`trainrun.sync.elastic.Elastic.leave`): where it wrote,
+        its metrics lines flushed and the run directory's lock released, before the others take them over."""
+        r = self.r
+        if r.is_main:
+            r.metrics.close()
+            if r.lock is not None:
+                r.lock.release()
+        r.is_main = False
+
     def requested(self) -> bool:
         return os.path.exists(os.path.join(self.r.out, REQUEST_FILE))
 

@@ -228,9 +228,8 @@ def _distributed(cfg: C.Config, add) -> None:
             add("distributed.overlap_grad_reduce", "runs on the CPU over MPI; not with device: cuda or "
                 "distributed.backend: nccl")
     if d.elastic:
-        for wrong, why in ((d.sync == "diloco" and d.diloco.group != 1, "distributed.diloco.group: 1 with "
-                            "distributed.sync diloco (one rank per replica: dropping a replica of several ranks "
-                            "together is not built yet)"),
+        for wrong, why in ((d.sync == "diloco" and not d.diloco.group, "distributed.diloco.group: a number of "
+                            "ranks with distributed.sync diloco (a replica a node, group 0, is not built yet)"),
                            (d.sync == "diloco" and d.diloco.overlap_steps, "distributed.diloco.overlap_steps: 0 (an "
                             "outer step's exchange is redone over the survivors while it is waited for)"),
                            (d.zero_stage != 0, "distributed.zero_stage: 0 (every survivor holds the whole optimizer "

@@ -136,9 +136,9 @@ class DiLoCo(Policy):
             raise collective(UsageError(
                 f"distributed.diloco.group: {k.group or 'the ranks of one node'} gives {why} on "
                 f"{world.world_size} rank(s); diloco needs at least 2 replicas of equal size"))
-        # distributed.elastic (one rank per replica): the replicas are the world itself, so that the world's
-        # shrink to the survivors of a lost rank is the replicas' too
-        cross = world if world.elastic else world.split(comm.rank, "replicas")
+        # distributed.elastic, one rank per replica: the replicas are the world itself, so that the world's
+        # shrink to the survivors of a lost rank is the replicas' too (several: regroup() splits them again)
+        cross = world if world.elastic and comm.world_size == 1 else world.split(comm.rank, "replicas")
         replica = comm.allgather_object(cross.rank)[0]       # the replica's first rank's place among the replicas
         return cls(k, world, comm, cross, replica, replicas, schedule)
 
@@ -150,10 +150,22 @@ class DiLoCo(Policy):
         next world step."""
         return step >= end or agree or any(every(step, n) for n in self.schedule)
 
+    @property
+    def ranks_per_replica(self) -> int:
+        return self.comm.world_size
+
     def regroup(self) -> None:
-        """``distributed.elastic``: the world (the replicas: one rank each) shrank to the survivors; the outer
-        steps from now on average over them."""
-        self.replicas, self.replica = self.cross.world_size, self.cross.rank
+        """``distributed.elastic``: the world shrank to the survivors (one rank a replica: the replicas), or to the
+        whole replicas left (several ranks each: the replicas' corresponding ranks split again, every rank); the
+        outer steps from now on average over them."""
+        if self.cross is not self.world:
+            self.cross.close()
+            self.cross = self.world.split(self.comm.rank, "replicas")
+            sent, self.wire = self.wire.sent_bytes, wire.make(self.cross, self.cfg.outer_dtype)
+            self.wire.sent_bytes = sent      # the run's count goes on
+        self.replicas = self.cross.world_size
+        self.replica = self.comm.allgather_object(self.cross.rank)[0] if self.cross is not self.world \
+            else self.cross.rank
 
     def joinable(self) -> bool:
         """Right after an outer step of the whole model: every replica holds the global weights (rank 0's, the

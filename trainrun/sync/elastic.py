@@ -23,11 +23,16 @@ checkpoints' shared files, metrics.jsonl, TensorBoard and the run's end: at its 
 of the shrunk communicator) takes that over (:meth:`trainrun.run.heal.Heal.take_over_writing`) and the run goes
 on.
 
-DiLoCo (``distributed.sync: diloco``, one rank per replica): the replicas are the world, so a shrink is
+DiLoCo (``distributed.sync: diloco``): with one rank per replica the replicas are the world, so a shrink is
 theirs too (:meth:`trainrun.sync.policy.Policy.regroup`); the policy runs its outer exchange and its log line
 through :meth:`Elastic.agreed` (the outer gradient formed again before a redo), so the outer step averages
-over the replicas alive at it. Between world steps a replica's step talks to no other rank, and nothing is
-agreed then.
+over the replicas alive at it. Between world steps a replica's step talks to no other replica, and nothing is
+agreed then. Replicas of several ranks (``diloco.group`` > 1): a rank's death drops its whole replica. Its
+replica mates learn of it in the replica's own reduce (between world steps), or at the shrink (ranks ``r // group``
+with one missing); either way they end, cleanly (:meth:`Elastic.leave`: exit 0, no MPI_Finalize) and, at a
+shrink, after splitting off (:meth:`trainrun.comm.MPICommunicator.drop`), so that the whole replicas go on
+without another failure; the replicas' corresponding ranks are split again (DiLoCo's ``regroup``). A rank of
+such a run is not taken back (`trainrun rejoin` says so).
 
 A lost rank can come back (:mod:`trainrun.sync.rejoin`): every agreement also carries rank 0's news of a
 request (`trainrun rejoin RUN`) and of a spawned rank that is set up; :meth:`Elastic.after_step` acts on them.
@@ -67,16 +72,19 @@ class Elastic:
 
     @property
     def replicas(self) -> int:
-        return self.comm.world_size
+        return self.comm.world_size // self.sync.ranks_per_replica
 
     def step(self, step: int, run, world: bool = True):
         """``run()`` (the reduce and the scalar allreduce; its result returned) once every survivor got through
         it, redone over the survivors after each death, this rank's own gradients restored first. Not ``world``
-        (DiLoCo between two world steps: each replica, one rank, on its own): ``run()`` talks to no other rank."""
-        if self.comm.joining:      # a rank that rejoined: its first step, with the others
-            self.comm.enter()
+        (DiLoCo between two world steps: each replica on its own): ``run()`` talks to this rank's replica only,
+        and a death there ends the replica's other ranks (:meth:`leave`); the other replicas learn of it at
+        their next world step."""
         if not world:
-            return run()
+            try:
+                return run()
+            except PeerLost:      # a rank of this replica died in its own reduce: the replica leaves whole
+                self.leave(step, self.comm.members[self.comm.rank], "a rank of it died, seen in the replica's own reduce")
         np.copyto(self.saved, self.grads)
         return self.agreed(step, run, again=lambda: np.copyto(self.grads, self.saved))
 
@@ -110,7 +118,11 @@ class Elastic:
     def before_step(self, step: int) -> bool:
         """Before the step after ``step`` (all that follows ``step`` done: its metrics line, evaluation,
         checkpoint), every rank: a rank spawned or admitted where the last agreement said so
-        (:meth:`trainrun.sync.rejoin.Rejoin.act`); whether anything was."""
+        (:meth:`trainrun.sync.rejoin.Rejoin.act`); whether anything was. A rank that rejoined enters the job's
+        collectives here, before its first step's: from now on it acts with the others (a spawn, an admission,
+        the tests' wait for a rank to rejoin all run collectives over the whole job)."""
+        if self.comm.joining:
+            self.comm.enter()
         return self.rejoin.act(step)
 
     def shrunk(self, step: int, took: float, what: str) -> None:
@@ -123,16 +135,35 @@ class Elastic:
         writer = self.comm.members[0]       # rank 0 now, by the rank it started with
         t0 = time.monotonic()
         lost = self.comm.shrink()
+        # replicas of several ranks: a lost rank's replica mates leave with it, the whole replicas go on
+        k = self.sync.ranks_per_replica
+        alive = [m // k for m in self.comm.members]
+        leaving = [m for m in self.comm.members if alive.count(m // k) < k]
+        me = self.comm.members[self.comm.rank]
+        if me in leaving and self.heal is not None:
+            self.heal.let_go()      # before the split: the others take over what it wrote only after it
+        if leaving and self.comm.drop(leaving):
+            self.leave(step, me, f"rank(s) {', '.join(map(str, lost))} of it lost")
         took += time.monotonic() - t0
-        self.lost += lost
+        self.lost += lost + leaving
         n = self.replicas
-        names = ", ".join(map(str, lost))
+        names = ", ".join(map(str, lost)) + (f" (rank(s) {', '.join(map(str, leaving))}, their replica mates, left "
+                                             f"with them)" if leaving else "")
         dropped = self.checkpoints.regroup()
         self.sync.regroup()
-        if writer in lost and self.heal is not None:
+        if writer in lost + leaving and self.heal is not None:
             self.heal.take_over_writing(step)
         self.log(f"elastic: rank(s) {names} lost during step {step}; {n} replica(s) go on, the step's {what} "
                  f"redone over them (dropped in {took:.2f} s)"
                  + (f"; the write of checkpoint {dropped} in flight abandoned" if dropped is not None else ""))
         if n < self.min_replicas and self.below is None:
             self.below = f"distributed.min_replicas: {n} rank(s) alive, fewer than {self.min_replicas}"
+
+    def leave(self, step: int, me: int, why: str) -> None:
+        """This rank's replica is broken (a rank of it died): it ends here, cleanly (exit 0: its output flushed, no
+        MPI_Finalize, nothing more written), and the other replicas go on without it."""
+        if self.heal is not None:
+            self.heal.let_go()
+        print(f"elastic: this rank (launched as rank {me}) leaves with its replica: {why} during step {step}; the "
+              f"other replicas go on", flush=True)
+        self.comm.leave()

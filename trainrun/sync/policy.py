@@ -18,6 +18,7 @@ one (every rank, a collective). The interface::
     describe(), advice(cold_start), close()
     elastic, regroup()       ``distributed.elastic``: the :class:`trainrun.sync.elastic.Elastic` that runs the policy's
                              own collectives (:meth:`Policy.agreed`), and what follows a shrink of the world
+    ranks_per_replica        ... the ranks a death drops together (a lost rank's replica mates leave with it)
     joinable(), rejoined(saved)   ... when a rank that rejoins can be taken in, and its place in the schedule
 """
 
@@ -50,6 +51,11 @@ class Policy:
 
     def __init__(self, world, comm):
         self.world, self.comm = world, comm
+
+    @property
+    def ranks_per_replica(self) -> int:
+        """``distributed.elastic``: the ranks of a replica, first ranks ``r // n`` together (every-step: one)."""
+        return 1
 
     def agreed(self, step: int, run, what: str, again=None):
         """``run()``, collectives on the world only; under ``distributed.elastic`` redone over the survivors of

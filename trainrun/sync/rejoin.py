@@ -120,6 +120,11 @@ class Rejoin:
         e, comm = self.e, self.e.comm
         asked_at, host = self.heal.take_request() if comm.rank == 0 else (None, None)
         free = self._free()
+        if e.sync.ranks_per_replica > 1:
+            e.log(f"elastic: `trainrun rejoin` asked for a rank after step {step}, but a replica here is "
+                  f"{e.sync.ranks_per_replica} ranks, and taking a replica of several ranks back is not built yet: "
+                  f"nothing to do (`trainrun resume` from a checkpoint restores every replica)")
+            return
         if not free:
             e.log(f"elastic: `trainrun rejoin` asked for a rank after step {step}, but none is lost: nothing to do")
             return
