@@ -399,6 +399,23 @@ def test_softmax_read_by_one_product(case):
     assert len(dot) == 1 and ("y" in dot[0].input) == (case == "attention")          # dO * O, else dP * P
 
 
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_op(approximate):
+    """Gelu (opset 20): erf's form in ten passes, tanh's as a Sigmoid of 2 w in thirteen; a float64 NumPy
+    reference (onnxruntime's Gelu is float32 only)."""
+    erf = np.vectorize(math.erf)
+
+    def ref(v):
+        x = v["x"]
+        if approximate == "tanh":
+            return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+        return 0.5 * x * (1 + erf(x / math.sqrt(2)))
+    grad = check([node("Gelu", ["x"], approximate=approximate)], {"x": rand(4, 5, dtype=F32) * 2}, ["x"], ref=ref,
+                 opset=20)
+    passes = [n.op_type for n in grad.graph.node if n.name.startswith("grad/gelu_x/") and n.op_type != "Constant"]
+    assert len(passes) == {"none": 10, "tanh": 13}[approximate], passes
+
+
 @pytest.mark.parametrize("form", ["bert", "torch", "shared"])
 def test_erf_gelu_written_out(form):
     """0.5 y (1 + erf(y / sqrt 2)) differentiated as one (autodiff/patterns.py): BERT's form (u = y c, h = (e + 1)
