@@ -9,6 +9,8 @@ float64 their error is about step^2 |f'''| + eps / step, below 1e-9 for these lo
 relative leaves three orders of margin. A gradient graph computed in float32 is off by a few float32 roundings
 per op it chains (unit roundoff 6e-8, chains of up to ~20 ops): 2e-5 relative of the gradient's largest."""
 
+import math
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -395,6 +397,49 @@ def test_softmax_read_by_one_product(case):
     dot = [m for m in sums if m is not None and m.name.startswith("grad/") and m.op_type == "Mul"
            and {"y", "p"} & set(m.input)]
     assert len(dot) == 1 and ("y" in dot[0].input) == (case == "attention")          # dO * O, else dP * P
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_op(approximate):
+    """Gelu (opset 20): erf's form in ten passes, tanh's as a Sigmoid of 2 w in thirteen; a float64 NumPy
+    reference (onnxruntime's Gelu is float32 only)."""
+    erf = np.vectorize(math.erf)
+
+    def ref(v):
+        x = v["x"]
+        if approximate == "tanh":
+            return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+        return 0.5 * x * (1 + erf(x / math.sqrt(2)))
+    grad = check([node("Gelu", ["x"], approximate=approximate)], {"x": rand(4, 5, dtype=F32) * 2}, ["x"], ref=ref,
+                 opset=20)
+    passes = [n.op_type for n in grad.graph.node if n.name.startswith("grad/gelu_x/") and n.op_type != "Constant"]
+    assert len(passes) == {"none": 10, "tanh": 13}[approximate], passes
+
+
+@pytest.mark.parametrize("form", ["bert", "torch", "shared"])
+def test_erf_gelu_written_out(form):
+    """0.5 y (1 + erf(y / sqrt 2)) differentiated as one (autodiff/patterns.py): BERT's form (u = y c, h = (e + 1)
+    0.5, act = y h) and torch's export (u = y / sqrt 2, act = (y (e + 1)) 0.5), no Erf gradient's Neg; where erf's
+    value also feeds the loss, node by node. float32 graphs (onnxruntime's Erf), a float64 NumPy reference."""
+    erf = np.vectorize(math.erf)
+    if form == "torch":
+        gelu = [node("Div", ["y", "sqrt2"], ["u"]), node("Erf", ["u"], ["e"]), node("Add", ["e", "one"], ["p"]),
+                node("Mul", ["y", "p"], ["q"]), node("Mul", ["q", "half"], ["act"])]
+    else:
+        gelu = [node("Mul", ["y", "rsqrt2"], ["u"]), node("Erf", ["u"], ["e"]), node("Add", ["one", "e"], ["p"]),
+                node("Mul", ["p", "half"], ["h"]), node("Mul", ["h", "y"], ["act"])]
+    nodes = [node("MatMul", ["x", "m"], ["y"]), *gelu,
+             node("Add", ["act", "e"] if form == "shared" else ["act", "act"], ["out"])]
+    consts = {"sqrt2": np.array(math.sqrt(2), F32), "rsqrt2": np.array(1 / math.sqrt(2), F32),
+              "one": np.array(1.0, F32), "half": np.array(0.5, F32)}
+
+    def ref(v):
+        y = v["x"] @ v["m"]
+        e = erf(y / math.sqrt(2))
+        return 0.5 * y * (1 + e) + (e if form == "shared" else 0.5 * y * (1 + e))
+    grad = check(nodes, {"x": rand(3, 4, seed=1, dtype=F32), "m": rand(4, 5, seed=2, dtype=F32)}, ["x", "m"],
+                 consts=consts, ref=ref, out="out")
+    assert ("Neg" in [n.op_type for n in grad.graph.node]) == (form == "shared")
 
 
 @pytest.mark.parametrize("broadcast", [False, True])

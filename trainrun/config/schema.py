@@ -350,7 +350,7 @@ class EngineConfig:
     auto = host on cpu, graph on cuda."""
     static_shapes: bool = True
     """Build the train graph for the exact micro-batch: the data inputs' batch dim fixed to
-    train.micro_batch_size (and, for the built-in GPT-2, the sequence dim to data.seq_len), so
+    train.micro_batch_size (and, for the built-in GPT-2, Llama and BERT, the sequence dim to data.seq_len), so
     the gradient builder emits reductions over fixed axes and onnxruntime plans memory statically.
     Changing either size later re-prepares the graphs. Eval and exported graphs keep symbolic dims."""
     pad_products: str = opt("auto", choices=["auto", "always", "never"])

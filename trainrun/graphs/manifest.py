@@ -60,15 +60,17 @@ DEFAULT_BUILD = {"deterministic": False, "stats_tensors": [], "static_shape": No
                  "recompute": "none", "pad_products": False, "fuse": False}
 
 
-def fix_dims(model: onnx.ModelProto, inputs: list[str], micro_batch: int, seq_len: int | None) -> onnx.ModelProto:
+def fix_dims(model: onnx.ModelProto, inputs: list[str], micro_batch: int, seq_len: int | None,
+             sequences=True) -> onnx.ModelProto:
     """Fix, in place, the symbolic dims of ``model``'s data ``inputs``: dim 0 (the batch) to
-    ``micro_batch``, dim 1 to ``seq_len`` when given; dims of the same names elsewhere (labels,
-    outputs) too. Returns ``model``."""
+    ``micro_batch``, dim 1 to ``seq_len`` when given, of every input (``sequences`` True) or of those
+    named in ``sequences``; dims of the same names elsewhere (labels, outputs) too. Returns ``model``."""
     sizes: dict[str, int] = {}
     for vi in model.graph.input:
         if vi.name in inputs:
             dims = vi.type.tensor_type.shape.dim
-            for i, size in ((0, micro_batch), (1, seq_len)):
+            along = seq_len if sequences is True or vi.name in (sequences or ()) else None
+            for i, size in ((0, micro_batch), (1, along)):
                 if size is not None and len(dims) > i and dims[i].dim_param:
                     sizes.setdefault(dims[i].dim_param, size)
     for vi in list(model.graph.input) + list(model.graph.output):
@@ -103,7 +105,7 @@ def loss_graph(cfg: Config, fwd, build: dict) -> tuple[onnx.ModelProto, dict | N
     static = build["static_shape"]
     if static:
         family = registry.of(cfg.model)
-        fix_dims(loss_model, fwd.inputs, static[0], static[1] if family and family.sequence_inputs else None)
+        fix_dims(loss_model, fwd.inputs, static[0], static[1], family.sequence_inputs if family else False)
     return loss_model, dropout
 
 

@@ -402,7 +402,7 @@ def with_task(task: str, num_labels: int) -> Family:
 
 FAMILY = register(Family(
     name="bert", section=BertConfig, build=build_bert, init_weights=init_weights, param_specs=param_specs,
-    inputs=tuple(INPUTS), logits=LOGITS, loss=LOSS, sequence_inputs=False,
+    inputs=tuple(INPUTS), logits=LOGITS, loss=LOSS, sequence_inputs=tuple(CLS_INPUTS),
     layers_above=layers_above,
     sample_batch=lambda cfg, rng: sample_inputs(cfg, 4, 16, 3, rng),
     inference=lambda cfg: build_bert(cfg, {}, inference=True),

@@ -64,8 +64,9 @@ class Family:
     loss: Optional[str] = None
     """An output that already is the scalar loss; None: cross-entropy of the logits (classes last)
     against ``model.loss.labels``."""
-    sequence_inputs: bool = True
-    """Dim 1 of every data input is the sequence: ``engine.static_shapes`` fixes it to data.seq_len."""
+    sequence_inputs: bool | tuple = True
+    """Dim 1 of every data input is the sequence (True), or of the inputs named (BERT's input_ids,
+    segment_ids and input_mask, not its masked_lm_positions): ``engine.static_shapes`` fixes it to data.seq_len."""
     sample_batch: Optional[Callable[[Any, Any], dict]] = None
     """(section, numpy Generator) -> a valid batch of the eval graph's inputs (export's check); None:
     each integer input drawn below the vocabulary."""

@@ -15,8 +15,8 @@ on stock onnxruntime (``graphs.builder: trainrun``, :func:`trainrun.graphs.gradi
 * :mod:`.selection`      Gather along other axes, GatherElements, GatherND, ReduceMax ReduceMin, TopK,
                          ScatterElements ScatterND
 * :mod:`.losses`         SoftmaxCrossEntropyLoss NegativeLogLikelihoodLoss
-* :mod:`.patterns`       subgraphs differentiated as one (the tanh-GELU written with a Sigmoid, SiLU,
-                         attention's Softmax and the product that reads it)
+* :mod:`.patterns`       subgraphs differentiated as one (the tanh-GELU written with a Sigmoid, the erf
+                         GELU written out, SiLU, attention's Softmax and the product that reads it)
 * :mod:`.conv`           Conv ConvTranspose MaxPool AveragePool LpPool GlobalAveragePool GlobalMaxPool
                          GlobalLpPool (1-, 2- and 3-D windows) BatchNormalization (training and inference forms)
 * :mod:`.resize`         Resize

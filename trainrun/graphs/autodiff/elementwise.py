@@ -141,27 +141,29 @@ def _leaky_relu(s: Step):
 
 @gradient("Gelu")
 def _gelu(s: Step):
-    """none: Phi(x) + x phi(x); tanh: with u = c (x + 0.044715 x^3), 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) u'."""
+    """none: Phi(x) + x phi(x) = 0.5 (1 + erf(u)) + u exp(ln(1 / sqrt pi) - u^2) with u = x / sqrt 2 (ten
+    passes); tanh: 0.5 (1 + tanh(w)) = Sigmoid(2 w), so with z = x (a + b x^2), a = 2 sqrt(2 / pi),
+    b = 0.044715 a, and s = Sigmoid(z): s (1 + (x - x s) (a + 3 b x^2)) (thirteen): the forms of
+    :mod:`.patterns`, the forward's values recomputed."""
     x = s.x[0]
     approximate = s.attr("approximate", b"none")
     approximate = approximate.decode() if isinstance(approximate, bytes) else approximate
-    half = s.const(0.5, like=x)
+
+    def f(value):
+        return s.const(value, like=x)
     if approximate == "tanh":
-        c = math.sqrt(2 / math.pi)
+        a = 2 * math.sqrt(2 / math.pi)
+        b = 0.044715 * a
         x2 = s.op("Mul", [x, x])
-        u = s.op("Mul", [s.op("Mul", [x, s.const(c, like=x)]),
-                         s.op("Add", [s.const(1.0, like=x), s.op("Mul", [x2, s.const(0.044715, like=x)])])])
-        du = s.op("Add", [s.const(c, like=x), s.op("Mul", [x2, s.const(3 * 0.044715 * c, like=x)])])
-        t = s.op("Tanh", [u])
-        sech2 = s.op("Sub", [s.const(1.0, like=x), s.op("Mul", [t, t])])
-        local = s.op("Add", [s.op("Mul", [half, s.op("Add", [s.const(1.0, like=x), t])]),
-                             s.op("Mul", [s.op("Mul", [half, x]), s.op("Mul", [sech2, du])])])
+        sig = s.op("Sigmoid", [s.op("Mul", [x, s.op("Add", [s.op("Mul", [x2, f(b)]), f(a)])])])
+        slope = s.op("Add", [s.op("Mul", [x2, f(3 * b)]), f(a)])
+        inner = s.op("Add", [s.op("Mul", [s.op("Sub", [x, s.op("Mul", [x, sig])]), slope]), f(1.0)])
+        local = s.op("Mul", [inner, sig])
     else:
-        cdf = s.op("Mul", [half, s.op("Add", [s.const(1.0, like=x),
-                                              s.op("Erf", [s.op("Mul", [x, s.const(1 / math.sqrt(2), like=x)])])])])
-        pdf = s.op("Mul", [s.const(1 / math.sqrt(2 * math.pi), like=x),
-                           s.op("Exp", [s.op("Mul", [s.op("Mul", [x, x]), s.const(-0.5, like=x)])])])
-        local = s.op("Add", [cdf, s.op("Mul", [x, pdf])])
+        u = s.op("Mul", [x, f(1 / math.sqrt(2))])
+        half = s.op("Mul", [s.op("Add", [s.op("Erf", [u]), f(1.0)]), f(0.5)])
+        bell = s.op("Exp", [s.op("Sub", [f(math.log(1 / math.sqrt(math.pi))), s.op("Mul", [u, u])])])
+        local = s.op("Add", [half, s.op("Mul", [u, bell])])
     return [s.op("Mul", [s.dy[0], local])]
 
 

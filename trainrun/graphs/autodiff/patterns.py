@@ -13,9 +13,19 @@ transformer): node by node dS = P (dP - sum(dP P)), the sum over a [.., T, T] pr
 sum_j dP_ij P_ij = sum_j (sum_d dO_id V_jd) P_ij = sum_d dO_id O_id, a sum over [.., T, head] (FlashAttention's
 identity): one pass over the [T, T] scores less, the same value up to float32 reordering.
 
+The erf GELU written out, k y (1 + erf(c y)) (BERT's: u = y c, e = Erf(u), h = (e + 1) k, act = y h; torch's
+export: act = (y (e + 1)) k, u = y / sqrt 2): node by node about ten passes (each Mul's two gradients, Erf's
+exp(-u^2) in four, a Sum of y's two contributions); as one, d act / d y = k (1 + e) + (2 k / sqrt pi) u
+exp(-u^2), with u and (where the forward has it) h = k (1 + e) read from the forward and the constant in the
+exponent, exp(ln(2 k / sqrt pi) - u^2): dy = dact * (h + u * Exp(ln(2 k / sqrt pi) - u * u)), six passes (seven
+in torch's form, whose k (1 + e) the forward never writes: dact k (e + 1 + u Exp(ln(2 / sqrt pi) - u u))).
+Only where u, e, e + 1 and the product between feed nothing else.
+
 SiLU written as act = x * Sigmoid(x) (torch's nn.SiLU exported; EfficientNet's every activation): node by
 node dx = dy s + (dy x) s (1 - s), six passes; as one, dx = dy s (1 + x - act), four. Only where s feeds
 nothing else."""
+
+import math
 
 from .core import PATTERNS, RULES, Step
 
@@ -77,6 +87,67 @@ def _gelu_rule(y, y2, s, a, b):
 
 
 PATTERNS.append(_gelu)
+
+
+def _erf_gelu(nodes, consumers, emit):
+    producer, found = emit.producer, []
+
+    def plain(n, op):
+        return n is not None and n.op_type == op and n.domain in ("", "ai.onnx") and len(n.input) == 2
+
+    def scalar(name):
+        v = emit.values.get(name)
+        return float(v.reshape(-1)[0]) if v is not None and v.size == 1 and v.ndim == 0 else None
+
+    def only(name):
+        """The one node that reads ``name`` (None if several, or it is a graph output)."""
+        readers = consumers.get(name, [])
+        return readers[0] if len(readers) == 1 and name not in emit.graph_outputs else None
+
+    def times_scalar(n):
+        """(the other input, the scalar) of a Mul of a tensor by a scalar constant, else (None, None)."""
+        if not plain(n, "Mul"):
+            return None, None
+        k = next((scalar(i) for i in n.input if scalar(i) is not None), None)
+        return (None, None) if k is None else (_other(n, next(i for i in n.input if scalar(i) is not None)), k)
+    for erf in nodes:
+        if erf.op_type != "Erf" or erf.domain not in ("", "ai.onnx"):
+            continue
+        u = erf.input[0]
+        scale = producer.get(u)
+        y, c = times_scalar(scale)
+        if y is None and plain(scale, "Div") and scalar(scale.input[1]):
+            y, c = scale.input[0], 1.0 / scalar(scale.input[1])
+        add = only(erf.output[0])
+        if y is None or not c or only(u) is not erf or not plain(add, "Add") \
+                or sorted(scalar(i) is not None and scalar(i) == 1.0 for i in add.input) != [False, True]:
+            continue
+        p = add.output[0]
+        mid = only(p)
+        x, k = times_scalar(mid)
+        if x == p:                                  # h = (e + 1) k, act = y h
+            act = only(mid.output[0])
+            if plain(act, "Mul") and _other(act, mid.output[0]) == y and k > 0:
+                found.append((act, [scale, erf, add, mid], _erf_gelu_rule(y, u, mid.output[0], 2 * k, None)))
+        elif plain(mid, "Mul") and _other(mid, p) == y:     # q = y (e + 1), act = q k
+            act = only(mid.output[0])
+            _, k = times_scalar(act)
+            if k is not None:
+                found.append((act, [scale, erf, add, mid], _erf_gelu_rule(y, u, p, 2.0, k)))
+    return found
+
+
+def _erf_gelu_rule(y, u, local, lead, k):
+    """dy = dact (local + u Exp(ln(lead / sqrt pi) - u^2)), times ``k`` unless None."""
+    def rule(step: Step):
+        bell = step.op("Exp", [step.op("Sub", [step.const(math.log(lead / math.sqrt(math.pi)), like=y),
+                                               step.op("Mul", [u, u])])])
+        dy = step.op("Mul", [step.dy[0], step.op("Add", [local, step.op("Mul", [u, bell])])])
+        return {y: dy if k is None else step.op("Mul", [dy, step.const(k, like=y)])}
+    return rule
+
+
+PATTERNS.append(_erf_gelu)
 
 
 def _silu(nodes, consumers, emit):
