@@ -218,6 +218,11 @@ def machine() -> dict:
             .stdout.split("\n")[0].split(":")[-1].strip()
     except OSError:
         versions["mpich"] = None
+    try:            # which onnxruntime: the training build (its gradient builder) or stock
+        from onnxruntime.capi._pybind_state import GradientGraphBuilder  # noqa: F401
+        versions["onnxruntime_build"] = "onnxruntime-training"
+    except ImportError:
+        versions["onnxruntime_build"] = "stock onnxruntime" if versions.get("onnxruntime") else None
     info["versions"] = versions
     return info
 

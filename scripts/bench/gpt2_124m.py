@@ -10,8 +10,10 @@ in rounds that rotate their order so that a shared machine's load hits all alike
 * trainrun (this checkout) with ``distributed.zero_stage`` 0 and 1; where this checkout's config has
   ``distributed.intra_node``, each stage with ``intra_node=shared`` and ``=mpi``;
 * trainrun at an older commit (``BEFORE``, before ZeRO-1 and ``phase_ms``): that commit's ``trainrun`` package and
-  configs/gpt2-tiny.yaml (``git archive`` into the work folder), run with this venv through
-  scripts/bench/trainrun_rank.py ``--code``; its graphs prepared by its own ``trainrun prepare``;
+  configs/gpt2-tiny.yaml (``git archive`` into the work folder), run through scripts/bench/trainrun_rank.py
+  ``--code``; its graphs prepared by its own ``trainrun prepare``. That commit knew only onnxruntime-training's
+  gradient builder, so where this venv has stock onnxruntime it runs from .venv-training (``make
+  setup-training``: onnxruntime-training 1.19.2, the runtime it was measured on) with that venv's mpirun;
 * PyTorch DDP (scripts/bench/torch_train.py: transformers GPT-2, gloo) on the same data and initial weights.
 
 Every trainrun run is ``mpirun -np 2 trainrun --config configs/gpt2-tiny.yaml --set ...`` (common.run_sets,
@@ -48,6 +50,20 @@ SECTION = "gpt2-124m"
 BEFORE = "315f1e2"       # an older commit: before ZeRO-1, phase_ms, ...
 HERE = common.HERE
 PY = sys.executable
+TRAINING_BIN = common.ROOT / ".venv-training" / "bin"
+
+
+def before_bin() -> Path:
+    """The bin folder whose python and mpirun run the ``BEFORE`` commit: this venv's where its onnxruntime is the
+    training build, else .venv-training's (that commit prepares its graphs with onnxruntime-training's builder)."""
+    try:
+        from onnxruntime.capi._pybind_state import GradientGraphBuilder  # noqa: F401
+        return common.BIN
+    except ImportError:
+        if not (TRAINING_BIN / "python").exists():
+            raise SystemExit(f"{SECTION}: trainrun at {BEFORE} needs onnxruntime-training's builder, which this venv "
+                             f"lacks, and {TRAINING_BIN} is missing: make setup-training")
+        return TRAINING_BIN
 GRAD_BYTES = 4           # float32 gradients, parameters and AdamW moments
 
 
@@ -133,7 +149,8 @@ class Section:
         if code is None or not (d / "graphs" / "manifest.json").exists():
             shutil.rmtree(d, ignore_errors=True)
             config = (code or common.ROOT) / "configs" / "gpt2-tiny.yaml"
-            cmd = [PY, str(HERE / "trainrun_rank.py")] + (["--code", str(code)] if code else []) + \
+            py = str(before_bin() / "python") if code else PY
+            cmd = [py, str(HERE / "trainrun_rank.py")] + (["--code", str(code)] if code else []) + \
                 ["--", "prepare"] + self.trainrun_argv(d, config)
             self.suite.say(f"{SECTION}: preparing the graphs with the {version} code")
             self.suite.sh(f"{SECTION}-prepare-{version}", cmd, timeout=900)
@@ -147,15 +164,18 @@ class Section:
         shutil.copytree(graphs, d / "graphs")
         config = (code or common.ROOT) / "configs" / "gpt2-tiny.yaml"
         argv = self.trainrun_argv(d, config, extra)
-        wrapper = [PY, str(HERE / "trainrun_rank.py"), "--rss-dir", str(d), "--phases"] + \
-            (["--code", str(code)] if code else [])
-        info = self.suite.sh(f"{SECTION}-{tag}", [str(common.BIN / "mpirun"), "-np", str(self.ranks)] + wrapper +
+        bin_ = before_bin() if code else common.BIN
+        wrapper = [str(bin_ / "python") if code else PY, str(HERE / "trainrun_rank.py"), "--rss-dir", str(d),
+                   "--phases"] + (["--code", str(code)] if code else [])
+        info = self.suite.sh(f"{SECTION}-{tag}", [str(bin_ / "mpirun"), "-np", str(self.ranks)] + wrapper +
                              ["--"] + argv, timeout=600)
         shown = f"mpirun -np {self.ranks} trainrun " + " ".join(
             str(Path(a).relative_to(common.ROOT)) if a.startswith(str(common.ROOT) + "/") and
             not a.startswith(str(self.suite.work)) else a for a in argv)
         if code:
             shown = f"PYTHONPATH={code} " + shown
+            if bin_ != common.BIN:
+                shown = shown.replace("mpirun", str(bin_.relative_to(common.ROOT) / "mpirun"), 1)
         out = {"cmd": shown.replace(str(self.suite.work), "WORK"), **info}
         log = self.suite.logs / f"{SECTION}-{tag}.log"
         out["reprepared"] = "preparing graphs in" in log.read_text(errors="replace") if log.exists() else None

@@ -442,7 +442,7 @@ def render(R) -> str:
     la = [x[1] for x in R.get("load", [])]
     out.append(f"Last `make bench`: mode {R.get('mode')}, started {R.get('started')}, took {R.get('duration_s', '?')} s; "
                f"{m.get('cpu')} ({m.get('hypervisor', '?')} guest), {m.get('cores')} cores, {m.get('memory_gb')} GB; "
-               f"onnxruntime-training {v.get('onnxruntime')}, torch {v.get('torch')}, transformers "
+               f"{v.get('onnxruntime_build') or 'onnxruntime'} {v.get('onnxruntime')}, torch {v.get('torch')}, transformers "
                f"{v.get('transformers')}, MPICH {v.get('mpich')}"
                + (f"; 1-minute load average {min(la):.1f}–{max(la):.1f}. Rounds alternate the setups so that a shared "
                   "machine's load hits them alike." if la else ".") + "\n")

@@ -35,13 +35,11 @@ def _runner():
     """trainrun's runner module: this checkout's trainrun/run/runner.py, or an older commit's (``--code``)
     runner, at the top of the package before the modules were packages."""
     import importlib
-    for name in ("run.runner", "runner"):
-        try:
-            return importlib.import_module(f"trainrun.{name}")
-        except ModuleNotFoundError as e:
-            if e.name not in (f"trainrun.{name}", "trainrun.run"):
-                raise
-    raise ModuleNotFoundError("trainrun's runner")
+    import trainrun
+    # decided by the package's own folder: an editable install's finder would find this checkout's
+    # trainrun/run/ for an older package that has none
+    here = Path(trainrun.__path__[0])
+    return importlib.import_module("trainrun.run.runner" if (here / "run" / "runner.py").exists() else "trainrun.runner")
 
 
 def record_phases(path: Path) -> None:

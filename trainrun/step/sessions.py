@@ -47,6 +47,10 @@ def session_options(threads: int = 0, name: str = "", *, graph_optimization: str
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if not prepacking:
         so.add_session_config_entry("session.disable_prepacking", "1")
+    # no memory pattern: stock onnxruntime 1.32's pre-planned block held mid's micro-batch 8 at 1.66 GB peak RSS
+    # against 1.05 GB without it (onnxruntime-training 1.19.2: 1.03 GB), the same speed and losses
+    # (docs/design.md, "Static shapes and session options"); the arena serves the allocations instead
+    so.enable_mem_pattern = False
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     level = "basic" if deterministic and graph_optimization in ("extended", "all") else graph_optimization
