@@ -218,11 +218,9 @@ def machine() -> dict:
             .stdout.split("\n")[0].split(":")[-1].strip()
     except OSError:
         versions["mpich"] = None
-    try:            # which onnxruntime: the training build (its gradient builder) or stock
-        from onnxruntime.capi._pybind_state import GradientGraphBuilder  # noqa: F401
-        versions["onnxruntime_build"] = "onnxruntime-training"
-    except ImportError:
-        versions["onnxruntime_build"] = "stock onnxruntime" if versions.get("onnxruntime") else None
+    if versions.get("onnxruntime"):     # which build: the training one (its gradient builder) or stock
+        from trainrun.graphs.gradients import ort_builder_missing
+        versions["onnxruntime_build"] = "stock onnxruntime" if ort_builder_missing() else "onnxruntime-training"
     info["versions"] = versions
     return info
 

@@ -56,14 +56,12 @@ TRAINING_BIN = common.ROOT / ".venv-training" / "bin"
 def before_bin() -> Path:
     """The bin folder whose python and mpirun run the ``BEFORE`` commit: this venv's where its onnxruntime is the
     training build, else .venv-training's (that commit prepares its graphs with onnxruntime-training's builder)."""
-    try:
-        from onnxruntime.capi._pybind_state import GradientGraphBuilder  # noqa: F401
-        return common.BIN
-    except ImportError:
-        if not (TRAINING_BIN / "python").exists():
-            raise SystemExit(f"{SECTION}: trainrun at {BEFORE} needs onnxruntime-training's builder, which this venv "
-                             f"lacks, and {TRAINING_BIN} is missing: make setup-training")
-        return TRAINING_BIN
+    from trainrun.graphs.gradients import ort_builder_missing
+    missing = ort_builder_missing()
+    if missing and not (TRAINING_BIN / "python").exists():
+        raise SystemExit(f"{SECTION}: trainrun at {BEFORE} needs onnxruntime-training's builder ({missing}) and "
+                         f"{TRAINING_BIN} is missing: make setup-training")
+    return TRAINING_BIN if missing else common.BIN
 GRAD_BYTES = 4           # float32 gradients, parameters and AdamW moments
 
 
