@@ -11,6 +11,12 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# `python -m pytest` puts the checkout's root first on sys.path, where kernels/ and data_tools/ would import as
+# top-level packages: installed, they are trainrun.kernels and trainrun.data_tools. transformers >= 5.25
+# requires Hugging Face's `kernels` distribution and imports it by that name, which the checkout's kernels/
+# then shadowed (ImportError: cannot import name 'CUDAProperties' from 'kernels'). Tests import trainrun as
+# installed, so the root comes off the path before any test module is imported.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != ROOT]
 BIN = os.path.dirname(sys.executable)
 TRAINRUN = os.path.join(BIN, "trainrun")
 TRAINRUN_DATA = os.path.join(BIN, "trainrun-data")

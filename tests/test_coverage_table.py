@@ -32,7 +32,7 @@ def config_keys(cls=C.Config, prefix=""):
 
 
 def cli_options():
-    from data_tools.cli import main
+    from trainrun.data_tools.cli import main
     from trainrun.cli import cli
 
     def walk(cmd, name):

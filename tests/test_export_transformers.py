@@ -94,7 +94,10 @@ def test_gpt2_loads_in_transformers_offline_and_matches_the_onnx_export(tmp_path
     p = run([TRAINRUN, "export", run_dir, "--format", "transformers", "--output", hf_dir], check=2)
     assert "already exists" in p.stderr and sorted(os.listdir(hf_dir)) == before
 
-    p = run([sys.executable, "-c", LOAD_GPT2, hf_dir, TEXT, str(tmp_path / "logits.npy")], check=0, env=OFFLINE)
+    # from tmp_path: `python -c` puts its working directory first on sys.path, and the checkout's kernels/ would
+    # shadow the `kernels` distribution transformers imports (tests/conftest.py)
+    p = run([sys.executable, "-c", LOAD_GPT2, hf_dir, TEXT, str(tmp_path / "logits.npy")], check=0, env=OFFLINE,
+            cwd=tmp_path)
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert got["class"] == "GPT2LMHeadModel"
     tok = Tokenizer.from_file(os.path.join(bpe_dataset, "tokenizer.json"))
@@ -135,7 +138,7 @@ def test_bert_loads_as_bert_for_pretraining_and_matches_the_onnx_export(tmp_path
     batch = sample_inputs(BertConfig(**shape), 4, 32, 5, np.random.default_rng(0))
     np.savez(tmp_path / "batch.npz", **batch)
     p = run([sys.executable, "-c", LOAD_BERT, hf_dir, "x = [y]", str(tmp_path / "batch.npz"),
-             str(tmp_path / "hf.npz")], check=0, env=OFFLINE)
+             str(tmp_path / "hf.npz")], check=0, env=OFFLINE, cwd=tmp_path)     # from tmp_path: as above
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert got["class"] == "BertForPreTraining"
     tok = Tokenizer.from_file(os.path.join(data, "tokenizer.json"))
