@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))     # after site-packages: tests/conftest.py
 from trainrun.comm import detect_world, make_communicator  # noqa: E402
 
 

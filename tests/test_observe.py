@@ -461,9 +461,10 @@ def test_mfu_in_log_lines_and_summary(twin_runs):
 
 def test_flops_of_convolutions_and_products():
     """The forward FLOPs of Conv (groups, strides), ConvTranspose, Gemm (transposed A) and a batched MatMul
-    against the multiply-adds counted from each op's definition."""
+    against the multiply-adds counted from each op's definition; the backward's: a product once more for
+    each operand the gradient flows to (computed from a trained weight: data and frozen weights have none)."""
     from onnx import TensorProto, helper
-    from trainrun.observe.flops import forward_flops
+    from trainrun.observe.flops import backward_flops
     nodes = [helper.make_node("Conv", ["x", "w"], ["c"], strides=[2, 2], pads=[1, 1, 1, 1], group=2),
              helper.make_node("ConvTranspose", ["c", "wt"], ["t"], strides=[2, 2]),
              helper.make_node("Flatten", ["t"], ["f"]),
@@ -484,8 +485,13 @@ def test_flops_of_convolutions_and_products():
     convt = 2 * (b * 6 * 5 * 5) * (3 * 2 * 2)             # each input element through 3 x 2 x 2 weights
     gemm = 2 * (3 * 10) * 5                               # A^T [3, 5] @ [5, 10]
     matmul = 2 * (b * 3 * 7 * 8) * 6
-    assert forward_flops(model, {"x": (b, 4, 9, 9), "p": (b, 3, 7, 6)}) == conv + convt + gemm + matmul
-    assert forward_flops(model, {}) is None            # batch dims unknown: no count, no MFU
+    shapes = {"x": (b, 4, 9, 9), "p": (b, 3, 7, 6)}
+    assert backward_flops(model, shapes, ()) == conv + convt + gemm + matmul        # nothing trained: forward
+    # every weight trained: the data operands x, ft and p get no gradient; c does (computed from w)
+    assert backward_flops(model, shapes, {"w", "wt", "g", "q"}) == 2 * conv + 3 * convt + 2 * gemm + 2 * matmul
+    # w and q trained, wt and g frozen (LoRA's base): c still gets its gradient, wt and g none
+    assert backward_flops(model, shapes, {"w", "q"}) == 2 * conv + 2 * convt + gemm + 2 * matmul
+    assert backward_flops(model, {}, {"w"}) is None     # batch dims unknown: no count, no MFU
 
 
 @pytest.mark.parametrize("trans_a, batch_a", [(0, 0), (1, 0), (0, 1), (1, 1)])

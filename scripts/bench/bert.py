@@ -38,7 +38,6 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 BIN = Path(sys.executable).parent
 sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 import common  # noqa: E402
 

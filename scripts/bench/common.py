@@ -20,8 +20,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 BIN = Path(sys.executable).parent
-if str(ROOT) not in sys.path:          # trainrun importable without an install too
-    sys.path.insert(0, str(ROOT))
+if str(ROOT) not in sys.path:          # trainrun importable without an install too: last, after site-packages,
+    sys.path.append(str(ROOT))         # where the checkout's kernels/ cannot shadow the `kernels` transformers imports
 
 
 @dataclass

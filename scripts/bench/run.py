@@ -122,8 +122,9 @@ class Suite:
         print(f"[{time.perf_counter() - self.t0:6.0f}s] {text}", flush=True)
 
     def sh(self, name: str, cmd: list[str], env: dict | None = None, timeout: int = 420) -> dict:
-        full_env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-                        PYTHONPATH=str(ROOT), **(env or {}))
+        # no PYTHONPATH: the venvs hold this checkout's trainrun (editable), and the root before site-packages
+        # would shadow the `kernels` transformers imports with the checkout's kernels/ (tests/conftest.py)
+        full_env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **(env or {}))
         log = self.logs / f"{name}.log"
         meter = CpuMeter()
         load = os.getloadavg()[0]

@@ -6,11 +6,15 @@ forward graph, not from a formula of one architecture, and the peak is measured,
 
 * **Model FLOPs** (:func:`training_flops`): the multiply-adds of the forward graph's matrix products
   (MatMul, Gemm, Conv, ConvTranspose, Einsum's contractions), each 2 FLOPs, at the shapes of one micro-batch,
-  times 3 for forward and backward (the backward pass computes two products per forward product: the
-  gradients of both operands). This is the PaLM / nanoGPT convention: what the model needs, not what the
-  graphs run (a recomputed block, ``train.recompute``, is not counted twice; a frozen weight's gradient,
-  which LoRA never computes, is counted, so LoRA's MFU reads as on the full model's work). Elementwise ops
-  are not counted: on any model where MFU means something they are a few percent of the FLOPs.
+  once for the forward pass and once more for each operand whose gradient the backward pass needs: an
+  operand computed from a trained parameter (the parameter itself included). With every weight trained
+  that is 3 x the forward products, the PaLM / nanoGPT convention (``6 N`` a token) but for the first
+  products of a model whose inputs are data, whose input gradient nobody computes; with ``model.lora`` or
+  ``model.frozen`` a frozen weight's gradient is not counted, nor the backward of the layers below the
+  lowest trained parameter (counted as trained, LoRA's MFU read 116% on SmolLM2-135M). What the model
+  needs, not what the graphs run: a recomputed block, ``train.recompute``, is not counted twice.
+  Elementwise ops are not counted: on any model where MFU means something they are a few percent of the
+  FLOPs.
 * **Peak** (:func:`measured_peak`): every rank times a square float32 MatMul in onnxruntime with the
   engine's threads and execution provider (MLAS on the CPU, cuBLAS on a GPU), best of a few runs, at
   start-up, all ranks at once: so ranks that share a machine's cores, caches or memory bandwidth measure
@@ -164,33 +168,51 @@ def _product_flops(node, known: dict) -> float | None:
                          known.get(node.output[0]) if node.output else None, _attrs(node))
 
 
-def forward_flops(model, shapes: dict) -> float | None:
-    """The forward FLOPs of ``model``'s matrix products with its inputs at ``shapes`` (name -> shape);
-    None when some product's shapes cannot be inferred."""
+def gradient_flow(model, trained) -> set:
+    """The values of ``model``'s graph whose gradient a backward pass computes: the ``trained`` parameters
+    and every value computed from one (the nodes are in dependency order, as ONNX requires)."""
+    flow = set(trained)
+    for node in model.graph.node:
+        if any(x in flow for x in node.input if x):
+            flow.update(o for o in node.output if o)
+    return flow
+
+
+def backward_flops(model, shapes: dict, trained) -> float | None:
+    """The FLOPs of one forward and backward pass of ``model``'s matrix products, its inputs at ``shapes``
+    (name -> shape), the parameters named in ``trained`` trained: each product's forward FLOPs once, and once
+    more for each of its operands (an Einsum's: each one) that the gradient flows to; None when some
+    product's shapes cannot be inferred."""
     known = _inferred(_with_static_inputs(model, shapes))
+    flow = gradient_flow(model, trained)
     total = 0.0
     for node in model.graph.node:
         if node.op_type in PRODUCTS:
             flops = _product_flops(node, known)
             if flops is None:
                 return None
-            total += flops
+            operands = node.input if node.op_type == "Einsum" else node.input[:2]
+            total += flops * (1 + sum(x in flow for x in operands if x))
     return total
 
 
 def training_flops(graphs_dir: str, shapes: dict) -> float | None:
-    """Model FLOPs of one micro-batch's forward and backward pass (3 x the forward graph's products), the
-    batch's inputs at ``shapes`` (name -> shape); None where they cannot be counted."""
+    """Model FLOPs of one micro-batch's forward and backward pass (:func:`backward_flops` over the forward
+    graph, the manifest's parameters trained), the batch's inputs at ``shapes`` (name -> shape); None where
+    they cannot be counted."""
+    import json
+
     import onnx
     path = os.path.join(graphs_dir, "forward.onnx")
     if not os.path.exists(path):
         return None
     try:
         model = onnx.load(path, load_external_data=False)
+        with open(os.path.join(graphs_dir, "manifest.json")) as f:
+            trained = {p["name"] for p in json.load(f)["params"]}
     except Exception:  # noqa: BLE001 - no MFU rather than no run
         return None
-    fwd = forward_flops(model, shapes)
-    return None if fwd is None else 3.0 * fwd
+    return backward_flops(model, shapes, trained)
 
 
 def measured_peak(session, threads: int, n: int = 768, repeats: int = 2, min_s: float = 0.005) -> float:
