@@ -357,7 +357,8 @@ class EngineConfig:
     """On the CPU, pad a matrix product of the train graph whose contraction is a multiple of 1024 float32
     (rows 4 KiB apart: every weight gradient of a 1024-token micro-batch, GPT-2's MLP projection) by 16
     zeros, when its result is large enough to repay the copies (needs static_shapes; the same values):
-    auto = on AMD processors, where such products are slower, and not elsewhere; always = on any
+    auto = on AMD processors with AVX-512 (Zen 4 and later), where such products are slower, and not
+    elsewhere (Intel, AMD Zen 3); always = on any
     processor; never. Baked into the train graph."""
 
 

@@ -9,8 +9,10 @@ token count), GPT-2's MLP projection (K = 3072 = 3 x 1024).
 
 :func:`pad_contractions` pads K with 16 zeros (one cache line) on both operands of such a product: the
 rows then fall into successive sets. The padded terms are exact zeros, so the product keeps its value.
-It is a property of the processor (measured on AMD's, not on an Intel Xeon), so ``engine.pad_products:
-auto`` pads on AMD processors only (:func:`wanted`). The two copies cost less than the product gains once
+It is a property of the processor and of the kernel MLAS picks for it: measured on AMD's with AVX-512
+(Zen 4), not on an Intel Xeon nor on an AMD Zen 3 (AVX2: K = 1024 as fast as 1008 and 1040, where the padding
+cost a 3M GPT-2's step 2-6%), so ``engine.pad_products: auto`` pads on AMD processors with AVX-512 only
+(:func:`wanted`). The two copies cost less than the product gains once
 M*N/(M+N) >= 128 (rows and columns of the result), so smaller products are left alone. Only float32 MatMul, Gemm and
 FusedMatMul of a left operand read as rows (not transposed; leading dims flattened into M) and a matrix,
 every dim known: graphs with static shapes. Batched products (attention's) are left alone: a padded copy of
@@ -32,24 +34,31 @@ MIN_SIZE = 128    # M*N/(M+N) at or above which padding pays
 
 
 def wanted(setting: str, device: str) -> bool:
-    """Whether ``prepare`` pads (``engine.pad_products``): never on a GPU; ``auto`` on AMD processors, where
-    the slowdown shows (docs/design.md, "Rows 4 KiB apart in CPU products")."""
+    """Whether ``prepare`` pads (``engine.pad_products``): never on a GPU; ``auto`` on AMD processors with
+    AVX-512, where the slowdown shows (docs/design.md, "Rows 4 KiB apart in CPU products")."""
     if device != "cpu" or setting == "never":
         return False
-    return setting == "always" or cpu_vendor() == "AuthenticAMD"
+    vendor, flags = cpu_id()
+    return setting == "always" or (vendor == "AuthenticAMD" and "avx512f" in flags)
 
 
 @functools.cache
-def cpu_vendor() -> str:
-    """The x86 vendor id of this machine's processor ('AuthenticAMD', 'GenuineIntel'), '' if unknown."""
+def cpu_id() -> tuple[str, frozenset]:
+    """The x86 vendor id of this machine's processor ('AuthenticAMD', 'GenuineIntel'; '' if unknown) and its
+    feature flags."""
+    vendor, flags = "", frozenset()
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
+                if line.startswith("vendor_id") and not vendor:
+                    vendor = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = frozenset(line.split(":", 1)[1].split())
+                if vendor and flags:
+                    break
     except OSError:
         pass
-    return ""
+    return vendor, flags
 
 
 def _shapes(model: onnx.ModelProto) -> dict[str, tuple[int, list]]:
