@@ -196,20 +196,16 @@ def backward_flops(model, shapes: dict, trained) -> float | None:
     return total
 
 
-def training_flops(graphs_dir: str, shapes: dict) -> float | None:
+def training_flops(graphs_dir: str, shapes: dict, trained) -> float | None:
     """Model FLOPs of one micro-batch's forward and backward pass (:func:`backward_flops` over the forward
-    graph, the manifest's parameters trained), the batch's inputs at ``shapes`` (name -> shape); None where
-    they cannot be counted."""
-    import json
-
+    graph, the parameters named in ``trained`` trained), the batch's inputs at ``shapes`` (name -> shape);
+    None where they cannot be counted."""
     import onnx
     path = os.path.join(graphs_dir, "forward.onnx")
     if not os.path.exists(path):
         return None
     try:
         model = onnx.load(path, load_external_data=False)
-        with open(os.path.join(graphs_dir, "manifest.json")) as f:
-            trained = {p["name"] for p in json.load(f)["params"]}
     except Exception:  # noqa: BLE001 - no MFU rather than no run
         return None
     return backward_flops(model, shapes, trained)
@@ -263,7 +259,7 @@ class Utilisation:
 
     def __init__(self, engine, comm, threads: int, accum: int):
         shapes = {name: buf.shape for name, buf in engine.batch.items()}
-        micro = training_flops(engine.dir, shapes)
+        micro = training_flops(engine.dir, shapes, {p["name"] for p in engine.manifest["params"]})
         self.step_flops = None if micro is None else micro * accum * comm.world_size
         self.rank_peak = measured_peak(engine.train_s.sessions[0], threads)
         self.peak = comm.allreduce_scalars([self.rank_peak])[0]
